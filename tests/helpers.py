@@ -1,0 +1,72 @@
+"""Tiny random checkpoints built with transformers and turned into installs by the real repack."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from turbo.repack import repack
+
+
+def tiny_tokenizer(vocab: int):
+    """A byte-level BPE of exactly `vocab` ids (merges of a fixed text fill the rest)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=["<|endoftext|>", "<|mask|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    text = ["def f(x):\n    return x + 1\n", "The quick brown fox jumps over the lazy dog. " * 3,
+            "12 + 34 = 46; 7 * 8 = 56\n"] * 20
+    tok.train_from_iterator(text, trainer)
+    return tok
+
+
+def hf_config(**over):
+    from transformers import Qwen3_5TextConfig
+
+    base = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
+                linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4, tie_word_embeddings=False,
+                rms_norm_eps=1e-6, max_position_embeddings=4096)
+    base.update(over)
+    return Qwen3_5TextConfig(**base)
+
+
+def randomize_(model, seed: int) -> None:
+    """Non-zero norm weights, A_log and dt_bias, so every term of the math is exercised."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if "linear_attn.norm" in name else 0.0))
+            elif name.endswith("A_log"):
+                p.copy_(torch.rand(p.shape, generator=g) * 2.0 - 1.0)
+            elif name.endswith("dt_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.08)
+
+
+def make_checkpoint(directory: Path, seed: int = 0, **over):
+    """A Qwen3_5ForCausalLM with random weights saved as an HF checkpoint; returns the model."""
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = hf_config(**over)
+    model = Qwen3_5ForCausalLM(cfg).float().eval()
+    randomize_(model, seed)
+    model.save_pretrained(directory)
+    tiny_tokenizer(cfg.vocab_size).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return model
+
+
+def make_install(tmp: Path, seed: int = 0, drafter: Path | None = None, **over):
+    src = tmp / f"hf{seed}"
+    model = make_checkpoint(src, seed, **over)
+    out = repack(src, tmp / f"install{seed}", drafter=drafter, quiet=True)
+    return model, out

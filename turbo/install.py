@@ -1,0 +1,231 @@
+"""An install directory and its resident index (DESIGN 4).
+
+The index is a view over the safetensors headers, built without reading tensor data:
+what an install carries (drafter, MTP head, vision tower) is read off it, never off a
+manifest flag, so nothing can disagree with the bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .arch import Arch, arch_from_config, read_config_json
+from .errors import TurboError
+
+# The reference engine's dtype numbering.
+DTYPE_CODES = {"BF16": 1, "F16": 2, "F32": 3}
+TORCH_DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
+CODE_NAMES = {1: "bf16", 2: "f16", 3: "f32", 4: "int4", 5: "int8", 15: "int1", 16: "int2"}
+ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "U32": 4, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1}
+
+BUNDLED_DIR = Path(__file__).parent / "installs"
+DRAFTER_DIR = "dflash"
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class Entry:
+    name: str
+    dtype: int
+    shape: tuple[int, int, int, int]  # absent dims are 0: a rank-1 [n] reads (n, 0, 0, 0)
+    file: Path
+    offset: int  # absolute byte offset of the data in `file`
+    size_bytes: int
+    st_dtype: str  # the safetensors dtype string the bytes are stored as
+    dims: tuple[int, ...]  # the true shape
+    scale_offset: int = 0
+    scale_size: int = 0
+    bias_offset: int = 0
+    bias_size: int = 0
+
+
+def shape4(dims: tuple[int, ...], name: str) -> tuple[int, int, int, int]:
+    if len(dims) > 4:
+        raise TurboError(f"{name} has rank {len(dims)}, expected at most 4")
+    return tuple(list(dims) + [0] * (4 - len(dims)))  # type: ignore[return-value]
+
+
+def read_header(path: Path) -> tuple[dict, int]:
+    """A safetensors header and the absolute offset where its data section starts."""
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            raw = f.read(8)
+            if len(raw) < 8:
+                raise TurboError(f"{path}: truncated safetensors file (no header length)")
+            (n,) = struct.unpack("<Q", raw)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise TurboError(f"{path}: truncated or corrupt safetensors header ({n} header bytes, file is {size})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise TurboError(f"{path}: cannot read ({e.strerror})") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise TurboError(f"{path}: corrupt safetensors header (not JSON)") from None
+    if not isinstance(header, dict):
+        raise TurboError(f"{path}: corrupt safetensors header")
+    data_start = 8 + n
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            begin, end = meta["data_offsets"]
+            dims = meta["shape"]
+            dtype = meta["dtype"]
+        except (KeyError, TypeError, ValueError):
+            raise TurboError(f"{path}: corrupt header entry for {name}") from None
+        if data_start + end > size:
+            raise TurboError(
+                f"{path}: truncated safetensors file: {name} ends at byte {data_start + end}, the file has {size}"
+            )
+        count = 1
+        for d in dims:
+            count *= d
+        if dtype in ELEMENT_BYTES and count * ELEMENT_BYTES[dtype] != end - begin:
+            raise TurboError(f"{path}: {name} has {end - begin} bytes, expected {count * ELEMENT_BYTES[dtype]} for {dtype}{dims}")
+    return header, data_start
+
+
+def safetensors_files(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, KeyError, json.JSONDecodeError):
+            raise TurboError(f"{index}: not a safetensors index (expected a 'weight_map')") from None
+        return [directory / f for f in sorted(set(weight_map.values()))]
+    return sorted(directory.glob("*.safetensors"))
+
+
+class ResidentIndex:
+    """name -> Entry over every safetensors file of an install (drafter included)."""
+
+    def __init__(self, files: list[Path]):
+        self.entries: dict[str, Entry] = {}
+        for path in files:
+            if not path.is_file():
+                raise TurboError(f"{path}: missing (listed by the install)")
+            header, data_start = read_header(path)
+            for name, meta in header.items():
+                if name == "__metadata__":
+                    continue
+                self._add(name, meta, path, data_start)
+        self._attach_quant_companions()
+
+    def _add(self, name: str, meta: dict, path: Path, data_start: int) -> None:
+        begin, end = meta["data_offsets"]
+        dims = tuple(meta["shape"])
+        st = meta["dtype"]
+        code = DTYPE_CODES.get(st, 0)  # 0: raw storage (packed quantized payloads, scales)
+        self.entries[name] = Entry(name, code, shape4(dims, name), path, data_start + begin, end - begin, st, dims)
+
+    def _attach_quant_companions(self) -> None:
+        """Quantized installs (issue 8) record their code in the file metadata; nothing to do here yet."""
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def get(self, name: str) -> Entry | None:
+        return self.entries.get(name)
+
+    def need(self, name: str) -> Entry:
+        entry = self.entries.get(name)
+        if entry is None:
+            raise TurboError(f"missing tensor {name} (not in the install's resident index)")
+        return entry
+
+    def has_prefix(self, prefix: str) -> bool:
+        return any(n.startswith(prefix) for n in self.entries)
+
+    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Read one tensor's bytes (and only those) from its file."""
+        e = self.need(name)
+        torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
+                       "I8": torch.int8, "U32": torch.int32, "I32": torch.int32, "I64": torch.int64,
+                       "F64": torch.float64}.get(e.st_dtype)
+        if torch_dtype is None:
+            raise TurboError(f"{name}: stored as {e.st_dtype}, expected one of BF16, F16, F32")
+        with e.file.open("rb") as f:
+            f.seek(e.offset)
+            data = f.read(e.size_bytes)
+        if len(data) != e.size_bytes:
+            raise TurboError(f"{e.file}: truncated while reading {name}")
+        t = torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(e.dims) if data else torch.empty(e.dims, dtype=torch_dtype)
+        return t.to(dtype) if dtype is not None else t
+
+
+def install_has_dflash(index: ResidentIndex) -> bool:
+    return "dflash.fc.weight" in index
+
+
+def install_has_mtp(index: ResidentIndex) -> bool:
+    return "mtp.fc.weight" in index
+
+
+def install_has_vision(index: ResidentIndex) -> bool:
+    return index.has_prefix("vision.")
+
+
+@dataclass
+class Install:
+    path: Path
+    name: str
+    config: dict
+    arch: Arch
+    index: ResidentIndex
+    drafter_config: dict | None
+
+    @property
+    def has_dflash(self) -> bool:
+        return install_has_dflash(self.index)
+
+    @property
+    def has_mtp(self) -> bool:
+        return install_has_mtp(self.index)
+
+    @property
+    def has_vision(self) -> bool:
+        return install_has_vision(self.index)
+
+
+def bundled_names() -> list[str]:
+    if not BUNDLED_DIR.is_dir():
+        return []
+    return sorted(p.name for p in BUNDLED_DIR.iterdir() if (p / "config.json").is_file())
+
+
+def resolve(path_or_name: str | Path) -> Path:
+    """A directory, or the name of an install shipped inside the package."""
+    p = Path(path_or_name).expanduser()
+    if p.is_dir():
+        return p
+    if isinstance(path_or_name, str) and "/" not in path_or_name and (BUNDLED_DIR / path_or_name).is_dir():
+        return BUNDLED_DIR / path_or_name
+    shipped = ", ".join(bundled_names()) or "none"
+    raise TurboError(f"install {str(path_or_name)!r}: no such directory (expected an install directory or a shipped name: {shipped})")
+
+
+def open_install(path_or_name: str | Path) -> Install:
+    root = resolve(path_or_name)
+    config = read_config_json(root / "config.json")
+    arch = arch_from_config(config, str(root / "config.json"))
+    files = safetensors_files(root)
+    if not files:
+        raise TurboError(f"{root}: no model.safetensors (expected the install's weights)")
+    drafter_config = None
+    drafter_dir = root / DRAFTER_DIR
+    if drafter_dir.is_dir():
+        drafter_config = read_config_json(drafter_dir / "config.json")
+        drafter_files = safetensors_files(drafter_dir)
+        if not drafter_files:
+            raise TurboError(f"{drafter_dir}: no model.safetensors (expected the drafter's weights)")
+        files = files + drafter_files
+    index = ResidentIndex(files)
+    if not index.has_prefix("trunk."):
+        raise TurboError(f"{root}: no trunk.* tensors (expected an install made by python -m turbo.repack)")
+    name = str(path_or_name) if not Path(str(path_or_name)).is_dir() else root.name
+    return Install(root, name, config, arch, index, drafter_config)

@@ -1,0 +1,189 @@
+"""The trunk's and drafter's math as plain torch functions (DESIGN 2.1, 2.2).
+
+These are the CPU backend's kernels and the references the CUDA kernels are tested
+against. Functions used on the decode/verify path are *row-stable*: a row's result
+depends only on that row (and the state it reads), never on how many rows share the
+call. That is what makes speculation lossless bit for bit: the verify's B+1 rows
+compute exactly what B+1 one-token decode steps would.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# BLAS GEMM kernels work in row blocks, and a row in a partial block (or in a 1-row
+# GEMV) is summed in a different order than a row in a full block. Padding every
+# decode/verify call to whole blocks puts each row on the same micro-kernel; the block
+# that achieves this is measured per machine and weight shape by `calibrate_rows`
+# (0 means none did, and rows are then computed one call each: slower, still exact).
+ROW_BLOCK_CANDIDATES = (8, 16, 32)
+_row_block: dict[tuple[int, int, torch.dtype], int] = {}
+
+
+def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
+    rows = x.shape[0]
+    target = max(block, -(-rows // block) * block)
+    return x if target == rows else torch.cat([x, x.new_zeros(target - rows, x.shape[1])])
+
+
+def calibrate_rows(w: torch.Tensor, max_rows: int = 17, seed: int = 0) -> int:
+    """The smallest row block under which every row of a 1..max_rows-row call equals the
+    same row computed alone (at row 0), for this weight's shape and dtype."""
+    key = (w.shape[0], w.shape[1], w.dtype)
+    if key in _row_block:
+        return _row_block[key]
+    g = torch.Generator().manual_seed(seed)
+    xs = torch.randn(max_rows, w.shape[1], generator=g).to(w.dtype)
+    probe = torch.randn(w.shape, generator=g).to(w.dtype)
+    chosen = 0
+    for block in ROW_BLOCK_CANDIDATES:
+        alone = [F.linear(_padded(xs[i:i + 1], block), probe)[0] for i in range(max_rows)]
+        if all(torch.equal(F.linear(_padded(xs[:m], block), probe)[i], alone[i])
+               for m in range(2, max_rows + 1) for i in range(m)):
+            chosen = block
+            break
+    _row_block[key] = chosen
+    return chosen
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [R, in] @ w[out, in]^T in w's dtype, returned as fp32; row-stable for the
+    shapes `calibrate_rows` has seen (prefill-sized calls are not padded)."""
+    xw = x.to(w.dtype)
+    block = _row_block.get((w.shape[0], w.shape[1], w.dtype))
+    if block is None or x.shape[0] > 4 * ROW_BLOCK_CANDIDATES[-1]:
+        return F.linear(xw, w).float()
+    if block == 0:
+        return torch.cat([F.linear(xw[i:i + 1], w) for i in range(xw.shape[0])]).float()
+    return F.linear(_padded(xw, block), w)[:x.shape[0]].float()
+
+
+# Transcendental elementwise kernels (exp, sigmoid, silu, cos, ...) give the last ulp
+# differently in their vectorised body and their scalar tail, so an element's result
+# would depend on where its row sits in the call. `rowwise` pads rows to whole vector
+# blocks and keeps each call under ATen's parallel grain, so no element ever lands in a
+# tail or at a thread split.
+VECTOR_ALIGN = 64
+PARALLEL_GRAIN = 32768
+
+
+def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn applied to x [R, w] so that row i's result does not depend on R."""
+    rows, width = x.shape
+    padded = -(-width // VECTOR_ALIGN) * VECTOR_ALIGN
+    xp = F.pad(x, (0, padded - width)) if padded != width else x.contiguous()
+    per_call = max(1, PARALLEL_GRAIN // padded)
+    if rows <= per_call:
+        return fn(xp)[:, :width]
+    return torch.cat([fn(xp[i:i + per_call]) for i in range(0, rows, per_call)])[:, :width]
+
+
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return rowwise(F.silu, x.reshape(x.shape[0], -1)).reshape(x.shape)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return rowwise(torch.sigmoid, x.reshape(x.shape[0], -1)).reshape(x.shape)
+
+
+def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+    """Zero-centred RMSNorm; `scale` is the precomputed fp32 (1 + w)."""
+    x = x.float()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Per-head RMSNormGated: plain weight w (not 1 + w) times silu(z), fp32."""
+    o = o.float()
+    return w * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)) * silu(z.float())
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return rowwise(torch.cos, emb), rowwise(torch.sin, emb)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """NeoX rotate_half on the first cos.shape[-1] dims of x [R, heads, d]; cos [R, rot]."""
+    rot = cos.shape[-1]
+    xr, xp = x[..., :rot], x[..., rot:]
+    half = rot // 2
+    rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
+    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
+
+
+def causal_conv_rows(ext: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Depthwise causal conv over rows: ext [K-1+R, C] (window then rows), w [C, K].
+
+    Row t = sum_j w[:, j] * ext[t + j], as separate multiplies and adds so each element
+    is computed the same way whatever R is. Returns silu(conv) [R, C].
+    """
+    taps = w.shape[1]
+    rows = ext.shape[0] - (taps - 1)
+    acc = ext[0:rows] * w[:, 0]
+    for j in range(1, taps):
+        acc = acc + ext[j:j + rows] * w[:, j]
+    return silu(acc)
+
+
+def gdn_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token of the gated delta rule for all heads: state [H, dk, dv] fp32; q, k [H, dk];
+    v [H, dv]; g, beta [H]. Returns (new state, output [H, dv]). Functional: `state` is untouched."""
+    state = state * g.exp()[:, None, None]
+    kv = torch.bmm(k[:, None, :], state)[:, 0]
+    u = (v - kv) * beta[:, None]
+    state = state + k[:, :, None] * u[:, None, :]
+    return state, torch.bmm(q[:, None, :], state)[:, 0]
+
+
+def gdn_recurrence(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, keep_states: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
+    """The recurrence over R rows (q [R, H, dk] ...). Returns (outputs [R, H, dv], final
+    state, the state after every row when keep_states)."""
+    outs, states = [], [] if keep_states else None
+    for t in range(q.shape[0]):
+        state, o = gdn_step(state, q[t], k[t], v[t], g[t], beta[t])
+        outs.append(o)
+        if states is not None:
+            states.append(state)
+    return torch.stack(outs), state, states
+
+
+def gdn_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, chunk: int = 64) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same rule over a long prompt, a chunk at a time (WY form): within a chunk the
+    delta corrections solve one unit-lower-triangular system instead of T sequential
+    steps. q, k [T, H, dk], v [T, H, dv], g, beta [T, H]. Returns (outputs, final state)."""
+    q, k, v = (x.transpose(0, 1) for x in (q, k, v))
+    g, beta = g.transpose(0, 1), beta.transpose(0, 1)
+    total = q.shape[1]
+    out = torch.empty_like(v)
+    for s in range(0, total, chunk):
+        e = min(s + chunk, total)
+        n = e - s
+        qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]
+        cum = g[:, s:e].cumsum(-1)
+        lower = torch.ones(n, n, dtype=torch.bool).tril()
+        decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()
+        a = (bc[:, :, None] * decay * (kc @ kc.transpose(-1, -2))).tril(-1)
+        system = a + torch.eye(n)
+        tv = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
+        tk = torch.linalg.solve_triangular(system, (bc * cum.exp())[..., None] * kc, upper=False, unitriangular=True)
+        u = tv - tk @ state
+        out[:, s:e] = (cum.exp()[..., None] * qc) @ state + ((qc @ kc.transpose(-1, -2)) * decay) @ u
+        tail = (cum[:, -1:] - cum).exp()[..., None]
+        state = cum[:, -1].exp()[:, None, None] * state + (kc * tail).transpose(-1, -2) @ u
+    return out.transpose(0, 1), state

@@ -70,3 +70,55 @@ def make_install(tmp: Path, seed: int = 0, drafter: Path | None = None, **over):
     model = make_checkpoint(src, seed, **over)
     out = repack(src, tmp / f"install{seed}", drafter=drafter, quiet=True)
     return model, out
+
+
+def make_drafter(directory: Path, hidden: int, vocab: int, target_layers: list[int], seed: int = 0,
+                 block_size: int = 8, window: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
+                 intermediate: int = 96, rank: int = 8, top_k: int = 16, **config_over) -> Path:
+    """A random DFlash2 drafter in the published layout (unprefixed names)."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+    taps, group = 2, 16
+
+    def r(*shape, s=0.1):
+        return (torch.randn(shape, generator=g) * s).contiguous()
+
+    t = {"fc.weight": r(hidden, len(target_layers) * hidden), "hidden_norm.weight": r(hidden),
+         "norm.weight": r(hidden), "candidate_selector.hidden_projection.weight": r(rank, hidden),
+         "candidate_selector.predecessor_codebook": r(vocab, rank, s=0.5),
+         "candidate_selector.successor_codebook": r(vocab, rank, s=0.5)}
+    for l in range(5):
+        p = f"layers.{l}."
+        t |= {p + "input_layernorm.weight": r(hidden), p + "post_attention_layernorm.weight": r(hidden),
+              p + "self_attn.q_proj.weight": r(heads * head_dim, hidden),
+              p + "self_attn.k_proj.weight": r(kv_heads * head_dim, hidden),
+              p + "self_attn.v_proj.weight": r(kv_heads * head_dim, hidden),
+              p + "self_attn.o_proj.weight": r(hidden, heads * head_dim),
+              p + "self_attn.q_norm.weight": r(head_dim), p + "self_attn.k_norm.weight": r(head_dim),
+              p + "mlp.gate_proj.weight": r(intermediate, hidden), p + "mlp.up_proj.weight": r(intermediate, hidden),
+              p + "mlp.down_proj.weight": r(hidden, intermediate)}
+        for stem in ("attention_conv", "mlp_conv"):
+            t[p + f"{stem}.kernel_projection.weight"] = r(2 * taps * (hidden // group), hidden)
+            t[p + f"{stem}.base_kernel"] = r(2, taps, hidden, s=0.5)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(t, str(directory / "model.safetensors"))
+    config = {"architectures": ["DFlash2DraftModel"], "hidden_size": hidden, "num_hidden_layers": 5,
+              "num_attention_heads": heads, "num_key_value_heads": kv_heads, "head_dim": head_dim,
+              "intermediate_size": intermediate, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+              "sliding_window": window, "layer_types": ["sliding_attention"] * 5, "is_causal": False,
+              "rope_parameters": {"rope_theta": 10000.0},
+              "dflash_config": {"block_size": block_size, "mask_token_id": 1, "target_layer_ids": target_layers,
+                                "conv_kernel_size": taps, "conv_group_size": group, "selector_rank": rank,
+                                "selector_top_k": top_k}}
+    config.update(config_over)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    return directory
+
+
+def make_spec_install(tmp: Path, seed: int = 0, **over):
+    """A random trunk plus a random drafter, repacked together."""
+    cfg = hf_config(**over)
+    drafter = make_drafter(tmp / f"drafter{seed}", cfg.hidden_size, cfg.vocab_size, [0, cfg.num_hidden_layers - 2],
+                           seed=seed)
+    return make_install(tmp, seed, drafter=drafter, **over)

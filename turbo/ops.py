@@ -18,7 +18,7 @@ import torch.nn.functional as F
 # that achieves this is measured per machine and weight shape by `calibrate_rows`
 # (0 means none did, and rows are then computed one call each: slower, still exact).
 ROW_BLOCK_CANDIDATES = (8, 16, 32)
-_row_block: dict[tuple[int, int, torch.dtype], int] = {}
+_row_block: dict[tuple[int, int, torch.dtype, int], int] = {}
 
 
 def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -30,7 +30,7 @@ def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
 def calibrate_rows(w: torch.Tensor, max_rows: int = 17, seed: int = 0) -> int:
     """The smallest row block under which every row of a 1..max_rows-row call equals the
     same row computed alone (at row 0), for this weight's shape and dtype."""
-    key = (w.shape[0], w.shape[1], w.dtype)
+    key = (w.shape[0], w.shape[1], w.dtype, torch.get_num_threads())
     if key in _row_block:
         return _row_block[key]
     g = torch.Generator().manual_seed(seed)
@@ -51,7 +51,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, in] @ w[out, in]^T in w's dtype, returned as fp32; row-stable for the
     shapes `calibrate_rows` has seen (prefill-sized calls are not padded)."""
     xw = x.to(w.dtype)
-    block = _row_block.get((w.shape[0], w.shape[1], w.dtype))
+    block = _row_block.get((w.shape[0], w.shape[1], w.dtype, torch.get_num_threads()))
     if block is None or x.shape[0] > 4 * ROW_BLOCK_CANDIDATES[-1]:
         return F.linear(xw, w).float()
     if block == 0:

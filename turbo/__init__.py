@@ -1,0 +1,7 @@
+"""turbo: a Qwen3.5 hybrid runtime with lossless speculative decoding."""
+
+from .engine import GenerateResult, RoundEvent, Runtime, open  # noqa: A004
+from .errors import TurboError
+from .stats import Stats
+
+__all__ = ["open", "Runtime", "GenerateResult", "RoundEvent", "Stats", "TurboError"]

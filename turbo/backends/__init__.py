@@ -1,0 +1,46 @@
+"""Backend choice: `cpu` (torch) or `cuda` (torch storage + precompiled PTX kernels)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import TurboError
+
+BACKENDS = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    # dtype codes the batched verify runs on (the verify-dtype speculation blocker reads this)
+    verify_dtypes: tuple[int, ...]
+    note: str = ""
+
+
+CPU = Backend("cpu", (1, 2, 3))
+
+
+def cuda_missing() -> str | None:
+    """Why the cuda backend cannot run here, or None."""
+    try:
+        from .cuda import cuda_unavailable_reason
+    except ImportError as e:  # the backend module itself needs cuda-python
+        return f"cuda backend unavailable: {e}"
+    return cuda_unavailable_reason()
+
+
+def select_backend(name: str) -> Backend:
+    if name not in BACKENDS:
+        raise TurboError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
+    if name == "cpu":
+        return CPU
+    missing = cuda_missing()
+    if name == "cuda":
+        if missing:
+            raise TurboError(missing)
+        from .cuda import CUDA
+        return CUDA
+    if missing:
+        return Backend("cpu", CPU.verify_dtypes, f"backend auto picked cpu ({missing})")
+    from .cuda import CUDA
+    return Backend(CUDA.name, CUDA.verify_dtypes, "backend auto picked cuda")

@@ -1,0 +1,423 @@
+"""The DFlash2 block-diffusion drafter (DESIGN 2.2), ported from the reference module.
+
+Config and shapes are checked before anything is built: every field the forward needs
+is required, and the tensors' recorded shapes are derived and cross-checked the way the
+reference's `DflashShape::derive` does, with its messages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..arch import Arch
+from ..errors import TurboError
+from ..install import Install, ResidentIndex
+
+DFLASH_PREFIX = "dflash"
+DFLASH_LAYERS = 5
+DFLASH_AUX_LAYERS = (5, 19, 33, 47, 61)  # the published checkpoint's target layers (ours read the config)
+DFLASH_RESIDUAL_SCALE = 8.0  # the draft pass divides its residual stream by this so it fits fp16
+DFLASH_WINDOW = 2048
+DFLASH_RING_SLACK = 128
+DFLASH_MASK_TOKEN = 248_070  # the published drafter's; an install names its own in dflash_config
+DFLASH_TOP_K = 16
+DFLASH_TAPS = 2
+DFLASH_GROUP_SIZE = 16
+
+
+def dflash_layer_tensor(layer: int, suffix: str) -> str:
+    return f"{DFLASH_PREFIX}.layers.{layer}.{suffix}"
+
+
+@dataclass(frozen=True)
+class DflashConfig:
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    eps: float
+    vocab: int
+    window: int
+    block_size: int
+    mask_token: int
+    target_layers: tuple[int, ...]
+    taps: int
+    group: int
+    rank: int
+    top_k: int
+    rope_theta: float
+    is_causal: bool
+
+
+def _field(cfg: dict, key: str, kind, where: str):
+    if key not in cfg or cfg[key] is None:
+        raise TurboError(f"{where}: missing required field '{key}'")
+    v = cfg[key]
+    if kind is float and isinstance(v, int) and not isinstance(v, bool):
+        v = float(v)
+    if not isinstance(v, kind) or (kind in (int, float) and isinstance(v, bool)):
+        raise TurboError(f"{where}: field '{key}' is {v!r}, expected {kind.__name__}")
+    return v
+
+
+def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> DflashConfig:
+    """The drafter config, refused by field name when missing or not honourable."""
+    if cfg.get("architectures") != ["DFlash2DraftModel"]:
+        raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected ['DFlash2DraftModel']")
+    d = _field(cfg, "dflash_config", dict, where)
+    dw = f"{where} dflash_config"
+    rope = _field(cfg, "rope_parameters", dict, where)
+    c = DflashConfig(
+        hidden=_field(cfg, "hidden_size", int, where),
+        layers=_field(cfg, "num_hidden_layers", int, where),
+        heads=_field(cfg, "num_attention_heads", int, where),
+        kv_heads=_field(cfg, "num_key_value_heads", int, where),
+        head_dim=_field(cfg, "head_dim", int, where),
+        intermediate=_field(cfg, "intermediate_size", int, where),
+        eps=_field(cfg, "rms_norm_eps", float, where),
+        vocab=_field(cfg, "vocab_size", int, where),
+        window=_field(cfg, "sliding_window", int, where),
+        block_size=_field(d, "block_size", int, dw),
+        mask_token=_field(d, "mask_token_id", int, dw),
+        target_layers=tuple(_field(d, "target_layer_ids", list, dw)),
+        taps=_field(d, "conv_kernel_size", int, dw),
+        group=_field(d, "conv_group_size", int, dw),
+        rank=_field(d, "selector_rank", int, dw),
+        top_k=_field(d, "selector_top_k", int, dw),
+        rope_theta=_field(rope, "rope_theta", float, f"{where} rope_parameters"),
+        is_causal=_field(cfg, "is_causal", bool, where),
+    )
+    layer_types = _field(cfg, "layer_types", list, where)
+    if len(layer_types) != c.layers or any(t != "sliding_attention" for t in layer_types):
+        raise TurboError(f"{where}: field 'layer_types' is {layer_types!r}, expected {c.layers} x 'sliding_attention'")
+    if c.hidden != arch.hidden:
+        raise TurboError(f"{where}: field 'hidden_size' is {c.hidden}, expected the trunk's {arch.hidden}")
+    if c.vocab != arch.vocab:
+        raise TurboError(f"{where}: field 'vocab_size' is {c.vocab}, expected the trunk's {arch.vocab}")
+    if c.taps != DFLASH_TAPS:
+        raise TurboError(f"{dw}: field 'conv_kernel_size' is {c.taps}, expected {DFLASH_TAPS} (the taps this port runs)")
+    if c.group <= 0 or c.hidden % c.group:
+        raise TurboError(f"{dw}: field 'conv_group_size' is {c.group}, expected a divisor of hidden_size {c.hidden}")
+    if c.top_k < 2:
+        raise TurboError(f"{dw}: field 'selector_top_k' is {c.top_k}, expected at least 2")
+    if c.block_size < 2:
+        raise TurboError(f"{dw}: field 'block_size' is {c.block_size}, expected at least 2")
+    if not c.target_layers:
+        raise TurboError(f"{dw}: field 'target_layer_ids' is empty, expected trunk layer ids")
+    for t in c.target_layers:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < arch.num_layers:
+            raise TurboError(f"{dw}: field 'target_layer_ids' has {t!r}, expected ids in 0..{arch.num_layers - 1} "
+                             f"(the trunk's layers)")
+    if not 0 <= c.mask_token < arch.vocab:
+        raise TurboError(f"{dw}: field 'mask_token_id' is {c.mask_token}, expected an id below vocab {arch.vocab}")
+    if c.window <= 0:
+        raise TurboError(f"{where}: field 'sliding_window' is {c.window}, expected a positive integer")
+    for key in ("heads", "kv_heads", "head_dim", "intermediate", "rank"):
+        if getattr(c, key) <= 0:
+            raise TurboError(f"{where}: {key} is {getattr(c, key)}, expected a positive integer")
+    return c
+
+
+@dataclass(frozen=True)
+class DflashShape:
+    """The drafter's widths, derived from the recorded tensor shapes."""
+
+    layers: int
+    hidden: int
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    inter: int
+    conv_rows: int
+    rank: int
+    aux_count: int
+
+
+def derive_shape(index: ResidentIndex, hidden: int, vocab: int, taps: int = DFLASH_TAPS,
+                 group: int = DFLASH_GROUP_SIZE) -> DflashShape:
+    """Port of the reference's `DflashShape::derive`: same checks, same messages."""
+
+    def shape_of(name: str) -> tuple[int, int]:
+        e = index.need(name)
+        return e.shape[0], e.shape[1]
+
+    def expect(name: str, rows: int, cols: int) -> None:
+        got = shape_of(name)
+        if got != (rows, cols):
+            raise TurboError(f"{name} has shape [{got[0]}, {got[1]}], expected [{rows}, {cols}]")
+
+    def expect_vector(name: str, rows: int) -> None:
+        # A rank-1 tensor is recorded as (n, 0): 0 is the only legal second width.
+        got = shape_of(name)
+        if got[0] != rows or got[1] != 0:
+            raise TurboError(f"{name} has shape [{got[0]}, {got[1]}], expected a [{rows}] vector")
+
+    head_dim = shape_of(dflash_layer_tensor(0, "self_attn.q_norm.weight"))[0]
+    q_rows, _ = shape_of(dflash_layer_tensor(0, "self_attn.q_proj.weight"))
+    k_rows, _ = shape_of(dflash_layer_tensor(0, "self_attn.k_proj.weight"))
+    gate_rows, _ = shape_of(dflash_layer_tensor(0, "mlp.gate_proj.weight"))
+    pred_rows, rank = shape_of("dflash.candidate_selector.predecessor_codebook")
+    succ_rows, succ_rank = shape_of("dflash.candidate_selector.successor_codebook")
+    if rank == 0 or rank > hidden or pred_rows != vocab or succ_rows != vocab or succ_rank != rank:
+        raise TurboError(f"dflash candidate selector codebook shape mismatch: pred [{pred_rows}, {rank}], "
+                         f"succ [{succ_rows}, {succ_rank}], expected [{vocab}, {rank}]")
+    fc_rows, fc_cols = shape_of("dflash.fc.weight")
+    layers = 0
+    while dflash_layer_tensor(layers, "input_layernorm.weight") in index:
+        layers += 1
+    if layers != DFLASH_LAYERS or dflash_layer_tensor(layers, "input_layernorm.weight") in index:
+        raise TurboError(f"the DFlash2 drafter has {layers} contiguous layers, expected {DFLASH_LAYERS}")
+    if head_dim == 0 or q_rows % head_dim or k_rows % head_dim:
+        raise TurboError(f"the DFlash2 drafter's shapes do not divide: q {q_rows}, k {k_rows}, head_dim {head_dim}")
+    aux_count = fc_cols // hidden
+    if aux_count * hidden != fc_cols or aux_count == 0:
+        raise TurboError(f"dflash.fc.weight is [{fc_rows}, {fc_cols}], not a whole number of {hidden}-wide aux states")
+    if q_rows > hidden or k_rows > hidden or gate_rows > 4 * hidden:
+        raise TurboError(f"the DFlash2 drafter widths exceed their allocation bounds: q {q_rows}, k {k_rows}, "
+                         f"ffn {gate_rows}, hidden {hidden}")
+    expect("dflash.fc.weight", hidden, aux_count * hidden)
+    expect_vector("dflash.hidden_norm.weight", hidden)
+    expect_vector("dflash.norm.weight", hidden)
+    expect("dflash.candidate_selector.hidden_projection.weight", rank, hidden)
+    for layer in range(layers):
+        def name(suffix: str) -> str:
+            return dflash_layer_tensor(layer, suffix)
+        expect_vector(name("input_layernorm.weight"), hidden)
+        expect_vector(name("post_attention_layernorm.weight"), hidden)
+        expect_vector(name("self_attn.q_norm.weight"), head_dim)
+        expect_vector(name("self_attn.k_norm.weight"), head_dim)
+        expect(name("self_attn.q_proj.weight"), q_rows, hidden)
+        expect(name("self_attn.k_proj.weight"), k_rows, hidden)
+        expect(name("self_attn.v_proj.weight"), k_rows, hidden)
+        expect(name("self_attn.o_proj.weight"), hidden, q_rows)
+        expect(name("mlp.gate_proj.weight"), gate_rows, hidden)
+        expect(name("mlp.up_proj.weight"), gate_rows, hidden)
+        expect(name("mlp.down_proj.weight"), hidden, gate_rows)
+    conv_rows = 2 * taps * (hidden // group)
+    proj_rows, _ = shape_of(dflash_layer_tensor(0, "attention_conv.kernel_projection.weight"))
+    if proj_rows != conv_rows:
+        raise TurboError(f"attention_conv.kernel_projection.weight has {proj_rows} rows against the {conv_rows} this "
+                         f"port's conv dispatches (2 sides x {taps} taps x {hidden}/{group} groups); this drafter's "
+                         f"conv shape is not the published one")
+    for layer in range(layers):
+        for stem in ("attention_conv", "mlp_conv"):
+            expect(dflash_layer_tensor(layer, f"{stem}.kernel_projection.weight"), conv_rows, hidden)
+            base = index.need(dflash_layer_tensor(layer, f"{stem}.base_kernel"))
+            if base.shape != (2, taps, hidden, 0):
+                raise TurboError(f"{DFLASH_PREFIX}.layers.{layer}.{stem}.base_kernel has shape {list(base.shape)}, "
+                                 f"expected [2, {taps}, {hidden}]")
+    return DflashShape(layers, hidden, head_dim, q_rows // head_dim, k_rows // head_dim, gate_rows, conv_rows,
+                       rank, aux_count)
+
+
+# ---- the math (the CPU kernels; the CUDA ones are tested against these) -------------------
+
+
+def grouped_conv(h: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor, group: int) -> torch.Tensor:
+    """out[t, c] = sum_o (base[o, c] + dyn[t, o, c // group]) * h[t - o, c], h[<0] = 0.
+    h [rows, H]; base [taps, H]; dyn [rows, taps, groups]."""
+    kernel = base[None] + dyn.repeat_interleave(group, dim=-1)
+    out = kernel[:, 0] * h
+    for o in range(1, base.shape[0]):
+        out = out + F.pad(kernel[o:, o] * h[:h.shape[0] - o], (0, 0, o, 0))
+    return out
+
+
+def select_candidates(logits: torch.Tensor, final: torch.Tensor, anchor: int, hidden_projection: torch.Tensor,
+                      pred_codebook: torch.Tensor, succ_codebook: torch.Tensor, top_k: int) -> list[int]:
+    """Greedy bigram rescoring of each row's top-k (fp32); ties go to the lower token id."""
+    logits, final = logits.float(), final.float()
+    cand = torch.topk(logits, top_k, dim=-1).indices
+    proj = final @ hidden_projection.float().T
+    pred, out = anchor, []
+    for i in range(logits.shape[0]):
+        c = cand[i]
+        score = logits[i, c] + (succ_codebook[c].float() @ (pred_codebook[pred].float() * proj[i]))
+        best = score.max()
+        pred = int(c[score == best].min())
+        out.append(pred)
+    return out
+
+
+@dataclass
+class DflashLayer:
+    in_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    o: torch.Tensor
+    q_norm: torch.Tensor
+    k_norm: torch.Tensor
+    gate: torch.Tensor
+    up: torch.Tensor
+    down: torch.Tensor
+    attn_proj: torch.Tensor
+    attn_base: torch.Tensor  # [2, taps, H]
+    mlp_proj: torch.Tensor
+    mlp_base: torch.Tensor
+
+
+class DflashDrafter:
+    """Proposes B tokens in one pass from the trunk's aux-layer context.
+
+    `scale` = DFLASH_RESIDUAL_SCALE runs the reference's fp16-safe scaled residual stream
+    (identical to scale 1 in exact arithmetic); `dtype` is the activation dtype."""
+
+    kind = "dflash"
+
+    def __init__(self, install: Install, embed: torch.Tensor, lm_head: torch.Tensor, window: int | None = None,
+                 dtype: torch.dtype = torch.float32, scale: float = DFLASH_RESIDUAL_SCALE):
+        if install.drafter_config is None:
+            raise TurboError(f"{install.path}: no dflash/config.json (the install carries no DFlash2 drafter)")
+        cfg = parse_config(install.drafter_config, install.arch, str(install.path / "dflash" / "config.json"))
+        shape = derive_shape(install.index, cfg.hidden, cfg.vocab, cfg.taps, cfg.group)
+        if (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.inter) != (
+                cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate):
+            raise TurboError(f"dflash/config.json: heads {cfg.heads}, kv heads {cfg.kv_heads}, head_dim {cfg.head_dim}, "
+                             f"intermediate {cfg.intermediate} disagree with the tensors' {shape.num_heads}, "
+                             f"{shape.num_kv_heads}, {shape.head_dim}, {shape.inter}")
+        if shape.aux_count != len(cfg.target_layers):
+            raise TurboError(f"dflash.fc.weight fuses {shape.aux_count} aux states, but target_layer_ids lists "
+                             f"{len(cfg.target_layers)}")
+        if shape.rank != cfg.rank:
+            raise TurboError(f"dflash/config.json: selector_rank is {cfg.rank}, the codebooks have rank {shape.rank}")
+        if window is not None and not 1 <= window <= cfg.window:
+            raise TurboError(f"window {window} is outside 1..{cfg.window} (the drafter's trained sliding_window)")
+        self.cfg, self.shape = cfg, shape
+        self.window = window or cfg.window
+        self.block_size = cfg.block_size
+        self.aux_layers = tuple(cfg.target_layers)
+        self.dtype, self.scale = dtype, scale
+        idx = install.index
+
+        def t(name: str) -> torch.Tensor:
+            return idx.load(name, dtype)
+
+        def norm(name: str) -> torch.Tensor:
+            return 1.0 + idx.load(name, torch.float32)
+
+        self.embed, self.lm_head = embed.to(dtype), lm_head.to(dtype)
+        self.fc = t("dflash.fc.weight")
+        self.hidden_norm = norm("dflash.hidden_norm.weight")
+        self.final_norm = norm("dflash.norm.weight")
+        self.hidden_projection = idx.load("dflash.candidate_selector.hidden_projection.weight", torch.float32)
+        self.pred_codebook = idx.load("dflash.candidate_selector.predecessor_codebook", torch.float32)
+        self.succ_codebook = idx.load("dflash.candidate_selector.successor_codebook", torch.float32)
+        self.layers = []
+        for l in range(shape.layers):
+            def n(s: str) -> str:
+                return dflash_layer_tensor(l, s)
+            self.layers.append(DflashLayer(
+                in_norm=norm(n("input_layernorm.weight")), post_norm=norm(n("post_attention_layernorm.weight")),
+                q=t(n("self_attn.q_proj.weight")), k=t(n("self_attn.k_proj.weight")), v=t(n("self_attn.v_proj.weight")),
+                o=t(n("self_attn.o_proj.weight")), q_norm=norm(n("self_attn.q_norm.weight")),
+                k_norm=norm(n("self_attn.k_norm.weight")), gate=t(n("mlp.gate_proj.weight")),
+                up=t(n("mlp.up_proj.weight")), down=t(n("mlp.down_proj.weight")),
+                attn_proj=t(n("attention_conv.kernel_projection.weight")), attn_base=t(n("attention_conv.base_kernel")),
+                mlp_proj=t(n("mlp_conv.kernel_projection.weight")), mlp_base=t(n("mlp_conv.base_kernel")),
+            ))
+        self.inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+        self.reset()
+
+    # ---- context ring ------------------------------------------------------------------
+
+    def reset(self) -> None:
+        cap = self.window + DFLASH_RING_SLACK
+        kv, d = self.shape.num_kv_heads, self.shape.head_dim
+        self.capacity = cap
+        self.ring_k = [torch.zeros(cap, kv, d, dtype=self.dtype) for _ in self.layers]
+        self.ring_v = [torch.zeros(cap, kv, d, dtype=self.dtype) for _ in self.layers]
+        self.context = 0  # context positions added so far (positions 0..context-1)
+
+    def add_context(self, aux: torch.Tensor) -> None:
+        """Committed rows' fused aux states, in position order from `self.context`."""
+        n = aux.shape[0]
+        if n == 0:
+            return
+        ctx = ops.rms_norm(self._lin(aux, self.fc), self.hidden_norm, self.cfg.eps).to(self.dtype)
+        positions = torch.arange(self.context, self.context + n)
+        cos, sin = ops.rope_cos_sin(positions, self.inv_freq)
+        slots = positions % self.capacity
+        kv, d = self.shape.num_kv_heads, self.shape.head_dim
+        for layer, rk, rv in zip(self.layers, self.ring_k, self.ring_v):
+            k = ops.rms_norm(self._lin(ctx, layer.k).reshape(n, kv, d), layer.k_norm, self.cfg.eps)
+            rk[slots] = ops.apply_rope(k, cos, sin).to(self.dtype)
+            rv[slots] = self._lin(ctx, layer.v).reshape(n, kv, d).to(self.dtype)
+        self.context += n
+
+    def _lin(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(w.dtype), w)
+
+    # ---- the draft pass ----------------------------------------------------------------
+
+    def _conv_prepare(self, x: torch.Tensor, proj: torch.Tensor, base: torch.Tensor):
+        rows = x.shape[0]
+        groups = self.shape.hidden // self.cfg.group
+        dyn = self._lin(x, proj).reshape(rows, 2, self.cfg.taps, groups)
+        return grouped_conv(x, base[0], dyn[:, 0], self.cfg.group), dyn[:, 1]
+
+    def _conv_finish(self, y: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
+        return grouped_conv(y, base[1], dyn, self.cfg.group)
+
+    def _attention(self, li: int, u: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+        layer = self.layers[li]
+        rows = u.shape[0]
+        h, kv, d = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
+        cos, sin = ops.rope_cos_sin(torch.arange(anchor_pos, anchor_pos + rows), self.inv_freq)
+        q = ops.apply_rope(ops.rms_norm(self._lin(u, layer.q).reshape(rows, h, d), layer.q_norm, self.cfg.eps), cos, sin)
+        k = ops.apply_rope(ops.rms_norm(self._lin(u, layer.k).reshape(rows, kv, d), layer.k_norm, self.cfg.eps), cos, sin)
+        v = self._lin(u, layer.v).reshape(rows, kv, d).float()
+        lo = max(0, anchor_pos - self.window)
+        slots = torch.arange(lo, anchor_pos) % self.capacity
+        keys = torch.cat([self.ring_k[li][slots].float(), k])  # [ctx + rows, kv, d]
+        values = torch.cat([self.ring_v[li][slots].float(), v])
+        rep = h // kv
+        keys, values = keys.repeat_interleave(rep, 1).transpose(0, 1), values.repeat_interleave(rep, 1).transpose(0, 1)
+        mask = None
+        if self.cfg.is_causal:
+            ctx = slots.shape[0]
+            mask = torch.ones(rows, ctx + rows, dtype=torch.bool).tril(ctx)
+        att = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+        return self._lin(att.transpose(0, 1).reshape(rows, h * d), layer.o)
+
+    def forward_block(self, anchor: int, anchor_pos: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [block, vocab] and final hidden [block, H] of the proposal rows."""
+        if anchor_pos != self.context:
+            raise ValueError(f"drafter context has {self.context} positions, the anchor sits at {anchor_pos}")
+        s = self.scale
+        eps = self.cfg.eps / (s * s)  # norms reading the scaled stream compute the unscaled norm
+        tokens = torch.tensor([anchor] + [self.cfg.mask_token] * block)
+        x = (self.embed[tokens].float() / s).to(self.dtype)
+        for li, layer in enumerate(self.layers):
+            xn = ops.rms_norm(x, layer.in_norm, eps).to(self.dtype)
+            u, dyn = self._conv_prepare(xn, layer.attn_proj, layer.attn_base)
+            y = self._conv_finish(self._attention(li, u, anchor_pos).to(self.dtype), dyn, layer.attn_base)
+            x = x + y / s
+            xn = ops.rms_norm(x, layer.post_norm, eps).to(self.dtype)
+            u, dyn = self._conv_prepare(xn, layer.mlp_proj, layer.mlp_base)
+            y = self._lin(F.silu(self._lin(u, layer.gate)) * self._lin(u, layer.up), layer.down)
+            x = x + self._conv_finish(y, dyn, layer.mlp_base) / s
+        final = ops.rms_norm(x, self.final_norm, eps)[1:]
+        return self._lin(final, self.lm_head).float(), final
+
+    def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
+        logits, final = self.forward_block(anchor, anchor_pos, block)
+        return select_candidates(logits, final, anchor, self.hidden_projection, self.pred_codebook,
+                                 self.succ_codebook, min(self.cfg.top_k, logits.shape[-1]))
+
+    # ---- the engine's hooks ------------------------------------------------------------
+
+    def begin(self, prompt_out) -> None:
+        self.reset()
+        if prompt_out is not None:
+            self.add_context(prompt_out.aux)
+
+    def commit(self, out, kept: int) -> None:
+        self.add_context(out.aux[:kept])

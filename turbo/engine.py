@@ -1,0 +1,175 @@
+"""The speculative round: draft, verify, accept, roll back (DESIGN 5), and the public API.
+
+    rt = turbo.open("tiny")
+    result = rt.generate("def fib(n):", max_new_tokens=64, policy="fixed", block=4)
+    for event in rt.stream("def fib(n):"):  # one event per committed round
+        print(event.text, end="")
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from tokenizers import Tokenizer
+
+from .backends import Backend, select_backend
+from .errors import TurboError
+from .install import Install, open_install
+from .policy import ROLLBACKS, Plan, plan, policy_from_env
+from .stats import Stats
+from .trunk import Trunk
+
+
+@dataclass
+class RoundEvent:
+    tokens: list[int]  # committed this round
+    from_draft: list[bool]  # per token: True = an accepted proposal, False = the trunk's bonus token
+    text: str  # the text these tokens added
+    stats: Stats  # the counters so far (a copy)
+    done: bool = False
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[int]
+    text: str
+    stats: Stats
+    from_draft: list[bool] = field(default_factory=list)
+
+
+class Runtime:
+    def __init__(self, install: Install, backend: str = "auto", dtype: str = "float32"):
+        self.backend: Backend = select_backend(backend)
+        if dtype not in ("float32", "bfloat16"):
+            raise TurboError(f"dtype {dtype!r} is not one of float32, bfloat16")
+        self.install = install
+        self.trunk = Trunk(install, getattr(torch, dtype))
+        tok = install.path / "tokenizer.json"
+        if not tok.is_file():
+            raise TurboError(f"{tok}: missing (expected the install's tokenizer)")
+        try:
+            self.tokenizer = Tokenizer.from_file(str(tok))
+        except Exception as e:  # tokenizers raises a bare Exception on malformed files
+            raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
+        self._drafters: dict[tuple, object] = {}
+
+    # ---- helpers -----------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        ids = list(prompt) if isinstance(prompt, (list, tuple)) else self.tokenizer.encode(prompt).ids
+        if not ids:
+            raise TurboError("prompt is empty (expected at least one token)")
+        vocab = self.install.arch.vocab
+        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise TurboError(f"prompt token {bad[0]!r} is not an id in 0..{vocab - 1}")
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    def drafter(self, kind: str, window: int | None):
+        key = (kind, window)
+        if key not in self._drafters:
+            if kind == "dflash":
+                from .drafters.dflash import DflashDrafter
+                self._drafters[key] = DflashDrafter(self.install, self.trunk.embed, self.trunk.lm_head, window)
+            else:
+                from .drafters.mtp import MtpDrafter
+                self._drafters[key] = MtpDrafter(self.install, self.trunk)
+        return self._drafters[key]
+
+    def plan(self, policy: str | None, block: int | None, drafter: str) -> Plan:
+        if policy is None:
+            env = policy_from_env()
+            policy, block = env.name, block if block is not None else env.block
+        trained = None
+        if self.install.drafter_config is not None:
+            trained = (self.install.drafter_config.get("dflash_config") or {}).get("block_size")
+        return plan(self.install, policy, block, drafter, self.backend.verify_dtypes,
+                    trained if isinstance(trained, int) else None)
+
+    # ---- the API -----------------------------------------------------------------------
+
+    def generate(self, prompt: str | list[int], **kwargs) -> GenerateResult:
+        tokens, flags, stats = [], [], None
+        for event in self.stream(prompt, **kwargs):
+            tokens += event.tokens
+            flags += event.from_draft
+            stats = event.stats
+        return GenerateResult(tokens, self.decode(tokens), stats, flags)
+
+    def stream(self, prompt: str | list[int], max_new_tokens: int = 256, policy: str | None = None,
+               block: int | None = None, rollback: str = "checkpoint", drafter: str = "auto",
+               window: int | None = None, stop_at_eos: bool = True) -> Iterator[RoundEvent]:
+        """Yields one event per committed round. Validation happens before the first yield."""
+        ids = self.encode(prompt)
+        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise TurboError(f"max_new_tokens is {max_new_tokens!r}, expected a positive integer")
+        limit = self.install.arch.max_positions
+        if len(ids) + max_new_tokens > limit:
+            raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+                             f"max_position_embeddings {limit}")
+        if rollback not in ROLLBACKS:
+            raise TurboError(f"rollback {rollback!r} is not one of {', '.join(ROLLBACKS)}")
+        p = self.plan(policy, block, drafter)
+        draft = self.drafter(p.drafter, window) if p.drafter else None
+        stats = Stats(prompt_tokens=len(ids), policy=p.policy, drafter=p.drafter, block=p.block,
+                      window=getattr(draft, "window", None), rollback=rollback, backend=self.backend.name,
+                      speculation_off_reason=p.off_reason)
+        return self._rounds(ids, max_new_tokens, p, draft, rollback, stats, stop_at_eos)
+
+    def _rounds(self, ids: list[int], max_new: int, p: Plan, draft, rollback: str, stats: Stats,
+                stop_at_eos: bool) -> Iterator[RoundEvent]:
+        trunk, eos = self.trunk, set(self.install.arch.eos_token_ids) if stop_at_eos else set()
+        aux_layers = draft.aux_layers if draft is not None else ()
+        start = time.perf_counter()
+        st = trunk.new_state(len(ids) + max_new + 16)
+        prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
+        if draft is not None:
+            draft.begin(prompt_out)
+        anchor, generated, text = ids[-1], [], ""
+        first_done = None
+        while len(generated) < max_new:
+            proposals = draft.propose(anchor, st.pos, p.block) if draft is not None else []
+            rows = [anchor] + proposals
+            out = trunk.step(st, rows, aux_layers, keep=rollback if proposals else None)
+            targets = out.logits.argmax(dim=-1).tolist()
+            n = 0
+            while n < len(proposals) and proposals[n] == targets[n]:
+                n += 1
+            replayed = trunk.rollback(st, out, len(rows), n + 1, rollback)
+            if draft is not None:
+                draft.commit(out, n + 1)
+            stats.record_round(len(proposals), n, replayed)
+            committed, flags = proposals[:n] + [targets[n]], [True] * n + [False]
+            committed, flags = committed[:max_new - len(generated)], flags[:max_new - len(generated)]
+            hit_eos = next((i for i, t in enumerate(committed) if t in eos), None)
+            if hit_eos is not None:
+                committed, flags = committed[:hit_eos + 1], flags[:hit_eos + 1]
+            generated += committed
+            now = time.perf_counter()
+            if first_done is None:
+                first_done, first_count = now, len(generated)
+                stats.ttft_s = now - start
+                stats.prefill_tokens_per_s = len(ids) / stats.ttft_s
+            elif now > first_done:
+                stats.decode_tokens_per_s = (len(generated) - first_count) / (now - first_done)
+            stats.generated_tokens = len(generated)
+            full = self.decode(generated)
+            delta, text = (full[len(text):], full) if full.startswith(text) else (full, full)
+            done = hit_eos is not None or len(generated) >= max_new
+            yield RoundEvent(committed, flags, delta, copy.deepcopy(stats), done)
+            if done:
+                return
+            anchor = targets[n]
+
+
+def open(path_or_name: str | Path = "tiny", backend: str = "auto", dtype: str = "float32") -> Runtime:  # noqa: A001
+    """Open an install: a directory, or the name of one shipped in the package ("tiny")."""
+    return Runtime(open_install(path_or_name), backend, dtype)

@@ -1,0 +1,129 @@
+"""Draft policies and speculation blockers, as the reference defines them (DESIGN 3, 6)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import TurboError
+from .install import CODE_NAMES, Install
+
+# The published drafter's trained block, and the widest block this port builds.
+DFLASH_BLOCK = 8
+# What `auto` serves: measured fastest on prose, code and math (the reference's table):
+# a rejected round restores and replays recurrent state, and a block of B needs all B
+# proposals to land, so the trained 8 is the wrong serving block.
+DFLASH_SERVING_BLOCK = 2
+# The MTP head's own default, the same answer from a second architecture.
+DEFAULT_SPECULATION_BLOCK = 2
+assert 0 < DFLASH_SERVING_BLOCK <= DFLASH_BLOCK
+
+VISION_SPECULATION_BLOCKER_MARKER = "speculation blocked [vision]"
+MOE_SPECULATION_BLOCKER_MARKER = "speculation blocked [moe]"
+POLICIES = ("auto", "off", "fixed", "adaptive")
+DRAFTERS = ("auto", "dflash", "mtp")
+ROLLBACKS = ("checkpoint", "replay")
+
+
+@dataclass(frozen=True)
+class DraftPolicy:
+    name: str  # auto | off | fixed | adaptive
+    block: int | None = None
+
+
+def policy_from_env(var: str = "TURBO_DFLASH_DRAFT") -> DraftPolicy:
+    """Unset and unparsable both mean auto: a typo must not silently disable a feature
+    the install can serve."""
+    raw = os.environ.get(var, "").strip()
+    try:
+        n = int(raw)
+    except ValueError:
+        return DraftPolicy("auto")
+    if n < 0:
+        return DraftPolicy("auto")
+    return DraftPolicy("off") if n == 0 else DraftPolicy("fixed", n)
+
+
+def speculation_blocker(install: Install, drafter: str, covered_dtypes: tuple[int, ...]) -> str | None:
+    """Why speculation with `drafter` (dflash | mtp) cannot run on this install, or None.
+
+    Ordered: the first that applies wins. The vision arm is first because every check
+    below would wave a tower-carrying install through into wrong numbers."""
+    arch, index = install.arch, install.index
+    if install.has_vision:
+        return (f"{VISION_SPECULATION_BLOCKER_MARKER}: this install has a vision tower, and the batched verify "
+                "embeds every row from the token table and rotates at the raw position, so a speculative round "
+                "past an image would attend and rotate by the wrong values; repack with --text-only or use +policy=off")
+    if arch.num_experts != 0:
+        return (f"{MOE_SPECULATION_BLOCKER_MARKER}: this install routes to {arch.num_experts} experts, and no "
+                "published MoE checkpoint of this architecture ships a DFlash2 drafter (the published one targets "
+                "the dense half); this is a checkpoint gap, not a missing kernel")
+    full = arch.full_layers
+    if not full:
+        return "the batched verify needs a full-attention layer to probe and this install declares none"
+    probe = f"trunk.layers.{full[0]}.self_attn.q_proj.weight"
+    entry = index.get(probe)
+    if entry is None:
+        return f"cannot tell whether the verify can run: {probe} is missing"
+    if entry.dtype not in covered_dtypes:
+        names = ", ".join(f"{CODE_NAMES.get(c, c)} ({c})" for c in covered_dtypes)
+        return (f"the batched verify covers {names}, and this install's {probe} is dtype {entry.dtype}")
+    if drafter == "mtp":
+        if not install.has_mtp:
+            return ("this install carries no MTP head (mtp.fc.weight is not in the resident index); repack from a "
+                    "checkpoint that ships mtp.* tensors, or use drafter=dflash")
+        return None
+    if not install.has_dflash:
+        return ("this install carries no DFlash2 drafter (dflash.fc.weight is not in the resident index); stream it "
+                "beside the trunk: python -m turbo.repack SRC OUT --drafter DRAFTER_DIR")
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a generation will do, decided once before it starts."""
+
+    policy: str
+    drafter: str | None  # dflash | mtp | None (plain decode)
+    block: int  # 0 when plain decode
+    off_reason: str | None
+
+
+def choose_drafter(install: Install, drafter: str) -> str:
+    if drafter not in DRAFTERS:
+        raise TurboError(f"drafter {drafter!r} is not one of {', '.join(DRAFTERS)}")
+    if drafter != "auto":
+        return drafter
+    return "mtp" if install.has_mtp and not install.has_dflash else "dflash"
+
+
+def check_block(block: int, trained: int) -> None:
+    widest = min(trained, DFLASH_BLOCK)
+    if not 1 <= block <= widest:
+        raise TurboError(f"block {block} is outside 1..{widest}: the drafter's trained block is {trained} "
+                         f"and this port builds at most {DFLASH_BLOCK}")
+
+
+def plan(install: Install, policy: str, block: int | None, drafter: str, covered_dtypes: tuple[int, ...],
+         trained_block: int | None = None) -> Plan:
+    if policy not in POLICIES:
+        raise TurboError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+    if block is not None and (not isinstance(block, int) or isinstance(block, bool)):
+        raise TurboError(f"block {block!r} is not an integer")
+    if policy == "off":
+        return Plan("off", None, 0, "policy is off")
+    kind = choose_drafter(install, drafter)
+    reason = speculation_blocker(install, kind, covered_dtypes)
+    if policy == "fixed" and block is None:
+        raise TurboError("policy fixed needs a block: +policy=fixed block=N")
+    if reason is not None:
+        if policy == "fixed":
+            raise TurboError(reason)
+        return Plan(policy, None, 0, reason)
+    trained = trained_block if kind == "dflash" and trained_block else DFLASH_BLOCK
+    if block is None:
+        block = DFLASH_SERVING_BLOCK if kind == "dflash" else DEFAULT_SPECULATION_BLOCK
+        if policy == "adaptive":
+            block = min(trained, DFLASH_BLOCK)
+    check_block(block, trained)
+    return Plan(policy, kind, block, None)

@@ -1,0 +1,74 @@
+"""The counters of DESIGN 5, with their exact definitions (vLLM's names)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_round: float = 0.0
+    mean_acceptance_length: float = 0.0
+    rollback_rate: float = 0.0
+    per_position_acceptance: list[float] = field(default_factory=list)
+    replayed_rows: int = 0
+    rollbacks: int = 0
+    ttft_s: float = 0.0
+    prefill_tokens_per_s: float = 0.0
+    decode_tokens_per_s: float = 0.0
+    policy: str = "off"
+    drafter: str | None = None
+    block: int = 0
+    window: int | None = None
+    rollback: str = "checkpoint"
+    backend: str = "cpu"
+    speculation_off_reason: str | None = None
+    # reached[i]: rounds in which proposal i+1 was judged (all before it accepted);
+    # landed[i]: rounds in which it was accepted too.
+    reached: list[int] = field(default_factory=list, repr=False)
+    landed: list[int] = field(default_factory=list, repr=False)
+
+    def record_round(self, block: int, accepted: int, replayed: int) -> None:
+        self.rounds += 1
+        self.drafted += block
+        self.accepted += accepted
+        self.replayed_rows += replayed
+        if accepted < block:
+            self.rollbacks += 1
+        width = max(len(self.reached), block)
+        self.reached += [0] * (width - len(self.reached))
+        self.landed += [0] * (width - len(self.landed))
+        for i in range(min(block, accepted + 1)):
+            self.reached[i] += 1
+            if i < accepted:
+                self.landed[i] += 1
+        self.accepted_per_round = self.accepted / self.rounds
+        self.mean_acceptance_length = 1.0 + self.accepted_per_round
+        self.rollback_rate = self.rollbacks / self.rounds
+        self.per_position_acceptance = [l / r if r else 0.0 for l, r in zip(self.landed, self.reached)]
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d.pop("reached")
+        d.pop("landed")
+        return d
+
+    def line(self) -> str:
+        """The one stats line the CLI ends with."""
+        parts = [f"prompt {self.prompt_tokens} tok", f"generated {self.generated_tokens} tok",
+                 f"ttft {self.ttft_s * 1000:.1f} ms", f"prefill {self.prefill_tokens_per_s:.1f} tok/s",
+                 f"decode {self.decode_tokens_per_s:.1f} tok/s"]
+        if self.drafter:
+            parts += [f"{self.drafter} block {self.block}", f"rounds {self.rounds}",
+                      f"accepted/round {self.accepted_per_round:.2f}",
+                      f"mean acceptance length {self.mean_acceptance_length:.2f}",
+                      f"rollback rate {self.rollback_rate:.0%}", f"replayed rows {self.replayed_rows}",
+                      "per-position " + " ".join(f"{p:.2f}" for p in self.per_position_acceptance)]
+        else:
+            parts.append(f"speculation off: {self.speculation_off_reason}")
+        return "[stats] " + " | ".join(parts)

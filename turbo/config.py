@@ -1,0 +1,63 @@
+"""The run configuration as Hydra composes it (conf/), read into plain values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from omegaconf import DictConfig, OmegaConf
+
+from .errors import TurboError
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    install: str
+    backend: str
+    dtype: str
+    threads: int | None
+    policy: str
+    block: int | None
+    window: int | None
+    rollback: str
+    drafter: str
+    prompt: str
+    max_new_tokens: int
+    workload: str
+    prompts: tuple[str, ...]
+    task: str
+
+
+def _opt_int(cfg: DictConfig, key: str) -> int | None:
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TurboError(f"config: {key}={v!r}, expected an integer or null")
+    return v
+
+
+def run_config(cfg: DictConfig) -> RunConfig:
+    try:
+        install = cfg.install.path
+        workload = cfg.workload
+        prompts = tuple(str(p) for p in workload.prompts)
+        task = cfg.task.name
+    except Exception as e:  # omegaconf raises several kinds for absent keys
+        raise TurboError(f"config: {e}".splitlines()[0]) from None
+    if not prompts and cfg.get("prompt") is None:
+        raise TurboError(f"config: workload {workload.get('name')!r} has no prompts and no prompt= was given")
+    policy = cfg.get("policy")
+    name = policy.get("name") if isinstance(policy, DictConfig) else policy
+    max_new = _opt_int(cfg, "max_new_tokens")
+    return RunConfig(
+        install=str(install), backend=str(cfg.get("backend", "auto")), dtype=str(cfg.get("dtype", "float32")),
+        threads=_opt_int(cfg, "threads"), policy=str(name), block=_opt_int(cfg, "block"),
+        window=_opt_int(cfg, "window"), rollback=str(cfg.get("rollback")), drafter=str(cfg.get("drafter")),
+        prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
+        max_new_tokens=max_new if max_new is not None else int(workload.max_new_tokens),
+        workload=str(workload.get("name", "")), prompts=prompts, task=str(task),
+    )
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg)

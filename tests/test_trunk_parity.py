@@ -1,0 +1,69 @@
+"""The trunk against transformers' Qwen3_5ForCausalLM (the oracle), over several shapes."""
+
+import pytest
+import torch
+from helpers import make_install
+
+import turbo
+from turbo.install import open_install
+from turbo.trunk import Trunk
+
+SHAPES = {
+    # GQA 2, Hv/Hk 2, untied, layer_types from full_attention_interval (4), rotary 0.25
+    "gqa2-hv2-untied": dict(),
+    # GQA 4, Hv/Hk 1, tied, explicit layer_types, rotary 0.5
+    "gqa4-hv1-tied-explicit": dict(num_key_value_heads=1, linear_num_value_heads=2, tie_word_embeddings=True,
+                                   layer_types=["linear_attention", "full_attention", "linear_attention",
+                                                "full_attention"],
+                                   rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                    "partial_rotary_factor": 0.5}),
+    # MHA, Hv/Hk 3, full_attention_interval 2, 5 layers, wider heads
+    "mha-hv3-interval2": dict(num_key_value_heads=4, linear_num_value_heads=6, num_hidden_layers=5,
+                              full_attention_interval=2, linear_key_head_dim=16, linear_value_head_dim=16),
+}
+
+
+@pytest.fixture(scope="module", params=list(SHAPES))
+def pair(request, tmp_path_factory):
+    model, path = make_install(tmp_path_factory.mktemp(request.param), 3, **SHAPES[request.param])
+    return model, path
+
+
+def test_layer_types_follow_config(pair):
+    model, path = pair
+    arch = open_install(path).arch
+    assert list(arch.layer_types) == list(model.config.layer_types)
+
+
+def test_prefill_and_64_decode_steps_match_transformers(pair):
+    model, path = pair
+    trunk = Trunk(open_install(path))
+    ids = torch.randint(0, model.config.vocab_size, (1, 40 + 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits[0].float()
+    st = trunk.new_state()
+    prefill = trunk.prefill(st, ids[0, :40].tolist(), want_logits=True)
+    assert (prefill.logits - ref[:40]).abs().max().item() < 1e-4
+    worst = 0.0
+    for t in range(40, 104):
+        out = trunk.step(st, [int(ids[0, t])])
+        worst = max(worst, (out.logits[0] - ref[t]).abs().max().item())
+    assert worst < 1e-4
+
+
+def test_64_greedy_tokens_equal_transformers_generate(pair):
+    model, path = pair
+    prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 24:].tolist()
+    ours = turbo.open(path, backend="cpu").generate(prompt[0].tolist(), max_new_tokens=64, policy="off")
+    assert ours.tokens == hf
+
+
+def test_bf16_weights_stay_close(pair):
+    model, path = pair
+    rt32, rt16 = Trunk(open_install(path)), Trunk(open_install(path), torch.bfloat16)
+    ids = list(range(3, 30))
+    a = rt32.prefill(rt32.new_state(), ids, want_logits=True).logits
+    b = rt16.prefill(rt16.new_state(), ids, want_logits=True).logits
+    assert (a - b).abs().max().item() < 0.1 * a.abs().max().item()  # bf16 rounds every weight

@@ -42,11 +42,22 @@ class Entry:
     scale_size: int = 0
     bias_offset: int = 0
     bias_size: int = 0
+    # quantized weights (dtype 4 / 16 / 15): shape and dims are the logical [out, in];
+    # offset / size_bytes are the packed U32 payload [out, in*bits/32] (`packed_dims`)
+    bits: int = 0
+    group: int = 0
+    packed_dims: tuple[int, ...] = ()
+    scale_st_dtype: str = ""
 
 
 def shape4(dims: tuple[int, ...], name: str) -> tuple[int, int, int, int]:
+    """The index's four-wide shape: absent dims are 0; a rank-5 tensor (a vision tower's
+    Conv3d) folds its trailing dims into the fourth."""
     if len(dims) > 4:
-        raise TurboError(f"{name} has rank {len(dims)}, expected at most 4")
+        tail = 1
+        for d in dims[3:]:
+            tail *= d
+        return dims[0], dims[1], dims[2], tail
     return tuple(list(dims) + [0] * (4 - len(dims)))  # type: ignore[return-value]
 
 
@@ -124,7 +135,49 @@ class ResidentIndex:
         self.entries[name] = Entry(name, code, shape4(dims, name), path, data_start + begin, end - begin, st, dims)
 
     def _attach_quant_companions(self) -> None:
-        """Quantized installs (issue 8) record their code in the file metadata; nothing to do here yet."""
+        """Fold `name.scales` / `name.biases` into `name`'s entry for every tensor the files'
+        `__metadata__["turbo.quant"]` map lists ({name: {code, group, bits}}, written by
+        python -m turbo.repack --quant): dtype 4 / 16 / 15, the logical shape, and the
+        companions' offsets and sizes. Malformed entries are refused naming the tensor."""
+        from . import quant
+
+        declared: dict[str, dict] = {}
+        for path in sorted({e.file for e in self.entries.values()}):
+            header, _ = read_header(path)
+            raw = (header.get("__metadata__") or {}).get(quant.METADATA_KEY)
+            if raw is None:
+                continue
+            try:
+                table = json.loads(raw)
+                assert isinstance(table, dict)
+            except (TypeError, ValueError, AssertionError):
+                raise TurboError(f"{path}: __metadata__[{quant.METADATA_KEY!r}] is not a JSON object") from None
+            declared.update(table)
+        for name, spec in declared.items():
+            e = self.entries.get(name)
+            if e is None:
+                raise TurboError(f"{name}: listed as quantized in the metadata but not in the install")
+            if not isinstance(spec, dict):
+                raise TurboError(f"{name}: quantization metadata {spec!r} is not an object")
+            fmt = quant.format_for(spec.get("code"), spec.get("bits"), spec.get("group"), name)
+            if e.st_dtype != "U32":
+                raise TurboError(f"{name}: quantized as {fmt.name} but stored as {e.st_dtype}, expected U32")
+            sc, bi = self.entries.get(name + ".scales"), self.entries.get(name + ".biases")
+            if sc is None or bi is None:
+                raise TurboError(f"{name}: quantized as {fmt.name} but {name}.scales / {name}.biases are missing")
+            for comp in (sc, bi):
+                if comp.st_dtype != fmt.scale_st:
+                    raise TurboError(f"{comp.name}: stored as {comp.st_dtype}, {fmt.name} (dtype {fmt.code}) keeps "
+                                     f"{fmt.scale_st} scales and biases")
+            out, cols = quant.check_shapes(name, fmt, e.dims, sc.dims, bi.dims)
+            self.entries[name] = Entry(name, fmt.code, shape4((out, cols), name), e.file, e.offset, e.size_bytes,
+                                       e.st_dtype, (out, cols), sc.offset, sc.size_bytes, bi.offset, bi.size_bytes,
+                                       fmt.bits, fmt.group, e.dims, fmt.scale_st)
+        for name, e in self.entries.items():
+            if name.endswith(".scales") and name[:-len(".scales")] in self.entries \
+                    and self.entries[name[:-len(".scales")]].st_dtype == "U32" and name[:-len(".scales")] not in declared:
+                raise TurboError(f"{name[:-len('.scales')]}: packed U32 with .scales but no {quant.METADATA_KEY} "
+                                 f"metadata (repack it with python -m turbo.repack)")
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries
@@ -141,19 +194,43 @@ class ResidentIndex:
     def has_prefix(self, prefix: str) -> bool:
         return any(n.startswith(prefix) for n in self.entries)
 
-    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """Read one tensor's bytes (and only those) from its file."""
+    def _read(self, file: Path, offset: int, size: int, name: str) -> bytes:
+        with file.open("rb") as f:
+            f.seek(offset)
+            data = f.read(size)
+        if len(data) != size:
+            raise TurboError(f"{file}: truncated while reading {name}")
+        return data
+
+    def load_quantized(self, name: str, dtype: torch.dtype = torch.float32):
+        """A quantized entry as a packed `quant.QuantizedWeight` (compute dtype `dtype`)."""
+        from .quant import QuantizedWeight
+
         e = self.need(name)
+        if not e.bits:
+            raise TurboError(f"{name}: dtype {e.dtype} is not a quantized format")
+        sdt = TORCH_DTYPES[DTYPE_CODES[e.scale_st_dtype]]
+        rows, groups = e.dims[0], e.dims[1] // e.group
+
+        def t(offset: int, size: int, tdtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            return torch.frombuffer(bytearray(self._read(e.file, offset, size, name)), dtype=tdtype).reshape(shape)
+
+        return QuantizedWeight(t(e.offset, e.size_bytes, torch.int32, e.packed_dims),
+                               t(e.scale_offset, e.scale_size, sdt, (rows, groups)),
+                               t(e.bias_offset, e.bias_size, sdt, (rows, groups)), e.bits, e.group, dtype)
+
+    def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """Read one tensor's bytes (and only those) from its file. A quantized weight is
+        returned dequantized, in its logical shape (fp32 unless `dtype`)."""
+        e = self.need(name)
+        if e.bits:
+            return self.load_quantized(name).dequantize(dtype or torch.float32)
         torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
                        "I8": torch.int8, "U32": torch.int32, "I32": torch.int32, "I64": torch.int64,
                        "F64": torch.float64}.get(e.st_dtype)
         if torch_dtype is None:
             raise TurboError(f"{name}: stored as {e.st_dtype}, expected one of BF16, F16, F32")
-        with e.file.open("rb") as f:
-            f.seek(e.offset)
-            data = f.read(e.size_bytes)
-        if len(data) != e.size_bytes:
-            raise TurboError(f"{e.file}: truncated while reading {name}")
+        data = self._read(e.file, e.offset, e.size_bytes, name)
         t = torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(e.dims) if data else torch.empty(e.dims, dtype=torch_dtype)
         return t.to(dtype) if dtype is not None else t
 

@@ -25,10 +25,10 @@ def run(cfg: DictConfig) -> int:
         from .probe import run_probe
         return run_probe(cfg, rc)
     rt = open_runtime(rc.install, rc.backend, rc.dtype)
-    if rt.backend.note:
-        print(rt.backend.note, file=sys.stderr)
     events = rt.stream(rc.prompt, max_new_tokens=rc.max_new_tokens, policy=rc.policy, block=rc.block,
                        rollback=rc.rollback, drafter=rc.drafter, window=rc.window)
+    if rt.backend.note:  # only once the request is known to be valid: a refusal stays one line
+        print(rt.backend.note, file=sys.stderr)
     stats = None
     sys.stdout.write(rc.prompt)
     for i, event in enumerate(events):

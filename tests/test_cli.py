@@ -1,0 +1,120 @@
+"""python -m turbo as a user runs it: a stats line on success; one line and exit 2 on a user error."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+
+def run(tmp_path, *overrides):
+    cmd = [sys.executable, "-m", "turbo", f"hydra.run.dir={tmp_path}/hydra", "threads=1", "backend=cpu", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=120)
+
+
+def one_line_error(proc, *needles):
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+    for n in needles:
+        assert n in lines[0], lines[0]
+    return lines[0]
+
+
+def rewrite(install, transform):
+    path = install / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(transform(tensors), str(path))
+
+
+@pytest.fixture
+def copy(plain_install, tmp_path):
+    dst = tmp_path / "inst"
+    shutil.copytree(plain_install[1], dst)
+    return dst
+
+
+def test_generate_streams_text_and_ends_with_stats_line(plain_install, tmp_path):
+    proc = run(tmp_path, f"install.path={plain_install[1]}", "prompt=hello", "max_new_tokens=8")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    for field in ("prompt", "generated 8 tok", "ttft", "prefill", "decode"):
+        assert field in last
+    assert "no DFlash2 drafter" in proc.stderr  # auto says once why it is not speculating
+
+
+def test_speculative_stats_line(spec_install, tmp_path):
+    proc = run(tmp_path, f"install.path={spec_install[1]}", "prompt=hello", "max_new_tokens=9", "+policy=fixed",
+               "block=3", "rollback=replay")
+    assert proc.returncode == 0, proc.stderr
+    last = proc.stdout.strip().splitlines()[-1]
+    for field in ("dflash block 3", "rounds", "accepted/round", "mean acceptance length", "rollback rate",
+                  "replayed rows", "per-position"):
+        assert field in last
+
+
+def test_missing_install(tmp_path):
+    one_line_error(run(tmp_path, f"install.path={tmp_path}/nowhere"), "nowhere", "no such directory")
+
+
+def test_missing_config(copy, tmp_path):
+    (copy / "config.json").unlink()
+    one_line_error(run(tmp_path, f"install.path={copy}"), "config.json", "missing")
+
+
+def test_unknown_model_type(copy, tmp_path):
+    cfg = json.loads((copy / "config.json").read_text())
+    cfg["model_type"] = "llama"
+    (copy / "config.json").write_text(json.dumps(cfg))
+    one_line_error(run(tmp_path, f"install.path={copy}"), "'llama'", "expected one of")
+
+
+def test_missing_tensor(copy, tmp_path):
+    rewrite(copy, lambda t: {k: v for k, v in t.items() if k != "trunk.layers.1.mlp.up_proj.weight"})
+    one_line_error(run(tmp_path, f"install.path={copy}"), "trunk.layers.1.mlp.up_proj.weight", "missing")
+
+
+def test_wrong_shape(copy, tmp_path):
+    def bad(t):
+        t["trunk.layers.3.self_attn.o_proj.weight"] = torch.zeros(64, 32)
+        return t
+    rewrite(copy, bad)
+    one_line_error(run(tmp_path, f"install.path={copy}"), "trunk.layers.3.self_attn.o_proj.weight",
+                   "[64, 32]", "expected [64, 64]")
+
+
+def test_truncated_safetensors(copy, tmp_path):
+    path = copy / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-100])
+    one_line_error(run(tmp_path, f"install.path={copy}"), "model.safetensors", "truncated")
+
+
+def test_empty_prompt(plain_install, tmp_path):
+    one_line_error(run(tmp_path, f"install.path={plain_install[1]}", "prompt=''"), "prompt is empty")
+
+
+def test_over_long_prompt(plain_install, tmp_path):
+    one_line_error(run(tmp_path, f"install.path={plain_install[1]}", "prompt=hello", "max_new_tokens=5000"),
+                   "max_position_embeddings 4096")
+
+
+def test_fixed_policy_without_drafter_is_refused(plain_install, tmp_path):
+    one_line_error(run(tmp_path, f"install.path={plain_install[1]}", "prompt=hi", "+policy=fixed", "block=2"),
+                   "no DFlash2 drafter", "dflash.fc.weight")
+
+
+def test_block_outside_trained_range(spec_install, tmp_path):
+    one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "prompt=hi", "+policy=fixed", "block=9"),
+                   "block 9", "8")
+    one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "prompt=hi", "+policy=fixed", "block=0"),
+                   "block 0", "1..8")
+
+
+def test_window_out_of_range(spec_install, tmp_path):
+    one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "prompt=hi", "window=0"), "window 0")
+    one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "prompt=hi", "window=65"), "window 65", "64")

@@ -303,7 +303,7 @@ class DflashDrafter:
         def norm(name: str) -> torch.Tensor:
             return 1.0 + idx.load(name, torch.float32)
 
-        self.embed, self.lm_head = embed.to(dtype), lm_head.to(dtype)
+        self.embed, self.lm_head = embed, lm_head.to(dtype)  # rows enter scaled, then in dtype
         self.fc = t("dflash.fc.weight")
         self.hidden_norm = norm("dflash.hidden_norm.weight")
         self.final_norm = norm("dflash.norm.weight")
@@ -328,8 +328,8 @@ class DflashDrafter:
 
     # ---- context ring ------------------------------------------------------------------
 
-    def reset(self) -> None:
-        cap = self.window + DFLASH_RING_SLACK
+    def reset(self, capacity: int | None = None) -> None:
+        cap = capacity or self.window + DFLASH_RING_SLACK
         kv, d = self.shape.num_kv_heads, self.shape.head_dim
         self.capacity = cap
         self.ring_k = [torch.zeros(cap, kv, d, dtype=self.dtype) for _ in self.layers]
@@ -415,7 +415,7 @@ class DflashDrafter:
     # ---- the engine's hooks ------------------------------------------------------------
 
     def begin(self, prompt_out) -> None:
-        self.reset()
+        self.reset(self.capacity)
         if prompt_out is not None:
             self.add_context(prompt_out.aux)
 

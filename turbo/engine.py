@@ -20,7 +20,7 @@ from tokenizers import Tokenizer
 from .backends import Backend, select_backend
 from .errors import TurboError
 from .install import Install, open_install
-from .policy import ROLLBACKS, Plan, plan, policy_from_env
+from .policy import ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
 from .stats import Stats
 from .trunk import Trunk
 
@@ -86,7 +86,8 @@ class Runtime:
 
     def plan(self, policy: str | None, block: int | None, drafter: str) -> Plan:
         if policy is None:
-            env = policy_from_env()
+            mtp = choose_drafter(self.install, drafter) == "mtp"
+            env = policy_from_env("TURBO_MTP_DRAFT" if mtp else "TURBO_DFLASH_DRAFT")
             policy, block = env.name, block if block is not None else env.block
         trained = None
         if self.install.drafter_config is not None:
@@ -131,8 +132,8 @@ class Runtime:
         start = time.perf_counter()
         st = trunk.new_state(len(ids) + max_new + 16)
         prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
-        if draft is not None:
-            draft.begin(prompt_out)
+        if draft is not None:  # the MTP head pairs position p's hidden with token p+1: it needs the ids
+            draft.begin(prompt_out, ids) if draft.kind == "mtp" else draft.begin(prompt_out)
         anchor, generated, text = ids[-1], [], ""
         first_done = None
         while len(generated) < max_new:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .quant import QuantizedWeight
+
 # BLAS GEMM kernels work in row blocks, and a row in a partial block (or in a 1-row
 # GEMV) is summed in a different order than a row in a full block. Padding every
 # decode/verify call to whole blocks puts each row on the same micro-kernel; the block
@@ -49,7 +51,10 @@ def calibrate_rows(w: torch.Tensor, max_rows: int = 17, seed: int = 0) -> int:
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, in] @ w[out, in]^T in w's dtype, returned as fp32; row-stable for the
-    shapes `calibrate_rows` has seen (prefill-sized calls are not padded)."""
+    shapes `calibrate_rows` has seen (prefill-sized calls are not padded). A packed
+    QuantizedWeight is dequantized first (deterministically), then takes the same path."""
+    if isinstance(w, QuantizedWeight):
+        w = w.dequantize()
     xw = x.to(w.dtype)
     block = _row_block.get((w.shape[0], w.shape[1], w.dtype, torch.get_num_threads()))
     if block is None or x.shape[0] > 4 * ROW_BLOCK_CANDIDATES[-1]:

@@ -1,11 +1,24 @@
 """HF checkpoint (+ DFlash2 drafter) -> turbo install, streaming tensor by tensor.
 
-    python -m turbo.repack SRC OUT [--drafter DIR] [--text-only]
+    python -m turbo.repack SRC OUT [--drafter DIR] [--text-only] [--quant none|int4|int2|int1]
 
 Peak memory stays at one copy buffer: tensor bytes are copied from the source file to
 the output file in bounded chunks, never materialised as a whole model. The output is
 written into a temporary sibling directory and renamed at the end, so an interrupted
 repack leaves no half install behind.
+
+--quant int4|int2|int1 quantizes the rank-2 projection matrices (turbo/quant.py: int4 in
+groups of 64 with bf16 scales, dtype 4; int2 / int1 in groups of 128 with f16 scales,
+dtypes 16 / 15), one tensor in memory at a time, as `name` (packed U32) + `name.scales` +
+`name.biases`, recording {name: {code, group, bits}} in the file's __metadata__["turbo.quant"].
+Quantized: weights of modules named `*_proj` or `in_proj*` (attention q/k/v/o, linear-attention
+in_proj_qkv/z/b/a and out_proj, MLP gate/up/down), `fc` (the drafter's / MTP's fusion) and an
+untied `lm_head`, under trunk.*, mtp.* and dflash.*. Kept float: embeddings, norms, conv
+kernels, A_log, dt_bias, routers, the drafter's kernel_projection / base_kernel and candidate
+selector (small and precision-critical), the vision tower, and any projection whose input width
+the group does not divide. A source already quantized in the MLX layout (U32 `weight` +
+`scales` + `biases`, `quantization: {group_size, bits}` in config.json) is carried packed as is,
+no round trip through bf16; its scales / biases are cast to the format's storage dtype.
 """
 
 from __future__ import annotations
@@ -26,6 +39,7 @@ from tqdm import tqdm
 from .arch import arch_from_config, read_config_json
 from .errors import TurboError
 from .install import DRAFTER_DIR, read_header, safetensors_files
+from . import quant as q
 
 COPY_CHUNK = 4 * 1024 * 1024
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
@@ -92,8 +106,11 @@ def plan_copy(name: str, meta: dict, path: Path, data_start: int) -> Planned:
     return Planned(name, meta["dtype"], list(meta["shape"]), end - begin, _copier(path, data_start + begin, end - begin))
 
 
-def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None = None) -> None:
+def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None = None,
+                      quantized: dict[str, dict] | None = None) -> None:
     header: dict = {"__metadata__": {"format": "pt", "writer": "turbo.repack"}}
+    if quantized:
+        header["__metadata__"][q.METADATA_KEY] = json.dumps(quantized, separators=(",", ":"))
     offset = 0
     for p in planned:
         header[p.name] = {"dtype": p.dtype, "shape": p.shape, "data_offsets": [offset, offset + p.size]}
@@ -112,33 +129,166 @@ def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None 
                 progress.update(p.size)
 
 
-def plan_trunk(src: Path, text_only: bool) -> list[Planned]:
-    planned = []
+def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
+               quantized: dict[str, dict] | None = None) -> list[Planned]:
+    config = read_config_json(src / "config.json")
+    tensors = []
     for name, meta, path, data_start in source_tensors(src):
         new = install_name(name)
         if new is None:
             raise TurboError(f"{name}: unexpected tensor in {path.name} (expected model.*, lm_head.*, mtp.* or a vision tower)")
         if text_only and new.startswith("vision."):
             continue
-        planned.append(plan_copy(new, meta, path, data_start))
-    return planned
+        tensors.append((name, new, meta, path, data_start))
+    return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
 
 
-def plan_drafter(drafter: Path) -> list[Planned]:
+def plan_drafter(drafter: Path, fmt: q.QFormat | None = None,
+                 quantized: dict[str, dict] | None = None) -> list[Planned]:
     config = read_config_json(drafter / "config.json")
     if config.get("architectures") != ["DFlash2DraftModel"]:
         raise TurboError(
             f"{drafter / 'config.json'}: architectures is {config.get('architectures')!r}, expected ['DFlash2DraftModel']"
         )
+    tensors = [(name, name if name.startswith("dflash.") else "dflash." + name, meta, path, data_start)
+               for name, meta, path, data_start in source_tensors(drafter)]
+    return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
+
+
+# ---- quantization (--quant, and MLX-layout quantized sources) ------------------------------
+
+FLOAT_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def quantizable(new: str, meta: dict, fmt: q.QFormat) -> bool:
+    """The rank-2 projection matrices (see the module docstring); everything else stays float."""
+    if meta["dtype"] not in FLOAT_ST or len(meta["shape"]) != 2 or not new.endswith(".weight"):
+        return False
+    if not new.startswith(("trunk.", "mtp.", "dflash.")):
+        return False
+    module = new[:-len(".weight")].rsplit(".", 1)[-1]
+    if not (module.endswith("_proj") or module.startswith("in_proj") or module in ("fc", "lm_head")):
+        return False
+    return meta["shape"][1] % fmt.group == 0
+
+
+def _load_source(path: Path, offset: int, size: int, st: str, shape: list[int], name: str):
+    import torch
+
+    with path.open("rb") as f:
+        f.seek(offset)
+        data = f.read(size)
+    if len(data) != size:
+        raise TurboError(f"{path}: truncated while reading {name}")
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, FLOAT_ST[st])).reshape(shape)
+
+
+def _tensor_bytes(t) -> bytes:
+    import torch
+
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+class _QuantJob:
+    """Quantizes one source tensor when its packed weight is written and hands the scales
+    and biases, written right after, from the same result; then drops it (one tensor in memory)."""
+
+    def __init__(self, name: str, path: Path, offset: int, size: int, st: str, shape: list[int], fmt: q.QFormat):
+        self.args = (path, offset, size, st, shape, name)
+        self.fmt, self.name, self.parts = fmt, name, None
+
+    def writer(self, i: int) -> Callable[[object], None]:
+        def write(out) -> None:
+            if self.parts is None:
+                w = _load_source(*self.args)
+                self.parts = [_tensor_bytes(t) for t in q.quantize(w, self.fmt, self.name)]
+            out.write(self.parts[i])
+            self.parts[i] = b""
+            if i == 2:
+                self.parts = None
+        return write
+
+
+def _mlx_spec(config: dict, module: str) -> tuple[int, int] | None:
+    """(bits, group) an MLX-layout config declares for `module` (per-module overrides first)."""
+    spec = config.get("quantization") or config.get("quantization_config")
+    if not isinstance(spec, dict):
+        return None
+    over = spec.get(module)
+    if isinstance(over, dict) and "bits" in over:
+        spec = over
+    try:
+        return int(spec["bits"]), int(spec["group_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def _cast_writer(path: Path, offset: int, size: int, st: str, shape: list[int], name: str, to_st: str):
+    import torch
+
+    def write(out) -> None:
+        out.write(_tensor_bytes(_load_source(path, offset, size, st, shape, name).to(getattr(torch, FLOAT_ST[to_st]))))
+    return write
+
+
+def plan_tensors(tensors: list[tuple[str, str, dict, Path, int]], fmt: q.QFormat | None,
+                 quantized: dict[str, dict], config: dict) -> list[Planned]:
+    """Copy, quantize, or carry (already packed) each (source name, install name, meta, file, data start)."""
+    by_src = {t[0]: t for t in tensors}
+    companions = {n for n in by_src if n.endswith((".scales", ".biases"))}
     planned = []
-    for name, meta, path, data_start in source_tensors(drafter):
-        new = name if name.startswith("dflash.") else "dflash." + name
-        planned.append(plan_copy(new, meta, path, data_start))
+    for name, new, meta, path, data_start in tensors:
+        if name in companions:
+            base = name.rsplit(".", 1)[0]
+            if not any(by_src.get(c, (0, 0, {}))[2].get("dtype") == "U32" for c in (base + ".weight", base)):
+                raise TurboError(f"{name}: quantization scales/biases without a packed U32 {base}.weight")
+            continue
+        begin, end = meta["data_offsets"]
+        if meta["dtype"] == "U32" and name.endswith(".weight"):
+            # an MLX-layout quantized source: carry it packed
+            base = name[:-len(".weight")]
+            mspec = _mlx_spec(config, base)
+            if mspec is None:
+                raise TurboError(f"{name}: packed U32 weight but config.json declares no quantization "
+                                 f"{{group_size, bits}}")
+            src_fmt = q.format_for(bits=mspec[0], group=mspec[1], name=name)
+            if fmt is not None and fmt != src_fmt:
+                raise TurboError(f"{name}: the checkpoint is already {src_fmt.name}; --quant {fmt.name} would "
+                                 f"requantize it (use --quant none or --quant {src_fmt.name})")
+            sc, bi = by_src.get(base + ".scales"), by_src.get(base + ".biases")
+            if sc is None or bi is None:
+                raise TurboError(f"{name}: packed U32 weight without {base}.scales / {base}.biases")
+            for comp in (sc, bi):
+                if comp[2]["dtype"] not in FLOAT_ST:
+                    raise TurboError(f"{comp[0]}: stored as {comp[2]['dtype']}, expected BF16, F16 or F32")
+            q.check_shapes(name, src_fmt, tuple(meta["shape"]), tuple(sc[2]["shape"]), tuple(bi[2]["shape"]))
+            planned.append(plan_copy(new, meta, path, data_start))
+            for suffix, comp in ((".scales", sc), (".biases", bi)):
+                cb, ce = comp[2]["data_offsets"]
+                if comp[2]["dtype"] == src_fmt.scale_st:
+                    planned.append(Planned(new + suffix, src_fmt.scale_st, list(comp[2]["shape"]), ce - cb,
+                                           _copier(comp[3], comp[4] + cb, ce - cb)))
+                else:
+                    count = (ce - cb) // {"BF16": 2, "F16": 2, "F32": 4}[comp[2]["dtype"]]
+                    planned.append(Planned(new + suffix, src_fmt.scale_st, list(comp[2]["shape"]), count * 2,
+                                           _cast_writer(comp[3], comp[4] + cb, ce - cb, comp[2]["dtype"],
+                                                        list(comp[2]["shape"]), comp[0], src_fmt.scale_st)))
+            quantized[new] = {"code": src_fmt.code, "group": src_fmt.group, "bits": src_fmt.bits}
+        elif fmt is not None and quantizable(new, meta, fmt):
+            rows, cols = meta["shape"]
+            job = _QuantJob(new, path, data_start + begin, end - begin, meta["dtype"], meta["shape"], fmt)
+            groups = cols // fmt.group
+            planned.append(Planned(new, "U32", [rows, cols * fmt.bits // 32], rows * cols * fmt.bits // 8, job.writer(0)))
+            planned.append(Planned(new + ".scales", fmt.scale_st, [rows, groups], rows * groups * 2, job.writer(1)))
+            planned.append(Planned(new + ".biases", fmt.scale_st, [rows, groups], rows * groups * 2, job.writer(2)))
+            quantized[new] = {"code": fmt.code, "group": fmt.group, "bits": fmt.bits}
+        else:
+            planned.append(plan_copy(new, meta, path, data_start))
     return planned
 
 
 def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, text_only: bool = False,
-           quiet: bool = False) -> Path:
+           quiet: bool = False, quant: str = "none") -> Path:
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise TurboError(f"{src}: no such checkpoint directory")
@@ -148,10 +298,15 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     arch_from_config(config, str(src / "config.json"))  # refuse what the runtime could not open
     if not (src / "tokenizer.json").is_file():
         raise TurboError(f"{src / 'tokenizer.json'}: missing (the install needs the checkpoint's tokenizer)")
-    trunk = plan_trunk(src, text_only)
+    if quant not in ("none", *q.FORMATS):
+        raise TurboError(f"--quant {quant!r} is not one of none, {', '.join(q.FORMATS)}")
+    fmt = q.FORMATS.get(quant)
+    trunk_quant: dict[str, dict] = {}
+    drafter_quant: dict[str, dict] = {}
+    trunk = plan_trunk(src, text_only, fmt, trunk_quant)
     if drafter is not None and not Path(drafter).is_dir():
         raise TurboError(f"{drafter}: no such drafter directory")
-    drafter_plan = plan_drafter(Path(drafter)) if drafter is not None else []
+    drafter_plan = plan_drafter(Path(drafter), fmt, drafter_quant) if drafter is not None else []
     if text_only:
         config = {k: v for k, v in config.items() if k != "vision_config"}
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -160,18 +315,15 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         total = sum(p.size for p in trunk + drafter_plan)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"repack {src.name}", disable=quiet,
                   file=sys.stderr) as bar:
-            if text_only:
-                (tmp / "config.json").write_text(json.dumps(config, indent=2))
-            else:
-                shutil.copyfile(src / "config.json", tmp / "config.json")
+            (tmp / "config.json").write_text(json.dumps(config, indent=2))
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
                     shutil.copyfile(src / f, tmp / f)
-            write_safetensors(tmp / "model.safetensors", trunk, bar)
+            write_safetensors(tmp / "model.safetensors", trunk, bar, trunk_quant)
             if drafter_plan:
                 (tmp / DRAFTER_DIR).mkdir()
                 shutil.copyfile(Path(drafter) / "config.json", tmp / DRAFTER_DIR / "config.json")
-                write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar)
+                write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar, drafter_quant)
         os.rename(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -186,9 +338,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drafter", help="a published DFlash2 drafter directory to file under dflash.")
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--quant", default="none", choices=("none", *q.FORMATS),
+                        help="quantize the projection matrices: int4 (group 64, bf16 scales, dtype 4), int2 / int1 "
+                             "(group 128, f16 scales, dtypes 16 / 15)")
     args = parser.parse_args(argv)
     try:
-        path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet)
+        path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet, args.quant)
     except TurboError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

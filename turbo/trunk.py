@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import ops
+from . import ops, quant
 from .arch import Arch
 from .errors import TurboError
 from .install import Install
@@ -90,11 +90,15 @@ class Trunk:
         a = self.arch
         index = install.index
 
-        def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None) -> torch.Tensor:
+        packed = quant.cpu_mode() == "packed"  # else quantized matrices are dequantized here (faster on CPU)
+
+        def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None, matrix: bool = False):
             full = PREFIX + name
             entry = index.need(full)
             if entry.dims != tuple(shape):
                 raise TurboError(f"{full} has shape {list(entry.dims)}, expected {list(shape)}")
+            if matrix and packed and entry.bits:
+                return index.load_quantized(full, as_dtype or dtype)  # a QuantizedWeight for ops.linear
             return index.load(full, as_dtype or dtype)
 
         def norm(name: str, n: int) -> torch.Tensor:
@@ -104,7 +108,7 @@ class Trunk:
         if a.tie_embeddings:
             self.lm_head = self.embed
         else:
-            self.lm_head = w("lm_head.weight", (a.vocab, a.hidden))
+            self.lm_head = w("lm_head.weight", (a.vocab, a.hidden), matrix=True)
         self.final_norm = norm("norm.weight", a.hidden)
         self.layers: list[LayerWeights] = []
         hd, nh, nkv = a.head_dim, a.num_heads, a.num_kv_heads
@@ -115,27 +119,27 @@ class Trunk:
                 m = p + "linear_attn."
                 conv = w(m + "conv1d.weight", (a.lin_conv_dim, 1, a.conv_kernel), torch.float32)[:, 0]
                 mixer: AttnWeights | GdnWeights = GdnWeights(
-                    in_proj=torch.cat([
-                        w(m + "in_proj_qkv.weight", (2 * kd + vd, a.hidden)),
-                        w(m + "in_proj_z.weight", (vd, a.hidden)),
-                        w(m + "in_proj_b.weight", (a.lin_v_heads, a.hidden)),
-                        w(m + "in_proj_a.weight", (a.lin_v_heads, a.hidden)),
+                    in_proj=quant.fuse([
+                        w(m + "in_proj_qkv.weight", (2 * kd + vd, a.hidden), matrix=True),
+                        w(m + "in_proj_z.weight", (vd, a.hidden), matrix=True),
+                        w(m + "in_proj_b.weight", (a.lin_v_heads, a.hidden), matrix=True),
+                        w(m + "in_proj_a.weight", (a.lin_v_heads, a.hidden), matrix=True),
                     ]),
                     conv=conv.contiguous(),
                     neg_a=-w(m + "A_log", (a.lin_v_heads,), torch.float32).exp(),
                     dt_bias=w(m + "dt_bias", (a.lin_v_heads,), torch.float32),
                     norm=w(m + "norm.weight", (a.lin_v_dim,), torch.float32),
-                    out=w(m + "out_proj.weight", (a.hidden, vd)),
+                    out=w(m + "out_proj.weight", (a.hidden, vd), matrix=True),
                 )
             else:
                 m = p + "self_attn."
                 mixer = AttnWeights(
-                    qkv=torch.cat([
-                        w(m + "q_proj.weight", (2 * nh * hd, a.hidden)),
-                        w(m + "k_proj.weight", (nkv * hd, a.hidden)),
-                        w(m + "v_proj.weight", (nkv * hd, a.hidden)),
+                    qkv=quant.fuse([
+                        w(m + "q_proj.weight", (2 * nh * hd, a.hidden), matrix=True),
+                        w(m + "k_proj.weight", (nkv * hd, a.hidden), matrix=True),
+                        w(m + "v_proj.weight", (nkv * hd, a.hidden), matrix=True),
                     ]),
-                    o=w(m + "o_proj.weight", (a.hidden, nh * hd)),
+                    o=w(m + "o_proj.weight", (a.hidden, nh * hd), matrix=True),
                     q_norm=norm(m + "q_norm.weight", hd),
                     k_norm=norm(m + "k_norm.weight", hd),
                 )
@@ -144,9 +148,9 @@ class Trunk:
                 in_norm=norm(p + "input_layernorm.weight", a.hidden),
                 post_norm=norm(p + "post_attention_layernorm.weight", a.hidden),
                 mixer=mixer,
-                gate_up=torch.cat([w(p + "mlp.gate_proj.weight", (a.intermediate, a.hidden)),
-                                   w(p + "mlp.up_proj.weight", (a.intermediate, a.hidden))]),
-                down=w(p + "mlp.down_proj.weight", (a.hidden, a.intermediate)),
+                gate_up=quant.fuse([w(p + "mlp.gate_proj.weight", (a.intermediate, a.hidden), matrix=True),
+                                    w(p + "mlp.up_proj.weight", (a.intermediate, a.hidden), matrix=True)]),
+                down=w(p + "mlp.down_proj.weight", (a.hidden, a.intermediate), matrix=True),
             ))
         self.inv_freq = ops.rope_inv_freq(a.rotary_dim, a.rope_theta)
         for mat in self.matrices():

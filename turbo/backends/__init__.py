@@ -17,7 +17,8 @@ class Backend:
     note: str = ""
 
 
-CPU = Backend("cpu", (1, 2, 3))
+# 4 / 16 / 15: INT4 / 2-bit / 1-bit affine (turbo/quant.py), run through ops.linear's row-stable path
+CPU = Backend("cpu", (1, 2, 3, 4, 16, 15))
 
 
 def cuda_missing() -> str | None:

@@ -1,0 +1,229 @@
+"""Affine group quantization of projection matrices (DESIGN 4, issue 8).
+
+    w[o, i] = scale[o, i // group] * q[o, i] + bias[o, i // group],  q in 0 .. 2**bits - 1
+
+Groups run along the input dimension. scale = (max - min) / (2**bits - 1) and bias = min
+per group, both rounded to the format's storage dtype *before* q is chosen, so q is the
+nearest level of the affine map that is actually stored.
+
+Formats (the reference engine's dtype codes):
+    code 4   int4  group 64   bf16 scales / biases
+    code 16  int2  group 128  f16
+    code 15  int1  group 128  f16
+
+Packing is the MLX community layout: q is packed little-endian into uint32 words, element j
+of a row at bits (j % (32 // bits)) * bits of word j // (32 // bits); the packed weight is
+[out, in * bits / 32] (stored as safetensors U32), `scales` and `biases` are [out, in / group].
+
+On the CPU a quantized matrix is either dequantized once when the trunk loads (the default:
+measured fastest, scripts/bench_quant.py) or kept packed as a `QuantizedWeight` that
+`ops.linear` dequantizes per call (TURBO_QUANT_CPU=packed: a quarter of the resident bytes
+for int4). Dequantization is deterministic elementwise math, so both give the very same
+fp32/bf16 matrix, and `ops.linear`'s row-stable padding applies unchanged: a verify row
+stays bit-identical to the decode step it stands for.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from .errors import TurboError
+
+
+@dataclass(frozen=True)
+class QFormat:
+    name: str
+    code: int
+    bits: int
+    group: int
+    scale_dtype: torch.dtype
+    scale_st: str  # the safetensors dtype string of scales / biases
+
+
+FORMATS = {
+    "int4": QFormat("int4", 4, 4, 64, torch.bfloat16, "BF16"),
+    "int2": QFormat("int2", 16, 2, 128, torch.float16, "F16"),
+    "int1": QFormat("int1", 15, 1, 128, torch.float16, "F16"),
+}
+BY_CODE = {f.code: f for f in FORMATS.values()}
+BY_BITS = {f.bits: f for f in FORMATS.values()}
+QUANT_CODES = tuple(sorted(BY_CODE))
+METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
+
+# The CPU representation of a quantized matrix in the trunk: "dequant" (at load, default)
+# or "packed" (QuantizedWeight, dequantized per ops.linear call).
+CPU_MODE_ENV = "TURBO_QUANT_CPU"
+
+
+def cpu_mode() -> str:
+    mode = os.environ.get(CPU_MODE_ENV, "dequant").strip() or "dequant"
+    if mode not in ("dequant", "packed"):
+        raise TurboError(f"{CPU_MODE_ENV}={mode!r} is not one of dequant, packed")
+    return mode
+
+
+def format_for(code: int | None = None, bits: int | None = None, group: int | None = None,
+               name: str = "tensor") -> QFormat:
+    """The format a (code) or (bits, group) pair names; TurboError naming the tensor otherwise."""
+    if code is not None:
+        fmt = BY_CODE.get(code)
+        if fmt is None:
+            raise TurboError(f"{name}: quantization code {code} is not one of {', '.join(map(str, QUANT_CODES))}")
+        if bits is not None and bits != fmt.bits:
+            raise TurboError(f"{name}: code {code} is {fmt.bits}-bit, the metadata says bits {bits}")
+        if group is not None and group != fmt.group:
+            raise TurboError(f"{name}: code {code} uses groups of {fmt.group}, the metadata says group {group}")
+        return fmt
+    fmt = BY_BITS.get(bits)  # type: ignore[arg-type]
+    if fmt is None:
+        raise TurboError(f"{name}: {bits}-bit quantization is not supported (expected bits 4, 2 or 1)")
+    if group != fmt.group:
+        raise TurboError(f"{name}: {bits}-bit with group size {group} is not a format an install carries "
+                         f"(dtype {fmt.code} is {bits}-bit in groups of {fmt.group})")
+    return fmt
+
+
+def check_shapes(name: str, fmt: QFormat, packed: tuple[int, ...], scales: tuple[int, ...],
+                 biases: tuple[int, ...]) -> tuple[int, int]:
+    """Validate a packed weight and its companions; returns the logical (out, in)."""
+    if len(packed) != 2:
+        raise TurboError(f"{name}: packed {fmt.name} weight has shape {list(packed)}, expected rank 2")
+    out, words = packed
+    cols = words * 32 // fmt.bits
+    if cols % fmt.group:
+        raise TurboError(f"{name}: group size {fmt.group} does not divide its {cols} columns")
+    want = (out, cols // fmt.group)
+    if tuple(scales) != want:
+        raise TurboError(f"{name}: scales have shape {list(scales)}, expected {list(want)} "
+                         f"({out} rows x {cols}/{fmt.group} groups)")
+    if tuple(biases) != want:
+        raise TurboError(f"{name}: biases have shape {list(biases)}, expected {list(want)} "
+                         f"({out} rows x {cols}/{fmt.group} groups)")
+    return out, cols
+
+
+# ---- pack / unpack ------------------------------------------------------------------------
+
+
+def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
+    """q [out, in] integer levels in 0..2**bits-1 -> int32 [out, in*bits/32] (uint32 bits)."""
+    per = 32 // bits
+    out, cols = q.shape
+    if cols % per:
+        raise TurboError(f"{cols} columns do not fill whole {bits}-bit words ({per} per uint32)")
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    words = (q.to(torch.int64).reshape(out, cols // per, per) << shifts).sum(-1)
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 (uint32 bits) [out, words] -> uint8 levels [out, words * 32 / bits]."""
+    per = 32 // bits
+    shifts = torch.arange(per, dtype=torch.int64) * bits
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+# ---- quantize / dequantize ----------------------------------------------------------------
+
+
+def quantize(w: torch.Tensor, fmt: QFormat, name: str = "tensor") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """w [out, in] float -> (packed int32, scales, biases) in the format's storage dtypes."""
+    if w.dim() != 2:
+        raise TurboError(f"{name}: only rank-2 matrices are quantized, this one has shape {list(w.shape)}")
+    out, cols = w.shape
+    if cols % fmt.group:
+        raise TurboError(f"{name}: group size {fmt.group} does not divide its {cols} columns")
+    g = w.float().reshape(out, cols // fmt.group, fmt.group)
+    lo, hi = g.amin(-1), g.amax(-1)
+    levels = (1 << fmt.bits) - 1
+    scales = ((hi - lo) / levels).to(fmt.scale_dtype)
+    biases = lo.to(fmt.scale_dtype)
+    s, b = scales.float()[..., None], biases.float()[..., None]
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    q = torch.where(s > 0, torch.round((g - b) / safe), torch.zeros_like(g)).clamp_(0, levels)
+    return pack(q.reshape(out, cols), fmt.bits), scales, biases
+
+
+def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float matrix [out, in] (computed in fp32, then cast to `dtype`)."""
+    q = unpack(packed, bits).float()
+    out, cols = q.shape
+    w = q.reshape(out, cols // group, group) * scales.float()[..., None] + biases.float()[..., None]
+    return w.reshape(out, cols).to(dtype)
+
+
+@dataclass
+class QuantizedWeight:
+    """A packed affine-quantized matrix. `shape` is the logical [out, in]; `dtype` the
+    compute dtype ops.linear multiplies in (what `calibrate_rows` keys its padding on)."""
+
+    packed: torch.Tensor  # int32 [out, in*bits/32]
+    scales: torch.Tensor  # [out, in/group]
+    biases: torch.Tensor
+    bits: int
+    group: int
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.shape[0], self.packed.shape[1] * 32 // self.bits))
+
+    @property
+    def code(self) -> int:
+        return BY_BITS[self.bits].code
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        return dequantize(self.packed, self.scales, self.biases, self.bits, self.group, dtype or self.dtype)
+
+    def to(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantized matrix (for code that wants a plain tensor, e.g. the drafter's lm_head)."""
+        return self.dequantize(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
+
+
+def fuse(parts: list) -> torch.Tensor | QuantizedWeight:
+    """Row-concatenate matrices (the trunk's qkv|z|b|a, q|k|v, gate|up fusions). Packed parts
+    of one format fuse packed (groups run along the input dim, so rows concatenate as-is);
+    a mix of formats or of packed and float parts falls back to float."""
+    if not any(isinstance(p, QuantizedWeight) for p in parts):
+        return torch.cat(parts)
+    first = parts[0]
+    if all(isinstance(p, QuantizedWeight) and (p.bits, p.group, p.scales.dtype, p.dtype)
+           == (first.bits, first.group, first.scales.dtype, first.dtype) for p in parts):
+        return QuantizedWeight(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
+                               torch.cat([p.biases for p in parts]), first.bits, first.group, first.dtype)
+    dtype = next(p.dtype for p in parts if isinstance(p, QuantizedWeight))
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.to(dtype) for p in parts])
+
+
+# ---- CPU matmul paths (scripts/bench_quant.py measures them) ------------------------------
+
+
+def linear_dequant(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
+    """Dequantize per call, then one GEMM (what ops.linear does with a QuantizedWeight)."""
+    return torch.nn.functional.linear(x.to(w.dtype), w.dequantize()).float()
+
+
+class Int4Kernel:
+    """The integer path: torch's packed-int4 CPU GEMM (int4 only; w = (q - 8) * s + zero
+    with zero = bias + 8 s). Not row-stable by construction, so the forward does not use it."""
+
+    def __init__(self, w: QuantizedWeight):
+        if w.bits != 4:
+            raise TurboError("the int4 kernel takes 4-bit weights only")
+        q = unpack(w.packed, 4).to(torch.int32)
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        s, b = w.scales.float(), w.biases.float()
+        self.sz = torch.stack([s, b + 8 * s], -1).transpose(0, 1).contiguous()
+        self.group = w.group
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.float().contiguous(), self.packed, self.group, self.sz)

@@ -19,7 +19,7 @@ from .quant import QuantizedWeight
 # decode/verify call to whole blocks puts each row on the same micro-kernel; the block
 # that achieves this is measured per machine and weight shape by `calibrate_rows`
 # (0 means none did, and rows are then computed one call each: slower, still exact).
-ROW_BLOCK_CANDIDATES = (8, 16, 32)
+ROW_BLOCK_CANDIDATES = (1, 2, 4, 8, 16, 32)
 _row_block: dict[tuple[int, int, torch.dtype, int], int] = {}
 
 
@@ -29,7 +29,7 @@ def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
     return x if target == rows else torch.cat([x, x.new_zeros(target - rows, x.shape[1])])
 
 
-def calibrate_rows(w: torch.Tensor, max_rows: int = 17, seed: int = 0) -> int:
+def calibrate_rows(w: torch.Tensor, max_rows: int = 9, seed: int = 0) -> int:
     """The smallest row block under which every row of a 1..max_rows-row call equals the
     same row computed alone (at row 0), for this weight's shape and dtype."""
     key = (w.shape[0], w.shape[1], w.dtype, torch.get_num_threads())

@@ -122,3 +122,27 @@ def make_spec_install(tmp: Path, seed: int = 0, **over):
     drafter = make_drafter(tmp / f"drafter{seed}", cfg.hidden_size, cfg.vocab_size, [0, cfg.num_hidden_layers - 2],
                            seed=seed)
     return make_install(tmp, seed, drafter=drafter, **over)
+
+
+class ScriptedDrafter:
+    """Proposes the trunk's own greedy continuation, wrong at chosen positions, so the
+    round's accepted count follows `schedule` exactly."""
+
+    kind = "dflash"
+    aux_layers = ()
+    window = None
+
+    def __init__(self, reference: list[int], schedule: list[int], vocab: int):
+        self.reference, self.schedule, self.vocab, self.round = reference, schedule, vocab, 0
+
+    def begin(self, prompt_out):
+        self.round = 0
+
+    def propose(self, anchor, anchor_pos, block):
+        truth = self.reference[anchor_pos + 1:anchor_pos + 1 + block]
+        n = self.schedule[self.round % len(self.schedule)]
+        self.round += 1
+        return [t if i != n else (t + 1) % self.vocab for i, t in enumerate(truth)]
+
+    def commit(self, out, kept):
+        pass

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 import turbo
+from helpers import ScriptedDrafter
+
 from turbo import ops
 from turbo.drafters.dflash import DflashDrafter
 from turbo.install import open_install
@@ -58,30 +60,6 @@ def test_ring_wrap_attends_exactly_the_window(spec_install):
     a, _ = wrapped.forward_block(ids[-1], 299, 8)
     b, _ = unbounded.forward_block(ids[-1], 299, 8)
     assert torch.equal(a, b)
-
-
-class ScriptedDrafter:
-    """Proposes the trunk's own greedy continuation, wrong at chosen positions, so the
-    round's accepted count follows `schedule` exactly."""
-
-    kind = "dflash"
-    aux_layers = ()
-    window = None
-
-    def __init__(self, reference: list[int], schedule: list[int], vocab: int):
-        self.reference, self.schedule, self.vocab, self.round = reference, schedule, vocab, 0
-
-    def begin(self, prompt_out):
-        self.round = 0
-
-    def propose(self, anchor, anchor_pos, block):
-        truth = self.reference[anchor_pos + 1:anchor_pos + 1 + block]
-        n = self.schedule[self.round % len(self.schedule)]
-        self.round += 1
-        return [t if i != n else (t + 1) % self.vocab for i, t in enumerate(truth)]
-
-    def commit(self, out, kept):
-        pass
 
 
 @pytest.mark.parametrize("rollback", ["checkpoint", "replay"])

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 from .backends import Backend, select_backend
 from .errors import TurboError
 from .install import Install, open_install
+from .adaptive import AdaptiveChooser, LazyContext
 from .policy import ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
 from .stats import Stats
 from .trunk import Trunk
@@ -136,15 +137,23 @@ class Runtime:
             draft.begin(prompt_out, ids) if draft.kind == "mtp" else draft.begin(prompt_out)
         anchor, generated, text = ids[-1], [], ""
         first_done = None
+        chooser = AdaptiveChooser(p.block) if p.policy == "adaptive" and draft is not None else None
+        draft = LazyContext(draft) if chooser is not None else draft  # plain rounds skip the drafter's work
         while len(generated) < max_new:
-            proposals = draft.propose(anchor, st.pos, p.block) if draft is not None else []
+            block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
+            t0 = time.perf_counter()
+            proposals = draft.propose(anchor, st.pos, block) if draft is not None and block else []
+            t1 = time.perf_counter()
             rows = [anchor] + proposals
             out = trunk.step(st, rows, aux_layers, keep=rollback if proposals else None)
             targets = out.logits.argmax(dim=-1).tolist()
             n = 0
             while n < len(proposals) and proposals[n] == targets[n]:
                 n += 1
+            t2 = time.perf_counter()
             replayed = trunk.rollback(st, out, len(rows), n + 1, rollback)
+            if chooser is not None:
+                chooser.observe(block, n, t1 - t0, t2 - t1, time.perf_counter() - t2)
             if draft is not None:
                 draft.commit(out, n + 1)
             stats.record_round(len(proposals), n, replayed)

@@ -1,0 +1,318 @@
+"""task=probe: the accept-length probe (DESIGN 8; the reference's DFLASH_SERVING_BLOCK table).
+
+    python -m turbo task=probe                                  # the composed workload, blocks 1 2 4 7 8 + adaptive
+    python -m turbo task=probe probe.workloads=[prose,code,math] probe.rollbacks=[replay,checkpoint]
+    python -m turbo task=probe +policy=fixed block=4            # off + that one block (what a sweep job runs)
+    python -m turbo -m task=probe +policy=fixed block=1,2,4,8 workload=prose,code,math rollback=replay,checkpoint
+
+For every workload it decodes `max_new_tokens` greedy tokens per prompt with `off` (the baseline),
+then with every block at `policy=fixed` (and `policy=adaptive`), for every rollback strategy. The
+configurations run round-robin per prompt, so a change of machine load hits all of them alike.
+It prints per workload the reference's two tables (accepted per round; rollback rate) and a third
+(per-position acceptance, mean acceptance length, tokens/s, speedup over off), checks every
+configuration produced `off`'s tokens on every prompt, and writes `metrics.json` (schema below) in
+the Hydra output directory. Counts are deterministic; wall-clock figures are for ordering only.
+Exit status 1 when any configuration's text differs from off's (metrics.json is written first).
+
+Which blocks: `+policy=fixed block=B` measures B alone, `+policy=adaptive` adaptive alone,
+`+policy=off` the baseline alone; otherwise (`auto`, the default) `probe.blocks`, plus adaptive
+when `probe.adaptive` is true. Keys (conf/task/probe.yaml; `probe.*` is a top-level node):
+  probe.blocks                [1, 2, 4, 7, 8]
+  probe.adaptive              true
+  probe.workloads             null = the composed `workload`; or a list of conf/workload names
+  probe.rollbacks             null = the top-level `rollback`; or a list
+  probe.prompts_per_workload  null = every prompt of the workload; N = the first N
+`max_new_tokens` (top level) overrides every workload's own; `prompt=` replaces the workload's prompts.
+
+metrics.json (schema "turbo.probe/1"):
+  schema, install, backend, drafter, window, max_new_tokens (null: per workload), blocks, adaptive,
+  rollbacks, workloads, prompts_per_workload, overrides (the job's Hydra overrides), lossless (bool),
+  timing_note, and `runs`: one object per (workload, rollback, policy, block):
+    workload, policy ("off" | "fixed" | "adaptive"), block (0 for off; the widest block for adaptive),
+    rollback (null for off), prompts, max_new_tokens,
+    deterministic counts: prompt_tokens, generated_tokens, rounds, drafted, accepted, rollbacks,
+      replayed_rows, accepted_per_round, mean_acceptance_length, rollback_rate,
+      per_position_acceptance (list), mean_block (drafted / rounds: adaptive's average choice),
+      same_text_as_off (bool), mismatched_prompts (prompt indices);
+    times (ordering only): wall_s (sum over prompts of the generate call, prefill included),
+      tokens_per_s (generated_tokens / wall_s), speedup_vs_off (tokens_per_s / off's, same workload).
+  (adaptive's counts follow its timing-driven choices, so they are not reproducible like fixed's.)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+
+from .errors import TurboError
+
+SCHEMA = "turbo.probe/1"
+DEFAULT_BLOCKS = (1, 2, 4, 7, 8)
+TIMING_NOTE = "wall-clock figures (wall_s, tokens_per_s, speedup_vs_off) are read for ordering only"
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+
+@dataclass
+class Agg:
+    """One configuration's counters summed over the prompts."""
+
+    workload: str
+    policy: str
+    block: int
+    rollback: str | None
+    max_new_tokens: int
+    prompts: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    rollbacks: int = 0
+    replayed_rows: int = 0
+    wall_s: float = 0.0
+    reached: list[int] = field(default_factory=list)
+    landed: list[int] = field(default_factory=list)
+    mismatched: list[int] = field(default_factory=list)
+
+    def add(self, stats, wall: float) -> None:
+        self.prompts += 1
+        self.prompt_tokens += stats.prompt_tokens
+        self.generated_tokens += stats.generated_tokens
+        self.rounds += stats.rounds
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        self.rollbacks += stats.rollbacks
+        self.replayed_rows += stats.replayed_rows
+        self.wall_s += wall
+        width = max(len(self.reached), len(stats.reached))
+        self.reached += [0] * (width - len(self.reached))
+        self.landed += [0] * (width - len(self.landed))
+        for i, (r, l) in enumerate(zip(stats.reached, stats.landed)):
+            self.reached[i] += r
+            self.landed[i] += l
+
+    @property
+    def label(self) -> str:
+        return {"off": "off", "adaptive": "adaptive"}.get(self.policy, str(self.block))
+
+    def as_dict(self, off: "Agg | None") -> dict:
+        rounds = self.rounds or 1
+        tps = self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+        off_tps = off.generated_tokens / off.wall_s if off is not None and off.wall_s > 0 else 0.0
+        return {
+            "workload": self.workload, "policy": self.policy, "block": self.block, "rollback": self.rollback,
+            "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
+            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
+            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "rollbacks": self.rollbacks,
+            "replayed_rows": self.replayed_rows,
+            "accepted_per_round": self.accepted / rounds,
+            "mean_acceptance_length": 1.0 + self.accepted / rounds,
+            "rollback_rate": self.rollbacks / rounds,
+            "per_position_acceptance": [l / r if r else 0.0 for l, r in zip(self.landed, self.reached)],
+            "mean_block": self.drafted / rounds,
+            "same_text_as_off": not self.mismatched, "mismatched_prompts": list(self.mismatched),
+            "wall_s": self.wall_s, "tokens_per_s": tps,
+            "speedup_vs_off": tps / off_tps if off_tps > 0 else None,
+        }
+
+
+def _list(node, what: str) -> list | None:
+    if node is None:
+        return None
+    if isinstance(node, (ListConfig, list, tuple)):
+        return list(node)
+    if isinstance(node, (str, int)) and not isinstance(node, bool):
+        return [node]
+    raise TurboError(f"config: {what}={node!r}, expected a list or null")
+
+
+def _workload_prompts(name: str) -> tuple[list[str], int]:
+    path = CONF_DIR / "workload" / f"{name}.yaml"
+    if not path.is_file():
+        have = ", ".join(sorted(p.stem for p in (CONF_DIR / "workload").glob("*.yaml")))
+        raise TurboError(f"probe.workloads: no workload {name!r} (conf/workload has {have})")
+    w = OmegaConf.load(path)
+    return [str(p) for p in w.prompts], int(w.max_new_tokens)
+
+
+def output_dir() -> Path:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return Path(HydraConfig.get().runtime.output_dir)
+    except Exception:  # not running under @hydra.main (the API, tests)
+        return Path.cwd()
+
+
+def _overrides() -> list[str]:
+    try:
+        from hydra.core.hydra_config import HydraConfig
+        return list(HydraConfig.get().overrides.task)
+    except Exception:
+        return []
+
+
+def _fmt_pos(p: list[float]) -> str:
+    if not p:
+        return "-"
+    lo, hi = min(p), max(p)
+    return f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}"
+
+
+def tables(workload: str, runs: list[dict], prompts: int, max_new: int) -> str:
+    """The probe's three tables for one workload (markdown)."""
+    off = next((r for r in runs if r["policy"] == "off"), None)
+    spec = [r for r in runs if r["policy"] != "off"]
+    strategies = list(dict.fromkeys(r["rollback"] for r in spec))
+    cols = list(dict.fromkeys((r["policy"], r["block"]) for r in spec))
+
+    def head(c):
+        return "adaptive" if c[0] == "adaptive" else f"block {c[1]}"
+
+    def find(rb, c):
+        return next((r for r in spec if r["rollback"] == rb and (r["policy"], r["block"]) == c), None)
+
+    out = [f"### {workload} ({prompts} prompts x {max_new} greedy tokens)", ""]
+    if spec:
+        fixed = [c for c in cols if c[0] == "fixed"]
+        out += ["accepted per round (deterministic):", "",
+                "| rollback | per-position acceptance | " + " | ".join(head(c) for c in cols) + " |",
+                "| --- | --- | " + " | ".join("---:" for _ in cols) + " |"]
+        for rb in strategies:
+            widest = find(rb, fixed[-1]) if fixed else None
+            pos = _fmt_pos(widest["per_position_acceptance"]) if widest else "-"
+            cells = [f"{find(rb, c)['accepted_per_round']:.2f}" if find(rb, c) else "" for c in cols]
+            out.append(f"| {rb} | {pos} | " + " | ".join(cells) + " |")
+        out += ["", "rollback rate (deterministic):", "",
+                "| rollback | " + " | ".join(head(c) for c in cols) + " |",
+                "| --- | " + " | ".join("---:" for _ in cols) + " |"]
+        for rb in strategies:
+            cells = [f"{find(rb, c)['rollback_rate']:.0%}" if find(rb, c) else "" for c in cols]
+            out.append(f"| {rb} | " + " | ".join(cells) + " |")
+    out += ["", "per configuration (tokens/s and speedup: wall clock, for ordering only):", "",
+            "| rollback | policy | block | per-position acceptance | mean acceptance length | tokens/s | speedup over off |",
+            "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
+    if off is not None:
+        out.append(f"| - | off | 0 | - | 1.00 | {off['tokens_per_s']:.1f} | 1.00x |")
+    for rb in strategies:
+        for c in cols:
+            r = find(rb, c)
+            if r is None:
+                continue
+            pos = " ".join(f"{p:.2f}" for p in r["per_position_acceptance"]) or "-"
+            blk = f"{r['block']} (mean {r['mean_block']:.2f})" if r["policy"] == "adaptive" else str(r["block"])
+            sp = f"{r['speedup_vs_off']:.2f}x" if r["speedup_vs_off"] is not None else "-"
+            out.append(f"| {rb} | {r['policy']} | {blk} | {pos} | {r['mean_acceptance_length']:.2f} | "
+                       f"{r['tokens_per_s']:.1f} | {sp} |")
+    bad = [r for r in spec if not r["same_text_as_off"]]
+    if not spec:
+        out += ["", "lossless: nothing to compare (off alone)"]
+    elif bad:
+        out += [""] + [f"LOSSLESS VIOLATION: {r['policy']} block {r['block']} rollback {r['rollback']} differs from off "
+                       f"on prompt(s) {r['mismatched_prompts']}" for r in bad]
+    else:
+        out += ["", f"lossless: all {len(spec)} configurations produced exactly off's tokens on all {prompts} prompts"]
+    return "\n".join(out)
+
+
+def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: bool = False) -> int:
+    from .engine import open as open_runtime
+    from .policy import POLICIES
+
+    pc = cfg.get("probe") or OmegaConf.create({})
+    blocks = _list(pc.get("blocks", list(DEFAULT_BLOCKS)), "probe.blocks") or []
+    with_adaptive = bool(pc.get("adaptive", True))
+    if rc.policy == "fixed":
+        if rc.block is None:
+            raise TurboError("policy fixed needs a block: +policy=fixed block=N")
+        blocks, with_adaptive = [rc.block], False
+    elif rc.policy == "adaptive":
+        blocks, with_adaptive = [], True
+    elif rc.policy == "off":
+        blocks, with_adaptive = [], False
+    elif rc.policy not in POLICIES:
+        raise TurboError(f"policy {rc.policy!r} is not one of {', '.join(POLICIES)}")
+    for b in blocks:
+        if isinstance(b, bool) or not isinstance(b, int):
+            raise TurboError(f"probe.blocks: {b!r} is not an integer")
+    rollbacks = [str(r) for r in (_list(pc.get("rollbacks"), "probe.rollbacks") or [rc.rollback])]
+    workloads = [str(w) for w in (_list(pc.get("workloads"), "probe.workloads") or [rc.workload])]
+    per = pc.get("prompts_per_workload")
+    if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
+        raise TurboError(f"config: probe.prompts_per_workload={per!r}, expected a positive integer or null")
+    override_max = cfg.get("max_new_tokens")
+
+    rt = open_runtime(rc.install, rc.backend, rc.dtype)
+    if rt.backend.note and not quiet:
+        print(rt.backend.note, file=sys.stderr)
+    # validate every configuration before decoding anything (a bad block fails in seconds)
+    plans = {b: rt.plan("fixed", b, rc.drafter) for b in blocks}
+    adaptive_plan = rt.plan("adaptive", None, rc.drafter) if with_adaptive else None
+    if adaptive_plan is not None and adaptive_plan.drafter is None:
+        raise TurboError(f"adaptive cannot speculate: {adaptive_plan.off_reason}")
+    drafter = next((p.drafter for p in plans.values()), adaptive_plan.drafter if adaptive_plan else None)
+
+    configs = [(None, 0, None)] + [(rb, b, "fixed") for rb in rollbacks for b in blocks]
+    if adaptive_plan is not None:
+        configs += [(rb, adaptive_plan.block, "adaptive") for rb in rollbacks]
+
+    def gen(prompt, policy, block, rb, n):
+        return rt.generate(prompt, max_new_tokens=n, policy=policy, block=block if policy == "fixed" else None,
+                           rollback=rb or rc.rollback, drafter=rc.drafter, window=rc.window)
+
+    all_runs, texts = [], []
+    for wl in workloads:
+        if cfg.get("prompt") is not None and wl == rc.workload:
+            prompts, own_max = [rc.prompt], rc.max_new_tokens
+        elif wl == rc.workload:
+            prompts, own_max = list(rc.prompts), rc.max_new_tokens
+        else:
+            prompts, own_max = _workload_prompts(wl)
+        if per is not None:
+            prompts = prompts[:per]
+        max_new = int(override_max) if override_max is not None else own_max
+        aggs = {c: Agg(wl, c[2] or "off", c[1], c[0], max_new) for c in configs}
+        for rb, b, pol in configs:  # warm up: build drafters, touch every code path once
+            gen(prompts[0], pol or "off", b, rb, 2)
+        for i, prompt in enumerate(prompts):
+            ref = None
+            for c in configs:
+                rb, b, pol = c
+                t = time.perf_counter()
+                res = gen(prompt, pol or "off", b, rb, max_new)
+                wall = time.perf_counter() - t
+                aggs[c].add(res.stats, wall)
+                if pol is None:
+                    ref = res.tokens
+                elif res.tokens != ref:
+                    aggs[c].mismatched.append(i)
+        off = aggs[configs[0]]
+        runs = [a.as_dict(off) for a in aggs.values()]
+        all_runs += runs
+        text = tables(wl, runs, len(prompts), max_new)
+        texts.append(text)
+        if not quiet:
+            print(text + "\n", flush=True)
+
+    lossless = all(r["same_text_as_off"] for r in all_runs)
+    metrics = {
+        "schema": SCHEMA, "install": rc.install, "backend": rt.backend.name, "drafter": drafter,
+        "window": rc.window, "max_new_tokens": override_max, "blocks": list(blocks), "adaptive": with_adaptive,
+        "rollbacks": rollbacks, "workloads": workloads, "prompts_per_workload": per, "overrides": _overrides(),
+        "lossless": lossless, "timing_note": TIMING_NOTE, "runs": all_runs,
+    }
+    out = Path(out_dir) if out_dir is not None else output_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "metrics.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(metrics, indent=2) + "\n")
+    os.replace(tmp, path)
+    if not quiet:
+        print(f"[probe] {TIMING_NOTE}; counts are deterministic")
+        print(f"[probe] wrote {path}")
+    return 0 if lossless else 1

@@ -90,15 +90,17 @@ class Trunk:
         a = self.arch
         index = install.index
 
-        packed = quant.cpu_mode() == "packed"  # else quantized matrices are dequantized here (faster on CPU)
+        mode = quant.cpu_mode()  # "dequant" (default, measured fastest): quantized matrices dequantized here
 
         def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None, matrix: bool = False):
             full = PREFIX + name
             entry = index.need(full)
             if entry.dims != tuple(shape):
                 raise TurboError(f"{full} has shape {list(entry.dims)}, expected {list(shape)}")
-            if matrix and packed and entry.bits:
-                return index.load_quantized(full, as_dtype or dtype)  # a QuantizedWeight for ops.linear
+            if matrix and entry.bits and (mode == "packed" or (mode == "kernel" and entry.bits == 4)):
+                qw = index.load_quantized(full, as_dtype or dtype)  # a QuantizedWeight for ops.linear
+                qw.use_kernel = mode == "kernel"
+                return qw
             return index.load(full, as_dtype or dtype)
 
         def norm(name: str, n: int) -> torch.Tensor:
@@ -205,8 +207,9 @@ class Trunk:
         rep = a.lin_v_heads // a.lin_k_heads
         q = ops.l2norm(mixed[:, :kd].reshape(rows, a.lin_k_heads, a.lin_k_dim)) * a.lin_k_dim ** -0.5
         k = ops.l2norm(mixed[:, kd:2 * kd].reshape(rows, a.lin_k_heads, a.lin_k_dim))
-        if rep > 1:
-            q, k = q.repeat_interleave(rep, dim=1), k.repeat_interleave(rep, dim=1)
+        if rep > 1:  # value head h reads key head h // rep (expand+reshape: a plain copy, no index math)
+            q = q[:, :, None].expand(rows, a.lin_k_heads, rep, a.lin_k_dim).reshape(rows, a.lin_v_heads, a.lin_k_dim)
+            k = k[:, :, None].expand(rows, a.lin_k_heads, rep, a.lin_k_dim).reshape(rows, a.lin_v_heads, a.lin_k_dim)
         v = mixed[:, 2 * kd:].reshape(rows, a.lin_v_heads, a.lin_v_dim)
         g = m.neg_a * ops.rowwise(F.softplus, alpha + m.dt_bias)
         return ext, (q, k, v, g, ops.sigmoid(b)), z

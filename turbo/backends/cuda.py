@@ -1,13 +1,296 @@
-"""CUDA backend: placeholder until the PTX kernels land (issue 7). It names what is missing."""
+"""The cuda backend (DESIGN 7): torch CUDA tensors for storage, the hot kernels as CUDA C
+compiled ahead of time to PTX (kernels_ptx/, scripts/build_ptx.py) and launched through
+cuda-python's driver API (cuda_kernels.py).
+
+Each wrapper below takes torch CUDA tensors, has the signature of the CPU function it
+replaces, and is tested against it (tests/test_cuda.py):
+
+    gdn_recurrence      turbo.ops.gdn_recurrence             gdn.cu
+    conv_window_update  turbo.ops.causal_conv_rows (+ window) conv.cu
+    causal_conv_rows    turbo.ops.causal_conv_rows           conv.cu
+    gated_rms_norm      turbo.ops.gated_rms_norm             norm.cu
+    grouped_conv        turbo.drafters.dflash.grouped_conv   dflash.cu
+    select_candidates   turbo.drafters.dflash.select_candidates  dflash.cu
+    affine_linear       x @ dequantize(...)^T (turbo.quant)  qgemv.cu
+
+All math is fp32. Everything else on the cuda backend may use torch ops on the GPU.
+"""
 
 from __future__ import annotations
 
+import torch
+
+from ..errors import TurboError
+from . import Backend
+
+# the kernels cover fp weights and the three affine formats (turbo/quant.py codes 4, 16, 15)
+CUDA = Backend("cuda", (1, 2, 3, 4, 16, 15))
+
+GDN_MAX_DK = 256  # gdn.cu: GDN_TI * GDN_MAX_PER
+CONV_MAX_TAPS = 8  # conv.cu
+SEL_MAX_K = 16  # dflash.cu
+QUANT_KERNELS = {4: "affine_gemv_q4_f32", 2: "affine_gemv_q2_f32", 1: "affine_gemv_q1_f32"}
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0] if text else type(e).__name__
+
 
 def cuda_unavailable_reason() -> str | None:
+    """None when the cuda backend can run here, else one line naming what is missing."""
     try:
-        import torch
+        import torch  # noqa: F401
     except ImportError:
         return "backend cuda needs torch"
+    try:
+        from cuda.bindings import driver
+    except ImportError:
+        return "backend cuda needs cuda-python (pip install cuda-python): cuda.bindings.driver is not importable"
+    try:
+        result = driver.cuInit(0)
+    except Exception as e:  # noqa: BLE001 - cuda-python raises when libcuda cannot be loaded
+        return f"backend cuda needs an NVIDIA driver: cuda-python could not load libcuda ({type(e).__name__})"
+    from .cuda_kernels import arch_for, ptx_dir, result_name
+    err = result[0] if isinstance(result, tuple) else result
+    if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
+        return "backend cuda needs a CUDA device: the NVIDIA driver is loaded and reports none"
+    if int(err) != 0:
+        return f"backend cuda: cuInit failed: {result_name(driver, err)}"
+    err, count = driver.cuDeviceGetCount()
+    if int(err) != 0 or count == 0:
+        return "backend cuda needs a CUDA device: the NVIDIA driver is loaded and reports none"
     if not torch.cuda.is_available():
-        return "backend cuda needs an NVIDIA driver and a CUDA device, and this machine has none"
-    return "backend cuda: the PTX kernels are not built yet"
+        return (f"backend cuda needs a torch build with CUDA (this torch is {torch.__version__}, "
+                f"torch.cuda.is_available() is False)")
+    major, minor = torch.cuda.get_device_capability()
+    arch = arch_for(major, minor)
+    if arch is None:
+        return f"backend cuda needs compute capability 8.0 or newer; this device is {major}.{minor}"
+    missing = [m for m in ("gdn", "conv", "norm", "dflash", "qgemv") if not (ptx_dir() / f"{m}.{arch}.ptx").is_file()]
+    if missing:
+        return f"backend cuda needs the PTX kernels: {', '.join(f'{m}.{arch}.ptx' for m in missing)} missing in {ptx_dir()}"
+    return None
+
+
+def _k(t: torch.Tensor):
+    from .cuda_kernels import kernels
+    return kernels(t.device.index)
+
+
+def _need_cuda(t: torch.Tensor, name: str) -> None:
+    if not t.is_cuda:
+        raise TurboError(f"backend cuda: {name} is on {t.device}, expected a CUDA tensor")
+
+
+def _f32(t: torch.Tensor, name: str) -> torch.Tensor:
+    _need_cuda(t, name)
+    return t.float().contiguous()
+
+
+def _args():
+    from .cuda_kernels import f32, i32, ptr
+    return ptr, i32, f32
+
+
+# ---- GDN recurrence ------------------------------------------------------------------------
+
+
+def gdn_recurrence(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                   beta: torch.Tensor, keep_states: bool = False, out_state: torch.Tensor | None = None):
+    """ops.gdn_recurrence on the GPU: state [H, dk, dv] fp32; q, k [R, H, dk]; v [R, H, dv];
+    g, beta [R, H]. Returns (outputs [R, H, dv], final state, the state after every row when
+    keep_states: views of one [R, H, dk, dv] tensor). `out_state` may be `state` (in place)."""
+    ptr, i32, _ = _args()
+    state = _f32(state, "state")
+    q, k, v, g, beta = (_f32(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
+    rows, heads, dk = q.shape
+    dv = v.shape[-1]
+    if dk > GDN_MAX_DK:
+        raise TurboError(f"backend cuda: the GDN kernel takes key heads up to {GDN_MAX_DK} wide, this one is {dk}")
+    new_state = torch.empty_like(state) if out_state is None else out_state
+    out = torch.empty(rows, heads, dv, device=q.device, dtype=torch.float32)
+    states = torch.empty(rows, heads, dk, dv, device=q.device, dtype=torch.float32) if keep_states else None
+    _k(q).launch("gdn", "gdn_recurrence_f32", (heads, -(-dv // 32)), (32, 8),
+                 [ptr(state), ptr(new_state), ptr(states), ptr(out), ptr(q), ptr(k), ptr(v), ptr(g), ptr(beta),
+                  i32(rows), i32(heads), i32(dk), i32(dv)])
+    return out, new_state, (list(states.unbind(0)) if keep_states else None)
+
+
+# ---- conv window + causal conv + silu ------------------------------------------------------
+
+
+def conv_window_update(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, keep_ext: bool = True,
+                       new_window: torch.Tensor | None = None):
+    """window [K-1, C], x [R, C], w [C, K] -> (silu(conv) [R, C], ext [K-1+R, C] or None,
+    new window [K-1, C] = ext[R:]). `new_window` may be `window` (updated in place)."""
+    ptr, i32, _ = _args()
+    window, x, w = _f32(window, "window"), _f32(x, "x"), _f32(w, "w")
+    rows, channels = x.shape
+    taps = w.shape[1]
+    if taps > CONV_MAX_TAPS:
+        raise TurboError(f"backend cuda: the conv kernel takes up to {CONV_MAX_TAPS} taps, this one has {taps}")
+    out = torch.empty(rows, channels, device=x.device, dtype=torch.float32)
+    ext = torch.empty(taps - 1 + rows, channels, device=x.device, dtype=torch.float32) if keep_ext else None
+    nw = torch.empty_like(window) if new_window is None else new_window
+    _k(x).launch("conv", "conv_window_silu_f32", (-(-channels // 256),), (256,),
+                 [ptr(window), ptr(x), ptr(w), ptr(out), ptr(ext), ptr(nw), i32(rows), i32(channels), i32(taps)])
+    return out, ext, nw
+
+
+def causal_conv_rows(ext: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """ops.causal_conv_rows on the GPU: ext [K-1+R, C] (window then rows), w [C, K] -> [R, C]."""
+    taps = w.shape[1]
+    out, _, _ = conv_window_update(ext[:taps - 1], ext[taps - 1:], w, keep_ext=False)
+    return out
+
+
+# ---- gated RMSNorm -------------------------------------------------------------------------
+
+
+def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """ops.gated_rms_norm on the GPU: o, z [..., d]; w [d]."""
+    ptr, i32, f32 = _args()
+    shape = o.shape
+    d = shape[-1]
+    o2, z2, w = _f32(o, "o").reshape(-1, d), _f32(z, "z").reshape(-1, d), _f32(w, "w")
+    n = o2.shape[0]
+    out = torch.empty(n, d, device=o.device, dtype=torch.float32)
+    _k(o).launch("norm", "gated_rms_norm_f32", (-(-n // 4),), (128,),
+                 [ptr(o2), ptr(z2), ptr(w), ptr(out), i32(n), i32(d), f32(eps)])
+    return out.reshape(shape)
+
+
+# ---- DFlash2 -------------------------------------------------------------------------------
+
+
+def grouped_conv(h: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor, group: int) -> torch.Tensor:
+    """dflash.grouped_conv on the GPU: h [rows, H]; base [taps, H]; dyn [rows, taps, H/group]."""
+    ptr, i32, _ = _args()
+    h, base, dyn = _f32(h, "h"), _f32(base, "base"), _f32(dyn, "dyn")
+    rows, hidden = h.shape
+    taps = base.shape[0]
+    out = torch.empty_like(h)
+    _k(h).launch("dflash", "grouped_conv_f32", (-(-hidden // 256), rows), (256,),
+                 [ptr(h), ptr(base), ptr(dyn), ptr(out), i32(rows), i32(hidden), i32(taps), i32(group)])
+    return out
+
+
+class _SelectorWorkspace:
+    """cand ids / values and the last-block ticket counter (zero between launches)."""
+
+    def __init__(self):
+        self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def get(self, device: torch.device, rows: int, k: int):
+        key = (device.index, 0)  # one workspace per device (launches on one stream at a time)
+        have = self.buffers.get(key)
+        if have is None or have[0].numel() < rows * k:
+            n = max(rows * k, 64 * SEL_MAX_K)
+            have = (torch.empty(n, dtype=torch.int32, device=device), torch.empty(n, dtype=torch.float32, device=device),
+                    torch.zeros(1, dtype=torch.int32, device=device))
+            self.buffers[key] = have
+        return have
+
+
+_workspace = _SelectorWorkspace()
+
+
+def select_candidates_ids(logits: torch.Tensor, proj: torch.Tensor, anchor: int, pred_codebook: torch.Tensor,
+                          succ_codebook: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The selector kernel: int32 [rows] drafted ids on the GPU (no host sync), given
+    proj = final @ hidden_projection^T [rows, rank]."""
+    ptr, i32, _ = _args()
+    logits, proj = _f32(logits, "logits"), _f32(proj, "proj")
+    pred_codebook, succ_codebook = _f32(pred_codebook, "pred_codebook"), _f32(succ_codebook, "succ_codebook")
+    rows, vocab = logits.shape
+    rank = proj.shape[1]
+    if not 1 <= top_k <= min(SEL_MAX_K, vocab):
+        raise TurboError(f"backend cuda: the selector kernel takes top_k 1..{min(SEL_MAX_K, vocab)}, got {top_k}")
+    if not 0 <= anchor < vocab:
+        raise TurboError(f"backend cuda: anchor {anchor} is outside the vocab 0..{vocab - 1}")
+    out = torch.empty(rows, dtype=torch.int32, device=logits.device)
+    cand_id, cand_val, counter = _workspace.get(logits.device, rows, top_k)
+    _k(logits).launch("dflash", "select_candidates_f32", (rows,), (256,),
+                      [ptr(logits), ptr(proj), ptr(pred_codebook), ptr(succ_codebook), i32(anchor), i32(rows),
+                       i32(vocab), i32(rank), i32(top_k), ptr(cand_id), ptr(cand_val), ptr(counter), ptr(out)])
+    return out
+
+
+def select_candidates(logits: torch.Tensor, final: torch.Tensor, anchor: int, hidden_projection: torch.Tensor,
+                      pred_codebook: torch.Tensor, succ_codebook: torch.Tensor, top_k: int) -> list[int]:
+    """dflash.select_candidates on the GPU (the projection is one torch GEMM; top-k and the
+    greedy bigram rescoring are one kernel launch). Ties go to the lower token id."""
+    proj = final.float() @ hidden_projection.float().T
+    return select_candidates_ids(logits, proj, anchor, pred_codebook, succ_codebook, top_k).tolist()
+
+
+# ---- affine-quantized GEMV -----------------------------------------------------------------
+
+
+def _storage16(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if t.dtype == torch.float16:
+        return t.contiguous().view(torch.int16), 0
+    if t.dtype == torch.bfloat16:
+        return t.contiguous().view(torch.int16), 1
+    raise TurboError(f"backend cuda: quantized scales / biases are {t.dtype}, expected float16 or bfloat16")
+
+
+def affine_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+                  group: int) -> torch.Tensor:
+    """x [R, in] @ w^T with w = scale * q + bias per group of `group` input columns, from the
+    packed int32 [out, in*bits/32] (turbo/quant.py layout). Returns fp32 [R, out]."""
+    ptr, i32, _ = _args()
+    if bits not in QUANT_KERNELS:
+        raise TurboError(f"backend cuda: {bits}-bit weights have no kernel (expected 4, 2 or 1)")
+    x = _f32(x, "x")
+    rows, cols = x.shape
+    out_features, words = packed.shape
+    if words * 32 // bits != cols or cols % group or group % (32 // bits):
+        raise TurboError(f"backend cuda: packed weight [{out_features}, {words}] ({bits}-bit, group {group}) "
+                         f"does not take {cols} input columns")
+    _need_cuda(packed, "packed weight")
+    packed = packed.contiguous()
+    s, kind = _storage16(scales)
+    b, kind_b = _storage16(biases)
+    if kind != kind_b:
+        raise TurboError("backend cuda: scales and biases have different dtypes")
+    y = torch.empty(rows, out_features, device=x.device, dtype=torch.float32)
+    _k(x).launch("qgemv", QUANT_KERNELS[bits], (-(-out_features // 8),), (256,),
+                 [ptr(x), ptr(packed), ptr(s), ptr(b), ptr(y), i32(rows), i32(cols), i32(out_features), i32(group),
+                  i32(kind)])
+    return y
+
+
+def linear(x: torch.Tensor, w) -> torch.Tensor:
+    """ops.linear on the GPU: a packed QuantizedWeight (anything with packed / scales / biases /
+    bits / group) goes through the quantized kernel, a plain matrix through torch (cuBLAS)."""
+    if hasattr(w, "packed") and hasattr(w, "bits"):
+        return affine_linear(x, w.packed, w.scales, w.biases, w.bits, w.group)
+    return torch.nn.functional.linear(x.to(w.dtype), w).float()
+
+
+# ---- torch references the kernels are tested against (where the CPU backend has none) -----
+
+
+def unpack_ref(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """int32 words [out, words] -> levels [out, words*32/bits]: element j of a row at bits
+    (j % (32/bits)) * bits of word j // (32/bits), little-endian."""
+    per = 32 // bits
+    words = packed.to(torch.int64) & 0xFFFFFFFF
+    shifts = torch.arange(per, dtype=torch.int64, device=packed.device) * bits
+    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1)
+
+
+def dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+                   group: int) -> torch.Tensor:
+    """The fp32 matrix: w[o, i] = scale[o, i // group] * q[o, i] + bias[o, i // group]."""
+    q = unpack_ref(packed, bits).float()
+    out, cols = q.shape
+    w = q.reshape(out, cols // group, group) * scales.float()[..., None] + biases.float()[..., None]
+    return w.reshape(out, cols)
+
+
+def affine_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
+                      group: int) -> torch.Tensor:
+    return x.float() @ dequantize_ref(packed, scales, biases, bits, group).T

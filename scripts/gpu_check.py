@@ -1,0 +1,206 @@
+"""The GPU checks of the cuda backend in one short run (< 5 minutes on an H200).
+
+    OUT=/some/dir python scripts/gpu_check.py      # results go to $OUT (default build/gpu_check)
+
+Writes to $OUT:
+    env.txt         nvidia-smi, driver / torch / cuda-python versions, cuda_unavailable_reason()
+    pytest.txt      python -m pytest tests/test_cuda.py -rs (the GPU tests run here, unskipped)
+    junit.xml       the same as JUnit XML
+    bench.json      decode micro-benchmark: a Qwen3.5-shaped GDN layer step (int4 in_proj GEMV,
+                    conv window, recurrence, gated norm, int4 out_proj) for 1 row (decode) and
+                    9 rows with checkpoints (verify of block 8), eager and CUDA-graph replay,
+                    plus the selector over a 248320 vocab; the tokens/s lines extrapolate to
+                    `layers` GDN layers (the attention layers, MLPs and lm_head are not in it)
+    summary.json    pass/fail counts and the headline numbers
+Exit status: pytest's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+
+def sh(cmd: list[str], timeout: int = 60) -> str:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        return (res.stdout + res.stderr).strip()
+    except Exception as e:  # noqa: BLE001
+        return f"{cmd[0]}: {e}"
+
+
+def env_report(out: Path) -> str | None:
+    import torch
+
+    from turbo.backends.cuda import cuda_unavailable_reason
+
+    reason = cuda_unavailable_reason()
+    lines = [sh(["nvidia-smi"]), f"python {sys.version}", f"torch {torch.__version__} cuda {torch.version.cuda} "
+             f"available {torch.cuda.is_available()}"]
+    try:
+        import cuda.bindings
+        from cuda.bindings import driver
+        lines.append(f"cuda-python {cuda.bindings.__version__}")
+        driver.cuInit(0)
+        lines.append(f"driver CUDA version {driver.cuDriverGetVersion()[1]}")
+    except Exception as e:  # noqa: BLE001
+        lines.append(f"cuda-python: {e}")
+    if torch.cuda.is_available():
+        lines.append(f"device {torch.cuda.get_device_name()} cc {torch.cuda.get_device_capability()}")
+    lines.append(f"cuda_unavailable_reason(): {reason}")
+    (out / "env.txt").write_text("\n".join(lines) + "\n")
+    return reason
+
+
+def timed(fn, iters: int) -> float:
+    """Median-free simple mean of `iters` calls, seconds per call (synchronised)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t) / iters
+
+
+def graphed(fn):
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+def bench(out: Path) -> dict:
+    import torch
+
+    from turbo import ops
+    from turbo.backends import cuda as cb
+
+    torch.manual_seed(0)
+    dev = "cuda"
+    hidden, hk, hv, d, taps, layers = 4096, 16, 32, 128, 4, 48
+    conv_c = 2 * hk * d + hv * d
+    proj_out = conv_c + hv * d + 2 * hv  # qkv | z | b | a
+
+    def qweight(o, i, bits=4, group=64):
+        w = torch.randn(o, i) * 0.02
+        g = w.reshape(o, i // group, group)
+        lo, hi = g.amin(-1), g.amax(-1)
+        sdt = torch.bfloat16 if bits == 4 else torch.float16
+        scales, biases = ((hi - lo) / ((1 << bits) - 1)).to(sdt), lo.to(sdt)
+        q = ((g - biases.float()[..., None]) / scales.float()[..., None].clamp_min(1e-8)).round().clamp(0, (1 << bits) - 1)
+        per = 32 // bits
+        words = (q.reshape(o, i // per, per).long() << (torch.arange(per) * bits)).sum(-1)
+        packed = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+        return packed.to(dev), scales.to(dev), biases.to(dev)
+
+    in_proj, out_proj = qweight(proj_out, hidden), qweight(hidden, hv * d)
+    in_deq = cb.dequantize_ref(*in_proj, 4, 64).to(torch.bfloat16)
+    out_deq = cb.dequantize_ref(*out_proj, 4, 64).to(torch.bfloat16)
+    conv_w = torch.randn(conv_c, taps, device=dev) * 0.3
+    norm_w = torch.randn(d, device=dev)
+    state = torch.randn(hv, d, d, device=dev) * 0.1
+    window = torch.randn(taps - 1, conv_c, device=dev)
+    results: dict = {"shape": {"hidden": hidden, "key_heads": hk, "value_heads": hv, "head_dim": d, "taps": taps,
+                               "layers_extrapolated": layers, "weights": "int4 group 64 bf16 scales"}}
+
+    def layer_step(rows: int, keep: bool, kernels: bool):
+        x = torch.randn(rows, hidden, device=dev)
+
+        def run():
+            if kernels:
+                proj = cb.affine_linear(x, *in_proj, 4, 64)
+            else:
+                proj = torch.nn.functional.linear(x.to(torch.bfloat16), in_deq).float()
+            qkv, z = proj[:, :conv_c], proj[:, conv_c:conv_c + hv * d]
+            b, a = proj[:, conv_c + hv * d:conv_c + hv * d + hv], proj[:, conv_c + hv * d + hv:]
+            if kernels:
+                mixed, _, _ = cb.conv_window_update(window, qkv, conv_w, keep_ext=keep)
+            else:
+                mixed = ops.causal_conv_rows(torch.cat([window, qkv]), conv_w)
+            q = ops.l2norm(mixed[:, :hk * d].reshape(rows, hk, d)).repeat_interleave(hv // hk, 1) * d ** -0.5
+            k = ops.l2norm(mixed[:, hk * d:2 * hk * d].reshape(rows, hk, d)).repeat_interleave(hv // hk, 1)
+            v = mixed[:, 2 * hk * d:].reshape(rows, hv, d)
+            g = -torch.nn.functional.softplus(a)
+            beta = torch.sigmoid(b)
+            if kernels:
+                o, _, _ = cb.gdn_recurrence(state, q, k, v, g, beta, keep_states=keep)
+                y = cb.gated_rms_norm(o, z.reshape(rows, hv, d), norm_w, 1e-6)
+                return cb.affine_linear(y.reshape(rows, -1), *out_proj, 4, 64)
+            o, _, _ = ops.gdn_recurrence(state, q, k, v, g, beta, keep_states=keep)
+            y = ops.gated_rms_norm(o, z.reshape(rows, hv, d), norm_w, 1e-6)
+            return torch.nn.functional.linear(y.reshape(rows, -1).to(torch.bfloat16), out_deq).float()
+        return run
+
+    for label, rows, keep in (("decode", 1, False), ("verify_block8", 9, True)):
+        for impl, kernels in (("ptx_kernels", True), ("torch_only", False)):
+            step = layer_step(rows, keep, kernels)
+            eager = timed(step, 50)
+            replay = timed(graphed(step), 200)
+            per_token_stack = replay * layers
+            results[f"{label}.{impl}"] = {
+                "rows": rows, "eager_us_per_layer": round(eager * 1e6, 1),
+                "graph_us_per_layer": round(replay * 1e6, 1),
+                "gdn_stack_ms_graph": round(per_token_stack * 1e3, 3),
+                # decode: one token per step; verify: one round of 9 rows (tokens it may commit: 1..9)
+                "gdn_stack_steps_per_s_graph": round(1.0 / per_token_stack, 1),
+            }
+
+    vocab, rank = 248_320, 256
+    logits = torch.randn(8, vocab, device=dev)
+    proj = torch.randn(8, rank, device=dev)
+    pred_cb, succ_cb = torch.randn(vocab, rank, device=dev), torch.randn(vocab, rank, device=dev)
+    sel = lambda: cb.select_candidates_ids(logits, proj, 3, pred_cb, succ_cb, 16)  # noqa: E731
+    results["selector_b8_vocab248320_us"] = round(timed(sel, 50) * 1e6, 1)
+    results["selector_b8_vocab248320_graph_us"] = round(timed(graphed(sel), 200) * 1e6, 1)
+    h = torch.randn(9, 5120, device=dev)
+    base, dyn = torch.randn(2, 5120, device=dev), torch.randn(9, 2, 5120 // 16, device=dev)
+    results["grouped_conv_9x5120_us"] = round(timed(lambda: cb.grouped_conv(h, base, dyn, 16), 100) * 1e6, 1)
+    (out / "bench.json").write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def main() -> int:
+    out = Path(os.environ.get("OUT") or ROOT / "build" / "gpu_check")
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    reason = env_report(out)
+    summary: dict = {"cuda_unavailable_reason": reason}
+    proc = subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_cuda.py"), "-q", "-rs",
+                           "-p", "no:cacheprovider", f"--junitxml={out / 'junit.xml'}"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=240)
+    (out / "pytest.txt").write_text(proc.stdout + proc.stderr)
+    summary["pytest_exit"] = proc.returncode
+    summary["pytest_tail"] = (proc.stdout.strip().splitlines() or [""])[-1]
+    if reason is None:
+        try:
+            summary["bench"] = bench(out)
+        except Exception as e:  # noqa: BLE001 - report, don't hide the pytest result
+            summary["bench_error"] = f"{type(e).__name__}: {e}"
+    else:
+        summary["bench_skipped"] = reason
+    summary["wall_s"] = round(time.time() - t0, 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    return proc.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,183 @@
+"""The PTX loader over cuda-python's driver API (DESIGN 7): no compiler at run time.
+
+cuInit -> cuDeviceGet -> cuDevicePrimaryCtxRetain + cuCtxSetCurrent (torch's own primary
+context, so torch's pointers and streams are valid here) -> cuModuleLoadData once per module
+(`kernels_ptx/<module>.<arch>.ptx`, arch picked from the device's compute capability) ->
+cuModuleGetFunction once per kernel (cached) -> cuLaunchKernel on torch's current stream with
+pointers from `tensor.data_ptr()`. Every CUresult is checked; a failure raises CudaError
+naming the call and the kernel (or module) it was for.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from pathlib import Path
+
+from ..errors import TurboError
+
+PTX_DIR_ENV = "TURBO_PTX_DIR"
+ARCHS = ("sm_80", "sm_90")  # what scripts/build_ptx.py builds; sm_90 PTX also JITs on newer GPUs
+MODULES = ("gdn", "conv", "norm", "dflash", "qgemv")
+
+
+class CudaError(TurboError):
+    """A driver call failed: the message names the call, the kernel/module and the CUresult."""
+
+
+def ptx_dir() -> Path:
+    env = os.environ.get(PTX_DIR_ENV)
+    return Path(env) if env else Path(__file__).resolve().parents[2] / "kernels_ptx"
+
+
+def arch_for(major: int, minor: int) -> str | None:
+    """The checked-in PTX target a device of compute capability major.minor loads."""
+    if major >= 9:
+        return "sm_90"
+    if major == 8:
+        return "sm_80"
+    return None
+
+
+def _driver():
+    from cuda.bindings import driver  # imported lazily: the cpu backend never needs cuda-python
+    return driver
+
+
+def result_name(driver, err) -> str:
+    try:
+        e, name = driver.cuGetErrorName(err)
+        e2, text = driver.cuGetErrorString(err)
+        name = name.decode() if isinstance(name, bytes) else str(name)
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        return f"{name}: {text}" if int(e2) == 0 else name
+    except Exception:  # noqa: BLE001 - naming the error must never hide it
+        return f"CUresult {int(err)}"
+
+
+def check(driver, result, call: str, what: str = ""):
+    """Unpack a cuda-python (CUresult, *values) tuple; raise CudaError unless CUDA_SUCCESS."""
+    err, *values = result if isinstance(result, tuple) else (result,)
+    if int(err) != 0:
+        where = f" for {what}" if what else ""
+        raise CudaError(f"{call} failed{where}: {result_name(driver, err)}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else tuple(values)
+
+
+# kernel argument helpers: cuLaunchKernel copies each parameter from the address we give it
+def ptr(t) -> ctypes.c_void_p:
+    """A device pointer argument: a torch CUDA tensor (its data_ptr) or None (a null pointer)."""
+    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+
+
+def i32(v: int) -> ctypes.c_int32:
+    return ctypes.c_int32(int(v))
+
+
+def f32(v: float) -> ctypes.c_float:
+    return ctypes.c_float(float(v))
+
+
+class Kernels:
+    """One device's loaded PTX modules and kernel handles (thread-safe, lazily loaded)."""
+
+    def __init__(self, device: int = 0):
+        d = _driver()
+        self.driver = d
+        check(d, d.cuInit(0), "cuInit")
+        self.device_index = device
+        self.device = check(d, d.cuDeviceGet(device), "cuDeviceGet", f"device {device}")
+        attr = d.CUdevice_attribute
+        major = check(d, d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device),
+                      "cuDeviceGetAttribute", f"device {device}")
+        minor = check(d, d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, self.device),
+                      "cuDeviceGetAttribute", f"device {device}")
+        self.capability = (int(major), int(minor))
+        self.arch = arch_for(*self.capability)
+        if self.arch is None:
+            raise CudaError(f"backend cuda needs compute capability 8.0 or newer (PTX for {', '.join(ARCHS)}); "
+                            f"device {device} is {major}.{minor}")
+        self.context = check(d, d.cuDevicePrimaryCtxRetain(self.device), "cuDevicePrimaryCtxRetain",
+                             f"device {device}")
+        self._lock = threading.Lock()
+        self._modules: dict[str, object] = {}
+        self._images: dict[str, bytes] = {}
+        self._functions: dict[tuple[str, str], object] = {}
+        self._make_current()
+
+    def _make_current(self, what: str = "") -> None:
+        # every launch: torch (set_device) or another device's loader may have made a different
+        # context current on this thread, and the call costs far less than the launch
+        check(self.driver, self.driver.cuCtxSetCurrent(self.context), "cuCtxSetCurrent",
+              what or f"device {self.device_index}'s primary context")
+
+    def ptx_path(self, module: str) -> Path:
+        return ptx_dir() / f"{module}.{self.arch}.ptx"
+
+    def module(self, name: str):
+        with self._lock:
+            if name not in self._modules:
+                path = self.ptx_path(name)
+                if not path.is_file():
+                    raise CudaError(f"backend cuda: {path} is missing (python scripts/build_ptx.py builds it)")
+                self._make_current()
+                image = path.read_bytes() + b"\0"
+                self._images[name] = image  # keep the image alive as long as the module
+                try:
+                    self._modules[name] = check(self.driver, self.driver.cuModuleLoadData(image), "cuModuleLoadData",
+                                                f"module {path.name}")
+                except CudaError as e:
+                    if "UNSUPPORTED_PTX_VERSION" in str(e):
+                        ver = check(self.driver, self.driver.cuDriverGetVersion(), "cuDriverGetVersion")
+                        raise CudaError(f"{e} (the driver supports CUDA {ver // 1000}.{ver % 1000 // 10}; "
+                                        f"{path.name} was built by nvcc 13.0 and needs a CUDA 13.0+ driver)") from None
+                    raise
+            return self._modules[name]
+
+    def function(self, module: str, kernel: str):
+        key = (module, kernel)
+        fn = self._functions.get(key)
+        if fn is None:
+            mod = self.module(module)
+            with self._lock:
+                fn = self._functions.get(key)
+                if fn is None:
+                    fn = check(self.driver, self.driver.cuModuleGetFunction(mod, kernel.encode()),
+                               "cuModuleGetFunction", f"kernel {kernel} in {module}.{self.arch}.ptx")
+                    self._functions[key] = fn
+        return fn
+
+    def launch(self, module: str, kernel: str, grid: tuple[int, ...], block: tuple[int, ...], args: list,
+               shared: int = 0, stream: int | None = None) -> None:
+        """Launch `kernel` on torch's current stream (or `stream`, a raw cudaStream_t)."""
+        fn = self.function(module, kernel)
+        self._make_current(f"kernel {kernel}")
+        if stream is None:
+            import torch
+            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        if min(gx, gy, gz) <= 0:
+            return  # nothing to compute (zero rows)
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        check(self.driver, self.driver.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared,
+                                                      self.driver.CUstream(stream), ctypes.addressof(params), 0),
+              "cuLaunchKernel", f"kernel {kernel}")
+
+
+_kernels: dict[int, Kernels] = {}
+_kernels_lock = threading.Lock()
+
+
+def kernels(device: int | None = None) -> Kernels:
+    """The loader for `device` (torch's current device by default), created once."""
+    if device is None:
+        import torch
+        device = torch.cuda.current_device()
+    with _kernels_lock:
+        if device not in _kernels:
+            _kernels[device] = Kernels(device)
+        return _kernels[device]

@@ -163,6 +163,20 @@ def test_packed_weights_compute_the_same_as_dequantized_at_load(int4_install, mo
     assert torch.equal(rows, singles)
 
 
+def test_int4_kernel_mode_is_lossless_and_row_stable(int4_install, monkeypatch):
+    """The integer path (TURBO_QUANT_CPU=kernel, bf16 activations): verify rows equal decode steps."""
+    monkeypatch.setenv(quant.CPU_MODE_ENV, "kernel")
+    rt = engine.open(str(int4_install[2]), backend="cpu", dtype="bfloat16")
+    gu = rt.trunk.layers[0].gate_up
+    assert isinstance(gu, quant.QuantizedWeight) and gu.use_kernel and gu.kernel() is not None
+    ref = F_linear = torch.nn.functional.linear(torch.ones(1, 64, dtype=torch.bfloat16), gu.dequantize())
+    assert torch.allclose(gu.kernel()(torch.ones(1, 64)), F_linear.float(), atol=0.05 * ref.abs().max().item())
+    prompt = "def f(x):\n    return x"
+    plain = rt.generate(prompt, max_new_tokens=16, policy="off", stop_at_eos=False)
+    spec = rt.generate(prompt, max_new_tokens=16, policy="fixed", block=3, stop_at_eos=False)
+    assert spec.stats.drafted > 0 and spec.tokens == plain.tokens
+
+
 def _mlx_checkpoint(tmp, bad=None):
     """An HF checkpoint whose projections are stored quantized in the MLX community layout."""
     src = tmp / "mlx"

@@ -54,6 +54,9 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     shapes `calibrate_rows` has seen (prefill-sized calls are not padded). A packed
     QuantizedWeight is dequantized first (deterministically), then takes the same path."""
     if isinstance(w, QuantizedWeight):
+        kernel = w.kernel() if w.use_kernel else None
+        if kernel is not None:  # probed row-stable: each row is computed on its own
+            return kernel(x)
         w = w.dequantize()
     xw = x.to(w.dtype)
     block = _row_block.get((w.shape[0], w.shape[1], w.dtype, torch.get_num_threads()))

@@ -53,15 +53,17 @@ BY_BITS = {f.bits: f for f in FORMATS.values()}
 QUANT_CODES = tuple(sorted(BY_CODE))
 METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
 
-# The CPU representation of a quantized matrix in the trunk: "dequant" (at load, default)
-# or "packed" (QuantizedWeight, dequantized per ops.linear call).
+# The CPU representation of a quantized matrix in the trunk: "dequant" (at load, default),
+# "packed" (QuantizedWeight, dequantized per ops.linear call) or "kernel" (int4: torch's
+# packed-int4 CPU GEMM on the trunk's activations, used only where a probe shows it row-stable;
+# the other formats are dequantized at load).
 CPU_MODE_ENV = "TURBO_QUANT_CPU"
 
 
 def cpu_mode() -> str:
     mode = os.environ.get(CPU_MODE_ENV, "dequant").strip() or "dequant"
-    if mode not in ("dequant", "packed"):
-        raise TurboError(f"{CPU_MODE_ENV}={mode!r} is not one of dequant, packed")
+    if mode not in ("dequant", "packed", "kernel"):
+        raise TurboError(f"{CPU_MODE_ENV}={mode!r} is not one of dequant, packed, kernel")
     return mode
 
 
@@ -121,10 +123,13 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
 
 def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """int32 (uint32 bits) [out, words] -> uint8 levels [out, words * 32 / bits]."""
-    per = 32 // bits
-    shifts = torch.arange(per, dtype=torch.int64) * bits
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1).to(torch.uint8)
+    return _levels(packed, bits).to(torch.uint8)
+
+
+def _levels(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    # int32 arithmetic shifts: the mask drops the sign bits the top field drags in
+    shifts = torch.arange(32 // bits, dtype=torch.int32) * bits
+    return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1)
 
 
 # ---- quantize / dequantize ----------------------------------------------------------------
@@ -151,7 +156,7 @@ def quantize(w: torch.Tensor, fmt: QFormat, name: str = "tensor") -> tuple[torch
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The float matrix [out, in] (computed in fp32, then cast to `dtype`)."""
-    q = unpack(packed, bits).float()
+    q = _levels(packed, bits).float()
     out, cols = q.shape
     w = q.reshape(out, cols // group, group) * scales.float()[..., None] + biases.float()[..., None]
     return w.reshape(out, cols).to(dtype)
@@ -168,6 +173,8 @@ class QuantizedWeight:
     bits: int
     group: int
     dtype: torch.dtype = torch.float32
+    use_kernel: bool = False  # ops.linear multiplies through Int4Kernel (when it probes row-stable)
+    _kernel: object = None
 
     @property
     def shape(self) -> torch.Size:
@@ -184,6 +191,16 @@ class QuantizedWeight:
         """The dequantized matrix (for code that wants a plain tensor, e.g. the drafter's lm_head)."""
         return self.dequantize(dtype)
 
+    def kernel(self):
+        """The Int4Kernel for this weight, or None where it is not row-stable here (probed once)."""
+        if self._kernel is None:
+            try:
+                k = Int4Kernel(self)
+                self._kernel = k if k.row_stable(self.dtype) else False
+            except RuntimeError:  # shapes the kernel does not take (rows not a multiple of 16, ...)
+                self._kernel = False
+        return self._kernel or None
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.packed, self.scales, self.biases))
@@ -199,7 +216,8 @@ def fuse(parts: list) -> torch.Tensor | QuantizedWeight:
     if all(isinstance(p, QuantizedWeight) and (p.bits, p.group, p.scales.dtype, p.dtype)
            == (first.bits, first.group, first.scales.dtype, first.dtype) for p in parts):
         return QuantizedWeight(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
-                               torch.cat([p.biases for p in parts]), first.bits, first.group, first.dtype)
+                               torch.cat([p.biases for p in parts]), first.bits, first.group, first.dtype,
+                               all(p.use_kernel for p in parts))
     dtype = next(p.dtype for p in parts if isinstance(p, QuantizedWeight))
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.to(dtype) for p in parts])
 
@@ -214,7 +232,8 @@ def linear_dequant(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
 
 class Int4Kernel:
     """The integer path: torch's packed-int4 CPU GEMM (int4 only; w = (q - 8) * s + zero
-    with zero = bias + 8 s). Not row-stable by construction, so the forward does not use it."""
+    with zero = bias + 8 s), activations in the scales' dtype. Not row-stable by contract:
+    `row_stable` probes it on this weight before the forward trusts it."""
 
     def __init__(self, w: QuantizedWeight):
         if w.bits != 4:
@@ -224,6 +243,17 @@ class Int4Kernel:
         s, b = w.scales.float(), w.biases.float()
         self.sz = torch.stack([s, b + 8 * s], -1).transpose(0, 1).contiguous()
         self.group = w.group
+        self.dtype = torch.float32
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.float().contiguous(), self.packed, self.group, self.sz)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype).contiguous(), self.packed, self.group,
+                                                           self.sz).float()
+
+    def row_stable(self, dtype: torch.dtype, max_rows: int = 9, seed: int = 0) -> bool:
+        """Every row of a 1..max_rows-row call equals the same row computed alone."""
+        self.dtype = dtype
+        self.sz = self.sz.to(dtype)
+        g = torch.Generator().manual_seed(seed)
+        xs = torch.randn(max_rows, self.sz.shape[0] * self.group, generator=g)
+        alone = [self(xs[i:i + 1])[0] for i in range(max_rows)]
+        return all(torch.equal(self(xs[:m])[i], alone[i]) for m in range(2, max_rows + 1) for i in range(m))

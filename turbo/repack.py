@@ -53,6 +53,9 @@ RENAMES = (
     ("model.", "trunk."),
     ("lm_head.", "trunk.lm_head."),
     ("mtp.", "mtp."),
+    # an install as the source (e.g. quantizing one: python -m turbo.repack INSTALL OUT --quant int4)
+    ("trunk.", "trunk."),
+    ("vision.", "vision."),
 )
 
 

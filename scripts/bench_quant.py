@@ -1,0 +1,184 @@
+"""Quantized installs on the CPU (issue 8): the three matmul paths, tokens/s int4 vs bf16,
+and the size on disk per format.
+
+    python scripts/bench_quant.py [--threads 1] [--tokens 48]
+    python scripts/bench_quant.py --agreement tiny [--fmt int4] [--prompts N]
+
+1. matmul: one projection [out, in] at decode (1 row) and verify (3 rows) sizes:
+   float weights cached (the dequantized-at-load path), dequantize per call (the packed
+   QuantizedWeight path ops.linear takes), and torch's packed-int4 CPU kernel (integer path).
+2. end to end: a random Qwen3.5 trunk repacked as bf16 and as int4|int2|int1; plain greedy
+   decode tokens/s (policy off) for each, int4 both dequantized at load and packed; and the
+   bytes of model.safetensors per format.
+3. --agreement INSTALL: repack the (bf16) install to --fmt and greedy-decode every workload
+   prompt (conf/workload/*.yaml, max_new_tokens each) on both: the fraction of identical
+   tokens (position by position) and the perplexity of the bf16 continuation under each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from turbo import engine, quant  # noqa: E402
+from turbo.repack import repack  # noqa: E402
+
+
+def best_of(fn, reps: int = 5, inner: int = 20) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return min(times)
+
+
+def bench_matmul(out: int, cols: int) -> None:
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(out, cols, generator=g) * 0.05
+    fmt = quant.FORMATS["int4"]
+    qw = quant.QuantizedWeight(*quant.quantize(w, fmt), fmt.bits, fmt.group)
+    deq32, deq16 = qw.dequantize(torch.float32), qw.dequantize(torch.bfloat16)
+    kernel = quant.Int4Kernel(qw)
+    print(f"matmul [{out} x {cols}] int4 (ms per call, best of 5 x 20)")
+    print(f"  {'rows':>4} {'fp32 cached':>12} {'bf16 cached':>12} {'deq/call':>10} {'int4 kernel':>12}")
+    for rows in (1, 3):
+        x = torch.randn(rows, cols, generator=g)
+        t32 = best_of(lambda: F.linear(x, deq32))
+        t16 = best_of(lambda: F.linear(x.bfloat16(), deq16))
+        tdq = best_of(lambda: quant.linear_dequant(x, qw), inner=5)
+        tk = best_of(lambda: kernel(x))
+        print(f"  {rows:>4} {t32 * 1e3:>12.3f} {t16 * 1e3:>12.3f} {tdq * 1e3:>10.3f} {tk * 1e3:>12.3f}")
+    err = (kernel(x) - F.linear(x, deq32)).abs().max().item()
+    print(f"  int4 kernel vs dequantized fp32: max |diff| {err:.2e} (a different summation: not the same numbers)")
+    print(f"  resident bytes: fp32 {deq32.numel() * 4 / 1e6:.1f} MB, bf16 {deq16.numel() * 2 / 1e6:.1f} MB, "
+          f"packed int4 {qw.nbytes / 1e6:.1f} MB")
+
+
+def decode_tps(install: str, tokens: int, dtype: str = "float32", mode: str = "dequant") -> float:
+    import os
+
+    os.environ[quant.CPU_MODE_ENV] = mode
+    try:
+        rt = engine.open(install, backend="cpu", dtype=dtype)
+    finally:
+        os.environ.pop(quant.CPU_MODE_ENV, None)
+    prompt = list(range(5, 21))
+    rt.generate(prompt, max_new_tokens=4, policy="off", stop_at_eos=False)  # warm up
+    t0 = time.perf_counter()
+    rt.generate(prompt, max_new_tokens=tokens, policy="off", stop_at_eos=False)
+    return tokens / (time.perf_counter() - t0)
+
+
+def agreement(install: str, fmt: str, limit: int | None, tokens: int | None) -> None:
+    import yaml
+
+    from turbo.install import resolve
+
+    root = Path(__file__).resolve().parent.parent
+    base = resolve(install)
+    with tempfile.TemporaryDirectory() as tmp:
+        qpath = repack(base, Path(tmp) / fmt, quiet=True, quant=fmt)
+        sizes = {n: (p / "model.safetensors").stat().st_size for n, p in (("bf16", base), (fmt, qpath))}
+        print(f"size on disk: bf16 {sizes['bf16'] / 1e6:.2f} MB, {fmt} {sizes[fmt] / 1e6:.2f} MB")
+        ref, qrt = engine.open(str(base), backend="cpu"), engine.open(str(qpath), backend="cpu")
+        total_same = total = 0
+        nll = {"bf16": 0.0, fmt: 0.0}
+        for wl in sorted((root / "conf" / "workload").glob("*.yaml")):
+            cfg = yaml.safe_load(wl.read_text())
+            n_new = tokens or int(cfg.get("max_new_tokens", 256))
+            same = count = 0
+            wl_nll = {"bf16": 0.0, fmt: 0.0}
+            for prompt in cfg["prompts"][:limit]:
+                ids = ref.encode(prompt)
+                a = ref.generate(ids, max_new_tokens=n_new, policy="off", stop_at_eos=False).tokens
+                b = qrt.generate(ids, max_new_tokens=n_new, policy="off", stop_at_eos=False).tokens
+                same += sum(x == y for x, y in zip(a, b))
+                count += len(a)
+                seq = ids + a
+                for name, rt in (("bf16", ref), (fmt, qrt)):
+                    st = rt.trunk.new_state(len(seq))
+                    logits = rt.trunk.prefill(st, seq[:-1], want_logits=True).logits[len(ids) - 1:]
+                    lp = torch.log_softmax(logits.float(), -1)
+                    wl_nll[name] -= lp[torch.arange(len(a)), torch.tensor(a)].sum().item()
+            total_same, total = total_same + same, total + count
+            for k in nll:
+                nll[k] += wl_nll[k]
+            print(f"  {cfg.get('name', wl.stem):>6}: identical tokens {same}/{count} = {same / count:.3f}; "
+                  f"ppl of the bf16 continuation: bf16 {math.exp(wl_nll['bf16'] / count):.3f}, "
+                  f"{fmt} {math.exp(wl_nll[fmt] / count):.3f}")
+        print(f"  {'all':>6}: identical tokens {total_same}/{total} = {total_same / total:.3f}; ppl bf16 "
+              f"{math.exp(nll['bf16'] / total):.3f} -> {fmt} {math.exp(nll[fmt] / total):.3f} "
+              f"({100 * (math.exp((nll[fmt] - nll['bf16']) / total) - 1):+.2f}%)")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--agreement", metavar="INSTALL", help="greedy agreement of INSTALL (bf16) and its --fmt repack")
+    ap.add_argument("--fmt", default="int4", choices=list(quant.FORMATS))
+    ap.add_argument("--prompts", type=int, help="at most this many prompts per workload")
+    ap.add_argument("--new-tokens", type=int, help="override the workloads' max_new_tokens")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {args.threads} thread(s)")
+    if args.agreement:
+        agreement(args.agreement, args.fmt, args.prompts, args.new_tokens)
+        return 0
+    bench_matmul(4 * args.hidden, args.hidden)
+    bench_matmul(args.hidden, 4 * args.hidden)
+
+    from helpers import make_checkpoint
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        src = tmp / "hf"
+        h = args.hidden
+        model = make_checkpoint(src, 0, vocab_size=4096, hidden_size=h, intermediate_size=3 * h,
+                                num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
+                                head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                                linear_key_head_dim=64, linear_value_head_dim=64)
+        model.to(torch.bfloat16).save_pretrained(src)
+        installs = {"bf16": str(repack(src, tmp / "bf16", quiet=True))}
+        for fmt in quant.FORMATS:
+            installs[fmt] = str(repack(src, tmp / fmt, quiet=True, quant=fmt))
+        print(f"\nrandom trunk: hidden {h}, {args.layers} layers (3 linear : 1 full), vocab 4096, "
+              f"intermediate {3 * h}")
+        print("size on disk (model.safetensors)")
+        base_size = None
+        for name, path in installs.items():
+            size = (Path(path) / "model.safetensors").stat().st_size
+            base_size = base_size or size
+            print(f"  {name:>5}: {size / 1e6:8.2f} MB  ({size / base_size:.3f} of bf16)")
+        print(f"plain greedy decode tokens/s ({args.tokens} tokens, policy off; best of 2)")
+        rows = [("bf16 install, fp32 compute", installs["bf16"], "float32", "dequant"),
+                ("bf16 install, bf16 compute", installs["bf16"], "bfloat16", "dequant"),
+                ("int4, dequantized at load, fp32", installs["int4"], "float32", "dequant"),
+                ("int4, dequantized at load, bf16", installs["int4"], "bfloat16", "dequant"),
+                ("int4, packed (deq per call), fp32", installs["int4"], "float32", "packed"),
+                ("int4, int4 kernel, bf16", installs["int4"], "bfloat16", "kernel"),
+                ("int2, dequantized at load, fp32", installs["int2"], "float32", "dequant"),
+                ("int1, dequantized at load, fp32", installs["int1"], "float32", "dequant")]
+        for label, path, dtype, mode in rows:
+            tps = max(decode_tps(path, args.tokens, dtype, mode) for _ in range(2))
+            print(f"  {label:<36} {tps:8.1f} tok/s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

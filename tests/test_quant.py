@@ -171,15 +171,21 @@ def test_int4_kernel_mode_is_lossless_and_row_stable(int4_install, monkeypatch):
     assert isinstance(gu, quant.QuantizedWeight) and gu.use_kernel and gu.kernel() is not None
     ref = F_linear = torch.nn.functional.linear(torch.ones(1, 64, dtype=torch.bfloat16), gu.dequantize())
     assert torch.allclose(gu.kernel()(torch.ones(1, 64)), F_linear.float(), atol=0.05 * ref.abs().max().item())
+    fused = rt.trunk.layers[0].mixer.in_proj  # 104 rows: the kernel wants multiples of 16
+    assert fused.use_kernel and fused.kernel() is None and torch.equal(fused.dense(), fused.dequantize())
     prompt = "def f(x):\n    return x"
     plain = rt.generate(prompt, max_new_tokens=16, policy="off", stop_at_eos=False)
     spec = rt.generate(prompt, max_new_tokens=16, policy="fixed", block=3, stop_at_eos=False)
     assert spec.stats.drafted > 0 and spec.tokens == plain.tokens
+    # auto: the kernel on a bf16 trunk, dequantized at load on an fp32 one
+    monkeypatch.delenv(quant.CPU_MODE_ENV)
+    assert engine.open(str(int4_install[2]), backend="cpu", dtype="bfloat16").trunk.layers[0].gate_up.use_kernel
+    assert isinstance(Trunk(open_install(int4_install[2])).layers[0].gate_up, torch.Tensor)
 
 
-def _mlx_checkpoint(tmp, bad=None):
+def _mlx_checkpoint(tmp, bad=None, embed=False):
     """An HF checkpoint whose projections are stored quantized in the MLX community layout."""
-    src = tmp / "mlx"
+    src = tmp / ("mlx-embed" if embed else "mlx")
     make_checkpoint(src, 2, intermediate_size=128)
     path = src / "model.safetensors"
     with safe_open(str(path), "pt") as f:
@@ -187,7 +193,9 @@ def _mlx_checkpoint(tmp, bad=None):
     out = {}
     for name, t in tensors.items():
         module = name[:-len(".weight")].rsplit(".", 1)[-1] if name.endswith(".weight") else ""
-        if t.dim() == 2 and t.shape[1] % 64 == 0 and (module.endswith("_proj") or module.startswith("in_proj") or module == "lm_head"):
+        # MLX quantizes the embedding too (QuantizedEmbedding): it must load dequantized
+        if t.dim() == 2 and t.shape[1] % 64 == 0 and (module.endswith("_proj") or module.startswith("in_proj")
+                                                      or module == "lm_head" or (embed and module == "embed_tokens")):
             p, s, b = quant.quantize(t, FMT["int4"])
             base = name[:-len(".weight")]
             out[name] = p.view(torch.uint32)
@@ -221,6 +229,15 @@ def test_mlx_layout_source_is_carried_packed(tmp_path):
     assert torch.equal(a.prefill(sa, [1, 2, 3]).logits, b.prefill(sb, [1, 2, 3]).logits)
     with pytest.raises(TurboError, match="requantize"):
         repack(src, tmp_path / "again", quiet=True, quant="int2")
+    # MLX quantizes the embedding too: the index reports it, the trunk gathers from it dequantized
+    esrc, floats = _mlx_checkpoint(tmp_path, embed=True)
+    inst = open_install(repack(esrc, tmp_path / "inst-embed", quiet=True, quant="int4"))
+    emb = inst.index.need("trunk.embed_tokens.weight")
+    ref_emb = floats["model.embed_tokens.weight"]
+    assert emb.dtype == 4 and torch.all((inst.index.load(emb.name) - ref_emb).abs() <= _bound(ref_emb, FMT["int4"]))
+    t = Trunk(inst)
+    assert torch.equal(t.embed, inst.index.load(emb.name))
+    t.prefill(t.new_state(), [1, 2, 3])
 
 
 def _one_line(e: pytest.ExceptionInfo) -> str:

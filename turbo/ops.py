@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         kernel = w.kernel() if w.use_kernel else None
         if kernel is not None:  # probed row-stable: each row is computed on its own
             return kernel(x)
-        w = w.dequantize()
+        w = w.dense()
     xw = x.to(w.dtype)
     block = _row_block.get((w.shape[0], w.shape[1], w.dtype, torch.get_num_threads()))
     if block is None or x.shape[0] > 4 * ROW_BLOCK_CANDIDATES[-1]:

@@ -15,12 +15,18 @@ Packing is the MLX community layout: q is packed little-endian into uint32 words
 of a row at bits (j % (32 // bits)) * bits of word j // (32 // bits); the packed weight is
 [out, in * bits / 32] (stored as safetensors U32), `scales` and `biases` are [out, in / group].
 
-On the CPU a quantized matrix is either dequantized once when the trunk loads (the default:
-measured fastest, scripts/bench_quant.py) or kept packed as a `QuantizedWeight` that
-`ops.linear` dequantizes per call (TURBO_QUANT_CPU=packed: a quarter of the resident bytes
-for int4). Dequantization is deterministic elementwise math, so both give the very same
-fp32/bf16 matrix, and `ops.linear`'s row-stable padding applies unchanged: a verify row
-stays bit-identical to the decode step it stands for.
+On the CPU (TURBO_QUANT_CPU, default auto; figures from scripts/bench_quant.py):
+- dequant: dequantized once when the trunk loads. Dequantization is deterministic elementwise
+  math, and `ops.linear`'s row-stable padding applies unchanged to the float matrix.
+- packed: kept as a `QuantizedWeight` that `ops.linear` dequantizes per call (the same
+  matrix, so the same numbers as dequant; a quarter of the resident bytes for int4, but the
+  dequantization costs far more than the GEMV: ~3x slower decode).
+- kernel: int4 through torch's packed-int4 CPU GEMM (the integer path) with activations in
+  the trunk's dtype. It computes every row on its own (probed per weight before it is
+  trusted; a weight it refuses or that probes unstable is dequantized once instead), so a
+  verify row stays bit-identical to the decode step it stands for. With bf16 activations it
+  is the fastest CPU path by far; with fp32 activations it is slower than a cached fp32 GEMV.
+- auto: kernel for int4 on a bf16 trunk, dequant otherwise (the faster of each pair measured).
 """
 
 from __future__ import annotations
@@ -53,17 +59,23 @@ BY_BITS = {f.bits: f for f in FORMATS.values()}
 QUANT_CODES = tuple(sorted(BY_CODE))
 METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
 
-# The CPU representation of a quantized matrix in the trunk: "dequant" (at load, default),
-# "packed" (QuantizedWeight, dequantized per ops.linear call) or "kernel" (int4: torch's
-# packed-int4 CPU GEMM on the trunk's activations, used only where a probe shows it row-stable;
-# the other formats are dequantized at load).
+# The CPU representation of a quantized matrix in the trunk (module docstring): auto,
+# dequant, packed or kernel.
 CPU_MODE_ENV = "TURBO_QUANT_CPU"
 
 
+CPU_MODES = ("auto", "dequant", "packed", "kernel")
+
+
+def keep_packed(mode: str, bits: int, dtype: torch.dtype) -> bool:
+    """Whether the trunk keeps a quantized matrix as a QuantizedWeight (else dequantizes it at load)."""
+    return mode == "packed" or (bits == 4 and (mode == "kernel" or (mode == "auto" and dtype == torch.bfloat16)))
+
+
 def cpu_mode() -> str:
-    mode = os.environ.get(CPU_MODE_ENV, "dequant").strip() or "dequant"
-    if mode not in ("dequant", "packed", "kernel"):
-        raise TurboError(f"{CPU_MODE_ENV}={mode!r} is not one of dequant, packed, kernel")
+    mode = os.environ.get(CPU_MODE_ENV, "auto").strip() or "auto"
+    if mode not in CPU_MODES:
+        raise TurboError(f"{CPU_MODE_ENV}={mode!r} is not one of {', '.join(CPU_MODES)}")
     return mode
 
 
@@ -175,6 +187,7 @@ class QuantizedWeight:
     dtype: torch.dtype = torch.float32
     use_kernel: bool = False  # ops.linear multiplies through Int4Kernel (when it probes row-stable)
     _kernel: object = None
+    _dense: torch.Tensor | None = None  # use_kernel's fallback: dequantized once
 
     @property
     def shape(self) -> torch.Size:
@@ -190,6 +203,15 @@ class QuantizedWeight:
     def to(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized matrix (for code that wants a plain tensor, e.g. the drafter's lm_head)."""
         return self.dequantize(dtype)
+
+    def dense(self) -> torch.Tensor:
+        """The matrix ops.linear multiplies by when no kernel runs: per call, or cached once
+        when this weight was meant for the kernel and the kernel refused it."""
+        if not self.use_kernel:
+            return self.dequantize()
+        if self._dense is None:
+            self._dense = self.dequantize()
+        return self._dense
 
     def kernel(self):
         """The Int4Kernel for this weight, or None where it is not row-stable here (probed once)."""

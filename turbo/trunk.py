@@ -90,16 +90,16 @@ class Trunk:
         a = self.arch
         index = install.index
 
-        mode = quant.cpu_mode()  # "dequant" (default, measured fastest): quantized matrices dequantized here
+        mode = quant.cpu_mode()  # how quantized matrices run on the CPU (turbo/quant.py; measured)
 
         def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None, matrix: bool = False):
             full = PREFIX + name
             entry = index.need(full)
             if entry.dims != tuple(shape):
                 raise TurboError(f"{full} has shape {list(entry.dims)}, expected {list(shape)}")
-            if matrix and entry.bits and (mode == "packed" or (mode == "kernel" and entry.bits == 4)):
+            if matrix and entry.bits and quant.keep_packed(mode, entry.bits, as_dtype or dtype):
                 qw = index.load_quantized(full, as_dtype or dtype)  # a QuantizedWeight for ops.linear
-                qw.use_kernel = mode == "kernel"
+                qw.use_kernel = mode != "packed"
                 return qw
             return index.load(full, as_dtype or dtype)
 

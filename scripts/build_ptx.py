@@ -72,6 +72,11 @@ def pinned_nvcc() -> Path | None:
     return None
 
 
+def host_compiler() -> str | None:
+    """nvcc preprocesses every .cu with the host compiler (gcc) even for -ptx."""
+    return shutil.which("gcc") or shutil.which("g++")
+
+
 def sources() -> list[Path]:
     return sorted(KERNELS.glob("*.cu"))
 
@@ -134,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
         found = find_tool("nvcc")
         have = f"found {found} (V{tool_version(found)})" if found else "found none"
         print(f"nvcc V{NVCC_VERSION} is required ({have}); pip install {' '.join(PIP_PACKAGES)}", file=sys.stderr)
+        return 1
+    if host_compiler() is None:
+        print("nvcc needs a host C compiler (gcc) on PATH, even for -ptx", file=sys.stderr)
         return 1
     if args.check:
         stale = check(nvcc)

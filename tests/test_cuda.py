@@ -79,6 +79,8 @@ def test_ptx_is_what_the_sources_build_to():
     nvcc = bp.pinned_nvcc()
     if nvcc is None:
         pytest.skip(f"nvcc V{bp.NVCC_VERSION} not installed (pip install {' '.join(bp.PIP_PACKAGES)})")
+    if bp.host_compiler() is None:
+        pytest.skip("no gcc on PATH (nvcc preprocesses with the host compiler)")
     assert bp.check(nvcc) == []
 
 
@@ -92,6 +94,20 @@ def test_ptxas_assembles_every_ptx_for_sm80_and_sm90():
     for src in bp.sources():
         for arch in bp.ARCHS:
             assert bp.assemble(ptxas, bp.ptx_path(src, arch), arch) is None, (src.name, arch)
+
+
+def test_ptx_assembles_at_the_loaders_lowest_isa(tmp_path):
+    """The loader's fallback for pre-13.0 drivers rewrites `.version`; the kernels must not
+    need anything newer than MIN_PTX_ISA."""
+    ptxas = bp.find_tool("ptxas")
+    if ptxas is None:
+        pytest.skip("ptxas not installed")
+    for src in bp.sources():
+        for arch in bp.ARCHS:
+            low = tmp_path / f"{src.stem}.{arch}.ptx"
+            low.write_bytes(ck.with_isa(bp.ptx_path(src, arch).read_bytes(), ck.MIN_PTX_ISA))
+            assert f".version {ck.MIN_PTX_ISA}\n".encode() in low.read_bytes()
+            assert bp.assemble(ptxas, low, arch) is None, (src.name, arch)
 
 
 # ---- backend choice without a GPU ------------------------------------------------------------
@@ -256,6 +272,24 @@ def test_loader_names_the_failed_call_and_kernel(monkeypatch, call):
         assert "grouped_conv_f32" in msg
     if call == "cuModuleLoadData":
         assert "dflash.sm_90.ptx" in msg
+
+
+def test_loader_retries_older_drivers_at_their_ptx_isa(monkeypatch):
+    loads = []
+
+    def load(image):
+        loads.append(bytes(image))
+        return (_Result(222),) if b".version 9.0" in image else (_Result(0), "mod")
+
+    names = {222: b"CUDA_ERROR_UNSUPPORTED_PTX_VERSION"}
+    d = _fake_driver(cuModuleLoadData=load, cuDriverGetVersion=lambda: (_Result(0), 12040),
+                     cuGetErrorName=lambda e: (_Result(0), names.get(int(e), b"CUDA_ERROR_UNKNOWN")))
+    monkeypatch.setattr(ck, "_driver", lambda: d)
+    ck.Kernels(0).launch("gdn", "gdn_recurrence_f32", (1,), (32, 8), [], stream=0)
+    assert len(loads) == 2 and b"\n.version 8.4\n.target sm_90\n" in loads[1]
+    d.cuDriverGetVersion = lambda: (_Result(0), 11040)
+    with pytest.raises(ck.CudaError, match=r"UNSUPPORTED_PTX_VERSION.*CUDA 11.4.*PTX ISA 7.8"):
+        ck.Kernels(0).module("conv")
 
 
 def test_loader_refuses_old_gpus(monkeypatch):

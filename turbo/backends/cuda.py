@@ -88,6 +88,15 @@ def _f32(t: torch.Tensor, name: str) -> torch.Tensor:
     return t.float().contiguous()
 
 
+def _out_buffer(t: torch.Tensor, shape, name: str) -> torch.Tensor:
+    """A caller's output buffer: the kernels write fp32, densely, on the GPU."""
+    _need_cuda(t, name)
+    if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != tuple(shape):
+        raise TurboError(f"backend cuda: {name} must be a contiguous float32 {list(shape)} tensor, "
+                         f"got {t.dtype} {list(t.shape)}")
+    return t
+
+
 def _args():
     from .cuda_kernels import f32, i32, ptr
     return ptr, i32, f32
@@ -108,7 +117,7 @@ def gdn_recurrence(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     dv = v.shape[-1]
     if dk > GDN_MAX_DK:
         raise TurboError(f"backend cuda: the GDN kernel takes key heads up to {GDN_MAX_DK} wide, this one is {dk}")
-    new_state = torch.empty_like(state) if out_state is None else out_state
+    new_state = torch.empty_like(state) if out_state is None else _out_buffer(out_state, state.shape, "out_state")
     out = torch.empty(rows, heads, dv, device=q.device, dtype=torch.float32)
     states = torch.empty(rows, heads, dk, dv, device=q.device, dtype=torch.float32) if keep_states else None
     _k(q).launch("gdn", "gdn_recurrence_f32", (heads, -(-dv // 32)), (32, 8),
@@ -132,7 +141,7 @@ def conv_window_update(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, k
         raise TurboError(f"backend cuda: the conv kernel takes up to {CONV_MAX_TAPS} taps, this one has {taps}")
     out = torch.empty(rows, channels, device=x.device, dtype=torch.float32)
     ext = torch.empty(taps - 1 + rows, channels, device=x.device, dtype=torch.float32) if keep_ext else None
-    nw = torch.empty_like(window) if new_window is None else new_window
+    nw = torch.empty_like(window) if new_window is None else _out_buffer(new_window, window.shape, "new_window")
     _k(x).launch("conv", "conv_window_silu_f32", (-(-channels // 256),), (256,),
                  [ptr(window), ptr(x), ptr(w), ptr(out), ptr(ext), ptr(nw), i32(rows), i32(channels), i32(taps)])
     return out, ext, nw

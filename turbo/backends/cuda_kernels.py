@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -20,6 +21,22 @@ from ..errors import TurboError
 PTX_DIR_ENV = "TURBO_PTX_DIR"
 ARCHS = ("sm_80", "sm_90")  # what scripts/build_ptx.py builds; sm_90 PTX also JITs on newer GPUs
 MODULES = ("gdn", "conv", "norm", "dflash", "qgemv")
+# The checked-in PTX says `.version 9.0` (nvcc 13.0), which needs a CUDA 13.0 driver. The kernels
+# use nothing newer than PTX ISA 7.8 (tests/test_cuda.py assembles every file at that version), so
+# when an older driver refuses the file the loader retries once with the newest ISA it reads.
+PTX_ISA_FOR_DRIVER = ((13000, "9.0"), (12090, "8.8"), (12080, "8.7"), (12050, "8.5"), (12040, "8.4"),
+                      (12030, "8.3"), (12020, "8.2"), (12010, "8.1"), (12000, "8.0"), (11080, "7.8"))
+MIN_PTX_ISA = PTX_ISA_FOR_DRIVER[-1][1]
+_VERSION_LINE = re.compile(rb"^\.version \d+\.\d+$", re.M)
+
+
+def isa_for_driver(version: int) -> str | None:
+    """The newest PTX ISA a driver of cuDriverGetVersion() `version` reads (None: below 11.8)."""
+    return next((isa for v, isa in PTX_ISA_FOR_DRIVER if version >= v), None)
+
+
+def with_isa(image: bytes, isa: str) -> bytes:
+    return _VERSION_LINE.sub(f".version {isa}".encode(), image, count=1)
 
 
 class CudaError(TurboError):
@@ -130,11 +147,18 @@ class Kernels:
                     self._modules[name] = check(self.driver, self.driver.cuModuleLoadData(image), "cuModuleLoadData",
                                                 f"module {path.name}")
                 except CudaError as e:
-                    if "UNSUPPORTED_PTX_VERSION" in str(e):
-                        ver = check(self.driver, self.driver.cuDriverGetVersion(), "cuDriverGetVersion")
-                        raise CudaError(f"{e} (the driver supports CUDA {ver // 1000}.{ver % 1000 // 10}; "
-                                        f"{path.name} was built by nvcc 13.0 and needs a CUDA 13.0+ driver)") from None
-                    raise
+                    if "UNSUPPORTED_PTX_VERSION" not in str(e):
+                        raise
+                    ver = int(check(self.driver, self.driver.cuDriverGetVersion(), "cuDriverGetVersion"))
+                    isa = isa_for_driver(ver)
+                    driver_text = f"the driver supports CUDA {ver // 1000}.{ver % 1000 // 10}"
+                    if isa is None:
+                        raise CudaError(f"{e} ({driver_text}; the kernels need PTX ISA {MIN_PTX_ISA}, "
+                                        f"CUDA 11.8 or newer)") from None
+                    image = with_isa(image, isa)
+                    self._images[name] = image
+                    self._modules[name] = check(self.driver, self.driver.cuModuleLoadData(image), "cuModuleLoadData",
+                                                f"module {path.name} at PTX ISA {isa} ({driver_text})")
             return self._modules[name]
 
     def function(self, module: str, kernel: str):

@@ -28,7 +28,7 @@ KERNELS = ROOT / "kernels_ptx"
 ARCHS = ("sm_80", "sm_90")
 NVCC_VERSION = "13.0.88"  # the release whose output is checked in ("Cuda compilation tools, ... V13.0.88")
 PIP_PACKAGES = (f"nvidia-cuda-nvcc=={NVCC_VERSION}", f"nvidia-nvvm=={NVCC_VERSION}",
-                f"nvidia-cuda-crt=={NVCC_VERSION}")
+                f"nvidia-cuda-crt=={NVCC_VERSION}", f"nvidia-cuda-runtime=={NVCC_VERSION}")
 FLAGS = ("-ptx", "-O3", "--std=c++17")
 
 

@@ -214,6 +214,12 @@ def test_reason_names_missing_device(monkeypatch):
     assert "needs a CUDA device" in cb.cuda_unavailable_reason()
 
 
+def test_reason_names_torch_without_cuda(monkeypatch):
+    _fake_bindings(monkeypatch, _fake_driver())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cb.cuda_unavailable_reason().startswith("backend cuda needs a torch build with CUDA")
+
+
 # ---- the loader, against a fake driver -----------------------------------------------------
 
 
@@ -690,6 +696,14 @@ def test_wrapped_affine_linear(emulated, bits, group):
 
 def close(got, want, rtol=1e-4, atol=1e-5):
     torch.testing.assert_close(got.cpu(), want.cpu(), rtol=rtol, atol=atol)
+
+
+@gpu
+def test_gpu_backend_auto_picks_cuda():
+    assert cb.cuda_unavailable_reason() is None
+    b = select_backend("auto")
+    assert (b.name, b.note) == ("cuda", "backend auto picked cuda")
+    assert select_backend("cuda") is cb.CUDA
 
 
 @gpu

@@ -1,0 +1,42 @@
+"""python -m tui [Hydra overrides]: the interactive session.
+
+Takes the overrides of `python -m turbo` (conf/config.yaml), e.g.
+    python -m tui +policy=fixed block=4
+    python -m tui install.path=/path/to/install workload=code rollback=replay
+"""
+
+from __future__ import annotations
+
+import sys
+
+USAGE = __doc__ + """
+Keys: ⏎ submit · esc stop · ctrl+n policy/block (off, auto, fixed 1..8) · ctrl+r rollback ·
+      ctrl+o workload presets · ctrl+l clear · ctrl+q quit.  Type /open PATH to open another install.
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if any(a in ("-h", "--help") for a in argv):
+        print(USAGE)
+        return 0
+    from turbo import TurboError
+
+    from .app import TurboApp
+    from .settings import compose_settings
+
+    try:
+        settings = compose_settings(argv)
+    except TurboError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:  # Hydra's override / composition errors: one line, no traceback
+        print(f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+              file=sys.stderr)
+        return 2
+    TurboApp(settings).run()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

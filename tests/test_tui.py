@@ -279,23 +279,33 @@ def test_snapshot_finished_generation(installs, spec_rt, snap_compare):
 
 
 class _FakeRuntime:
-    """Just the public surface the app uses, with a drafter that lands proposals (random installs' don't)."""
+    """Just the public surface the app uses, replaying a scripted stream whose drafter lands proposals
+    (random installs' drafters almost never do): deterministic whatever the engine's numerics."""
 
-    install = SimpleNamespace(name="fake", path=Path("/fake"))
+    install = SimpleNamespace(name="scripted", path=Path("/scripted"))
     backend = SimpleNamespace(name="cpu", note="")
+    WORDS = ["def", " fib", "(n", "):", "\n   ", " if", " n", " <", " 2", ":", " return", " n", "\n   ",
+             " return", " fib", "(n", " -", " 1", ")", " +", " fib", "(n", " -", " 2", ")", "\n"]
+
+    def __init__(self, plan=None, block=3):
+        # per round: how many proposals were accepted (the bonus token follows)
+        self.plan, self.block = plan or [2, 1, 0], block
 
     def decode(self, ids):
-        return "".join("abcdefgh"[i % 8] for i in ids)
+        return "".join(self.WORDS[i % len(self.WORDS)] for i in ids)
 
     def stream(self, prompt, max_new_tokens=256, policy=None, block=None, **kw):
-        stats = Stats(prompt_tokens=1, policy="fixed", drafter="dflash", block=3, window=64, backend="cpu")
-        plan = [([0, 1, 2], [True, True, False]), ([3, 4], [True, False]), ([5], [False])]
+        stats = Stats(prompt_tokens=1, policy="fixed", drafter="dflash", block=self.block, window=64, backend="cpu",
+                      ttft_s=0.0123, prefill_tokens_per_s=81.3, decode_tokens_per_s=456.7)
 
         def events():
-            for i, (toks, flags) in enumerate(plan):
-                stats.record_round(3, sum(flags), 0)
-                stats.generated_tokens += len(toks)
-                yield RoundEvent(toks, flags, self.decode(toks), copy.deepcopy(stats), i == len(plan) - 1)
+            pos = 0
+            for i, n in enumerate(self.plan):
+                toks, flags = list(range(pos, pos + n + 1)), [True] * n + [False]
+                pos += n + 1
+                stats.record_round(self.block, n, 0)
+                stats.generated_tokens = pos
+                yield RoundEvent(toks, flags, self.decode(toks), copy.deepcopy(stats), i == len(self.plan) - 1)
 
         return events()
 
@@ -307,14 +317,30 @@ def test_accepted_and_bonus_tokens_are_styled_differently():
             await type_prompt(pilot, "p")
             await pilot.press("enter")
             await settle(app, pilot)
-            assert app.output_text == "abcdef"
+            assert app.output_text == "def fib(n):\n    if"
             text = app.query_one("#output").content
             style = {i: str(s.style) for s in text.spans for i in range(s.start, s.end)}
             A, B = ACCEPTED_STYLE, BONUS_STYLE
-            assert text.plain == "pabcdef"
-            assert [style[i] for i in range(7)] == [PROMPT_STYLE, A, A, B, A, B, B]
+            assert text.plain == "p" + app.output_text
+            cuts = [0, 1, 4, 8, 10, 12, 16, 19]  # "p" "def" " fib" "(n" "):" "\n   " " if"
+            want = [PROMPT_STYLE, A, A, B, A, B, B]
+            for (a, b), w in zip(zip(cuts, cuts[1:]), want):
+                assert {style[i] for i in range(a, b)} == {w}, (text.plain[a:b], w)
             assert app.accepted_history == [2.0, 1.0, 0.0]
             assert app.shown_counters()["accepted_drafted"] == "3/9" and app.shown_counters()["rounds"] == "3"
             assert "d1" in app.query_one("#bars").content.plain
 
     asyncio.run(run())
+
+
+def test_snapshot_finished_generation_scripted(installs, snap_compare):
+    """Accepted proposals and bonus tokens, bars and sparkline with a drafter that lands proposals."""
+    rt = _FakeRuntime(plan=[3, 2, 0, 1, 3, 0, 2, 1, 3, 3, 0, 1], block=3)
+    app = TurboApp(settings("scripted", policy="fixed", block=3, max_new_tokens=64), runtime=rt, timing=False)
+
+    async def run_before(pilot):
+        await type_prompt(pilot, "fib")
+        await pilot.press("enter")
+        await settle(pilot.app, pilot)
+
+    assert snap_compare(app, terminal_size=SIZE, run_before=run_before)

@@ -63,6 +63,7 @@ class TurboApp(App):
     #prompt { margin: 0 0; }
     """
     BINDINGS = [
+        Binding("enter", "submit", "Submit", show=False),  # when the focus is off the prompt
         Binding("escape", "stop", "Stop"),
         Binding("ctrl+n", "cycle_mode", "Policy/block"),
         Binding("ctrl+r", "cycle_rollback", "Rollback"),

@@ -2,23 +2,36 @@
 
 Tokens per round at block b are 1 + E[accepted | b], and with the per-position (conditional)
 acceptance p_i measured so far, E[accepted | b] = sum_{k<=b} p_1 * ... * p_k. A round at b costs
-draft(b) + verify(b + 1 rows) + rollback(b), each the measured time of the rounds played at b
-(medians of the recent ones for draft and verify, the mean for rollback, which is 0 when the
-round keeps every row). The chooser plays the b in 0..max_block with the most tokens per
-second, where b = 0 is a plain decode round (one trunk row, no draft): when speculation does
-not pay it decodes exactly as `off` does, plus a rare probe round to notice if it starts to.
+draft(b) + verify(b + 1 rows) + rollback(b), timed by the round loop (time.perf_counter). Every
+round the chooser plays the b in 0..max_block with the most estimated tokens per second, where
+b = 0 is a plain decode round (one trunk row through `trunk.step`, no draft): when speculation
+does not pay it decodes as `off` does, plus a rare probe round (after 32, 64, ... 256 plain
+rounds) to notice if it starts to.
 
-Costs at blocks not yet played are interpolated linearly between played ones (extrapolated
-from the nearest two), so the first rounds bootstrap with the widest block and a plain round,
-and every block the rule then picks is measured before it is trusted for long.
-While it decodes plainly the drafter's context is fed lazily (`LazyContext`): the committed rows
-are buffered and added in one batch before the next draft, so a plain round costs what `off`'s does. Acceptance is
-shrunk towards the previous position's estimate (positions not yet reached inherit it), and
-old rounds fade by `decay` per round so a generation whose text changes character is followed.
+Costs. A block already played: the median of its recent rounds (the fastest while it has fewer
+than `min_samples`: interference on a shared machine only slows a round down) for draft and
+verify, the mean for rollback (0 in rounds that keep every row). A block not yet played: the
+round's structure, draft = d0 + d1*b, verify = v0 + v1*(b + 1 rows), rollback = r0 + r1*b,
+fitted over the blocks played. Bootstrap: the widest block first (it reads acceptance at every
+position it reaches), then a second block (max/4) so the lines have two points, and the plain
+round twice when the first round landed under half its proposals (else the widest once more).
+A block whose estimate comes within `explore_within` of the best (the plain round: within half)
+is played until it has `min_samples` readings, so one stalled round cannot rule it out.
+
+Acceptance is shrunk towards the previous position's estimate (positions not yet reached
+inherit it; the first starts at 0.5, weight `prior`), and old rounds fade by `decay` per round so
+a generation whose text changes character is followed.
+
+While it decodes plainly the drafter's context is fed lazily (`LazyContext`): committed rows are
+buffered and added in one batch before the next draft, so a plain round does no drafter work;
+that feeding is timed apart and left out of the draft cost (every committed token pays it alike).
+Adaptive's counts follow its timing-driven choices, so unlike fixed blocks they are not
+reproducible run to run; its text is (lossless: every round commits the trunk's greedy tokens).
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from statistics import median
 
@@ -26,8 +39,9 @@ import torch
 
 
 class AdaptiveChooser:
-    def __init__(self, max_block: int, decay: float = 0.99, prior: float = 2.0, probe_every: int = 16,
-                 probe_max: int = 256, samples: int = 15):
+    def __init__(self, max_block: int, decay: float = 0.99, prior: float = 1.0, probe_every: int = 32,
+                 probe_max: int = 256, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
+                 bootstrap: list[int] | None = None):
         if max_block < 1:
             raise ValueError(f"max_block {max_block} < 1")
         self.max_block, self.decay, self.prior = max_block, decay, prior
@@ -36,10 +50,26 @@ class AdaptiveChooser:
         self.draft = {b: deque(maxlen=samples) for b in range(max_block + 1)}
         self.verify = {b: deque(maxlen=samples) for b in range(max_block + 1)}
         self.rollback = {b: deque(maxlen=samples) for b in range(max_block + 1)}
-        self.bootstrap = [0, 0, max_block, 0]  # plain rounds cost what `off` pays; 3 make a median
+        # the widest block reads acceptance at every position it reaches; a second block fixes
+        # the cost lines; the plain round is measured, never inferred
+        self.bootstrap = list(bootstrap) if bootstrap is not None else [max_block]
+        self.bootstrap_next = None if bootstrap is not None else self._bootstrap_after
         self.probe_every, self.probe_max = probe_every, probe_max
         self.plain_streak, self.next_probe = 0, probe_every
+        self.explore_within, self.min_samples = explore_within, min_samples
+        self.flush_s = 0.0  # drafter context fed since the last observe (LazyContext), not a cost of the block
         self.chosen: list[int] = []  # the block of every round, in order
+
+    def _bootstrap_after(self, accepted: int) -> list[int]:
+        """The rounds after the first (at the widest block): a second block fixes the cost
+        lines and each is measured twice (the faster of two readings survives one stall). When
+        the first round landed at least half its proposals the plain round is left to the
+        explore rule; when it did not, the plain round is measured twice and the widest block
+        (the dearest round) not again."""
+        mid = max(1, self.max_block // 4)
+        if accepted >= max(1, self.max_block // 2):
+            return [mid, self.max_block, mid]
+        return [0, mid, 0]
 
     # ---- estimates -------------------------------------------------------------------
 
@@ -59,38 +89,55 @@ class AdaptiveChooser:
             total += run
         return total
 
-    def _measured(self) -> dict[int, float]:
-        return {b: (median(self.draft[b]) + median(self.verify[b]) + sum(self.rollback[b]) / len(self.rollback[b]))
-                for b in range(self.max_block + 1) if self.verify[b]}
-
-    def cost(self, block: int, measured: dict[int, float] | None = None) -> float | None:
-        """Seconds per round at `block`: measured, or interpolated from the measured blocks."""
-        m = self._measured() if measured is None else measured
-        if block in m:
-            return m[block]
-        if not m:
+    @staticmethod
+    def _line(points: dict[int, float]) -> tuple[float, float] | None:
+        """Least-squares a + b*x through the points (flat through one point; None for none)."""
+        if not points:
             return None
-        xs = sorted(m)
-        lo = [x for x in xs if x < block]
-        hi = [x for x in xs if x > block]
-        if lo and hi:
-            a, b = lo[-1], hi[0]
-        elif len(xs) >= 2:
-            a, b = (xs[-2], xs[-1]) if lo else (xs[0], xs[1])
-        else:
-            return m[xs[0]]
-        t = (block - a) / (b - a)
-        return max(m[a] + t * (m[b] - m[a]), 1e-9)
+        xs, ys = list(points), list(points.values())
+        if len(xs) == 1:
+            return ys[0], 0.0
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        if slope < 0:  # noise: a cost never falls with the block
+            return my, 0.0
+        return my - slope * mx, slope
 
-    def rates(self) -> dict[int, float]:
-        """Estimated tokens per second at every block (blocks with no cost estimate left out)."""
-        m, p = self._measured(), self.acceptance()
+    def _typical(self, xs) -> float:
+        # interference on a shared machine only ever slows a round down: with few samples the
+        # fastest is the best guess, with enough the median
+        return median(xs) if len(xs) >= self.min_samples else min(xs)
+
+    def costs(self) -> dict[int, float]:
+        """Seconds per round at every block 0..max_block.
+
+        A block played before: its own medians (draft, verify) and mean (rollback). Otherwise the
+        structure of a round: draft = d0 + d1*b (none at b = 0), verify = v0 + v1*(b + 1 rows),
+        rollback = r0 + r1*b (none at 0), each fitted over the blocks played. Empty until a
+        round has been observed."""
+        played = [b for b in range(self.max_block + 1) if self.verify[b]]
+        if not played:
+            return {}
+        dmed = {b: self._typical(self.draft[b]) for b in played if b}
+        vmed = {b + 1: self._typical(self.verify[b]) for b in played}
+        rmean = {b: sum(self.rollback[b]) / len(self.rollback[b]) for b in played if b}
+        dl, vl, rl = self._line(dmed), self._line(vmed), self._line(rmean)
         out = {}
         for b in range(self.max_block + 1):
-            c = self.cost(b, m)
-            if c is not None:
-                out[b] = self.expected_tokens(b, p) / c
+            if b in played:
+                out[b] = vmed[b + 1] + (dmed[b] + rmean[b] if b else 0.0)
+                continue
+            c = vl[0] + vl[1] * (b + 1)
+            if b:
+                c += (dl[0] + dl[1] * b) if dl else 0.0
+                c += max(rl[0] + rl[1] * b, 0.0) if rl else 0.0
+            out[b] = max(c, 1e-9)
         return out
+
+    def rates(self) -> dict[int, float]:
+        """Estimated tokens per second at every block (empty before the first observation)."""
+        p = self.acceptance()
+        return {b: self.expected_tokens(b, p) / c for b, c in self.costs().items()}
 
     # ---- the interface the round loop calls ------------------------------------------
 
@@ -100,6 +147,13 @@ class AdaptiveChooser:
         else:
             rates = self.rates()
             b = max(rates, key=lambda k: (rates[k], -k))
+            # a block that looks competitive is measured `min_samples` times before it is ruled
+            # out or trusted: one slow round (the machine is shared) must not bury a block for good
+            # (the plain round, the safe choice, is held to a looser bar)
+            close = [k for k in rates if len(self.verify[k]) < self.min_samples
+                     and rates[k] >= (self.explore_within if k else 0.5) * rates[b]]
+            if close:
+                b = max(close, key=lambda k: (rates[k], -k))
             if b == 0:
                 self.plain_streak += 1
                 if self.plain_streak >= self.next_probe:  # speculation lost: look again, rarely
@@ -116,6 +170,8 @@ class AdaptiveChooser:
     def observe(self, block: int, accepted: int, draft_s: float, verify_s: float, rollback_s: float) -> None:
         if not 0 <= block <= self.max_block or not 0 <= accepted <= block:
             raise ValueError(f"round at block {block} accepted {accepted}")
+        if self.bootstrap_next is not None and len(self.chosen) == 1:
+            self.bootstrap, self.bootstrap_next = self.bootstrap_next(accepted), None
         if block:
             self.reached = [r * self.decay for r in self.reached]
             self.landed = [l * self.decay for l in self.landed]
@@ -123,7 +179,8 @@ class AdaptiveChooser:
                 self.reached[i] += 1
                 if i < accepted:
                     self.landed[i] += 1
-        self.draft[block].append(draft_s)
+        self.draft[block].append(max(draft_s - self.flush_s, 0.0))
+        self.flush_s = 0.0
         self.verify[block].append(verify_s)
         self.rollback[block].append(rollback_s)
 
@@ -133,8 +190,8 @@ class LazyContext:
     `propose` feeds them to the drafter first (in one batch when the drafter takes its context
     as aux rows), so plain rounds do no drafter work at all."""
 
-    def __init__(self, drafter):
-        self.inner, self.pending = drafter, []
+    def __init__(self, drafter, chooser: AdaptiveChooser | None = None):
+        self.inner, self.pending, self.chooser = drafter, [], chooser
 
     def __getattr__(self, name):
         return getattr(self.inner, name)
@@ -145,12 +202,15 @@ class LazyContext:
     def flush(self) -> None:
         if not self.pending:
             return
+        t = time.perf_counter()
         if hasattr(self.inner, "add_context") and all(o.aux is not None for o, _ in self.pending):
             self.inner.add_context(torch.cat([o.aux[:k] for o, k in self.pending]))
         else:
             for o, k in self.pending:
                 self.inner.commit(o, k)
         self.pending = []
+        if self.chooser is not None:
+            self.chooser.flush_s += time.perf_counter() - t
 
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
         self.flush()

@@ -138,7 +138,7 @@ class Runtime:
         anchor, generated, text = ids[-1], [], ""
         first_done = None
         chooser = AdaptiveChooser(p.block) if p.policy == "adaptive" and draft is not None else None
-        draft = LazyContext(draft) if chooser is not None else draft  # plain rounds skip the drafter's work
+        draft = LazyContext(draft, chooser) if chooser is not None else draft  # plain rounds skip the drafter's work
         while len(generated) < max_new:
             block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
             t0 = time.perf_counter()

@@ -3,9 +3,11 @@
 Everywhere (CI has no GPU): the checked-in PTX is what its .cu builds to with the pinned nvcc,
 ptxas assembles it for sm_80 and sm_90, every kernel the wrappers launch is an entry of its
 PTX, the loader checks every CUresult (against a fake driver), `backend=cuda` without a GPU
-fails in one line, and the kernels' semantics — written here as independent plain loops that
+fails in one line, the kernels' semantics — written here as independent plain loops that
 follow each kernel's algorithm — agree with the CPU backend's functions they are tested
-against on a GPU.
+against on a GPU, and the wrappers' launches run (a) a torch transcription of each kernel and
+(b) the kernels' own CUDA C built for the host with g++ against a small SIMT shim (threads,
+barriers, warp shuffles), both checked against the CPU references.
 
 On a GPU (skipped without one): each kernel against its CPU reference, in place and under
 CUDA graph capture.
@@ -629,9 +631,136 @@ class Emulator:
         mem(a[4], R * out).copy_((x @ w.T).reshape(-1))
 
 
-@pytest.fixture
-def emulated(monkeypatch):
-    emu = Emulator()
+# The kernels' own CUDA C, compiled for the host with g++ against a small SIMT shim: one OS
+# thread per CUDA thread, a block at a time; __syncthreads is a block barrier, warp shuffles go
+# through a per-warp exchange and barrier, __shared__ is block-static. fmul/fadd stay separately
+# rounded (-ffp-contract=off), so this runs the very index math, reductions, barriers and merge
+# logic the PTX was built from. A divergent barrier shows up as a deadlock (timeout).
+
+HOST_SHIM = r"""
+#include <math.h>
+#include <string.h>
+#include <stddef.h>
+#include <pthread.h>
+#include <algorithm>
+struct emu_dim3 { unsigned x, y, z; };
+static thread_local emu_dim3 threadIdx, blockIdx;
+static emu_dim3 blockDim, gridDim;
+static pthread_barrier_t emu_block_bar, emu_warp_bar[32];
+static bool emu_ready = false;
+static unsigned emu_xchg[32][32];
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+using std::min;
+static inline unsigned emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
+static inline void __syncthreads() { pthread_barrier_wait(&emu_block_bar); }
+static inline void __threadfence() { __sync_synchronize(); }
+static inline unsigned emu_shfl(unsigned v, int off) {
+    const unsigned t = emu_tid(), w = t / 32, l = t % 32;
+    emu_xchg[w][l] = v;
+    pthread_barrier_wait(&emu_warp_bar[w]);
+    const unsigned r = emu_xchg[w][l ^ off];
+    pthread_barrier_wait(&emu_warp_bar[w]);
+    return r;
+}
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __shfl_xor_sync(unsigned, float v, int off) {
+    unsigned u; memcpy(&u, &v, 4); return __uint_as_float(emu_shfl(u, off)); }
+static inline int __shfl_xor_sync(unsigned, int v, int off) { return (int)emu_shfl((unsigned)v, off); }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+template <class T> static inline T __ldcg(const T* p) { return *(const volatile T*)p; }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
+extern "C" void emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
+    if (emu_ready) { pthread_barrier_destroy(&emu_block_bar); for (int w = 0; w < 32; ++w) pthread_barrier_destroy(&emu_warp_bar[w]); }
+    gridDim = {gx, gy, gz}; blockDim = {bx, by, bz};
+    pthread_barrier_init(&emu_block_bar, nullptr, bx * by * bz);
+    for (int w = 0; w < 32; ++w) pthread_barrier_init(&emu_warp_bar[w], nullptr, 32);
+    emu_ready = true;
+}
+extern "C" void emu_enter(unsigned bx, unsigned by, unsigned bz, unsigned tx, unsigned ty, unsigned tz) {
+    blockIdx = {bx, by, bz}; threadIdx = {tx, ty, tz};
+}
+"""
+
+
+HOST_RUNNER = r"""
+#include <thread>
+#include <utility>
+#include <vector>
+template <class... A, size_t... I>
+static void emu_call_i(void (*f)(A...), void** a, std::index_sequence<I...>) { f(*(A*)a[I]...); }
+template <class... A>
+static void emu_call(void (*f)(A...), void** a) { emu_call_i(f, a, std::index_sequence_for<A...>{}); }
+extern "C" void emu_run(void (*tramp)(void**), void** a, unsigned gx, unsigned gy, unsigned gz,
+                        unsigned bx, unsigned by, unsigned bz) {
+    emu_launch(gx, gy, gz, bx, by, bz);
+    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
+        std::vector<std::thread> ts;
+        for (unsigned tz = 0; tz < bz; ++tz) for (unsigned ty = 0; ty < by; ++ty) for (unsigned tx = 0; tx < bx; ++tx)
+            ts.emplace_back([=] { emu_enter(x, y, z, tx, ty, tz); tramp(a); });
+        for (auto& t : ts) t.join();
+    }
+}
+"""
+
+
+class HostCompiled:
+    """Launches go to the kernels' CUDA C built for the host (see HOST_SHIM)."""
+
+    def __init__(self, build_dir: Path):
+        self.dir, self.libs, self.launches = build_dir, {}, []
+
+    def lib(self, module):
+        if module not in self.libs:
+            shim = self.dir / "shim.h"
+            shim.write_text(HOST_SHIM)
+            kernels = [k for m, k in LAUNCHED if m == module]
+            src = self.dir / f"{module}_host.cpp"
+            src.write_text(f'#include "{shim}"\n#include "{ck.ptx_dir() / (module + ".cu")}"\n' + HOST_RUNNER +
+                           "".join(f'extern "C" void emu_tramp_{k}(void** a) {{ emu_call({k}, a); }}\n'
+                                   for k in kernels))
+            so = self.dir / f"{module}.so"
+            res = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", str(src),
+                                  "-o", str(so), "-lpthread"], capture_output=True, text=True, timeout=120)
+            assert res.returncode == 0, res.stderr
+            self.libs[module] = ctypes.CDLL(str(so))
+        return self.libs[module]
+
+    def launch(self, module, kernel, grid, block, args, shared=0, stream=None):
+        import threading
+
+        assert [PTX_TYPES[type(a)] for a in args] == ptx_params(module, kernel), kernel
+        self.launches.append(kernel)
+        lib = self.lib(module)
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        assert (bx * by * bz) % 32 == 0 and bx * by * bz <= 1024
+        params = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
+        tramp = ctypes.cast(getattr(lib, f"emu_tramp_{kernel}"), ctypes.c_void_p)
+        run = threading.Thread(target=lib.emu_run, args=(tramp, params, *(ctypes.c_uint(v) for v in
+                                                                           (gx, gy, gz, bx, by, bz))), daemon=True)
+        run.start()
+        run.join(timeout=60)
+        assert not run.is_alive(), f"{kernel} deadlocked (a __syncthreads or shuffle not reached by all threads?)"
+
+
+@pytest.fixture(scope="module")
+def host_compiled(tmp_path_factory):
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    return HostCompiled(tmp_path_factory.mktemp("host_cuda"))
+
+
+@pytest.fixture(params=["transcribed", "host_compiled_cuda_c"])
+def emulated(request, monkeypatch):
+    emu = Emulator() if request.param == "transcribed" else request.getfixturevalue("host_compiled")
     monkeypatch.setattr(ck, "kernels", lambda device=None: emu)
     monkeypatch.setattr(cb, "_need_cuda", lambda t, name: None)
     return emu
@@ -687,8 +816,57 @@ def test_wrapped_affine_linear(emulated, bits, group):
     _, (packed, scales, biases) = quant_inputs(5, 256, bits, group, seed=bits)
     x = torch.randn(3, 256)
     got = cb.affine_linear(x, packed, scales, biases, bits, group)
-    torch.testing.assert_close(got, cb.affine_linear_ref(x, packed, scales, biases, bits, group))
+    # fp32 sums of 256 products in another order
+    torch.testing.assert_close(got, cb.affine_linear_ref(x, packed, scales, biases, bits, group), rtol=1e-4, atol=1e-4)
     assert emulated.launches[-1] == cb.QUANT_KERNELS[bits]
+
+
+@pytest.fixture
+def host(host_compiled, monkeypatch):
+    monkeypatch.setattr(ck, "kernels", lambda device=None: host_compiled)
+    monkeypatch.setattr(cb, "_need_cuda", lambda t, name: None)
+    return host_compiled
+
+
+def test_host_compiled_edges(host):
+    """Partial tiles, several tiles, row chunks, formats and the selector's counter reset,
+    through the kernels' own C."""
+    args = gdn_inputs(2, 2, 200, 40, seed=3)  # 2 column tiles, the second partial; 25 rows per thread
+    outs, final, states = ops.gdn_recurrence(*args, keep_states=True)
+    g_outs, g_final, g_states = cb.gdn_recurrence(*args, keep_states=True)
+    torch.testing.assert_close(g_outs, outs)
+    torch.testing.assert_close(g_final, final)
+    torch.testing.assert_close(torch.stack(g_states), torch.stack(states))
+
+    gen = torch.Generator().manual_seed(12)
+    for taps in (2, 4):
+        window, x = torch.randn(taps - 1, 300, generator=gen), torch.randn(3, 300, generator=gen)
+        w = torch.randn(300, taps, generator=gen)
+        out, ext, nw = cb.conv_window_update(window, x, w)
+        torch.testing.assert_close(out, ops.causal_conv_rows(torch.cat([window, x]), w))
+        assert torch.equal(nw, torch.cat([window, x])[3:])
+
+    o, z, w = torch.randn(5, 100, generator=gen), torch.randn(5, 100, generator=gen), torch.randn(100, generator=gen)
+    torch.testing.assert_close(cb.gated_rms_norm(o, z, w, 1e-5), ops.gated_rms_norm(o, z, w, 1e-5))
+
+    logits, final_h, hp, pred_cb, succ_cb = selector_inputs(4, 1000, 16, 8, seed=13)
+    logits[2, 7::256] += 30.0  # one thread's slice holds the row's whole top-k
+    for top_k in (16, 5):
+        want = dflash.select_candidates(logits, final_h, 999, hp, pred_cb, succ_cb, top_k)
+        assert cb.select_candidates(logits, final_h, 999, hp, pred_cb, succ_cb, top_k) == want
+        assert int(cb._workspace.get(logits.device, 4, top_k)[2]) == 0  # the ticket counter is reset
+    tie = torch.zeros(2, 1000)
+    tie[:, [900, 300, 517]] = 4.0
+    zeros = torch.zeros(1000, 8)
+    assert cb.select_candidates_ids(tie, torch.zeros(2, 8), 0, zeros, zeros, 3).tolist() == [300, 300]
+
+    for bits, group in ((4, 64), (2, 128), (1, 128)):
+        _, (packed, scales, biases) = quant_inputs(13, 512, bits, group, seed=bits + 20)
+        for rows in (9, 17):  # past the kernel's 8-row chunk
+            x = torch.randn(rows, 512, generator=gen)
+            torch.testing.assert_close(cb.affine_linear(x, packed, scales, biases, bits, group),
+                                       cb.affine_linear_ref(x, packed, scales, biases, bits, group),
+                                       rtol=1e-4, atol=1e-4)
 
 
 # ---- on a GPU: each kernel against its CPU reference --------------------------------------------

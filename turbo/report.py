@@ -122,7 +122,7 @@ def markdown(rows: list[dict], files: list[Path]) -> str:
         out.append(f"| {r['workload']} | {r['rollback'] or '-'} | {r['policy']} | {blk} | "
                    f"{r['accepted_per_round']:.2f} | {r['rollback_rate']:.0%} | {_pos(r['per_position_acceptance'])} | "
                    f"{r['mean_acceptance_length']:.2f} | {tps} | {sp} |")
-    out += ["", "Fastest fixed block (bold above):", ""]
+    out += ["", "Fastest fixed block (bold above):" if per_strategy else "No fixed block measured.", ""]
     for (wl, rb), r in sorted(per_strategy.items()):
         sp = f", {r['speedup_vs_off']:.2f}x off" if r["speedup_vs_off"] is not None else ""
         out.append(f"- {wl}, rollback {rb}: block {r['block']} ({r['tokens_per_s']:.1f} tok/s{sp})")
@@ -177,7 +177,8 @@ def plot(rows: list[dict], path: Path) -> None:
             ax.grid(alpha=0.3)
             if ticks:
                 ax.set_xticks(ticks)
-        bottom.legend(fontsize=8)
+        if bottom.get_legend_handles_labels()[0]:
+            bottom.legend(fontsize=8)
     fig.suptitle("turbo probe: fixed blocks (lines), off (dashed), adaptive (dotted)")
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -119,9 +119,9 @@ class TurboApp(App):
         pane = self.query_one("#output-pane")
         pane.border_title = "output"
         legend = Text()
-        legend.append(" accepted proposal ", style=ACCEPTED_STYLE)
+        legend.append("accepted proposal", style=ACCEPTED_STYLE)
         legend.append(" ")
-        legend.append(" trunk bonus token ", style=BONUS_STYLE + " reverse")
+        legend.append("trunk bonus token", style=BONUS_STYLE)
         pane.border_subtitle = legend
         self.query_one("#stats-panel").border_title = "stats"
         prompt = self.query_one("#prompt", PromptInput)

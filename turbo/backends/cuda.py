@@ -32,17 +32,9 @@ SEL_MAX_K = 16  # dflash.cu
 QUANT_KERNELS = {4: "affine_gemv_q4_f32", 2: "affine_gemv_q2_f32", 1: "affine_gemv_q1_f32"}
 
 
-def _first_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
 def cuda_unavailable_reason() -> str | None:
-    """None when the cuda backend can run here, else one line naming what is missing."""
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return "backend cuda needs torch"
+    """None when the cuda backend can run here, else one line naming what is missing
+    (cuda-python, the NVIDIA driver, a device, a CUDA build of torch, a supported GPU, the PTX)."""
     try:
         from cuda.bindings import driver
     except ImportError:
@@ -51,7 +43,7 @@ def cuda_unavailable_reason() -> str | None:
         result = driver.cuInit(0)
     except Exception as e:  # noqa: BLE001 - cuda-python raises when libcuda cannot be loaded
         return f"backend cuda needs an NVIDIA driver: cuda-python could not load libcuda ({type(e).__name__})"
-    from .cuda_kernels import arch_for, ptx_dir, result_name
+    from .cuda_kernels import MODULES, arch_for, ptx_dir, result_name
     err = result[0] if isinstance(result, tuple) else result
     if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
         return "backend cuda needs a CUDA device: the NVIDIA driver is loaded and reports none"
@@ -67,7 +59,7 @@ def cuda_unavailable_reason() -> str | None:
     arch = arch_for(major, minor)
     if arch is None:
         return f"backend cuda needs compute capability 8.0 or newer; this device is {major}.{minor}"
-    missing = [m for m in ("gdn", "conv", "norm", "dflash", "qgemv") if not (ptx_dir() / f"{m}.{arch}.ptx").is_file()]
+    missing = [m for m in MODULES if not (ptx_dir() / f"{m}.{arch}.ptx").is_file()]
     if missing:
         return f"backend cuda needs the PTX kernels: {', '.join(f'{m}.{arch}.ptx' for m in missing)} missing in {ptx_dir()}"
     return None
@@ -189,16 +181,18 @@ class _SelectorWorkspace:
     """cand ids / values and the last-block ticket counter (zero between launches)."""
 
     def __init__(self):
-        self.buffers: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.buffers: dict[int | None, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.retired: list = []  # outgrown buffers stay alive: a captured CUDA graph may still point at them
 
     def get(self, device: torch.device, rows: int, k: int):
-        key = (device.index, 0)  # one workspace per device (launches on one stream at a time)
-        have = self.buffers.get(key)
+        have = self.buffers.get(device.index)  # one per device: launches go to one stream at a time
         if have is None or have[0].numel() < rows * k:
+            if have is not None:
+                self.retired.append(have)
             n = max(rows * k, 64 * SEL_MAX_K)
             have = (torch.empty(n, dtype=torch.int32, device=device), torch.empty(n, dtype=torch.float32, device=device),
                     torch.zeros(1, dtype=torch.int32, device=device))
-            self.buffers[key] = have
+            self.buffers[device.index] = have
         return have
 
 

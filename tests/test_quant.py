@@ -2,6 +2,7 @@
 sources, the CPU forward, lossless speculation, and malformed tensors refused by name."""
 
 import json
+import tracemalloc
 
 import pytest
 import torch
@@ -114,6 +115,23 @@ def test_repack_int4_index_reports_code_offsets_and_logical_shape(int4_install):
     w = model.model.layers[0].mlp.gate_proj.weight.detach()
     assert torch.all((idx.load(e.name) - w).abs() <= _bound(w, FMT["int4"]))
     assert idx.load_quantized(e.name).shape == (128, 64)
+
+
+def test_quantizing_repack_holds_one_tensor_at_a_time(tmp_path):
+    src = tmp_path / "hf"
+    make_checkpoint(src, 0)
+    with safe_open(str(src / "model.safetensors"), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for i in range(3):  # 12 MB together, 4 MB each
+        tensors[f"mtp.layers.{i}.mlp.up_proj.weight"] = torch.randn(512, 2048)
+    save_file(tensors, str(src / "model.safetensors"))
+    largest = 512 * 2048 * 4
+    tracemalloc.start()
+    out = repack(src, tmp_path / "inst", quiet=True, quant="int4")
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    assert peak < 1.5 * largest + 2 * 1024 * 1024, peak
+    assert ResidentIndex([out / "model.safetensors"]).need("mtp.layers.2.mlp.up_proj.weight").dtype == 4
 
 
 def test_quantized_install_is_smaller_on_disk(int4_install, tmp_path):

@@ -178,12 +178,13 @@ def quantizable(new: str, meta: dict, fmt: q.QFormat) -> bool:
 def _load_source(path: Path, offset: int, size: int, st: str, shape: list[int], name: str):
     import torch
 
+    data = bytearray(size)  # the one copy of the source tensor in memory
     with path.open("rb") as f:
         f.seek(offset)
-        data = f.read(size)
-    if len(data) != size:
+        got = f.readinto(data)
+    if got != size:
         raise TurboError(f"{path}: truncated while reading {name}")
-    return torch.frombuffer(bytearray(data), dtype=getattr(torch, FLOAT_ST[st])).reshape(shape)
+    return torch.frombuffer(data, dtype=getattr(torch, FLOAT_ST[st])).reshape(shape)
 
 
 def _tensor_bytes(t) -> bytes:

@@ -312,3 +312,20 @@ def test_quantize_refuses_what_it_cannot_group():
         quant.quantize(torch.zeros(4, 96), FMT["int2"], "m")
     with pytest.raises(TurboError, match="m: 8-bit quantization is not supported"):
         quant.format_for(bits=8, group=64, name="m")
+
+
+def test_cli_quant_flag(tmp_path, capsys):
+    from turbo.repack import main
+
+    src = tmp_path / "hf"
+    make_checkpoint(src, 0, intermediate_size=128)
+    assert main([str(src), str(tmp_path / "q"), "--quant", "int4", "--quiet"]) == 0
+    assert open_install(tmp_path / "q").index.need("trunk.layers.0.mlp.down_proj.weight").dtype == 4
+    with pytest.raises(SystemExit):
+        main([str(src), str(tmp_path / "bad"), "--quant", "int3"])
+    src2, _ = _mlx_checkpoint(tmp_path, lambda t: t.__setitem__("model.layers.0.mlp.up_proj.biases",
+                                                                 t["model.layers.0.mlp.up_proj.biases"][:5]))
+    capsys.readouterr()
+    assert main([str(src2), str(tmp_path / "m"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: model.layers.0.mlp.up_proj.weight: biases have shape [5, 1]")

@@ -119,6 +119,16 @@ def test_lossless_every_block(rt, rollback):
     assert accepted > 0 and rollbacks > 0 and partial > 0
 
 
+@pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
+def test_lossless_adaptive(rt, rollback):
+    """Adaptive plays plain rounds (commit without propose) between drafted ones."""
+    for prompt in PROMPTS:
+        ref = rt.generate(prompt, max_new_tokens=40, policy="off", stop_at_eos=False).tokens
+        res = rt.generate(prompt, max_new_tokens=40, policy="adaptive", drafter="mtp", rollback=rollback,
+                          stop_at_eos=False)
+        assert res.tokens == ref, prompt
+
+
 def test_auto_picks_the_head_at_the_default_block(rt):
     from turbo.policy import DEFAULT_SPECULATION_BLOCK
 

@@ -16,7 +16,11 @@ fitted over the blocks played. Bootstrap: the widest block first (it reads accep
 position it reaches), then a second block (max/4) so the lines have two points, and the plain
 round twice when the first round landed under half its proposals (else the widest once more).
 A block whose estimate comes within `explore_within` of the best (the plain round: within half)
-is played until it has `min_samples` readings, so one stalled round cannot rule it out.
+is played until it has `min_samples` readings, and again when its last reading is more than
+`refresh` rounds old, so one stalled round cannot rule it out for good.
+
+Cost samples are kept across generations per drafter and rollback strategy (`memory`): a later
+generation only reads the acceptance (one round at the widest block) before choosing.
 
 Acceptance is shrunk towards the previous position's estimate (positions not yet reached
 inherit it; the first starts at 0.5, weight `prior`), and old rounds fade by `decay` per round so
@@ -32,24 +36,45 @@ reproducible run to run; its text is (lossless: every round commits the trunk's 
 from __future__ import annotations
 
 import time
+import weakref
 from collections import deque
 from statistics import median
 
 import torch
 
 
+_COSTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+
+
+def _shared_costs(memory: tuple | None, max_block: int, fresh):
+    """The cost samples of (owner, *tag): one set per owner (the drafter object, which the
+    runtime keeps for its life) and tag (the rollback strategy), kept across generations: a
+    round's cost is the machine's and the model's, not the text's. Without `memory`, fresh."""
+    fresh = tuple(fresh)
+    if memory is None:
+        return fresh
+    owner, *tag = memory
+    try:
+        table = _COSTS.setdefault(owner, {})
+    except TypeError:  # not weak-referenceable
+        return fresh
+    return table.setdefault((max_block, *tag), fresh)
+
+
 class AdaptiveChooser:
     def __init__(self, max_block: int, decay: float = 0.99, prior: float = 1.0, probe_every: int = 32,
                  probe_max: int = 256, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
-                 bootstrap: list[int] | None = None):
+                 bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64):
         if max_block < 1:
             raise ValueError(f"max_block {max_block} < 1")
         self.max_block, self.decay, self.prior = max_block, decay, prior
         self.reached = [0.0] * max_block  # rounds that judged proposal i+1 (decayed)
         self.landed = [0.0] * max_block  # ... and accepted it
-        self.draft = {b: deque(maxlen=samples) for b in range(max_block + 1)}
-        self.verify = {b: deque(maxlen=samples) for b in range(max_block + 1)}
-        self.rollback = {b: deque(maxlen=samples) for b in range(max_block + 1)}
+        fresh = ({b: deque(maxlen=samples) for b in range(max_block + 1)} for _ in range(3))
+        shared = _shared_costs(memory, max_block, fresh)
+        self.draft, self.verify, self.rollback = shared
+        # costs measured by earlier generations on the same drafter, window and rollback
+        self.warm = any(self.verify[b] for b in range(max_block + 1))
         # the widest block reads acceptance at every position it reaches; a second block fixes
         # the cost lines; the plain round is measured, never inferred
         self.bootstrap = list(bootstrap) if bootstrap is not None else [max_block]
@@ -59,6 +84,7 @@ class AdaptiveChooser:
         self.explore_within, self.min_samples = explore_within, min_samples
         self.flush_s = 0.0  # drafter context fed since the last observe (LazyContext), not a cost of the block
         self.chosen: list[int] = []  # the block of every round, in order
+        self.rounds, self.last, self.refresh = 0, {}, refresh  # last: the round each block was last played
 
     def _bootstrap_after(self, accepted: int) -> list[int]:
         """The rounds after the first (at the widest block): a second block fixes the cost
@@ -66,6 +92,8 @@ class AdaptiveChooser:
         the first round landed at least half its proposals the plain round is left to the
         explore rule; when it did not, the plain round is measured twice and the widest block
         (the dearest round) not again."""
+        if self.warm:  # the costs are known: the first round read the acceptance, that is all
+            return []
         mid = max(1, self.max_block // 4)
         if accepted >= max(1, self.max_block // 2):
             return [mid, self.max_block, mid]
@@ -150,8 +178,10 @@ class AdaptiveChooser:
             # a block that looks competitive is measured `min_samples` times before it is ruled
             # out or trusted: one slow round (the machine is shared) must not bury a block for good
             # (the plain round, the safe choice, is held to a looser bar)
-            close = [k for k in rates if len(self.verify[k]) < self.min_samples
-                     and rates[k] >= (self.explore_within if k else 0.5) * rates[b]]
+            # and one that stays close is read again every `refresh` rounds: a stale reading taken
+            # in a stall would otherwise stand for good, as nothing else replaces it
+            close = [k for k in rates if rates[k] >= (self.explore_within if k else 0.5) * rates[b]
+                     and (len(self.verify[k]) < self.min_samples or self.rounds - self.last.get(k, -1) > self.refresh)]
             if close:
                 b = max(close, key=lambda k: (rates[k], -k))
             if b == 0:
@@ -165,6 +195,8 @@ class AdaptiveChooser:
                 self.plain_streak = 0
                 self.next_probe = self.probe_every
         self.chosen.append(b)
+        self.last[b] = self.rounds
+        self.rounds += 1
         return b
 
     def observe(self, block: int, accepted: int, draft_s: float, verify_s: float, rollback_s: float) -> None:

@@ -12,7 +12,9 @@ and the size on disk per format.
    bytes of model.safetensors per format.
 3. --agreement INSTALL: repack the (bf16) install to --fmt and greedy-decode every workload
    prompt (conf/workload/*.yaml, max_new_tokens each) on both: the fraction of identical
-   tokens (position by position) and the perplexity of the bf16 continuation under each.
+   tokens (position by position), where the first divergence falls, the same-prefix top-1
+   agreement (teacher-forced on the bf16 continuation), and the perplexity of the bf16
+   continuation under each.
 """
 
 from __future__ import annotations
@@ -108,12 +110,14 @@ def agreement(install: str, fmt: str, limit: int | None, tokens: int | None) -> 
         sizes = {n: (p / "model.safetensors").stat().st_size for n, p in (("bf16", base), (fmt, qpath))}
         print(f"size on disk: bf16 {sizes['bf16'] / 1e6:.2f} MB, {fmt} {sizes[fmt] / 1e6:.2f} MB")
         ref, qrt = engine.open(str(base), backend="cpu"), engine.open(str(qpath), backend="cpu")
-        total_same = total = 0
+        total_same = total = total_top1 = 0
+        firsts: list[int] = []
         nll = {"bf16": 0.0, fmt: 0.0}
         for wl in sorted((root / "conf" / "workload").glob("*.yaml")):
             cfg = yaml.safe_load(wl.read_text())
             n_new = tokens or int(cfg.get("max_new_tokens", 256))
-            same = count = 0
+            same = count = top1 = 0
+            wl_firsts: list[int] = []
             wl_nll = {"bf16": 0.0, fmt: 0.0}
             for prompt in cfg["prompts"][:limit]:
                 ids = ref.encode(prompt)
@@ -121,19 +125,26 @@ def agreement(install: str, fmt: str, limit: int | None, tokens: int | None) -> 
                 b = qrt.generate(ids, max_new_tokens=n_new, policy="off", stop_at_eos=False).tokens
                 same += sum(x == y for x, y in zip(a, b))
                 count += len(a)
+                wl_firsts.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a)))
                 seq = ids + a
+                argmax = {}
                 for name, rt in (("bf16", ref), (fmt, qrt)):
                     st = rt.trunk.new_state(len(seq))
                     logits = rt.trunk.prefill(st, seq[:-1], want_logits=True).logits[len(ids) - 1:]
                     lp = torch.log_softmax(logits.float(), -1)
                     wl_nll[name] -= lp[torch.arange(len(a)), torch.tensor(a)].sum().item()
-            total_same, total = total_same + same, total + count
+                    argmax[name] = lp.argmax(-1)
+                top1 += int((argmax["bf16"] == argmax[fmt]).sum())
+            total_same, total, total_top1 = total_same + same, total + count, total_top1 + top1
+            firsts += wl_firsts
             for k in nll:
                 nll[k] += wl_nll[k]
-            print(f"  {cfg.get('name', wl.stem):>6}: identical tokens {same}/{count} = {same / count:.3f}; "
-                  f"ppl of the bf16 continuation: bf16 {math.exp(wl_nll['bf16'] / count):.3f}, "
+            print(f"  {cfg.get('name', wl.stem):>6}: identical tokens {same}/{count} = {same / count:.3f}, "
+                  f"first divergence at token {sum(wl_firsts) / len(wl_firsts):.1f} (mean), same-prefix top-1 "
+                  f"{top1 / count:.3f}; ppl of the bf16 continuation: bf16 {math.exp(wl_nll['bf16'] / count):.3f}, "
                   f"{fmt} {math.exp(wl_nll[fmt] / count):.3f}")
-        print(f"  {'all':>6}: identical tokens {total_same}/{total} = {total_same / total:.3f}; ppl bf16 "
+        print(f"  {'all':>6}: identical tokens {total_same}/{total} = {total_same / total:.3f}, first divergence "
+              f"{sum(firsts) / len(firsts):.1f}, same-prefix top-1 {total_top1 / total:.3f}; ppl bf16 "
               f"{math.exp(nll['bf16'] / total):.3f} -> {fmt} {math.exp(nll[fmt] / total):.3f} "
               f"({100 * (math.exp((nll[fmt] - nll['bf16']) / total) - 1):+.2f}%)")
 

@@ -1,7 +1,7 @@
 """Quantized installs on the CPU (issue 8): the three matmul paths, tokens/s int4 vs bf16,
 and the size on disk per format.
 
-    python scripts/bench_quant.py [--threads 1] [--tokens 48]
+    python scripts/bench_quant.py [--threads 1] [--tokens 48] [--src HF_CHECKPOINT_OR_INSTALL]
     python scripts/bench_quant.py --agreement tiny [--fmt int4] [--prompts N]
 
 1. matmul: one projection [out, in] at decode (1 row) and verify (3 rows) sizes:
@@ -154,6 +154,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--src", help="a bf16 HF checkpoint or install to measure (else a random trunk)")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--agreement", metavar="INSTALL", help="greedy agreement of INSTALL (bf16) and its --fmt repack")
@@ -173,18 +174,26 @@ def main() -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        src = tmp / "hf"
-        h = args.hidden
-        model = make_checkpoint(src, 0, vocab_size=4096, hidden_size=h, intermediate_size=3 * h,
-                                num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
-                                head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
-                                linear_key_head_dim=64, linear_value_head_dim=64)
-        model.to(torch.bfloat16).save_pretrained(src)
+        if args.src:
+            from turbo.install import resolve
+
+            src = resolve(args.src)
+        else:
+            src = tmp / "hf"
+            h = args.hidden
+            model = make_checkpoint(src, 0, vocab_size=4096, hidden_size=h, intermediate_size=3 * h,
+                                    num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=2,
+                                    head_dim=64, linear_num_key_heads=4, linear_num_value_heads=8,
+                                    linear_key_head_dim=64, linear_value_head_dim=64)
+            model.to(torch.bfloat16).save_pretrained(src)
         installs = {"bf16": str(repack(src, tmp / "bf16", quiet=True))}
         for fmt in quant.FORMATS:
             installs[fmt] = str(repack(src, tmp / fmt, quiet=True, quant=fmt))
-        print(f"\nrandom trunk: hidden {h}, {args.layers} layers (3 linear : 1 full), vocab 4096, "
-              f"intermediate {3 * h}")
+        if args.src:
+            print(f"\ntrunk from {args.src}")
+        else:
+            print(f"\nrandom trunk: hidden {h}, {args.layers} layers (3 linear : 1 full), vocab 4096, "
+                  f"intermediate {3 * h}")
         print("size on disk (model.safetensors)")
         base_size = None
         for name, path in installs.items():

@@ -329,3 +329,14 @@ def test_cli_quant_flag(tmp_path, capsys):
     assert main([str(src2), str(tmp_path / "m"), "--quiet"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("error: model.layers.0.mlp.up_proj.weight: biases have shape [5, 1]")
+
+
+def test_verify_dtype_blocker_reads_the_backend(int4_install):
+    from turbo.backends import CPU
+    from turbo.policy import speculation_blocker
+
+    inst = open_install(int4_install[2])
+    assert {4, 15, 16} <= set(CPU.verify_dtypes)
+    assert speculation_blocker(inst, "dflash", CPU.verify_dtypes) is None
+    reason = speculation_blocker(inst, "dflash", (1, 2, 3))
+    assert "trunk.layers.3.self_attn.q_proj.weight is dtype 4" in reason

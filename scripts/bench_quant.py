@@ -98,7 +98,7 @@ def decode_tps(rts: list, tokens: int, rounds: int) -> list[float]:
     return best
 
 
-def agreement(install: str, fmt: str, limit: int | None, tokens: int | None) -> None:
+def agreement(install: str, fmt: str, limit: int | None, tokens: int | None, spec_block: int = 0) -> None:
     import yaml
 
     from turbo.install import resolve
@@ -106,7 +106,8 @@ def agreement(install: str, fmt: str, limit: int | None, tokens: int | None) -> 
     root = Path(__file__).resolve().parent.parent
     base = resolve(install)
     with tempfile.TemporaryDirectory() as tmp:
-        qpath = repack(base, Path(tmp) / fmt, quiet=True, quant=fmt)
+        drafter = base / "dflash" if spec_block and (base / "dflash").is_dir() else None
+        qpath = repack(base, Path(tmp) / fmt, drafter=drafter, quiet=True, quant=fmt)
         sizes = {n: (p / "model.safetensors").stat().st_size for n, p in (("bf16", base), (fmt, qpath))}
         print(f"size on disk: bf16 {sizes['bf16'] / 1e6:.2f} MB, {fmt} {sizes[fmt] / 1e6:.2f} MB")
         ref, qrt = engine.open(str(base), backend="cpu"), engine.open(str(qpath), backend="cpu")
@@ -135,6 +136,14 @@ def agreement(install: str, fmt: str, limit: int | None, tokens: int | None) -> 
                     wl_nll[name] -= lp[torch.arange(len(a)), torch.tensor(a)].sum().item()
                     argmax[name] = lp.argmax(-1)
                 top1 += int((argmax["bf16"] == argmax[fmt]).sum())
+            if drafter is not None:  # speculation on both, drafter quantized alongside the trunk
+                acc = {}
+                for name, rt in (("bf16", ref), (fmt, qrt)):
+                    runs = [rt.generate(rt.encode(p), max_new_tokens=n_new, policy="fixed", block=spec_block,
+                                        stop_at_eos=False).stats for p in cfg["prompts"][:limit]]
+                    acc[name] = sum(r.accepted for r in runs) / max(1, sum(r.rounds for r in runs))
+                print(f"  {cfg.get('name', wl.stem):>6}: accepted per round (block {spec_block}): bf16 "
+                      f"{acc['bf16']:.2f}, {fmt} {acc[fmt]:.2f}")
             total_same, total, total_top1 = total_same + same, total + count, total_top1 + top1
             firsts += wl_firsts
             for k in nll:
@@ -161,11 +170,13 @@ def main() -> int:
     ap.add_argument("--fmt", default="int4", choices=list(quant.FORMATS))
     ap.add_argument("--prompts", type=int, help="at most this many prompts per workload")
     ap.add_argument("--new-tokens", type=int, help="override the workloads' max_new_tokens")
+    ap.add_argument("--spec-block", type=int, default=0,
+                    help="also compare DFlash acceptance at this block (the install's drafter, quantized too)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
     if args.agreement:
-        agreement(args.agreement, args.fmt, args.prompts, args.new_tokens)
+        agreement(args.agreement, args.fmt, args.prompts, args.new_tokens, args.spec_block)
         return 0
     bench_matmul(4 * args.hidden, args.hidden)
     bench_matmul(args.hidden, 4 * args.hidden)

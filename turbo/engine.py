@@ -49,7 +49,9 @@ class Runtime:
         if dtype not in ("float32", "bfloat16"):
             raise TurboError(f"dtype {dtype!r} is not one of float32, bfloat16")
         self.install = install
-        self.trunk = Trunk(install, getattr(torch, dtype))
+        # backend cuda: weights, caches and the forward on the GPU (the hot ops as PTX kernels)
+        self.device = torch.device("cuda" if self.backend.name == "cuda" else "cpu")
+        self.trunk = Trunk(install, getattr(torch, dtype), self.device)
         tok = install.path / "tokenizer.json"
         if not tok.is_file():
             raise TurboError(f"{tok}: missing (expected the install's tokenizer)")
@@ -79,7 +81,8 @@ class Runtime:
         if key not in self._drafters:
             if kind == "dflash":
                 from .drafters.dflash import DflashDrafter
-                self._drafters[key] = DflashDrafter(self.install, self.trunk.embed, self.trunk.lm_head, window)
+                self._drafters[key] = DflashDrafter(self.install, self.trunk.embed, self.trunk.lm_head, window,
+                                                    device=self.device)
             else:
                 from .drafters.mtp import MtpDrafter
                 self._drafters[key] = MtpDrafter(self.install, self.trunk)

@@ -5,9 +5,18 @@ against. Functions used on the decode/verify path are *row-stable*: a row's resu
 depends only on that row (and the state it reads), never on how many rows share the
 call. That is what makes speculation lossless bit for bit: the verify's B+1 rows
 compute exactly what B+1 one-token decode steps would.
+
+Device: every function runs on its inputs' device. On CUDA tensors the hot ops
+(`linear` of a packed QuantizedWeight, `causal_conv_rows`, `gated_rms_norm`,
+`gdn_step` / `gdn_recurrence`) run the PTX kernels of turbo/backends/cuda.py -- each
+computes every row on its own -- and the rest are torch ops on the GPU. `CUDA_KERNELS =
+False` runs the torch versions on the GPU instead (for comparisons). CPU tensors never
+leave the torch code below.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -20,7 +29,39 @@ from .quant import QuantizedWeight
 # that achieves this is measured per machine and weight shape by `calibrate_rows`
 # (0 means none did, and rows are then computed one call each: slower, still exact).
 ROW_BLOCK_CANDIDATES = (1, 2, 4, 8, 16, 32)
-_row_block: dict[tuple[int, int, torch.dtype, int], int] = {}
+_row_block: dict[tuple[int, int, torch.dtype, int, str], int] = {}
+
+# On CUDA tensors the hot ops run turbo/backends/cuda.py's PTX kernels (module docstring).
+CUDA_KERNELS = True
+
+
+def cuda_kernels(t: torch.Tensor):
+    """turbo.backends.cuda when `t` is a CUDA tensor and CUDA_KERNELS is on, else None."""
+    if t.is_cuda and CUDA_KERNELS:
+        from .backends import cuda
+        return cuda
+    return None
+
+
+def _device(w) -> torch.device:
+    return w.packed.device if isinstance(w, QuantizedWeight) else w.device
+
+
+def _key(w) -> tuple[int, int, torch.dtype, int, str]:
+    return (w.shape[0], w.shape[1], w.dtype, torch.get_num_threads(), _device(w).type)
+
+
+def to_device(obj, device: torch.device):
+    """A weight, a QuantizedWeight or a dataclass of them (recursively) moved to `device`."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, QuantizedWeight):
+        return dataclasses.replace(obj, packed=obj.packed.to(device), scales=obj.scales.to(device),
+                                   biases=obj.biases.to(device), _kernel=None, _dense=None)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return dataclasses.replace(obj, **{f.name: to_device(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj) if f.init})
+    return obj
 
 
 def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -31,13 +72,15 @@ def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
 
 def calibrate_rows(w: torch.Tensor, max_rows: int = 9, seed: int = 0) -> int:
     """The smallest row block under which every row of a 1..max_rows-row call equals the
-    same row computed alone (at row 0), for this weight's shape and dtype."""
-    key = (w.shape[0], w.shape[1], w.dtype, torch.get_num_threads())
+    same row computed alone (at row 0), for this weight's shape and dtype, on its device
+    (on CUDA the question is cuBLAS's kernel choice; the measurement is the same)."""
+    key = _key(w)
     if key in _row_block:
         return _row_block[key]
-    g = torch.Generator().manual_seed(seed)
-    xs = torch.randn(max_rows, w.shape[1], generator=g).to(w.dtype)
-    probe = torch.randn(w.shape, generator=g).to(w.dtype)
+    dev = _device(w)
+    g = torch.Generator(device=dev).manual_seed(seed)
+    xs = torch.randn(max_rows, w.shape[1], generator=g, device=dev).to(w.dtype)
+    probe = torch.randn(w.shape, generator=g, device=dev).to(w.dtype)
     chosen = 0
     for block in ROW_BLOCK_CANDIDATES:
         alone = [F.linear(_padded(xs[i:i + 1], block), probe)[0] for i in range(max_rows)]
@@ -54,12 +97,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     shapes `calibrate_rows` has seen (prefill-sized calls are not padded). A packed
     QuantizedWeight is dequantized first (deterministically), then takes the same path."""
     if isinstance(w, QuantizedWeight):
+        cb = cuda_kernels(x)
+        if cb is not None:  # qgemv.cu: one warp per output, every input row on its own
+            return cb.affine_linear(x, w.packed, w.scales, w.biases, w.bits, w.group)
         kernel = w.kernel() if w.use_kernel else None
         if kernel is not None:  # probed row-stable: each row is computed on its own
             return kernel(x)
         w = w.dense()
     xw = x.to(w.dtype)
-    block = _row_block.get((w.shape[0], w.shape[1], w.dtype, torch.get_num_threads()))
+    block = _row_block.get(_key(w))
     if block is None or x.shape[0] > 4 * ROW_BLOCK_CANDIDATES[-1]:
         return F.linear(xw, w).float()
     if block == 0:
@@ -95,19 +141,47 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return rowwise(torch.sigmoid, x.reshape(x.shape[0], -1)).reshape(x.shape)
 
 
+# On the GPU a reduction's launch configuration -- and with it each row's summation order --
+# depends on how many rows share the call (ATen sizes its blocks from the output count). So
+# decode/verify-sized reductions on CUDA run in whole blocks of CUDA_ROW_BLOCK rows: every
+# call has the same shape, and a row's result does not depend on R. (CPU: unchanged.)
+CUDA_ROW_BLOCK = 16
+
+
+def row_blocks(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for a row-wise fn; on CUDA, decode/verify-sized calls run in fixed-size row blocks."""
+    rows = x.shape[0]
+    if not x.is_cuda or rows > 4 * ROW_BLOCK_CANDIDATES[-1]:
+        return fn(x)
+    b = CUDA_ROW_BLOCK
+    target = -(-rows // b) * b
+    if target != rows:
+        x = torch.cat([x, x.new_zeros(target - rows, *x.shape[1:])])
+    if target == b:
+        return fn(x)[:rows]
+    return torch.cat([fn(x[i:i + b]) for i in range(0, target, b)])[:rows]
+
+
 def rms_norm(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
     """Zero-centred RMSNorm; `scale` is the precomputed fp32 (1 + w)."""
     x = x.float()
+    if x.is_cuda:
+        return row_blocks(lambda t: t * torch.rsqrt(t.pow(2).mean(-1, keepdim=True) + eps) * scale, x)
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * scale
 
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """Per-head RMSNormGated: plain weight w (not 1 + w) times silu(z), fp32."""
+    cb = cuda_kernels(o)
+    if cb is not None:  # norm.cu: one warp per (row, head)
+        return cb.gated_rms_norm(o, z, w, eps)
     o = o.float()
     return w * (o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + eps)) * silu(z.float())
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    if x.is_cuda:
+        return row_blocks(lambda t: t * torch.rsqrt((t * t).sum(-1, keepdim=True) + eps), x)
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
@@ -137,6 +211,9 @@ def causal_conv_rows(ext: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     Row t = sum_j w[:, j] * ext[t + j], as separate multiplies and adds so each element
     is computed the same way whatever R is. Returns silu(conv) [R, C].
     """
+    cb = cuda_kernels(ext)
+    if cb is not None:  # conv.cu: one thread per channel, the same taps order
+        return cb.causal_conv_rows(ext, w)
     taps = w.shape[1]
     rows = ext.shape[0] - (taps - 1)
     acc = ext[0:rows] * w[:, 0]
@@ -149,6 +226,10 @@ def gdn_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Ten
              beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One token of the gated delta rule for all heads: state [H, dk, dv] fp32; q, k [H, dk];
     v [H, dv]; g, beta [H]. Returns (new state, output [H, dv]). Functional: `state` is untouched."""
+    cb = cuda_kernels(q)
+    if cb is not None:  # the recurrence kernel over one row: the arithmetic of each of its rows
+        out, state, _ = cb.gdn_recurrence(state, q[None], k[None], v[None], g[None], beta[None])
+        return state, out[0]
     state = state * g.exp()[:, None, None]
     kv = torch.bmm(k[:, None, :], state)[:, 0]
     u = (v - kv) * beta[:, None]
@@ -161,6 +242,9 @@ def gdn_recurrence(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
                    ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor] | None]:
     """The recurrence over R rows (q [R, H, dk] ...). Returns (outputs [R, H, dv], final
     state, the state after every row when keep_states)."""
+    cb = cuda_kernels(q)
+    if cb is not None:  # gdn.cu: all R rows in one launch, the state in registers, checkpoints written
+        return cb.gdn_recurrence(state, q, k, v, g, beta, keep_states=keep_states)
     outs, states = [], [] if keep_states else None
     for t in range(q.shape[0]):
         state, o = gdn_step(state, q[t], k[t], v[t], g[t], beta[t])
@@ -184,10 +268,10 @@ def gdn_chunked(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         n = e - s
         qc, kc, vc, bc = q[:, s:e], k[:, s:e], v[:, s:e], beta[:, s:e]
         cum = g[:, s:e].cumsum(-1)
-        lower = torch.ones(n, n, dtype=torch.bool).tril()
+        lower = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         decay = (cum[:, :, None] - cum[:, None, :]).masked_fill(~lower, float("-inf")).exp()
         a = (bc[:, :, None] * decay * (kc @ kc.transpose(-1, -2))).tril(-1)
-        system = a + torch.eye(n)
+        system = a + torch.eye(n, device=q.device)
         tv = torch.linalg.solve_triangular(system, bc[..., None] * vc, upper=False, unitriangular=True)
         tk = torch.linalg.solve_triangular(system, (bc * cum.exp())[..., None] * kc, upper=False, unitriangular=True)
         u = tv - tk @ state

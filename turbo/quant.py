@@ -140,7 +140,7 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 def _levels(packed: torch.Tensor, bits: int) -> torch.Tensor:
     # int32 arithmetic shifts: the mask drops the sign bits the top field drags in
-    shifts = torch.arange(32 // bits, dtype=torch.int32) * bits
+    shifts = torch.arange(32 // bits, dtype=torch.int32, device=packed.device) * bits
     return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1)
 
 

@@ -1,10 +1,15 @@
-"""The Qwen3.5 trunk on the CPU: embedding, hybrid layers, head (DESIGN 2.1).
+"""The Qwen3.5 trunk: embedding, hybrid layers, head (DESIGN 2.1), on the CPU or a GPU.
 
 Two entry points share the weights and the caches:
 - `prefill` runs a whole prompt at once (chunked delta rule, causal SDPA);
 - `step` runs R rows one after another's state -- R = 1 is a decode step, R = B + 1 a
   speculative verify -- with row-stable ops, so a verify row equals the decode step it
   stands for, bit for bit. It can leave what a rollback needs (`keep`).
+
+`device` (default cpu): the weights are loaded and prepared on the host as for the CPU,
+then moved there once; the caches and every tensor the forward creates live there too.
+On cuda the hot ops run the PTX kernels (turbo/ops.py dispatches on the tensors' device)
+and quantized matrices stay packed for the quantized GEMV kernel.
 """
 
 from __future__ import annotations
@@ -84,9 +89,12 @@ def _expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
 
 
 class Trunk:
-    def __init__(self, install: Install, dtype: torch.dtype = torch.float32):
+    def __init__(self, install: Install, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str = "cpu"):
         self.arch: Arch = install.arch
         self.dtype = dtype
+        self.device = torch.device(device)
+        on_cpu = self.device.type == "cpu"
         a = self.arch
         index = install.index
 
@@ -97,9 +105,9 @@ class Trunk:
             entry = index.need(full)
             if entry.dims != tuple(shape):
                 raise TurboError(f"{full} has shape {list(entry.dims)}, expected {list(shape)}")
-            if matrix and entry.bits and quant.keep_packed(mode, entry.bits, as_dtype or dtype):
+            if matrix and entry.bits and (not on_cpu or quant.keep_packed(mode, entry.bits, as_dtype or dtype)):
                 qw = index.load_quantized(full, as_dtype or dtype)  # a QuantizedWeight for ops.linear
-                qw.use_kernel = mode != "packed"
+                qw.use_kernel = mode != "packed" and on_cpu  # (on cuda: the quantized GEMV kernel)
                 return qw
             return index.load(full, as_dtype or dtype)
 
@@ -155,6 +163,12 @@ class Trunk:
                 down=w(p + "mlp.down_proj.weight", (a.hidden, a.intermediate), matrix=True),
             ))
         self.inv_freq = ops.rope_inv_freq(a.rotary_dim, a.rope_theta)
+        if not on_cpu:  # once, at load: everything above was prepared on the host exactly as for the CPU
+            self.embed = ops.to_device(self.embed, self.device)
+            self.lm_head = self.embed if a.tie_embeddings else ops.to_device(self.lm_head, self.device)
+            self.final_norm = ops.to_device(self.final_norm, self.device)
+            self.inv_freq = ops.to_device(self.inv_freq, self.device)
+            self.layers = [ops.to_device(layer, self.device) for layer in self.layers]
         for mat in self.matrices():
             ops.calibrate_rows(mat)
 
@@ -170,10 +184,12 @@ class Trunk:
     # ---- state -------------------------------------------------------------------------
 
     def new_state(self, capacity: int = 256) -> TrunkState:
-        a = self.arch
-        kv = {i: (torch.zeros(a.num_kv_heads, capacity, a.head_dim), torch.zeros(a.num_kv_heads, capacity, a.head_dim))
+        a, dev = self.arch, self.device
+        kv = {i: (torch.zeros(a.num_kv_heads, capacity, a.head_dim, device=dev),
+                  torch.zeros(a.num_kv_heads, capacity, a.head_dim, device=dev))
               for i in a.full_layers}
-        gdn = {i: (torch.zeros(a.lin_v_heads, a.lin_k_dim, a.lin_v_dim), torch.zeros(a.conv_kernel - 1, a.lin_conv_dim))
+        gdn = {i: (torch.zeros(a.lin_v_heads, a.lin_k_dim, a.lin_v_dim, device=dev),
+                   torch.zeros(a.conv_kernel - 1, a.lin_conv_dim, device=dev))
                for i in range(a.num_layers) if a.is_linear(i)}
         return TrunkState(0, kv, gdn)
 
@@ -245,8 +261,8 @@ class Trunk:
         a = self.arch
         n = len(tokens)
         self._reserve(st, n)
-        x = self.embed[torch.tensor(tokens)].float()
-        positions = torch.arange(n)
+        x = self.embed[torch.tensor(tokens, device=self.device)].float()
+        positions = torch.arange(n, device=self.device)
         aux = []
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.in_norm, a.rms_eps)
@@ -285,8 +301,8 @@ class Trunk:
         a = self.arch
         rows, p0 = len(tokens), st.pos
         self._reserve(st, p0 + rows)
-        x = self.embed[torch.tensor(tokens)].float()
-        positions = torch.arange(p0, p0 + rows)
+        x = self.embed[torch.tensor(tokens, device=self.device)].float()
+        positions = torch.arange(p0, p0 + rows, device=self.device)
         aux, traces = [], {}
         for i, layer in enumerate(self.layers):
             h = ops.rms_norm(x, layer.in_norm, a.rms_eps)

@@ -14,6 +14,12 @@ replaces, and is tested against it (tests/test_cuda.py):
     affine_linear       x @ dequantize(...)^T (turbo.quant)  qgemv.cu
 
 All math is fp32. Everything else on the cuda backend may use torch ops on the GPU.
+
+Wiring: with backend=cuda the Runtime builds the trunk and drafters on the GPU; turbo.ops
+sends CUDA tensors to gdn_recurrence (also gdn_step's replay, as one row), causal_conv_rows,
+gated_rms_norm and affine_linear (packed QuantizedWeight), and the DFlash2 drafter sends them
+to grouped_conv and select_candidates (`ops.cuda_kernels`; `ops.CUDA_KERNELS = False` keeps
+torch ops on the GPU instead).
 """
 
 from __future__ import annotations

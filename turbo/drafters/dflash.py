@@ -268,12 +268,15 @@ class DflashDrafter:
     """Proposes B tokens in one pass from the trunk's aux-layer context.
 
     `scale` = DFLASH_RESIDUAL_SCALE runs the reference's fp16-safe scaled residual stream
-    (identical to scale 1 in exact arithmetic); `dtype` is the activation dtype."""
+    (identical to scale 1 in exact arithmetic); `dtype` is the activation dtype; `device`
+    where the weights (moved once, at load), the ring and the draft pass live -- on cuda the
+    grouped conv and the candidate selector run the PTX kernels."""
 
     kind = "dflash"
 
     def __init__(self, install: Install, embed: torch.Tensor, lm_head: torch.Tensor, window: int | None = None,
-                 dtype: torch.dtype = torch.float32, scale: float = DFLASH_RESIDUAL_SCALE):
+                 dtype: torch.dtype = torch.float32, scale: float = DFLASH_RESIDUAL_SCALE,
+                 device: torch.device | str = "cpu"):
         if install.drafter_config is None:
             raise TurboError(f"{install.path}: no dflash/config.json (the install carries no DFlash2 drafter)")
         cfg = parse_config(install.drafter_config, install.arch, str(install.path / "dflash" / "config.json"))
@@ -295,21 +298,24 @@ class DflashDrafter:
         self.block_size = cfg.block_size
         self.aux_layers = tuple(cfg.target_layers)
         self.dtype, self.scale = dtype, scale
+        self.device = dev = torch.device(device)
         idx = install.index
 
-        def t(name: str) -> torch.Tensor:
-            return idx.load(name, dtype)
+        def t(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+            w = idx.load(name, as_dtype)
+            return w if dev.type == "cpu" else w.to(dev)
 
         def norm(name: str) -> torch.Tensor:
-            return 1.0 + idx.load(name, torch.float32)
+            w = 1.0 + idx.load(name, torch.float32)  # computed on the host, as on the CPU
+            return w if dev.type == "cpu" else w.to(dev)
 
-        self.embed, self.lm_head = embed, lm_head.to(dtype)  # rows enter scaled, then in dtype
+        self.embed, self.lm_head = embed, lm_head.to(dtype)  # rows enter scaled, then in dtype (the trunk's device)
         self.fc = t("dflash.fc.weight")
         self.hidden_norm = norm("dflash.hidden_norm.weight")
         self.final_norm = norm("dflash.norm.weight")
-        self.hidden_projection = idx.load("dflash.candidate_selector.hidden_projection.weight", torch.float32)
-        self.pred_codebook = idx.load("dflash.candidate_selector.predecessor_codebook", torch.float32)
-        self.succ_codebook = idx.load("dflash.candidate_selector.successor_codebook", torch.float32)
+        self.hidden_projection = t("dflash.candidate_selector.hidden_projection.weight", torch.float32)
+        self.pred_codebook = t("dflash.candidate_selector.predecessor_codebook", torch.float32)
+        self.succ_codebook = t("dflash.candidate_selector.successor_codebook", torch.float32)
         self.layers = []
         for l in range(shape.layers):
             def n(s: str) -> str:
@@ -324,6 +330,8 @@ class DflashDrafter:
                 mlp_proj=t(n("mlp_conv.kernel_projection.weight")), mlp_base=t(n("mlp_conv.base_kernel")),
             ))
         self.inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
+        if dev.type != "cpu":
+            self.inv_freq = self.inv_freq.to(dev)
         self.reset()
 
     # ---- context ring ------------------------------------------------------------------
@@ -332,8 +340,8 @@ class DflashDrafter:
         cap = capacity or self.window + DFLASH_RING_SLACK
         kv, d = self.shape.num_kv_heads, self.shape.head_dim
         self.capacity = cap
-        self.ring_k = [torch.zeros(cap, kv, d, dtype=self.dtype) for _ in self.layers]
-        self.ring_v = [torch.zeros(cap, kv, d, dtype=self.dtype) for _ in self.layers]
+        self.ring_k = [torch.zeros(cap, kv, d, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.ring_v = [torch.zeros(cap, kv, d, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.context = 0  # context positions added so far (positions 0..context-1)
 
     def add_context(self, aux: torch.Tensor) -> None:
@@ -342,7 +350,7 @@ class DflashDrafter:
         if n == 0:
             return
         ctx = ops.rms_norm(self._lin(aux, self.fc), self.hidden_norm, self.cfg.eps).to(self.dtype)
-        positions = torch.arange(self.context, self.context + n)
+        positions = torch.arange(self.context, self.context + n, device=self.device)
         cos, sin = ops.rope_cos_sin(positions, self.inv_freq)
         slots = positions % self.capacity
         kv, d = self.shape.num_kv_heads, self.shape.head_dim
@@ -361,21 +369,27 @@ class DflashDrafter:
         rows = x.shape[0]
         groups = self.shape.hidden // self.cfg.group
         dyn = self._lin(x, proj).reshape(rows, 2, self.cfg.taps, groups)
-        return grouped_conv(x, base[0], dyn[:, 0], self.cfg.group), dyn[:, 1]
+        return self._grouped_conv(x, base[0], dyn[:, 0]), dyn[:, 1]
 
     def _conv_finish(self, y: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor) -> torch.Tensor:
-        return grouped_conv(y, base[1], dyn, self.cfg.group)
+        return self._grouped_conv(y, base[1], dyn)
+
+    def _grouped_conv(self, h: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        cb = ops.cuda_kernels(h)
+        if cb is not None:  # dflash.cu (fp32), back in the activation dtype
+            return cb.grouped_conv(h, base, dyn, self.cfg.group).to(h.dtype)
+        return grouped_conv(h, base, dyn, self.cfg.group)
 
     def _attention(self, li: int, u: torch.Tensor, anchor_pos: int) -> torch.Tensor:
         layer = self.layers[li]
         rows = u.shape[0]
         h, kv, d = self.shape.num_heads, self.shape.num_kv_heads, self.shape.head_dim
-        cos, sin = ops.rope_cos_sin(torch.arange(anchor_pos, anchor_pos + rows), self.inv_freq)
+        cos, sin = ops.rope_cos_sin(torch.arange(anchor_pos, anchor_pos + rows, device=self.device), self.inv_freq)
         q = ops.apply_rope(ops.rms_norm(self._lin(u, layer.q).reshape(rows, h, d), layer.q_norm, self.cfg.eps), cos, sin)
         k = ops.apply_rope(ops.rms_norm(self._lin(u, layer.k).reshape(rows, kv, d), layer.k_norm, self.cfg.eps), cos, sin)
         v = self._lin(u, layer.v).reshape(rows, kv, d).float()
         lo = max(0, anchor_pos - self.window)
-        slots = torch.arange(lo, anchor_pos) % self.capacity
+        slots = torch.arange(lo, anchor_pos, device=self.device) % self.capacity
         keys = torch.cat([self.ring_k[li][slots].float(), k])  # [ctx + rows, kv, d]
         values = torch.cat([self.ring_v[li][slots].float(), v])
         rep = h // kv
@@ -383,7 +397,7 @@ class DflashDrafter:
         mask = None
         if self.cfg.is_causal:
             ctx = slots.shape[0]
-            mask = torch.ones(rows, ctx + rows, dtype=torch.bool).tril(ctx)
+            mask = torch.ones(rows, ctx + rows, dtype=torch.bool, device=self.device).tril(ctx)
         att = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
         return self._lin(att.transpose(0, 1).reshape(rows, h * d), layer.o)
 
@@ -393,7 +407,7 @@ class DflashDrafter:
             raise ValueError(f"drafter context has {self.context} positions, the anchor sits at {anchor_pos}")
         s = self.scale
         eps = self.cfg.eps / (s * s)  # norms reading the scaled stream compute the unscaled norm
-        tokens = torch.tensor([anchor] + [self.cfg.mask_token] * block)
+        tokens = torch.tensor([anchor] + [self.cfg.mask_token] * block, device=self.device)
         x = (self.embed[tokens].float() / s).to(self.dtype)
         for li, layer in enumerate(self.layers):
             xn = ops.rms_norm(x, layer.in_norm, eps).to(self.dtype)
@@ -409,8 +423,10 @@ class DflashDrafter:
 
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
         logits, final = self.forward_block(anchor, anchor_pos, block)
-        return select_candidates(logits, final, anchor, self.hidden_projection, self.pred_codebook,
-                                 self.succ_codebook, min(self.cfg.top_k, logits.shape[-1]))
+        top_k = min(self.cfg.top_k, logits.shape[-1])
+        cb = ops.cuda_kernels(logits)
+        select = cb.select_candidates if cb is not None and top_k <= cb.SEL_MAX_K else select_candidates
+        return select(logits, final, anchor, self.hidden_projection, self.pred_codebook, self.succ_codebook, top_k)
 
     # ---- the engine's hooks ------------------------------------------------------------
 

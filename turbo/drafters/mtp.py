@@ -83,12 +83,15 @@ class MtpDrafter:
         self.trunk, self.arch = trunk, arch
         self.eps = arch.rms_eps
         dtype = trunk.dtype
+        self.device = dev = trunk.device  # the trunk's: weights moved once at load, the cache there too
 
         def w(name: str) -> torch.Tensor:
-            return index.load(MTP_PREFIX + name, dtype)
+            t = index.load(MTP_PREFIX + name, dtype)
+            return t if dev.type == "cpu" else t.to(dev)
 
         def norm(name: str) -> torch.Tensor:
-            return 1.0 + index.load(MTP_PREFIX + name, torch.float32)
+            t = 1.0 + index.load(MTP_PREFIX + name, torch.float32)  # computed on the host, as on the CPU
+            return t if dev.type == "cpu" else t.to(dev)
 
         self.fc = w("fc.weight")
         self.norm_embedding = norm("pre_fc_norm_embedding.weight")
@@ -112,8 +115,8 @@ class MtpDrafter:
 
     def reset(self, capacity: int = 256) -> None:
         a = self.arch
-        self.k = torch.zeros(a.num_kv_heads, capacity, a.head_dim)
-        self.v = torch.zeros(a.num_kv_heads, capacity, a.head_dim)
+        self.k = torch.zeros(a.num_kv_heads, capacity, a.head_dim, device=self.device)
+        self.v = torch.zeros(a.num_kv_heads, capacity, a.head_dim, device=self.device)
         self.start = 0  # first cached position (later than 0 only when begin had no prompt tokens)
         self.filled = 0  # cached positions are [start, filled): every one from committed data
         self.last_x: torch.Tensor | None = None  # layer input of row filled-1 (the next draft's first step)
@@ -137,7 +140,8 @@ class MtpDrafter:
 
     def fuse(self, hidden: torch.Tensor, tokens: list[int]) -> torch.Tensor:
         """Rows' layer input: fc([norm_e(embed(token)) | norm_h(hidden)]); hidden [R, H] already normed."""
-        e = ops.rms_norm(self.trunk.embed[torch.tensor(tokens, dtype=torch.long)].float(), self.norm_embedding, self.eps)
+        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
+        e = ops.rms_norm(self.trunk.embed[ids].float(), self.norm_embedding, self.eps)
         h = ops.rms_norm(hidden, self.norm_hidden, self.eps)
         return ops.linear(torch.cat([e, h], dim=-1), self.fc)
 
@@ -146,7 +150,7 @@ class MtpDrafter:
         rows = x.shape[0]
         self._reserve(p0 + rows)
         h = ops.rms_norm(x, self.layer.in_norm, self.eps)
-        q, k, v, gate = self.trunk._qkv(self.layer.mixer, h, torch.arange(p0, p0 + rows))
+        q, k, v, gate = self.trunk._qkv(self.layer.mixer, h, torch.arange(p0, p0 + rows, device=self.device))
         self.k[:, p0:p0 + rows], self.v[:, p0:p0 + rows] = k.transpose(0, 1), v.transpose(0, 1)
         return q, gate
 

@@ -83,9 +83,9 @@ class HParams:
     # continuations
     prefix_len: int = 64
     cont_len: int = 96
-    cont_train_per_workload: int = 1500
+    cont_train_per_workload: int = 600
     cont_eval_per_workload: int = 64
-    gen_batch: int = 64
+    gen_batch: int = 150
     # drafter
     d_layers: int = 5
     block_size: int = 8
@@ -1067,12 +1067,14 @@ nice -n 10 python scripts/train_tiny.py --stage corpus
 nice -n 10 python scripts/train_tiny.py --stage tokenizer
 nice -n 10 python scripts/train_tiny.py --stage workloads
 nohup nice -n 10 sh -c 'python scripts/train_tiny.py --stage trunk --resume && \\
-  python scripts/train_tiny.py --stage continuations && \\
+  python scripts/train_tiny.py --stage continuations --threads 1 && \\
   python scripts/train_tiny.py --stage drafter --resume && \\
   python scripts/train_tiny.py --stage export' >> build/train.log 2>&1 &
 nice -n 10 python scripts/train_tiny.py --stage report
 # after a kill: the same commands; --resume continues trunk/drafter from
 # build/tiny_work/{trunk,drafter}_ckpt.pt, continuations skip finished files.
+# (--threads 1 for the decode loop: on a contended 2-core box its tiny ops
+# straggle badly with 2 threads; trunk/drafter pick their count themselves.)
 """
 
 

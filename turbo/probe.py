@@ -22,11 +22,13 @@ when `probe.adaptive` is true. Keys (conf/task/probe.yaml; `probe.*` is a top-le
   probe.workloads             null = the composed `workload`; or a list of conf/workload names
   probe.rollbacks             null = the top-level `rollback`; or a list
   probe.prompts_per_workload  null = every prompt of the workload; N = the first N
+  probe.stop_at_eos           false: every prompt decodes exactly max_new_tokens (an end-of-text
+                              token does not stop it, as the reference's probe counts a fixed N)
 `max_new_tokens` (top level) overrides every workload's own; `prompt=` replaces the workload's prompts.
 
 metrics.json (schema "turbo.probe/1"):
   schema, install, backend, drafter, window, max_new_tokens (null: per workload), blocks, adaptive,
-  rollbacks, workloads, prompts_per_workload, overrides (the job's Hydra overrides), lossless (bool),
+  rollbacks, workloads, prompts_per_workload, stop_at_eos, overrides (the job's Hydra overrides), lossless (bool),
   timing_note, and `runs`: one object per (workload, rollback, policy, block):
     workload, policy ("off" | "fixed" | "adaptive"), block (0 for off; the widest block for adaptive),
     rollback (null for off), prompts, max_new_tokens,
@@ -246,6 +248,9 @@ def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: boo
     if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
         raise TurboError(f"config: probe.prompts_per_workload={per!r}, expected a positive integer or null")
     override_max = cfg.get("max_new_tokens")
+    stop_at_eos = pc.get("stop_at_eos", False)
+    if not isinstance(stop_at_eos, bool):
+        raise TurboError(f"config: probe.stop_at_eos={stop_at_eos!r}, expected true or false")
 
     rt = open_runtime(rc.install, rc.backend, rc.dtype)
     if rt.backend.note and not quiet:
@@ -263,7 +268,7 @@ def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: boo
 
     def gen(prompt, policy, block, rb, n):
         return rt.generate(prompt, max_new_tokens=n, policy=policy, block=block if policy == "fixed" else None,
-                           rollback=rb or rc.rollback, drafter=rc.drafter, window=rc.window)
+                           rollback=rb or rc.rollback, drafter=rc.drafter, window=rc.window, stop_at_eos=stop_at_eos)
 
     all_runs, texts = [], []
     for wl in workloads:
@@ -303,7 +308,8 @@ def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: boo
     metrics = {
         "schema": SCHEMA, "install": rc.install, "backend": rt.backend.name, "drafter": drafter,
         "window": rc.window, "max_new_tokens": override_max, "blocks": list(blocks), "adaptive": with_adaptive,
-        "rollbacks": rollbacks, "workloads": workloads, "prompts_per_workload": per, "overrides": _overrides(),
+        "rollbacks": rollbacks, "workloads": workloads, "prompts_per_workload": per, "stop_at_eos": stop_at_eos,
+        "overrides": _overrides(),
         "lossless": lossless, "timing_note": TIMING_NOTE, "runs": all_runs,
     }
     out = Path(out_dir) if out_dir is not None else output_dir()

@@ -319,7 +319,10 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         total = sum(p.size for p in trunk + drafter_plan)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"repack {src.name}", disable=quiet,
                   file=sys.stderr) as bar:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            if text_only:
+                (tmp / "config.json").write_text(json.dumps(config, indent=2))
+            else:
+                shutil.copyfile(src / "config.json", tmp / "config.json")
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
                     shutil.copyfile(src / f, tmp / f)

@@ -135,7 +135,7 @@ class ScriptedDrafter:
     def __init__(self, reference: list[int], schedule: list[int], vocab: int):
         self.reference, self.schedule, self.vocab, self.round = reference, schedule, vocab, 0
 
-    def begin(self, prompt_out):
+    def begin(self, prompt_out, tokens=None):
         self.round = 0
 
     def propose(self, anchor, anchor_pos, block):

@@ -136,8 +136,8 @@ class Runtime:
         start = time.perf_counter()
         st = trunk.new_state(len(ids) + max_new + 16)
         prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
-        if draft is not None:  # the MTP head pairs position p's hidden with token p+1: it needs the ids
-            draft.begin(prompt_out, ids) if draft.kind == "mtp" else draft.begin(prompt_out)
+        if draft is not None:
+            draft.begin(prompt_out, ids)
         anchor, generated, text = ids[-1], [], ""
         first_done = None
         chooser = AdaptiveChooser(p.block, memory=(draft, rollback)) if p.policy == "adaptive" and draft is not None else None

@@ -430,7 +430,8 @@ class DflashDrafter:
 
     # ---- the engine's hooks ------------------------------------------------------------
 
-    def begin(self, prompt_out) -> None:
+    def begin(self, prompt_out, tokens: list[int] | None = None) -> None:
+        """A new generation: the prompt's aux states (all but the last token) become the context."""
         self.reset(self.capacity)
         if prompt_out is not None:
             self.add_context(prompt_out.aux)

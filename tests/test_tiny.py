@@ -1,0 +1,45 @@
+"""The embedded default install: it ships, it loads, and every policy reproduces its golden."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+import turbo
+from turbo.install import BUNDLED_DIR, open_install
+
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "tiny.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def rt():
+    return turbo.open("tiny", backend="cpu")
+
+
+def test_shipped_inside_the_package_with_both_drafters():
+    inst = open_install("tiny")
+    assert inst.path == BUNDLED_DIR / "tiny"
+    assert "dflash.fc.weight" in inst.index and inst.has_dflash
+    assert inst.has_mtp and not inst.has_vision
+    assert all(e.dtype == 1 for n, e in inst.index.entries.items())  # bf16 weights
+    size = sum(f.stat().st_size for f in inst.path.rglob("*") if f.is_file())
+    assert size < 64 * 1024 * 1024
+
+
+def run(rt, **kw):
+    return rt.generate(GOLDEN["prompt"], max_new_tokens=GOLDEN["max_new_tokens"], stop_at_eos=False, **kw)
+
+
+def test_off_and_auto_reproduce_the_golden(rt):
+    assert run(rt, policy="off").tokens == GOLDEN["tokens"]
+    auto = run(rt, policy="auto")
+    assert auto.tokens == GOLDEN["tokens"]
+    assert auto.stats.drafter == "dflash" and auto.stats.block == 2 and auto.stats.accepted > 0
+
+
+@pytest.mark.parametrize("block", range(1, 9))
+def test_fixed_blocks_reproduce_the_golden(rt, block):
+    for drafter, rollback in (("dflash", "checkpoint"), ("mtp", "replay")):
+        out = run(rt, policy="fixed", block=block, drafter=drafter, rollback=rollback)
+        assert out.tokens == GOLDEN["tokens"], (drafter, block)
+        assert out.stats.accepted > 0

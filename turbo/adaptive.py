@@ -22,7 +22,9 @@ is played until it has `min_samples` readings, and again when its last reading i
 Cost samples are kept across generations per drafter and rollback strategy (`memory`): a later
 generation only reads the acceptance (one round at the widest block) before choosing.
 
-Acceptance is shrunk towards the previous position's estimate (positions not yet reached
+The choice reads acceptance optimistically (`optimism` standard deviations above the estimate),
+so while few rounds have reached a position a wider block is still tried, and the bound closes
+on the estimate as readings accumulate. Acceptance is shrunk towards the previous position's estimate (positions not yet reached
 inherit it; the first starts at 0.5, weight `prior`), and old rounds fade by `decay` per round so
 a generation whose text changes character is followed.
 
@@ -64,7 +66,8 @@ def _shared_costs(memory: tuple | None, max_block: int, fresh):
 class AdaptiveChooser:
     def __init__(self, max_block: int, decay: float = 0.99, prior: float = 1.0, probe_every: int = 32,
                  probe_max: int = 256, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
-                 bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64):
+                 bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
+                 optimism: float = 0.5):
         if max_block < 1:
             raise ValueError(f"max_block {max_block} < 1")
         self.max_block, self.decay, self.prior = max_block, decay, prior
@@ -84,6 +87,7 @@ class AdaptiveChooser:
         self.explore_within, self.min_samples = explore_within, min_samples
         self.flush_s = 0.0  # drafter context fed since the last observe (LazyContext), not a cost of the block
         self.chosen: list[int] = []  # the block of every round, in order
+        self.optimism = optimism  # choose by an upper bound on acceptance: few readings, wide bounds, bigger blocks tried
         self.rounds, self.last, self.refresh = 0, {}, refresh  # last: the round each block was last played
 
     def _bootstrap_after(self, accepted: int) -> list[int]:
@@ -101,12 +105,14 @@ class AdaptiveChooser:
 
     # ---- estimates -------------------------------------------------------------------
 
-    def acceptance(self) -> list[float]:
-        """p_i, i = 1..max_block: the estimated chance proposal i lands given 1..i-1 did."""
+    def acceptance(self, optimism: float = 0.0) -> list[float]:
+        """p_i, i = 1..max_block: the estimated chance proposal i lands given 1..i-1 did
+        (with `optimism` > 0, that many standard deviations above it: an upper bound)."""
         out, prev = [], 0.5
         for r, l in zip(self.reached, self.landed):
             prev = (l + self.prior * prev) / (r + self.prior)
-            out.append(prev)
+            sd = (prev * (1 - prev) / (r + self.prior + 1)) ** 0.5
+            out.append(min(1.0, prev + optimism * sd))
         return out
 
     def expected_tokens(self, block: int, p: list[float] | None = None) -> float:
@@ -164,7 +170,7 @@ class AdaptiveChooser:
 
     def rates(self) -> dict[int, float]:
         """Estimated tokens per second at every block (empty before the first observation)."""
-        p = self.acceptance()
+        p = self.acceptance(self.optimism)
         return {b: self.expected_tokens(b, p) / c for b, c in self.costs().items()}
 
     # ---- the interface the round loop calls ------------------------------------------

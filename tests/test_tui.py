@@ -104,7 +104,7 @@ def test_view_helpers():
 def test_hydra_overrides_compose_like_the_cli():
     s = compose_settings(["+policy=fixed", "block=4", "install.path=/some/install", "rollback=replay"])
     assert (s.policy, s.block, s.install, s.rollback) == ("fixed", 4, "/some/install", "replay")
-    assert s.prompt == s.presets[0][1] and s.workload == "prose"
+    assert s.prompt == s.presets[0][1] and s.workload == "code"  # the default workload (conf/config.yaml)
     assert {w for w, _ in s.presets} >= {"prose", "code", "math"}
     assert compose_settings([]).policy == "auto"
     assert tui_main(["no_such_key=1"]) == 2  # a bad override: one line on stderr, exit 2

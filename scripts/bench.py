@@ -28,6 +28,8 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                    help="turbo's trunk weights (transformers stays fp32, the checkpoint's dtype)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     shape = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
@@ -35,7 +37,7 @@ def main() -> None:
                  linear_key_head_dim=64, linear_value_head_dim=64)
     with tempfile.TemporaryDirectory() as tmp:
         model, path = make_install(Path(tmp), 0, **shape)
-        rt = turbo.open(path, backend="cpu")
+        rt = turbo.open(path, backend="cpu", dtype=args.dtype)
         prompt = torch.randint(0, 4096, (1, args.prompt), generator=torch.Generator().manual_seed(0))
         hf_prefill, hf_decode, tb_prefill, tb_decode = [], [], [], []
         for _ in range(args.repeats):
@@ -52,7 +54,7 @@ def main() -> None:
             tb_decode.append(out.stats.decode_tokens_per_s)
             same = out.tokens == hf[0, args.prompt:].tolist()
         print(f"shape: hidden 256, 8 layers (6 GDN + 2 attention), vocab 4096; prompt {args.prompt}, "
-              f"{args.new} new tokens, {args.threads} thread(s), best of {args.repeats}")
+              f"{args.new} new tokens, {args.threads} thread(s), turbo weights {args.dtype}, best of {args.repeats}")
         print(f"same greedy tokens as transformers: {same}")
         print(f"prefill tok/s  turbo {max(tb_prefill):9.1f}   transformers {max(hf_prefill):9.1f}   "
               f"ratio {max(tb_prefill) / max(hf_prefill):.2f}x")

@@ -67,7 +67,7 @@ class AdaptiveChooser:
     def __init__(self, max_block: int, decay: float = 0.99, prior: float = 1.0, probe_every: int = 32,
                  probe_max: int = 256, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
                  bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
-                 optimism: float = 0.5):
+                 optimism: float = 0.75):
         if max_block < 1:
             raise ValueError(f"max_block {max_block} < 1")
         self.max_block, self.decay, self.prior = max_block, decay, prior

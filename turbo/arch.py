@@ -8,7 +8,7 @@ full_attention_interval, partial_rotary_factor 0.25, as transformers does).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,8 +44,6 @@ class Arch:
     max_positions: int
     eos_token_ids: tuple[int, ...] = ()
     num_experts: int = 0
-    has_vision_config: bool = False
-    extra: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def rotary_dim(self) -> int:
@@ -155,7 +153,6 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
         max_positions=_positive(text, "max_position_embeddings", w),
         eos_token_ids=eos_ids,
         num_experts=int(text.get("num_experts", 0) or 0),
-        has_vision_config=isinstance(cfg.get("vision_config"), dict),
     )
     if arch.lin_v_heads % arch.lin_k_heads:
         raise TurboError(

@@ -82,12 +82,6 @@ class StepOut:
     traces: dict[int, GdnTrace] = field(default_factory=dict)
 
 
-def _expect(t: torch.Tensor, shape: tuple[int, ...], name: str) -> torch.Tensor:
-    if tuple(t.shape) != tuple(shape):
-        raise TurboError(f"{name} has shape {list(t.shape)}, expected {list(shape)}")
-    return t
-
-
 class Trunk:
     def __init__(self, install: Install, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):

@@ -53,3 +53,16 @@ def test_report_errors_are_one_line_and_exit_2(tmp_path, capsys):
     # and through the module entry point
     p = subprocess.run([sys.executable, "-m", "turbo.report", str(empty)], cwd=ROOT, capture_output=True, text=True)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_report_puts_two_drafters_side_by_side(tmp_path, capsys):
+    fixture = Path(__file__).parent / "fixtures" / "probe_multirun"
+    for drafter in ("dflash", "mtp"):
+        data = json.loads((fixture / "0" / "metrics.json").read_text())
+        data["drafter"] = drafter
+        (tmp_path / drafter).mkdir()
+        (tmp_path / drafter / "metrics.json").write_text(json.dumps(data))
+    assert main([str(tmp_path)]) == 0
+    table = (tmp_path / "report.md").read_text()
+    workload = data["runs"][0]["workload"]
+    assert f"| {workload} [dflash] |" in table and f"| {workload} [mtp] |" in table

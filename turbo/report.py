@@ -55,7 +55,10 @@ def load(directory: Path) -> tuple[list[dict], list[Path]]:
                 raise ReportError(f"{f}: runs[{i}] has policy {r['policy']!r}, expected off, fixed or adaptive")
             if not isinstance(r["tokens_per_s"], (int, float)) or not isinstance(r["block"], int):
                 raise ReportError(f"{f}: runs[{i}]: tokens_per_s and block must be numbers")
-            runs.append(dict(r, source=str(f.relative_to(directory))))
+            runs.append(dict(r, source=str(f.relative_to(directory)), drafter=str(data.get("drafter"))))
+    if len({r["drafter"] for r in runs}) > 1:  # drafter=dflash,mtp side by side: a row group per drafter
+        for r in runs:
+            r["workload"] = f"{r['workload']} [{r['drafter']}]"
     return runs, files
 
 

@@ -44,3 +44,9 @@ def test_fixed_blocks_reproduce_the_golden(rt, block):
         out = run(rt, policy="fixed", block=block, drafter=drafter, rollback=rollback)
         assert out.tokens == GOLDEN["tokens"], (drafter, rollback, block)
         assert out.stats.accepted > 0
+
+
+def test_window_is_refused_for_the_mtp_head(rt):
+    with pytest.raises(turbo.TurboError, match="window 64"):
+        rt.generate("x", max_new_tokens=2, policy="fixed", block=2, drafter="mtp", window=64)
+    assert run(rt, policy="fixed", block=2, drafter="dflash", window=64).tokens == GOLDEN["tokens"]

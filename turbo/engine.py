@@ -123,6 +123,9 @@ class Runtime:
         if rollback not in ROLLBACKS:
             raise TurboError(f"rollback {rollback!r} is not one of {', '.join(ROLLBACKS)}")
         p = self.plan(policy, block, drafter)
+        if window is not None and p.drafter == "mtp":
+            raise TurboError(f"window {window}: the window is the DFlash2 drafter's context, and the MTP head "
+                             "drafting here keeps none (drop window= or use drafter=dflash)")
         draft = self.drafter(p.drafter, window) if p.drafter else None
         stats = Stats(prompt_tokens=len(ids), policy=p.policy, drafter=p.drafter, block=p.block,
                       window=getattr(draft, "window", None), rollback=rollback, backend=self.backend.name,

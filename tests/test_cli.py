@@ -118,3 +118,9 @@ def test_block_outside_trained_range(spec_install, tmp_path):
 def test_window_out_of_range(spec_install, tmp_path):
     one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "prompt=hi", "window=0"), "window 0")
     one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "prompt=hi", "window=65"), "window 65", "64")
+
+
+def test_bad_overrides_are_one_line(tmp_path):
+    one_line_error(run(tmp_path, "workload=poetry"), "workload/poetry", "code math prose")
+    one_line_error(run(tmp_path, "nosuchkey=1"), "nosuchkey")
+    one_line_error(run(tmp_path, "block=abc", "+policy=fixed"), "block")

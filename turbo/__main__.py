@@ -55,5 +55,26 @@ def main(cfg: DictConfig) -> None:
         sys.exit(code)
 
 
+def override_error(argv: list[str]) -> str | None:
+    """Compose the config once up front, so a bad override (an unknown key or group option)
+    is one line and exit 2 here rather than Hydra's multi-line report. Sweeps (-m) and
+    hydra.* settings are left to Hydra."""
+    if any(a in ("-m", "--multirun") for a in argv):
+        return None
+    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/"))]
+    from hydra import compose, initialize_config_dir
+
+    try:
+        with initialize_config_dir(version_base=None, config_dir=CONF_DIR, job_name="turbo"):
+            compose(config_name="config", overrides=overrides)
+    except Exception as e:  # Hydra raises several kinds; all mean "this override cannot compose"
+        return " ".join(str(e).split("Config search path")[0].split())
+    return None
+
+
 if __name__ == "__main__":
+    problem = override_error(sys.argv[1:])
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        sys.exit(2)
     main()

@@ -213,15 +213,6 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
                linear_key_head_dim=64, linear_value_head_dim=64, vocab_size=32000)
     results: dict = {"launch_overhead": "eager launches; CUDA graphs are not used on the engine path"}
 
-    def sync_time(fn, iters):
-        fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / iters
-
     def measure(label, path):
         rt = turbo.open(path, backend="cuda")
         prompt = list(range(5, 69)) if label.startswith("random") else rt.encode("def fibonacci(n):\n    ")
@@ -249,12 +240,12 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
         trunk = rt.trunk
         st = trunk.new_state(len(prompt) + 4096)
         trunk.prefill(st, prompt)
-        r["trunk_decode_step_ms"] = round(sync_time(lambda: trunk.step(st, [7]), 50) * 1e3, 3)
+        r["trunk_decode_step_ms"] = round(timed(lambda: trunk.step(st, [7]), 50) * 1e3, 3)
 
         def verify():
             o = trunk.step(st, [7] * 9, keep="checkpoint")
             trunk.rollback(st, o, 9, 1, "checkpoint")
-        r["trunk_verify9_plus_rollback_ms"] = round(sync_time(verify, 30) * 1e3, 3)
+        r["trunk_verify9_plus_rollback_ms"] = round(timed(verify, 30) * 1e3, 3)
         ops.CUDA_KERNELS = False
         try:
             off = turbo.open(path, backend="cuda")

@@ -465,6 +465,17 @@ def lr_factor(progress: float, warmup: float, min_frac: float) -> float:
     return min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * p))
 
 
+def resume_checkpoint(path: Path, model, opt, log, stage: str) -> tuple[int, float]:
+    """Load model + optimizer from a stage checkpoint if one exists; (step, elapsed seconds)."""
+    if not path.exists():
+        return 0, 0.0
+    ck = torch.load(path, weights_only=False)
+    model.load_state_dict(ck["model"])
+    opt.load_state_dict(ck["opt"])
+    log.log(stage, resumed_from_step=ck["step"], elapsed_s=round(ck["elapsed"]))
+    return ck["step"], ck["elapsed"]
+
+
 def make_optimizer(params: list[nn.Parameter], lr: float, wd: float) -> torch.optim.Optimizer:
     # no weight decay on norms, biases and small vectors
     decay = [p for p in params if p.dim() >= 2]
@@ -552,13 +563,7 @@ def train_trunk(work: Path, hp: HParams, build: Path, log: Logger, resume: bool)
     model = Qwen3_5ForCausalLM(trunk_config(hp, eos)).float()
     opt = make_optimizer(list(model.parameters()), hp.lr, hp.weight_decay)
     ckpt_path = work / "trunk_ckpt.pt"
-    step, elapsed = 0, 0.0
-    if resume and ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
-        step, elapsed = ck["step"], ck["elapsed"]
-        log.log("trunk", resumed_from_step=step, elapsed_s=round(elapsed))
+    step, elapsed = resume_checkpoint(ckpt_path, model, opt, log, "trunk") if resume else (0, 0.0)
     n_params = sum(p.numel() for p in model.parameters())
     log.log("trunk", params=n_params, seq_len=hp.seq_len, batch=hp.batch)
     streams = {w: load_tokens(work, w, "train") for w in WORKLOADS}
@@ -964,13 +969,7 @@ def train_drafter(work: Path, hp: HParams, build: Path, log: Logger, resume: boo
     log.log("drafter", params=sum(p.numel() for p in params))
     opt = make_optimizer(params, hp.d_lr, hp.weight_decay)
     ckpt_path = work / "drafter_ckpt.pt"
-    step, elapsed = 0, 0.0
-    if resume and ckpt_path.exists():
-        ck = torch.load(ckpt_path, weights_only=False)
-        model.load_state_dict(ck["model"])
-        opt.load_state_dict(ck["opt"])
-        step, elapsed = ck["step"], ck["elapsed"]
-        log.log("drafter", resumed_from_step=step, elapsed_s=round(elapsed))
+    step, elapsed = resume_checkpoint(ckpt_path, model, opt, log, "drafter") if resume else (0, 0.0)
     train, ev = load_cont(work, "train"), load_cont(work, "eval")
     budget = Budget(hp.drafter_steps, hp.drafter_minutes, elapsed)
     last_ckpt = last_eval = budget.now()

@@ -53,6 +53,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import TurboError
+from .stats import derived
 
 SCHEMA = "turbo.probe/1"
 DEFAULT_BLOCKS = (1, 2, 4, 7, 8)
@@ -113,10 +114,7 @@ class Agg:
             "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
             "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "rollbacks": self.rollbacks,
             "replayed_rows": self.replayed_rows,
-            "accepted_per_round": self.accepted / rounds,
-            "mean_acceptance_length": 1.0 + self.accepted / rounds,
-            "rollback_rate": self.rollbacks / rounds,
-            "per_position_acceptance": [l / r if r else 0.0 for l, r in zip(self.landed, self.reached)],
+            **derived(self.rounds, self.accepted, self.rollbacks, self.reached, self.landed),
             "mean_block": self.drafted / rounds,
             "same_text_as_off": not self.mismatched, "mismatched_prompts": list(self.mismatched),
             "wall_s": self.wall_s, "tokens_per_s": tps,

@@ -5,6 +5,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+def derived(rounds: int, accepted: int, rollbacks: int, reached: list[int], landed: list[int]) -> dict:
+    """The figures DESIGN 5 defines from the raw counts (one generation's, or summed over many)."""
+    per_round = accepted / (rounds or 1)
+    return {"accepted_per_round": per_round, "mean_acceptance_length": 1.0 + per_round,
+            "rollback_rate": rollbacks / (rounds or 1),
+            "per_position_acceptance": [l / r if r else 0.0 for l, r in zip(landed, reached)]}
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -47,10 +55,8 @@ class Stats:
             self.reached[i] += 1
             if i < accepted:
                 self.landed[i] += 1
-        self.accepted_per_round = self.accepted / self.rounds
-        self.mean_acceptance_length = 1.0 + self.accepted_per_round
-        self.rollback_rate = self.rollbacks / self.rounds
-        self.per_position_acceptance = [l / r if r else 0.0 for l, r in zip(self.landed, self.reached)]
+        for name, value in derived(self.rounds, self.accepted, self.rollbacks, self.reached, self.landed).items():
+            setattr(self, name, value)
 
     def as_dict(self) -> dict:
         d = asdict(self)

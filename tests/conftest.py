@@ -26,3 +26,17 @@ def plain_install(tmp_path_factory):
 
     model, path = make_install(tmp_path_factory.mktemp("plain"), 1)
     return model, path
+
+
+@pytest.fixture(scope="module", params=["native", "torch"])
+def step_path(request):
+    """Runs a module's tests on both CPU steps: native.c (the default) and the torch ops
+    (what runs where no C compiler is, and the reference the CUDA kernels follow)."""
+    from turbo.backends import native
+
+    with pytest.MonkeyPatch.context() as mp:
+        if request.param == "torch":
+            mp.setenv("TURBO_NATIVE", "0")
+        elif native.library() is None:
+            pytest.skip(f"native step unavailable: {native.why_not()}")
+        yield request.param

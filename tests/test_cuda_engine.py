@@ -122,6 +122,7 @@ def emulated_dispatch(monkeypatch):
     from test_cuda import Emulator
 
     emu = Emulator()
+    monkeypatch.setenv("TURBO_NATIVE", "0")  # the torch step: the one that dispatches to the kernels
     monkeypatch.setattr(ck, "kernels", lambda device=None: emu)
     monkeypatch.setattr(cb, "_need_cuda", lambda t, name: None)
     monkeypatch.setattr(ops, "cuda_kernels", lambda t: cb if ops.CUDA_KERNELS else None)

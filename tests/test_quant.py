@@ -158,6 +158,7 @@ def test_speculation_on_a_quantized_install_is_lossless(fmt, int4_install, tmp_p
 
 
 def test_packed_weights_compute_the_same_as_dequantized_at_load(int4_install, monkeypatch):
+    monkeypatch.setenv("TURBO_NATIVE", "0")  # both on the torch step: packed matrices never take native.c
     inst = open_install(int4_install[2])
     at_load = Trunk(inst)
     monkeypatch.setenv(quant.CPU_MODE_ENV, "packed")

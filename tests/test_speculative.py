@@ -12,11 +12,16 @@ from turbo.install import open_install
 from turbo.trunk import Trunk
 
 PROMPTS = [list(range(5, 40)), [7, 100, 3, 250, 17, 17, 17, 42]]
+pytestmark = pytest.mark.usefixtures("step_path")  # every test on both CPU steps
 
 
 @pytest.fixture(scope="module")
-def rt(spec_install):
+def rt(spec_install, step_path):
     return turbo.open(spec_install[1], backend="cpu")
+
+
+def test_the_step_in_use_is_the_one_asked_for(rt, step_path):
+    assert (rt.trunk.native is not None) == (step_path == "native")
 
 
 @pytest.fixture(scope="module")

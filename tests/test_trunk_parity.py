@@ -23,6 +23,9 @@ SHAPES = {
 }
 
 
+pytestmark = pytest.mark.usefixtures("step_path")  # every test on both CPU steps
+
+
 @pytest.fixture(scope="module", params=list(SHAPES))
 def pair(request, tmp_path_factory):
     model, path = make_install(tmp_path_factory.mktemp(request.param), 3, **SHAPES[request.param])

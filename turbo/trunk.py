@@ -14,6 +14,7 @@ and quantized matrices stay packed for the quantized GEMV kernel.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass, field
 
 import torch
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 
 from . import ops, quant
 from .arch import Arch
+from .backends import native
 from .errors import TurboError
 from .install import Install
 
@@ -163,8 +165,37 @@ class Trunk:
             self.final_norm = ops.to_device(self.final_norm, self.device)
             self.inv_freq = ops.to_device(self.inv_freq, self.device)
             self.layers = [ops.to_device(layer, self.device) for layer in self.layers]
-        for mat in self.matrices():
-            ops.calibrate_rows(mat)
+        self.native = self._native_layers()  # None: the torch step (row blocks calibrated below)
+        if self.native is None:
+            for mat in self.matrices():
+                ops.calibrate_rows(mat)
+
+    def _native_layers(self) -> list[native.Layer] | None:
+        """native.c's per-layer structs, when the step can run there: on the CPU, with every
+        matrix a plain fp32 or bf16 tensor (packed quantized matrices keep the torch step)."""
+        mats = self.matrices()
+        if (self.device.type != "cpu" or native.library() is None
+                or not all(isinstance(m, torch.Tensor) and m.dtype == mats[0].dtype for m in mats)
+                or mats[0].dtype not in native.WTYPES):
+            return None
+        a, ptr = self.arch, native.ptr
+        structs = []
+        for layer in self.layers:
+            m = layer.mixer
+            s = native.Layer(hidden=a.hidden, inter=a.intermediate, wtype=native.WTYPES[mats[0].dtype], eps=a.rms_eps,
+                             in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
+                             gate_up=ptr(layer.gate_up), down=ptr(layer.down))
+            if isinstance(m, GdnWeights):
+                s.in_proj, s.out, s.conv = ptr(m.in_proj), ptr(m.out), ptr(m.conv)
+                s.neg_a, s.dt_bias, s.gnorm = ptr(m.neg_a), ptr(m.dt_bias), ptr(m.norm)
+                s.kheads, s.kdim, s.vheads, s.vdim, s.taps = (a.lin_k_heads, a.lin_k_dim, a.lin_v_heads,
+                                                             a.lin_v_dim, a.conv_kernel)
+            else:
+                s.qkv, s.o, s.q_norm, s.k_norm, s.inv_freq = (ptr(m.qkv), ptr(m.o), ptr(m.q_norm),
+                                                               ptr(m.k_norm), ptr(self.inv_freq))
+                s.heads, s.kv_heads, s.head_dim, s.rot = a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim
+            structs.append(s)
+        return structs
 
     def matrices(self) -> list[torch.Tensor]:
         """Every weight the decode/verify path multiplies by."""
@@ -292,6 +323,8 @@ class Trunk:
 
         keep: None (no rollback possible), "checkpoint" (keep the state after every row)
         or "replay" (keep the rows' recurrence inputs to replay from the snapshot)."""
+        if self.native is not None:
+            return self._step_native(st, tokens, aux_layers, keep)
         a = self.arch
         rows, p0 = len(tokens), st.pos
         self._reserve(st, p0 + rows)
@@ -321,6 +354,56 @@ class Trunk:
         st.pos = p0 + rows
         return StepOut(self._head(x), x, torch.cat(aux, dim=-1) if aux else None, traces)
 
+    def _step_native(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
+                     keep: str | None) -> StepOut:
+        """`step` through native.c: one call per layer, the same contract and traces."""
+        a, lib, ptr = self.arch, native.library(), native.ptr
+        rows, p0 = len(tokens), st.pos
+        self._reserve(st, p0 + rows)
+        x = self.embed[torch.tensor(tokens)].float().contiguous()
+        taps, conv_dim = a.conv_kernel, a.lin_conv_dim
+        hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim
+        aux, traces = [], {}
+        for i, layer in enumerate(self.native):
+            if i in st.gdn:
+                state, window = st.gdn[i]
+                new_state = state.contiguous().clone()
+                ext = torch.empty(taps - 1 + rows, conv_dim)
+                ext[:taps - 1] = window
+                q, k = torch.empty(rows, hv, dk), torch.empty(rows, hv, dk)
+                v, g, beta = torch.empty(rows, hv, dv), torch.empty(rows, hv), torch.empty(rows, hv)
+                states = torch.empty(rows, hv, dk, dv) if keep == "checkpoint" else None
+                lib.gdn_layer(ctypes.addressof(layer), ptr(x), rows, ptr(new_state), ptr(ext), ptr(q), ptr(k),
+                              ptr(v), ptr(g), ptr(beta), ptr(states))
+                st.gdn[i] = (new_state, ext[rows:])
+                if keep is not None:
+                    traces[i] = GdnTrace(state, ext, (q, k, v, g, beta) if keep == "replay" else None,
+                                         list(states.unbind(0)) if states is not None else None)
+            else:
+                kc, vc = st.kv[i]
+                lib.attn_layer(ctypes.addressof(layer), ptr(x), rows, p0, ptr(kc), ptr(vc), kc.shape[1])
+            if i in aux_layers:
+                aux.append(x.clone())
+        st.pos = p0 + rows
+        logits = torch.empty(rows, a.vocab)
+        lib.head(ptr(x), rows, a.hidden, ptr(self.final_norm), a.rms_eps, ptr(self.lm_head),
+                 self.native[0].wtype, a.vocab, ptr(logits))
+        return StepOut(logits, x, torch.cat(aux, dim=-1) if aux else None, traces)
+
+    def _replay(self, tr: GdnTrace, kept: int) -> torch.Tensor:
+        """The state after the first `kept` rows, recomputed from the snapshot by the same
+        recurrence code the verify ran (bit for bit what those rows left)."""
+        if self.native is None:
+            state = tr.snapshot
+            for t in range(kept):
+                state, _ = ops.gdn_step(state, *(x[t] for x in tr.inputs))
+            return state
+        a = self.arch
+        state = tr.snapshot.contiguous().clone()
+        native.library().gdn_recurrence(native.ptr(state), kept, a.lin_v_heads, a.lin_k_dim, a.lin_v_dim,
+                                        *(native.ptr(x) for x in tr.inputs), None, None)
+        return state
+
     def _attend_rows(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p0: int) -> torch.Tensor:
         """Each row attends to exactly its own causal prefix, one call per row, so a row's
         arithmetic does not depend on how many rows were verified with it."""
@@ -347,9 +430,7 @@ class Trunk:
             if strategy == "checkpoint":
                 state = tr.states[kept - 1] if kept else tr.snapshot
             else:
-                state = tr.snapshot
-                for t in range(kept):
-                    state, _ = ops.gdn_step(state, *(x[t] for x in tr.inputs))
+                state = self._replay(tr, kept)
                 replayed = kept
             st.gdn[i] = (state, window)
         return replayed

@@ -1,0 +1,303 @@
+/* The CPU decode/verify step of the Qwen3.5 trunk (DESIGN 2.1), one call per layer.
+ *
+ * Why C: a one-token step of a small model is ~400 tiny torch ops (each costs more to
+ * dispatch than to compute) and BLAS GEMV paths that are slower than reading the
+ * weights once. Here every layer is one call and every matrix is read once per call.
+ *
+ * Why it stays lossless: every value a row produces is computed by the same code in the
+ * same order whatever the number of rows R in the call -- each output element of a
+ * matrix product is one fixed-order sum (16 vector lanes over the input, then the lanes
+ * in order, then the scalar tail), and nothing is parallelised across rows or split
+ * across threads. So the B + 1 rows of a verify equal B + 1 one-row decode steps bit
+ * for bit, by construction rather than by measurement.
+ *
+ * Built by turbo/backends/native.py with the host's compiler (no -ffast-math: the
+ * compiler must not reassociate sums). Matrices are fp32 (wtype 0) or bf16 (wtype 1);
+ * bf16 is widened exactly to fp32 before the multiply, so activations stay fp32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+typedef struct {
+    int hidden, inter, wtype;
+    float eps;
+    const float *in_norm, *post_norm; /* (1 + w), fp32 */
+    const void *gate_up, *down;
+    /* Gated DeltaNet */
+    const void *in_proj, *out;
+    const float *conv, *neg_a, *dt_bias, *gnorm;
+    int kheads, kdim, vheads, vdim, taps;
+    /* gated attention */
+    const void *qkv, *o;
+    const float *q_norm, *k_norm, *inv_freq;
+    int heads, kv_heads, head_dim, rot;
+} Layer;
+
+static inline v16 load_w(const void *w, int wtype, size_t at) {
+    v16 r;
+    if (wtype == 0) {
+        memcpy(&r, (const float *)w + at, 64);
+    } else {
+        u16x16 h;
+        memcpy(&h, (const uint16_t *)w + at, 32);
+        u32x16 u = __builtin_convertvector(h, u32x16) << 16;
+        memcpy(&r, &u, 64);
+    }
+    return r;
+}
+
+static inline float w_at(const void *w, int wtype, size_t at) {
+    if (wtype == 0) return ((const float *)w)[at];
+    uint32_t u = (uint32_t)((const uint16_t *)w)[at] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+static inline float lanes_sum(v16 a) {
+    float s = a[0];
+    for (int i = 1; i < 16; i++) s += a[i];
+    return s;
+}
+
+/* y[r, o] = sum_i x[r, i] * w[o, i] for r < R, o < n; x [R, k] with row stride k. */
+void linear(const float *x, int R, int k, const void *w, int wtype, int n, float *y) {
+    int kv = k & ~15;
+    for (int o = 0; o < n; o++) {
+        size_t base = (size_t)o * k;
+        int r = 0;
+        for (; r + 4 <= R; r += 4) { /* four rows share each weight load; per row the same sum */
+            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
+            const float *x0 = x + (size_t)r * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
+            for (int i = 0; i < kv; i += 16) {
+                v16 wv = load_w(w, wtype, base + i), t;
+                memcpy(&t, x0 + i, 64); a0 += t * wv;
+                memcpy(&t, x1 + i, 64); a1 += t * wv;
+                memcpy(&t, x2 + i, 64); a2 += t * wv;
+                memcpy(&t, x3 + i, 64); a3 += t * wv;
+            }
+            float s0 = lanes_sum(a0), s1 = lanes_sum(a1), s2 = lanes_sum(a2), s3 = lanes_sum(a3);
+            for (int i = kv; i < k; i++) {
+                float wi = w_at(w, wtype, base + i);
+                s0 += x0[i] * wi; s1 += x1[i] * wi; s2 += x2[i] * wi; s3 += x3[i] * wi;
+            }
+            y[(size_t)r * n + o] = s0; y[(size_t)(r + 1) * n + o] = s1;
+            y[(size_t)(r + 2) * n + o] = s2; y[(size_t)(r + 3) * n + o] = s3;
+        }
+        for (; r < R; r++) {
+            v16 a0 = {0}, t;
+            const float *x0 = x + (size_t)r * k;
+            for (int i = 0; i < kv; i += 16) {
+                v16 wv = load_w(w, wtype, base + i);
+                memcpy(&t, x0 + i, 64); a0 += t * wv;
+            }
+            float s0 = lanes_sum(a0);
+            for (int i = kv; i < k; i++) s0 += x0[i] * w_at(w, wtype, base + i);
+            y[(size_t)r * n + o] = s0;
+        }
+    }
+}
+
+static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
+static inline float siluf(float x) { return x / (1.0f + expf(-x)); }
+static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+
+/* out = x * rsqrt(mean(x^2) + eps) * scale over n values. */
+static void rms_norm(const float *x, int n, const float *scale, float eps, float *out) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * inv * scale[i];
+}
+
+static void rms_norm_rows(const float *x, int R, int n, const float *scale, float eps, float *out) {
+    for (int r = 0; r < R; r++) rms_norm(x + (size_t)r * n, n, scale, eps, out + (size_t)r * n);
+}
+
+/* x += down(silu(gate) * up) of rms_norm(x): the MLP half of every layer. */
+static void mlp_block(const Layer *L, float *x, int R) {
+    int H = L->hidden, I = L->inter;
+    float *h = malloc(sizeof(float) * (size_t)R * H);
+    float *gu = malloc(sizeof(float) * (size_t)R * 2 * I);
+    float *act = malloc(sizeof(float) * (size_t)R * I);
+    float *y = malloc(sizeof(float) * (size_t)R * H);
+    rms_norm_rows(x, R, H, L->post_norm, L->eps, h);
+    linear(h, R, H, L->gate_up, L->wtype, 2 * I, gu);
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < I; i++)
+            act[(size_t)r * I + i] = siluf(gu[(size_t)r * 2 * I + i]) * gu[(size_t)r * 2 * I + I + i];
+    linear(act, R, I, L->down, L->wtype, H, y);
+    for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
+    free(h); free(gu); free(act); free(y);
+}
+
+/* The gated delta rule over R rows, one after another, all heads; `state` [Hv, dk, dv] is
+ * updated in place. q, k [R, Hv, dk]; v [R, Hv, dv]; g, beta [R, Hv]. out [R, Hv, dv] and
+ * states [R, Hv, dk, dv] (the state after every row) are optional. */
+void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q, const float *k,
+                    const float *v, const float *g, const float *beta, float *out, float *states) {
+    float *kv = malloc(sizeof(float) * (size_t)dv);
+    size_t per = (size_t)dk * dv;
+    for (int r = 0; r < R; r++) {
+        for (int h = 0; h < Hv; h++) {
+            float *S = state + h * per;
+            const float *qh = q + ((size_t)r * Hv + h) * dk, *kh = k + ((size_t)r * Hv + h) * dk;
+            const float *vh = v + ((size_t)r * Hv + h) * dv;
+            float decay = expf(g[(size_t)r * Hv + h]), b = beta[(size_t)r * Hv + h];
+            for (size_t i = 0; i < per; i++) S[i] *= decay;
+            for (int j = 0; j < dv; j++) kv[j] = 0.0f;
+            for (int i = 0; i < dk; i++)
+                for (int j = 0; j < dv; j++) kv[j] += kh[i] * S[(size_t)i * dv + j];
+            for (int j = 0; j < dv; j++) kv[j] = (vh[j] - kv[j]) * b; /* u */
+            for (int i = 0; i < dk; i++)
+                for (int j = 0; j < dv; j++) S[(size_t)i * dv + j] += kh[i] * kv[j];
+            if (out) {
+                float *oh = out + ((size_t)r * Hv + h) * dv;
+                for (int j = 0; j < dv; j++) oh[j] = 0.0f;
+                for (int i = 0; i < dk; i++)
+                    for (int j = 0; j < dv; j++) oh[j] += qh[i] * S[(size_t)i * dv + j];
+            }
+        }
+        if (states) memcpy(states + (size_t)r * Hv * per, state, sizeof(float) * Hv * per);
+    }
+    free(kv);
+}
+
+/* One Gated DeltaNet layer over R rows, then its MLP; x [R, hidden] is the residual stream
+ * (updated in place). ext [taps-1+R, C] comes in holding the conv window in its first
+ * taps-1 rows and leaves with the rows' conv inputs after them. q, k, v, g, beta receive
+ * the recurrence inputs (for a replay); state and states as in gdn_recurrence. */
+void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float *q, float *k, float *v,
+               float *g, float *beta, float *states) {
+    int H = L->hidden, Hk = L->kheads, dk = L->kdim, Hv = L->vheads, dv = L->vdim, K = L->taps;
+    int kd = Hk * dk, vd = Hv * dv, C = 2 * kd + vd, P = C + vd + 2 * Hv, rep = Hv / Hk;
+    float *h = malloc(sizeof(float) * (size_t)R * H);
+    float *proj = malloc(sizeof(float) * (size_t)R * P);
+    float *mixed = malloc(sizeof(float) * (size_t)C);
+    float *o = malloc(sizeof(float) * (size_t)R * vd);
+    float *y = malloc(sizeof(float) * (size_t)R * H);
+    rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
+    linear(h, R, H, L->in_proj, L->wtype, P, proj);
+    for (int r = 0; r < R; r++) memcpy(ext + (size_t)(K - 1 + r) * C, proj + (size_t)r * P, sizeof(float) * C);
+    float qscale = 1.0f / sqrtf((float)dk);
+    for (int r = 0; r < R; r++) {
+        const float *pr = proj + (size_t)r * P;
+        for (int c = 0; c < C; c++) {
+            float acc = ext[(size_t)r * C + c] * L->conv[(size_t)c * K];
+            for (int j = 1; j < K; j++) acc = acc + ext[(size_t)(r + j) * C + c] * L->conv[(size_t)c * K + j];
+            mixed[c] = siluf(acc);
+        }
+        for (int hk = 0; hk < Hk; hk++) { /* l2-normalised q (scaled) and k, shared by `rep` value heads */
+            const float *mq = mixed + hk * dk, *mk = mixed + kd + hk * dk;
+            float sq = 0.0f, sk = 0.0f;
+            for (int i = 0; i < dk; i++) { sq += mq[i] * mq[i]; sk += mk[i] * mk[i]; }
+            float iq = 1.0f / sqrtf(sq + 1e-6f), ik = 1.0f / sqrtf(sk + 1e-6f);
+            for (int e = 0; e < rep; e++) {
+                float *qo = q + ((size_t)r * Hv + hk * rep + e) * dk, *ko = k + ((size_t)r * Hv + hk * rep + e) * dk;
+                for (int i = 0; i < dk; i++) { qo[i] = mq[i] * iq * qscale; ko[i] = mk[i] * ik; }
+            }
+        }
+        memcpy(v + (size_t)r * vd, mixed + 2 * kd, sizeof(float) * vd);
+        for (int hv = 0; hv < Hv; hv++) {
+            beta[(size_t)r * Hv + hv] = sigmoidf(pr[C + vd + hv]);
+            g[(size_t)r * Hv + hv] = L->neg_a[hv] * softplusf(pr[C + vd + Hv + hv] + L->dt_bias[hv]);
+        }
+    }
+    gdn_recurrence(state, R, Hv, dk, dv, q, k, v, g, beta, o, states);
+    for (int r = 0; r < R; r++) /* per-head RMSNormGated: plain weight times silu(z) */
+        for (int hv = 0; hv < Hv; hv++) {
+            float *oh = o + ((size_t)r * Hv + hv) * dv;
+            const float *z = proj + (size_t)r * P + C + hv * dv;
+            float ss = 0.0f;
+            for (int j = 0; j < dv; j++) ss += oh[j] * oh[j];
+            float inv = 1.0f / sqrtf(ss / (float)dv + L->eps);
+            for (int j = 0; j < dv; j++) oh[j] = L->gnorm[j] * (oh[j] * inv) * siluf(z[j]);
+        }
+    linear(o, R, vd, L->out, L->wtype, H, y);
+    for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
+    free(h); free(proj); free(mixed); free(o); free(y);
+    mlp_block(L, x, R);
+}
+
+/* NeoX rotate-half on the first `rot` dims of one head vector, at position pos. */
+static void rope(float *x, int rot, const float *inv_freq, int pos) {
+    int half = rot / 2;
+    for (int i = 0; i < half; i++) {
+        float f = (float)pos * inv_freq[i], c = cosf(f), s = sinf(f);
+        float a = x[i], b = x[i + half];
+        x[i] = a * c + (-b) * s;
+        x[i + half] = b * c + a * s;
+    }
+}
+
+/* One gated-attention layer over R rows at positions p0.., then its MLP. kc, vc
+ * [kv_heads, cap, head_dim]: the rows' K and V are written at p0..p0+R-1; row r attends
+ * to positions 0..p0+r, exactly its own causal prefix. */
+void attn_layer(const Layer *L, float *x, int R, int p0, float *kc, float *vc, int cap) {
+    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim, groups = nh / nkv;
+    int P = 2 * nh * hd + 2 * nkv * hd;
+    float *h = malloc(sizeof(float) * (size_t)R * H);
+    float *proj = malloc(sizeof(float) * (size_t)R * P);
+    float *att = malloc(sizeof(float) * (size_t)R * nh * hd);
+    float *scores = malloc(sizeof(float) * (size_t)(p0 + R));
+    float *qh = malloc(sizeof(float) * (size_t)hd);
+    float *y = malloc(sizeof(float) * (size_t)R * H);
+    float scale = 1.0f / sqrtf((float)hd);
+    rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
+    linear(h, R, H, L->qkv, L->wtype, P, proj);
+    for (int r = 0; r < R; r++) { /* K and V of every row into the cache first */
+        const float *pr = proj + (size_t)r * P;
+        for (int j = 0; j < nkv; j++) {
+            float *kd = kc + ((size_t)j * cap + p0 + r) * hd, *vd = vc + ((size_t)j * cap + p0 + r) * hd;
+            rms_norm(pr + 2 * nh * hd + j * hd, hd, L->k_norm, L->eps, kd);
+            rope(kd, L->rot, L->inv_freq, p0 + r);
+            memcpy(vd, pr + 2 * nh * hd + nkv * hd + j * hd, sizeof(float) * hd);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        const float *pr = proj + (size_t)r * P;
+        int n = p0 + r + 1;
+        for (int hq = 0; hq < nh; hq++) {
+            int j = hq / groups;
+            rms_norm(pr + hq * 2 * hd, hd, L->q_norm, L->eps, qh);
+            rope(qh, L->rot, L->inv_freq, p0 + r);
+            const float *K = kc + (size_t)j * cap * hd, *V = vc + (size_t)j * cap * hd;
+            float m = -INFINITY;
+            for (int t = 0; t < n; t++) {
+                float s = 0.0f;
+                for (int i = 0; i < hd; i++) s += qh[i] * K[(size_t)t * hd + i];
+                scores[t] = s * scale;
+                if (scores[t] > m) m = scores[t];
+            }
+            float z = 0.0f;
+            for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - m); z += scores[t]; }
+            float *a = att + ((size_t)r * nh + hq) * hd;
+            const float *gate = pr + hq * 2 * hd + hd;
+            for (int i = 0; i < hd; i++) a[i] = 0.0f;
+            for (int t = 0; t < n; t++) {
+                float p = scores[t] / z;
+                for (int i = 0; i < hd; i++) a[i] += p * V[(size_t)t * hd + i];
+            }
+            for (int i = 0; i < hd; i++) a[i] *= sigmoidf(gate[i]);
+        }
+    }
+    linear(att, R, nh * hd, L->o, L->wtype, H, y);
+    for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
+    free(h); free(proj); free(att); free(scores); free(qh); free(y);
+    mlp_block(L, x, R);
+}
+
+/* logits [R, vocab] = rms_norm(x) @ lm_head^T. */
+void head(const float *x, int R, int H, const float *norm, float eps, const void *lm, int wtype, int vocab,
+          float *logits) {
+    float *h = malloc(sizeof(float) * (size_t)R * H);
+    rms_norm_rows(x, R, H, norm, eps, h);
+    linear(h, R, H, lm, wtype, vocab, logits);
+    free(h);
+}

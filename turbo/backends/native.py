@@ -1,0 +1,126 @@
+"""The CPU backend's native step: native.c, compiled once per machine with the host's C compiler.
+
+`library()` returns the loaded library, or None when it cannot be had (no compiler, a failed
+build, or TURBO_NATIVE=0); the trunk then runs its torch step, which is just as lossless,
+only slower. `why_not()` says which. The build goes to a per-user cache, keyed by the
+source, the compiler and the machine, and is renamed into place whole, so parallel jobs
+(a Hydra multirun) never load a half-written file.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).with_name("native.c")
+# No -ffast-math: the row-stability argument in native.c needs sums in program order.
+FLAGS = (["-O3", "-march=native"], ["-O3"])
+
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_tried = False
+
+
+class Layer(ctypes.Structure):
+    """native.c's Layer: one trunk layer's weights (pointers) and sizes."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int), ("inter", ctypes.c_int), ("wtype", ctypes.c_int), ("eps", ctypes.c_float),
+        ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("in_proj", ctypes.c_void_p), ("out", ctypes.c_void_p), ("conv", ctypes.c_void_p),
+        ("neg_a", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p), ("gnorm", ctypes.c_void_p),
+        ("kheads", ctypes.c_int), ("kdim", ctypes.c_int), ("vheads", ctypes.c_int), ("vdim", ctypes.c_int),
+        ("taps", ctypes.c_int),
+        ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p), ("inv_freq", ctypes.c_void_p),
+        ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("rot", ctypes.c_int),
+    ]
+
+
+WTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+# native.c's entry points: p a pointer (a Layer's address too), i an int, f a float
+SIGNATURES = {
+    "linear": "p i i p i i p",
+    "gdn_layer": "p p i p p p p p p p p",
+    "attn_layer": "p p i i p p i",
+    "head": "p i i p f p i i p",
+    "gdn_recurrence": "p i i i i p p p p p p p",
+}
+_C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("TURBO_CACHE") or os.environ.get("XDG_CACHE_HOME")
+    return Path(root) / "turbo" if root else Path.home() / ".cache" / "turbo"
+
+
+def _build(cc: str) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + platform.machine().encode()
+                         + platform.node().encode()).hexdigest()[:16]
+    errors = []
+    for dest_dir in (_cache_dir(), Path(tempfile.gettempdir()) / "turbo-native"):
+        target = dest_dir / f"native-{key}.so"
+        if target.exists():
+            return target
+        try:
+            dest_dir.mkdir(parents=True, exist_ok=True)
+            for flags in FLAGS:
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest_dir)
+                os.close(fd)
+                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+                                      capture_output=True, text=True)
+                if done.returncode == 0:
+                    os.replace(tmp, target)
+                    return target
+                os.unlink(tmp)
+                errors.append(done.stderr.strip().splitlines()[-1:] or ["failed"])
+        except OSError as e:
+            errors.append([str(e)])
+    raise RuntimeError(f"{cc} could not build {SOURCE.name}: {errors[-1][0] if errors else 'unknown'}")
+
+
+def library() -> ctypes.CDLL | None:
+    global _lib, _why, _tried
+    if os.environ.get("TURBO_NATIVE", "1") == "0":
+        return None
+    if not _tried:
+        _tried = True
+        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        try:
+            if cc is None:
+                raise RuntimeError("no C compiler on PATH (set CC)")
+            lib = ctypes.CDLL(str(_build(cc)))
+            for name, args in SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes, fn.restype = [_C[a] for a in args.split()], None
+            _lib = lib
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            _why = str(e)
+    return _lib
+
+
+def why_not() -> str | None:
+    """Why the native step is not in use (None when it is)."""
+    if os.environ.get("TURBO_NATIVE", "1") == "0":
+        return "TURBO_NATIVE=0"
+    library()
+    return _why
+
+
+def ptr(t: torch.Tensor | None) -> int | None:
+    """A contiguous tensor's data pointer for a ctypes call (None for NULL)."""
+    if t is None:
+        return None
+    assert t.is_contiguous() and t.device.type == "cpu"
+    return t.data_ptr()

@@ -66,42 +66,52 @@ static inline float lanes_sum(v16 a) {
     return s;
 }
 
-/* y[r, o] = sum_i x[r, i] * w[o, i] for r < R, o < n; x [R, k] with row stride k. */
-void linear(const float *x, int R, int k, const void *w, int wtype, int n, float *y) {
+/* NO outputs x NR rows of y = x w^T. Each (row, output) is its own chain -- 16 lanes over
+ * the input in order, the lanes in order, then the scalar tail -- so the tiling (which
+ * only shares loads) never changes a value. */
+static inline __attribute__((always_inline)) void tile(const float *x, int k, const void *w, int wtype, int n,
+                                                       int o, int r, float *y, const int NO, const int NR) {
     int kv = k & ~15;
-    for (int o = 0; o < n; o++) {
-        size_t base = (size_t)o * k;
-        int r = 0;
-        for (; r + 4 <= R; r += 4) { /* four rows share each weight load; per row the same sum */
-            v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            const float *x0 = x + (size_t)r * k, *x1 = x0 + k, *x2 = x1 + k, *x3 = x2 + k;
-            for (int i = 0; i < kv; i += 16) {
-                v16 wv = load_w(w, wtype, base + i), t;
-                memcpy(&t, x0 + i, 64); a0 += t * wv;
-                memcpy(&t, x1 + i, 64); a1 += t * wv;
-                memcpy(&t, x2 + i, 64); a2 += t * wv;
-                memcpy(&t, x3 + i, 64); a3 += t * wv;
-            }
-            float s0 = lanes_sum(a0), s1 = lanes_sum(a1), s2 = lanes_sum(a2), s3 = lanes_sum(a3);
-            for (int i = kv; i < k; i++) {
-                float wi = w_at(w, wtype, base + i);
-                s0 += x0[i] * wi; s1 += x1[i] * wi; s2 += x2[i] * wi; s3 += x3[i] * wi;
-            }
-            y[(size_t)r * n + o] = s0; y[(size_t)(r + 1) * n + o] = s1;
-            y[(size_t)(r + 2) * n + o] = s2; y[(size_t)(r + 3) * n + o] = s3;
+    v16 acc[4][4];
+    for (int a = 0; a < NO; a++)
+        for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
+    for (int i = 0; i < kv; i += 16) {
+        v16 wv[4], xv[4];
+        for (int a = 0; a < NO; a++) wv[a] = load_w(w, wtype, (size_t)(o + a) * k + i);
+        for (int b = 0; b < NR; b++) memcpy(&xv[b], x + (size_t)(r + b) * k + i, 64);
+        for (int a = 0; a < NO; a++)
+            for (int b = 0; b < NR; b++) acc[a][b] += xv[b] * wv[a];
+    }
+    for (int a = 0; a < NO; a++)
+        for (int b = 0; b < NR; b++) {
+            float s = lanes_sum(acc[a][b]);
+            const float *xr = x + (size_t)(r + b) * k;
+            for (int i = kv; i < k; i++) s += xr[i] * w_at(w, wtype, (size_t)(o + a) * k + i);
+            y[(size_t)(r + b) * n + o + a] = s;
         }
-        for (; r < R; r++) {
-            v16 a0 = {0}, t;
-            const float *x0 = x + (size_t)r * k;
-            for (int i = 0; i < kv; i += 16) {
-                v16 wv = load_w(w, wtype, base + i);
-                memcpy(&t, x0 + i, 64); a0 += t * wv;
-            }
-            float s0 = lanes_sum(a0);
-            for (int i = kv; i < k; i++) s0 += x0[i] * w_at(w, wtype, base + i);
-            y[(size_t)r * n + o] = s0;
+}
+
+/* One output at a time: the weights stream through once, in memory order (what the
+ * prefetcher follows best), each row shared by up to four input rows. */
+static inline __attribute__((always_inline)) void linear_as(const float *x, int R, int k, const void *w, int n,
+                                                            float *y, const int wtype) {
+    for (int o = 0; o < n; o++) {
+        int r = 0;
+        for (; r + 4 <= R; r += 4) tile(x, k, w, wtype, n, o, r, y, 1, 4);
+        switch (R - r) {
+        case 3: tile(x, k, w, wtype, n, o, r, y, 1, 3); break;
+        case 2: tile(x, k, w, wtype, n, o, r, y, 1, 2); break;
+        case 1: tile(x, k, w, wtype, n, o, r, y, 1, 1); break;
         }
     }
+}
+
+/* y[r, o] = sum_i x[r, i] * w[o, i] for r < R, o < n; x [R, k] with row stride k. */
+void linear(const float *x, int R, int k, const void *w, int wtype, int n, float *y) {
+    if (wtype == 0)
+        linear_as(x, R, k, w, n, y, 0);
+    else
+        linear_as(x, R, k, w, n, y, 1);
 }
 
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }

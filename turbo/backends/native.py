@@ -124,3 +124,17 @@ def ptr(t: torch.Tensor | None) -> int | None:
         return None
     assert t.is_contiguous() and t.device.type == "cpu"
     return t.data_ptr()
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
+    """x [R, in] @ w[out, in]^T in fp32 through native.c (fp32 or bf16 w, widened exactly),
+    every row computed on its own; None when the native library is not in use or the
+    operands do not fit it (the caller then runs its torch op)."""
+    lib = library()
+    if (lib is None or x.device.type != "cpu" or w.device.type != "cpu" or w.dtype not in WTYPES
+            or x.dim() != 2 or w.dim() != 2 or not w.is_contiguous()):
+        return None
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], w.shape[0])
+    lib.linear(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), WTYPES[w.dtype], w.shape[0], y.data_ptr())
+    return y

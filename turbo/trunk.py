@@ -357,7 +357,7 @@ class Trunk:
     def _step_native(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
                      keep: str | None) -> StepOut:
         """`step` through native.c: one call per layer, the same contract and traces."""
-        a, lib, ptr = self.arch, native.library(), native.ptr
+        a, lib, ptr = self.arch, native.threaded(), native.ptr
         rows, p0 = len(tokens), st.pos
         self._reserve(st, p0 + rows)
         x = self.embed[torch.tensor(tokens)].float().contiguous()

@@ -11,6 +11,10 @@
  * across threads. So the B + 1 rows of a verify equal B + 1 one-row decode steps bit
  * for bit, by construction rather than by measurement.
  *
+ * Threads (set_threads, from torch's intra-op count) split a matrix product by output
+ * element: each output is still computed whole by one thread with the same code, so the
+ * results do not depend on the thread count either.
+ *
  * Built by turbo/backends/native.py with the host's compiler (no -ffast-math: the
  * compiler must not reassociate sums). Matrices are fp32 (wtype 0) or bf16 (wtype 1);
  * bf16 is widened exactly to fp32 before the multiply, so activations stay fp32.
@@ -94,8 +98,8 @@ static inline __attribute__((always_inline)) void tile(const float *x, int k, co
 /* One output at a time: the weights stream through once, in memory order (what the
  * prefetcher follows best), each row shared by up to four input rows. */
 static inline __attribute__((always_inline)) void linear_as(const float *x, int R, int k, const void *w, int n,
-                                                            float *y, const int wtype) {
-    for (int o = 0; o < n; o++) {
+                                                            float *y, int lo, int hi, const int wtype) {
+    for (int o = lo; o < hi; o++) {
         int r = 0;
         for (; r + 4 <= R; r += 4) tile(x, k, w, wtype, n, o, r, y, 1, 4);
         switch (R - r) {
@@ -106,12 +110,33 @@ static inline __attribute__((always_inline)) void linear_as(const float *x, int 
     }
 }
 
+/* Outputs [lo, hi) of y = x w^T. */
+static void linear_range(const float *x, int R, int k, const void *w, int wtype, int n, float *y, int lo, int hi) {
+    if (wtype == 0)
+        linear_as(x, R, k, w, n, y, lo, hi, 0);
+    else
+        linear_as(x, R, k, w, n, y, lo, hi, 1);
+}
+
+/* Matrix products of at least this many multiply-adds are split over the threads. */
+#define MIN_PARALLEL_MACS 65536
+static int threads = 1;
+
+/* Threads for the matrix products (1 = the caller only). OpenMP: built with -fopenmp this
+ * library shares the process's libgomp -- the one torch loaded -- so its parallel regions
+ * use torch's pool instead of a second pool competing for the same cores. */
+void set_threads(int n) { threads = n < 1 ? 1 : n; }
+
 /* y[r, o] = sum_i x[r, i] * w[o, i] for r < R, o < n; x [R, k] with row stride k. */
 void linear(const float *x, int R, int k, const void *w, int wtype, int n, float *y) {
-    if (wtype == 0)
-        linear_as(x, R, k, w, n, y, 0);
-    else
-        linear_as(x, R, k, w, n, y, 1);
+    int parts = threads < n ? threads : 1;
+    if (parts < 2 || (long)R * n * k < MIN_PARALLEL_MACS) {
+        linear_range(x, R, k, w, wtype, n, y, 0, n);
+        return;
+    }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int p = 0; p < parts; p++)
+        linear_range(x, R, k, w, wtype, n, y, (int)((long)n * p / parts), (int)((long)n * (p + 1) / parts));
 }
 
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }

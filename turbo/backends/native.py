@@ -20,9 +20,11 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("native.c")
+# native.c: the trunk's step; native_*.c: further parts (built into the same library)
+SOURCES = sorted(Path(__file__).parent.glob("native*.c"))
 # No -ffast-math: the row-stability argument in native.c needs sums in program order.
-FLAGS = (["-O3", "-march=native"], ["-O3"])
+# -fopenmp: the library then shares the libgomp torch has loaded (native.c, set_threads).
+FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
@@ -51,6 +53,7 @@ WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # native.c's entry points: p a pointer (a Layer's address too), i an int, f a float
 SIGNATURES = {
     "linear": "p i i p i i p",
+    "set_threads": "i",
     "gdn_layer": "p p i p p p p p p p p",
     "attn_layer": "p p i i p p i",
     "head": "p i i p f p i i p",
@@ -66,8 +69,8 @@ def _cache_dir() -> Path:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode() + platform.machine().encode()
-                         + platform.node().encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(map(str, FLAGS)).encode()
+                         + version.encode() + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     errors = []
     for dest_dir in (_cache_dir(), Path(tempfile.gettempdir()) / "turbo-native"):
         target = dest_dir / f"native-{key}.so"
@@ -78,7 +81,7 @@ def _build(cc: str) -> Path:
             for flags in FLAGS:
                 fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest_dir)
                 os.close(fd)
-                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, str(SOURCE), "-lm"],
+                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm"],
                                       capture_output=True, text=True)
                 if done.returncode == 0:
                     os.replace(tmp, target)
@@ -87,7 +90,8 @@ def _build(cc: str) -> Path:
                 errors.append(done.stderr.strip().splitlines()[-1:] or ["failed"])
         except OSError as e:
             errors.append([str(e)])
-    raise RuntimeError(f"{cc} could not build {SOURCE.name}: {errors[-1][0] if errors else 'unknown'}")
+    raise RuntimeError(f"{cc} could not build {' '.join(s.name for s in SOURCES)}: "
+                       f"{errors[-1][0] if errors else 'unknown'}")
 
 
 def library() -> ctypes.CDLL | None:
@@ -110,6 +114,21 @@ def library() -> ctypes.CDLL | None:
     return _lib
 
 
+_threads = 0
+
+
+def threaded() -> ctypes.CDLL | None:
+    """library(), its matrix products split over torch's intra-op thread count (checked
+    on every call: `threads=` or torch.set_num_threads may change it)."""
+    global _threads
+    lib = library()
+    n = torch.get_num_threads()
+    if lib is not None and n != _threads:
+        lib.set_threads(n)
+        _threads = n
+    return lib
+
+
 def why_not() -> str | None:
     """Why the native step is not in use (None when it is)."""
     if os.environ.get("TURBO_NATIVE", "1") == "0":
@@ -130,7 +149,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     """x [R, in] @ w[out, in]^T in fp32 through native.c (fp32 or bf16 w, widened exactly),
     every row computed on its own; None when the native library is not in use or the
     operands do not fit it (the caller then runs its torch op)."""
-    lib = library()
+    lib = threaded()
     if (lib is None or x.device.type != "cpu" or w.device.type != "cpu" or w.dtype not in WTYPES
             or x.dim() != 2 or w.dim() != 2 or not w.is_contiguous()):
         return None

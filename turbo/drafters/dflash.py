@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..backends import native
 from ..arch import Arch
 from ..errors import TurboError
 from ..install import Install, ResidentIndex
@@ -361,6 +362,10 @@ class DflashDrafter:
         self.context += n
 
     def _lin(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        if self.dtype == torch.float32:  # fp32 activations on the CPU: native.c reads the weights once
+            y = native.linear(x, w)
+            if y is not None:
+                return y
         return F.linear(x.to(w.dtype), w)
 
     # ---- the draft pass ----------------------------------------------------------------

@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -180,7 +179,7 @@ class Runtime:
             full = self.decode(generated)
             delta, text = (full[len(text):], full) if full.startswith(text) else (full, full)
             done = hit_eos is not None or len(generated) >= max_new
-            yield RoundEvent(committed, flags, delta, copy.deepcopy(stats), done)
+            yield RoundEvent(committed, flags, delta, stats.snapshot(), done)
             if done:
                 return
             anchor = targets[n]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 
 def derived(rounds: int, accepted: int, rollbacks: int, reached: list[int], landed: list[int]) -> dict:
@@ -57,6 +57,11 @@ class Stats:
                 self.landed[i] += 1
         for name, value in derived(self.rounds, self.accepted, self.rollbacks, self.reached, self.landed).items():
             setattr(self, name, value)
+
+    def snapshot(self) -> Stats:
+        """A copy that later rounds do not change (the lists are the only mutable fields)."""
+        return replace(self, per_position_acceptance=list(self.per_position_acceptance),
+                       reached=list(self.reached), landed=list(self.landed))
 
     def as_dict(self) -> dict:
         d = asdict(self)

@@ -84,6 +84,22 @@ class StepOut:
     traces: dict[int, GdnTrace] = field(default_factory=dict)
 
 
+def native_layer(a: Arch, layer: LayerWeights, wtype: int, inv_freq: torch.Tensor) -> native.Layer:
+    """native.c's struct for one layer (its tensors must outlive it: the struct holds pointers)."""
+    ptr, m = native.ptr, layer.mixer
+    s = native.Layer(hidden=a.hidden, inter=a.intermediate, wtype=wtype, eps=a.rms_eps,
+                     in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
+                     gate_up=ptr(layer.gate_up), down=ptr(layer.down))
+    if isinstance(m, GdnWeights):
+        s.in_proj, s.out, s.conv = ptr(m.in_proj), ptr(m.out), ptr(m.conv)
+        s.neg_a, s.dt_bias, s.gnorm = ptr(m.neg_a), ptr(m.dt_bias), ptr(m.norm)
+        s.kheads, s.kdim, s.vheads, s.vdim, s.taps = a.lin_k_heads, a.lin_k_dim, a.lin_v_heads, a.lin_v_dim, a.conv_kernel
+    else:
+        s.qkv, s.o, s.q_norm, s.k_norm, s.inv_freq = ptr(m.qkv), ptr(m.o), ptr(m.q_norm), ptr(m.k_norm), ptr(inv_freq)
+        s.heads, s.kv_heads, s.head_dim, s.rot = a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim
+    return s
+
+
 class Trunk:
     def __init__(self, install: Install, dtype: torch.dtype = torch.float32,
                  device: torch.device | str = "cpu"):
@@ -178,24 +194,8 @@ class Trunk:
                 or not all(isinstance(m, torch.Tensor) and m.dtype == mats[0].dtype for m in mats)
                 or mats[0].dtype not in native.WTYPES):
             return None
-        a, ptr = self.arch, native.ptr
-        structs = []
-        for layer in self.layers:
-            m = layer.mixer
-            s = native.Layer(hidden=a.hidden, inter=a.intermediate, wtype=native.WTYPES[mats[0].dtype], eps=a.rms_eps,
-                             in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
-                             gate_up=ptr(layer.gate_up), down=ptr(layer.down))
-            if isinstance(m, GdnWeights):
-                s.in_proj, s.out, s.conv = ptr(m.in_proj), ptr(m.out), ptr(m.conv)
-                s.neg_a, s.dt_bias, s.gnorm = ptr(m.neg_a), ptr(m.dt_bias), ptr(m.norm)
-                s.kheads, s.kdim, s.vheads, s.vdim, s.taps = (a.lin_k_heads, a.lin_k_dim, a.lin_v_heads,
-                                                             a.lin_v_dim, a.conv_kernel)
-            else:
-                s.qkv, s.o, s.q_norm, s.k_norm, s.inv_freq = (ptr(m.qkv), ptr(m.o), ptr(m.q_norm),
-                                                               ptr(m.k_norm), ptr(self.inv_freq))
-                s.heads, s.kv_heads, s.head_dim, s.rot = a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim
-            structs.append(s)
-        return structs
+        wtype = native.WTYPES[mats[0].dtype]
+        return [native_layer(self.arch, layer, wtype, self.inv_freq) for layer in self.layers]
 
     def matrices(self) -> list[torch.Tensor]:
         """Every weight the decode/verify path multiplies by."""
@@ -381,13 +381,13 @@ class Trunk:
                                          list(states.unbind(0)) if states is not None else None)
             else:
                 kc, vc = st.kv[i]
-                lib.attn_layer(ctypes.addressof(layer), ptr(x), rows, p0, ptr(kc), ptr(vc), kc.shape[1])
+                lib.attn_layer(ctypes.addressof(layer), ptr(x), rows, p0, 0, ptr(kc), ptr(vc), kc.shape[1])
             if i in aux_layers:
                 aux.append(x.clone())
         st.pos = p0 + rows
         logits = torch.empty(rows, a.vocab)
         lib.head(ptr(x), rows, a.hidden, ptr(self.final_norm), a.rms_eps, ptr(self.lm_head),
-                 self.native[0].wtype, a.vocab, ptr(logits))
+                 self.native[0].wtype, a.vocab, ptr(logits), None)
         return StepOut(logits, x, torch.cat(aux, dim=-1) if aux else None, traces)
 
     def _replay(self, tr: GdnTrace, kept: int) -> torch.Tensor:

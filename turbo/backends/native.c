@@ -273,8 +273,8 @@ static void rope(float *x, int rot, const float *inv_freq, int pos) {
 
 /* One gated-attention layer over R rows at positions p0.., then its MLP. kc, vc
  * [kv_heads, cap, head_dim]: the rows' K and V are written at p0..p0+R-1; row r attends
- * to positions 0..p0+r, exactly its own causal prefix. */
-void attn_layer(const Layer *L, float *x, int R, int p0, float *kc, float *vc, int cap) {
+ * to positions start..p0+r, exactly its own causal prefix (start: the first cached one). */
+void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, float *vc, int cap) {
     int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim, groups = nh / nkv;
     int P = 2 * nh * hd + 2 * nkv * hd;
     float *h = malloc(sizeof(float) * (size_t)R * H);
@@ -297,12 +297,12 @@ void attn_layer(const Layer *L, float *x, int R, int p0, float *kc, float *vc, i
     }
     for (int r = 0; r < R; r++) {
         const float *pr = proj + (size_t)r * P;
-        int n = p0 + r + 1;
+        int n = p0 + r + 1 - start;
         for (int hq = 0; hq < nh; hq++) {
             int j = hq / groups;
             rms_norm(pr + hq * 2 * hd, hd, L->q_norm, L->eps, qh);
             rope(qh, L->rot, L->inv_freq, p0 + r);
-            const float *K = kc + (size_t)j * cap * hd, *V = vc + (size_t)j * cap * hd;
+            const float *K = kc + ((size_t)j * cap + start) * hd, *V = vc + ((size_t)j * cap + start) * hd;
             float m = -INFINITY;
             for (int t = 0; t < n; t++) {
                 float s = 0.0f;
@@ -328,11 +328,11 @@ void attn_layer(const Layer *L, float *x, int R, int p0, float *kc, float *vc, i
     mlp_block(L, x, R);
 }
 
-/* logits [R, vocab] = rms_norm(x) @ lm_head^T. */
+/* logits [R, vocab] = rms_norm(x) @ lm_head^T; normed [R, H] (optional) receives rms_norm(x). */
 void head(const float *x, int R, int H, const float *norm, float eps, const void *lm, int wtype, int vocab,
-          float *logits) {
-    float *h = malloc(sizeof(float) * (size_t)R * H);
+          float *logits, float *normed) {
+    float *h = normed ? normed : malloc(sizeof(float) * (size_t)R * H);
     rms_norm_rows(x, R, H, norm, eps, h);
     linear(h, R, H, lm, wtype, vocab, logits);
-    free(h);
+    if (!normed) free(h);
 }

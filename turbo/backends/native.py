@@ -55,8 +55,8 @@ SIGNATURES = {
     "linear": "p i i p i i p",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p p p",
-    "attn_layer": "p p i i p p i",
-    "head": "p i i p f p i i p",
+    "attn_layer": "p p i i i p p i",
+    "head": "p i i p f p i i p p",
     "gdn_recurrence": "p i i i i p p p p p p p",
 }
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}

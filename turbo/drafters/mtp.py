@@ -27,12 +27,15 @@ the next commit overwrites before anything reads it.
 
 from __future__ import annotations
 
+import ctypes
+
 import torch
 
 from .. import ops
+from ..backends import native
 from ..errors import TurboError
 from ..install import Install
-from ..trunk import AttnWeights, LayerWeights, Trunk
+from ..trunk import AttnWeights, LayerWeights, Trunk, native_layer
 
 MTP_PREFIX = "mtp."
 
@@ -109,6 +112,9 @@ class MtpDrafter:
             gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
             down=w(p + "mlp.down_proj.weight"),
         )
+        # on the trunk's native step, so is the head's layer (native.c's attn_layer + head)
+        self.native = None if trunk.native is None else native_layer(arch, self.layer, trunk.native[0].wtype,
+                                                                    trunk.inv_freq)
         self.reset()
 
     # ---- state -------------------------------------------------------------------------
@@ -145,6 +151,14 @@ class MtpDrafter:
         h = ops.rms_norm(hidden, self.norm_hidden, self.eps)
         return ops.linear(torch.cat([e, h], dim=-1), self.fc)
 
+    def _layer_native(self, x: torch.Tensor, p0: int) -> torch.Tensor:
+        """Rows x at p0.. through the layer in native.c (K/V written, attending from start)."""
+        self._reserve(p0 + x.shape[0])
+        y = x.float().contiguous().clone()
+        native.threaded().attn_layer(ctypes.addressof(self.native), y.data_ptr(), y.shape[0], p0, self.start,
+                                     self.k.data_ptr(), self.v.data_ptr(), self.k.shape[1])
+        return y
+
     def _write_kv(self, x: torch.Tensor, p0: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The layer's q and gate for rows at p0.., with their K/V written into the cache."""
         rows = x.shape[0]
@@ -158,6 +172,13 @@ class MtpDrafter:
         """One row through the layer at `pos`, attending to cached [start, pos] (its own K/V
         written at pos). Returns (out = norm(layer output) [1, H], logits [1, vocab])."""
         a = self.arch
+        if self.native is not None:
+            y = self._layer_native(x, pos)
+            out, logits = torch.empty(1, a.hidden), torch.empty(1, a.vocab)
+            native.threaded().head(y.data_ptr(), 1, a.hidden, self.final_norm.data_ptr(), self.eps,
+                                   self.trunk.lm_head.data_ptr(), self.native.wtype, a.vocab, logits.data_ptr(),
+                                   out.data_ptr())
+            return out, logits
         q, gate = self._write_kv(x, pos)
         groups = a.num_heads // a.num_kv_heads
         qr = q[0].reshape(a.num_kv_heads, groups, a.head_dim)
@@ -176,7 +197,10 @@ class MtpDrafter:
         token after each. Their K/V go into the cache; the last row's input is kept for the
         next draft's first step."""
         x = self.fuse(self.trunk_hidden(hidden), tokens)
-        self._write_kv(x, self.filled)
+        if self.native is not None:
+            self._layer_native(x, self.filled)
+        else:
+            self._write_kv(x, self.filled)
         self.filled += len(tokens)
         self.last_x, self.last_token = x[-1:], tokens[-1]
 

@@ -1,0 +1,238 @@
+/* The DFlash2 drafter's CPU pass (DESIGN 2.2) in fp32: one call per draft pass and one per
+ * batch of context rows.
+ *
+ * Why C: a draft pass of a small drafter is ~1,400 tiny torch ops and Python calls, about
+ * half its time; here it is one call, its matrix products native.c's `linear`.
+ *
+ * What it must match: DflashDrafter's torch pass (turbo/drafters/dflash.py), the same
+ * function up to rounding -- including the scaled residual stream (rows enter divided by
+ * `scale`, the norms reading it use eps / scale^2, every update is added divided by
+ * `scale`). It need not be row-stable (the trunk verifies every proposed token, so
+ * speculation stays lossless), only deterministic: every value below is a fixed-order
+ * computation, whatever the thread count (`linear` splits by output, never within a sum).
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* native.c: y [R, n] = x [R, k] @ w[n, k]^T, fp32 (wtype 0) or bf16 (wtype 1) weights. */
+void linear(const float *x, int R, int k, const void *w, int wtype, int n, float *y);
+
+typedef float df_v16 __attribute__((vector_size(64)));
+
+typedef struct {
+    const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
+    const float *q, *k, *v, *o, *gate, *up, *down;       /* [out, in] */
+    const float *attn_proj, *mlp_proj;                   /* [2 * taps * groups, hidden] */
+    const float *attn_base, *mlp_base;                   /* [2, taps, hidden] */
+    float *ring_k, *ring_v;                              /* [capacity, kv_heads, head_dim] */
+} DfLayer;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter, taps, group, aux_width, vocab, layers;
+    int window, capacity, causal, mask_token, embed_wtype;
+    float eps;     /* the norms of unscaled values: q, k, the fused context */
+    float res_eps; /* eps / scale^2: the norms reading the scaled residual stream */
+    float scale;
+    const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's) */
+    const float *fc, *hidden_norm, *final_norm, *lm_head, *inv_freq;
+    const DfLayer *layer;
+} Dflash;
+
+static inline float df_silu(float x) { return x / (1.0f + expf(-x)); }
+
+/* out = x * rsqrt(mean(x^2) + eps) * scale over n values, for each of R rows (in place allowed). */
+static void df_rms_rows(const float *x, int R, int n, const float *scale, float eps, float *out) {
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (size_t)r * n;
+        float *orow = out + (size_t)r * n, ss = 0.0f;
+        for (int i = 0; i < n; i++) ss += xr[i] * xr[i];
+        float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int i = 0; i < n; i++) orow[i] = xr[i] * inv * scale[i];
+    }
+}
+
+/* cos and sin [R, head_dim / 2] of positions p0..p0+R-1: one table shared by every head and layer. */
+static void df_rope_table(const Dflash *D, int p0, int R, float *cs, float *sn) {
+    int half = D->head_dim / 2;
+    for (int r = 0; r < R; r++)
+        for (int i = 0; i < half; i++) {
+            float f = (float)(p0 + r) * D->inv_freq[i];
+            cs[(size_t)r * half + i] = cosf(f);
+            sn[(size_t)r * half + i] = sinf(f);
+        }
+}
+
+/* rms_norm with (1 + w) `norm`, then NeoX rotate-half over the whole head, for each head
+ * of one row; x [heads, head_dim], cs/sn that row's table. */
+static void df_norm_rope(const Dflash *D, const float *x, int heads, const float *norm, const float *cs,
+                         const float *sn, float *out) {
+    int d = D->head_dim, half = d / 2;
+    for (int h = 0; h < heads; h++) {
+        float *o = out + (size_t)h * d;
+        df_rms_rows(x + (size_t)h * d, 1, d, norm, D->eps, o);
+        for (int i = 0; i < half; i++) {
+            float a = o[i], b = o[i + half];
+            o[i] = a * cs[i] + (-b) * sn[i];
+            o[i + half] = b * cs[i] + a * sn[i];
+        }
+    }
+}
+
+/* One side of the grouped conv: out[t, c] = sum_o (base[o, c] + dyn[t, o, c / group]) * h[t - o, c]
+ * over the taps o with t - o >= 0, in tap order. h [R, H]; base [taps, H]; dyn the projection's
+ * rows (stride `stride`), [taps, groups] from its start. */
+static void df_gconv(const Dflash *D, const float *h, int R, const float *base, const float *dyn, int stride,
+                     float *out) {
+    int H = D->hidden, G = H / D->group;
+    for (int t = 0; t < R; t++) {
+        const float *dt = dyn + (size_t)t * stride;
+        for (int c = 0; c < H; c++) {
+            int g = c / D->group;
+            float acc = (base[c] + dt[g]) * h[(size_t)t * H + c];
+            for (int o = 1; o < D->taps && o <= t; o++)
+                acc = acc + (base[(size_t)o * H + c] + dt[o * G + g]) * h[(size_t)(t - o) * H + c];
+            out[(size_t)t * H + c] = acc;
+        }
+    }
+}
+
+static inline float df_dot(const float *a, const float *b, int n) {
+    df_v16 acc = {0};
+    int i = 0;
+    for (; i + 16 <= n; i += 16) {
+        df_v16 x, y;
+        memcpy(&x, a + i, 64);
+        memcpy(&y, b + i, 64);
+        acc += x * y;
+    }
+    float s = acc[0];
+    for (int j = 1; j < 16; j++) s += acc[j];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+/* Attention of the R block rows (positions p0..): each query sees the context positions
+ * max(0, p0 - window)..p0-1, read from the ring in position order (so a wrapped ring and an
+ * unbounded one compute the same thing), then the block's own keys -- all of them, or up to
+ * its own row when causal. q [R, heads, d]; kb, vb [R, kv_heads, d]; out [R, heads, d];
+ * scores has room for window + R values. */
+static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const float *kb, const float *vb, int R,
+                      int p0, float *out, float *scores) {
+    int nh = D->heads, nkv = D->kv_heads, d = D->head_dim, cap = D->capacity, rep = nh / nkv;
+    int lo = p0 > D->window ? p0 - D->window : 0, ctx = p0 - lo;
+    float scale = 1.0f / sqrtf((float)d);
+    for (int r = 0; r < R; r++)
+        for (int hq = 0; hq < nh; hq++) {
+            int j = hq / rep, n = D->causal ? ctx + r + 1 : ctx + R;
+            const float *qv = q + ((size_t)r * nh + hq) * d;
+            float m = -INFINITY;
+            for (int t = 0, slot = lo % cap; t < n; t++) {
+                const float *key = t < ctx ? L->ring_k + ((size_t)slot * nkv + j) * d
+                                           : kb + ((size_t)(t - ctx) * nkv + j) * d;
+                scores[t] = df_dot(qv, key, d) * scale;
+                if (scores[t] > m) m = scores[t];
+                if (t < ctx && ++slot == cap) slot = 0;
+            }
+            float z = 0.0f;
+            for (int t = 0; t < n; t++) {
+                scores[t] = expf(scores[t] - m);
+                z += scores[t];
+            }
+            float *a = out + ((size_t)r * nh + hq) * d;
+            for (int i = 0; i < d; i++) a[i] = 0.0f;
+            for (int t = 0, slot = lo % cap; t < n; t++) {
+                const float *val = t < ctx ? L->ring_v + ((size_t)slot * nkv + j) * d
+                                           : vb + ((size_t)(t - ctx) * nkv + j) * d;
+                for (int i = 0; i < d; i++) a[i] += scores[t] * val[i];
+                if (t < ctx && ++slot == cap) slot = 0;
+            }
+            for (int i = 0; i < d; i++) a[i] /= z;
+        }
+}
+
+/* The draft pass: rows [anchor, mask x block] at positions p0.. through every layer.
+ * logits [block, vocab] and final [block, hidden] (the normed hidden) of the block rows. */
+void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logits, float *final) {
+    int R = block + 1, H = D->hidden, I = D->inter, d = D->head_dim, half = d / 2;
+    int qd = D->heads * d, kvd = D->kv_heads * d, P = 2 * D->taps * (H / D->group), off = D->taps * (H / D->group);
+    int lo = p0 > D->window ? p0 - D->window : 0;
+    float s = D->scale;
+    size_t n_x = (size_t)R * H, n_i = (size_t)R * I;
+    float *buf = malloc(sizeof(float) * (4 * n_x + (size_t)R * (P + 2 * qd + 2 * kvd + 2 * half) + 2 * n_i
+                                         + (size_t)(p0 - lo + R)));
+    float *x = buf, *xn = x + n_x, *u = xn + n_x, *y = u + n_x, *dyn = y + n_x, *q = dyn + (size_t)R * P;
+    float *att = q + (size_t)R * qd, *k = att + (size_t)R * qd, *v = k + (size_t)R * kvd;
+    float *cs = v + (size_t)R * kvd, *sn = cs + (size_t)R * half, *g = sn + (size_t)R * half, *up = g + n_i;
+    float *scores = up + n_i;
+    for (int r = 0; r < R; r++) {
+        size_t row = (size_t)(r ? D->mask_token : anchor) * H;
+        for (int c = 0; c < H; c++) {
+            float e;
+            if (D->embed_wtype == 0) {
+                e = ((const float *)D->embed)[row + c];
+            } else {
+                uint32_t bits = (uint32_t)((const uint16_t *)D->embed)[row + c] << 16;
+                memcpy(&e, &bits, 4);
+            }
+            x[(size_t)r * H + c] = e / s;
+        }
+    }
+    df_rope_table(D, p0, R, cs, sn);
+    for (int l = 0; l < D->layers; l++) {
+        const DfLayer *L = &D->layer[l];
+        /* attention, between the two sides of its grouped conv */
+        df_rms_rows(x, R, H, L->in_norm, D->res_eps, xn);
+        linear(xn, R, H, L->attn_proj, 0, P, dyn);
+        df_gconv(D, xn, R, L->attn_base, dyn, P, u);
+        linear(u, R, H, L->q, 0, qd, y);
+        for (int r = 0; r < R; r++)
+            df_norm_rope(D, y + (size_t)r * qd, D->heads, L->q_norm, cs + (size_t)r * half, sn + (size_t)r * half,
+                         q + (size_t)r * qd);
+        linear(u, R, H, L->k, 0, kvd, y);
+        for (int r = 0; r < R; r++)
+            df_norm_rope(D, y + (size_t)r * kvd, D->kv_heads, L->k_norm, cs + (size_t)r * half,
+                         sn + (size_t)r * half, k + (size_t)r * kvd);
+        linear(u, R, H, L->v, 0, kvd, v);
+        df_attend(D, L, q, k, v, R, p0, att, scores);
+        linear(att, R, qd, L->o, 0, H, y);
+        df_gconv(D, y, R, L->attn_base + (size_t)D->taps * H, dyn + off, P, u);
+        for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
+        /* the MLP, between the two sides of its own */
+        df_rms_rows(x, R, H, L->post_norm, D->res_eps, xn);
+        linear(xn, R, H, L->mlp_proj, 0, P, dyn);
+        df_gconv(D, xn, R, L->mlp_base, dyn, P, u);
+        linear(u, R, H, L->gate, 0, I, g);
+        linear(u, R, H, L->up, 0, I, up);
+        for (size_t i = 0; i < n_i; i++) g[i] = df_silu(g[i]) * up[i];
+        linear(g, R, I, L->down, 0, H, y);
+        df_gconv(D, y, R, L->mlp_base + (size_t)D->taps * H, dyn + off, P, u);
+        for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
+    }
+    df_rms_rows(x + H, block, H, D->final_norm, D->res_eps, final);
+    linear(final, block, H, D->lm_head, 0, D->vocab, logits);
+    free(buf);
+}
+
+/* Context rows p0..p0+n-1: aux [n, aux_width] (the trunk's fused aux states) -> every layer's
+ * normed, rotated K and its V in the ring slots (position % capacity), in row order. */
+void dflash_add_context(const Dflash *D, const float *aux, int n, int p0) {
+    int H = D->hidden, d = D->head_dim, half = d / 2, kvd = D->kv_heads * d, cap = D->capacity;
+    float *ctx = malloc(sizeof(float) * ((size_t)n * (H + kvd + 2 * half)));
+    float *kv = ctx + (size_t)n * H, *cs = kv + (size_t)n * kvd, *sn = cs + (size_t)n * half;
+    linear(aux, n, D->aux_width, D->fc, 0, H, ctx);
+    df_rms_rows(ctx, n, H, D->hidden_norm, D->eps, ctx);
+    df_rope_table(D, p0, n, cs, sn);
+    for (int l = 0; l < D->layers; l++) {
+        const DfLayer *L = &D->layer[l];
+        linear(ctx, n, H, L->k, 0, kvd, kv);
+        for (int r = 0; r < n; r++)
+            df_norm_rope(D, kv + (size_t)r * kvd, D->kv_heads, L->k_norm, cs + (size_t)r * half,
+                         sn + (size_t)r * half, L->ring_k + (size_t)((p0 + r) % cap) * kvd);
+        linear(ctx, n, H, L->v, 0, kvd, kv);
+        for (int r = 0; r < n; r++)
+            memcpy(L->ring_v + (size_t)((p0 + r) % cap) * kvd, kv + (size_t)r * kvd, sizeof(float) * kvd);
+    }
+    free(ctx);
+}

@@ -7,6 +7,7 @@ import turbo
 from helpers import ScriptedDrafter
 
 from turbo import ops
+from turbo.backends import native
 from turbo.drafters.dflash import DflashDrafter
 from turbo.install import open_install
 from turbo.trunk import Trunk
@@ -52,8 +53,8 @@ def test_ring_wrap_attends_exactly_the_window(spec_install):
     """A wrapped ring gives the same draft logits as an unbounded one over the same window."""
     inst = open_install(spec_install[1])
     trunk = Trunk(inst)
-    wrapped = DflashDrafter(inst, trunk.embed, trunk.lm_head, window=6)
-    unbounded = DflashDrafter(inst, trunk.embed, trunk.lm_head, window=6)
+    wrapped = DflashDrafter(inst, trunk.embed, ops.dense(trunk.lm_head), window=6)
+    unbounded = DflashDrafter(inst, trunk.embed, ops.dense(trunk.lm_head), window=6)
     unbounded.reset(capacity=10_000)
     st = trunk.new_state()
     ids = [int(t) for t in torch.randint(0, 320, (300,), generator=torch.Generator().manual_seed(3))]
@@ -140,9 +141,9 @@ def test_residual_scaling_fp16_matches_fp32_where_unscaled_fp16_overflows(spec_i
     inst = open_install(spec_install[1])
     trunk = Trunk(inst)
     embed = trunk.embed * 1e6  # rows up to ~3e5: past fp16 (65504) unscaled, inside it once divided by 8
-    ref = DflashDrafter(inst, embed, trunk.lm_head, dtype=torch.float32, scale=1.0)
-    scaled = DflashDrafter(inst, embed, trunk.lm_head, dtype=torch.float16)
-    unscaled = DflashDrafter(inst, embed, trunk.lm_head, dtype=torch.float16, scale=1.0)
+    ref = DflashDrafter(inst, embed, ops.dense(trunk.lm_head), dtype=torch.float32, scale=1.0)
+    scaled = DflashDrafter(inst, embed, ops.dense(trunk.lm_head), dtype=torch.float16)
+    unscaled = DflashDrafter(inst, embed, ops.dense(trunk.lm_head), dtype=torch.float16, scale=1.0)
     st = trunk.new_state()
     out = trunk.prefill(st, list(range(20, 60)), ref.aux_layers)
     for d in (ref, scaled, unscaled):
@@ -155,7 +156,13 @@ def test_residual_scaling_fp16_matches_fp32_where_unscaled_fp16_overflows(spec_i
     assert (a - b).abs().max().item() < 2e-2 * a.abs().max().item()
 
 
-def test_row_block_calibration_is_recorded(spec_install):
-    trunk = Trunk(open_install(spec_install[1]))
-    for w in trunk.matrices():
-        assert ops.calibrate_rows(w) in ops.ROW_BLOCK_CANDIDATES + (0,)
+def test_matrices_take_the_layout_of_the_step(spec_install, step_path):
+    inst = open_install(spec_install[1])
+    trunk = Trunk(inst)
+    if step_path == "native":  # panels of 16 outputs, holding exactly the checkpoint's matrix
+        assert all(isinstance(w, native.Packed) for w in trunk.matrices())
+        down = inst.index.load("trunk.layers.0.mlp.down_proj.weight", torch.float32)
+        assert torch.equal(trunk.layers[0].down.dense(), down)
+    else:
+        for w in trunk.matrices():
+            assert ops.calibrate_rows(w) in ops.ROW_BLOCK_CANDIDATES + (0,)

@@ -16,6 +16,7 @@ from typing import Iterator
 import torch
 from tokenizers import Tokenizer
 
+from . import ops
 from .backends import Backend, select_backend
 from .errors import TurboError
 from .install import Install, open_install
@@ -80,7 +81,7 @@ class Runtime:
         if key not in self._drafters:
             if kind == "dflash":
                 from .drafters.dflash import DflashDrafter
-                self._drafters[key] = DflashDrafter(self.install, self.trunk.embed, self.trunk.lm_head, window,
+                self._drafters[key] = DflashDrafter(self.install, self.trunk.embed, ops.dense(self.trunk.lm_head), window,
                                                     device=self.device)
             else:
                 from .drafters.mtp import MtpDrafter

@@ -65,6 +65,11 @@ def to_device(obj, device: torch.device):
     return obj
 
 
+def dense(w):
+    """A matrix as a plain [out, in] tensor, whatever form a product keeps it in."""
+    return w.dense() if isinstance(w, (native.Packed, QuantizedWeight)) else w
+
+
 def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
     rows = x.shape[0]
     target = max(block, -(-rows // block) * block)
@@ -97,6 +102,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, in] @ w[out, in]^T in w's dtype, returned as fp32; row-stable for the
     shapes `calibrate_rows` has seen (prefill-sized calls are not padded). A packed
     QuantizedWeight is dequantized first (deterministically), then takes the same path."""
+    if isinstance(w, native.Packed):  # the native step's layout: native.c at every size (prefill too)
+        return native.linear_packed(x, w)
     if isinstance(w, QuantizedWeight):
         cb = cuda_kernels(x)
         if cb is not None:  # qgemv.cu: one warp per output, every input row on its own

@@ -84,8 +84,18 @@ class StepOut:
     traces: dict[int, GdnTrace] = field(default_factory=dict)
 
 
+def pack_layer(layer: LayerWeights) -> None:
+    """The layer's matrices into native.c's packed layout, in place (ops.linear takes them too)."""
+    m = layer.mixer
+    if isinstance(m, GdnWeights):
+        m.in_proj, m.out = native.pack(m.in_proj), native.pack(m.out)
+    else:
+        m.qkv, m.o = native.pack(m.qkv), native.pack(m.o)
+    layer.gate_up, layer.down = native.pack(layer.gate_up), native.pack(layer.down)
+
+
 def native_layer(a: Arch, layer: LayerWeights, wtype: int, inv_freq: torch.Tensor) -> native.Layer:
-    """native.c's struct for one layer (its tensors must outlive it: the struct holds pointers)."""
+    """native.c's struct for one packed layer (its tensors must outlive it: it holds pointers)."""
     ptr, m = native.ptr, layer.mixer
     s = native.Layer(hidden=a.hidden, inter=a.intermediate, wtype=wtype, eps=a.rms_eps,
                      in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
@@ -194,6 +204,9 @@ class Trunk:
                 or not all(isinstance(m, torch.Tensor) and m.dtype == mats[0].dtype for m in mats)
                 or mats[0].dtype not in native.WTYPES):
             return None
+        for layer in self.layers:
+            pack_layer(layer)
+        self.lm_head = native.pack(self.lm_head)  # tied: a packed copy (the embedding stays rows for lookups)
         wtype = native.WTYPES[mats[0].dtype]
         return [native_layer(self.arch, layer, wtype, self.inv_freq) for layer in self.layers]
 

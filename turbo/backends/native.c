@@ -139,6 +139,85 @@ void linear(const float *x, int R, int k, const void *w, int wtype, int n, float
         linear_range(x, R, k, w, wtype, n, y, (int)((long)n * p / parts), (int)((long)n * (p + 1) / parts));
 }
 
+/* ---- packed matrices: the layout the trunk's products use ----
+ * A matrix w [n, k] is stored as panels of 16 outputs, P [ceil(n/16), k, 16] (the last
+ * panel zero-padded): P[p, i, l] = w[16p + l, i]. A tile keeps NP panels x NR rows of
+ * outputs in registers and walks i once: each output is a single chain over i in order,
+ * y = ((w_0 x_0 + w_1 x_1) + w_2 x_2) + ..., the same chain in every tile shape, and no
+ * horizontal sums (with k of a few hundred those cost as much as the products). */
+static inline __attribute__((always_inline)) void ptile(const float *x, int k, const void *P, int wtype, int n,
+                                                        int p, int r, float *y, const int NP, const int NR) {
+    v16 acc[4][8];
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
+    for (int i = 0; i < k; i++) {
+        v16 wv[4];
+        for (int a = 0; a < NP; a++) wv[a] = load_w(P, wtype, ((size_t)(p + a) * k + i) * 16);
+        for (int b = 0; b < NR; b++) {
+            float xb = x[(size_t)(r + b) * k + i];
+            for (int a = 0; a < NP; a++) acc[a][b] += wv[a] * xb;
+        }
+    }
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) {
+            int o0 = (p + a) * 16, m = n - o0 < 16 ? n - o0 : 16;
+            float *dst = y + (size_t)(r + b) * n + o0;
+            for (int l = 0; l < m; l++) dst[l] = acc[a][b][l];
+        }
+}
+
+/* All rows against panels p..p+NP-1, in row tiles of up to 8 (9..16 rows: two near-even tiles). */
+#define PANEL_ROWS(NP)                                                           \
+    for (int r = 0; r < R;) {                                                    \
+        int left = R - r, nr = left <= 8 ? left : left <= 16 ? (left + 1) / 2 : 8; \
+        switch (nr) {                                                            \
+        case 8: ptile(x, k, P, wtype, n, p, r, y, NP, 8); break;                 \
+        case 7: ptile(x, k, P, wtype, n, p, r, y, NP, 7); break;                 \
+        case 6: ptile(x, k, P, wtype, n, p, r, y, NP, 6); break;                 \
+        case 5: ptile(x, k, P, wtype, n, p, r, y, NP, 5); break;                 \
+        case 4: ptile(x, k, P, wtype, n, p, r, y, NP, 4); break;                 \
+        case 3: ptile(x, k, P, wtype, n, p, r, y, NP, 3); break;                 \
+        case 2: ptile(x, k, P, wtype, n, p, r, y, NP, 2); break;                 \
+        default: ptile(x, k, P, wtype, n, p, r, y, NP, 1);                       \
+        }                                                                        \
+        r += nr;                                                                 \
+    }
+
+/* Panels [p0, p1): four at a time for few rows (four independent chains per row hide the
+ * multiply-add latency), two at a time for many (registers: 2 x 8 accumulators). */
+static inline __attribute__((always_inline)) void packed_as(const float *x, int R, int k, const void *P, int n,
+                                                            float *y, int p0, int p1, const int wtype) {
+    int p = p0;
+    if (R >= 5)
+        for (; p + 2 <= p1; p += 2) { PANEL_ROWS(2) }
+    else
+        for (; p + 4 <= p1; p += 4) { PANEL_ROWS(4) }
+    for (; p < p1; p++) { PANEL_ROWS(1) }
+}
+
+static void packed_range(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
+    if (wtype == 0)
+        packed_as(x, R, k, P, n, y, p0, p1, 0);
+    else
+        packed_as(x, R, k, P, n, y, p0, p1, 1);
+}
+
+/* y [R, n] = x [R, k] @ w^T for a packed w; threads split the panels (in groups of four,
+ * the widest tile). */
+void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y) {
+    int panels = (n + 15) / 16, groups = (panels + 3) / 4;
+    int parts = threads < groups ? threads : 1;
+    if (parts < 2 || (long)R * n * k < MIN_PARALLEL_MACS) {
+        packed_range(x, R, k, P, wtype, n, y, 0, panels);
+        return;
+    }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int t = 0; t < parts; t++) {
+        int lo = (int)((long)groups * t / parts) * 4, hi = (int)((long)groups * (t + 1) / parts) * 4;
+        packed_range(x, R, k, P, wtype, n, y, lo, hi < panels ? hi : panels);
+    }
+}
+
 static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
 static inline float siluf(float x) { return x / (1.0f + expf(-x)); }
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
@@ -163,11 +242,11 @@ static void mlp_block(const Layer *L, float *x, int R) {
     float *act = malloc(sizeof(float) * (size_t)R * I);
     float *y = malloc(sizeof(float) * (size_t)R * H);
     rms_norm_rows(x, R, H, L->post_norm, L->eps, h);
-    linear(h, R, H, L->gate_up, L->wtype, 2 * I, gu);
+    linear_packed(h, R, H, L->gate_up, L->wtype, 2 * I, gu);
     for (int r = 0; r < R; r++)
         for (int i = 0; i < I; i++)
             act[(size_t)r * I + i] = siluf(gu[(size_t)r * 2 * I + i]) * gu[(size_t)r * 2 * I + I + i];
-    linear(act, R, I, L->down, L->wtype, H, y);
+    linear_packed(act, R, I, L->down, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
     free(h); free(gu); free(act); free(y);
 }
@@ -218,7 +297,7 @@ void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float 
     float *o = malloc(sizeof(float) * (size_t)R * vd);
     float *y = malloc(sizeof(float) * (size_t)R * H);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
-    linear(h, R, H, L->in_proj, L->wtype, P, proj);
+    linear_packed(h, R, H, L->in_proj, L->wtype, P, proj);
     for (int r = 0; r < R; r++) memcpy(ext + (size_t)(K - 1 + r) * C, proj + (size_t)r * P, sizeof(float) * C);
     float qscale = 1.0f / sqrtf((float)dk);
     for (int r = 0; r < R; r++) {
@@ -254,7 +333,7 @@ void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float 
             float inv = 1.0f / sqrtf(ss / (float)dv + L->eps);
             for (int j = 0; j < dv; j++) oh[j] = L->gnorm[j] * (oh[j] * inv) * siluf(z[j]);
         }
-    linear(o, R, vd, L->out, L->wtype, H, y);
+    linear_packed(o, R, vd, L->out, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
     free(h); free(proj); free(mixed); free(o); free(y);
     mlp_block(L, x, R);
@@ -285,7 +364,7 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     float *y = malloc(sizeof(float) * (size_t)R * H);
     float scale = 1.0f / sqrtf((float)hd);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
-    linear(h, R, H, L->qkv, L->wtype, P, proj);
+    linear_packed(h, R, H, L->qkv, L->wtype, P, proj);
     for (int r = 0; r < R; r++) { /* K and V of every row into the cache first */
         const float *pr = proj + (size_t)r * P;
         for (int j = 0; j < nkv; j++) {
@@ -322,7 +401,7 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
             for (int i = 0; i < hd; i++) a[i] *= sigmoidf(gate[i]);
         }
     }
-    linear(att, R, nh * hd, L->o, L->wtype, H, y);
+    linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
     free(h); free(proj); free(att); free(scores); free(qh); free(y);
     mlp_block(L, x, R);
@@ -333,6 +412,6 @@ void head(const float *x, int R, int H, const float *norm, float eps, const void
           float *logits, float *normed) {
     float *h = normed ? normed : malloc(sizeof(float) * (size_t)R * H);
     rms_norm_rows(x, R, H, norm, eps, h);
-    linear(h, R, H, lm, wtype, vocab, logits);
+    linear_packed(h, R, H, lm, wtype, vocab, logits);
     if (!normed) free(h);
 }

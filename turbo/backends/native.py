@@ -10,6 +10,7 @@ source, the compiler and the machine, and is renamed into place whole, so parall
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import hashlib
 import os
 import platform
@@ -53,6 +54,7 @@ WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # native.c's entry points: p a pointer (a Layer's address too), i an int, f a float
 SIGNATURES = {
     "linear": "p i i p i i p",
+    "linear_packed": "p i i p i i p",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p p p",
     "attn_layer": "p p i i i p p i",
@@ -137,10 +139,12 @@ def why_not() -> str | None:
     return _why
 
 
-def ptr(t: torch.Tensor | None) -> int | None:
-    """A contiguous tensor's data pointer for a ctypes call (None for NULL)."""
+def ptr(t: torch.Tensor | Packed | None) -> int | None:
+    """A contiguous tensor's (or packed matrix's) data pointer for a ctypes call (None for NULL)."""
     if t is None:
         return None
+    if isinstance(t, Packed):
+        t = t.data
     assert t.is_contiguous() and t.device.type == "cpu"
     return t.data_ptr()
 
@@ -156,4 +160,44 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], w.shape[0])
     lib.linear(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), WTYPES[w.dtype], w.shape[0], y.data_ptr())
+    return y
+
+
+PANEL = 16  # outputs per panel of a packed matrix (native.c: one vector register)
+
+
+@dataclasses.dataclass
+class Packed:
+    """A matrix w [n, k] laid out as native.c's products read it: panels of 16 outputs,
+    data[p, i, l] = w[16p + l, i] ([ceil(n/16), k, 16], the last panel zero-padded)."""
+
+    data: torch.Tensor
+    n: int
+    k: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.n, self.k)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.data.dtype
+
+    def dense(self) -> torch.Tensor:
+        """The [n, k] matrix back (a copy)."""
+        return self.data.transpose(1, 2).reshape(-1, self.k)[:self.n].contiguous()
+
+
+def pack(w: torch.Tensor) -> Packed:
+    n, k = w.shape
+    pad = -n % PANEL
+    padded = torch.cat([w, w.new_zeros(pad, k)]) if pad else w
+    return Packed(padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous(), n, k)
+
+
+def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
+    """x [R, k] @ w^T in fp32 (bf16 weights widened exactly); row-stable by construction."""
+    x = x.float().contiguous()
+    y = torch.empty(x.shape[0], w.n)
+    threaded().linear_packed(x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), WTYPES[w.dtype], w.n, y.data_ptr())
     return y

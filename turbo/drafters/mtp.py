@@ -35,7 +35,7 @@ from .. import ops
 from ..backends import native
 from ..errors import TurboError
 from ..install import Install
-from ..trunk import AttnWeights, LayerWeights, Trunk, native_layer
+from ..trunk import AttnWeights, LayerWeights, Trunk, native_layer, pack_layer
 
 MTP_PREFIX = "mtp."
 
@@ -113,8 +113,11 @@ class MtpDrafter:
             down=w(p + "mlp.down_proj.weight"),
         )
         # on the trunk's native step, so is the head's layer (native.c's attn_layer + head)
-        self.native = None if trunk.native is None else native_layer(arch, self.layer, trunk.native[0].wtype,
-                                                                    trunk.inv_freq)
+        self.native = None
+        if trunk.native is not None:
+            pack_layer(self.layer)
+            self.fc = native.pack(self.fc)
+            self.native = native_layer(arch, self.layer, trunk.native[0].wtype, trunk.inv_freq)
         self.reset()
 
     # ---- state -------------------------------------------------------------------------
@@ -176,7 +179,7 @@ class MtpDrafter:
             y = self._layer_native(x, pos)
             out, logits = torch.empty(1, a.hidden), torch.empty(1, a.vocab)
             native.threaded().head(y.data_ptr(), 1, a.hidden, self.final_norm.data_ptr(), self.eps,
-                                   self.trunk.lm_head.data_ptr(), self.native.wtype, a.vocab, logits.data_ptr(),
+                                   native.ptr(self.trunk.lm_head), self.native.wtype, a.vocab, logits.data_ptr(),
                                    out.data_ptr())
             return out, logits
         q, gate = self._write_kv(x, pos)

@@ -60,6 +60,8 @@ SIGNATURES = {
     "attn_layer": "p p i i i p p i",
     "head": "p i i p f p i i p p",
     "gdn_recurrence": "p i i i i p p p p p p p",
+    "dflash_forward": "p i i i p p",
+    "dflash_add_context": "p p i i",
 }
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 

@@ -98,58 +98,87 @@ static void df_gconv(const Dflash *D, const float *h, int R, const float *base, 
     }
 }
 
-static inline float df_dot(const float *a, const float *b, int n) {
-    df_v16 acc = {0};
-    int i = 0;
-    for (; i + 16 <= n; i += 16) {
-        df_v16 x, y;
-        memcpy(&x, a + i, 64);
-        memcpy(&y, b + i, 64);
-        acc += x * y;
+/* scores[t] = scale * q . key t for t < np (a multiple of 16), keys transposed: kt [d, np].
+ * Sixteen keys per vector and four partial sums over the dimensions: no horizontal sums,
+ * independent chains. */
+static void df_scores(const float *q, const float *kt, int d, int np, float scale, float *scores) {
+    for (int t = 0; t < np; t += 16) {
+        df_v16 a[4] = {{0}}, k;
+        int i = 0;
+        for (; i + 4 <= d; i += 4)
+            for (int e = 0; e < 4; e++) {
+                memcpy(&k, kt + (size_t)(i + e) * np + t, 64);
+                a[e] += q[i + e] * k;
+            }
+        for (; i < d; i++) {
+            memcpy(&k, kt + (size_t)i * np + t, 64);
+            a[0] += q[i] * k;
+        }
+        df_v16 acc = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
+        memcpy(scores + t, &acc, 64);
     }
-    float s = acc[0];
-    for (int j = 1; j < 16; j++) s += acc[j];
-    for (; i < n; i++) s += a[i] * b[i];
-    return s;
+}
+
+/* out[c] = sum_t p[t] * v[t, c] over n rows v [n, d]: four partial sums over the rows. */
+static void df_weighted_sum(const float *p, const float *v, int n, int d, float *out) {
+    int c = 0;
+    for (; c + 16 <= d; c += 16) {
+        df_v16 a[4] = {{0}}, x;
+        int t = 0;
+        for (; t + 4 <= n; t += 4)
+            for (int e = 0; e < 4; e++) {
+                memcpy(&x, v + (size_t)(t + e) * d + c, 64);
+                a[e] += p[t + e] * x;
+            }
+        for (; t < n; t++) {
+            memcpy(&x, v + (size_t)t * d + c, 64);
+            a[0] += p[t] * x;
+        }
+        df_v16 acc = (a[0] + a[1]) + (a[2] + a[3]);
+        memcpy(out + c, &acc, 64);
+    }
+    for (; c < d; c++) {
+        float acc = 0.0f;
+        for (int t = 0; t < n; t++) acc += p[t] * v[(size_t)t * d + c];
+        out[c] = acc;
+    }
 }
 
 /* Attention of the R block rows (positions p0..): each query sees the context positions
  * max(0, p0 - window)..p0-1, read from the ring in position order (so a wrapped ring and an
  * unbounded one compute the same thing), then the block's own keys -- all of them, or up to
- * its own row when causal. q [R, heads, d]; kb, vb [R, kv_heads, d]; out [R, heads, d];
- * scores has room for window + R values. */
+ * its own row when causal. q [R, heads, d]; kb, vb [R, kv_heads, d]; out [R, heads, d].
+ * Per kv head its keys are gathered transposed into kt [d, np] (np: window + R rounded up
+ * to 16, the padding zero) and its values into vs [window + R, d]; scores has np values. */
 static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const float *kb, const float *vb, int R,
-                      int p0, float *out, float *scores) {
+                      int p0, float *out, float *kt, float *vs, float *scores) {
     int nh = D->heads, nkv = D->kv_heads, d = D->head_dim, cap = D->capacity, rep = nh / nkv;
-    int lo = p0 > D->window ? p0 - D->window : 0, ctx = p0 - lo;
+    int lo = p0 > D->window ? p0 - D->window : 0, ctx = p0 - lo, n = ctx + R, np = (n + 15) & ~15;
     float scale = 1.0f / sqrtf((float)d);
-    for (int r = 0; r < R; r++)
-        for (int hq = 0; hq < nh; hq++) {
-            int j = hq / rep, n = D->causal ? ctx + r + 1 : ctx + R;
-            const float *qv = q + ((size_t)r * nh + hq) * d;
-            float m = -INFINITY;
-            for (int t = 0, slot = lo % cap; t < n; t++) {
-                const float *key = t < ctx ? L->ring_k + ((size_t)slot * nkv + j) * d
-                                           : kb + ((size_t)(t - ctx) * nkv + j) * d;
-                scores[t] = df_dot(qv, key, d) * scale;
-                if (scores[t] > m) m = scores[t];
-                if (t < ctx && ++slot == cap) slot = 0;
-            }
-            float z = 0.0f;
-            for (int t = 0; t < n; t++) {
-                scores[t] = expf(scores[t] - m);
-                z += scores[t];
-            }
-            float *a = out + ((size_t)r * nh + hq) * d;
-            for (int i = 0; i < d; i++) a[i] = 0.0f;
-            for (int t = 0, slot = lo % cap; t < n; t++) {
-                const float *val = t < ctx ? L->ring_v + ((size_t)slot * nkv + j) * d
-                                           : vb + ((size_t)(t - ctx) * nkv + j) * d;
-                for (int i = 0; i < d; i++) a[i] += scores[t] * val[i];
-                if (t < ctx && ++slot == cap) slot = 0;
-            }
-            for (int i = 0; i < d; i++) a[i] /= z;
+    for (int j = 0; j < nkv; j++) {
+        for (int t = 0, slot = lo % cap; t < n; t++) {
+            const float *key = t < ctx ? L->ring_k + ((size_t)slot * nkv + j) * d : kb + ((size_t)(t - ctx) * nkv + j) * d;
+            const float *val = t < ctx ? L->ring_v + ((size_t)slot * nkv + j) * d : vb + ((size_t)(t - ctx) * nkv + j) * d;
+            for (int i = 0; i < d; i++) kt[(size_t)i * np + t] = key[i];
+            memcpy(vs + (size_t)t * d, val, sizeof(float) * d);
+            if (t < ctx && ++slot == cap) slot = 0;
         }
+        for (int i = 0; i < d; i++)
+            for (int t = n; t < np; t++) kt[(size_t)i * np + t] = 0.0f;
+        for (int r = 0; r < R; r++)
+            for (int hq = j * rep; hq < (j + 1) * rep; hq++) {
+                int seen = D->causal ? ctx + r + 1 : n;
+                df_scores(q + ((size_t)r * nh + hq) * d, kt, d, np, scale, scores);
+                float m = -INFINITY, z = 0.0f;
+                for (int t = 0; t < seen; t++) m = scores[t] > m ? scores[t] : m;
+                for (int t = 0; t < seen; t++) {
+                    scores[t] = expf(scores[t] - m);
+                    z += scores[t];
+                }
+                for (int t = 0; t < seen; t++) scores[t] /= z;
+                df_weighted_sum(scores, vs, seen, d, out + ((size_t)r * nh + hq) * d);
+            }
+    }
 }
 
 /* The draft pass: rows [anchor, mask x block] at positions p0.. through every layer.
@@ -160,12 +189,13 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
     int lo = p0 > D->window ? p0 - D->window : 0;
     float s = D->scale;
     size_t n_x = (size_t)R * H, n_i = (size_t)R * I;
+    size_t np = (size_t)(p0 - lo + R + 15) & ~(size_t)15; /* keys attended, rounded up to 16 */
     float *buf = malloc(sizeof(float) * (4 * n_x + (size_t)R * (P + 2 * qd + 2 * kvd + 2 * half) + 2 * n_i
-                                         + (size_t)(p0 - lo + R)));
+                                         + np * (2 * (size_t)d + 1)));
     float *x = buf, *xn = x + n_x, *u = xn + n_x, *y = u + n_x, *dyn = y + n_x, *q = dyn + (size_t)R * P;
     float *att = q + (size_t)R * qd, *k = att + (size_t)R * qd, *v = k + (size_t)R * kvd;
     float *cs = v + (size_t)R * kvd, *sn = cs + (size_t)R * half, *g = sn + (size_t)R * half, *up = g + n_i;
-    float *scores = up + n_i;
+    float *kt = up + n_i, *vs = kt + np * d, *scores = vs + np * d;
     for (int r = 0; r < R; r++) {
         size_t row = (size_t)(r ? D->mask_token : anchor) * H;
         for (int c = 0; c < H; c++) {
@@ -195,7 +225,7 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
             df_norm_rope(D, y + (size_t)r * kvd, D->kv_heads, L->k_norm, cs + (size_t)r * half,
                          sn + (size_t)r * half, k + (size_t)r * kvd);
         linear(u, R, H, L->v, 0, kvd, v);
-        df_attend(D, L, q, k, v, R, p0, att, scores);
+        df_attend(D, L, q, k, v, R, p0, att, kt, vs, scores);
         linear(att, R, qd, L->o, 0, H, y);
         df_gconv(D, y, R, L->attn_base + (size_t)D->taps * H, dyn + off, P, u);
         for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;

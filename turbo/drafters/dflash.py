@@ -7,6 +7,7 @@ reference's `DflashShape::derive` does, with its messages.
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
@@ -265,13 +266,34 @@ class DflashLayer:
     mlp_base: torch.Tensor
 
 
+class NativeLayer(ctypes.Structure):
+    """native_dflash.c's DfLayer: one layer's fp32 weights and its context ring (pointers)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "in_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o", "gate", "up", "down",
+        "attn_proj", "mlp_proj", "attn_base", "mlp_base", "ring_k", "ring_v")]
+
+
+class NativeDrafter(ctypes.Structure):
+    """native_dflash.c's Dflash: the drafter's sizes, scaling and fp32 weights (pointers)."""
+
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "hidden", "heads", "kv_heads", "head_dim", "inter", "taps", "group", "aux_width", "vocab", "layers",
+        "window", "capacity", "causal", "mask_token", "embed_wtype")] + [
+        ("eps", ctypes.c_float), ("res_eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        (name, ctypes.c_void_p) for name in ("embed", "fc", "hidden_norm", "final_norm", "lm_head", "inv_freq")] + [
+        ("layer", ctypes.POINTER(NativeLayer))]
+
+
 class DflashDrafter:
     """Proposes B tokens in one pass from the trunk's aux-layer context.
 
     `scale` = DFLASH_RESIDUAL_SCALE runs the reference's fp16-safe scaled residual stream
     (identical to scale 1 in exact arithmetic); `dtype` is the activation dtype; `device`
     where the weights (moved once, at load), the ring and the draft pass live -- on cuda the
-    grouped conv and the candidate selector run the PTX kernels."""
+    grouped conv and the candidate selector run the PTX kernels. On the CPU in fp32 the pass
+    and the context rows run in native_dflash.c when the native library is in use; the torch
+    code below is the reference it is tested against and the fallback."""
 
     kind = "dflash"
 
@@ -333,7 +355,30 @@ class DflashDrafter:
         self.inv_freq = ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta)
         if dev.type != "cpu":
             self.inv_freq = self.inv_freq.to(dev)
+        self.native, self.native_layers = self._native_drafter()
         self.reset()
+
+    def _native_drafter(self) -> tuple[NativeDrafter | None, ctypes.Array | None]:
+        """native_dflash.c's structs (the rings are bound by `reset`), when the pass can run
+        there: on the CPU, fp32 activations, a plain fp32 or bf16 embedding table."""
+        if (self.device.type != "cpu" or self.dtype != torch.float32 or native.library() is None
+                or not isinstance(self.embed, torch.Tensor) or self.embed.dtype not in native.WTYPES):
+            return None, None
+        cfg, shape, ptr = self.cfg, self.shape, native.ptr
+        layers = (NativeLayer * len(self.layers))(*(NativeLayer(
+            in_norm=ptr(l.in_norm), post_norm=ptr(l.post_norm), q_norm=ptr(l.q_norm), k_norm=ptr(l.k_norm),
+            q=ptr(l.q), k=ptr(l.k), v=ptr(l.v), o=ptr(l.o), gate=ptr(l.gate), up=ptr(l.up), down=ptr(l.down),
+            attn_proj=ptr(l.attn_proj), mlp_proj=ptr(l.mlp_proj), attn_base=ptr(l.attn_base),
+            mlp_base=ptr(l.mlp_base)) for l in self.layers))
+        d = NativeDrafter(
+            hidden=shape.hidden, heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+            inter=shape.inter, taps=cfg.taps, group=cfg.group, aux_width=self.fc.shape[1], vocab=cfg.vocab,
+            layers=len(self.layers), window=self.window, causal=cfg.is_causal, mask_token=cfg.mask_token,
+            embed_wtype=native.WTYPES[self.embed.dtype], eps=cfg.eps, res_eps=cfg.eps / (self.scale * self.scale),
+            scale=self.scale, embed=ptr(self.embed), fc=ptr(self.fc), hidden_norm=ptr(self.hidden_norm),
+            final_norm=ptr(self.final_norm), lm_head=ptr(self.lm_head), inv_freq=ptr(self.inv_freq),
+            layer=layers)
+        return d, layers
 
     # ---- context ring ------------------------------------------------------------------
 
@@ -344,11 +389,20 @@ class DflashDrafter:
         self.ring_k = [torch.zeros(cap, kv, d, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.ring_v = [torch.zeros(cap, kv, d, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.context = 0  # context positions added so far (positions 0..context-1)
+        if self.native is not None:
+            self.native.capacity = cap
+            for layer, rk, rv in zip(self.native_layers, self.ring_k, self.ring_v):
+                layer.ring_k, layer.ring_v = native.ptr(rk), native.ptr(rv)
 
     def add_context(self, aux: torch.Tensor) -> None:
         """Committed rows' fused aux states, in position order from `self.context`."""
         n = aux.shape[0]
         if n == 0:
+            return
+        if self.native is not None:
+            aux = aux.float().contiguous()
+            native.threaded().dflash_add_context(ctypes.addressof(self.native), aux.data_ptr(), n, self.context)
+            self.context += n
             return
         ctx = ops.rms_norm(self._lin(aux, self.fc), self.hidden_norm, self.cfg.eps).to(self.dtype)
         positions = torch.arange(self.context, self.context + n, device=self.device)
@@ -410,6 +464,11 @@ class DflashDrafter:
         """Logits [block, vocab] and final hidden [block, H] of the proposal rows."""
         if anchor_pos != self.context:
             raise ValueError(f"drafter context has {self.context} positions, the anchor sits at {anchor_pos}")
+        if self.native is not None:
+            logits, final = torch.empty(block, self.cfg.vocab), torch.empty(block, self.shape.hidden)
+            native.threaded().dflash_forward(ctypes.addressof(self.native), anchor, anchor_pos, block,
+                                             logits.data_ptr(), final.data_ptr())
+            return logits, final
         s = self.scale
         eps = self.cfg.eps / (s * s)  # norms reading the scaled stream compute the unscaled norm
         tokens = torch.tensor([anchor] + [self.cfg.mask_token] * block, device=self.device)

@@ -1,0 +1,104 @@
+"""The DFlash2 drafter's native pass (native_dflash.c) against its torch reference."""
+
+import pytest
+import torch
+
+import turbo
+from turbo.backends import native
+from turbo.drafters.dflash import DflashDrafter
+from turbo.install import open_install
+from turbo.trunk import Trunk
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.why_not()}")
+
+TOLERANCE = 1e-4  # max abs difference, relative to the reference's largest magnitude
+
+
+def pair(inst, trunk, embed=None, **kw) -> tuple[DflashDrafter, DflashDrafter]:
+    """The same drafter twice: through native_dflash.c, and through the torch code."""
+    embed = trunk.embed if embed is None else embed
+    lm_head = trunk.lm_head.dense() if hasattr(trunk.lm_head, "dense") else trunk.lm_head  # as the engine passes it
+    fast = DflashDrafter(inst, embed, lm_head, **kw)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TURBO_NATIVE", "0")
+        ref = DflashDrafter(inst, embed, lm_head, **kw)
+    assert fast.native is not None and ref.native is None
+    return fast, ref
+
+
+def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
+    assert (a - b).abs().max().item() < TOLERANCE * b.abs().max().item()
+
+
+@pytest.fixture(scope="module")
+def random_model(spec_install):
+    inst = open_install(spec_install[1])
+    return inst, Trunk(inst)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    rt = turbo.open("tiny", backend="cpu")
+    return rt.install, rt.trunk
+
+
+def check_blocks(inst, trunk, ids: list[int], embed=None, **kw) -> None:
+    """Context from the trunk's prefill of ids[:-1] (in two batches, so rows also arrive
+    after the first), then every block 1..8 from the last id."""
+    fast, ref = pair(inst, trunk, embed, **kw)
+    out = trunk.prefill(trunk.new_state(len(ids) + 8), ids[:-1], fast.aux_layers)
+    for d in (fast, ref):
+        d.begin(None)
+        d.add_context(out.aux[:len(ids) // 2])
+        d.add_context(out.aux[len(ids) // 2:])
+    for rk, rv, qk, qv in zip(fast.ring_k, fast.ring_v, ref.ring_k, ref.ring_v):
+        assert_close(rk, qk)
+        assert_close(rv, qv)
+    pos = len(ids) - 1
+    for block in range(1, 9):
+        logits, final = fast.forward_block(ids[-1], pos, block)
+        ref_logits, ref_final = ref.forward_block(ids[-1], pos, block)
+        assert_close(logits, ref_logits)
+        assert_close(final, ref_final)
+        again = fast.forward_block(ids[-1], pos, block)  # deterministic
+        assert torch.equal(logits, again[0]) and torch.equal(final, again[1])
+
+
+def ids_of(n: int, vocab: int, seed: int) -> list[int]:
+    return [int(t) for t in torch.randint(2, vocab, (n,), generator=torch.Generator().manual_seed(seed))]
+
+
+@pytest.mark.parametrize("positions, window", [(40, None), (300, 6)])  # short context; a wrapped ring
+def test_random_drafter_matches_torch(random_model, positions, window):
+    inst, trunk = random_model
+    check_blocks(inst, trunk, ids_of(positions, 320, positions), window=window)
+
+
+@pytest.mark.parametrize("positions, window", [(40, None), (300, None), (300, 16)])  # short; window-limited; wrapped
+def test_tiny_drafter_matches_torch(tiny, positions, window):
+    inst, trunk = tiny
+    check_blocks(inst, trunk, ids_of(positions, inst.arch.vocab, positions), window=window)
+
+
+def test_bf16_embedding_rows_and_unit_scale(tiny):
+    inst, trunk = tiny
+    check_blocks(inst, trunk, ids_of(50, inst.arch.vocab, 7), embed=trunk.embed.bfloat16(), scale=1.0)
+
+
+def test_tiny_proposals_equal_torch(tiny):
+    inst, trunk = tiny
+    rt = turbo.open("tiny", backend="cpu")
+    fast, ref = pair(inst, trunk)
+    for prompt in ("def fibonacci(n):\n    ", "The quick brown fox", "import numpy as np\n"):
+        ids = rt.encode(prompt)
+        out = trunk.prefill(trunk.new_state(len(ids) + 8), ids[:-1], fast.aux_layers)
+        for d in (fast, ref):
+            d.begin(out)
+        assert fast.propose(ids[-1], len(ids) - 1, 8) == ref.propose(ids[-1], len(ids) - 1, 8)
+
+
+def test_other_activation_dtypes_keep_the_torch_pass(tiny):
+    inst, trunk = tiny
+    fast, _ = pair(inst, trunk)
+    assert DflashDrafter(inst, trunk.embed, fast.lm_head, dtype=torch.bfloat16).native is None

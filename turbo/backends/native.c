@@ -339,6 +339,20 @@ void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float 
     mlp_block(L, x, R);
 }
 
+/* a . b over n values in a fixed order: 16 lanes, the lanes in order, then the tail. */
+static inline float dot(const float *a, const float *b, int n) {
+    int nv = n & ~15;
+    v16 acc = {0}, u, v;
+    for (int i = 0; i < nv; i += 16) {
+        memcpy(&u, a + i, 64);
+        memcpy(&v, b + i, 64);
+        acc += u * v;
+    }
+    float s = lanes_sum(acc);
+    for (int i = nv; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
 /* NeoX rotate-half on the first `rot` dims of one head vector, at position pos. */
 static void rope(float *x, int rot, const float *inv_freq, int pos) {
     int half = rot / 2;
@@ -384,9 +398,7 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
             const float *K = kc + ((size_t)j * cap + start) * hd, *V = vc + ((size_t)j * cap + start) * hd;
             float m = -INFINITY;
             for (int t = 0; t < n; t++) {
-                float s = 0.0f;
-                for (int i = 0; i < hd; i++) s += qh[i] * K[(size_t)t * hd + i];
-                scores[t] = s * scale;
+                scores[t] = dot(qh, K + (size_t)t * hd, hd) * scale;
                 if (scores[t] > m) m = scores[t];
             }
             float z = 0.0f;

@@ -353,6 +353,30 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* out [d] = sum_t p[t] * V[t] (V [n, d]), each element summed over t in order; 64 columns
+ * at a time in registers (an accumulator kept in memory would wait on its own store). */
+static void weighted_sum(const float *p, const float *V, int n, int d, float *out) {
+    int c = 0;
+    for (; c + 64 <= d; c += 64) {
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, u;
+        for (int t = 0; t < n; t++) {
+            const float *v = V + (size_t)t * d + c;
+            float pt = p[t];
+            memcpy(&u, v, 64); a0 += pt * u;
+            memcpy(&u, v + 16, 64); a1 += pt * u;
+            memcpy(&u, v + 32, 64); a2 += pt * u;
+            memcpy(&u, v + 48, 64); a3 += pt * u;
+        }
+        memcpy(out + c, &a0, 64); memcpy(out + c + 16, &a1, 64);
+        memcpy(out + c + 32, &a2, 64); memcpy(out + c + 48, &a3, 64);
+    }
+    for (int i = c; i < d; i++) {
+        float acc = 0.0f;
+        for (int t = 0; t < n; t++) acc += p[t] * V[(size_t)t * d + i];
+        out[i] = acc;
+    }
+}
+
 /* NeoX rotate-half on the first `rot` dims of one head vector, at position pos. */
 static void rope(float *x, int rot, const float *inv_freq, int pos) {
     int half = rot / 2;
@@ -405,11 +429,8 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
             for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - m); z += scores[t]; }
             float *a = att + ((size_t)r * nh + hq) * hd;
             const float *gate = pr + hq * 2 * hd + hd;
-            for (int i = 0; i < hd; i++) a[i] = 0.0f;
-            for (int t = 0; t < n; t++) {
-                float p = scores[t] / z;
-                for (int i = 0; i < hd; i++) a[i] += p * V[(size_t)t * hd + i];
-            }
+            for (int t = 0; t < n; t++) scores[t] /= z;
+            weighted_sum(scores, V, n, hd, a);
             for (int i = 0; i < hd; i++) a[i] *= sigmoidf(gate[i]);
         }
     }

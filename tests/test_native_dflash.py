@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import turbo
+from turbo import ops
 from turbo.backends import native
 from turbo.drafters.dflash import DflashDrafter
 from turbo.install import open_install
@@ -17,7 +18,7 @@ TOLERANCE = 1e-4  # max abs difference, relative to the reference's largest magn
 def pair(inst, trunk, embed=None, **kw) -> tuple[DflashDrafter, DflashDrafter]:
     """The same drafter twice: through native_dflash.c, and through the torch code."""
     embed = trunk.embed if embed is None else embed
-    lm_head = trunk.lm_head.dense() if hasattr(trunk.lm_head, "dense") else trunk.lm_head  # as the engine passes it
+    lm_head = ops.dense(trunk.lm_head)  # as the engine passes it
     fast = DflashDrafter(inst, embed, lm_head, **kw)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TURBO_NATIVE", "0")
@@ -100,5 +101,4 @@ def test_tiny_proposals_equal_torch(tiny):
 
 def test_other_activation_dtypes_keep_the_torch_pass(tiny):
     inst, trunk = tiny
-    fast, _ = pair(inst, trunk)
-    assert DflashDrafter(inst, trunk.embed, fast.lm_head, dtype=torch.bfloat16).native is None
+    assert DflashDrafter(inst, trunk.embed, ops.dense(trunk.lm_head), dtype=torch.bfloat16).native is None

@@ -2,29 +2,27 @@
  * batch of context rows.
  *
  * Why C: a draft pass of a small drafter is ~1,400 tiny torch ops and Python calls, about
- * half its time; here it is one call, its matrix products native.c's `linear`.
+ * half its time; here it is one call, its matrix products native.c's `linear_packed`.
  *
  * What it must match: DflashDrafter's torch pass (turbo/drafters/dflash.py), the same
  * function up to rounding -- including the scaled residual stream (rows enter divided by
  * `scale`, the norms reading it use eps / scale^2, every update is added divided by
  * `scale`). It need not be row-stable (the trunk verifies every proposed token, so
  * speculation stays lossless), only deterministic: every value below is a fixed-order
- * computation, whatever the thread count (`linear` splits by output, never within a sum).
+ * computation, whatever the thread count (products split by output, never within a sum).
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-/* native.c: y [R, n] = x [R, k] @ w[n, k]^T, fp32 (wtype 0) or bf16 (wtype 1) weights. */
-void linear(const float *x, int R, int k, const void *w, int wtype, int n, float *y);
-
-typedef float df_v16 __attribute__((vector_size(64)));
+/* native.c: y [R, n] = x [R, k] @ w[n, k]^T for a packed w (panels of 16 outputs), fp32 here (wtype 0). */
+void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y);
 
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
-    const float *q, *k, *v, *o, *gate, *up, *down;       /* [out, in] */
-    const float *attn_proj, *mlp_proj;                   /* [2 * taps * groups, hidden] */
+    const float *q, *k, *v, *o, *gate, *up, *down;       /* packed [out, in] */
+    const float *attn_proj, *mlp_proj;                   /* packed [2 * taps * groups, hidden] */
     const float *attn_base, *mlp_base;                   /* [2, taps, hidden] */
     float *ring_k, *ring_v;                              /* [capacity, kv_heads, head_dim] */
 } DfLayer;
@@ -36,7 +34,7 @@ typedef struct {
     float res_eps; /* eps / scale^2: the norms reading the scaled residual stream */
     float scale;
     const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's) */
-    const float *fc, *hidden_norm, *final_norm, *lm_head, *inv_freq;
+    const float *fc, *hidden_norm, *final_norm, *lm_head, *inv_freq; /* fc, lm_head packed */
     const DfLayer *layer;
 } Dflash;
 
@@ -85,62 +83,16 @@ static void df_norm_rope(const Dflash *D, const float *x, int heads, const float
  * rows (stride `stride`), [taps, groups] from its start. */
 static void df_gconv(const Dflash *D, const float *h, int R, const float *base, const float *dyn, int stride,
                      float *out) {
-    int H = D->hidden, G = H / D->group;
+    int H = D->hidden, G = H / D->group, gs = D->group;
     for (int t = 0; t < R; t++) {
         const float *dt = dyn + (size_t)t * stride;
-        for (int c = 0; c < H; c++) {
-            int g = c / D->group;
-            float acc = (base[c] + dt[g]) * h[(size_t)t * H + c];
-            for (int o = 1; o < D->taps && o <= t; o++)
-                acc = acc + (base[(size_t)o * H + c] + dt[o * G + g]) * h[(size_t)(t - o) * H + c];
-            out[(size_t)t * H + c] = acc;
-        }
-    }
-}
-
-/* scores[t] = scale * q . key t for t < np (a multiple of 16), keys transposed: kt [d, np].
- * Sixteen keys per vector and four partial sums over the dimensions: no horizontal sums,
- * independent chains. */
-static void df_scores(const float *q, const float *kt, int d, int np, float scale, float *scores) {
-    for (int t = 0; t < np; t += 16) {
-        df_v16 a[4] = {{0}}, k;
-        int i = 0;
-        for (; i + 4 <= d; i += 4)
-            for (int e = 0; e < 4; e++) {
-                memcpy(&k, kt + (size_t)(i + e) * np + t, 64);
-                a[e] += q[i + e] * k;
-            }
-        for (; i < d; i++) {
-            memcpy(&k, kt + (size_t)i * np + t, 64);
-            a[0] += q[i] * k;
-        }
-        df_v16 acc = ((a[0] + a[1]) + (a[2] + a[3])) * scale;
-        memcpy(scores + t, &acc, 64);
-    }
-}
-
-/* out[c] = sum_t p[t] * v[t, c] over n rows v [n, d]: four partial sums over the rows. */
-static void df_weighted_sum(const float *p, const float *v, int n, int d, float *out) {
-    int c = 0;
-    for (; c + 16 <= d; c += 16) {
-        df_v16 a[4] = {{0}}, x;
-        int t = 0;
-        for (; t + 4 <= n; t += 4)
-            for (int e = 0; e < 4; e++) {
-                memcpy(&x, v + (size_t)(t + e) * d + c, 64);
-                a[e] += p[t + e] * x;
-            }
-        for (; t < n; t++) {
-            memcpy(&x, v + (size_t)t * d + c, 64);
-            a[0] += p[t] * x;
-        }
-        df_v16 acc = (a[0] + a[1]) + (a[2] + a[3]);
-        memcpy(out + c, &acc, 64);
-    }
-    for (; c < d; c++) {
-        float acc = 0.0f;
-        for (int t = 0; t < n; t++) acc += p[t] * v[(size_t)t * d + c];
-        out[c] = acc;
+        float *ot = out + (size_t)t * H;
+        for (int g = 0; g < G; g++) /* tap 0, then each earlier row added in turn (contiguous: vectorised) */
+            for (int c = g * gs; c < (g + 1) * gs; c++) ot[c] = (base[c] + dt[g]) * h[(size_t)t * H + c];
+        for (int o = 1; o < D->taps && o <= t; o++)
+            for (int g = 0; g < G; g++)
+                for (int c = g * gs; c < (g + 1) * gs; c++)
+                    ot[c] = ot[c] + (base[(size_t)o * H + c] + dt[o * G + g]) * h[(size_t)(t - o) * H + c];
     }
 }
 
@@ -148,37 +100,49 @@ static void df_weighted_sum(const float *p, const float *v, int n, int d, float 
  * max(0, p0 - window)..p0-1, read from the ring in position order (so a wrapped ring and an
  * unbounded one compute the same thing), then the block's own keys -- all of them, or up to
  * its own row when causal. q [R, heads, d]; kb, vb [R, kv_heads, d]; out [R, heads, d].
- * Per kv head its keys are gathered transposed into kt [d, np] (np: window + R rounded up
- * to 16, the padding zero) and its values into vs [window + R, d]; scores has np values. */
+ * Per kv head, its keys and values are gathered into native.c's packed layout, so the
+ * scores of its R x rep queries and their weighted values are two products. */
 static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const float *kb, const float *vb, int R,
-                      int p0, float *out, float *kt, float *vs, float *scores) {
-    int nh = D->heads, nkv = D->kv_heads, d = D->head_dim, cap = D->capacity, rep = nh / nkv;
-    int lo = p0 > D->window ? p0 - D->window : 0, ctx = p0 - lo, n = ctx + R, np = (n + 15) & ~15;
+                      int p0, float *out) {
+    int nh = D->heads, nkv = D->kv_heads, d = D->head_dim, cap = D->capacity, rep = nh / nkv, Q = R * rep;
+    int lo = p0 > D->window ? p0 - D->window : 0, ctx = p0 - lo, n = ctx + R;
+    size_t kn = (size_t)(n + 15) / 16 * 16 * d, vn = (size_t)(d + 15) / 16 * 16 * n;
     float scale = 1.0f / sqrtf((float)d);
+    /* zeroed once: the panels' padding lanes stay zero (their outputs are never stored) */
+    float *kp = calloc(kn + vn + (size_t)Q * (2 * d + n), sizeof(float));
+    float *vp = kp + kn, *qj = vp + vn, *s = qj + (size_t)Q * d, *o = s + (size_t)Q * n;
     for (int j = 0; j < nkv; j++) {
-        for (int t = 0, slot = lo % cap; t < n; t++) {
+        for (int t = 0, slot = lo % cap; t < n; t++) { /* key t -> lane t % 16 of panel t / 16 */
             const float *key = t < ctx ? L->ring_k + ((size_t)slot * nkv + j) * d : kb + ((size_t)(t - ctx) * nkv + j) * d;
             const float *val = t < ctx ? L->ring_v + ((size_t)slot * nkv + j) * d : vb + ((size_t)(t - ctx) * nkv + j) * d;
-            for (int i = 0; i < d; i++) kt[(size_t)i * np + t] = key[i];
-            memcpy(vs + (size_t)t * d, val, sizeof(float) * d);
+            for (int i = 0; i < d; i++) kp[((size_t)(t / 16) * d + i) * 16 + t % 16] = key[i];
+            for (int c = 0; c < d; c += 16)
+                memcpy(vp + ((size_t)(c / 16) * n + t) * 16, val + c, sizeof(float) * (d - c < 16 ? d - c : 16));
             if (t < ctx && ++slot == cap) slot = 0;
         }
-        for (int i = 0; i < d; i++)
-            for (int t = n; t < np; t++) kt[(size_t)i * np + t] = 0.0f;
         for (int r = 0; r < R; r++)
-            for (int hq = j * rep; hq < (j + 1) * rep; hq++) {
+            memcpy(qj + (size_t)r * rep * d, q + ((size_t)r * nh + j * rep) * d, sizeof(float) * rep * d);
+        linear_packed(qj, Q, d, kp, 0, n, s);
+        for (int r = 0; r < R; r++)
+            for (int e = 0; e < rep; e++) { /* softmax of the keys row r sees; the rest weigh 0 */
+                float *sr = s + ((size_t)r * rep + e) * n, m = -INFINITY, z = 0.0f;
                 int seen = D->causal ? ctx + r + 1 : n;
-                df_scores(q + ((size_t)r * nh + hq) * d, kt, d, np, scale, scores);
-                float m = -INFINITY, z = 0.0f;
-                for (int t = 0; t < seen; t++) m = scores[t] > m ? scores[t] : m;
                 for (int t = 0; t < seen; t++) {
-                    scores[t] = expf(scores[t] - m);
-                    z += scores[t];
+                    sr[t] *= scale;
+                    m = sr[t] > m ? sr[t] : m;
                 }
-                for (int t = 0; t < seen; t++) scores[t] /= z;
-                df_weighted_sum(scores, vs, seen, d, out + ((size_t)r * nh + hq) * d);
+                for (int t = 0; t < seen; t++) {
+                    sr[t] = expf(sr[t] - m);
+                    z += sr[t];
+                }
+                for (int t = 0; t < seen; t++) sr[t] /= z;
+                for (int t = seen; t < n; t++) sr[t] = 0.0f;
             }
+        linear_packed(s, Q, n, vp, 0, d, o);
+        for (int r = 0; r < R; r++)
+            memcpy(out + ((size_t)r * nh + j * rep) * d, o + (size_t)r * rep * d, sizeof(float) * rep * d);
     }
+    free(kp);
 }
 
 /* The draft pass: rows [anchor, mask x block] at positions p0.. through every layer.
@@ -186,16 +150,12 @@ static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const f
 void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logits, float *final) {
     int R = block + 1, H = D->hidden, I = D->inter, d = D->head_dim, half = d / 2;
     int qd = D->heads * d, kvd = D->kv_heads * d, P = 2 * D->taps * (H / D->group), off = D->taps * (H / D->group);
-    int lo = p0 > D->window ? p0 - D->window : 0;
     float s = D->scale;
     size_t n_x = (size_t)R * H, n_i = (size_t)R * I;
-    size_t np = (size_t)(p0 - lo + R + 15) & ~(size_t)15; /* keys attended, rounded up to 16 */
-    float *buf = malloc(sizeof(float) * (4 * n_x + (size_t)R * (P + 2 * qd + 2 * kvd + 2 * half) + 2 * n_i
-                                         + np * (2 * (size_t)d + 1)));
+    float *buf = malloc(sizeof(float) * (4 * n_x + (size_t)R * (P + 2 * qd + 2 * kvd + 2 * half) + 2 * n_i));
     float *x = buf, *xn = x + n_x, *u = xn + n_x, *y = u + n_x, *dyn = y + n_x, *q = dyn + (size_t)R * P;
     float *att = q + (size_t)R * qd, *k = att + (size_t)R * qd, *v = k + (size_t)R * kvd;
     float *cs = v + (size_t)R * kvd, *sn = cs + (size_t)R * half, *g = sn + (size_t)R * half, *up = g + n_i;
-    float *kt = up + n_i, *vs = kt + np * d, *scores = vs + np * d;
     for (int r = 0; r < R; r++) {
         size_t row = (size_t)(r ? D->mask_token : anchor) * H;
         for (int c = 0; c < H; c++) {
@@ -214,34 +174,34 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
         const DfLayer *L = &D->layer[l];
         /* attention, between the two sides of its grouped conv */
         df_rms_rows(x, R, H, L->in_norm, D->res_eps, xn);
-        linear(xn, R, H, L->attn_proj, 0, P, dyn);
+        linear_packed(xn, R, H, L->attn_proj, 0, P, dyn);
         df_gconv(D, xn, R, L->attn_base, dyn, P, u);
-        linear(u, R, H, L->q, 0, qd, y);
+        linear_packed(u, R, H, L->q, 0, qd, y);
         for (int r = 0; r < R; r++)
             df_norm_rope(D, y + (size_t)r * qd, D->heads, L->q_norm, cs + (size_t)r * half, sn + (size_t)r * half,
                          q + (size_t)r * qd);
-        linear(u, R, H, L->k, 0, kvd, y);
+        linear_packed(u, R, H, L->k, 0, kvd, y);
         for (int r = 0; r < R; r++)
             df_norm_rope(D, y + (size_t)r * kvd, D->kv_heads, L->k_norm, cs + (size_t)r * half,
                          sn + (size_t)r * half, k + (size_t)r * kvd);
-        linear(u, R, H, L->v, 0, kvd, v);
-        df_attend(D, L, q, k, v, R, p0, att, kt, vs, scores);
-        linear(att, R, qd, L->o, 0, H, y);
+        linear_packed(u, R, H, L->v, 0, kvd, v);
+        df_attend(D, L, q, k, v, R, p0, att);
+        linear_packed(att, R, qd, L->o, 0, H, y);
         df_gconv(D, y, R, L->attn_base + (size_t)D->taps * H, dyn + off, P, u);
         for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
         /* the MLP, between the two sides of its own */
         df_rms_rows(x, R, H, L->post_norm, D->res_eps, xn);
-        linear(xn, R, H, L->mlp_proj, 0, P, dyn);
+        linear_packed(xn, R, H, L->mlp_proj, 0, P, dyn);
         df_gconv(D, xn, R, L->mlp_base, dyn, P, u);
-        linear(u, R, H, L->gate, 0, I, g);
-        linear(u, R, H, L->up, 0, I, up);
+        linear_packed(u, R, H, L->gate, 0, I, g);
+        linear_packed(u, R, H, L->up, 0, I, up);
         for (size_t i = 0; i < n_i; i++) g[i] = df_silu(g[i]) * up[i];
-        linear(g, R, I, L->down, 0, H, y);
+        linear_packed(g, R, I, L->down, 0, H, y);
         df_gconv(D, y, R, L->mlp_base + (size_t)D->taps * H, dyn + off, P, u);
         for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
     }
     df_rms_rows(x + H, block, H, D->final_norm, D->res_eps, final);
-    linear(final, block, H, D->lm_head, 0, D->vocab, logits);
+    linear_packed(final, block, H, D->lm_head, 0, D->vocab, logits);
     free(buf);
 }
 
@@ -251,16 +211,16 @@ void dflash_add_context(const Dflash *D, const float *aux, int n, int p0) {
     int H = D->hidden, d = D->head_dim, half = d / 2, kvd = D->kv_heads * d, cap = D->capacity;
     float *ctx = malloc(sizeof(float) * ((size_t)n * (H + kvd + 2 * half)));
     float *kv = ctx + (size_t)n * H, *cs = kv + (size_t)n * kvd, *sn = cs + (size_t)n * half;
-    linear(aux, n, D->aux_width, D->fc, 0, H, ctx);
+    linear_packed(aux, n, D->aux_width, D->fc, 0, H, ctx);
     df_rms_rows(ctx, n, H, D->hidden_norm, D->eps, ctx);
     df_rope_table(D, p0, n, cs, sn);
     for (int l = 0; l < D->layers; l++) {
         const DfLayer *L = &D->layer[l];
-        linear(ctx, n, H, L->k, 0, kvd, kv);
+        linear_packed(ctx, n, H, L->k, 0, kvd, kv);
         for (int r = 0; r < n; r++)
             df_norm_rope(D, kv + (size_t)r * kvd, D->kv_heads, L->k_norm, cs + (size_t)r * half,
                          sn + (size_t)r * half, L->ring_k + (size_t)((p0 + r) % cap) * kvd);
-        linear(ctx, n, H, L->v, 0, kvd, kv);
+        linear_packed(ctx, n, H, L->v, 0, kvd, kv);
         for (int r = 0; r < n; r++)
             memcpy(L->ring_v + (size_t)((p0 + r) % cap) * kvd, kv + (size_t)r * kvd, sizeof(float) * kvd);
     }

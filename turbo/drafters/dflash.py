@@ -247,22 +247,26 @@ def select_candidates(logits: torch.Tensor, final: torch.Tensor, anchor: int, hi
     return out
 
 
+# The layer matrices native_dflash.c reads packed.
+NATIVE_MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "attn_proj", "mlp_proj")
+
+
 @dataclass
 class DflashLayer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    q: torch.Tensor
-    k: torch.Tensor
-    v: torch.Tensor
-    o: torch.Tensor
+    q: torch.Tensor | native.Packed  # matrices: Packed when the native pass runs (NATIVE_MATRICES)
+    k: torch.Tensor | native.Packed
+    v: torch.Tensor | native.Packed
+    o: torch.Tensor | native.Packed
     q_norm: torch.Tensor
     k_norm: torch.Tensor
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-    attn_proj: torch.Tensor
+    gate: torch.Tensor | native.Packed
+    up: torch.Tensor | native.Packed
+    down: torch.Tensor | native.Packed
+    attn_proj: torch.Tensor | native.Packed
     attn_base: torch.Tensor  # [2, taps, H]
-    mlp_proj: torch.Tensor
+    mlp_proj: torch.Tensor | native.Packed
     mlp_base: torch.Tensor
 
 
@@ -364,6 +368,12 @@ class DflashDrafter:
         if (self.device.type != "cpu" or self.dtype != torch.float32 or native.library() is None
                 or not isinstance(self.embed, torch.Tensor) or self.embed.dtype not in native.WTYPES):
             return None, None
+        # native_dflash.c multiplies by packed matrices (native.c's layout); packed in place,
+        # as the trunk's are: from here on the torch pass is not used, and memory is not doubled
+        for l in self.layers:
+            for name in NATIVE_MATRICES:
+                setattr(l, name, native.pack(getattr(l, name)))
+        self.fc, self.lm_head = native.pack(self.fc), native.pack(self.lm_head)
         cfg, shape, ptr = self.cfg, self.shape, native.ptr
         layers = (NativeLayer * len(self.layers))(*(NativeLayer(
             in_norm=ptr(l.in_norm), post_norm=ptr(l.post_norm), q_norm=ptr(l.q_norm), k_norm=ptr(l.k_norm),

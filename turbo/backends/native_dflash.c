@@ -38,7 +38,27 @@ typedef struct {
     const DfLayer *layer;
 } Dflash;
 
-static inline float df_silu(float x) { return x / (1.0f + expf(-x)); }
+/* e^x in straight-line arithmetic, so loops over it vectorise (expf is a call per value):
+ * x = k ln2 + r (Cody-Waite), Cephes' polynomial for e^r, 2^k through the exponent bits.
+ * About 1 ulp from e^x on [-87, 88]; x is clamped there (e^-87 ~ 1.6e-38 stands for 0). */
+static inline float df_exp(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2): 1.5 * 2^23 */
+    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, 4);
+    return p * two_k;
+}
+
+static inline float df_silu(float x) { return x / (1.0f + df_exp(-x)); }
 
 /* out = x * rsqrt(mean(x^2) + eps) * scale over n values, for each of R rows (in place allowed). */
 static void df_rms_rows(const float *x, int R, int n, const float *scale, float eps, float *out) {
@@ -100,29 +120,33 @@ static void df_gconv(const Dflash *D, const float *h, int R, const float *base, 
  * max(0, p0 - window)..p0-1, read from the ring in position order (so a wrapped ring and an
  * unbounded one compute the same thing), then the block's own keys -- all of them, or up to
  * its own row when causal. q [R, heads, d]; kb, vb [R, kv_heads, d]; out [R, heads, d].
- * Per kv head, its keys and values are gathered into native.c's packed layout, so the
- * scores of its R x rep queries and their weighted values are two products. */
+ * Each kv head's keys and values are gathered into native.c's packed layout (one pass over
+ * the ring, every slot's heads together), so the scores of its R x rep queries and their
+ * weighted values are two products. */
 static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const float *kb, const float *vb, int R,
                       int p0, float *out) {
     int nh = D->heads, nkv = D->kv_heads, d = D->head_dim, cap = D->capacity, rep = nh / nkv, Q = R * rep;
     int lo = p0 > D->window ? p0 - D->window : 0, ctx = p0 - lo, n = ctx + R;
-    size_t kn = (size_t)(n + 15) / 16 * 16 * d, vn = (size_t)(d + 15) / 16 * 16 * n;
+    size_t kn = (size_t)(n + 15) / 16 * 16 * d, vn = (size_t)(d + 15) / 16 * 16 * n; /* one head's panels */
     float scale = 1.0f / sqrtf((float)d);
-    /* zeroed once: the panels' padding lanes stay zero (their outputs are never stored) */
-    float *kp = calloc(kn + vn + (size_t)Q * (2 * d + n), sizeof(float));
-    float *vp = kp + kn, *qj = vp + vn, *s = qj + (size_t)Q * d, *o = s + (size_t)Q * n;
-    for (int j = 0; j < nkv; j++) {
-        for (int t = 0, slot = lo % cap; t < n; t++) { /* key t -> lane t % 16 of panel t / 16 */
-            const float *key = t < ctx ? L->ring_k + ((size_t)slot * nkv + j) * d : kb + ((size_t)(t - ctx) * nkv + j) * d;
-            const float *val = t < ctx ? L->ring_v + ((size_t)slot * nkv + j) * d : vb + ((size_t)(t - ctx) * nkv + j) * d;
-            for (int i = 0; i < d; i++) kp[((size_t)(t / 16) * d + i) * 16 + t % 16] = key[i];
+    /* zeroed: the panels' padding lanes stay zero (their outputs are never stored) */
+    float *kp = calloc(nkv * (kn + vn) + (size_t)Q * (2 * d + n), sizeof(float));
+    float *vp = kp + nkv * kn, *qj = vp + nkv * vn, *s = qj + (size_t)Q * d, *o = s + (size_t)Q * n;
+    for (int t = 0, slot = lo % cap; t < n; t++) { /* key t -> lane t % 16 of panel t / 16 */
+        const float *keys = t < ctx ? L->ring_k + (size_t)slot * nkv * d : kb + (size_t)(t - ctx) * nkv * d;
+        const float *vals = t < ctx ? L->ring_v + (size_t)slot * nkv * d : vb + (size_t)(t - ctx) * nkv * d;
+        for (int j = 0; j < nkv; j++) {
+            for (int i = 0; i < d; i++) kp[j * kn + ((size_t)(t / 16) * d + i) * 16 + t % 16] = keys[j * d + i];
             for (int c = 0; c < d; c += 16)
-                memcpy(vp + ((size_t)(c / 16) * n + t) * 16, val + c, sizeof(float) * (d - c < 16 ? d - c : 16));
-            if (t < ctx && ++slot == cap) slot = 0;
+                memcpy(vp + j * vn + ((size_t)(c / 16) * n + t) * 16, vals + j * d + c,
+                       sizeof(float) * (d - c < 16 ? d - c : 16));
         }
+        if (t < ctx && ++slot == cap) slot = 0;
+    }
+    for (int j = 0; j < nkv; j++) {
         for (int r = 0; r < R; r++)
             memcpy(qj + (size_t)r * rep * d, q + ((size_t)r * nh + j * rep) * d, sizeof(float) * rep * d);
-        linear_packed(qj, Q, d, kp, 0, n, s);
+        linear_packed(qj, Q, d, kp + j * kn, 0, n, s);
         for (int r = 0; r < R; r++)
             for (int e = 0; e < rep; e++) { /* softmax of the keys row r sees; the rest weigh 0 */
                 float *sr = s + ((size_t)r * rep + e) * n, m = -INFINITY, z = 0.0f;
@@ -131,14 +155,12 @@ static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const f
                     sr[t] *= scale;
                     m = sr[t] > m ? sr[t] : m;
                 }
-                for (int t = 0; t < seen; t++) {
-                    sr[t] = expf(sr[t] - m);
-                    z += sr[t];
-                }
+                for (int t = 0; t < seen; t++) sr[t] = df_exp(sr[t] - m);
+                for (int t = 0; t < seen; t++) z += sr[t];
                 for (int t = 0; t < seen; t++) sr[t] /= z;
                 for (int t = seen; t < n; t++) sr[t] = 0.0f;
             }
-        linear_packed(s, Q, n, vp, 0, d, o);
+        linear_packed(s, Q, n, vp + j * vn, 0, d, o);
         for (int r = 0; r < R; r++)
             memcpy(out + ((size_t)r * nh + j * rep) * d, o + (size_t)r * rep * d, sizeof(float) * rep * d);
     }

@@ -102,3 +102,12 @@ def test_tiny_proposals_equal_torch(tiny):
 def test_other_activation_dtypes_keep_the_torch_pass(tiny):
     inst, trunk = tiny
     assert DflashDrafter(inst, trunk.embed, ops.dense(trunk.lm_head), dtype=torch.bfloat16).native is None
+
+
+def test_out_of_range_inputs_are_refused_before_c_reads_them(random_model):
+    inst, trunk = random_model
+    fast, _ = pair(inst, trunk)
+    with pytest.raises(ValueError, match="aux rows"):
+        fast.add_context(torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="anchor 320"):
+        fast.forward_block(320, 0, 2)

@@ -366,7 +366,8 @@ class DflashDrafter:
         """native_dflash.c's structs (the rings are bound by `reset`), when the pass can run
         there: on the CPU, fp32 activations, a plain fp32 or bf16 embedding table."""
         if (self.device.type != "cpu" or self.dtype != torch.float32 or native.library() is None
-                or not isinstance(self.embed, torch.Tensor) or self.embed.dtype not in native.WTYPES):
+                or not isinstance(self.embed, torch.Tensor) or self.embed.dtype not in native.WTYPES
+                or not self.embed.is_contiguous()):
             return None, None
         # native_dflash.c multiplies by packed matrices (native.c's layout); packed in place,
         # as the trunk's are: from here on the torch pass is not used, and memory is not doubled
@@ -410,6 +411,8 @@ class DflashDrafter:
         if n == 0:
             return
         if self.native is not None:
+            if aux.shape[1:] != (self.native.aux_width,):  # C reads what it is given: shapes are checked here
+                raise ValueError(f"aux rows are {list(aux.shape[1:])} wide, the drafter fuses {self.native.aux_width}")
             aux = aux.float().contiguous()
             native.threaded().dflash_add_context(ctypes.addressof(self.native), aux.data_ptr(), n, self.context)
             self.context += n
@@ -475,6 +478,8 @@ class DflashDrafter:
         if anchor_pos != self.context:
             raise ValueError(f"drafter context has {self.context} positions, the anchor sits at {anchor_pos}")
         if self.native is not None:
+            if not 0 <= anchor < self.cfg.vocab:
+                raise ValueError(f"anchor {anchor} is not a token id in 0..{self.cfg.vocab - 1}")
             logits, final = torch.empty(block, self.cfg.vocab), torch.empty(block, self.shape.hidden)
             native.threaded().dflash_forward(ctypes.addressof(self.native), anchor, anchor_pos, block,
                                              logits.data_ptr(), final.data_ptr())

@@ -1,5 +1,8 @@
 """The DFlash2 drafter's native pass (native_dflash.c) against its torch reference."""
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -74,6 +77,15 @@ def ids_of(n: int, vocab: int, seed: int) -> list[int]:
 def test_random_drafter_matches_torch(random_model, positions, window):
     inst, trunk = random_model
     check_blocks(inst, trunk, ids_of(positions, 320, positions), window=window)
+
+
+def test_causal_drafter_matches_torch(spec_install, tmp_path):
+    """No shipped drafter is causal: the same random one with is_causal set checks the mask."""
+    path = shutil.copytree(spec_install[1], tmp_path / "causal")
+    config = json.loads((path / "dflash" / "config.json").read_text())
+    (path / "dflash" / "config.json").write_text(json.dumps(config | {"is_causal": True}))
+    inst = open_install(path)
+    check_blocks(inst, Trunk(inst), ids_of(40, 320, 5))
 
 
 @pytest.mark.parametrize("positions, window", [(40, None), (300, None), (300, 16)])  # short; window-limited; wrapped

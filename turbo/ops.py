@@ -112,10 +112,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         if kernel is not None:  # probed row-stable: each row is computed on its own
             return kernel(x)
         w = w.dense()
-    if x.shape[0] <= 4 * ROW_BLOCK_CANDIDATES[-1]:  # decode/verify sized: native.c, row-stable by construction
-        y = native.linear(x, w)
-        if y is not None:
-            return y
     xw = x.to(w.dtype)
     block = _row_block.get(_key(w))
     if block is None or x.shape[0] > 4 * ROW_BLOCK_CANDIDATES[-1]:

@@ -6,10 +6,10 @@
  *
  * Why it stays lossless: every value a row produces is computed by the same code in the
  * same order whatever the number of rows R in the call -- each output element of a
- * matrix product is one fixed-order sum (16 vector lanes over the input, then the lanes
- * in order, then the scalar tail), and nothing is parallelised across rows or split
- * across threads. So the B + 1 rows of a verify equal B + 1 one-row decode steps bit
- * for bit, by construction rather than by measurement.
+ * matrix product is one multiply-add chain over the input in index order (packed
+ * matrices, below), other sums run in a fixed order too, and no sum is split across
+ * threads. So the B + 1 rows of a verify equal B + 1 one-row decode steps bit for bit,
+ * by construction rather than by measurement.
  *
  * Threads (set_threads, from torch's intra-op count) split a matrix product by output
  * element: each output is still computed whole by one thread with the same code, so the
@@ -56,66 +56,10 @@ static inline v16 load_w(const void *w, int wtype, size_t at) {
     return r;
 }
 
-static inline float w_at(const void *w, int wtype, size_t at) {
-    if (wtype == 0) return ((const float *)w)[at];
-    uint32_t u = (uint32_t)((const uint16_t *)w)[at] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
 static inline float lanes_sum(v16 a) {
     float s = a[0];
     for (int i = 1; i < 16; i++) s += a[i];
     return s;
-}
-
-/* NO outputs x NR rows of y = x w^T. Each (row, output) is its own chain -- 16 lanes over
- * the input in order, the lanes in order, then the scalar tail -- so the tiling (which
- * only shares loads) never changes a value. */
-static inline __attribute__((always_inline)) void tile(const float *x, int k, const void *w, int wtype, int n,
-                                                       int o, int r, float *y, const int NO, const int NR) {
-    int kv = k & ~15;
-    v16 acc[4][4];
-    for (int a = 0; a < NO; a++)
-        for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
-    for (int i = 0; i < kv; i += 16) {
-        v16 wv[4], xv[4];
-        for (int a = 0; a < NO; a++) wv[a] = load_w(w, wtype, (size_t)(o + a) * k + i);
-        for (int b = 0; b < NR; b++) memcpy(&xv[b], x + (size_t)(r + b) * k + i, 64);
-        for (int a = 0; a < NO; a++)
-            for (int b = 0; b < NR; b++) acc[a][b] += xv[b] * wv[a];
-    }
-    for (int a = 0; a < NO; a++)
-        for (int b = 0; b < NR; b++) {
-            float s = lanes_sum(acc[a][b]);
-            const float *xr = x + (size_t)(r + b) * k;
-            for (int i = kv; i < k; i++) s += xr[i] * w_at(w, wtype, (size_t)(o + a) * k + i);
-            y[(size_t)(r + b) * n + o + a] = s;
-        }
-}
-
-/* One output at a time: the weights stream through once, in memory order (what the
- * prefetcher follows best), each row shared by up to four input rows. */
-static inline __attribute__((always_inline)) void linear_as(const float *x, int R, int k, const void *w, int n,
-                                                            float *y, int lo, int hi, const int wtype) {
-    for (int o = lo; o < hi; o++) {
-        int r = 0;
-        for (; r + 4 <= R; r += 4) tile(x, k, w, wtype, n, o, r, y, 1, 4);
-        switch (R - r) {
-        case 3: tile(x, k, w, wtype, n, o, r, y, 1, 3); break;
-        case 2: tile(x, k, w, wtype, n, o, r, y, 1, 2); break;
-        case 1: tile(x, k, w, wtype, n, o, r, y, 1, 1); break;
-        }
-    }
-}
-
-/* Outputs [lo, hi) of y = x w^T. */
-static void linear_range(const float *x, int R, int k, const void *w, int wtype, int n, float *y, int lo, int hi) {
-    if (wtype == 0)
-        linear_as(x, R, k, w, n, y, lo, hi, 0);
-    else
-        linear_as(x, R, k, w, n, y, lo, hi, 1);
 }
 
 /* Matrix products of at least this many multiply-adds are split over the threads. */
@@ -126,18 +70,6 @@ static int threads = 1;
  * library shares the process's libgomp -- the one torch loaded -- so its parallel regions
  * use torch's pool instead of a second pool competing for the same cores. */
 void set_threads(int n) { threads = n < 1 ? 1 : n; }
-
-/* y[r, o] = sum_i x[r, i] * w[o, i] for r < R, o < n; x [R, k] with row stride k. */
-void linear(const float *x, int R, int k, const void *w, int wtype, int n, float *y) {
-    int parts = threads < n ? threads : 1;
-    if (parts < 2 || (long)R * n * k < MIN_PARALLEL_MACS) {
-        linear_range(x, R, k, w, wtype, n, y, 0, n);
-        return;
-    }
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int p = 0; p < parts; p++)
-        linear_range(x, R, k, w, wtype, n, y, (int)((long)n * p / parts), (int)((long)n * (p + 1) / parts));
-}
 
 /* ---- packed matrices: the layout the trunk's products use ----
  * A matrix w [n, k] is stored as panels of 16 outputs, P [ceil(n/16), k, 16] (the last

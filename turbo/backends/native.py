@@ -53,7 +53,6 @@ WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # native.c's entry points: p a pointer (a Layer's address too), i an int, f a float
 SIGNATURES = {
-    "linear": "p i i p i i p",
     "linear_packed": "p i i p i i p",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p p p",
@@ -149,20 +148,6 @@ def ptr(t: torch.Tensor | Packed | None) -> int | None:
         t = t.data
     assert t.is_contiguous() and t.device.type == "cpu"
     return t.data_ptr()
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor | None:
-    """x [R, in] @ w[out, in]^T in fp32 through native.c (fp32 or bf16 w, widened exactly),
-    every row computed on its own; None when the native library is not in use or the
-    operands do not fit it (the caller then runs its torch op)."""
-    lib = threaded()
-    if (lib is None or x.device.type != "cpu" or w.device.type != "cpu" or w.dtype not in WTYPES
-            or x.dim() != 2 or w.dim() != 2 or not w.is_contiguous()):
-        return None
-    x = x.float().contiguous()
-    y = torch.empty(x.shape[0], w.shape[0])
-    lib.linear(x.data_ptr(), x.shape[0], x.shape[1], w.data_ptr(), WTYPES[w.dtype], w.shape[0], y.data_ptr())
-    return y
 
 
 PANEL = 16  # outputs per panel of a packed matrix (native.c: one vector register)

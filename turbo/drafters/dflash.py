@@ -429,10 +429,6 @@ class DflashDrafter:
         self.context += n
 
     def _lin(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        if self.dtype == torch.float32:  # fp32 activations on the CPU: native.c reads the weights once
-            y = native.linear(x, w)
-            if y is not None:
-                return y
         return F.linear(x.to(w.dtype), w)
 
     # ---- the draft pass ----------------------------------------------------------------

@@ -5,8 +5,9 @@ acceptance p_i measured so far, E[accepted | b] = sum_{k<=b} p_1 * ... * p_k. A 
 draft(b) + verify(b + 1 rows) + rollback(b), timed by the round loop (time.perf_counter). Every
 round the chooser plays the b in 0..max_block with the most estimated tokens per second, where
 b = 0 is a plain decode round (one trunk row through `trunk.step`, no draft): when speculation
-does not pay it decodes as `off` does, plus a rare probe round (after 32, 64, ... 256 plain
-rounds) to notice if it starts to.
+does not pay it decodes as `off` does, plus a rare probe round at the widest block (after 8,
+16, ... 256 plain rounds; the widest reads acceptance at every position) to notice if it
+starts to -- a generation whose first rounds land little is not held to plain decode by them.
 
 Costs. A block already played: the median of its recent rounds (the fastest while it has fewer
 than `min_samples`: interference on a shared machine only slows a round down) for draft and
@@ -64,7 +65,7 @@ def _shared_costs(memory: tuple | None, max_block: int, fresh):
 
 
 class AdaptiveChooser:
-    def __init__(self, max_block: int, decay: float = 0.99, prior: float = 1.0, probe_every: int = 32,
+    def __init__(self, max_block: int, decay: float = 0.99, prior: float = 1.0, probe_every: int = 8,
                  probe_max: int = 256, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
                  bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
                  optimism: float = 0.75):
@@ -192,9 +193,8 @@ class AdaptiveChooser:
                 b = max(close, key=lambda k: (rates[k], -k))
             if b == 0:
                 self.plain_streak += 1
-                if self.plain_streak >= self.next_probe:  # speculation lost: look again, rarely
-                    spec = {k: v for k, v in rates.items() if k > 0}
-                    b = max(spec, key=lambda k: (spec[k], -k))
+                if self.plain_streak >= self.next_probe:  # speculation lost: look again, rarely, widely
+                    b = self.max_block
                     self.plain_streak = 0
                     self.next_probe = min(self.next_probe * 2, self.probe_max)
             else:

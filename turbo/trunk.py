@@ -84,20 +84,30 @@ class StepOut:
     traces: dict[int, GdnTrace] = field(default_factory=dict)
 
 
-def pack_layer(layer: LayerWeights) -> None:
-    """The layer's matrices into native.c's packed layout, in place (ops.linear takes them too)."""
+def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
+    """The dtype the native step keeps matrices in: a bf16 checkpoint's stay bf16 under fp32
+    compute -- native.c widens them exactly, so the products equal those of fp32 copies bit
+    for bit, from half the bytes (the decode step reads every matrix once per token)."""
+    return torch.bfloat16 if dtype == torch.float32 and stored == {"BF16"} else dtype
+
+
+def pack_layer(layer: LayerWeights, dtype: torch.dtype) -> None:
+    """The layer's matrices into native.c's packed layout in `dtype`, in place (ops.linear takes them too)."""
+    def pk(w: torch.Tensor) -> native.Packed:
+        return native.pack(w.to(dtype))
+
     m = layer.mixer
     if isinstance(m, GdnWeights):
-        m.in_proj, m.out = native.pack(m.in_proj), native.pack(m.out)
+        m.in_proj, m.out = pk(m.in_proj), pk(m.out)
     else:
-        m.qkv, m.o = native.pack(m.qkv), native.pack(m.o)
-    layer.gate_up, layer.down = native.pack(layer.gate_up), native.pack(layer.down)
+        m.qkv, m.o = pk(m.qkv), pk(m.o)
+    layer.gate_up, layer.down = pk(layer.gate_up), pk(layer.down)
 
 
-def native_layer(a: Arch, layer: LayerWeights, wtype: int, inv_freq: torch.Tensor) -> native.Layer:
+def native_layer(a: Arch, layer: LayerWeights, inv_freq: torch.Tensor) -> native.Layer:
     """native.c's struct for one packed layer (its tensors must outlive it: it holds pointers)."""
     ptr, m = native.ptr, layer.mixer
-    s = native.Layer(hidden=a.hidden, inter=a.intermediate, wtype=wtype, eps=a.rms_eps,
+    s = native.Layer(hidden=a.hidden, inter=a.intermediate, wtype=native.WTYPES[layer.gate_up.dtype], eps=a.rms_eps,
                      in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
                      gate_up=ptr(layer.gate_up), down=ptr(layer.down))
     if isinstance(m, GdnWeights):
@@ -122,9 +132,13 @@ class Trunk:
 
         mode = quant.cpu_mode()  # how quantized matrices run on the CPU (turbo/quant.py; measured)
 
+        stored: set[str] = set()  # how the matrices (and the embedding) are stored: see storage_dtype
+
         def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None, matrix: bool = False):
             full = PREFIX + name
             entry = index.need(full)
+            if matrix or name == "embed_tokens.weight":
+                stored.add(entry.st_dtype)
             if entry.dims != tuple(shape):
                 raise TurboError(f"{full} has shape {list(entry.dims)}, expected {list(shape)}")
             if matrix and entry.bits and (not on_cpu or quant.keep_packed(mode, entry.bits, as_dtype or dtype)):
@@ -191,24 +205,25 @@ class Trunk:
             self.final_norm = ops.to_device(self.final_norm, self.device)
             self.inv_freq = ops.to_device(self.inv_freq, self.device)
             self.layers = [ops.to_device(layer, self.device) for layer in self.layers]
-        self.native = self._native_layers()  # None: the torch step (row blocks calibrated below)
+        self.native = self._native_layers(storage_dtype(dtype, stored))  # None: the torch step (row blocks calibrated below)
         if self.native is None:
             for mat in self.matrices():
                 ops.calibrate_rows(mat)
 
-    def _native_layers(self) -> list[native.Layer] | None:
+    def _native_layers(self, storage: torch.dtype) -> list[native.Layer] | None:
         """native.c's per-layer structs, when the step can run there: on the CPU, with every
-        matrix a plain fp32 or bf16 tensor (packed quantized matrices keep the torch step)."""
+        matrix a plain fp32 or bf16 tensor (packed quantized matrices keep the torch step).
+        The matrices are packed in `storage` dtype, the embedding kept in it."""
         mats = self.matrices()
         if (self.device.type != "cpu" or native.library() is None
                 or not all(isinstance(m, torch.Tensor) and m.dtype == mats[0].dtype for m in mats)
                 or mats[0].dtype not in native.WTYPES):
             return None
         for layer in self.layers:
-            pack_layer(layer)
-        self.lm_head = native.pack(self.lm_head)  # tied: a packed copy (the embedding stays rows for lookups)
-        wtype = native.WTYPES[mats[0].dtype]
-        return [native_layer(self.arch, layer, wtype, self.inv_freq) for layer in self.layers]
+            pack_layer(layer, storage)
+        self.lm_head = native.pack(self.lm_head.to(storage))  # tied: a packed copy (the embedding stays rows)
+        self.embed = self.embed.to(storage)
+        return [native_layer(self.arch, layer, self.inv_freq) for layer in self.layers]
 
     def matrices(self) -> list[torch.Tensor]:
         """Every weight the decode/verify path multiplies by."""
@@ -400,7 +415,7 @@ class Trunk:
         st.pos = p0 + rows
         logits = torch.empty(rows, a.vocab)
         lib.head(ptr(x), rows, a.hidden, ptr(self.final_norm), a.rms_eps, ptr(self.lm_head),
-                 self.native[0].wtype, a.vocab, ptr(logits), None)
+                 native.WTYPES[self.lm_head.dtype], a.vocab, ptr(logits), None)
         return StepOut(logits, x, torch.cat(aux, dim=-1) if aux else None, traces)
 
     def _replay(self, tr: GdnTrace, kept: int) -> torch.Tensor:

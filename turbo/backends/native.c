@@ -84,7 +84,12 @@ static inline __attribute__((always_inline)) void ptile(const float *x, int k, c
         for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
     for (int i = 0; i < k; i++) {
         v16 wv[4];
-        for (int a = 0; a < NP; a++) wv[a] = load_w(P, wtype, ((size_t)(p + a) * k + i) * 16);
+        for (int a = 0; a < NP; a++) {
+            /* a panel is one sequential stream; asking for it 1024 values ahead keeps a tile
+             * with many rows (arithmetic-bound) from waiting on memory (a prefetch never faults) */
+            __builtin_prefetch((const char *)P + (((size_t)(p + a) * k + i) * 16 + 1024) * (wtype ? 2 : 4));
+            wv[a] = load_w(P, wtype, ((size_t)(p + a) * k + i) * 16);
+        }
         for (int b = 0; b < NR; b++) {
             float xb = x[(size_t)(r + b) * k + i];
             for (int a = 0; a < NP; a++) acc[a][b] += wv[a] * xb;

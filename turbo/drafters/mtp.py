@@ -35,7 +35,7 @@ from .. import ops
 from ..backends import native
 from ..errors import TurboError
 from ..install import Install
-from ..trunk import AttnWeights, LayerWeights, Trunk, native_layer, pack_layer
+from ..trunk import AttnWeights, LayerWeights, Trunk, native_layer, pack_layer, storage_dtype
 
 MTP_PREFIX = "mtp."
 
@@ -88,7 +88,10 @@ class MtpDrafter:
         dtype = trunk.dtype
         self.device = dev = trunk.device  # the trunk's: weights moved once at load, the cache there too
 
+        stored: set[str] = set()
+
         def w(name: str) -> torch.Tensor:
+            stored.add(index.need(MTP_PREFIX + name).st_dtype)
             t = index.load(MTP_PREFIX + name, dtype)
             return t if dev.type == "cpu" else t.to(dev)
 
@@ -115,9 +118,10 @@ class MtpDrafter:
         # on the trunk's native step, so is the head's layer (native.c's attn_layer + head)
         self.native = None
         if trunk.native is not None:
-            pack_layer(self.layer)
-            self.fc = native.pack(self.fc)
-            self.native = native_layer(arch, self.layer, trunk.native[0].wtype, trunk.inv_freq)
+            storage = storage_dtype(dtype, stored)  # as the trunk's: see storage_dtype
+            pack_layer(self.layer, storage)
+            self.fc = native.pack(self.fc.to(storage))
+            self.native = native_layer(arch, self.layer, trunk.inv_freq)
         self.reset()
 
     # ---- state -------------------------------------------------------------------------
@@ -179,7 +183,7 @@ class MtpDrafter:
             y = self._layer_native(x, pos)
             out, logits = torch.empty(1, a.hidden), torch.empty(1, a.vocab)
             native.threaded().head(y.data_ptr(), 1, a.hidden, self.final_norm.data_ptr(), self.eps,
-                                   native.ptr(self.trunk.lm_head), self.native.wtype, a.vocab, logits.data_ptr(),
+                                   native.ptr(self.trunk.lm_head), native.WTYPES[self.trunk.lm_head.dtype], a.vocab, logits.data_ptr(),
                                    out.data_ptr())
             return out, logits
         q, gate = self._write_kv(x, pos)

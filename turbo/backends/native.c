@@ -24,6 +24,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "native.h"
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
@@ -155,9 +157,7 @@ void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n
     }
 }
 
-static inline float sigmoidf(float x) { return 1.0f / (1.0f + expf(-x)); }
-static inline float siluf(float x) { return x / (1.0f + expf(-x)); }
-static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(fast_exp(x)); }
 
 /* out = x * rsqrt(mean(x^2) + eps) * scale over n values. */
 static void rms_norm(const float *x, int n, const float *scale, float eps, float *out) {
@@ -182,7 +182,7 @@ static void mlp_block(const Layer *L, float *x, int R) {
     linear_packed(h, R, H, L->gate_up, L->wtype, 2 * I, gu);
     for (int r = 0; r < R; r++)
         for (int i = 0; i < I; i++)
-            act[(size_t)r * I + i] = siluf(gu[(size_t)r * 2 * I + i]) * gu[(size_t)r * 2 * I + I + i];
+            act[(size_t)r * I + i] = fast_silu(gu[(size_t)r * 2 * I + i]) * gu[(size_t)r * 2 * I + I + i];
     linear_packed(act, R, I, L->down, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
     free(h); free(gu); free(act); free(y);
@@ -200,7 +200,7 @@ void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q,
             float *S = state + h * per;
             const float *qh = q + ((size_t)r * Hv + h) * dk, *kh = k + ((size_t)r * Hv + h) * dk;
             const float *vh = v + ((size_t)r * Hv + h) * dv;
-            float decay = expf(g[(size_t)r * Hv + h]), b = beta[(size_t)r * Hv + h];
+            float decay = fast_exp(g[(size_t)r * Hv + h]), b = beta[(size_t)r * Hv + h];
             for (size_t i = 0; i < per; i++) S[i] *= decay;
             for (int j = 0; j < dv; j++) kv[j] = 0.0f;
             for (int i = 0; i < dk; i++)
@@ -242,7 +242,7 @@ void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float 
         for (int c = 0; c < C; c++) {
             float acc = ext[(size_t)r * C + c] * L->conv[(size_t)c * K];
             for (int j = 1; j < K; j++) acc = acc + ext[(size_t)(r + j) * C + c] * L->conv[(size_t)c * K + j];
-            mixed[c] = siluf(acc);
+            mixed[c] = fast_silu(acc);
         }
         for (int hk = 0; hk < Hk; hk++) { /* l2-normalised q (scaled) and k, shared by `rep` value heads */
             const float *mq = mixed + hk * dk, *mk = mixed + kd + hk * dk;
@@ -256,7 +256,7 @@ void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float 
         }
         memcpy(v + (size_t)r * vd, mixed + 2 * kd, sizeof(float) * vd);
         for (int hv = 0; hv < Hv; hv++) {
-            beta[(size_t)r * Hv + hv] = sigmoidf(pr[C + vd + hv]);
+            beta[(size_t)r * Hv + hv] = fast_sigmoid(pr[C + vd + hv]);
             g[(size_t)r * Hv + hv] = L->neg_a[hv] * softplusf(pr[C + vd + Hv + hv] + L->dt_bias[hv]);
         }
     }
@@ -268,7 +268,7 @@ void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float 
             float ss = 0.0f;
             for (int j = 0; j < dv; j++) ss += oh[j] * oh[j];
             float inv = 1.0f / sqrtf(ss / (float)dv + L->eps);
-            for (int j = 0; j < dv; j++) oh[j] = L->gnorm[j] * (oh[j] * inv) * siluf(z[j]);
+            for (int j = 0; j < dv; j++) oh[j] = L->gnorm[j] * (oh[j] * inv) * fast_silu(z[j]);
         }
     linear_packed(o, R, vd, L->out, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
@@ -363,12 +363,13 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
                 if (scores[t] > m) m = scores[t];
             }
             float z = 0.0f;
-            for (int t = 0; t < n; t++) { scores[t] = expf(scores[t] - m); z += scores[t]; }
+            for (int t = 0; t < n; t++) scores[t] = fast_exp(scores[t] - m); /* (vectorises) */
+            for (int t = 0; t < n; t++) z += scores[t];
             float *a = att + ((size_t)r * nh + hq) * hd;
             const float *gate = pr + hq * 2 * hd + hd;
             for (int t = 0; t < n; t++) scores[t] /= z;
             weighted_sum(scores, V, n, hd, a);
-            for (int i = 0; i < hd; i++) a[i] *= sigmoidf(gate[i]);
+            for (int i = 0; i < hd; i++) a[i] *= fast_sigmoid(gate[i]);
         }
     }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);

@@ -23,6 +23,7 @@ import torch
 
 # native.c: the trunk's step; native_*.c: further parts (built into the same library)
 SOURCES = sorted(Path(__file__).parent.glob("native*.c"))
+HEADER = Path(__file__).with_name("native.h")  # what they share
 # No -ffast-math: the row-stability argument in native.c needs sums in program order.
 # -fopenmp: the library then shares the libgomp torch has loaded (native.c, set_threads).
 FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -72,7 +73,7 @@ def _cache_dir() -> Path:
 
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in SOURCES) + " ".join(map(str, FLAGS)).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, HEADER]) + " ".join(map(str, FLAGS)).encode()
                          + version.encode() + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     errors = []
     for dest_dir in (_cache_dir(), Path(tempfile.gettempdir()) / "turbo-native"):

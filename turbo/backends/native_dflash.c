@@ -16,8 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* native.c: y [R, n] = x [R, k] @ w[n, k]^T for a packed w (panels of 16 outputs), fp32 here (wtype 0). */
-void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y);
+#include "native.h"
+
 
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
@@ -38,27 +38,6 @@ typedef struct {
     const DfLayer *layer;
 } Dflash;
 
-/* e^x in straight-line arithmetic, so loops over it vectorise (expf is a call per value):
- * x = k ln2 + r (Cody-Waite), Cephes' polynomial for e^r, 2^k through the exponent bits.
- * About 1 ulp from e^x on [-87, 88]; x is clamped there (e^-87 ~ 1.6e-38 stands for 0). */
-static inline float df_exp(float x) {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2): 1.5 * 2^23 */
-    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + r + 1.0f;
-    int32_t bits = ((int32_t)k + 127) << 23;
-    float two_k;
-    memcpy(&two_k, &bits, 4);
-    return p * two_k;
-}
-
-static inline float df_silu(float x) { return x / (1.0f + df_exp(-x)); }
 
 /* out = x * rsqrt(mean(x^2) + eps) * scale over n values, for each of R rows (in place allowed). */
 static void df_rms_rows(const float *x, int R, int n, const float *scale, float eps, float *out) {
@@ -155,7 +134,7 @@ static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const f
                     sr[t] *= scale;
                     m = sr[t] > m ? sr[t] : m;
                 }
-                for (int t = 0; t < seen; t++) sr[t] = df_exp(sr[t] - m);
+                for (int t = 0; t < seen; t++) sr[t] = fast_exp(sr[t] - m);
                 for (int t = 0; t < seen; t++) z += sr[t];
                 for (int t = 0; t < seen; t++) sr[t] /= z;
                 for (int t = seen; t < n; t++) sr[t] = 0.0f;
@@ -217,7 +196,7 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
         df_gconv(D, xn, R, L->mlp_base, dyn, P, u);
         linear_packed(u, R, H, L->gate, 0, I, g);
         linear_packed(u, R, H, L->up, 0, I, up);
-        for (size_t i = 0; i < n_i; i++) g[i] = df_silu(g[i]) * up[i];
+        for (size_t i = 0; i < n_i; i++) g[i] = fast_silu(g[i]) * up[i];
         linear_packed(g, R, I, L->down, 0, H, y);
         df_gconv(D, y, R, L->mlp_base + (size_t)D->taps * H, dyn + off, P, u);
         for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;

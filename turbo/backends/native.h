@@ -1,0 +1,36 @@
+/* What native.c and native_dflash.c share (built together into one library). */
+#ifndef TURBO_NATIVE_H
+#define TURBO_NATIVE_H
+
+#include <stdint.h>
+#include <string.h>
+
+/* y [R, n] = x [R, k] @ w[n, k]^T for a packed w (panels of 16 outputs; native.c). */
+void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y);
+
+/* e^x in straight-line arithmetic, so loops over it vectorise (expf is a call per value):
+ * x = k ln2 + r (Cody-Waite), Cephes' polynomial for e^r, 2^k through the exponent bits.
+ * About 1 ulp from e^x on [-87, 88]; x is clamped there (e^-87 ~ 1.6e-38 stands for 0).
+ * The same operations in a vector lane and in scalar code, so a value does not depend on
+ * where it falls in a loop. */
+static inline float fast_exp(float x) {
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float k = (x * 1.44269504f + 12582912.0f) - 12582912.0f; /* round(x / ln 2): 1.5 * 2^23 */
+    float r = (x - k * 0.693359375f) - k * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    int32_t bits = ((int32_t)k + 127) << 23;
+    float two_k;
+    memcpy(&two_k, &bits, 4);
+    return p * two_k;
+}
+
+static inline float fast_sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
+static inline float fast_silu(float x) { return x / (1.0f + fast_exp(-x)); }
+
+#endif

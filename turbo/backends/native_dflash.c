@@ -21,8 +21,8 @@
 
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
-    const float *q, *k, *v, *o, *gate, *up, *down;       /* packed [out, in] */
-    const float *attn_proj, *mlp_proj;                   /* packed [2 * taps * groups, hidden] */
+    const void *q, *k, *v, *o, *gate, *up, *down;        /* packed [out, in] */
+    const void *attn_proj, *mlp_proj;                    /* packed [2 * taps * groups, hidden] */
     const float *attn_base, *mlp_base;                   /* [2, taps, hidden] */
     float *ring_k, *ring_v;                              /* [capacity, kv_heads, head_dim] */
 } DfLayer;
@@ -30,11 +30,13 @@ typedef struct {
 typedef struct {
     int hidden, heads, kv_heads, head_dim, inter, taps, group, aux_width, vocab, layers;
     int window, capacity, causal, mask_token, embed_wtype;
+    int wtype, lm_wtype; /* the packed matrices' (fc and the layers') and the lm_head's: fp32 0, bf16 1 */
     float eps;     /* the norms of unscaled values: q, k, the fused context */
     float res_eps; /* eps / scale^2: the norms reading the scaled residual stream */
     float scale;
     const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's) */
-    const float *fc, *hidden_norm, *final_norm, *lm_head, *inv_freq; /* fc, lm_head packed */
+    const void *fc, *lm_head; /* packed */
+    const float *hidden_norm, *final_norm, *inv_freq;
     const DfLayer *layer;
 } Dflash;
 
@@ -175,34 +177,34 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
         const DfLayer *L = &D->layer[l];
         /* attention, between the two sides of its grouped conv */
         df_rms_rows(x, R, H, L->in_norm, D->res_eps, xn);
-        linear_packed(xn, R, H, L->attn_proj, 0, P, dyn);
+        linear_packed(xn, R, H, L->attn_proj, D->wtype, P, dyn);
         df_gconv(D, xn, R, L->attn_base, dyn, P, u);
-        linear_packed(u, R, H, L->q, 0, qd, y);
+        linear_packed(u, R, H, L->q, D->wtype, qd, y);
         for (int r = 0; r < R; r++)
             df_norm_rope(D, y + (size_t)r * qd, D->heads, L->q_norm, cs + (size_t)r * half, sn + (size_t)r * half,
                          q + (size_t)r * qd);
-        linear_packed(u, R, H, L->k, 0, kvd, y);
+        linear_packed(u, R, H, L->k, D->wtype, kvd, y);
         for (int r = 0; r < R; r++)
             df_norm_rope(D, y + (size_t)r * kvd, D->kv_heads, L->k_norm, cs + (size_t)r * half,
                          sn + (size_t)r * half, k + (size_t)r * kvd);
-        linear_packed(u, R, H, L->v, 0, kvd, v);
+        linear_packed(u, R, H, L->v, D->wtype, kvd, v);
         df_attend(D, L, q, k, v, R, p0, att);
-        linear_packed(att, R, qd, L->o, 0, H, y);
+        linear_packed(att, R, qd, L->o, D->wtype, H, y);
         df_gconv(D, y, R, L->attn_base + (size_t)D->taps * H, dyn + off, P, u);
         for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
         /* the MLP, between the two sides of its own */
         df_rms_rows(x, R, H, L->post_norm, D->res_eps, xn);
-        linear_packed(xn, R, H, L->mlp_proj, 0, P, dyn);
+        linear_packed(xn, R, H, L->mlp_proj, D->wtype, P, dyn);
         df_gconv(D, xn, R, L->mlp_base, dyn, P, u);
-        linear_packed(u, R, H, L->gate, 0, I, g);
-        linear_packed(u, R, H, L->up, 0, I, up);
+        linear_packed(u, R, H, L->gate, D->wtype, I, g);
+        linear_packed(u, R, H, L->up, D->wtype, I, up);
         for (size_t i = 0; i < n_i; i++) g[i] = fast_silu(g[i]) * up[i];
-        linear_packed(g, R, I, L->down, 0, H, y);
+        linear_packed(g, R, I, L->down, D->wtype, H, y);
         df_gconv(D, y, R, L->mlp_base + (size_t)D->taps * H, dyn + off, P, u);
         for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
     }
     df_rms_rows(x + H, block, H, D->final_norm, D->res_eps, final);
-    linear_packed(final, block, H, D->lm_head, 0, D->vocab, logits);
+    linear_packed(final, block, H, D->lm_head, D->lm_wtype, D->vocab, logits);
     free(buf);
 }
 
@@ -212,16 +214,16 @@ void dflash_add_context(const Dflash *D, const float *aux, int n, int p0) {
     int H = D->hidden, d = D->head_dim, half = d / 2, kvd = D->kv_heads * d, cap = D->capacity;
     float *ctx = malloc(sizeof(float) * ((size_t)n * (H + kvd + 2 * half)));
     float *kv = ctx + (size_t)n * H, *cs = kv + (size_t)n * kvd, *sn = cs + (size_t)n * half;
-    linear_packed(aux, n, D->aux_width, D->fc, 0, H, ctx);
+    linear_packed(aux, n, D->aux_width, D->fc, D->wtype, H, ctx);
     df_rms_rows(ctx, n, H, D->hidden_norm, D->eps, ctx);
     df_rope_table(D, p0, n, cs, sn);
     for (int l = 0; l < D->layers; l++) {
         const DfLayer *L = &D->layer[l];
-        linear_packed(ctx, n, H, L->k, 0, kvd, kv);
+        linear_packed(ctx, n, H, L->k, D->wtype, kvd, kv);
         for (int r = 0; r < n; r++)
             df_norm_rope(D, kv + (size_t)r * kvd, D->kv_heads, L->k_norm, cs + (size_t)r * half,
                          sn + (size_t)r * half, L->ring_k + (size_t)((p0 + r) % cap) * kvd);
-        linear_packed(ctx, n, H, L->v, 0, kvd, kv);
+        linear_packed(ctx, n, H, L->v, D->wtype, kvd, kv);
         for (int r = 0; r < n; r++)
             memcpy(L->ring_v + (size_t)((p0 + r) % cap) * kvd, kv + (size_t)r * kvd, sizeof(float) * kvd);
     }

@@ -283,9 +283,9 @@ class NativeDrafter(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "inter", "taps", "group", "aux_width", "vocab", "layers",
-        "window", "capacity", "causal", "mask_token", "embed_wtype")] + [
+        "window", "capacity", "causal", "mask_token", "embed_wtype", "wtype", "lm_wtype")] + [
         ("eps", ctypes.c_float), ("res_eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
-        (name, ctypes.c_void_p) for name in ("embed", "fc", "hidden_norm", "final_norm", "lm_head", "inv_freq")] + [
+        (name, ctypes.c_void_p) for name in ("embed", "fc", "lm_head", "hidden_norm", "final_norm", "inv_freq")] + [
         ("layer", ctypes.POINTER(NativeLayer))]
 
 
@@ -328,7 +328,11 @@ class DflashDrafter:
         self.device = dev = torch.device(device)
         idx = install.index
 
+        self.stored: set[str] = set()  # how the weights loaded in `dtype` are stored (_native_drafter)
+
         def t(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+            if as_dtype == dtype:
+                self.stored.add(idx.need(name).st_dtype)
             w = idx.load(name, as_dtype)
             return w if dev.type == "cpu" else w.to(dev)
 
@@ -337,6 +341,7 @@ class DflashDrafter:
             return w if dev.type == "cpu" else w.to(dev)
 
         self.embed, self.lm_head = embed, lm_head.to(dtype)  # rows enter scaled, then in dtype (the trunk's device)
+        self.lm_head_bf16 = lm_head.dtype == torch.bfloat16  # (the trunk keeps a bf16 checkpoint's)
         self.fc = t("dflash.fc.weight")
         self.hidden_norm = norm("dflash.hidden_norm.weight")
         self.final_norm = norm("dflash.norm.weight")
@@ -370,11 +375,14 @@ class DflashDrafter:
                 or not self.embed.is_contiguous()):
             return None, None
         # native_dflash.c multiplies by packed matrices (native.c's layout); packed in place,
-        # as the trunk's are: from here on the torch pass is not used, and memory is not doubled
+        # as the trunk's are: from here on the torch pass is not used, and memory is not doubled.
+        # A bf16 drafter's stay bf16 (widened exactly in the product: the same values, half the bytes).
+        storage = torch.bfloat16 if self.stored == {"BF16"} else torch.float32
+        lm_storage = torch.bfloat16 if self.lm_head_bf16 else torch.float32
         for l in self.layers:
             for name in NATIVE_MATRICES:
-                setattr(l, name, native.pack(getattr(l, name)))
-        self.fc, self.lm_head = native.pack(self.fc), native.pack(self.lm_head)
+                setattr(l, name, native.pack(getattr(l, name).to(storage)))
+        self.fc, self.lm_head = native.pack(self.fc.to(storage)), native.pack(self.lm_head.to(lm_storage))
         cfg, shape, ptr = self.cfg, self.shape, native.ptr
         layers = (NativeLayer * len(self.layers))(*(NativeLayer(
             in_norm=ptr(l.in_norm), post_norm=ptr(l.post_norm), q_norm=ptr(l.q_norm), k_norm=ptr(l.k_norm),
@@ -385,7 +393,8 @@ class DflashDrafter:
             hidden=shape.hidden, heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             inter=shape.inter, taps=cfg.taps, group=cfg.group, aux_width=self.fc.shape[1], vocab=cfg.vocab,
             layers=len(self.layers), window=self.window, causal=cfg.is_causal, mask_token=cfg.mask_token,
-            embed_wtype=native.WTYPES[self.embed.dtype], eps=cfg.eps, res_eps=cfg.eps / (self.scale * self.scale),
+            embed_wtype=native.WTYPES[self.embed.dtype], wtype=native.WTYPES[storage],
+            lm_wtype=native.WTYPES[lm_storage], eps=cfg.eps, res_eps=cfg.eps / (self.scale * self.scale),
             scale=self.scale, embed=ptr(self.embed), fc=ptr(self.fc), hidden_norm=ptr(self.hidden_norm),
             final_norm=ptr(self.final_norm), lm_head=ptr(self.lm_head), inv_freq=ptr(self.inv_freq),
             layer=layers)

@@ -6,8 +6,9 @@ draft(b) + verify(b + 1 rows) + rollback(b), timed by the round loop (time.perf_
 round the chooser plays the b in 0..max_block with the most estimated tokens per second, where
 b = 0 is a plain decode round (one trunk row through `trunk.step`, no draft): when speculation
 does not pay it decodes as `off` does, plus a rare probe round at the widest block (after 8,
-16, ... 256 plain rounds; the widest reads acceptance at every position) to notice if it
-starts to -- a generation whose first rounds land little is not held to plain decode by them.
+16, 32, then every 64 plain rounds; the widest reads acceptance at every position) to notice
+if it starts to -- a generation whose first rounds land little is not held to plain decode by
+them, as the evidence fades every round, plain ones included.
 
 Costs. A block already played: the median of its recent rounds (the fastest while it has fewer
 than `min_samples`: interference on a shared machine only slows a round down) for draft and
@@ -65,10 +66,10 @@ def _shared_costs(memory: tuple | None, max_block: int, fresh):
 
 
 class AdaptiveChooser:
-    def __init__(self, max_block: int, decay: float = 0.99, prior: float = 1.0, probe_every: int = 8,
-                 probe_max: int = 256, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
+    def __init__(self, max_block: int, decay: float = 0.95, prior: float = 1.0, probe_every: int = 8,
+                 probe_max: int = 64, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
                  bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
-                 optimism: float = 0.75):
+                 optimism: float = 0.25):
         if max_block < 1:
             raise ValueError(f"max_block {max_block} < 1")
         self.max_block, self.decay, self.prior = max_block, decay, prior
@@ -208,11 +209,15 @@ class AdaptiveChooser:
     def observe(self, block: int, accepted: int, draft_s: float, verify_s: float, rollback_s: float) -> None:
         if not 0 <= block <= self.max_block or not 0 <= accepted <= block:
             raise ValueError(f"round at block {block} accepted {accepted}")
+        if block == self.max_block and self.plain_streak == 0 and self.chosen[-2:-1] == [0] and 2 * accepted >= block:
+            self.next_probe = self.probe_every  # a probe that landed: look again soon, not after twice as long
         if self.bootstrap_next is not None and len(self.chosen) == 1:
             self.bootstrap, self.bootstrap_next = self.bootstrap_next(accepted), None
+        # evidence fades every round, plain ones too: after a stretch of plain decoding a probe's
+        # fresh reading outweighs the rounds that sent it there
+        self.reached = [r * self.decay for r in self.reached]
+        self.landed = [l * self.decay for l in self.landed]
         if block:
-            self.reached = [r * self.decay for r in self.reached]
-            self.landed = [l * self.decay for l in self.landed]
             for i in range(min(block, accepted + 1)):
                 self.reached[i] += 1
                 if i < accepted:

@@ -81,7 +81,7 @@ void set_threads(int n) { threads = n < 1 ? 1 : n; }
  * horizontal sums (with k of a few hundred those cost as much as the products). */
 static inline __attribute__((always_inline)) void ptile(const float *x, int k, const void *P, int wtype, int n,
                                                         int p, int r, float *y, const int NP, const int NR) {
-    v16 acc[4][8];
+    v16 acc[4][12];
     for (int a = 0; a < NP; a++)
         for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
     for (int i = 0; i < k; i++) {
@@ -105,25 +105,30 @@ static inline __attribute__((always_inline)) void ptile(const float *x, int k, c
         }
 }
 
-/* All rows against panels p..p+NP-1, in row tiles of up to 8 (9..16 rows: two near-even tiles). */
-#define PANEL_ROWS(NP)                                                           \
-    for (int r = 0; r < R;) {                                                    \
-        int left = R - r, nr = left <= 8 ? left : left <= 16 ? (left + 1) / 2 : 8; \
-        switch (nr) {                                                            \
-        case 8: ptile(x, k, P, wtype, n, p, r, y, NP, 8); break;                 \
-        case 7: ptile(x, k, P, wtype, n, p, r, y, NP, 7); break;                 \
-        case 6: ptile(x, k, P, wtype, n, p, r, y, NP, 6); break;                 \
-        case 5: ptile(x, k, P, wtype, n, p, r, y, NP, 5); break;                 \
-        case 4: ptile(x, k, P, wtype, n, p, r, y, NP, 4); break;                 \
-        case 3: ptile(x, k, P, wtype, n, p, r, y, NP, 3); break;                 \
-        case 2: ptile(x, k, P, wtype, n, p, r, y, NP, 2); break;                 \
-        default: ptile(x, k, P, wtype, n, p, r, y, NP, 1);                       \
-        }                                                                        \
-        r += nr;                                                                 \
+/* All rows against panels p..p+NP-1, in row tiles of up to 12 (a verify of up to 11
+ * proposals reads each panel once; longer calls split near-evenly). */
+#define PANEL_ROWS(NP)                                                                        \
+    for (int r = 0; r < R;) {                                                                 \
+        int left = R - r, nr = left <= 12 ? left : left <= 24 ? (left + 1) / 2 : 12;           \
+        switch (nr) {                                                                         \
+        case 12: ptile(x, k, P, wtype, n, p, r, y, NP, 12); break;                            \
+        case 11: ptile(x, k, P, wtype, n, p, r, y, NP, 11); break;                            \
+        case 10: ptile(x, k, P, wtype, n, p, r, y, NP, 10); break;                            \
+        case 9: ptile(x, k, P, wtype, n, p, r, y, NP, 9); break;                              \
+        case 8: ptile(x, k, P, wtype, n, p, r, y, NP, 8); break;                              \
+        case 7: ptile(x, k, P, wtype, n, p, r, y, NP, 7); break;                              \
+        case 6: ptile(x, k, P, wtype, n, p, r, y, NP, 6); break;                              \
+        case 5: ptile(x, k, P, wtype, n, p, r, y, NP, 5); break;                              \
+        case 4: ptile(x, k, P, wtype, n, p, r, y, NP, 4); break;                              \
+        case 3: ptile(x, k, P, wtype, n, p, r, y, NP, 3); break;                              \
+        case 2: ptile(x, k, P, wtype, n, p, r, y, NP, 2); break;                              \
+        default: ptile(x, k, P, wtype, n, p, r, y, NP, 1);                                    \
+        }                                                                                     \
+        r += nr;                                                                              \
     }
 
 /* Panels [p0, p1): four at a time for few rows (four independent chains per row hide the
- * multiply-add latency), two at a time for many (registers: 2 x 8 accumulators). */
+ * multiply-add latency), two at a time for many (registers: up to 2 x 12 accumulators). */
 static inline __attribute__((always_inline)) void packed_as(const float *x, int R, int k, const void *P, int n,
                                                             float *y, int p0, int p1, const int wtype) {
     int p = p0;

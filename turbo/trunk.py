@@ -324,7 +324,7 @@ class Trunk:
                 state, window = st.gdn[i]
                 ext, (q, k, v, g, beta), z = self._gdn_inputs(m, h, window)
                 o, state = ops.gdn_chunked(state, q, k, v, g, beta)
-                st.gdn[i] = (state, ext[ext.shape[0] - (a.conv_kernel - 1):])
+                st.gdn[i] = (state.contiguous(), ext[ext.shape[0] - (a.conv_kernel - 1):])  # (native.c reads raw)
                 y = self._gdn_out(m, o, z)
             else:
                 q, k, v, gate = self._qkv(m, h, positions)
@@ -384,39 +384,47 @@ class Trunk:
 
     def _step_native(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
                      keep: str | None) -> StepOut:
-        """`step` through native.c: one call per layer, the same contract and traces."""
-        a, lib, ptr = self.arch, native.threaded(), native.ptr
+        """`step` through native.c: one call per layer, the same contract and traces. A step
+        is short (a fraction of a millisecond), so the Python here is kept to a few buffers
+        per layer and raw pointers."""
+        a, lib = self.arch, native.threaded()
         rows, p0 = len(tokens), st.pos
         self._reserve(st, p0 + rows)
-        x = self.embed[torch.tensor(tokens)].float().contiguous()
+        x = torch.empty(rows, a.hidden)
+        xp = x.data_ptr()
+        lib.embed_rows(self.embed.data_ptr(), native.WTYPES[self.embed.dtype], (ctypes.c_int * rows)(*tokens),
+                       rows, a.hidden, xp)
         taps, conv_dim = a.conv_kernel, a.lin_conv_dim
         hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim
         aux, traces = [], {}
         for i, layer in enumerate(self.native):
             if i in st.gdn:
                 state, window = st.gdn[i]
-                new_state = state.contiguous().clone()
-                ext = torch.empty(taps - 1 + rows, conv_dim)
-                ext[:taps - 1] = window
-                q, k = torch.empty(rows, hv, dk), torch.empty(rows, hv, dk)
-                v, g, beta = torch.empty(rows, hv, dv), torch.empty(rows, hv), torch.empty(rows, hv)
+                new_state, ext = torch.empty(hv, dk, dv), torch.empty(taps - 1 + rows, conv_dim)
+                inputs = torch.empty(rows * hv * (2 * dk + dv + 2))  # q, k, v, g, beta (native.c)
                 states = torch.empty(rows, hv, dk, dv) if keep == "checkpoint" else None
-                lib.gdn_layer(ctypes.addressof(layer), ptr(x), rows, ptr(new_state), ptr(ext), ptr(q), ptr(k),
-                              ptr(v), ptr(g), ptr(beta), ptr(states))
+                lib.gdn_layer(ctypes.addressof(layer), xp, rows, state.data_ptr(), new_state.data_ptr(),
+                              window.data_ptr(), ext.data_ptr(), inputs.data_ptr(), native.ptr(states))
                 st.gdn[i] = (new_state, ext[rows:])
                 if keep is not None:
-                    traces[i] = GdnTrace(state, ext, (q, k, v, g, beta) if keep == "replay" else None,
+                    traces[i] = GdnTrace(state, ext, self._inputs(inputs, rows) if keep == "replay" else None,
                                          list(states.unbind(0)) if states is not None else None)
             else:
                 kc, vc = st.kv[i]
-                lib.attn_layer(ctypes.addressof(layer), ptr(x), rows, p0, 0, ptr(kc), ptr(vc), kc.shape[1])
+                lib.attn_layer(ctypes.addressof(layer), xp, rows, p0, 0, kc.data_ptr(), vc.data_ptr(), kc.shape[1])
             if i in aux_layers:
                 aux.append(x.clone())
         st.pos = p0 + rows
         logits = torch.empty(rows, a.vocab)
-        lib.head(ptr(x), rows, a.hidden, ptr(self.final_norm), a.rms_eps, ptr(self.lm_head),
-                 native.WTYPES[self.lm_head.dtype], a.vocab, ptr(logits), None)
+        lib.head(xp, rows, a.hidden, self.final_norm.data_ptr(), a.rms_eps, self.lm_head.data.data_ptr(),
+                 native.WTYPES[self.lm_head.dtype], a.vocab, logits.data_ptr(), None)
         return StepOut(logits, x, torch.cat(aux, dim=-1) if aux else None, traces)
+
+    def _inputs(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+        """native.c's recurrence inputs of `rows` rows, as the trace's q, k, v, g, beta."""
+        hv, dk, dv = self.arch.lin_v_heads, self.arch.lin_k_dim, self.arch.lin_v_dim
+        q, k, v, g, beta = flat.split([rows * hv * dk, rows * hv * dk, rows * hv * dv, rows * hv, rows * hv])
+        return q.view(rows, hv, dk), k.view(rows, hv, dk), v.view(rows, hv, dv), g.view(rows, hv), beta.view(rows, hv)
 
     def _replay(self, tr: GdnTrace, kept: int) -> torch.Tensor:
         """The state after the first `kept` rows, recomputed from the snapshot by the same

@@ -226,11 +226,13 @@ void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q,
 }
 
 /* One Gated DeltaNet layer over R rows, then its MLP; x [R, hidden] is the residual stream
- * (updated in place). ext [taps-1+R, C] comes in holding the conv window in its first
- * taps-1 rows and leaves with the rows' conv inputs after them. q, k, v, g, beta receive
- * the recurrence inputs (for a replay); state and states as in gdn_recurrence. */
-void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float *q, float *k, float *v,
-               float *g, float *beta, float *states) {
+ * (updated in place). state_in [Hv, dk, dv] is read, state the layer's state after the
+ * rows (and states [R, Hv, dk, dv], optional, after every row). window [taps-1, C] is the
+ * conv window before the rows; ext [taps-1+R, C] receives it followed by the rows' conv
+ * inputs. inputs [R * Hv * (2 dk + dv + 2)] receives the recurrence inputs for a replay:
+ * q, k [R, Hv, dk], v [R, Hv, dv], g, beta [R, Hv], one after another. */
+void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *state, const float *window,
+               float *ext, float *inputs, float *states) {
     int H = L->hidden, Hk = L->kheads, dk = L->kdim, Hv = L->vheads, dv = L->vdim, K = L->taps;
     int kd = Hk * dk, vd = Hv * dv, C = 2 * kd + vd, P = C + vd + 2 * Hv, rep = Hv / Hk;
     float *h = malloc(sizeof(float) * (size_t)R * H);
@@ -238,6 +240,10 @@ void gdn_layer(const Layer *L, float *x, int R, float *state, float *ext, float 
     float *mixed = malloc(sizeof(float) * (size_t)C);
     float *o = malloc(sizeof(float) * (size_t)R * vd);
     float *y = malloc(sizeof(float) * (size_t)R * H);
+    float *q = inputs, *k = q + (size_t)R * Hv * dk, *v = k + (size_t)R * Hv * dk, *g = v + (size_t)R * vd;
+    float *beta = g + (size_t)R * Hv;
+    memcpy(state, state_in, sizeof(float) * (size_t)Hv * dk * dv);
+    memcpy(ext, window, sizeof(float) * (size_t)(K - 1) * C);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
     linear_packed(h, R, H, L->in_proj, L->wtype, P, proj);
     for (int r = 0; r < R; r++) memcpy(ext + (size_t)(K - 1 + r) * C, proj + (size_t)r * P, sizeof(float) * C);
@@ -381,6 +387,21 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
     free(h); free(proj); free(att); free(scores); free(qh); free(y);
     mlp_block(L, x, R);
+}
+
+/* x [R, H] = the embedding table's rows ids (fp32, or bf16 widened exactly). */
+void embed_rows(const void *table, int wtype, const int *ids, int R, int H, float *x) {
+    for (int r = 0; r < R; r++) {
+        size_t row = (size_t)ids[r] * H;
+        if (wtype == 0) {
+            memcpy(x + (size_t)r * H, (const float *)table + row, sizeof(float) * H);
+            continue;
+        }
+        for (int i = 0; i < H; i++) {
+            uint32_t u = (uint32_t)((const uint16_t *)table)[row + i] << 16;
+            memcpy(x + (size_t)r * H + i, &u, 4);
+        }
+    }
 }
 
 /* logits [R, vocab] = rms_norm(x) @ lm_head^T; normed [R, H] (optional) receives rms_norm(x). */

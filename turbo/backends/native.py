@@ -56,7 +56,8 @@ WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SIGNATURES = {
     "linear_packed": "p i i p i i p",
     "set_threads": "i",
-    "gdn_layer": "p p i p p p p p p p p",
+    "gdn_layer": "p p i p p p p p p",
+    "embed_rows": "p i p i i p",
     "attn_layer": "p p i i i p p i",
     "head": "p i i p f p i i p p",
     "gdn_recurrence": "p i i i i p p p p p p p",

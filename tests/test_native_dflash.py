@@ -111,6 +111,28 @@ def test_tiny_proposals_equal_torch(tiny):
         assert fast.propose(ids[-1], len(ids) - 1, 8) == ref.propose(ids[-1], len(ids) - 1, 8)
 
 
+def test_native_selector_picks_what_the_torch_selector_picks():
+    import ctypes
+
+    from turbo.drafters.dflash import select_candidates
+
+    g = torch.Generator().manual_seed(0)
+    B, V, H, rank, k = 8, 300, 32, 8, 16
+    for trial in range(60):
+        logits, final = torch.randn(B, V, generator=g), torch.randn(B, H, generator=g)
+        hp, pc, sc = torch.randn(rank, H, generator=g), torch.randn(V, rank, generator=g), torch.randn(V, rank, generator=g)
+        if trial % 2:  # equal scores: the codebooks see nothing, and two top logits tie -> the lower id
+            sc.zero_()
+            logits[:, 7] = logits[:, 201] = logits.max() + 1
+        anchor = int(torch.randint(0, V, (1,), generator=g))
+        out = (ctypes.c_int * B)()
+        native.library().dflash_select(logits.data_ptr(), final.data_ptr(), B, V, H, hp.data_ptr(), rank,
+                                       pc.data_ptr(), sc.data_ptr(), k, anchor, out)
+        assert list(out) == select_candidates(logits, final, anchor, hp, pc, sc, k)
+        if trial % 2:
+            assert list(out) == [7] * B
+
+
 def test_other_activation_dtypes_keep_the_torch_pass(tiny):
     inst, trunk = tiny
     assert DflashDrafter(inst, trunk.embed, ops.dense(trunk.lm_head), dtype=torch.bfloat16).native is None

@@ -63,6 +63,7 @@ SIGNATURES = {
     "gdn_recurrence": "p i i i i p p p p p p p",
     "dflash_forward": "p i i i p p",
     "dflash_add_context": "p p i i",
+    "dflash_select": "p p i i i p i p p i i p",
 }
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 

@@ -229,3 +229,45 @@ void dflash_add_context(const Dflash *D, const float *aux, int n, int p0) {
     }
     free(ctx);
 }
+
+/* The candidate selector (DflashDrafter's select_candidates): each row's top_k logits
+ * (ties: the lower id), rescored by the bigram of the previous pick, greedily row after
+ * row: score(c) = logit(c) + succ[c] . (pred[prev] * proj_i), proj_i = hproj @ final_i;
+ * the best score wins, ties to the lower id. logits [B, V], final [B, H], hproj [rank, H],
+ * pred_cb / succ_cb [V, rank], all fp32; top_k <= 64. Writes out[B]. */
+void dflash_select(const float *logits, const float *final, int B, int V, int H, const float *hproj, int rank,
+                   const float *pred_cb, const float *succ_cb, int top_k, int anchor, int *out) {
+    int ids[64];
+    float vals[64], *proj = malloc(sizeof(float) * (size_t)rank);
+    int prev = anchor;
+    for (int i = 0; i < B; i++) {
+        const float *li = logits + (size_t)i * V;
+        int n = 0, low = 0; /* kept candidates; the index of the weakest (lowest value, then highest id) */
+        for (int c = 0; c < V; c++) {
+            if (n < top_k) {
+                ids[n] = c, vals[n] = li[c], n++;
+            } else if (li[c] > vals[low]) {
+                ids[low] = c, vals[low] = li[c];
+            } else {
+                continue;
+            }
+            for (int j = 0; j < n; j++)
+                if (vals[j] < vals[low] || (vals[j] == vals[low] && ids[j] > ids[low])) low = j;
+        }
+        for (int r = 0; r < rank; r++) {
+            float s = 0.0f;
+            for (int h = 0; h < H; h++) s += hproj[(size_t)r * H + h] * final[(size_t)i * H + h];
+            proj[r] = s * pred_cb[(size_t)prev * rank + r];
+        }
+        int best = -1;
+        float best_score = 0.0f;
+        for (int j = 0; j < n; j++) {
+            float s = 0.0f;
+            for (int r = 0; r < rank; r++) s += succ_cb[(size_t)ids[j] * rank + r] * proj[r];
+            s += vals[j];
+            if (best < 0 || s > best_score || (s == best_score && ids[j] < best)) best = ids[j], best_score = s;
+        }
+        out[i] = prev = best;
+    }
+    free(proj);
+}

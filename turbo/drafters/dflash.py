@@ -247,6 +247,9 @@ def select_candidates(logits: torch.Tensor, final: torch.Tensor, anchor: int, hi
     return out
 
 
+# native_dflash.c's dflash_select keeps at most this many candidates per row.
+SELECT_MAX_K = 64
+
 # The layer matrices native_dflash.c reads packed.
 NATIVE_MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "attn_proj", "mlp_proj")
 
@@ -508,6 +511,13 @@ class DflashDrafter:
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
         logits, final = self.forward_block(anchor, anchor_pos, block)
         top_k = min(self.cfg.top_k, logits.shape[-1])
+        if self.native is not None and top_k <= SELECT_MAX_K:  # native_dflash.c: the same selection, one call
+            out = (ctypes.c_int * block)()
+            native.threaded().dflash_select(
+                logits.data_ptr(), final.data_ptr(), block, logits.shape[1], final.shape[1],
+                self.hidden_projection.data_ptr(), self.hidden_projection.shape[0], self.pred_codebook.data_ptr(),
+                self.succ_codebook.data_ptr(), top_k, anchor, out)
+            return list(out)
         cb = ops.cuda_kernels(logits)
         select = cb.select_candidates if cb is not None and top_k <= cb.SEL_MAX_K else select_candidates
         return select(logits, final, anchor, self.hidden_projection, self.pred_codebook, self.succ_codebook, top_k)

@@ -66,7 +66,7 @@ def _shared_costs(memory: tuple | None, max_block: int, fresh):
 
 
 class AdaptiveChooser:
-    def __init__(self, max_block: int, decay: float = 0.95, prior: float = 1.0, probe_every: int = 8,
+    def __init__(self, max_block: int, decay: float = 0.8, prior: float = 1.0, probe_every: int = 8,
                  probe_max: int = 64, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
                  bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
                  optimism: float = 0.25):

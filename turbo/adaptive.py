@@ -7,8 +7,8 @@ round the chooser plays the b in 0..max_block with the most estimated tokens per
 b = 0 is a plain decode round (one trunk row through `trunk.step`, no draft): when speculation
 does not pay it decodes as `off` does, plus a rare probe round at the widest block (after 8,
 16, 32, then every 64 plain rounds; the widest reads acceptance at every position) to notice
-if it starts to -- a generation whose first rounds land little is not held to plain decode by
-them, as the evidence fades every round, plain ones included.
+if it starts to, and soon again after a probe that landed -- a generation whose first rounds
+land little is not held to plain decode by them.
 
 Costs. A block already played: the median of its recent rounds (the fastest while it has fewer
 than `min_samples`: interference on a shared machine only slows a round down) for draft and
@@ -213,11 +213,9 @@ class AdaptiveChooser:
             self.next_probe = self.probe_every  # a probe that landed: look again soon, not after twice as long
         if self.bootstrap_next is not None and len(self.chosen) == 1:
             self.bootstrap, self.bootstrap_next = self.bootstrap_next(accepted), None
-        # evidence fades every round, plain ones too: after a stretch of plain decoding a probe's
-        # fresh reading outweighs the rounds that sent it there
-        self.reached = [r * self.decay for r in self.reached]
-        self.landed = [l * self.decay for l in self.landed]
-        if block:
+        if block:  # evidence fades a round at a time (plain rounds add none: they leave it as it stood)
+            self.reached = [r * self.decay for r in self.reached]
+            self.landed = [l * self.decay for l in self.landed]
             for i in range(min(block, accepted + 1)):
                 self.reached[i] += 1
                 if i < accepted:

@@ -1,8 +1,9 @@
-"""The CPU backend's native step: native.c, compiled once per machine with the host's C compiler.
+"""The CPU backend's native code -- native.c (the trunk's step and the packed products) and
+native_dflash.c (the DFlash2 pass) -- compiled once per machine with the host's C compiler.
 
 `library()` returns the loaded library, or None when it cannot be had (no compiler, a failed
-build, or TURBO_NATIVE=0); the trunk then runs its torch step, which is just as lossless,
-only slower. `why_not()` says which. The build goes to a per-user cache, keyed by the
+build, or TURBO_NATIVE=0); the trunk and drafters then run their torch code, which is just as
+lossless, only slower. `why_not()` says which. The build goes to a per-user cache, keyed by the
 source, the compiler and the machine, and is renamed into place whole, so parallel jobs
 (a Hydra multirun) never load a half-written file.
 """

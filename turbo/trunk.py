@@ -389,6 +389,8 @@ class Trunk:
         per layer and raw pointers."""
         a, lib = self.arch, native.threaded()
         rows, p0 = len(tokens), st.pos
+        if not 0 <= min(tokens) <= max(tokens) < a.vocab:  # the C reads the rows it is given
+            raise ValueError(f"a token of {tokens} is not an id in 0..{a.vocab - 1}")
         self._reserve(st, p0 + rows)
         x = torch.empty(rows, a.hidden)
         xp = x.data_ptr()

@@ -50,3 +50,17 @@ def test_window_is_refused_for_the_mtp_head(rt):
     with pytest.raises(turbo.TurboError, match="window 64"):
         rt.generate("x", max_new_tokens=2, policy="fixed", block=2, drafter="mtp", window=64)
     assert run(rt, policy="fixed", block=2, drafter="dflash", window=64).tokens == GOLDEN["tokens"]
+
+
+def test_round_texts_add_up_to_the_text_without_broken_characters(rt):
+    from turbo.engine import Detokenizer
+
+    s = "naïve café — 𝛑 ≈ 3.14159; 日本語のテキスト 🙂 end"
+    ids = rt.encode(s)
+    for step in (1, 2, 3):  # rounds of 1..3 tokens: multi-byte characters split across rounds
+        d = Detokenizer(rt.decode)
+        parts = [d.push(ids[i:i + step], final=i + step >= len(ids)) for i in range(0, len(ids), step)]
+        assert "".join(parts) == rt.decode(ids) == s
+        assert not any("\ufffd" in p for p in parts)
+    events = list(rt.stream("def fibonacci(n):\n    ", max_new_tokens=40, policy="fixed", block=4))
+    assert "".join(e.text for e in events) == rt.decode([t for e in events for t in e.tokens])

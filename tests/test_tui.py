@@ -138,11 +138,27 @@ def test_type_submit_matches_generate(installs, spec_rt, policy, block, rollback
     asyncio.run(run())
 
 
+class Paced:
+    """A runtime whose rounds take at least 5 ms: a generation long enough to be stopped
+    mid-way however fast the machine decodes."""
+
+    def __init__(self, rt):
+        self.rt = rt
+
+    def __getattr__(self, name):
+        return getattr(self.rt, name)
+
+    def stream(self, *args, **kwargs):
+        for event in self.rt.stream(*args, **kwargs):
+            time.sleep(0.005)
+            yield event
+
+
 def test_stop_mid_generation_then_submit_again(installs, spec_rt):
     s = settings(installs[0], max_new_tokens=3000)
 
     async def run():
-        app = TurboApp(s, runtime=spec_rt)
+        app = TurboApp(s, runtime=Paced(spec_rt))
         async with app.run_test(size=SIZE) as pilot:
             await type_prompt(pilot, "hello")
             await pilot.press("enter")

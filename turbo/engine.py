@@ -141,7 +141,7 @@ class Runtime:
         prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
         if draft is not None:
             draft.begin(prompt_out, ids)
-        anchor, generated, text = ids[-1], [], ""
+        anchor, generated, text = ids[-1], [], Detokenizer(self.decode)
         first_done = None
         chooser = AdaptiveChooser(p.block, memory=(draft, rollback)) if p.policy == "adaptive" and draft is not None else None
         draft = LazyContext(draft, chooser) if chooser is not None else draft  # plain rounds skip the drafter's work
@@ -177,13 +177,29 @@ class Runtime:
             elif now > first_done:
                 stats.decode_tokens_per_s = (len(generated) - first_count) / (now - first_done)
             stats.generated_tokens = len(generated)
-            full = self.decode(generated)
-            delta, text = (full[len(text):], full) if full.startswith(text) else (full, full)
             done = hit_eos is not None or len(generated) >= max_new
-            yield RoundEvent(committed, flags, delta, stats.snapshot(), done)
+            yield RoundEvent(committed, flags, text.push(committed, final=done), stats.snapshot(), done)
             if done:
                 return
             anchor = targets[n]
+
+
+class Detokenizer:
+    """The text each round adds, decoding only a short tail of the tokens (prefix and read
+    offsets, as Hugging Face's text-generation-inference does): decoding the whole list
+    every round would cost time quadratic in its length. A tail that ends inside a
+    character (U+FFFD) waits for the next tokens; `final` lets it out."""
+
+    def __init__(self, decode):
+        self.decode, self.ids, self.prefix, self.read = decode, [], 0, 0
+
+    def push(self, tokens: list[int], final: bool = False) -> str:
+        self.ids += tokens
+        done, text = self.decode(self.ids[self.prefix:self.read]), self.decode(self.ids[self.prefix:])
+        if len(text) > len(done) and (final or not text.endswith("\ufffd")):
+            self.prefix, self.read = self.read, len(self.ids)
+            return text[len(done):]
+        return ""
 
 
 def open(path_or_name: str | Path = "tiny", backend: str = "auto", dtype: str = "float32") -> Runtime:  # noqa: A001

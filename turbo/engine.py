@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,4 +205,15 @@ class Detokenizer:
 
 def open(path_or_name: str | Path = "tiny", backend: str = "auto", dtype: str = "float32") -> Runtime:  # noqa: A001
     """Open an install: a directory, or the name of one shipped in the package ("tiny")."""
-    return Runtime(open_install(path_or_name), backend, dtype)
+    global _frozen
+    rt = Runtime(open_install(path_or_name), backend, dtype)
+    if not _frozen:
+        # A full collection walks every tracked object -- ~180k once torch is imported, ~100 ms
+        # here -- and would land in the middle of some decode step. What exists at the first
+        # open (modules, the first model) lives as long as the process: moved out of reach.
+        gc.freeze()
+        _frozen = True
+    return rt
+
+
+_frozen = False

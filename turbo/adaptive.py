@@ -6,7 +6,7 @@ draft(b) + verify(b + 1 rows) + rollback(b), timed by the round loop (time.perf_
 round the chooser plays the b in 0..max_block with the most estimated tokens per second, where
 b = 0 is a plain decode round (one trunk row through `trunk.step`, no draft): when speculation
 does not pay it decodes as `off` does, plus a rare probe round at the widest block (after 8,
-16, 32, then every 64 plain rounds; the widest reads acceptance at every position) to notice
+16, 32, 64, then every 128 plain rounds; the widest reads acceptance at every position) to notice
 if it starts to, and soon again after a probe that landed -- a generation whose first rounds
 land little is not held to plain decode by them.
 
@@ -31,8 +31,10 @@ inherit it; the first starts at 0.5, weight `prior`), and old rounds fade by `de
 a generation whose text changes character is followed.
 
 While it decodes plainly the drafter's context is fed lazily (`LazyContext`): committed rows are
-buffered and added in one batch before the next draft, so a plain round does no drafter work;
-that feeding is timed apart and left out of the draft cost (every committed token pays it alike).
+buffered and added in one batch before the next draft, so a plain round does no drafter work.
+Feeding the previous spec round's rows counts in the draft cost (speculating pays it every
+round); the batch a stretch of plain rounds left is timed apart and left out (a switch, not a
+cost of the block).
 Adaptive's counts follow its timing-driven choices, so unlike fixed blocks they are not
 reproducible run to run; its text is (lossless: every round commits the trunk's greedy tokens).
 """
@@ -67,7 +69,7 @@ def _shared_costs(memory: tuple | None, max_block: int, fresh):
 
 class AdaptiveChooser:
     def __init__(self, max_block: int, decay: float = 0.8, prior: float = 1.0, probe_every: int = 8,
-                 probe_max: int = 64, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
+                 probe_max: int = 128, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
                  bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
                  optimism: float = 0.25):
         if max_block < 1:
@@ -87,7 +89,7 @@ class AdaptiveChooser:
         self.probe_every, self.probe_max = probe_every, probe_max
         self.plain_streak, self.next_probe = 0, probe_every
         self.explore_within, self.min_samples = explore_within, min_samples
-        self.flush_s = 0.0  # drafter context fed since the last observe (LazyContext), not a cost of the block
+        self.flush_s = 0.0  # drafter context fed since the last observe (LazyContext)
         self.chosen: list[int] = []  # the block of every round, in order
         self.optimism = optimism  # choose by an upper bound on acceptance: few readings, wide bounds, bigger blocks tried
         self.rounds, self.last, self.refresh = 0, {}, refresh  # last: the round each block was last played
@@ -180,6 +182,11 @@ class AdaptiveChooser:
     def next_block(self) -> int:
         if self.bootstrap:
             b = self.bootstrap.pop(0)
+        elif self.plain_streak and self.plain_streak + 1 < self.next_probe:
+            # a plain round teaches nothing about acceptance: the choice stands until the next probe
+            # (and leaving plain decoding for a block that only ties it costs a cold drafter)
+            b = 0
+            self.plain_streak += 1
         else:
             rates = self.rates()
             b = max(rates, key=lambda k: (rates[k], -k))
@@ -220,7 +227,10 @@ class AdaptiveChooser:
                 self.reached[i] += 1
                 if i < accepted:
                     self.landed[i] += 1
-        self.draft[block].append(max(draft_s - self.flush_s, 0.0))
+        # feeding the drafter the previous spec round's rows is a cost of speculating, paid every
+        # round; rows buffered by plain rounds are fed once, on the way back (a switch, not a block)
+        after_plain = len(self.chosen) > 1 and self.chosen[-2] == 0
+        self.draft[block].append(max(draft_s - self.flush_s, 0.0) if after_plain else draft_s)
         self.flush_s = 0.0
         self.verify[block].append(verify_s)
         self.rollback[block].append(rollback_s)

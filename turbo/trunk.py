@@ -398,7 +398,9 @@ class Trunk:
                        rows, a.hidden, xp)
         taps, conv_dim = a.conv_kernel, a.lin_conv_dim
         hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim
-        aux, traces = [], {}
+        slot = {layer: j for j, layer in enumerate(sorted(aux_layers))}  # in layer order, as the torch step cats them
+        aux = torch.empty(rows, len(slot) * a.hidden) if slot else None
+        traces = {}
         for i, layer in enumerate(self.native):
             if i in st.gdn:
                 state, window = st.gdn[i]
@@ -414,13 +416,13 @@ class Trunk:
             else:
                 kc, vc = st.kv[i]
                 lib.attn_layer(ctypes.addressof(layer), xp, rows, p0, 0, kc.data_ptr(), vc.data_ptr(), kc.shape[1])
-            if i in aux_layers:
-                aux.append(x.clone())
+            if i in slot:
+                lib.copy_rows(xp, rows, a.hidden, aux.data_ptr() + 4 * slot[i] * a.hidden, len(slot) * a.hidden)
         st.pos = p0 + rows
         logits = torch.empty(rows, a.vocab)
         lib.head(xp, rows, a.hidden, self.final_norm.data_ptr(), a.rms_eps, self.lm_head.data.data_ptr(),
                  native.WTYPES[self.lm_head.dtype], a.vocab, logits.data_ptr(), None)
-        return StepOut(logits, x, torch.cat(aux, dim=-1) if aux else None, traces)
+        return StepOut(logits, x, aux, traces)
 
     def _inputs(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
         """native.c's recurrence inputs of `rows` rows, as the trace's q, k, v, g, beta."""

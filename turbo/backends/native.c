@@ -392,6 +392,11 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     mlp_block(L, x, R);
 }
 
+/* dst rows (stride `stride` floats) = src [R, H]: the aux layers' outputs, side by side. */
+void copy_rows(const float *src, int R, int H, float *dst, int stride) {
+    for (int r = 0; r < R; r++) memcpy(dst + (size_t)r * stride, src + (size_t)r * H, sizeof(float) * H);
+}
+
 /* x [R, H] = the embedding table's rows ids (fp32, or bf16 widened exactly). */
 void embed_rows(const void *table, int wtype, const int *ids, int R, int H, float *x) {
     for (int r = 0; r < R; r++) {

@@ -59,6 +59,7 @@ SIGNATURES = {
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p",
     "embed_rows": "p i p i i p",
+    "copy_rows": "p i i p i",
     "attn_layer": "p p i i i p p i",
     "head": "p i i p f p i i p p",
     "gdn_recurrence": "p i i i i p p p p p p p",

@@ -182,9 +182,9 @@ class MtpDrafter:
         if self.native is not None:
             y = self._layer_native(x, pos)
             out, logits = torch.empty(1, a.hidden), torch.empty(1, a.vocab)
-            native.threaded().head(y.data_ptr(), 1, a.hidden, self.final_norm.data_ptr(), self.eps,
-                                   native.ptr(self.trunk.lm_head), native.WTYPES[self.trunk.lm_head.dtype], a.vocab, logits.data_ptr(),
-                                   out.data_ptr())
+            lm = self.trunk.lm_head
+            native.threaded().head(y.data_ptr(), 1, a.hidden, self.final_norm.data_ptr(), self.eps, native.ptr(lm),
+                                   native.WTYPES[lm.dtype], a.vocab, logits.data_ptr(), out.data_ptr())
             return out, logits
         q, gate = self._write_kv(x, pos)
         groups = a.num_heads // a.num_kv_heads

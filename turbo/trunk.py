@@ -84,13 +84,6 @@ class StepOut:
     traces: dict[int, GdnTrace] = field(default_factory=dict)
 
 
-def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
-    """The dtype the native step keeps matrices in: a bf16 checkpoint's stay bf16 under fp32
-    compute -- native.c widens them exactly, so the products equal those of fp32 copies bit
-    for bit, from half the bytes (the decode step reads every matrix once per token)."""
-    return torch.bfloat16 if dtype == torch.float32 and stored == {"BF16"} else dtype
-
-
 def pack_layer(layer: LayerWeights, dtype: torch.dtype) -> None:
     """The layer's matrices into native.c's packed layout in `dtype`, in place (ops.linear takes them too)."""
     def pk(w: torch.Tensor) -> native.Packed:
@@ -132,7 +125,7 @@ class Trunk:
 
         mode = quant.cpu_mode()  # how quantized matrices run on the CPU (turbo/quant.py; measured)
 
-        stored: set[str] = set()  # how the matrices (and the embedding) are stored: see storage_dtype
+        stored: set[str] = set()  # how the matrices (and the embedding) are stored: see native.storage_dtype
 
         def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None, matrix: bool = False):
             full = PREFIX + name
@@ -205,7 +198,7 @@ class Trunk:
             self.final_norm = ops.to_device(self.final_norm, self.device)
             self.inv_freq = ops.to_device(self.inv_freq, self.device)
             self.layers = [ops.to_device(layer, self.device) for layer in self.layers]
-        self.native = self._native_layers(storage_dtype(dtype, stored))  # None: the torch step (row blocks calibrated below)
+        self.native = self._native_layers(native.storage_dtype(dtype, stored))  # None: the torch step (row blocks calibrated below)
         if self.native is None:
             for mat in self.matrices():
                 ops.calibrate_rows(mat)

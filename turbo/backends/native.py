@@ -180,6 +180,14 @@ class Packed:
         return self.data.transpose(1, 2).reshape(-1, self.k)[:self.n].contiguous()
 
 
+
+def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
+    """The dtype native code keeps matrices in, for compute `dtype` and the checkpoint's
+    stored dtypes (safetensors names): a bf16 checkpoint's stay bf16 under fp32 compute --
+    widened exactly in the products, they give fp32 copies' results bit for bit from half
+    the bytes (a decode step reads every matrix once per token)."""
+    return torch.bfloat16 if dtype == torch.float32 and stored == {"BF16"} else dtype
+
 def pack(w: torch.Tensor) -> Packed:
     n, k = w.shape
     pad = -n % PANEL

@@ -380,7 +380,7 @@ class DflashDrafter:
         # native_dflash.c multiplies by packed matrices (native.c's layout); packed in place,
         # as the trunk's are: from here on the torch pass is not used, and memory is not doubled.
         # A bf16 drafter's stay bf16 (widened exactly in the product: the same values, half the bytes).
-        storage = torch.bfloat16 if self.stored == {"BF16"} else torch.float32
+        storage = native.storage_dtype(self.dtype, self.stored)
         lm_storage = torch.bfloat16 if self.lm_head_bf16 else torch.float32
         for l in self.layers:
             for name in NATIVE_MATRICES:

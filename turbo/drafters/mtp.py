@@ -35,7 +35,7 @@ from .. import ops
 from ..backends import native
 from ..errors import TurboError
 from ..install import Install
-from ..trunk import AttnWeights, LayerWeights, Trunk, native_layer, pack_layer, storage_dtype
+from ..trunk import AttnWeights, LayerWeights, Trunk, native_layer, pack_layer
 
 MTP_PREFIX = "mtp."
 
@@ -118,7 +118,7 @@ class MtpDrafter:
         # on the trunk's native step, so is the head's layer (native.c's attn_layer + head)
         self.native = None
         if trunk.native is not None:
-            storage = storage_dtype(dtype, stored)  # as the trunk's: see storage_dtype
+            storage = native.storage_dtype(dtype, stored)  # as the trunk's
             pack_layer(self.layer, storage)
             self.fc = native.pack(self.fc.to(storage))
             self.native = native_layer(arch, self.layer, trunk.inv_freq)

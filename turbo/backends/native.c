@@ -167,18 +167,6 @@ void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n
 
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(fast_exp(x)); }
 
-/* out = x * rsqrt(mean(x^2) + eps) * scale over n values. */
-static void rms_norm(const float *x, int n, const float *scale, float eps, float *out) {
-    float ss = 0.0f;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
-    float inv = 1.0f / sqrtf(ss / (float)n + eps);
-    for (int i = 0; i < n; i++) out[i] = x[i] * inv * scale[i];
-}
-
-static void rms_norm_rows(const float *x, int R, int n, const float *scale, float eps, float *out) {
-    for (int r = 0; r < R; r++) rms_norm(x + (size_t)r * n, n, scale, eps, out + (size_t)r * n);
-}
-
 /* x += down(silu(gate) * up) of rms_norm(x): the MLP half of every layer. */
 static void mlp_block(const Layer *L, float *x, int R) {
     int H = L->hidden, I = L->inter;

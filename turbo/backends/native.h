@@ -2,6 +2,7 @@
 #ifndef TURBO_NATIVE_H
 #define TURBO_NATIVE_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -32,5 +33,17 @@ static inline float fast_exp(float x) {
 
 static inline float fast_sigmoid(float x) { return 1.0f / (1.0f + fast_exp(-x)); }
 static inline float fast_silu(float x) { return x / (1.0f + fast_exp(-x)); }
+
+/* out = x * rsqrt(mean(x^2) + eps) * scale over n values (in place allowed). */
+static inline void rms_norm(const float *x, int n, const float *scale, float eps, float *out) {
+    float ss = 0.0f;
+    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+    float inv = 1.0f / sqrtf(ss / (float)n + eps);
+    for (int i = 0; i < n; i++) out[i] = x[i] * inv * scale[i];
+}
+
+static inline void rms_norm_rows(const float *x, int R, int n, const float *scale, float eps, float *out) {
+    for (int r = 0; r < R; r++) rms_norm(x + (size_t)r * n, n, scale, eps, out + (size_t)r * n);
+}
 
 #endif

@@ -41,17 +41,6 @@ typedef struct {
 } Dflash;
 
 
-/* out = x * rsqrt(mean(x^2) + eps) * scale over n values, for each of R rows (in place allowed). */
-static void df_rms_rows(const float *x, int R, int n, const float *scale, float eps, float *out) {
-    for (int r = 0; r < R; r++) {
-        const float *xr = x + (size_t)r * n;
-        float *orow = out + (size_t)r * n, ss = 0.0f;
-        for (int i = 0; i < n; i++) ss += xr[i] * xr[i];
-        float inv = 1.0f / sqrtf(ss / (float)n + eps);
-        for (int i = 0; i < n; i++) orow[i] = xr[i] * inv * scale[i];
-    }
-}
-
 /* cos and sin [R, head_dim / 2] of positions p0..p0+R-1: one table shared by every head and layer. */
 static void df_rope_table(const Dflash *D, int p0, int R, float *cs, float *sn) {
     int half = D->head_dim / 2;
@@ -70,7 +59,7 @@ static void df_norm_rope(const Dflash *D, const float *x, int heads, const float
     int d = D->head_dim, half = d / 2;
     for (int h = 0; h < heads; h++) {
         float *o = out + (size_t)h * d;
-        df_rms_rows(x + (size_t)h * d, 1, d, norm, D->eps, o);
+        rms_norm_rows(x + (size_t)h * d, 1, d, norm, D->eps, o);
         for (int i = 0; i < half; i++) {
             float a = o[i], b = o[i + half];
             o[i] = a * cs[i] + (-b) * sn[i];
@@ -176,7 +165,7 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
     for (int l = 0; l < D->layers; l++) {
         const DfLayer *L = &D->layer[l];
         /* attention, between the two sides of its grouped conv */
-        df_rms_rows(x, R, H, L->in_norm, D->res_eps, xn);
+        rms_norm_rows(x, R, H, L->in_norm, D->res_eps, xn);
         linear_packed(xn, R, H, L->attn_proj, D->wtype, P, dyn);
         df_gconv(D, xn, R, L->attn_base, dyn, P, u);
         linear_packed(u, R, H, L->q, D->wtype, qd, y);
@@ -193,7 +182,7 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
         df_gconv(D, y, R, L->attn_base + (size_t)D->taps * H, dyn + off, P, u);
         for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
         /* the MLP, between the two sides of its own */
-        df_rms_rows(x, R, H, L->post_norm, D->res_eps, xn);
+        rms_norm_rows(x, R, H, L->post_norm, D->res_eps, xn);
         linear_packed(xn, R, H, L->mlp_proj, D->wtype, P, dyn);
         df_gconv(D, xn, R, L->mlp_base, dyn, P, u);
         linear_packed(u, R, H, L->gate, D->wtype, I, g);
@@ -203,7 +192,7 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
         df_gconv(D, y, R, L->mlp_base + (size_t)D->taps * H, dyn + off, P, u);
         for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
     }
-    df_rms_rows(x + H, block, H, D->final_norm, D->res_eps, final);
+    rms_norm_rows(x + H, block, H, D->final_norm, D->res_eps, final);
     linear_packed(final, block, H, D->lm_head, D->lm_wtype, D->vocab, logits);
     free(buf);
 }
@@ -215,7 +204,7 @@ void dflash_add_context(const Dflash *D, const float *aux, int n, int p0) {
     float *ctx = malloc(sizeof(float) * ((size_t)n * (H + kvd + 2 * half)));
     float *kv = ctx + (size_t)n * H, *cs = kv + (size_t)n * kvd, *sn = cs + (size_t)n * half;
     linear_packed(aux, n, D->aux_width, D->fc, D->wtype, H, ctx);
-    df_rms_rows(ctx, n, H, D->hidden_norm, D->eps, ctx);
+    rms_norm_rows(ctx, n, H, D->hidden_norm, D->eps, ctx);
     df_rope_table(D, p0, n, cs, sn);
     for (int l = 0; l < D->layers; l++) {
         const DfLayer *L = &D->layer[l];

@@ -120,6 +120,11 @@ def test_window_out_of_range(spec_install, tmp_path):
     one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "prompt=hi", "window=65"), "window 65", "64")
 
 
+def test_unknown_draft_products(spec_install, tmp_path):
+    one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "prompt=hi", "draft_products=int4"),
+                   "draft_products 'int4'", "auto, fp32, bf16, int8")
+
+
 def test_bad_overrides_are_one_line(tmp_path):
     one_line_error(run(tmp_path, "workload=poetry"), "workload/poetry", "code math prose")
     one_line_error(run(tmp_path, "nosuchkey=1"), "nosuchkey")

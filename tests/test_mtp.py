@@ -226,10 +226,12 @@ def hand_mtp(t, cfg, embed, lm_head, hidden, tokens, positions, dtype=torch.floa
     return out, out @ lm_head.T
 
 
-def test_proposals_equal_a_hand_computed_forward(rt, mtp_install):
+def test_proposals_equal_a_hand_computed_forward(mtp_install):
     """Draft step 1 pairs the trunk's normed hidden at a-1 with embed(anchor) at RoPE
-    position a-1; step 2 feeds step 1's normed output back with d_1 at position a."""
-    model, tensors, _ = mtp_install
+    position a-1; step 2 feeds step 1's normed output back with d_1 at position a.
+    (fp32 products: the function itself, not a drafter-only approximation of it.)"""
+    model, tensors, path = mtp_install
+    rt = turbo.open(path, backend="cpu", draft_products="fp32")
     cfg = model.config
     ids = PROMPTS[0]
     with torch.no_grad():

@@ -16,13 +16,16 @@ from turbo.trunk import Trunk
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.why_not()}")
 
 TOLERANCE = 1e-4  # max abs difference, relative to the reference's largest magnitude
+# the same for the whole pass with the drafter-only products, on the trained tiny drafter
+# (measured: bf16 8e-3, int8 5e-2; a random drafter's layers amplify the rounding far more)
+LOW_PRECISION = {"bf16": 3e-2, "int8": 1.5e-1}
 
 
-def pair(inst, trunk, embed=None, **kw) -> tuple[DflashDrafter, DflashDrafter]:
-    """The same drafter twice: through native_dflash.c, and through the torch code."""
+def pair(inst, trunk, embed=None, products="fp32", **kw) -> tuple[DflashDrafter, DflashDrafter]:
+    """The same drafter twice: through native_dflash.c (with `products`), and through the torch code."""
     embed = trunk.embed if embed is None else embed
     lm_head = ops.dense(trunk.lm_head)  # as the engine passes it
-    fast = DflashDrafter(inst, embed, lm_head, **kw)
+    fast = DflashDrafter(inst, embed, lm_head, products=products, **kw)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("TURBO_NATIVE", "0")
         ref = DflashDrafter(inst, embed, lm_head, **kw)
@@ -30,9 +33,14 @@ def pair(inst, trunk, embed=None, **kw) -> tuple[DflashDrafter, DflashDrafter]:
     return fast, ref
 
 
-def assert_close(a: torch.Tensor, b: torch.Tensor) -> None:
+def assert_close(a: torch.Tensor, b: torch.Tensor, tolerance: float = TOLERANCE) -> None:
     assert a.shape == b.shape and a.dtype == b.dtype == torch.float32
-    assert (a - b).abs().max().item() < TOLERANCE * b.abs().max().item()
+    assert (a - b).abs().max().item() < tolerance * b.abs().max().item()
+
+
+def need(products: str) -> None:
+    if native.DRAFT_PRODUCTS[products] not in native.dot_layouts():
+        pytest.skip(f"this CPU has no {products} dot products")
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +55,7 @@ def tiny():
     return rt.install, rt.trunk
 
 
-def check_blocks(inst, trunk, ids: list[int], embed=None, **kw) -> None:
+def check_blocks(inst, trunk, ids: list[int], embed=None, tolerance: float = TOLERANCE, **kw) -> None:
     """Context from the trunk's prefill of ids[:-1] (in two batches, so rows also arrive
     after the first), then every block 1..8 from the last id."""
     fast, ref = pair(inst, trunk, embed, **kw)
@@ -57,14 +65,14 @@ def check_blocks(inst, trunk, ids: list[int], embed=None, **kw) -> None:
         d.add_context(out.aux[:len(ids) // 2])
         d.add_context(out.aux[len(ids) // 2:])
     for rk, rv, qk, qv in zip(fast.ring_k, fast.ring_v, ref.ring_k, ref.ring_v):
-        assert_close(rk, qk)
-        assert_close(rv, qv)
+        assert_close(rk, qk, tolerance)
+        assert_close(rv, qv, tolerance)
     pos = len(ids) - 1
     for block in range(1, 9):
         logits, final = fast.forward_block(ids[-1], pos, block)
         ref_logits, ref_final = ref.forward_block(ids[-1], pos, block)
-        assert_close(logits, ref_logits)
-        assert_close(final, ref_final)
+        assert_close(logits, ref_logits, tolerance)
+        assert_close(final, ref_final, tolerance)
         again = fast.forward_block(ids[-1], pos, block)  # deterministic
         assert torch.equal(logits, again[0]) and torch.equal(final, again[1])
 
@@ -109,6 +117,31 @@ def test_tiny_proposals_equal_torch(tiny):
         for d in (fast, ref):
             d.begin(out)
         assert fast.propose(ids[-1], len(ids) - 1, 8) == ref.propose(ids[-1], len(ids) - 1, 8)
+
+
+@pytest.mark.parametrize("products", sorted(LOW_PRECISION))
+def test_drafter_only_products_stay_near_the_torch_pass(tiny, products):
+    need(products)
+    inst, trunk = tiny
+    check_blocks(inst, trunk, ids_of(60, inst.arch.vocab, 3), tolerance=LOW_PRECISION[products], products=products)
+
+
+@pytest.mark.parametrize("products", sorted(LOW_PRECISION))
+def test_drafter_only_products_mostly_propose_what_fp32_proposes(tiny, products):
+    """They move acceptance, never the output: on the tiny model they should move it little."""
+    need(products)
+    inst, trunk = tiny
+    rt = turbo.open("tiny", backend="cpu")
+    fast, exact = pair(inst, trunk, products=products)[0], pair(inst, trunk)[0]
+    same = total = 0
+    for prompt in ("def fibonacci(n):\n    ", "The quick brown fox", "import numpy as np\n", "12 + 35 = "):
+        ids = rt.encode(prompt)
+        out = trunk.prefill(trunk.new_state(len(ids) + 8), ids[:-1], fast.aux_layers)
+        for d in (fast, exact):
+            d.begin(out)
+        a, b = fast.propose(ids[-1], len(ids) - 1, 8), exact.propose(ids[-1], len(ids) - 1, 8)
+        same, total = same + sum(x == y for x, y in zip(a, b)), total + 8
+    assert same >= 0.75 * total
 
 
 def test_native_selector_picks_what_the_torch_selector_picks():

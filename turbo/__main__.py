@@ -24,7 +24,7 @@ def run(cfg: DictConfig) -> int:
     if rc.task == "probe":
         from .probe import run_probe
         return run_probe(cfg, rc)
-    rt = open_runtime(rc.install, rc.backend, rc.dtype)
+    rt = open_runtime(rc.install, rc.backend, rc.dtype, rc.draft_products)
     events = rt.stream(rc.prompt, max_new_tokens=rc.max_new_tokens, policy=rc.policy, block=rc.block,
                        rollback=rc.rollback, drafter=rc.drafter, window=rc.window)
     if rt.backend.note:  # only once the request is known to be valid: a refusal stays one line

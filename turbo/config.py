@@ -20,6 +20,7 @@ class RunConfig:
     window: int | None
     rollback: str
     drafter: str
+    draft_products: str
     prompt: str
     max_new_tokens: int
     workload: str
@@ -53,6 +54,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
         install=str(install), backend=str(cfg.get("backend", "auto")), dtype=str(cfg.get("dtype", "float32")),
         threads=_opt_int(cfg, "threads"), policy=str(name), block=_opt_int(cfg, "block"),
         window=_opt_int(cfg, "window"), rollback=str(cfg.get("rollback")), drafter=str(cfg.get("drafter")),
+        draft_products=str(cfg.get("draft_products", "auto")),
         prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
         max_new_tokens=max_new if max_new is not None else int(workload.max_new_tokens),
         workload=str(workload.get("name", "")), prompts=prompts, task=str(task),

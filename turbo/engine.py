@@ -18,7 +18,7 @@ import torch
 from tokenizers import Tokenizer
 
 from . import ops
-from .backends import Backend, select_backend
+from .backends import Backend, native, select_backend
 from .errors import TurboError
 from .install import Install, open_install
 from .adaptive import AdaptiveChooser, LazyContext
@@ -45,11 +45,12 @@ class GenerateResult:
 
 
 class Runtime:
-    def __init__(self, install: Install, backend: str = "auto", dtype: str = "float32"):
+    def __init__(self, install: Install, backend: str = "auto", dtype: str = "float32", draft_products: str = "auto"):
         self.backend: Backend = select_backend(backend)
         if dtype not in ("float32", "bfloat16"):
             raise TurboError(f"dtype {dtype!r} is not one of float32, bfloat16")
         self.install = install
+        self.draft_products = draft_products  # the CPU drafters' matrix products (native.draft_layout)
         # backend cuda: weights, caches and the forward on the GPU (the hot ops as PTX kernels)
         self.device = torch.device("cuda" if self.backend.name == "cuda" else "cpu")
         self.trunk = Trunk(install, getattr(torch, dtype), self.device)
@@ -83,10 +84,10 @@ class Runtime:
             if kind == "dflash":
                 from .drafters.dflash import DflashDrafter
                 self._drafters[key] = DflashDrafter(self.install, self.trunk.embed, ops.dense(self.trunk.lm_head), window,
-                                                    device=self.device)
+                                                    device=self.device, products=self.draft_products)
             else:
                 from .drafters.mtp import MtpDrafter
-                self._drafters[key] = MtpDrafter(self.install, self.trunk)
+                self._drafters[key] = MtpDrafter(self.install, self.trunk, self.draft_products)
         return self._drafters[key]
 
     def plan(self, policy: str | None, block: int | None, drafter: str) -> Plan:
@@ -203,10 +204,14 @@ class Detokenizer:
         return ""
 
 
-def open(path_or_name: str | Path = "tiny", backend: str = "auto", dtype: str = "float32") -> Runtime:  # noqa: A001
-    """Open an install: a directory, or the name of one shipped in the package ("tiny")."""
+def open(path_or_name: str | Path = "tiny", backend: str = "auto", dtype: str = "float32",  # noqa: A001
+         draft_products: str = "auto") -> Runtime:
+    """Open an install: a directory, or the name of one shipped in the package ("tiny").
+    draft_products: auto | fp32 | bf16 | int8, the CPU drafters' matrix products."""
     global _frozen
-    rt = Runtime(open_install(path_or_name), backend, dtype)
+    if draft_products not in ("auto", *native.DRAFT_PRODUCTS):
+        raise TurboError(f"draft_products {draft_products!r} is not one of auto, {', '.join(native.DRAFT_PRODUCTS)}")
+    rt = Runtime(open_install(path_or_name), backend, dtype, draft_products)
     if not _frozen:
         # A full collection walks every tracked object -- ~180k once torch is imported, ~100 ms
         # here -- and would land in the middle of some decode step. What exists at the first

@@ -84,10 +84,11 @@ class StepOut:
     traces: dict[int, GdnTrace] = field(default_factory=dict)
 
 
-def pack_layer(layer: LayerWeights, dtype: torch.dtype) -> None:
-    """The layer's matrices into native.c's packed layout in `dtype`, in place (ops.linear takes them too)."""
+def pack_layer(layer: LayerWeights, dtype: torch.dtype, layout: str = "panels") -> None:
+    """The layer's matrices into native.c's packed `layout` (panels: in `dtype`), in place
+    (ops.linear takes them too)."""
     def pk(w: torch.Tensor) -> native.Packed:
-        return native.pack(w.to(dtype))
+        return native.pack_as(w, dtype, layout)
 
     m = layer.mixer
     if isinstance(m, GdnWeights):
@@ -100,7 +101,7 @@ def pack_layer(layer: LayerWeights, dtype: torch.dtype) -> None:
 def native_layer(a: Arch, layer: LayerWeights, inv_freq: torch.Tensor) -> native.Layer:
     """native.c's struct for one packed layer (its tensors must outlive it: it holds pointers)."""
     ptr, m = native.ptr, layer.mixer
-    s = native.Layer(hidden=a.hidden, inter=a.intermediate, wtype=native.WTYPES[layer.gate_up.dtype], eps=a.rms_eps,
+    s = native.Layer(hidden=a.hidden, inter=a.intermediate, wtype=layer.gate_up.wtype, eps=a.rms_eps,
                      in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
                      gate_up=ptr(layer.gate_up), down=ptr(layer.down))
     if isinstance(m, GdnWeights):

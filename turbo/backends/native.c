@@ -18,6 +18,14 @@
  * Built by turbo/backends/native.py with the host's compiler (no -ffast-math: the
  * compiler must not reassociate sums). Matrices are fp32 (wtype 0) or bf16 (wtype 1);
  * bf16 is widened exactly to fp32 before the multiply, so activations stay fp32.
+ *
+ * Two more kinds are for drafters only, whose numbers shape proposals and never the output
+ * (the trunk verifies every one), where the CPU has them (`dot_products`): wtype 2, bf16
+ * pairs (inputs rounded to bf16, vdpbf16ps: two multiply-adds per lane and instruction),
+ * and wtype 3, int8 (weights per output, inputs per row quantised to 8 bits, vpdpbusd:
+ * four per lane, and half the bytes of bf16 to read -- a drafter pass runs right after the
+ * trunk's verify has pushed its weights out of the caches). Still one fixed chain per
+ * output, so still row-stable -- but not the fp32 function.
  */
 #include <math.h>
 #include <stdint.h>
@@ -25,6 +33,24 @@
 #include <string.h>
 
 #include "native.h"
+
+#if defined(__AVX512F__) && (defined(__AVX512BF16__) || defined(__AVX512VNNI__))
+#include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_DOT 1
+#else
+#define BF16_DOT 0
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define INT8_DOT 1
+#else
+#define INT8_DOT 0
+#endif
+
+/* Which of the drafters' products are compiled in: bit 0 wtype 2 (bf16 pairs), bit 1
+ * wtype 3 (int8 quads). */
+int dot_products(void) { return BF16_DOT | INT8_DOT << 1; }
 
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
@@ -87,6 +113,57 @@ static inline __attribute__((always_inline)) void ptile(const float *x, int k, c
     v16 acc[4][12];
     for (int a = 0; a < NP; a++)
         for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
+#if BF16_DOT
+    if (wtype == 2) { /* x: bf16 pairs [R, k] (as uint32), P [panels, k, 16 outputs, 2] bf16 */
+        const uint32_t *xp = (const uint32_t *)x;
+        for (int i = 0; i < k; i++) {
+            __m512bh wv[4];
+            for (int a = 0; a < NP; a++) {
+                __builtin_prefetch((const uint16_t *)P + ((size_t)(p + a) * k + i) * 32 + 1024);
+                wv[a] = (__m512bh)_mm512_loadu_si512((const uint16_t *)P + ((size_t)(p + a) * k + i) * 32);
+            }
+            for (int b = 0; b < NR; b++) {
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[(size_t)(r + b) * k + i]);
+                for (int a = 0; a < NP; a++) acc[a][b] = (v16)_mm512_dpbf16_ps((__m512)acc[a][b], wv[a], xb);
+            }
+        }
+        k = 0; /* the fp32 walk below is skipped; the stores are shared */
+    }
+#endif
+#if INT8_DOT
+    if (wtype == 3) { /* x: per row its scale then k - 1 words of 4 inputs as u8 (+128); P: see int8_quads */
+        const uint32_t *xq = (const uint32_t *)x;
+        int panels = (n + 15) / 16, kq = k - 1;
+        const float *wscale = (const float *)P;
+        const int32_t *corr = (const int32_t *)(wscale + (size_t)panels * 16);
+        const int8_t *W = (const int8_t *)(corr + (size_t)panels * 16);
+        __m512i iacc[4][12];
+        for (int a = 0; a < NP; a++)
+            for (int b = 0; b < NR; b++) iacc[a][b] = _mm512_setzero_si512();
+        for (int i = 0; i < kq; i++) {
+            __m512i wv[4];
+            for (int a = 0; a < NP; a++) {
+                __builtin_prefetch(W + ((size_t)(p + a) * kq + i) * 64 + 2048);
+                wv[a] = _mm512_loadu_si512(W + ((size_t)(p + a) * kq + i) * 64);
+            }
+            for (int b = 0; b < NR; b++) {
+                __m512i xb = _mm512_set1_epi32((int)xq[(size_t)(r + b) * k + 1 + i]);
+                for (int a = 0; a < NP; a++) iacc[a][b] = _mm512_dpbusd_epi32(iacc[a][b], xb, wv[a]);
+            }
+        }
+        for (int a = 0; a < NP; a++) {
+            __m512 ws = _mm512_loadu_ps(wscale + (size_t)(p + a) * 16);
+            __m512i c = _mm512_loadu_si512(corr + (size_t)(p + a) * 16);
+            for (int b = 0; b < NR; b++) {
+                float rs;
+                memcpy(&rs, xq + (size_t)(r + b) * k, 4);
+                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[a][b], c));
+                acc[a][b] = (v16)_mm512_mul_ps(_mm512_mul_ps(v, ws), _mm512_set1_ps(rs));
+            }
+        }
+        k = 0;
+    }
+#endif
     for (int i = 0; i < k; i++) {
         v16 wv[4];
         for (int a = 0; a < NP; a++) {
@@ -145,13 +222,39 @@ static inline __attribute__((always_inline)) void packed_as(const float *x, int 
 static void packed_range(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
     if (wtype == 0)
         packed_as(x, R, k, P, n, y, p0, p1, 0);
+#if BF16_DOT
+    else if (wtype == 2)
+        packed_as(x, R, k, P, n, y, p0, p1, 2);
+#endif
+#if INT8_DOT
+    else if (wtype == 3)
+        packed_as(x, R, k, P, n, y, p0, p1, 3);
+#endif
     else
         packed_as(x, R, k, P, n, y, p0, p1, 1);
 }
 
+/* x [R, k] rounded to bf16 (to nearest, ties to even) in pairs: out [R, ceil(k/2)], the
+ * even input in the low half, an odd k's last pair padded with zero. */
+static uint32_t *bf16_pairs(const float *x, int R, int k) {
+    int kp = (k + 1) / 2;
+    uint32_t *out = malloc(sizeof(uint32_t) * (size_t)R * kp);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < kp; j++) {
+            uint32_t h[2] = {0, 0};
+            for (int t = 0; t < 2 && 2 * j + t < k; t++) {
+                uint32_t bits;
+                memcpy(&bits, x + (size_t)r * k + 2 * j + t, 4);
+                h[t] = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+            }
+            out[(size_t)r * kp + j] = h[0] | h[1] << 16;
+        }
+    return out;
+}
+
 /* y [R, n] = x [R, k] @ w^T for a packed w; threads split the panels (in groups of four,
  * the widest tile). */
-void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y) {
+static void products(const float *x, int R, int k, const void *P, int wtype, int n, float *y) {
     int panels = (n + 15) / 16, groups = (panels + 3) / 4;
     int parts = threads < groups ? threads : 1;
     if (parts < 2 || (long)R * n * k < MIN_PARALLEL_MACS) {
@@ -162,6 +265,42 @@ void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n
     for (int t = 0; t < parts; t++) {
         int lo = (int)((long)groups * t / parts) * 4, hi = (int)((long)groups * (t + 1) / parts) * 4;
         packed_range(x, R, k, P, wtype, n, y, lo, hi < panels ? hi : panels);
+    }
+}
+
+/* x [R, k] quantised per row for the int8 products: out [R, 1 + ceil(k/4)], word 0 the
+ * row's scale s = max|x| / 127 (fp32 bits), then round(x / s) + 128 as u8, four to a word
+ * (an unfinished last word padded with 128, i.e. zero). */
+static uint32_t *int8_quads(const float *x, int R, int k) {
+    int kq = (k + 3) / 4;
+    uint32_t *out = malloc(sizeof(uint32_t) * (size_t)R * (1 + kq));
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (size_t)r * k;
+        uint32_t *o = out + (size_t)r * (1 + kq);
+        float m = 0.0f;
+        for (int i = 0; i < k; i++) m = fabsf(xr[i]) > m ? fabsf(xr[i]) : m;
+        float s = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / s;
+        memcpy(o, &s, 4);
+        uint8_t *q = (uint8_t *)(o + 1);
+        for (int i = 0; i < 4 * kq; i++) {
+            float v = i < k ? nearbyintf(xr[i] * inv) : 0.0f;
+            q[i] = (uint8_t)(int)(128.0f + (v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v));
+        }
+    }
+    return out;
+}
+
+void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y) {
+    if (wtype == 2) {
+        uint32_t *xp = bf16_pairs(x, R, k); /* then the same walk, over k / 2 pairs */
+        products((const float *)xp, R, (k + 1) / 2, P, 2, n, y);
+        free(xp);
+    } else if (wtype == 3) {
+        uint32_t *xq = int8_quads(x, R, k);
+        products((const float *)xq, R, 1 + (k + 3) / 4, P, 3, n, y);
+        free(xq);
+    } else {
+        products(x, R, k, P, wtype, n, y);
     }
 }
 

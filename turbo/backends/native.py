@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import TurboError
+
 # native.c: the trunk's step; native_*.c: further parts (built into the same library)
 SOURCES = sorted(Path(__file__).parent.glob("native*.c"))
 HEADER = Path(__file__).with_name("native.h")  # what they share
@@ -56,6 +58,7 @@ WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # native.c's entry points: p a pointer (a Layer's address too), i an int, f a float
 SIGNATURES = {
     "linear_packed": "p i i p i i p",
+    "dot_products": "",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p",
     "embed_rows": "p i p i i p",
@@ -115,7 +118,7 @@ def library() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(cc)))
             for name, args in SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = [_C[a] for a in args.split()], None
+                fn.argtypes, fn.restype = [_C[a] for a in args.split()], ctypes.c_int if not args else None
             _lib = lib
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             _why = str(e)
@@ -160,12 +163,24 @@ PANEL = 16  # outputs per panel of a packed matrix (native.c: one vector registe
 
 @dataclasses.dataclass
 class Packed:
-    """A matrix w [n, k] laid out as native.c's products read it: panels of 16 outputs,
-    data[p, i, l] = w[16p + l, i] ([ceil(n/16), k, 16], the last panel zero-padded)."""
+    """A matrix w [n, k] laid out as native.c's products read it (`layout`):
+    - "panels": panels of 16 outputs, data[p, i, l] = w[16p + l, i] ([ceil(n/16), k, 16],
+      the last panel zero-padded); fp32 or bf16 (widened exactly: the fp32 products);
+    - "pairs" (bf16): data[p, j, l, t] = w[16p + l, 2j + t], for bf16 dot products (wtype 2,
+      inputs rounded to bf16);
+    - "int8": per output a scale max|w| / 127 (fp32), 128 x the sum of its int8 values
+      (int32), then data[p, j, l, t] = round(w[16p + l, 4j + t] / scale) as int8, all in one
+      byte buffer, for int8 dot products (wtype 3, inputs quantised per row).
+    The last two are for drafters: their products are not the fp32 function."""
 
     data: torch.Tensor
     n: int
     k: int
+    layout: str = "panels"
+
+    @property
+    def wtype(self) -> int:
+        return {"pairs": 2, "int8": 3}.get(self.layout) or WTYPES[self.data.dtype]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -176,9 +191,16 @@ class Packed:
         return self.data.dtype
 
     def dense(self) -> torch.Tensor:
-        """The [n, k] matrix back (a copy)."""
+        """The [n, k] matrix back (a copy; int8: the dequantised values)."""
+        n_pad = -(-self.n // PANEL) * PANEL
+        if self.layout == "int8":
+            scale = self.data[:4 * n_pad].view(torch.float32)
+            q = self.data[8 * n_pad:].view(torch.int8).reshape(n_pad // PANEL, -1, PANEL, 4)
+            w = q.permute(0, 2, 1, 3).reshape(n_pad, -1).float() * scale[:, None]
+            return w[:self.n, :self.k].contiguous()
+        if self.layout == "pairs":
+            return self.data.permute(0, 2, 1, 3).reshape(n_pad, -1)[:self.n, :self.k].contiguous()
         return self.data.transpose(1, 2).reshape(-1, self.k)[:self.n].contiguous()
-
 
 
 def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
@@ -188,16 +210,64 @@ def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
     the bytes (a decode step reads every matrix once per token)."""
     return torch.bfloat16 if dtype == torch.float32 and stored == {"BF16"} else dtype
 
-def pack(w: torch.Tensor) -> Packed:
+def pack(w: torch.Tensor, layout: str = "panels") -> Packed:
     n, k = w.shape
-    pad = -n % PANEL
-    padded = torch.cat([w, w.new_zeros(pad, k)]) if pad else w
-    return Packed(padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous(), n, k)
+    quad = {"panels": 1, "pairs": 2, "int8": 4}[layout]
+    padded = torch.nn.functional.pad(w, (0, -k % quad, 0, -n % PANEL))
+    if layout == "panels":
+        return Packed(padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous(), n, k)
+    if layout == "pairs":
+        assert w.dtype == torch.bfloat16, "bf16 dot products read bf16 matrices"
+        return Packed(padded.reshape(-1, PANEL, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous(), n, k, layout)
+    padded = padded.float()
+    scale = padded.abs().amax(dim=1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(padded / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    corr = 128 * q.sum(dim=1, dtype=torch.int32)
+    quads = q.reshape(-1, PANEL, padded.shape[1] // 4, 4).permute(0, 2, 1, 3).contiguous()
+    data = torch.cat([scale.view(torch.uint8), corr.view(torch.uint8), quads.view(torch.uint8).reshape(-1)])
+    return Packed(data, n, k, layout)
+
+
+# A drafter's products on the CPU (`draft_products`): the packed layout each names
+DRAFT_PRODUCTS = {"fp32": "panels", "bf16": "pairs", "int8": "int8"}
+_NEEDS = {"pairs": "AVX512-BF16", "int8": "AVX512-VNNI"}
+
+
+def dot_layouts() -> tuple[str, ...]:
+    """The drafters' layouts the library can multiply by ("pairs": AVX512-BF16; "int8":
+    AVX512-VNNI), empty without the library."""
+    lib = library()
+    bits = lib.dot_products() if lib is not None else 0
+    return tuple(name for bit, name in ((1, "pairs"), (2, "int8")) if bits & bit)
+
+
+def draft_layout(products: str) -> str:
+    """The layout a drafter's matrices take for `products`: "auto" is the fastest this CPU
+    has (int8, then bf16, then fp32: on the tiny install int8 drafts the same proposals
+    in ~60% of the fp32 pass's time, see README); a named one it lacks is refused."""
+    have = dot_layouts()
+    if products == "auto":
+        return next((lay for lay in ("int8", "pairs") if lay in have), "panels")
+    if products not in DRAFT_PRODUCTS:
+        raise TurboError(f"draft_products {products!r} is not one of auto, {', '.join(DRAFT_PRODUCTS)}")
+    layout = DRAFT_PRODUCTS[products]
+    if layout != "panels" and layout not in have:
+        raise TurboError(f"draft_products {products}: "
+                         + (f"the native library is not in use ({why_not()})" if library() is None
+                            else f"this CPU has no {_NEEDS[layout]} (expected auto or fp32)"))
+    return layout
+
+
+def pack_as(w: torch.Tensor, storage: torch.dtype, layout: str) -> Packed:
+    """w packed in `layout`: panels keep `storage` (fp32 or bf16), pairs are bf16, int8 quantises."""
+    return pack(w.to(torch.bfloat16 if layout == "pairs" else storage), layout)
 
 
 def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
-    """x [R, k] @ w^T in fp32 (bf16 weights widened exactly); row-stable by construction."""
+    """x [R, k] @ w^T in fp32 (bf16 weights widened exactly; `pairs`: bf16 dot products);
+    row-stable by construction."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], w.n)
-    threaded().linear_packed(x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), WTYPES[w.dtype], w.n, y.data_ptr())
+    threaded().linear_packed(x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), w.wtype, w.n, y.data_ptr())
     return y

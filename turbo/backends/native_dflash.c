@@ -1,11 +1,13 @@
-/* The DFlash2 drafter's CPU pass (DESIGN 2.2) in fp32: one call per draft pass and one per
- * batch of context rows.
+/* The DFlash2 drafter's CPU pass (DESIGN 2.2): one call per draft pass and one per batch of
+ * context rows. Activations fp32; the matrix products fp32, or the drafter-only bf16 or
+ * int8 ones (native.c's wtype 2 and 3, `draft_products`).
  *
  * Why C: a draft pass of a small drafter is ~1,400 tiny torch ops and Python calls, about
  * half its time; here it is one call, its matrix products native.c's `linear_packed`.
  *
  * What it must match: DflashDrafter's torch pass (turbo/drafters/dflash.py), the same
- * function up to rounding -- including the scaled residual stream (rows enter divided by
+ * function up to rounding with fp32 products (up to their quantisation with the others) --
+ * including the scaled residual stream (rows enter divided by
  * `scale`, the norms reading it use eps / scale^2, every update is added divided by
  * `scale`). It need not be row-stable (the trunk verifies every proposed token, so
  * speculation stays lossless), only deterministic: every value below is a fixed-order

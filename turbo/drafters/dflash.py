@@ -300,13 +300,18 @@ class DflashDrafter:
     where the weights (moved once, at load), the ring and the draft pass live -- on cuda the
     grouped conv and the candidate selector run the PTX kernels. On the CPU in fp32 the pass
     and the context rows run in native_dflash.c when the native library is in use; the torch
-    code below is the reference it is tested against and the fallback."""
+    code below is the reference it is tested against and the fallback. `products` picks
+    the native pass's matrix products (native.draft_layout): "fp32" computes the torch
+    pass's function (to rounding); "int8" (weights per output, inputs per row) and "bf16"
+    read fewer bytes and do more multiply-adds per instruction; "auto" the fastest the CPU
+    has. The trunk checks every proposal: the drafter's precision moves acceptance, never
+    the output."""
 
     kind = "dflash"
 
     def __init__(self, install: Install, embed: torch.Tensor, lm_head: torch.Tensor, window: int | None = None,
                  dtype: torch.dtype = torch.float32, scale: float = DFLASH_RESIDUAL_SCALE,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", products: str = "auto"):
         if install.drafter_config is None:
             raise TurboError(f"{install.path}: no dflash/config.json (the install carries no DFlash2 drafter)")
         cfg = parse_config(install.drafter_config, install.arch, str(install.path / "dflash" / "config.json"))
@@ -329,6 +334,7 @@ class DflashDrafter:
         self.aux_layers = tuple(cfg.target_layers)
         self.dtype, self.scale = dtype, scale
         self.device = dev = torch.device(device)
+        self.products = products
         idx = install.index
 
         self.stored: set[str] = set()  # how the weights loaded in `dtype` are stored (_native_drafter)
@@ -376,16 +382,20 @@ class DflashDrafter:
         if (self.device.type != "cpu" or self.dtype != torch.float32 or native.library() is None
                 or not isinstance(self.embed, torch.Tensor) or self.embed.dtype not in native.WTYPES
                 or not self.embed.is_contiguous()):
+            if self.products not in ("auto", "fp32"):
+                raise TurboError(f"draft_products {self.products}: only the CPU drafter's native fp32 pass has "
+                                 "other products (expected auto or fp32 here)")
             return None, None
         # native_dflash.c multiplies by packed matrices (native.c's layout); packed in place,
         # as the trunk's are: from here on the torch pass is not used, and memory is not doubled.
         # A bf16 drafter's stay bf16 (widened exactly in the product: the same values, half the bytes).
         storage = native.storage_dtype(self.dtype, self.stored)
         lm_storage = torch.bfloat16 if self.lm_head_bf16 else torch.float32
+        layout = native.draft_layout(self.products)
         for l in self.layers:
             for name in NATIVE_MATRICES:
-                setattr(l, name, native.pack(getattr(l, name).to(storage)))
-        self.fc, self.lm_head = native.pack(self.fc.to(storage)), native.pack(self.lm_head.to(lm_storage))
+                setattr(l, name, native.pack_as(getattr(l, name), storage, layout))
+        self.fc, self.lm_head = native.pack_as(self.fc, storage, layout), native.pack_as(self.lm_head, lm_storage, layout)
         cfg, shape, ptr = self.cfg, self.shape, native.ptr
         layers = (NativeLayer * len(self.layers))(*(NativeLayer(
             in_norm=ptr(l.in_norm), post_norm=ptr(l.post_norm), q_norm=ptr(l.q_norm), k_norm=ptr(l.k_norm),
@@ -396,8 +406,7 @@ class DflashDrafter:
             hidden=shape.hidden, heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             inter=shape.inter, taps=cfg.taps, group=cfg.group, aux_width=self.fc.shape[1], vocab=cfg.vocab,
             layers=len(self.layers), window=self.window, causal=cfg.is_causal, mask_token=cfg.mask_token,
-            embed_wtype=native.WTYPES[self.embed.dtype], wtype=native.WTYPES[storage],
-            lm_wtype=native.WTYPES[lm_storage], eps=cfg.eps, res_eps=cfg.eps / (self.scale * self.scale),
+            embed_wtype=native.WTYPES[self.embed.dtype], wtype=self.fc.wtype, lm_wtype=self.lm_head.wtype, eps=cfg.eps, res_eps=cfg.eps / (self.scale * self.scale),
             scale=self.scale, embed=ptr(self.embed), fc=ptr(self.fc), hidden_norm=ptr(self.hidden_norm),
             final_norm=ptr(self.final_norm), lm_head=ptr(self.lm_head), inv_freq=ptr(self.inv_freq),
             layer=layers)

@@ -64,13 +64,15 @@ def mtp_tensor_shapes(arch) -> dict[str, tuple[int, ...]]:
 
 
 class MtpDrafter:
-    """Chained drafting with the MTP layer and its own KV cache (positions [start, filled))."""
+    """Chained drafting with the MTP layer and its own KV cache (positions [start, filled)).
+    `products`: the layer's matrix products on the native step (native.draft_layout; the
+    lm_head is the trunk's own, fp32)."""
 
     kind = "mtp"
     aux_layers: tuple[int, ...] = ()  # reads only the last layer's output (StepOut.hidden)
     window = None
 
-    def __init__(self, install: Install, trunk: Trunk):
+    def __init__(self, install: Install, trunk: Trunk, products: str = "auto"):
         if not install.has_mtp:
             raise TurboError(f"{install.path}: this install carries no MTP head (mtp.fc.weight is not in the "
                              "resident index)")
@@ -119,9 +121,13 @@ class MtpDrafter:
         self.native = None
         if trunk.native is not None:
             storage = native.storage_dtype(dtype, stored)  # as the trunk's
-            pack_layer(self.layer, storage)
-            self.fc = native.pack(self.fc.to(storage))
+            layout = native.draft_layout(products)
+            pack_layer(self.layer, storage, layout)
+            self.fc = native.pack_as(self.fc, storage, layout)
             self.native = native_layer(arch, self.layer, trunk.inv_freq)
+        elif products not in ("auto", "fp32"):
+            raise TurboError(f"draft_products {products}: only the CPU trunk's native step has other products "
+                             "(expected auto or fp32 here)")
         self.reset()
 
     # ---- state -------------------------------------------------------------------------

@@ -34,7 +34,7 @@
 
 #include "native.h"
 
-#if defined(__AVX512F__) && (defined(__AVX512BF16__) || defined(__AVX512VNNI__))
+#if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
@@ -76,10 +76,15 @@ static inline v16 load_w(const void *w, int wtype, size_t at) {
     if (wtype == 0) {
         memcpy(&r, (const float *)w + at, 64);
     } else {
+#if defined(__AVX512F__) /* one widening load and a shift (compilers split the generic form in halves) */
+        __m512i u = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)w + at)));
+        r = (v16)_mm512_castsi512_ps(_mm512_slli_epi32(u, 16));
+#else
         u16x16 h;
         memcpy(&h, (const uint16_t *)w + at, 32);
         u32x16 u = __builtin_convertvector(h, u32x16) << 16;
         memcpy(&r, &u, 64);
+#endif
     }
     return r;
 }

@@ -328,36 +328,81 @@ static void mlp_block(const Layer *L, float *x, int R) {
     free(h); free(gu); free(act); free(y);
 }
 
+/* One head's delta rule for one row, on the state columns c..c+16*NV-1 (strips of the
+ * [dk, dv] state are independent): S *= decay and kv = k^T S in one walk over the strip,
+ * u = (v - kv) * beta, then S += k u^T and out = q^T S in a second -- two walks instead of
+ * four, the column sums in registers. Each element's operations, and their order, are
+ * those of the four-loop form. */
+static inline __attribute__((always_inline)) void gdn_strip(float *S, int dk, int dv, int c, const float *qh,
+                                                            const float *kh, const float *vh, float decay,
+                                                            float b, float *oh, const int NV) {
+    v16 acc[4], u[4], o[4];
+    for (int a = 0; a < NV; a++) acc[a] = (v16){0}, o[a] = (v16){0};
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv + c;
+        for (int a = 0; a < NV; a++) {
+            v16 s;
+            memcpy(&s, row + 16 * a, 64);
+            s = s * decay;
+            memcpy(row + 16 * a, &s, 64);
+            acc[a] += kh[i] * s;
+        }
+    }
+    for (int a = 0; a < NV; a++) {
+        v16 vv;
+        memcpy(&vv, vh + c + 16 * a, 64);
+        u[a] = (vv - acc[a]) * b;
+    }
+    for (int i = 0; i < dk; i++) {
+        float *row = S + (size_t)i * dv + c;
+        for (int a = 0; a < NV; a++) {
+            v16 s;
+            memcpy(&s, row + 16 * a, 64);
+            s += kh[i] * u[a];
+            memcpy(row + 16 * a, &s, 64);
+            o[a] += qh[i] * s;
+        }
+    }
+    if (oh)
+        for (int a = 0; a < NV; a++) memcpy(oh + c + 16 * a, &o[a], 64);
+}
+
+/* The same for a last column that is not part of a strip of 16. */
+static void gdn_column(float *S, int dk, int dv, int j, const float *qh, const float *kh, const float *vh,
+                       float decay, float b, float *oh) {
+    float kv = 0.0f, o = 0.0f;
+    for (int i = 0; i < dk; i++) {
+        S[(size_t)i * dv + j] *= decay;
+        kv += kh[i] * S[(size_t)i * dv + j];
+    }
+    float u = (vh[j] - kv) * b;
+    for (int i = 0; i < dk; i++) {
+        S[(size_t)i * dv + j] += kh[i] * u;
+        o += qh[i] * S[(size_t)i * dv + j];
+    }
+    if (oh) oh[j] = o;
+}
+
 /* The gated delta rule over R rows, one after another, all heads; `state` [Hv, dk, dv] is
  * updated in place. q, k [R, Hv, dk]; v [R, Hv, dv]; g, beta [R, Hv]. out [R, Hv, dv] and
  * states [R, Hv, dk, dv] (the state after every row) are optional. */
 void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q, const float *k,
                     const float *v, const float *g, const float *beta, float *out, float *states) {
-    float *kv = malloc(sizeof(float) * (size_t)dv);
     size_t per = (size_t)dk * dv;
     for (int r = 0; r < R; r++) {
         for (int h = 0; h < Hv; h++) {
             float *S = state + h * per;
             const float *qh = q + ((size_t)r * Hv + h) * dk, *kh = k + ((size_t)r * Hv + h) * dk;
             const float *vh = v + ((size_t)r * Hv + h) * dv;
+            float *oh = out ? out + ((size_t)r * Hv + h) * dv : NULL;
             float decay = fast_exp(g[(size_t)r * Hv + h]), b = beta[(size_t)r * Hv + h];
-            for (size_t i = 0; i < per; i++) S[i] *= decay;
-            for (int j = 0; j < dv; j++) kv[j] = 0.0f;
-            for (int i = 0; i < dk; i++)
-                for (int j = 0; j < dv; j++) kv[j] += kh[i] * S[(size_t)i * dv + j];
-            for (int j = 0; j < dv; j++) kv[j] = (vh[j] - kv[j]) * b; /* u */
-            for (int i = 0; i < dk; i++)
-                for (int j = 0; j < dv; j++) S[(size_t)i * dv + j] += kh[i] * kv[j];
-            if (out) {
-                float *oh = out + ((size_t)r * Hv + h) * dv;
-                for (int j = 0; j < dv; j++) oh[j] = 0.0f;
-                for (int i = 0; i < dk; i++)
-                    for (int j = 0; j < dv; j++) oh[j] += qh[i] * S[(size_t)i * dv + j];
-            }
+            int c = 0;
+            for (; c + 64 <= dv; c += 64) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 4);
+            for (; c + 16 <= dv; c += 16) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 1);
+            for (; c < dv; c++) gdn_column(S, dk, dv, c, qh, kh, vh, decay, b, oh);
         }
         if (states) memcpy(states + (size_t)r * Hv * per, state, sizeof(float) * Hv * per);
     }
-    free(kv);
 }
 
 /* One Gated DeltaNet layer over R rows, then its MLP; x [R, hidden] is the residual stream

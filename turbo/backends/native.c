@@ -283,11 +283,25 @@ static uint32_t *int8_quads(const float *x, int R, int k) {
         const float *xr = x + (size_t)r * k;
         uint32_t *o = out + (size_t)r * (1 + kq);
         float m = 0.0f;
-        for (int i = 0; i < k; i++) m = fabsf(xr[i]) > m ? fabsf(xr[i]) : m;
+        int i = 0;
+#if INT8_DOT /* the same values sixteen at a time (a maximum is exact in any order) */
+        __m512 vm = _mm512_setzero_ps();
+        for (; i + 16 <= k; i += 16) vm = _mm512_max_ps(vm, _mm512_abs_ps(_mm512_loadu_ps(xr + i)));
+        m = _mm512_reduce_max_ps(vm);
+#endif
+        for (; i < k; i++) m = fabsf(xr[i]) > m ? fabsf(xr[i]) : m;
         float s = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / s;
         memcpy(o, &s, 4);
         uint8_t *q = (uint8_t *)(o + 1);
-        for (int i = 0; i < 4 * kq; i++) {
+        i = 0;
+#if INT8_DOT /* rounding to nearest even, as nearbyintf below */
+        for (; i + 16 <= k; i += 16) {
+            __m512i t = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + i), _mm512_set1_ps(inv)));
+            t = _mm512_min_epi32(_mm512_max_epi32(t, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(t, _mm512_set1_epi32(128))));
+        }
+#endif
+        for (; i < 4 * kq; i++) {
             float v = i < k ? nearbyintf(xr[i] * inv) : 0.0f;
             q[i] = (uint8_t)(int)(128.0f + (v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v));
         }

@@ -186,7 +186,10 @@ static inline __attribute__((always_inline)) void ptile(const float *x, int k, c
         for (int b = 0; b < NR; b++) {
             int o0 = (p + a) * 16, m = n - o0 < 16 ? n - o0 : 16;
             float *dst = y + (size_t)(r + b) * n + o0;
-            for (int l = 0; l < m; l++) dst[l] = acc[a][b][l];
+            if (m == 16) /* a fixed-size store: a variable count compiles to a slow string copy */
+                memcpy(dst, &acc[a][b], 64);
+            else
+                for (int l = 0; l < m; l++) dst[l] = acc[a][b][l];
         }
 }
 

@@ -101,17 +101,24 @@ static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const f
     int lo = p0 > D->window ? p0 - D->window : 0, ctx = p0 - lo, n = ctx + R;
     size_t kn = (size_t)(n + 15) / 16 * 16 * d, vn = (size_t)(d + 15) / 16 * 16 * n; /* one head's panels */
     float scale = 1.0f / sqrtf((float)d);
-    /* zeroed: the panels' padding lanes stay zero (their outputs are never stored) */
-    float *kp = calloc(nkv * (kn + vn) + (size_t)Q * (2 * d + n), sizeof(float));
+    float *kp = malloc(sizeof(float) * (nkv * (kn + vn) + (size_t)Q * (2 * d + n)));
     float *vp = kp + nkv * kn, *qj = vp + nkv * vn, *s = qj + (size_t)Q * d, *o = s + (size_t)Q * n;
+    for (int j = 0; j < nkv; j++) { /* padding lanes: zero (their outputs are never stored) */
+        for (size_t i = (size_t)(n / 16) * 16 * d; n % 16 && i < kn; i++) kp[j * kn + i] = 0.0f;
+        if (d % 16)
+            for (size_t i = (size_t)(d / 16) * 16 * n; i < vn; i++) vp[j * vn + i] = 0.0f;
+    }
     for (int t = 0, slot = lo % cap; t < n; t++) { /* key t -> lane t % 16 of panel t / 16 */
         const float *keys = t < ctx ? L->ring_k + (size_t)slot * nkv * d : kb + (size_t)(t - ctx) * nkv * d;
         const float *vals = t < ctx ? L->ring_v + (size_t)slot * nkv * d : vb + (size_t)(t - ctx) * nkv * d;
         for (int j = 0; j < nkv; j++) {
-            for (int i = 0; i < d; i++) kp[j * kn + ((size_t)(t / 16) * d + i) * 16 + t % 16] = keys[j * d + i];
-            for (int c = 0; c < d; c += 16)
-                memcpy(vp + j * vn + ((size_t)(c / 16) * n + t) * 16, vals + j * d + c,
-                       sizeof(float) * (d - c < 16 ? d - c : 16));
+            float *kt = kp + j * kn + (size_t)(t / 16) * d * 16 + t % 16;
+            for (int i = 0; i < d; i++) kt[(size_t)i * 16] = keys[j * d + i];
+            int c = 0;
+            for (; c + 16 <= d; c += 16) /* a fixed size: a variable one compiles to a slow string copy */
+                memcpy(vp + j * vn + ((size_t)(c / 16) * n + t) * 16, vals + j * d + c, 64);
+            if (c < d)
+                memcpy(vp + j * vn + ((size_t)(c / 16) * n + t) * 16, vals + j * d + c, sizeof(float) * (d - c));
         }
         if (t < ctx && ++slot == cap) slot = 0;
     }

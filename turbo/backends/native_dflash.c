@@ -20,6 +20,10 @@
 
 #include "native.h"
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
 
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
@@ -88,6 +92,30 @@ static void df_gconv(const Dflash *D, const float *h, int R, const float *base, 
     }
 }
 
+/* max and sum of x[0..n), sixteen lanes at a time then across the lanes (one chain per lane
+ * instead of one through all n: a score row is a few hundred long); a fixed order. */
+static float max_of(const float *x, int n) {
+    float m = -INFINITY;
+    int t = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= n; t += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + t));
+    m = _mm512_reduce_max_ps(v);
+#endif
+    for (; t < n; t++) m = x[t] > m ? x[t] : m;
+    return m;
+}
+
+static float sum_of(const float *x, int n) {
+    float lanes[16] = {0}, z = 0.0f;
+    int t = 0;
+    for (; t + 16 <= n; t += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += x[t + l];
+    for (int l = 0; l < 16; l++) z += lanes[l];
+    for (; t < n; t++) z += x[t];
+    return z;
+}
+
 /* Attention of the R block rows (positions p0..): each query sees the context positions
  * max(0, p0 - window)..p0-1, read from the ring in position order (so a wrapped ring and an
  * unbounded one compute the same thing), then the block's own keys -- all of them, or up to
@@ -128,14 +156,12 @@ static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const f
         linear_packed(qj, Q, d, kp + j * kn, 0, n, s);
         for (int r = 0; r < R; r++)
             for (int e = 0; e < rep; e++) { /* softmax of the keys row r sees; the rest weigh 0 */
-                float *sr = s + ((size_t)r * rep + e) * n, m = -INFINITY, z = 0.0f;
+                float *sr = s + ((size_t)r * rep + e) * n;
                 int seen = D->causal ? ctx + r + 1 : n;
-                for (int t = 0; t < seen; t++) {
-                    sr[t] *= scale;
-                    m = sr[t] > m ? sr[t] : m;
-                }
+                for (int t = 0; t < seen; t++) sr[t] *= scale;
+                float m = max_of(sr, seen);
                 for (int t = 0; t < seen; t++) sr[t] = fast_exp(sr[t] - m);
-                for (int t = 0; t < seen; t++) z += sr[t];
+                float z = sum_of(sr, seen);
                 for (int t = 0; t < seen; t++) sr[t] /= z;
                 for (int t = seen; t < n; t++) sr[t] = 0.0f;
             }

@@ -445,13 +445,15 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
     linear_packed(h, R, H, L->in_proj, L->wtype, P, proj);
     for (int r = 0; r < R; r++) memcpy(ext + (size_t)(K - 1 + r) * C, proj + (size_t)r * P, sizeof(float) * C);
     float qscale = 1.0f / sqrtf((float)dk);
+    float *taps = malloc(sizeof(float) * (size_t)K * C); /* conv [C, K] as [K, C]: the loops below vectorise */
+    for (int c = 0; c < C; c++)
+        for (int j = 0; j < K; j++) taps[(size_t)j * C + c] = L->conv[(size_t)c * K + j];
     for (int r = 0; r < R; r++) {
         const float *pr = proj + (size_t)r * P;
-        for (int c = 0; c < C; c++) {
-            float acc = ext[(size_t)r * C + c] * L->conv[(size_t)c * K];
-            for (int j = 1; j < K; j++) acc = acc + ext[(size_t)(r + j) * C + c] * L->conv[(size_t)c * K + j];
-            mixed[c] = fast_silu(acc);
-        }
+        for (int c = 0; c < C; c++) mixed[c] = ext[(size_t)r * C + c] * taps[c];
+        for (int j = 1; j < K; j++)
+            for (int c = 0; c < C; c++) mixed[c] = mixed[c] + ext[(size_t)(r + j) * C + c] * taps[(size_t)j * C + c];
+        for (int c = 0; c < C; c++) mixed[c] = fast_silu(mixed[c]);
         for (int hk = 0; hk < Hk; hk++) { /* l2-normalised q (scaled) and k, shared by `rep` value heads */
             const float *mq = mixed + hk * dk, *mk = mixed + kd + hk * dk;
             float sq = 0.0f, sk = 0.0f;
@@ -480,7 +482,7 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
         }
     linear_packed(o, R, vd, L->out, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
-    free(h); free(proj); free(mixed); free(o); free(y);
+    free(h); free(proj); free(mixed); free(o); free(y); free(taps);
     mlp_block(L, x, R);
 }
 

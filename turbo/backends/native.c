@@ -504,9 +504,22 @@ static inline float dot(const float *a, const float *b, int n) {
  * at a time in registers (an accumulator kept in memory would wait on its own store). */
 static void weighted_sum(const float *p, const float *V, int n, int d, float *out) {
     int c = 0;
-    for (; c + 64 <= d; c += 64) {
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, u;
-        for (int t = 0; t < n; t++) {
+    for (; c + 64 <= d; c += 64) { /* even and odd t in separate sums (two chains), added at the end */
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, u;
+        int t = 0;
+        for (; t + 2 <= n; t += 2) {
+            const float *v = V + (size_t)t * d + c, *w = v + d;
+            float pt = p[t], pw = p[t + 1];
+            memcpy(&u, v, 64); a0 += pt * u;
+            memcpy(&u, v + 16, 64); a1 += pt * u;
+            memcpy(&u, v + 32, 64); a2 += pt * u;
+            memcpy(&u, v + 48, 64); a3 += pt * u;
+            memcpy(&u, w, 64); b0 += pw * u;
+            memcpy(&u, w + 16, 64); b1 += pw * u;
+            memcpy(&u, w + 32, 64); b2 += pw * u;
+            memcpy(&u, w + 48, 64); b3 += pw * u;
+        }
+        if (t < n) {
             const float *v = V + (size_t)t * d + c;
             float pt = p[t];
             memcpy(&u, v, 64); a0 += pt * u;
@@ -514,6 +527,7 @@ static void weighted_sum(const float *p, const float *V, int n, int d, float *ou
             memcpy(&u, v + 32, 64); a2 += pt * u;
             memcpy(&u, v + 48, 64); a3 += pt * u;
         }
+        a0 += b0, a1 += b1, a2 += b2, a3 += b3;
         memcpy(out + c, &a0, 64); memcpy(out + c + 16, &a1, 64);
         memcpy(out + c + 32, &a2, 64); memcpy(out + c + 48, &a3, 64);
     }
@@ -572,9 +586,8 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
                 scores[t] = dot(qh, K + (size_t)t * hd, hd) * scale;
                 if (scores[t] > m) m = scores[t];
             }
-            float z = 0.0f;
             for (int t = 0; t < n; t++) scores[t] = fast_exp(scores[t] - m); /* (vectorises) */
-            for (int t = 0; t < n; t++) z += scores[t];
+            float z = sum_of(scores, n);
             float *a = att + ((size_t)r * nh + hq) * hd;
             const float *gate = pr + hq * 2 * hd + hd;
             for (int t = 0; t < n; t++) scores[t] /= z;

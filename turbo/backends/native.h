@@ -5,6 +5,9 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 
 /* y [R, n] = x [R, k] @ w[n, k]^T for a packed w (panels of 16 outputs; native.c). */
 void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y);
@@ -44,6 +47,30 @@ static inline void rms_norm(const float *x, int n, const float *scale, float eps
 
 static inline void rms_norm_rows(const float *x, int R, int n, const float *scale, float eps, float *out) {
     for (int r = 0; r < R; r++) rms_norm(x + (size_t)r * n, n, scale, eps, out + (size_t)r * n);
+}
+
+/* max and sum of x[0..n), sixteen lanes at a time then across the lanes (one chain per lane
+ * instead of one through all n: a score row is a few hundred long); a fixed order. */
+static inline float max_of(const float *x, int n) {
+    float m = -INFINITY;
+    int t = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_set1_ps(-INFINITY);
+    for (; t + 16 <= n; t += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + t));
+    m = _mm512_reduce_max_ps(v);
+#endif
+    for (; t < n; t++) m = x[t] > m ? x[t] : m;
+    return m;
+}
+
+static inline float sum_of(const float *x, int n) {
+    float lanes[16] = {0}, z = 0.0f;
+    int t = 0;
+    for (; t + 16 <= n; t += 16)
+        for (int l = 0; l < 16; l++) lanes[l] += x[t + l];
+    for (int l = 0; l < 16; l++) z += lanes[l];
+    for (; t < n; t++) z += x[t];
+    return z;
 }
 
 #endif

@@ -20,10 +20,6 @@
 
 #include "native.h"
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
 
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
@@ -90,30 +86,6 @@ static void df_gconv(const Dflash *D, const float *h, int R, const float *base, 
                 for (int c = g * gs; c < (g + 1) * gs; c++)
                     ot[c] = ot[c] + (base[(size_t)o * H + c] + dt[o * G + g]) * h[(size_t)(t - o) * H + c];
     }
-}
-
-/* max and sum of x[0..n), sixteen lanes at a time then across the lanes (one chain per lane
- * instead of one through all n: a score row is a few hundred long); a fixed order. */
-static float max_of(const float *x, int n) {
-    float m = -INFINITY;
-    int t = 0;
-#if defined(__AVX512F__)
-    __m512 v = _mm512_set1_ps(-INFINITY);
-    for (; t + 16 <= n; t += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + t));
-    m = _mm512_reduce_max_ps(v);
-#endif
-    for (; t < n; t++) m = x[t] > m ? x[t] : m;
-    return m;
-}
-
-static float sum_of(const float *x, int n) {
-    float lanes[16] = {0}, z = 0.0f;
-    int t = 0;
-    for (; t + 16 <= n; t += 16)
-        for (int l = 0; l < 16; l++) lanes[l] += x[t + l];
-    for (int l = 0; l < 16; l++) z += lanes[l];
-    for (; t < n; t++) z += x[t];
-    return z;
 }
 
 /* Attention of the R block rows (positions p0..): each query sees the context positions

@@ -93,6 +93,7 @@ class AdaptiveChooser:
         self.chosen: list[int] = []  # the block of every round, in order
         self.optimism = optimism  # choose by an upper bound on acceptance: few readings, wide bounds, bigger blocks tried
         self.rounds, self.last, self.refresh = 0, {}, refresh  # last: the round each block was last played
+        self._per_block: dict[int, tuple[float, float, float]] = {}  # costs() of each played block, until it plays again
 
     def _bootstrap_after(self, accepted: int) -> list[int]:
         """The rounds after the first (at the widest block): a second block fixes the cost
@@ -132,11 +133,15 @@ class AdaptiveChooser:
         """Least-squares a + b*x through the points (flat through one point; None for none)."""
         if not points:
             return None
-        xs, ys = list(points), list(points.values())
-        if len(xs) == 1:
-            return ys[0], 0.0
-        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        n = len(points)
+        if n == 1:
+            return next(iter(points.values())), 0.0
+        mx, my = sum(points) / n, sum(points.values()) / n
+        sxy = sxx = 0.0
+        for x, y in points.items():
+            sxy += (x - mx) * (y - my)
+            sxx += (x - mx) * (x - mx)
+        slope = sxy / sxx
         if slope < 0:  # noise: a cost never falls with the block
             return my, 0.0
         return my - slope * mx, slope
@@ -156,9 +161,13 @@ class AdaptiveChooser:
         played = [b for b in range(self.max_block + 1) if self.verify[b]]
         if not played:
             return {}
-        dmed = {b: self._typical(self.draft[b]) for b in played if b}
-        vmed = {b + 1: self._typical(self.verify[b]) for b in played}
-        rmean = {b: sum(self.rollback[b]) / len(self.rollback[b]) for b in played if b}
+        for b in played:  # (every round asks; only the block just observed has changed)
+            if b not in self._per_block:
+                self._per_block[b] = (self._typical(self.draft[b]), self._typical(self.verify[b]),
+                                      sum(self.rollback[b]) / len(self.rollback[b]))
+        dmed = {b: self._per_block[b][0] for b in played if b}
+        vmed = {b + 1: self._per_block[b][1] for b in played}
+        rmean = {b: self._per_block[b][2] for b in played if b}
         dl, vl, rl = self._line(dmed), self._line(vmed), self._line(rmean)
         out = {}
         for b in range(self.max_block + 1):
@@ -174,8 +183,11 @@ class AdaptiveChooser:
 
     def rates(self) -> dict[int, float]:
         """Estimated tokens per second at every block (empty before the first observation)."""
-        p = self.acceptance(self.optimism)
-        return {b: self.expected_tokens(b, p) / c for b, c in self.costs().items()}
+        p, tokens, run = self.acceptance(self.optimism), [1.0], 1.0
+        for pi in p:  # expected_tokens of every block in one pass
+            run *= pi
+            tokens.append(tokens[-1] + run)
+        return {b: tokens[b] / c for b, c in self.costs().items()}
 
     # ---- the interface the round loop calls ------------------------------------------
 
@@ -230,6 +242,7 @@ class AdaptiveChooser:
         # feeding the drafter the previous spec round's rows is a cost of speculating, paid every
         # round; rows buffered by plain rounds are fed once, on the way back (a switch, not a block)
         after_plain = len(self.chosen) > 1 and self.chosen[-2] == 0
+        self._per_block.pop(block, None)
         self.draft[block].append(max(draft_s - self.flush_s, 0.0) if after_plain else draft_s)
         self.flush_s = 0.0
         self.verify[block].append(verify_s)

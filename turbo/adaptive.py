@@ -261,17 +261,23 @@ class LazyContext:
         return getattr(self.inner, name)
 
     def commit(self, out, kept: int) -> None:
-        self.pending.append((out, kept))
+        # a drafter fed aux rows keeps only those: holding every round's whole output (its
+        # logits) through a plain stretch costs a plain round ~8% (fresh memory every step)
+        aux_rows = hasattr(self.inner, "add_context") and out.aux is not None
+        self.pending.append(out.aux[:kept].clone() if aux_rows else (out, kept))
 
     def flush(self) -> None:
         if not self.pending:
             return
         t = time.perf_counter()
-        if hasattr(self.inner, "add_context") and all(o.aux is not None for o, _ in self.pending):
-            self.inner.add_context(torch.cat([o.aux[:k] for o, k in self.pending]))
+        if all(isinstance(p, torch.Tensor) for p in self.pending):
+            self.inner.add_context(torch.cat(self.pending))
         else:
-            for o, k in self.pending:
-                self.inner.commit(o, k)
+            for p in self.pending:
+                if isinstance(p, torch.Tensor):
+                    self.inner.add_context(p)
+                else:
+                    self.inner.commit(*p)
         self.pending = []
         if self.chooser is not None:
             self.chooser.flush_s += time.perf_counter() - t

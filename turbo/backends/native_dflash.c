@@ -240,6 +240,10 @@ void dflash_select(const float *logits, const float *final, int B, int V, int H,
         const float *li = logits + (size_t)i * V;
         int n = 0, low = 0; /* kept candidates; the index of the weakest (lowest value, then highest id) */
         for (int c = 0; c < V; c++) {
+            if (n == top_k && (c & 15) == 0 && c + 16 <= V && max_of(li + c, 16) <= vals[low]) {
+                c += 15; /* sixteen at once that cannot enter (entering takes strictly more) */
+                continue;
+            }
             if (n < top_k) {
                 ids[n] = c, vals[n] = li[c], n++;
             } else if (li[c] > vals[low]) {

@@ -66,3 +66,16 @@ def test_report_puts_two_drafters_side_by_side(tmp_path, capsys):
     table = (tmp_path / "report.md").read_text()
     workload = data["runs"][0]["workload"]
     assert f"| {workload} [dflash] |" in table and f"| {workload} [mtp] |" in table
+
+
+def test_report_puts_two_draft_products_side_by_side(tmp_path, capsys):
+    fixture = Path(__file__).parent / "fixtures" / "probe_multirun"
+    for products in ("fp32", "int8"):
+        data = json.loads((fixture / "0" / "metrics.json").read_text())
+        data["draft_products"] = products
+        (tmp_path / products).mkdir()
+        (tmp_path / products / "metrics.json").write_text(json.dumps(data))
+    assert main([str(tmp_path)]) == 0
+    table = (tmp_path / "report.md").read_text()
+    workload = data["runs"][0]["workload"]
+    assert f"| {workload} [fp32] |" in table and f"| {workload} [int8] |" in table

@@ -55,10 +55,13 @@ def load(directory: Path) -> tuple[list[dict], list[Path]]:
                 raise ReportError(f"{f}: runs[{i}] has policy {r['policy']!r}, expected off, fixed or adaptive")
             if not isinstance(r["tokens_per_s"], (int, float)) or not isinstance(r["block"], int):
                 raise ReportError(f"{f}: runs[{i}]: tokens_per_s and block must be numbers")
-            runs.append(dict(r, source=str(f.relative_to(directory)), drafter=str(data.get("drafter"))))
-    if len({r["drafter"] for r in runs}) > 1:  # drafter=dflash,mtp side by side: a row group per drafter
+            runs.append(dict(r, source=str(f.relative_to(directory)), drafter=str(data.get("drafter")),
+                             draft_products=str(data.get("draft_products", "auto"))))
+    # drafter=dflash,mtp or draft_products=fp32,int8 side by side: a row group for each
+    tags = [k for k in ("drafter", "draft_products") if len({r[k] for r in runs}) > 1]
+    if tags:
         for r in runs:
-            r["workload"] = f"{r['workload']} [{r['drafter']}]"
+            r["workload"] = f"{r['workload']} [{' '.join(r[k] for k in tags)}]"
     return runs, files
 
 

@@ -67,16 +67,34 @@ def _shared_costs(memory: tuple | None, max_block: int, fresh):
     return table.setdefault((max_block, *tag), fresh)
 
 
+def _shared_acceptance(memory: tuple | None, max_block: int) -> dict | None:
+    """Where a generation leaves its acceptance readings for the next one (same owner and tag)."""
+    if memory is None:
+        return None
+    owner, *tag = memory
+    try:
+        return _COSTS.setdefault(owner, {}).setdefault((max_block, *tag, "acceptance"), {})
+    except TypeError:
+        return None
+
+
 class AdaptiveChooser:
     def __init__(self, max_block: int, decay: float = 0.8, prior: float = 1.0, probe_every: int = 8,
                  probe_max: int = 128, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
                  bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
-                 optimism: float = 0.25):
+                 optimism: float = 0.25, carry: float = 2.0):
         if max_block < 1:
             raise ValueError(f"max_block {max_block} < 1")
         self.max_block, self.decay, self.prior = max_block, decay, prior
         self.reached = [0.0] * max_block  # rounds that judged proposal i+1 (decayed)
         self.landed = [0.0] * max_block  # ... and accepted it
+        # the previous generation's readings start this one, worth `carry` rounds: one bad first
+        # round must not send a generation to plain decoding on its own
+        self.handed = _shared_acceptance(memory, max_block)
+        if self.handed and self.handed["reached"][0] > 0:
+            s = min(1.0, carry / self.handed["reached"][0])
+            self.reached = [r * s for r in self.handed["reached"]]
+            self.landed = [l * s for l in self.handed["landed"]]
         fresh = ({b: deque(maxlen=samples) for b in range(max_block + 1)} for _ in range(3))
         shared = _shared_costs(memory, max_block, fresh)
         self.draft, self.verify, self.rollback = shared
@@ -94,6 +112,7 @@ class AdaptiveChooser:
         self.optimism = optimism  # choose by an upper bound on acceptance: few readings, wide bounds, bigger blocks tried
         self.rounds, self.last, self.refresh = 0, {}, refresh  # last: the round each block was last played
         self._per_block: dict[int, tuple[float, float, float]] = {}  # costs() of each played block, until it plays again
+        self.landed_all = False  # the last round was at the widest block and landed every proposal
 
     def _bootstrap_after(self, accepted: int) -> list[int]:
         """The rounds after the first (at the widest block): a second block fixes the cost
@@ -194,6 +213,10 @@ class AdaptiveChooser:
     def next_block(self) -> int:
         if self.bootstrap:
             b = self.bootstrap.pop(0)
+        elif self.landed_all:
+            # the widest block landed every proposal: acceptance rose at every position, which
+            # lifts the widest block's estimate most of all -- it stays the choice, unrecomputed
+            b, self.plain_streak, self.next_probe = self.max_block, 0, self.probe_every
         elif self.plain_streak and self.plain_streak + 1 < self.next_probe:
             # a plain round teaches nothing about acceptance: the choice stands until the next probe
             # (and leaving plain decoding for a block that only ties it costs a cold drafter)
@@ -232,6 +255,7 @@ class AdaptiveChooser:
             self.next_probe = self.probe_every  # a probe that landed: look again soon, not after twice as long
         if self.bootstrap_next is not None and len(self.chosen) == 1:
             self.bootstrap, self.bootstrap_next = self.bootstrap_next(accepted), None
+        self.landed_all = block == self.max_block and accepted == block
         if block:  # evidence fades a round at a time (plain rounds add none: they leave it as it stood)
             self.reached = [r * self.decay for r in self.reached]
             self.landed = [l * self.decay for l in self.landed]
@@ -239,6 +263,8 @@ class AdaptiveChooser:
                 self.reached[i] += 1
                 if i < accepted:
                     self.landed[i] += 1
+            if self.handed is not None:
+                self.handed["reached"], self.handed["landed"] = list(self.reached), list(self.landed)
         # feeding the drafter the previous spec round's rows is a cost of speculating, paid every
         # round; rows buffered by plain rounds are fed once, on the way back (a switch, not a block)
         after_plain = len(self.chosen) > 1 and self.chosen[-2] == 0

@@ -22,7 +22,10 @@ is played until it has `min_samples` readings, and again when its last reading i
 `refresh` rounds old, so one stalled round cannot rule it out for good.
 
 Cost samples are kept across generations per drafter and rollback strategy (`memory`): a later
-generation only reads the acceptance (one round at the widest block) before choosing.
+generation only reads the acceptance (one round at the widest block) before choosing, and starts
+from the previous generation's acceptance readings scaled to `carry` rounds (fading as its own
+arrive). A round at the widest block that landed every proposal keeps that block without the
+estimates being recomputed (every position's acceptance rose: the widest gains most).
 
 The choice reads acceptance optimistically (`optimism` standard deviations above the estimate),
 so while few rounds have reached a position a wider block is still tried, and the bound closes

@@ -22,9 +22,8 @@ is played until it has `min_samples` readings, and again when its last reading i
 `refresh` rounds old, so one stalled round cannot rule it out for good.
 
 Cost samples are kept across generations per drafter and rollback strategy (`memory`): a later
-generation only reads the acceptance (one round at the widest block) before choosing, and starts
-from the previous generation's acceptance readings scaled to `carry` rounds (fading as its own
-arrive). A round at the widest block that landed every proposal keeps that block without the
+generation only reads the acceptance (one round at the widest block) before choosing. A round at
+the widest block that landed every proposal keeps that block without the
 estimates being recomputed (every position's acceptance rose: the widest gains most).
 
 The choice reads acceptance optimistically (`optimism` standard deviations above the estimate),
@@ -70,34 +69,16 @@ def _shared_costs(memory: tuple | None, max_block: int, fresh):
     return table.setdefault((max_block, *tag), fresh)
 
 
-def _shared_acceptance(memory: tuple | None, max_block: int) -> dict | None:
-    """Where a generation leaves its acceptance readings for the next one (same owner and tag)."""
-    if memory is None:
-        return None
-    owner, *tag = memory
-    try:
-        return _COSTS.setdefault(owner, {}).setdefault((max_block, *tag, "acceptance"), {})
-    except TypeError:
-        return None
-
-
 class AdaptiveChooser:
     def __init__(self, max_block: int, decay: float = 0.8, prior: float = 1.0, probe_every: int = 8,
                  probe_max: int = 128, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
                  bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
-                 optimism: float = 0.25, carry: float = 2.0):
+                 optimism: float = 0.25):
         if max_block < 1:
             raise ValueError(f"max_block {max_block} < 1")
         self.max_block, self.decay, self.prior = max_block, decay, prior
         self.reached = [0.0] * max_block  # rounds that judged proposal i+1 (decayed)
         self.landed = [0.0] * max_block  # ... and accepted it
-        # the previous generation's readings start this one, worth `carry` rounds: one bad first
-        # round must not send a generation to plain decoding on its own
-        self.handed = _shared_acceptance(memory, max_block)
-        if self.handed and self.handed["reached"][0] > 0:
-            s = min(1.0, carry / self.handed["reached"][0])
-            self.reached = [r * s for r in self.handed["reached"]]
-            self.landed = [l * s for l in self.handed["landed"]]
         fresh = ({b: deque(maxlen=samples) for b in range(max_block + 1)} for _ in range(3))
         shared = _shared_costs(memory, max_block, fresh)
         self.draft, self.verify, self.rollback = shared
@@ -266,8 +247,6 @@ class AdaptiveChooser:
                 self.reached[i] += 1
                 if i < accepted:
                     self.landed[i] += 1
-            if self.handed is not None:
-                self.handed["reached"], self.handed["landed"] = list(self.reached), list(self.landed)
         # feeding the drafter the previous spec round's rows is a cost of speculating, paid every
         # round; rows buffered by plain rounds are fed once, on the way back (a switch, not a block)
         after_plain = len(self.chosen) > 1 and self.chosen[-2] == 0

@@ -70,6 +70,7 @@ SIGNATURES = {
     "dflash_add_context": "p p i i",
     "dflash_select": "p p i i i p i p p i i p",
 }
+RETURNS_INT = {"dot_products"}  # (the rest return nothing)
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 
 
@@ -118,7 +119,8 @@ def library() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(_build(cc)))
             for name, args in SIGNATURES.items():
                 fn = getattr(lib, name)
-                fn.argtypes, fn.restype = [_C[a] for a in args.split()], ctypes.c_int if not args else None
+                fn.argtypes = [_C[a] for a in args.split()]
+                fn.restype = ctypes.c_int if name in RETURNS_INT else None
             _lib = lib
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             _why = str(e)
@@ -210,6 +212,7 @@ def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
     the bytes (a decode step reads every matrix once per token)."""
     return torch.bfloat16 if dtype == torch.float32 and stored == {"BF16"} else dtype
 
+
 def pack(w: torch.Tensor, layout: str = "panels") -> Packed:
     n, k = w.shape
     quad = {"panels": 1, "pairs": 2, "int8": 4}[layout]
@@ -265,8 +268,8 @@ def pack_as(w: torch.Tensor, storage: torch.dtype, layout: str) -> Packed:
 
 
 def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
-    """x [R, k] @ w^T in fp32 (bf16 weights widened exactly; `pairs`: bf16 dot products);
-    row-stable by construction."""
+    """x [R, k] @ w^T in fp32 (bf16 weights widened exactly; the drafters' "pairs" and "int8"
+    layouts: bf16 or int8 dot products); row-stable by construction."""
     x = x.float().contiguous()
     y = torch.empty(x.shape[0], w.n)
     threaded().linear_packed(x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), w.wtype, w.n, y.data_ptr())

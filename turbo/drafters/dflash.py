@@ -395,7 +395,8 @@ class DflashDrafter:
         for l in self.layers:
             for name in NATIVE_MATRICES:
                 setattr(l, name, native.pack_as(getattr(l, name), storage, layout))
-        self.fc, self.lm_head = native.pack_as(self.fc, storage, layout), native.pack_as(self.lm_head, lm_storage, layout)
+        self.fc = native.pack_as(self.fc, storage, layout)
+        self.lm_head = native.pack_as(self.lm_head, lm_storage, layout)
         cfg, shape, ptr = self.cfg, self.shape, native.ptr
         layers = (NativeLayer * len(self.layers))(*(NativeLayer(
             in_norm=ptr(l.in_norm), post_norm=ptr(l.post_norm), q_norm=ptr(l.q_norm), k_norm=ptr(l.k_norm),
@@ -406,7 +407,8 @@ class DflashDrafter:
             hidden=shape.hidden, heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             inter=shape.inter, taps=cfg.taps, group=cfg.group, aux_width=self.fc.shape[1], vocab=cfg.vocab,
             layers=len(self.layers), window=self.window, causal=cfg.is_causal, mask_token=cfg.mask_token,
-            embed_wtype=native.WTYPES[self.embed.dtype], wtype=self.fc.wtype, lm_wtype=self.lm_head.wtype, eps=cfg.eps, res_eps=cfg.eps / (self.scale * self.scale),
+            embed_wtype=native.WTYPES[self.embed.dtype], wtype=self.fc.wtype, lm_wtype=self.lm_head.wtype,
+            eps=cfg.eps, res_eps=cfg.eps / (self.scale * self.scale),
             scale=self.scale, embed=ptr(self.embed), fc=ptr(self.fc), hidden_norm=ptr(self.hidden_norm),
             final_norm=ptr(self.final_norm), lm_head=ptr(self.lm_head), inv_freq=ptr(self.inv_freq),
             layer=layers)

@@ -87,3 +87,13 @@ def test_every_products_choice_is_lossless(spec_install, plain_runs, products):
             for prompt, ref in zip(prompts, plain):
                 out = rt.generate(prompt, max_new_tokens=33, policy="fixed", block=block, rollback=rollback)
                 assert out.tokens == ref
+
+
+def test_named_products_without_the_native_pass_are_refused(spec_install, monkeypatch):
+    monkeypatch.setenv("TURBO_NATIVE", "0")
+    rt = turbo.open(spec_install[1], backend="cpu", draft_products="int8")
+    with pytest.raises(TurboError, match=r"draft_products int8: the drafter's native CPU pass is not in use "
+                                         r"\(TURBO_NATIVE=0\)"):
+        rt.generate([5, 6, 7], max_new_tokens=4, policy="fixed", block=2)
+    fp32 = turbo.open(spec_install[1], backend="cpu", draft_products="fp32")  # the torch pass is fp32: fine
+    assert fp32.generate([5, 6, 7], max_new_tokens=4, policy="fixed", block=2).tokens

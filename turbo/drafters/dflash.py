@@ -383,8 +383,10 @@ class DflashDrafter:
                 or not isinstance(self.embed, torch.Tensor) or self.embed.dtype not in native.WTYPES
                 or not self.embed.is_contiguous()):
             if self.products not in ("auto", "fp32"):
-                raise TurboError(f"draft_products {self.products}: only the CPU drafter's native fp32 pass has "
-                                 "other products (expected auto or fp32 here)")
+                why = native.why_not() or (f"the drafter runs on {self.device.type}" if self.device.type != "cpu"
+                                           else f"activations are {str(self.dtype).removeprefix('torch.')}")
+                raise TurboError(f"draft_products {self.products}: the drafter's native CPU pass is not in use "
+                                 f"({why}); expected auto or fp32")
             return None, None
         # native_dflash.c multiplies by packed matrices (native.c's layout); packed in place,
         # as the trunk's are: from here on the torch pass is not used, and memory is not doubled.

@@ -126,8 +126,9 @@ class MtpDrafter:
             self.fc = native.pack_as(self.fc, storage, layout)
             self.native = native_layer(arch, self.layer, trunk.inv_freq)
         elif products not in ("auto", "fp32"):
-            raise TurboError(f"draft_products {products}: only the CPU trunk's native step has other products "
-                             "(expected auto or fp32 here)")
+            why = native.why_not() or f"the trunk runs on {dev.type}"
+            raise TurboError(f"draft_products {products}: the MTP head runs on the native CPU step, not in use "
+                             f"({why}); expected auto or fp32")
         self.reset()
 
     # ---- state -------------------------------------------------------------------------

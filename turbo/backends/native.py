@@ -247,8 +247,8 @@ def dot_layouts() -> tuple[str, ...]:
 
 def draft_layout(products: str) -> str:
     """The layout a drafter's matrices take for `products`: "auto" is the fastest this CPU
-    has (int8, then bf16, then fp32: on the tiny install int8 drafts the same proposals
-    in ~60% of the fp32 pass's time, see README); a named one it lacks is refused."""
+    has (int8, then bf16, then fp32: on the tiny install int8 lands as many proposals as
+    fp32 in about two thirds of its time, see README); a named one it lacks is refused."""
     have = dot_layouts()
     if products == "auto":
         return next((lay for lay in ("int8", "pairs") if lay in have), "panels")

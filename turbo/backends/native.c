@@ -558,8 +558,9 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
     float *att = malloc(sizeof(float) * (size_t)R * nh * hd);
-    float *scores = malloc(sizeof(float) * (size_t)(p0 + R));
-    float *qh = malloc(sizeof(float) * (size_t)hd);
+    int N = p0 + R - start; /* keys the last row sees; row r sees the first N - (R - 1 - r) */
+    float *qs = malloc(sizeof(float) * (size_t)R * nh * hd);
+    float *scores = malloc(sizeof(float) * (size_t)R * nh * N);
     float *y = malloc(sizeof(float) * (size_t)R * H);
     float scale = 1.0f / sqrtf((float)hd);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
@@ -573,31 +574,43 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
             memcpy(vd, pr + 2 * nh * hd + nkv * hd + j * hd, sizeof(float) * hd);
         }
     }
+    for (int r = 0; r < R; r++) /* every row's queries, normed and rotated */
+        for (int hq = 0; hq < nh; hq++) {
+            float *q = qs + ((size_t)r * nh + hq) * hd;
+            rms_norm(proj + (size_t)r * P + hq * 2 * hd, hd, L->q_norm, L->eps, q);
+            rope(q, L->rot, L->inv_freq, p0 + r);
+        }
+    for (int j = 0; j < nkv; j++) {
+        /* the scores of all the rows' queries on this kv head, key by key: a key is read once
+         * for all of them (each score is still one `dot`, whoever else is computed with it) */
+        const float *K = kc + ((size_t)j * cap + start) * hd;
+        for (int t = 0; t < N; t++)
+            for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
+                for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+                    size_t qi = (size_t)r * nh + hq;
+                    scores[qi * N + t] = dot(qs + qi * hd, K + (size_t)t * hd, hd) * scale;
+                }
+    }
     for (int r = 0; r < R; r++) {
         const float *pr = proj + (size_t)r * P;
         int n = p0 + r + 1 - start;
         for (int hq = 0; hq < nh; hq++) {
             int j = hq / groups;
-            rms_norm(pr + hq * 2 * hd, hd, L->q_norm, L->eps, qh);
-            rope(qh, L->rot, L->inv_freq, p0 + r);
-            const float *K = kc + ((size_t)j * cap + start) * hd, *V = vc + ((size_t)j * cap + start) * hd;
-            float m = -INFINITY;
-            for (int t = 0; t < n; t++) {
-                scores[t] = dot(qh, K + (size_t)t * hd, hd) * scale;
-                if (scores[t] > m) m = scores[t];
-            }
-            for (int t = 0; t < n; t++) scores[t] = fast_exp(scores[t] - m); /* (vectorises) */
-            float z = sum_of(scores, n);
+            const float *V = vc + ((size_t)j * cap + start) * hd;
+            float *sr = scores + ((size_t)r * nh + hq) * N;
+            float m = max_of(sr, n);
+            for (int t = 0; t < n; t++) sr[t] = fast_exp(sr[t] - m); /* (vectorises) */
+            float z = sum_of(sr, n);
             float *a = att + ((size_t)r * nh + hq) * hd;
             const float *gate = pr + hq * 2 * hd + hd;
-            for (int t = 0; t < n; t++) scores[t] /= z;
-            weighted_sum(scores, V, n, hd, a);
+            for (int t = 0; t < n; t++) sr[t] /= z;
+            weighted_sum(sr, V, n, hd, a);
             for (int i = 0; i < hd; i++) a[i] *= fast_sigmoid(gate[i]);
         }
     }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
-    free(h); free(proj); free(att); free(scores); free(qh); free(y);
+    free(h); free(proj); free(att); free(qs); free(scores); free(y);
     mlp_block(L, x, R);
 }
 

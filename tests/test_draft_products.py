@@ -97,3 +97,4 @@ def test_named_products_without_the_native_pass_are_refused(spec_install, monkey
         rt.generate([5, 6, 7], max_new_tokens=4, policy="fixed", block=2)
     fp32 = turbo.open(spec_install[1], backend="cpu", draft_products="fp32")  # the torch pass is fp32: fine
     assert fp32.generate([5, 6, 7], max_new_tokens=4, policy="fixed", block=2).tokens
+

@@ -104,7 +104,7 @@ def test_tiny_drafter_matches_torch(tiny, positions, window):
 
 def test_bf16_embedding_rows_and_unit_scale(tiny):
     inst, trunk = tiny
-    check_blocks(inst, trunk, ids_of(50, inst.arch.vocab, 7), embed=trunk.embed.bfloat16(), scale=1.0)
+    check_blocks(inst, trunk, ids_of(50, inst.arch.vocab, 7), embed=ops.dense(trunk.lm_head).bfloat16(), scale=1.0)
 
 
 def test_tiny_proposals_equal_torch(tiny):

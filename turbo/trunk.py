@@ -215,8 +215,9 @@ class Trunk:
             return None
         for layer in self.layers:
             pack_layer(layer, storage)
-        self.lm_head = native.pack(self.lm_head.to(storage))  # tied: a packed copy (the embedding stays rows)
-        self.embed = self.embed.to(storage)
+        self.lm_head = native.pack(self.lm_head.to(storage))
+        # tied: the embedding rows are read out of the packed lm_head (the table is kept once)
+        self.embed = native.PackedRows(self.lm_head) if self.arch.tie_embeddings else self.embed.to(storage)
         return [native_layer(self.arch, layer, self.inv_freq) for layer in self.layers]
 
     def matrices(self) -> list[torch.Tensor]:
@@ -388,7 +389,7 @@ class Trunk:
         self._reserve(st, p0 + rows)
         x = torch.empty(rows, a.hidden)
         xp = x.data_ptr()
-        lib.embed_rows(self.embed.data_ptr(), native.WTYPES[self.embed.dtype], (ctypes.c_int * rows)(*tokens),
+        lib.embed_rows(*native.table_of(self.embed), (ctypes.c_int * rows)(*tokens),
                        rows, a.hidden, xp)
         taps, conv_dim = a.conv_kernel, a.lin_conv_dim
         hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim

@@ -619,19 +619,10 @@ void copy_rows(const float *src, int R, int H, float *dst, int stride) {
     for (int r = 0; r < R; r++) memcpy(dst + (size_t)r * stride, src + (size_t)r * H, sizeof(float) * H);
 }
 
-/* x [R, H] = the embedding table's rows ids (fp32, or bf16 widened exactly). */
-void embed_rows(const void *table, int wtype, const int *ids, int R, int H, float *x) {
-    for (int r = 0; r < R; r++) {
-        size_t row = (size_t)ids[r] * H;
-        if (wtype == 0) {
-            memcpy(x + (size_t)r * H, (const float *)table + row, sizeof(float) * H);
-            continue;
-        }
-        for (int i = 0; i < H; i++) {
-            uint32_t u = (uint32_t)((const uint16_t *)table)[row + i] << 16;
-            memcpy(x + (size_t)r * H + i, &u, 4);
-        }
-    }
+/* x [R, H] = the embedding table's rows ids (fp32, or bf16 widened exactly); the table is
+ * row-major, or (panels) a packed matrix's panels -- a tied lm_head's, the table kept once. */
+void embed_rows(const void *table, int wtype, int panels, const int *ids, int R, int H, float *x) {
+    for (int r = 0; r < R; r++) embed_row(table, wtype, panels, ids[r], H, x + (size_t)r * H);
 }
 
 /* logits [R, vocab] = rms_norm(x) @ lm_head^T; normed [R, H] (optional) receives rms_norm(x). */

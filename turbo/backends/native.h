@@ -49,6 +49,21 @@ static inline void rms_norm_rows(const float *x, int R, int n, const float *scal
     for (int r = 0; r < R; r++) rms_norm(x + (size_t)r * n, n, scale, eps, out + (size_t)r * n);
 }
 
+/* out [H] = row t of an embedding table, fp32 or bf16 (wtype 0, 1; widened exactly),
+ * row-major or in a packed matrix's panels of 16 rows (element i of row t at
+ * ((t / 16) * H + i) * 16 + t % 16). */
+static inline void embed_row(const void *table, int wtype, int panels, int t, int H, float *out) {
+    size_t at = panels ? ((size_t)(t / 16) * H) * 16 + t % 16 : (size_t)t * H, step = panels ? 16 : 1;
+    for (int i = 0; i < H; i++, at += step) {
+        if (wtype == 0) {
+            out[i] = ((const float *)table)[at];
+        } else {
+            uint32_t u = (uint32_t)((const uint16_t *)table)[at] << 16;
+            memcpy(out + i, &u, 4);
+        }
+    }
+}
+
 /* max and sum of x[0..n), sixteen lanes at a time then across the lanes (one chain per lane
  * instead of one through all n: a score row is a few hundred long); a fixed order. */
 static inline float max_of(const float *x, int n) {

@@ -61,7 +61,7 @@ SIGNATURES = {
     "dot_products": "",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p",
-    "embed_rows": "p i p i i p",
+    "embed_rows": "p i i p i i p",
     "copy_rows": "p i i p i",
     "attn_layer": "p p i i i p p i",
     "head": "p i i p f p i i p p",
@@ -203,6 +203,34 @@ class Packed:
         if self.layout == "pairs":
             return self.data.permute(0, 2, 1, 3).reshape(n_pad, -1)[:self.n, :self.k].contiguous()
         return self.data.transpose(1, 2).reshape(-1, self.k)[:self.n].contiguous()
+
+
+@dataclasses.dataclass
+class PackedRows:
+    """An embedding table read out of a packed matrix's panels: with tied embeddings the
+    table and the lm_head are one matrix, kept once. Row t is packed.data[t // 16, :, t % 16]."""
+
+    packed: Packed
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.packed.shape
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids)
+        return self.packed.data[ids // PANEL, :, ids % PANEL]
+
+
+def table_of(embed: torch.Tensor | PackedRows) -> tuple[int, int, int]:
+    """An embedding table as native code reads it: (pointer, wtype, 1 if panels else 0)."""
+    if isinstance(embed, PackedRows):
+        return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 1
+    assert embed.is_contiguous() and embed.device.type == "cpu"
+    return embed.data_ptr(), WTYPES[embed.dtype], 0
 
 
 def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:

@@ -31,12 +31,12 @@ typedef struct {
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, inter, taps, group, aux_width, vocab, layers;
-    int window, capacity, causal, mask_token, embed_wtype;
+    int window, capacity, causal, mask_token, embed_wtype, embed_panels;
     int wtype, lm_wtype; /* the packed matrices' (fc and the layers') and the lm_head's: fp32 0, bf16 1 */
     float eps;     /* the norms of unscaled values: q, k, the fused context */
     float res_eps; /* eps / scale^2: the norms reading the scaled residual stream */
     float scale;
-    const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's) */
+    const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's), rows or panels (embed_row) */
     const void *fc, *lm_head; /* packed */
     const float *hidden_norm, *final_norm, *inv_freq;
     const DfLayer *layer;
@@ -156,17 +156,9 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
     float *att = q + (size_t)R * qd, *k = att + (size_t)R * qd, *v = k + (size_t)R * kvd;
     float *cs = v + (size_t)R * kvd, *sn = cs + (size_t)R * half, *g = sn + (size_t)R * half, *up = g + n_i;
     for (int r = 0; r < R; r++) {
-        size_t row = (size_t)(r ? D->mask_token : anchor) * H;
-        for (int c = 0; c < H; c++) {
-            float e;
-            if (D->embed_wtype == 0) {
-                e = ((const float *)D->embed)[row + c];
-            } else {
-                uint32_t bits = (uint32_t)((const uint16_t *)D->embed)[row + c] << 16;
-                memcpy(&e, &bits, 4);
-            }
-            x[(size_t)r * H + c] = e / s;
-        }
+        float *xr = x + (size_t)r * H;
+        embed_row(D->embed, D->embed_wtype, D->embed_panels, r ? D->mask_token : anchor, H, xr);
+        for (int c = 0; c < H; c++) xr[c] = xr[c] / s;
     }
     df_rope_table(D, p0, R, cs, sn);
     for (int l = 0; l < D->layers; l++) {

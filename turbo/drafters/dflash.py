@@ -286,7 +286,7 @@ class NativeDrafter(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "inter", "taps", "group", "aux_width", "vocab", "layers",
-        "window", "capacity", "causal", "mask_token", "embed_wtype", "wtype", "lm_wtype")] + [
+        "window", "capacity", "causal", "mask_token", "embed_wtype", "embed_panels", "wtype", "lm_wtype")] + [
         ("eps", ctypes.c_float), ("res_eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("embed", "fc", "lm_head", "hidden_norm", "final_norm", "inv_freq")] + [
         ("layer", ctypes.POINTER(NativeLayer))]
@@ -379,9 +379,10 @@ class DflashDrafter:
     def _native_drafter(self) -> tuple[NativeDrafter | None, ctypes.Array | None]:
         """native_dflash.c's structs (the rings are bound by `reset`), when the pass can run
         there: on the CPU, fp32 activations, a plain fp32 or bf16 embedding table."""
+        plain_table = isinstance(self.embed, torch.Tensor) and self.embed.is_contiguous()
         if (self.device.type != "cpu" or self.dtype != torch.float32 or native.library() is None
-                or not isinstance(self.embed, torch.Tensor) or self.embed.dtype not in native.WTYPES
-                or not self.embed.is_contiguous()):
+                or not (plain_table or isinstance(self.embed, native.PackedRows))
+                or self.embed.dtype not in native.WTYPES):
             if self.products not in ("auto", "fp32"):
                 why = native.why_not() or (f"the drafter runs on {self.device.type}" if self.device.type != "cpu"
                                            else f"activations are {str(self.dtype).removeprefix('torch.')}")
@@ -400,6 +401,7 @@ class DflashDrafter:
         self.fc = native.pack_as(self.fc, storage, layout)
         self.lm_head = native.pack_as(self.lm_head, lm_storage, layout)
         cfg, shape, ptr = self.cfg, self.shape, native.ptr
+        embed, embed_wtype, embed_panels = native.table_of(self.embed)
         layers = (NativeLayer * len(self.layers))(*(NativeLayer(
             in_norm=ptr(l.in_norm), post_norm=ptr(l.post_norm), q_norm=ptr(l.q_norm), k_norm=ptr(l.k_norm),
             q=ptr(l.q), k=ptr(l.k), v=ptr(l.v), o=ptr(l.o), gate=ptr(l.gate), up=ptr(l.up), down=ptr(l.down),
@@ -409,9 +411,9 @@ class DflashDrafter:
             hidden=shape.hidden, heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             inter=shape.inter, taps=cfg.taps, group=cfg.group, aux_width=self.fc.shape[1], vocab=cfg.vocab,
             layers=len(self.layers), window=self.window, causal=cfg.is_causal, mask_token=cfg.mask_token,
-            embed_wtype=native.WTYPES[self.embed.dtype], wtype=self.fc.wtype, lm_wtype=self.lm_head.wtype,
+            embed_wtype=embed_wtype, embed_panels=embed_panels, wtype=self.fc.wtype, lm_wtype=self.lm_head.wtype,
             eps=cfg.eps, res_eps=cfg.eps / (self.scale * self.scale),
-            scale=self.scale, embed=ptr(self.embed), fc=ptr(self.fc), hidden_norm=ptr(self.hidden_norm),
+            scale=self.scale, embed=embed, fc=ptr(self.fc), hidden_norm=ptr(self.hidden_norm),
             final_norm=ptr(self.final_norm), lm_head=ptr(self.lm_head), inv_freq=ptr(self.inv_freq),
             layer=layers)
         return d, layers

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from turbo.report import main
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,27 +57,16 @@ def test_report_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 
-def test_report_puts_two_drafters_side_by_side(tmp_path, capsys):
+@pytest.mark.parametrize("key,values", [("drafter", ("dflash", "mtp")), ("draft_products", ("fp32", "int8"))])
+def test_report_puts_two_jobs_side_by_side(tmp_path, capsys, key, values):
+    """drafter=dflash,mtp or draft_products=fp32,int8: a row group for each."""
     fixture = Path(__file__).parent / "fixtures" / "probe_multirun"
-    for drafter in ("dflash", "mtp"):
+    for value in values:
         data = json.loads((fixture / "0" / "metrics.json").read_text())
-        data["drafter"] = drafter
-        (tmp_path / drafter).mkdir()
-        (tmp_path / drafter / "metrics.json").write_text(json.dumps(data))
+        data[key] = value
+        (tmp_path / value).mkdir()
+        (tmp_path / value / "metrics.json").write_text(json.dumps(data))
     assert main([str(tmp_path)]) == 0
     table = (tmp_path / "report.md").read_text()
     workload = data["runs"][0]["workload"]
-    assert f"| {workload} [dflash] |" in table and f"| {workload} [mtp] |" in table
-
-
-def test_report_puts_two_draft_products_side_by_side(tmp_path, capsys):
-    fixture = Path(__file__).parent / "fixtures" / "probe_multirun"
-    for products in ("fp32", "int8"):
-        data = json.loads((fixture / "0" / "metrics.json").read_text())
-        data["draft_products"] = products
-        (tmp_path / products).mkdir()
-        (tmp_path / products / "metrics.json").write_text(json.dumps(data))
-    assert main([str(tmp_path)]) == 0
-    table = (tmp_path / "report.md").read_text()
-    workload = data["runs"][0]["workload"]
-    assert f"| {workload} [fp32] |" in table and f"| {workload} [int8] |" in table
+    assert all(f"| {workload} [{value}] |" in table for value in values)

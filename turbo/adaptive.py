@@ -124,12 +124,16 @@ class AdaptiveChooser:
         return out
 
     def expected_tokens(self, block: int, p: list[float] | None = None) -> float:
-        p = self.acceptance() if p is None else p
-        total, run = 1.0, 1.0
-        for i in range(block):
-            run *= p[i]
-            total += run
-        return total
+        return self._tokens_per_block(self.acceptance() if p is None else p)[block]
+
+    @staticmethod
+    def _tokens_per_block(p: list[float]) -> list[float]:
+        """Expected tokens of a round at every block 0..len(p), in one pass."""
+        tokens, run = [1.0], 1.0
+        for pi in p:
+            run *= pi
+            tokens.append(tokens[-1] + run)
+        return tokens
 
     @staticmethod
     def _line(points: dict[int, float]) -> tuple[float, float] | None:
@@ -186,10 +190,7 @@ class AdaptiveChooser:
 
     def rates(self) -> dict[int, float]:
         """Estimated tokens per second at every block (empty before the first observation)."""
-        p, tokens, run = self.acceptance(self.optimism), [1.0], 1.0
-        for pi in p:  # expected_tokens of every block in one pass
-            run *= pi
-            tokens.append(tokens[-1] + run)
+        tokens = self._tokens_per_block(self.acceptance(self.optimism))
         return {b: tokens[b] / c for b, c in self.costs().items()}
 
     # ---- the interface the round loop calls ------------------------------------------
@@ -271,21 +272,21 @@ class LazyContext:
     def commit(self, out, kept: int) -> None:
         # a drafter fed aux rows keeps only those: holding every round's whole output (its
         # logits) through a plain stretch costs a plain round ~8% (fresh memory every step)
-        aux_rows = hasattr(self.inner, "add_context") and out.aux is not None
-        self.pending.append(out.aux[:kept].clone() if aux_rows else (out, kept))
+        self.pending.append(out.aux[:kept].clone() if self._aux_fed else (out, kept))
+
+    @property
+    def _aux_fed(self) -> bool:
+        return hasattr(self.inner, "add_context")
 
     def flush(self) -> None:
         if not self.pending:
             return
         t = time.perf_counter()
-        if all(isinstance(p, torch.Tensor) for p in self.pending):
+        if self._aux_fed:
             self.inner.add_context(torch.cat(self.pending))
         else:
-            for p in self.pending:
-                if isinstance(p, torch.Tensor):
-                    self.inner.add_context(p)
-                else:
-                    self.inner.commit(*p)
+            for out, kept in self.pending:
+                self.inner.commit(out, kept)
         self.pending = []
         if self.chooser is not None:
             self.chooser.flush_s += time.perf_counter() - t

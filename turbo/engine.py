@@ -209,8 +209,7 @@ def open(path_or_name: str | Path = "tiny", backend: str = "auto", dtype: str = 
     """Open an install: a directory, or the name of one shipped in the package ("tiny").
     draft_products: auto | fp32 | bf16 | int8, the CPU drafters' matrix products."""
     global _frozen
-    if draft_products not in ("auto", *native.DRAFT_PRODUCTS):
-        raise TurboError(f"draft_products {draft_products!r} is not one of auto, {', '.join(native.DRAFT_PRODUCTS)}")
+    native.check_draft_products(draft_products)  # before the install loads
     rt = Runtime(open_install(path_or_name), backend, dtype, draft_products)
     if not _frozen:
         # A full collection walks every tracked object -- ~180k once torch is imported, ~100 ms

@@ -273,15 +273,19 @@ def dot_layouts() -> tuple[str, ...]:
     return tuple(name for bit, name in ((1, "pairs"), (2, "int8")) if bits & bit)
 
 
+def check_draft_products(products: str) -> None:
+    if products != "auto" and products not in DRAFT_PRODUCTS:
+        raise TurboError(f"draft_products {products!r} is not one of auto, {', '.join(DRAFT_PRODUCTS)}")
+
+
 def draft_layout(products: str) -> str:
     """The layout a drafter's matrices take for `products`: "auto" is the fastest this CPU
     has (int8, then bf16, then fp32: on the tiny install int8 lands as many proposals as
     fp32 in about two thirds of its time, see README); a named one it lacks is refused."""
+    check_draft_products(products)
     have = dot_layouts()
     if products == "auto":
         return next((lay for lay in ("int8", "pairs") if lay in have), "panels")
-    if products not in DRAFT_PRODUCTS:
-        raise TurboError(f"draft_products {products!r} is not one of auto, {', '.join(DRAFT_PRODUCTS)}")
     layout = DRAFT_PRODUCTS[products]
     if layout != "panels" and layout not in have:
         raise TurboError(f"draft_products {products}: "

@@ -27,8 +27,8 @@ when `probe.adaptive` is true. Keys (conf/task/probe.yaml; `probe.*` is a top-le
 `max_new_tokens` (top level) overrides every workload's own; `prompt=` replaces the workload's prompts.
 
 metrics.json (schema "turbo.probe/1"):
-  schema, install, backend, drafter, draft_products (as configured), window, max_new_tokens (null: per workload), blocks, adaptive,
-  rollbacks, workloads, prompts_per_workload, stop_at_eos, overrides (the job's Hydra overrides), lossless (bool),
+  schema, install, backend, drafter, draft_products (as configured), window, max_new_tokens (null: per workload),
+  blocks, adaptive, rollbacks, workloads, prompts_per_workload, stop_at_eos, overrides (the job's Hydra overrides), lossless (bool),
   timing_note, and `runs`: one object per (workload, rollback, policy, block):
     workload, policy ("off" | "fixed" | "adaptive"), block (0 for off; the widest block for adaptive),
     rollback (null for off), prompts, max_new_tokens,
@@ -305,7 +305,8 @@ def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: boo
     lossless = all(r["same_text_as_off"] for r in all_runs)
     metrics = {
         "schema": SCHEMA, "install": rc.install, "backend": rt.backend.name, "drafter": drafter,
-        "draft_products": rc.draft_products, "window": rc.window, "max_new_tokens": override_max, "blocks": list(blocks), "adaptive": with_adaptive,
+        "draft_products": rc.draft_products, "window": rc.window, "max_new_tokens": override_max,
+        "blocks": list(blocks), "adaptive": with_adaptive,
         "rollbacks": rollbacks, "workloads": workloads, "prompts_per_workload": per, "stop_at_eos": stop_at_eos,
         "overrides": _overrides(),
         "lossless": lossless, "timing_note": TIMING_NOTE, "runs": all_runs,

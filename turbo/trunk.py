@@ -416,7 +416,7 @@ class Trunk:
         st.pos = p0 + rows
         logits = torch.empty(rows, a.vocab)
         lib.head(xp, rows, a.hidden, self.final_norm.data_ptr(), a.rms_eps, self.lm_head.data.data_ptr(),
-                 native.WTYPES[self.lm_head.dtype], a.vocab, logits.data_ptr(), None)
+                 self.lm_head.wtype, a.vocab, logits.data_ptr(), None)
         return StepOut(logits, x, aux, traces)
 
     def _inputs(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:

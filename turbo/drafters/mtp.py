@@ -191,7 +191,7 @@ class MtpDrafter:
             out, logits = torch.empty(1, a.hidden), torch.empty(1, a.vocab)
             lm = self.trunk.lm_head
             native.threaded().head(y.data_ptr(), 1, a.hidden, self.final_norm.data_ptr(), self.eps, native.ptr(lm),
-                                   native.WTYPES[lm.dtype], a.vocab, logits.data_ptr(), out.data_ptr())
+                                   lm.wtype, a.vocab, logits.data_ptr(), out.data_ptr())
             return out, logits
         q, gate = self._write_kv(x, pos)
         groups = a.num_heads // a.num_kv_heads

@@ -1,0 +1,81 @@
+"""The two option sets: how a runtime is opened, and how one generation runs.
+
+They are the one place these fields are defined: the CLI builds them from the Hydra config
+(turbo.config), the TUI and the probe from the same, the API from keyword arguments.
+Environment variables are read here and nowhere else (`OpenOptions.from_env`,
+`policy_from_env`), at the edges that build the options.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
+QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (turbo.quant.CPU_MODES)
+CACHE_ENV = "TURBO_CACHE"  # where native.c's build is cached
+POLICY_ENVS = {"dflash": "TURBO_DFLASH_DRAFT", "mtp": "TURBO_MTP_DRAFT"}
+
+
+@dataclass(frozen=True)
+class OpenOptions:
+    """How `turbo.open` builds a runtime."""
+
+    backend: str = "auto"  # auto | cpu | cuda
+    dtype: str = "float32"  # float32 | bfloat16: the activations' dtype
+    draft_products: str = "auto"  # auto | fp32 | bf16 | int8: the CPU drafters' matrix products
+    threads: int | None = None  # torch's intra-op threads (None: leave as is)
+    native: bool = True  # False: the torch step even where native.c builds (TURBO_NATIVE=0)
+    quant_cpu: str = "auto"  # TURBO_QUANT_CPU: auto | kernel | packed | dequant (turbo.quant)
+    cache_dir: Path | None = None  # native.c's build cache (TURBO_CACHE; None: XDG / ~/.cache)
+
+    @classmethod
+    def from_env(cls, **given) -> "OpenOptions":
+        """The options with the environment's say on the fields a caller did not give."""
+        env = {}
+        if "native" not in given:
+            env["native"] = os.environ.get(NATIVE_ENV, "1").strip() != "0"
+        if "quant_cpu" not in given:
+            env["quant_cpu"] = os.environ.get(QUANT_CPU_ENV, "auto").strip() or "auto"
+        if "cache_dir" not in given:
+            root = os.environ.get(CACHE_ENV) or os.environ.get("XDG_CACHE_HOME")
+            env["cache_dir"] = Path(root) / "turbo" if root else None
+        return cls(**env, **given)
+
+    def but(self, **changes) -> "OpenOptions":
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True)
+class GenerationOptions:
+    """How one `generate` / `stream` call runs."""
+
+    max_new_tokens: int = 256
+    policy: str | None = None  # auto | off | fixed | adaptive; None: the env var's (policy_from_env), else auto
+    block: int | None = None  # proposals per round (fixed; the widest for adaptive)
+    rollback: str = "checkpoint"  # checkpoint | replay: how a rejected round restores the GDN state
+    drafter: object = "auto"  # auto | dflash | mtp, or a Drafter object of the caller's (turbo.drafters)
+    window: int | None = None  # the DFlash2 drafter's context window (None: its trained sliding_window)
+    stop_at_eos: bool = True  # stop at the model's end-of-text token
+
+    def but(self, **changes) -> "GenerationOptions":
+        return replace(self, **changes)
+
+
+GENERATION_FIELDS = tuple(f.name for f in fields(GenerationOptions))
+OPEN_FIELDS = tuple(f.name for f in fields(OpenOptions))
+
+
+def policy_from_env(drafter: str) -> tuple[str, int | None]:
+    """(policy, block) from TURBO_DFLASH_DRAFT / TURBO_MTP_DRAFT for a caller that named no
+    policy. Unset and unparsable both mean auto: a typo must not silently disable a feature
+    the install can serve. 0 = off, n > 0 = fixed n."""
+    raw = os.environ.get(POLICY_ENVS.get(drafter, POLICY_ENVS["dflash"]), "").strip()
+    try:
+        n = int(raw)
+    except ValueError:
+        return "auto", None
+    if n < 0:
+        return "auto", None
+    return ("off", None) if n == 0 else ("fixed", n)

@@ -24,7 +24,8 @@ from .install import Install, open_install
 from .adaptive import AdaptiveChooser, LazyContext
 from .policy import ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
 from .stats import Stats
-from .trunk import Trunk
+from .loader import load_drafter, load_trunk
+from .options import OpenOptions
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Runtime:
         self.draft_products = draft_products  # the CPU drafters' matrix products (native.draft_layout)
         # backend cuda: weights, caches and the forward on the GPU (the hot ops as PTX kernels)
         self.device = torch.device("cuda" if self.backend.name == "cuda" else "cpu")
-        self.trunk = Trunk(install, getattr(torch, dtype), self.device)
+        self.trunk = load_trunk(install, OpenOptions(dtype=dtype), self.device)
         tok = install.path / "tokenizer.json"
         if not tok.is_file():
             raise TurboError(f"{tok}: missing (expected the install's tokenizer)")
@@ -81,13 +82,8 @@ class Runtime:
     def drafter(self, kind: str, window: int | None):
         key = (kind, window)
         if key not in self._drafters:
-            if kind == "dflash":
-                from .drafters.dflash import DflashDrafter
-                self._drafters[key] = DflashDrafter(self.install, self.trunk.embed, ops.dense(self.trunk.lm_head), window,
-                                                    device=self.device, products=self.draft_products)
-            else:
-                from .drafters.mtp import MtpDrafter
-                self._drafters[key] = MtpDrafter(self.install, self.trunk, self.draft_products)
+            self._drafters[key] = load_drafter(kind, self.install, self.trunk, window,
+                                               OpenOptions(draft_products=self.draft_products))
         return self._drafters[key]
 
     def plan(self, policy: str | None, block: int | None, drafter: str) -> Plan:

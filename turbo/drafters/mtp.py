@@ -35,6 +35,7 @@ from .. import ops
 from ..backends import native
 from ..errors import TurboError
 from ..install import Install
+from . import DrafterBase
 from ..trunk import AttnWeights, LayerWeights, Trunk, native_layer, pack_layer
 
 MTP_PREFIX = "mtp."
@@ -63,7 +64,7 @@ def mtp_tensor_shapes(arch) -> dict[str, tuple[int, ...]]:
     }
 
 
-class MtpDrafter:
+class MtpDrafter(DrafterBase):
     """Chained drafting with the MTP layer and its own KV cache (positions [start, filled)).
     `products`: the layer's matrix products on the native step (native.draft_layout; the
     lm_head is the trunk's own, fp32)."""

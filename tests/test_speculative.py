@@ -8,6 +8,7 @@ from helpers import ScriptedDrafter
 
 from turbo import ops
 from turbo.backends import native
+from turbo.drafters import DrafterBase
 from turbo.drafters.dflash import DflashDrafter
 from turbo.install import open_install
 from turbo.trunk import Trunk
@@ -68,17 +69,17 @@ def test_ring_wrap_attends_exactly_the_window(spec_install):
     assert torch.equal(a, b)
 
 
+class Scripted(ScriptedDrafter, DrafterBase):
+    """The scripted drafter with the protocol's defaults for what it does not define."""
+
+
 @pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
 def test_scripted_drafter_counters_equal_hand_computed(rt, rollback):
     prompt = PROMPTS[0]
     schedule = [4, 0, 1, 2, 3, 4, 2, 0]  # every accepted count 0..4 occurs
     base = rt.generate(prompt, max_new_tokens=24 + 8, policy="off").tokens
-    scripted = ScriptedDrafter(prompt + base, schedule, 320)
-    rt._drafters[("dflash", None)] = scripted  # the test double stands in for the real drafter
-    try:
-        out = rt.generate(prompt, max_new_tokens=24, policy="fixed", block=4, rollback=rollback)
-    finally:
-        del rt._drafters[("dflash", None)]
+    scripted = Scripted(prompt + base, schedule, 320)
+    out = rt.generate(prompt, max_new_tokens=24, policy="fixed", block=4, rollback=rollback, drafter=scripted)
     s = out.stats
     assert out.tokens == base[:24]
     # by hand: 8 rounds, sum(n) = 16, rounds with n < 4: six; tokens = sum(n + 1) = 24

@@ -32,8 +32,9 @@ on the estimate as readings accumulate. Acceptance is shrunk towards the previou
 inherit it; the first starts at 0.5, weight `prior`), and old rounds fade by `decay` per round so
 a generation whose text changes character is followed.
 
-While it decodes plainly the drafter's context is fed lazily (`LazyContext`): committed rows are
-buffered and added in one batch before the next draft, so a plain round does no drafter work.
+While it decodes plainly the drafter's context is fed lazily (`LazyContext`): what each round
+commits is kept (the drafter's `defer`) and handed over in one batch before the next draft
+(`commit_deferred`), so a plain round does no drafter work.
 Feeding the previous spec round's rows counts in the draft cost (speculating pays it every
 round); the batch a stretch of plain rounds left is timed apart and left out (a switch, not a
 cost of the block).
@@ -48,7 +49,8 @@ import weakref
 from collections import deque
 from statistics import median
 
-import torch
+from .drafters import Drafter
+from .stats import count_positions
 
 
 _COSTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -244,10 +246,7 @@ class AdaptiveChooser:
         if block:  # evidence fades a round at a time (plain rounds add none: they leave it as it stood)
             self.reached = [r * self.decay for r in self.reached]
             self.landed = [l * self.decay for l in self.landed]
-            for i in range(min(block, accepted + 1)):
-                self.reached[i] += 1
-                if i < accepted:
-                    self.landed[i] += 1
+            count_positions(self.reached, self.landed, block, accepted)
         # feeding the drafter the previous spec round's rows is a cost of speculating, paid every
         # round; rows buffered by plain rounds are fed once, on the way back (a switch, not a block)
         after_plain = len(self.chosen) > 1 and self.chosen[-2] == 0
@@ -259,38 +258,22 @@ class AdaptiveChooser:
 
 
 class LazyContext:
-    """Wraps a drafter for the adaptive loop: `commit` buffers the committed rows, and the next
-    `propose` feeds them to the drafter first (in one batch when the drafter takes its context
-    as aux rows), so plain rounds do no drafter work at all."""
+    """Wraps a drafter for the adaptive loop: `commit` keeps what the drafter's `defer` returns,
+    and the next `propose` hands it all to `commit_deferred` first (one batch), so plain rounds
+    do no drafter work at all (turbo.drafters.Drafter)."""
 
-    def __init__(self, drafter, chooser: AdaptiveChooser | None = None):
-        self.inner, self.pending, self.chooser = drafter, [], chooser
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
+    def __init__(self, drafter: Drafter, chooser: AdaptiveChooser):
+        self.inner, self.chooser = drafter, chooser
+        self.kind, self.aux_layers, self.window = drafter.kind, drafter.aux_layers, drafter.window
+        self.pending: list = []  # what defer returned, one item per round since the last propose
 
     def commit(self, out, kept: int) -> None:
-        # a drafter fed aux rows keeps only those: holding every round's whole output (its
-        # logits) through a plain stretch costs a plain round ~8% (fresh memory every step)
-        self.pending.append(out.aux[:kept].clone() if self._aux_fed else (out, kept))
-
-    @property
-    def _aux_fed(self) -> bool:
-        return hasattr(self.inner, "add_context")
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        t = time.perf_counter()
-        if self._aux_fed:
-            self.inner.add_context(torch.cat(self.pending))
-        else:
-            for out, kept in self.pending:
-                self.inner.commit(out, kept)
-        self.pending = []
-        if self.chooser is not None:
-            self.chooser.flush_s += time.perf_counter() - t
+        self.pending.append(self.inner.defer(out, kept))
 
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
-        self.flush()
+        if self.pending:
+            t = time.perf_counter()
+            self.inner.commit_deferred(self.pending)
+            self.pending = []
+            self.chooser.flush_s += time.perf_counter() - t
         return self.inner.propose(anchor, anchor_pos, block)

@@ -1,4 +1,5 @@
-"""The speculative round: draft, verify, accept, roll back (DESIGN 5), and the public API.
+"""The public API, the speculative round (draft, verify, accept, roll back) and the loop around
+it (DESIGN 5).
 
     rt = turbo.open("tiny")
     result = rt.generate("def fib(n):", max_new_tokens=64, policy="fixed", block=4)
@@ -8,24 +9,27 @@
 
 from __future__ import annotations
 
-import gc
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tokenizers import Tokenizer
 
-from . import ops
+from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native, select_backend
+from .detokenizer import Detokenizer
+from .drafters import Drafter, is_drafter
 from .errors import TurboError
 from .install import Install, open_install
-from .adaptive import AdaptiveChooser, LazyContext
-from .policy import ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
-from .stats import Stats
 from .loader import load_drafter, load_trunk
-from .options import OpenOptions
+from .options import GenerationOptions, OpenOptions
+from .policy import DRAFTERS, ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
+from .stats import Stats
+from .trunk import Trunk, TrunkState
+
+DEFAULT_GENERATION = GenerationOptions()
 
 
 @dataclass
@@ -45,16 +49,68 @@ class GenerateResult:
     from_draft: list[bool] = field(default_factory=list)
 
 
+# ---- the round -----------------------------------------------------------------------------
+
+# (proposals, the verify's logits over [anchor, proposals...]) -> (accepted, the next token)
+Accept = Callable[[list[int], torch.Tensor], tuple[int, int]]
+
+
+@dataclass(slots=True)
+class RoundResult:
+    """What one round committed (proposals[:accepted] + [bonus]) and what its parts took."""
+
+    proposals: list[int]  # the drafter's block (empty in a plain round)
+    accepted: int  # how many of them the trunk confirmed
+    bonus: int  # the trunk's own token after them: committed too, and the next anchor
+    replayed: int  # rows the rollback ran again
+    draft_s: float
+    verify_s: float
+    rollback_s: float
+
+
+def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]:
+    """Proposal i lands while it is the trunk's argmax after row i and all before it landed;
+    the next token is the trunk's argmax after the last row kept."""
+    targets = logits.argmax(dim=-1).tolist()
+    n = 0
+    while n < len(proposals) and proposals[n] == targets[n]:
+        n += 1
+    return n, targets[n]
+
+
+def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: int, block: int, rollback: str,
+               accept: Accept) -> RoundResult:
+    """Draft `block` proposals after `anchor` (none at block 0), verify them with the anchor in
+    one trunk step, accept a prefix, roll the state back to it and tell the drafter what was kept."""
+    t0 = time.perf_counter()
+    proposals = drafter.propose(anchor, st.pos, block) if block else []
+    t1 = time.perf_counter()
+    rows = [anchor] + proposals
+    out = trunk.step(st, rows, drafter.aux_layers if drafter is not None else (), rollback if proposals else None)
+    accepted, bonus = accept(proposals, out.logits)
+    t2 = time.perf_counter()
+    replayed = trunk.rollback(st, out, len(rows), accepted + 1, rollback)
+    t3 = time.perf_counter()
+    if drafter is not None:
+        drafter.commit(out, accepted + 1)
+    return RoundResult(proposals, accepted, bonus, replayed, t1 - t0, t2 - t1, t3 - t2)
+
+
+# ---- the runtime ---------------------------------------------------------------------------
+
+
 class Runtime:
-    def __init__(self, install: Install, backend: str = "auto", dtype: str = "float32", draft_products: str = "auto"):
-        self.backend: Backend = select_backend(backend)
-        if dtype not in ("float32", "bfloat16"):
-            raise TurboError(f"dtype {dtype!r} is not one of float32, bfloat16")
+    """An open install: its trunk, its tokenizer and its own drafters (built on first use)."""
+
+    def __init__(self, install: Install, opts: OpenOptions):
+        self.options = opts
+        self.backend: Backend = select_backend(opts.backend)
+        if opts.dtype not in ("float32", "bfloat16"):
+            raise TurboError(f"dtype {opts.dtype!r} is not one of float32, bfloat16")
         self.install = install
-        self.draft_products = draft_products  # the CPU drafters' matrix products (native.draft_layout)
         # backend cuda: weights, caches and the forward on the GPU (the hot ops as PTX kernels)
         self.device = torch.device("cuda" if self.backend.name == "cuda" else "cpu")
-        self.trunk = load_trunk(install, OpenOptions(dtype=dtype), self.device)
+        self.trunk = load_trunk(install, opts, self.device)
         tok = install.path / "tokenizer.json"
         if not tok.is_file():
             raise TurboError(f"{tok}: missing (expected the install's tokenizer)")
@@ -62,7 +118,7 @@ class Runtime:
             self.tokenizer = Tokenizer.from_file(str(tok))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
-        self._drafters: dict[tuple, object] = {}
+        self._drafters: dict[tuple[str, int | None], Drafter] = {}
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -79,17 +135,17 @@ class Runtime:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def drafter(self, kind: str, window: int | None):
+    def drafter(self, kind: str, window: int | None) -> Drafter:
+        """The install's own drafter of `kind` (dflash | mtp) with that context window."""
         key = (kind, window)
         if key not in self._drafters:
-            self._drafters[key] = load_drafter(kind, self.install, self.trunk, window,
-                                               OpenOptions(draft_products=self.draft_products))
+            self._drafters[key] = load_drafter(kind, self.install, self.trunk, window, self.options)
         return self._drafters[key]
 
-    def plan(self, policy: str | None, block: int | None, drafter: str) -> Plan:
+    def plan(self, policy: str | None, block: int | None, drafter: str | Drafter) -> Plan:
         if policy is None:
-            mtp = choose_drafter(self.install, drafter) == "mtp"
-            env = policy_from_env("TURBO_MTP_DRAFT" if mtp else "TURBO_DFLASH_DRAFT")
+            kind = choose_drafter(self.install, drafter) if isinstance(drafter, str) else "dflash"
+            env = policy_from_env(kind)
             policy, block = env.name, block if block is not None else env.block
         trained = None
         if self.install.drafter_config is not None:
@@ -99,70 +155,72 @@ class Runtime:
 
     # ---- the API -----------------------------------------------------------------------
 
-    def generate(self, prompt: str | list[int], **kwargs) -> GenerateResult:
+    def generate(self, prompt: str | list[int], opts: GenerationOptions | None = None, **fields) -> GenerateResult:
+        """The whole generation at once; the same options as `stream`."""
         tokens, flags, stats = [], [], None
-        for event in self.stream(prompt, **kwargs):
+        for event in self.stream(prompt, opts, **fields):
             tokens += event.tokens
             flags += event.from_draft
             stats = event.stats
         return GenerateResult(tokens, self.decode(tokens), stats, flags)
 
-    def stream(self, prompt: str | list[int], max_new_tokens: int = 256, policy: str | None = None,
-               block: int | None = None, rollback: str = "checkpoint", drafter: str = "auto",
-               window: int | None = None, stop_at_eos: bool = True) -> Iterator[RoundEvent]:
-        """Yields one event per committed round. Validation happens before the first yield."""
+    def stream(self, prompt: str | list[int], opts: GenerationOptions | None = None,
+               **fields) -> Iterator[RoundEvent]:
+        """Yields one event per committed round. `opts` (turbo.options.GenerationOptions), or its
+        fields as keywords (over `opts` when both). Validation happens before the first yield."""
+        o = opts if opts is not None else DEFAULT_GENERATION
+        if fields:
+            o = o.but(**fields)
         ids = self.encode(prompt)
-        if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-            raise TurboError(f"max_new_tokens is {max_new_tokens!r}, expected a positive integer")
+        if not isinstance(o.max_new_tokens, int) or o.max_new_tokens < 1:
+            raise TurboError(f"max_new_tokens is {o.max_new_tokens!r}, expected a positive integer")
         limit = self.install.arch.max_positions
-        if len(ids) + max_new_tokens > limit:
-            raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+        if len(ids) + o.max_new_tokens > limit:
+            raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
                              f"max_position_embeddings {limit}")
-        if rollback not in ROLLBACKS:
-            raise TurboError(f"rollback {rollback!r} is not one of {', '.join(ROLLBACKS)}")
-        p = self.plan(policy, block, drafter)
-        if window is not None and p.drafter == "mtp":
-            raise TurboError(f"window {window}: the window is the DFlash2 drafter's context, and the MTP head "
+        if o.rollback not in ROLLBACKS:
+            raise TurboError(f"rollback {o.rollback!r} is not one of {', '.join(ROLLBACKS)}")
+        own = not isinstance(o.drafter, str)  # the caller's drafter object
+        if own and not is_drafter(o.drafter):
+            raise TurboError(f"drafter {o.drafter!r} is not one of {', '.join(DRAFTERS)} nor a turbo.drafters.Drafter "
+                             "(turbo.drafters.DrafterBase has its defaults)")
+        p = self.plan(o.policy, o.block, o.drafter)
+        if o.window is not None and own:
+            raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and a drafter object "
+                             "keeps its own (drop window=)")
+        if o.window is not None and p.drafter == "mtp":
+            raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and the MTP head "
                              "drafting here keeps none (drop window= or use drafter=dflash)")
-        draft = self.drafter(p.drafter, window) if p.drafter else None
+        draft = None if p.drafter is None else o.drafter if own else self.drafter(p.drafter, o.window)
         stats = Stats(prompt_tokens=len(ids), policy=p.policy, drafter=p.drafter, block=p.block,
-                      window=getattr(draft, "window", None), rollback=rollback, backend=self.backend.name,
-                      speculation_off_reason=p.off_reason)
-        return self._rounds(ids, max_new_tokens, p, draft, rollback, stats, stop_at_eos)
+                      window=draft.window if draft is not None else None, rollback=o.rollback,
+                      backend=self.backend.name, speculation_off_reason=p.off_reason)
+        return self._rounds(ids, o, p, draft, stats)
 
-    def _rounds(self, ids: list[int], max_new: int, p: Plan, draft, rollback: str, stats: Stats,
-                stop_at_eos: bool) -> Iterator[RoundEvent]:
-        trunk, eos = self.trunk, set(self.install.arch.eos_token_ids) if stop_at_eos else set()
-        aux_layers = draft.aux_layers if draft is not None else ()
+    def _rounds(self, ids: list[int], o: GenerationOptions, p: Plan, draft: Drafter | None,
+                stats: Stats) -> Iterator[RoundEvent]:
+        """The loop around the round: limits, end of text, timing, detokenization, events."""
+        trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
+        eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
         start = time.perf_counter()
         st = trunk.new_state(len(ids) + max_new + 16)
+        aux_layers = draft.aux_layers if draft is not None else ()
         prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
         if draft is not None:
             draft.begin(prompt_out, ids)
-        anchor, generated, text = ids[-1], [], Detokenizer(self.decode)
-        first_done = None
-        chooser = AdaptiveChooser(p.block, memory=(draft, rollback)) if p.policy == "adaptive" and draft is not None else None
-        draft = LazyContext(draft, chooser) if chooser is not None else draft  # plain rounds skip the drafter's work
+        chooser = None
+        if p.policy == "adaptive" and draft is not None:
+            chooser = AdaptiveChooser(p.block, memory=(draft, rollback))
+            draft = LazyContext(draft, chooser)  # plain rounds skip the drafter's work
+        anchor, generated, text, first_done = ids[-1], [], Detokenizer(self.decode), None
         while len(generated) < max_new:
             block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
-            t0 = time.perf_counter()
-            proposals = draft.propose(anchor, st.pos, block) if draft is not None and block else []
-            t1 = time.perf_counter()
-            rows = [anchor] + proposals
-            out = trunk.step(st, rows, aux_layers, keep=rollback if proposals else None)
-            targets = out.logits.argmax(dim=-1).tolist()
-            n = 0
-            while n < len(proposals) and proposals[n] == targets[n]:
-                n += 1
-            t2 = time.perf_counter()
-            replayed = trunk.rollback(st, out, len(rows), n + 1, rollback)
+            r = play_round(trunk, st, draft, anchor, block, rollback, accept_greedy)
             if chooser is not None:
-                chooser.observe(block, n, t1 - t0, t2 - t1, time.perf_counter() - t2)
-            if draft is not None:
-                draft.commit(out, n + 1)
-            stats.record_round(len(proposals), n, replayed)
-            committed, flags = proposals[:n] + [targets[n]], [True] * n + [False]
-            committed, flags = committed[:max_new - len(generated)], flags[:max_new - len(generated)]
+                chooser.observe(block, r.accepted, r.draft_s, r.verify_s, r.rollback_s)
+            stats.record_round(len(r.proposals), r.accepted, r.replayed)
+            n, room = r.accepted, max_new - len(generated)
+            committed, flags = (r.proposals[:n] + [r.bonus])[:room], ([True] * n + [False])[:room]
             hit_eos = next((i for i, t in enumerate(committed) if t in eos), None)
             if hit_eos is not None:
                 committed, flags = committed[:hit_eos + 1], flags[:hit_eos + 1]
@@ -179,41 +237,16 @@ class Runtime:
             yield RoundEvent(committed, flags, text.push(committed, final=done), stats.snapshot(), done)
             if done:
                 return
-            anchor = targets[n]
+            anchor = r.bonus
 
 
-class Detokenizer:
-    """The text each round adds, decoding only a short tail of the tokens (prefix and read
-    offsets, as Hugging Face's text-generation-inference does): decoding the whole list
-    every round would cost time quadratic in its length. A tail that ends inside a
-    character (U+FFFD) waits for the next tokens; `final` lets it out."""
-
-    def __init__(self, decode):
-        self.decode, self.ids, self.prefix, self.read = decode, [], 0, 0
-
-    def push(self, tokens: list[int], final: bool = False) -> str:
-        self.ids += tokens
-        done, text = self.decode(self.ids[self.prefix:self.read]), self.decode(self.ids[self.prefix:])
-        if len(text) > len(done) and (final or not text.endswith("\ufffd")):
-            self.prefix, self.read = self.read, len(self.ids)
-            return text[len(done):]
-        return ""
-
-
-def open(path_or_name: str | Path = "tiny", backend: str = "auto", dtype: str = "float32",  # noqa: A001
-         draft_products: str = "auto") -> Runtime:
+def open(path_or_name: str | Path = "tiny", opts: OpenOptions | None = None, **fields) -> Runtime:  # noqa: A001
     """Open an install: a directory, or the name of one shipped in the package ("tiny").
-    draft_products: auto | fp32 | bf16 | int8, the CPU drafters' matrix products."""
-    global _frozen
-    native.check_draft_products(draft_products)  # before the install loads
-    rt = Runtime(open_install(path_or_name), backend, dtype, draft_products)
-    if not _frozen:
-        # A full collection walks every tracked object -- ~180k once torch is imported, ~100 ms
-        # here -- and would land in the middle of some decode step. What exists at the first
-        # open (modules, the first model) lives as long as the process: moved out of reach.
-        gc.freeze()
-        _frozen = True
-    return rt
-
-
-_frozen = False
+    `opts` (turbo.options.OpenOptions), or its fields as keywords (backend=, dtype=,
+    draft_products=, ...) with the environment's say on the rest (OpenOptions.from_env)."""
+    if opts is None:
+        opts = OpenOptions.from_env(**fields)
+    elif fields:
+        opts = opts.but(**fields)
+    native.check_draft_products(opts.draft_products)  # before the install loads
+    return Runtime(open_install(path_or_name), opts)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
+from . import options
+from .drafters import Drafter
 from .errors import TurboError
 from .install import CODE_NAMES, Install
 
@@ -31,21 +32,14 @@ class DraftPolicy:
     block: int | None = None
 
 
-def policy_from_env(var: str = "TURBO_DFLASH_DRAFT") -> DraftPolicy:
-    """Unset and unparsable both mean auto: a typo must not silently disable a feature
-    the install can serve."""
-    raw = os.environ.get(var, "").strip()
-    try:
-        n = int(raw)
-    except ValueError:
-        return DraftPolicy("auto")
-    if n < 0:
-        return DraftPolicy("auto")
-    return DraftPolicy("off") if n == 0 else DraftPolicy("fixed", n)
+def policy_from_env(drafter: str = "dflash") -> DraftPolicy:
+    """The policy TURBO_DFLASH_DRAFT (TURBO_MTP_DRAFT for drafter mtp) names (options.policy_from_env)."""
+    return DraftPolicy(*options.policy_from_env(drafter))
 
 
-def speculation_blocker(install: Install, drafter: str, covered_dtypes: tuple[int, ...]) -> str | None:
-    """Why speculation with `drafter` (dflash | mtp) cannot run on this install, or None.
+def speculation_blocker(install: Install, drafter: str | None, covered_dtypes: tuple[int, ...]) -> str | None:
+    """Why speculation with `drafter` (dflash | mtp; None: a caller's own drafter object, which
+    only needs the verify) cannot run on this install, or None.
 
     Ordered: the first that applies wins. The vision arm is first because every check
     below would wave a tower-carrying install through into wrong numbers."""
@@ -73,7 +67,7 @@ def speculation_blocker(install: Install, drafter: str, covered_dtypes: tuple[in
             return ("this install carries no MTP head (mtp.fc.weight is not in the resident index); repack from a "
                     "checkpoint that ships mtp.* tensors, or use drafter=dflash")
         return None
-    if not install.has_dflash:
+    if drafter == "dflash" and not install.has_dflash:
         return ("this install carries no DFlash2 drafter (dflash.fc.weight is not in the resident index); stream it "
                 "beside the trunk: python -m turbo.repack SRC OUT --drafter DRAFTER_DIR")
     return None
@@ -84,7 +78,7 @@ class Plan:
     """What a generation will do, decided once before it starts."""
 
     policy: str
-    drafter: str | None  # dflash | mtp | None (plain decode)
+    drafter: str | None  # dflash | mtp | a caller's drafter's kind | None (plain decode)
     block: int  # 0 when plain decode
     off_reason: str | None
 
@@ -104,15 +98,16 @@ def check_block(block: int, trained: int) -> None:
                          f"and this port builds at most {DFLASH_BLOCK}")
 
 
-def plan(install: Install, policy: str, block: int | None, drafter: str, covered_dtypes: tuple[int, ...],
+def plan(install: Install, policy: str, block: int | None, drafter: str | Drafter, covered_dtypes: tuple[int, ...],
          trained_block: int | None = None) -> Plan:
+    """drafter: auto | dflash | mtp, or a caller's Drafter object (its kind names it in the plan)."""
     if policy not in POLICIES:
         raise TurboError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if block is not None and (not isinstance(block, int) or isinstance(block, bool)):
         raise TurboError(f"block {block!r} is not an integer")
     if policy == "off":
         return Plan("off", None, 0, "policy is off")
-    kind = choose_drafter(install, drafter)
+    kind = choose_drafter(install, drafter) if isinstance(drafter, str) else None
     reason = speculation_blocker(install, kind, covered_dtypes)
     if policy == "fixed" and block is None:
         raise TurboError("policy fixed needs a block: +policy=fixed block=N")
@@ -126,4 +121,4 @@ def plan(install: Install, policy: str, block: int | None, drafter: str, covered
         if policy == "adaptive":
             block = min(trained, DFLASH_BLOCK)
     check_block(block, trained)
-    return Plan(policy, kind, block, None)
+    return Plan(policy, kind or drafter.kind, block, None)

@@ -53,7 +53,7 @@ from pathlib import Path
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .errors import TurboError
-from .stats import derived
+from .stats import derived, widen
 
 SCHEMA = "turbo.probe/1"
 DEFAULT_BLOCKS = (1, 2, 4, 7, 8)
@@ -93,9 +93,7 @@ class Agg:
         self.rollbacks += stats.rollbacks
         self.replayed_rows += stats.replayed_rows
         self.wall_s += wall
-        width = max(len(self.reached), len(stats.reached))
-        self.reached += [0] * (width - len(self.reached))
-        self.landed += [0] * (width - len(self.landed))
+        widen(self.reached, self.landed, len(stats.reached))
         for i, (r, l) in enumerate(zip(stats.reached, stats.landed)):
             self.reached[i] += r
             self.landed[i] += l

@@ -13,6 +13,21 @@ def derived(rounds: int, accepted: int, rollbacks: int, reached: list[int], land
             "per_position_acceptance": [l / r if r else 0.0 for l, r in zip(landed, reached)]}
 
 
+def widen(reached: list, landed: list, width: int) -> None:
+    """Grow both per-position count lists to at least `width` positions."""
+    reached += [0] * (width - len(reached))
+    landed += [0] * (width - len(landed))
+
+
+def count_positions(reached: list, landed: list, drafted: int, accepted: int) -> None:
+    """Add one round to the per-position counts (lists at least `drafted` long): proposal i+1
+    was judged (reached) when the i before it were all accepted, and landed when it was too."""
+    for i in range(min(drafted, accepted + 1)):
+        reached[i] += 1
+        if i < accepted:
+            landed[i] += 1
+
+
 @dataclass
 class Stats:
     prompt_tokens: int = 0
@@ -48,13 +63,8 @@ class Stats:
         self.replayed_rows += replayed
         if accepted < block:
             self.rollbacks += 1
-        width = max(len(self.reached), block)
-        self.reached += [0] * (width - len(self.reached))
-        self.landed += [0] * (width - len(self.landed))
-        for i in range(min(block, accepted + 1)):
-            self.reached[i] += 1
-            if i < accepted:
-                self.landed[i] += 1
+        widen(self.reached, self.landed, block)
+        count_positions(self.reached, self.landed, block, accepted)
         for name, value in derived(self.rounds, self.accepted, self.rollbacks, self.reached, self.landed).items():
             setattr(self, name, value)
 

@@ -19,6 +19,7 @@ torch.set_num_threads(1)
 
 import turbo  # noqa: E402
 from turbo import RoundEvent, Stats  # noqa: E402
+from turbo.options import OpenOptions  # noqa: E402
 from tui import MODES, Settings, TurboApp, compose_settings  # noqa: E402
 from tui.__main__ import main as tui_main  # noqa: E402
 from tui.app import from_input, to_input  # noqa: E402
@@ -48,10 +49,9 @@ def spec_rt(installs):
 
 
 def settings(install, **kw) -> Settings:
-    base = dict(install=str(install), backend="cpu", max_new_tokens=20, prompt="", policy="auto",
-                presets=[("prose", "The quick\nbrown fox"), ("code", "def f(x):")])
-    base.update(kw)
-    return Settings(**base)
+    base = Settings(install=str(install), opening=OpenOptions.from_env(backend="cpu"), prompt="",
+                    presets=[("prose", "The quick\nbrown fox"), ("code", "def f(x):")])
+    return base.with_(**{"max_new_tokens": 20, "policy": "auto", **kw})
 
 
 async def settle(app, pilot, timeout: float = 30.0):
@@ -127,7 +127,7 @@ def test_type_submit_matches_generate(installs, spec_rt, policy, block, rollback
             await pilot.press("enter")
             await settle(app, pilot)
             assert app.last_outcome == "done", app.last_error
-            result = spec_rt.generate("def f(x): return x", **s.stream_kwargs())
+            result = spec_rt.generate("def f(x): return x", s.generation)
             assert_matches(app, result)
             assert result.stats.drafter == "dflash" and result.stats.rounds > 0
             header = str(app.query_one("#header").content)
@@ -180,7 +180,7 @@ def test_stop_mid_generation_then_submit_again(installs, spec_rt):
             await pilot.press("enter")
             await settle(app, pilot)
             assert app.last_outcome == "done"
-            assert_matches(app, spec_rt.generate("again", **app.settings.stream_kwargs()))
+            assert_matches(app, spec_rt.generate("again", app.settings.generation))
 
     asyncio.run(run())
 
@@ -202,7 +202,7 @@ def test_block_key_changes_the_next_generation(installs, spec_rt):
             await pilot.press("enter")
             await settle(app, pilot)
             assert app.last_stats.block == 4 and app.last_stats.drafted == 4 * app.last_stats.rounds
-            assert_matches(app, spec_rt.generate("abc", **app.settings.stream_kwargs()))
+            assert_matches(app, spec_rt.generate("abc", app.settings.generation))
             for _ in range(5):  # fixed 4 -> ... -> fixed 8 -> off
                 await pilot.press("ctrl+n")
             await pilot.press("ctrl+r")
@@ -211,7 +211,7 @@ def test_block_key_changes_the_next_generation(installs, spec_rt):
             await settle(app, pilot)
             assert app.last_stats.drafter is None and app.last_stats.rounds == app.last_stats.generated_tokens
             assert "speculation off" in str(app.query_one("#header").content)
-            assert_matches(app, spec_rt.generate("abc", **app.settings.stream_kwargs()))
+            assert_matches(app, spec_rt.generate("abc", app.settings.generation))
 
     asyncio.run(run())
 
@@ -311,7 +311,7 @@ class _FakeRuntime:
     def decode(self, ids):
         return "".join(self.WORDS[i % len(self.WORDS)] for i in ids)
 
-    def stream(self, prompt, max_new_tokens=256, policy=None, block=None, **kw):
+    def stream(self, prompt, opts=None, **kw):
         stats = Stats(prompt_tokens=1, policy="fixed", drafter="dflash", block=self.block, window=64, backend="cpu",
                       ttft_s=0.0123, prefill_tokens_per_s=81.3, decode_tokens_per_s=456.7)
 

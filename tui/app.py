@@ -7,6 +7,7 @@ event the worker checks between rounds; it then closes the stream, which leaves 
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -17,6 +18,8 @@ from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
+
+from turbo.options import GenerationOptions
 
 from .settings import Settings, mode_label, next_mode
 from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, header_text,
@@ -148,10 +151,11 @@ class TurboApp(App):
         s, st, rt = self.settings, self.last_stats, self.runtime
         request = (s.policy, s.block, s.rollback)
         pending = self._ran_with is not None and request != self._ran_with
+        g = s.generation
         info = {
             "install": rt.install.name if rt is not None else s.install,
-            "backend": rt.backend.name if rt is not None else s.backend,
-            "max_new_tokens": s.max_new_tokens,
+            "backend": rt.backend.name if rt is not None else s.opening.backend,
+            "max_new_tokens": g.max_new_tokens,
         }
         if st is not None and not pending:
             info |= {"drafter": st.drafter or "none", "policy": st.policy, "block": st.block if st.drafter else "–",
@@ -159,9 +163,9 @@ class TurboApp(App):
                      "off_reason": st.speculation_off_reason,
                      "speculating": f"{st.drafter} block {st.block}" if st.drafter else None}
         else:
-            info |= {"drafter": s.drafter, "policy": s.policy,
+            info |= {"drafter": g.drafter, "policy": s.policy,
                      "block": s.block if s.block is not None else ("–" if s.policy == "off" else s.policy),
-                     "window": s.window if s.window is not None else "default", "rollback": s.rollback}
+                     "window": g.window if g.window is not None else "default", "rollback": s.rollback}
             if pending:
                 info["pending"] = f"{mode_label(s.policy, s.block)} · rollback {s.rollback}"
                 if st is not None and st.drafter and s.policy != "off":  # the drafter stays the same
@@ -185,9 +189,9 @@ class TurboApp(App):
         import turbo
 
         try:
-            if self.settings.threads:
-                torch.set_num_threads(self.settings.threads)
-            rt = turbo.open(install, backend=self.settings.backend, dtype=self.settings.dtype)
+            if self.settings.opening.threads:
+                torch.set_num_threads(self.settings.opening.threads)
+            rt = turbo.open(install, self.settings.opening)
         except Exception as e:  # noqa: BLE001 - TurboError or anything else: shown, never raised
             self._from_thread(self._loaded, None, install, _message(e))
             return
@@ -199,6 +203,11 @@ class TurboApp(App):
             self.load_error = error
             self._set_status(f"cannot open install {install}: {error}  (type /open PATH to try another)", error=True)
         else:
+            if self.runtime is None:
+                # A full collection walks every tracked object (~180k once torch is imported, ~100 ms)
+                # and would land in the middle of some decode step. What exists once the first runtime
+                # is open (modules, the model) lives as long as the session: moved out of reach.
+                gc.freeze()
             self.runtime, self.load_error = rt, None
             self.settings = self.settings.with_(install=install)
             note = getattr(rt.backend, "note", "")
@@ -241,14 +250,14 @@ class TurboApp(App):
         self._render_round()
         self._started = time.perf_counter()
         self._set_status(f"generating ({mode_label(self.settings.policy, self.settings.block)}) … esc stops")
-        self._generate(self._gen, prompt, self.settings.stream_kwargs())
+        self._generate(self._gen, prompt, self.settings.generation)
         return True
 
     @work(thread=True, exit_on_error=False, group="generate")
-    def _generate(self, gen: int, prompt: str, kwargs: dict) -> None:
+    def _generate(self, gen: int, prompt: str, opts: GenerationOptions) -> None:
         worker = get_current_worker()
         try:
-            events = self.runtime.stream(prompt, **kwargs)
+            events = self.runtime.stream(prompt, opts)
         except Exception as e:  # noqa: BLE001 - a refused block, a bad prompt: a message in the app
             self._from_thread(self._finished, gen, "error", _message(e))
             return
@@ -297,7 +306,7 @@ class TurboApp(App):
         self._dirty = True
         if not self.stopping:
             st = self.last_stats
-            self._set_status(f"generating … {st.generated_tokens}/{self.settings.max_new_tokens} tokens,"
+            self._set_status(f"generating … {st.generated_tokens}/{self.settings.generation.max_new_tokens} tokens,"
                              f" round {st.rounds}  (esc stops)")
 
     def _tick(self) -> None:

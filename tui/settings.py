@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from turbo.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
+
 # The draft modes ctrl+n cycles through, between generations: (policy, block).
 MODES: tuple[tuple[str, int | None], ...] = (("off", None), ("auto", None)) + tuple(("fixed", b) for b in range(1, 9))
 ROLLBACKS = ("checkpoint", "replay")
@@ -25,30 +27,37 @@ def next_mode(policy: str, block: int | None) -> tuple[str, int | None]:
     return MODES[(i + 1) % len(MODES)]
 
 
-@dataclass
+@dataclass(frozen=True)
 class Settings:
+    """The TUI's session: how the runtime opens and how the next generation runs (the options
+    `python -m turbo` builds from the same config), and what the prompt box starts with."""
+
     install: str = "tiny"
-    backend: str = "auto"
-    dtype: str = "float32"
-    threads: int | None = None
-    policy: str = "auto"
-    block: int | None = None
-    window: int | None = None
-    rollback: str = "checkpoint"
-    drafter: str = "auto"
+    opening: OpenOptions = field(default_factory=OpenOptions.from_env)
+    generation: GenerationOptions = field(default_factory=GenerationOptions)
     prompt: str = ""
-    max_new_tokens: int = 256
     workload: str = ""
     # (workload name, prompt): the composed workload's prompts first, then the other workloads'.
     presets: list[tuple[str, str]] = field(default_factory=list)
 
-    def stream_kwargs(self) -> dict:
-        """The keyword arguments of Runtime.stream / generate for the current settings."""
-        return dict(max_new_tokens=self.max_new_tokens, policy=self.policy, block=self.block,
-                    rollback=self.rollback, drafter=self.drafter, window=self.window)
+    # what the keys cycle (ctrl+n, ctrl+r), read where the app shows them
+    @property
+    def policy(self) -> str | None:
+        return self.generation.policy
+
+    @property
+    def block(self) -> int | None:
+        return self.generation.block
+
+    @property
+    def rollback(self) -> str:
+        return self.generation.rollback
 
     def with_(self, **kw) -> "Settings":
-        return replace(self, **kw)
+        """A copy with some fields changed: the Settings' own, or any of the two option sets'."""
+        gen = {k: kw.pop(k) for k in GENERATION_FIELDS if k in kw}
+        opening = {k: kw.pop(k) for k in OPEN_FIELDS if k in kw}
+        return replace(self, generation=self.generation.but(**gen), opening=self.opening.but(**opening), **kw)
 
 
 def conf_dir() -> str:
@@ -80,9 +89,8 @@ def settings_from_config(cfg) -> Settings:
 
     rc = run_config(cfg)
     presets = [(rc.workload, p) for p in rc.prompts] + other_workload_prompts(rc.workload)
-    return Settings(install=rc.install, backend=rc.backend, dtype=rc.dtype, threads=rc.threads, policy=rc.policy,
-                    block=rc.block, window=rc.window, rollback=rc.rollback, drafter=rc.drafter, prompt=rc.prompt,
-                    max_new_tokens=rc.max_new_tokens, workload=rc.workload, presets=presets)
+    return Settings(install=rc.install, opening=rc.opening, generation=rc.generation, prompt=rc.prompt,
+                    workload=rc.workload, presets=presets)
 
 
 def compose_settings(overrides: list[str]) -> Settings:

@@ -6,6 +6,8 @@ from typing import Callable
 
 from rich.text import Text
 
+from turbo.detokenizer import Detokenizer
+
 ACCEPTED_STYLE = "bold #7ee787 on #12351f"  # an accepted draft proposal
 BONUS_STYLE = "#e6edf3"  # the trunk's bonus token (or any token when not speculating)
 PROMPT_STYLE = "dim italic"
@@ -34,15 +36,17 @@ def visible(s: str) -> str:
 class Transcript:
     """The generated tokens, where each came from, and the text they decode to.
 
-    `text` is always decode(all tokens), the same string `Runtime.generate` returns; each token's
-    span in it is the growth of decode(tokens[:k]) (clamped: byte-level pieces of one character
-    may not split cleanly)."""
+    `text` is decode(all tokens), the same string `Runtime.generate` returns, kept by the engine's
+    Detokenizer a token at a time (a short tail decoded per token, not the whole list): what it
+    has let out plus the tail it holds back, as that decodes now. Each token's span in it is the
+    growth of decode(tokens[:k]) (clamped: byte-level pieces of one character may not split cleanly)."""
 
     def __init__(self, decode: Callable[[list[int]], str]):
-        self.decode = decode
+        self.detokenizer = Detokenizer(decode)
         self.tokens: list[int] = []
         self.from_draft: list[bool] = []
         self.starts: list[int] = []
+        self.released = ""  # the text the detokenizer has let out
         self.text = ""
 
     def add(self, tokens: list[int], from_draft: list[bool]) -> None:
@@ -50,7 +54,8 @@ class Transcript:
             self.starts.append(len(self.text))  # == len(decode(tokens so far))
             self.tokens.append(t)
             self.from_draft.append(bool(f))
-            self.text = self.decode(self.tokens)
+            self.released += self.detokenizer.push([t])
+            self.text = self.released + self.detokenizer.held()
 
     def spans(self) -> list[tuple[int, int, bool]]:
         n, out, prev = len(self.text), [], 0

@@ -3,6 +3,8 @@ task=probe measures acceptance per block (turbo.probe)."""
 
 from __future__ import annotations
 
+import gc
+import importlib.util
 import os
 import sys
 
@@ -10,6 +12,10 @@ import hydra
 from omegaconf import DictConfig
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+# hydra/launcher=NAME -> the Hydra plugin that runs it (conf/hydra/launcher: local is joblib, slurm submitit)
+LAUNCHER_PLUGINS = {"joblib": "hydra_joblib_launcher", "local": "hydra_joblib_launcher",
+                    "submitit_local": "hydra_submitit_launcher", "submitit_slurm": "hydra_submitit_launcher",
+                    "slurm": "hydra_submitit_launcher"}
 
 
 def run(cfg: DictConfig) -> int:
@@ -19,20 +25,23 @@ def run(cfg: DictConfig) -> int:
     from .engine import open as open_runtime
 
     rc = run_config(cfg)
-    if rc.threads:
-        torch.set_num_threads(rc.threads)
+    if rc.opening.threads:
+        torch.set_num_threads(rc.opening.threads)
+    rt = open_runtime(rc.install, rc.opening)
+    # A full collection walks every tracked object -- ~180k once torch is imported, ~100 ms
+    # here -- and would land in the middle of some decode step. What exists once the runtime
+    # is open (modules, the model) lives as long as the process: moved out of reach.
+    gc.freeze()
     if rc.task == "probe":
         from .probe import run_probe
-        return run_probe(cfg, rc)
-    rt = open_runtime(rc.install, rc.backend, rc.dtype, rc.draft_products)
-    events = rt.stream(rc.prompt, max_new_tokens=rc.max_new_tokens, policy=rc.policy, block=rc.block,
-                       rollback=rc.rollback, drafter=rc.drafter, window=rc.window)
+        return run_probe(cfg, rc, runtime=rt)
+    events = rt.stream(rc.prompt, rc.generation)
     if rt.backend.note:  # only once the request is known to be valid: a refusal stays one line
         print(rt.backend.note, file=sys.stderr)
     stats = None
     sys.stdout.write(rc.prompt)
     for i, event in enumerate(events):
-        if i == 0 and event.stats.speculation_off_reason and rc.policy != "off":
+        if i == 0 and event.stats.speculation_off_reason and rc.generation.policy != "off":
             print(f"\n[turbo] speculation off: {event.stats.speculation_off_reason}", file=sys.stderr)
         sys.stdout.write(event.text)
         sys.stdout.flush()
@@ -72,8 +81,28 @@ def override_error(argv: list[str]) -> str | None:
     return None
 
 
+def launcher_missing(argv: list[str]) -> str | None:
+    """The sweep launcher an override selects, when its Hydra plugin is not installed (one line
+    naming the extra, where Hydra would report a missing config group)."""
+    from .extras import missing
+
+    for a in argv:
+        name, _, value = a.lstrip("+").partition("=")
+        plugin = LAUNCHER_PLUGINS.get(value) if name == "hydra/launcher" else None
+        if plugin is not None and not _installed(f"hydra_plugins.{plugin}"):
+            return missing("sweeps", plugin.replace("_", "-"))
+    return None
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # not even the parent package (no Hydra plugin at all)
+        return False
+
+
 if __name__ == "__main__":
-    problem = override_error(sys.argv[1:])
+    problem = launcher_missing(sys.argv[1:]) or override_error(sys.argv[1:])
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         sys.exit(2)

@@ -1,28 +1,21 @@
-"""The run configuration as Hydra composes it (conf/), read into plain values."""
+"""The run configuration as Hydra composes it (conf/), read into the two option sets."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from .errors import TurboError
+from .options import GenerationOptions, OpenOptions
 
 
 @dataclass(frozen=True)
 class RunConfig:
     install: str
-    backend: str
-    dtype: str
-    threads: int | None
-    policy: str
-    block: int | None
-    window: int | None
-    rollback: str
-    drafter: str
-    draft_products: str
+    opening: OpenOptions  # environment resolved (OpenOptions.from_env)
+    generation: GenerationOptions
     prompt: str
-    max_new_tokens: int
     workload: str
     prompts: tuple[str, ...]
     task: str
@@ -50,16 +43,13 @@ def run_config(cfg: DictConfig) -> RunConfig:
     policy = cfg.get("policy")
     name = policy.get("name") if isinstance(policy, DictConfig) else policy
     max_new = _opt_int(cfg, "max_new_tokens")
-    return RunConfig(
-        install=str(install), backend=str(cfg.get("backend", "auto")), dtype=str(cfg.get("dtype", "float32")),
-        threads=_opt_int(cfg, "threads"), policy=str(name), block=_opt_int(cfg, "block"),
-        window=_opt_int(cfg, "window"), rollback=str(cfg.get("rollback")), drafter=str(cfg.get("drafter")),
-        draft_products=str(cfg.get("draft_products", "auto")),
-        prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
-        max_new_tokens=max_new if max_new is not None else int(workload.max_new_tokens),
-        workload=str(workload.get("name", "")), prompts=prompts, task=str(task),
-    )
-
-
-def to_yaml(cfg: DictConfig) -> str:
-    return OmegaConf.to_yaml(cfg)
+    opening = OpenOptions.from_env(backend=str(cfg.get("backend", "auto")), dtype=str(cfg.get("dtype", "float32")),
+                                   draft_products=str(cfg.get("draft_products", "auto")),
+                                   threads=_opt_int(cfg, "threads"))
+    generation = GenerationOptions(
+        max_new_tokens=max_new if max_new is not None else int(workload.max_new_tokens), policy=str(name),
+        block=_opt_int(cfg, "block"), rollback=str(cfg.get("rollback")), drafter=str(cfg.get("drafter")),
+        window=_opt_int(cfg, "window"))
+    return RunConfig(install=str(install), opening=opening, generation=generation,
+                     prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
+                     workload=str(workload.get("name", "")), prompts=prompts, task=str(task))

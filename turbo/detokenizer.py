@@ -21,3 +21,9 @@ class Detokenizer:
             self.prefix, self.read = self.read, len(self.ids)
             return text[len(done):]
         return ""
+
+    def held(self) -> str:
+        """What `push` holds back (the tail since its last release), decoded as it stands."""
+        if self.read == len(self.ids):
+            return ""
+        return self.decode(self.ids[self.prefix:])[len(self.decode(self.ids[self.prefix:self.read])):]

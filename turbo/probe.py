@@ -49,11 +49,16 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from .config import RunConfig
 from .errors import TurboError
 from .stats import derived, widen
+
+if TYPE_CHECKING:
+    from .engine import Runtime
 
 SCHEMA = "turbo.probe/1"
 DEFAULT_BLOCKS = (1, 2, 4, 7, 8)
@@ -155,7 +160,8 @@ def _overrides() -> list[str]:
         return []
 
 
-def _fmt_pos(p: list[float]) -> str:
+def pos_range(p: list[float]) -> str:
+    """Per-position acceptance as its range ("0.41-0.77"; one value when flat)."""
     if not p:
         return "-"
     lo, hi = min(p), max(p)
@@ -183,7 +189,7 @@ def tables(workload: str, runs: list[dict], prompts: int, max_new: int) -> str:
                 "| --- | --- | " + " | ".join("---:" for _ in cols) + " |"]
         for rb in strategies:
             widest = find(rb, fixed[-1]) if fixed else None
-            pos = _fmt_pos(widest["per_position_acceptance"]) if widest else "-"
+            pos = pos_range(widest["per_position_acceptance"]) if widest else "-"
             cells = [f"{find(rb, c)['accepted_per_round']:.2f}" if find(rb, c) else "" for c in cols]
             out.append(f"| {rb} | {pos} | " + " | ".join(cells) + " |")
         out += ["", "rollback rate (deterministic):", "",
@@ -218,27 +224,31 @@ def tables(workload: str, runs: list[dict], prompts: int, max_new: int) -> str:
     return "\n".join(out)
 
 
-def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: bool = False) -> int:
+def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None, quiet: bool = False,
+              runtime: Runtime | None = None) -> int:
+    """runtime: rc's install already open (the CLI's); None opens it here."""
     from .engine import open as open_runtime
     from .policy import POLICIES
+
+    g = rc.generation
 
     pc = cfg.get("probe") or OmegaConf.create({})
     blocks = _list(pc.get("blocks", list(DEFAULT_BLOCKS)), "probe.blocks") or []
     with_adaptive = bool(pc.get("adaptive", True))
-    if rc.policy == "fixed":
-        if rc.block is None:
+    if g.policy == "fixed":
+        if g.block is None:
             raise TurboError("policy fixed needs a block: +policy=fixed block=N")
-        blocks, with_adaptive = [rc.block], False
-    elif rc.policy == "adaptive":
+        blocks, with_adaptive = [g.block], False
+    elif g.policy == "adaptive":
         blocks, with_adaptive = [], True
-    elif rc.policy == "off":
+    elif g.policy == "off":
         blocks, with_adaptive = [], False
-    elif rc.policy not in POLICIES:
-        raise TurboError(f"policy {rc.policy!r} is not one of {', '.join(POLICIES)}")
+    elif g.policy not in POLICIES:
+        raise TurboError(f"policy {g.policy!r} is not one of {', '.join(POLICIES)}")
     for b in blocks:
         if isinstance(b, bool) or not isinstance(b, int):
             raise TurboError(f"probe.blocks: {b!r} is not an integer")
-    rollbacks = [str(r) for r in (_list(pc.get("rollbacks"), "probe.rollbacks") or [rc.rollback])]
+    rollbacks = [str(r) for r in (_list(pc.get("rollbacks"), "probe.rollbacks") or [g.rollback])]
     workloads = [str(w) for w in (_list(pc.get("workloads"), "probe.workloads") or [rc.workload])]
     per = pc.get("prompts_per_workload")
     if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
@@ -248,12 +258,12 @@ def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: boo
     if not isinstance(stop_at_eos, bool):
         raise TurboError(f"config: probe.stop_at_eos={stop_at_eos!r}, expected true or false")
 
-    rt = open_runtime(rc.install, rc.backend, rc.dtype, rc.draft_products)
+    rt = runtime if runtime is not None else open_runtime(rc.install, rc.opening)
     if rt.backend.note and not quiet:
         print(rt.backend.note, file=sys.stderr)
     # validate every configuration before decoding anything (a bad block fails in seconds)
-    plans = {b: rt.plan("fixed", b, rc.drafter) for b in blocks}
-    adaptive_plan = rt.plan("adaptive", None, rc.drafter) if with_adaptive else None
+    plans = {b: rt.plan("fixed", b, g.drafter) for b in blocks}
+    adaptive_plan = rt.plan("adaptive", None, g.drafter) if with_adaptive else None
     if adaptive_plan is not None and adaptive_plan.drafter is None:
         raise TurboError(f"adaptive cannot speculate: {adaptive_plan.off_reason}")
     drafter = next((p.drafter for p in plans.values()), adaptive_plan.drafter if adaptive_plan else None)
@@ -263,15 +273,15 @@ def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: boo
         configs += [(rb, adaptive_plan.block, "adaptive") for rb in rollbacks]
 
     def gen(prompt, policy, block, rb, n):
-        return rt.generate(prompt, max_new_tokens=n, policy=policy, block=block if policy == "fixed" else None,
-                           rollback=rb or rc.rollback, drafter=rc.drafter, window=rc.window, stop_at_eos=stop_at_eos)
+        return rt.generate(prompt, g, max_new_tokens=n, policy=policy, block=block if policy == "fixed" else None,
+                           rollback=rb or g.rollback, stop_at_eos=stop_at_eos)
 
     all_runs, texts = [], []
     for wl in workloads:
         if cfg.get("prompt") is not None and wl == rc.workload:
-            prompts, own_max = [rc.prompt], rc.max_new_tokens
+            prompts, own_max = [rc.prompt], g.max_new_tokens
         elif wl == rc.workload:
-            prompts, own_max = list(rc.prompts), rc.max_new_tokens
+            prompts, own_max = list(rc.prompts), g.max_new_tokens
         else:
             prompts, own_max = _workload_prompts(wl)
         if per is not None:
@@ -303,7 +313,7 @@ def run_probe(cfg: DictConfig, rc, out_dir: str | Path | None = None, quiet: boo
     lossless = all(r["same_text_as_off"] for r in all_runs)
     metrics = {
         "schema": SCHEMA, "install": rc.install, "backend": rt.backend.name, "drafter": drafter,
-        "draft_products": rc.draft_products, "window": rc.window, "max_new_tokens": override_max,
+        "draft_products": rc.opening.draft_products, "window": g.window, "max_new_tokens": override_max,
         "blocks": list(blocks), "adaptive": with_adaptive,
         "rollbacks": rollbacks, "workloads": workloads, "prompts_per_workload": per, "stop_at_eos": stop_at_eos,
         "overrides": _overrides(),

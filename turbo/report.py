@@ -20,7 +20,9 @@ import json
 import sys
 from pathlib import Path
 
-from .probe import SCHEMA
+from .errors import TurboError
+from .extras import require
+from .probe import SCHEMA, pos_range
 
 RUN_KEYS = ("workload", "policy", "block", "rollback", "accepted_per_round", "rollback_rate",
             "per_position_acceptance", "mean_acceptance_length", "tokens_per_s", "speedup_vs_off", "generated_tokens")
@@ -103,13 +105,6 @@ def fastest(rows: list[dict]) -> tuple[dict, dict]:
     return per_strategy, per_workload
 
 
-def _pos(p: list[float]) -> str:
-    if not p:
-        return "-"
-    lo, hi = min(p), max(p)
-    return f"{lo:.2f}" if abs(hi - lo) < 0.005 else f"{lo:.2f}-{hi:.2f}"
-
-
 def markdown(rows: list[dict], files: list[Path]) -> str:
     per_strategy, per_workload = fastest(rows)
     out = [f"# Probe report ({len(files)} metrics.json)", "",
@@ -126,7 +121,7 @@ def markdown(rows: list[dict], files: list[Path]) -> str:
         if best:
             tps, sp = f"**{tps}**", f"**{sp}**"
         out.append(f"| {r['workload']} | {r['rollback'] or '-'} | {r['policy']} | {blk} | "
-                   f"{r['accepted_per_round']:.2f} | {r['rollback_rate']:.0%} | {_pos(r['per_position_acceptance'])} | "
+                   f"{r['accepted_per_round']:.2f} | {r['rollback_rate']:.0%} | {pos_range(r['per_position_acceptance'])} | "
                    f"{r['mean_acceptance_length']:.2f} | {tps} | {sp} |")
     out += ["", "Fastest fixed block (bold above):" if per_strategy else "No fixed block measured.", ""]
     for (wl, rb), r in sorted(per_strategy.items()):
@@ -151,8 +146,7 @@ def markdown(rows: list[dict], files: list[Path]) -> str:
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-    matplotlib.use("Agg")
+    require("matplotlib", "sweeps").use("Agg")
     import matplotlib.pyplot as plt
 
     strategies = sorted({r["rollback"] for r in rows if r["policy"] != "off"}) or ["-"]
@@ -203,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         text = markdown(rows, files)
         (directory / "report.md").write_text(text)
         plot(rows, directory / "report.png")
-    except ReportError as e:
+    except (ReportError, TurboError) as e:  # TurboError: matplotlib, an optional extra, missing
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:

@@ -129,3 +129,16 @@ def test_bad_overrides_are_one_line(tmp_path):
     one_line_error(run(tmp_path, "workload=poetry"), "workload/poetry", "code math prose")
     one_line_error(run(tmp_path, "nosuchkey=1"), "nosuchkey")
     one_line_error(run(tmp_path, "block=abc", "+policy=fixed"), "block")
+
+
+def test_a_missing_sweep_launcher_is_one_line(monkeypatch):
+    import importlib.util
+
+    from turbo.__main__ import launcher_missing
+
+    assert launcher_missing(["hydra/launcher=joblib", "task=probe"]) is None  # installed here (the sweeps extra)
+    assert launcher_missing(["hydra/launcher=basic"]) is None  # Hydra's own
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    for launcher, plugin in [("local", "hydra-joblib-launcher"), ("submitit_local", "hydra-submitit-launcher")]:
+        line = launcher_missing(["-m", f"hydra/launcher={launcher}"])
+        assert plugin in line and "pip install 'turbo[sweeps]'" in line

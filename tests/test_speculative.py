@@ -93,6 +93,26 @@ def test_scripted_drafter_counters_equal_hand_computed(rt, rollback):
     assert out.from_draft == sum(([True] * n + [False] for n in schedule), [])
 
 
+def test_a_drafter_object_speculates_where_the_install_ships_none(plain_install):
+    """drafter=obj needs only the verify: an install without a DFlash2 drafter speculates with it."""
+    plain_rt = turbo.open(plain_install[1], backend="cpu")
+    prompt = PROMPTS[1]
+    base = plain_rt.generate(prompt, max_new_tokens=20, policy="off").tokens
+    assert plain_rt.generate(prompt, max_new_tokens=4).stats.drafter is None  # auto: nothing to draft with
+    own = Scripted(prompt + base, [2, 0, 3], 320)
+    own.kind = "scripted"
+    out = plain_rt.generate(prompt, max_new_tokens=20, policy="fixed", block=3, drafter=own)
+    assert out.tokens == base and out.stats.drafter == "scripted" and out.stats.accepted > 0
+    adaptive = plain_rt.generate(prompt, max_new_tokens=20, policy="adaptive", drafter=own)
+    assert adaptive.tokens == base and adaptive.stats.block == 8
+    with pytest.raises(turbo.TurboError, match="block 9 is outside 1..8"):
+        plain_rt.generate(prompt, policy="fixed", block=9, drafter=own)
+    with pytest.raises(turbo.TurboError, match="window 4: .* a drafter object keeps its own"):
+        plain_rt.generate(prompt, policy="fixed", block=2, drafter=own, window=4)
+    with pytest.raises(turbo.TurboError, match="drafter 7 is not one of auto, dflash, mtp nor a turbo.drafters.Drafter"):
+        plain_rt.generate(prompt, drafter=7)
+
+
 def test_stream_events_carry_round_tokens_and_running_stats(rt):
     events = list(rt.stream(PROMPTS[1], max_new_tokens=20, policy="fixed", block=3))
     assert sum(len(e.tokens) for e in events) == 20 and events[-1].done

@@ -111,6 +111,22 @@ def test_hydra_overrides_compose_like_the_cli():
     assert tui_main(["max_new_tokens=abc"]) == 2
 
 
+def test_open_options_from_the_overrides_reach_the_runtime(installs):
+    """python -m tui draft_products=fp32: the app opens its runtime with the composed OpenOptions."""
+    s = compose_settings([f"install.path={installs[0]}", "backend=cpu", "draft_products=fp32", "max_new_tokens=7"])
+    assert s.opening.draft_products == "fp32" and s.generation.max_new_tokens == 7
+
+    async def run():
+        app = TurboApp(s)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(app, pilot)
+            assert app.load_error is None and app.runtime.options.draft_products == "fp32"
+            assert app.runtime.options.backend == "cpu"
+
+    asyncio.run(run())
+
+
+
 # ---- driving the app ---------------------------------------------------------------------------
 
 

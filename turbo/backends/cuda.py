@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TurboError
-from ..extras import missing
+from .. import extras
 from . import Backend
 
 # the kernels cover fp weights and the three affine formats (turbo/quant.py codes 4, 16, 15)
@@ -45,7 +45,7 @@ def cuda_unavailable_reason() -> str | None:
     try:
         from cuda.bindings import driver
     except ImportError:
-        return f"backend cuda needs cuda-python; {missing('cuda', 'cuda.bindings')}"
+        return f"backend cuda needs cuda-python; {extras.missing('cuda', 'cuda.bindings')}"
     try:
         result = driver.cuInit(0)
     except Exception as e:  # noqa: BLE001 - cuda-python raises when libcuda cannot be loaded

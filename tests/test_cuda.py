@@ -1,4 +1,4 @@
-"""The cuda backend (DESIGN 7, issue 7).
+"""The cuda backend (docs/DESIGN.md 7).
 
 Everywhere (CI has no GPU): the checked-in PTX is what its .cu builds to with the pinned nvcc,
 ptxas assembles it for sm_80 and sm_90, every kernel the wrappers launch is an entry of its

@@ -1,4 +1,4 @@
-"""The trunk's and drafter's math as plain torch functions (DESIGN 2.1, 2.2).
+"""The trunk's and drafter's math as plain torch functions (docs/DESIGN.md 2.1, 2.2).
 
 These are the CPU backend's kernels and the references the CUDA kernels are tested
 against. Functions used on the decode/verify path are *row-stable*: a row's result

@@ -1,4 +1,4 @@
-// Conv-window update + depthwise causal conv + SiLU over R rows (DESIGN 2.1, GDN layers).
+// Conv-window update + depthwise causal conv + SiLU over R rows (docs/DESIGN.md 2.1, GDN layers).
 // Reference: turbo.ops.causal_conv_rows(ext, w) with ext = cat([window, x]).
 //
 //   ext = [window (K-1 rows); x (R rows)]          (written when ext != null: rollback replays it)

@@ -1,4 +1,4 @@
-// DFlash2 drafter kernels (DESIGN 2.2, steps 3 and 5).
+// DFlash2 drafter kernels (docs/DESIGN.md 2.2, steps 3 and 5).
 
 // ---- grouped dynamic causal conv ---------------------------------------------------------
 // Reference: turbo.drafters.dflash.grouped_conv(h, base, dyn, group).

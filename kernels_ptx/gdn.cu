@@ -1,4 +1,4 @@
-// Gated DeltaNet recurrence over R verify rows, with per-row state checkpoints (DESIGN 2.1).
+// Gated DeltaNet recurrence over R verify rows, with per-row state checkpoints (docs/DESIGN.md 2.1).
 // Reference: turbo.ops.gdn_recurrence(state, q, k, v, g, beta, keep_states=True).
 //
 // Per row t and value head h, state S [dk, dv] fp32:

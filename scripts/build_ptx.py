@@ -1,4 +1,4 @@
-"""Rebuild kernels_ptx/*.ptx from kernels_ptx/*.cu (DESIGN 7): one PTX per source per arch,
+"""Rebuild kernels_ptx/*.ptx from kernels_ptx/*.cu (docs/DESIGN.md 7): one PTX per source per arch,
 `name.sm_80.ptx` and `name.sm_90.ptx`, checked in and loaded at run time by
 turbo/backends/cuda_kernels.py (no compiler at run time).
 

@@ -1,4 +1,4 @@
-"""The cuda backend (DESIGN 7, issue 7).
+"""The cuda backend (docs/DESIGN.md 7).
 
 Everywhere (CI has no GPU): the checked-in PTX is what its .cu builds to with the pinned nvcc,
 ptxas assembles it for sm_80 and sm_90, every kernel the wrappers launch is an entry of its
@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import turbo
-from turbo import ops
+from turbo import ops, quant
 from turbo.backends import cuda as cb
 from turbo.backends import cuda_kernels as ck
 from turbo.backends import select_backend
@@ -488,14 +488,17 @@ def quant_inputs(out, cols, bits, group, seed=5, device="cpu"):
     scales = ((hi - lo) / ((1 << bits) - 1)).to(scale_dtype)
     biases = lo.to(scale_dtype)
     q = torch.randint(0, 1 << bits, (out, cols), generator=gen)
-    per = 32 // bits
-    words = (q.reshape(out, cols // per, per).long() << (torch.arange(per) * bits)).sum(-1)
-    packed = torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
-    return q, [t.to(device) for t in (packed, scales, biases)]
+    return q, [t.to(device) for t in (quant.pack(q, bits), scales, biases)]
+
+
+def dequantized_linear(x, packed, scales, biases, bits, group):
+    """What qgemv.cu computes: x @ w^T with w the dequantized matrix."""
+    return quant.linear_dequant(x, quant.QuantizedWeight(packed, scales, biases, bits, group))
 
 
 @pytest.mark.parametrize("bits,group", [(4, 64), (2, 128), (1, 128)])
-def test_dequantize_ref_is_the_documented_layout(bits, group):
+def test_packing_and_dequantize_are_the_documented_layout(bits, group):
+    """The layout qgemv.cu reads: quant.pack's words and quant.dequantize's matrix."""
     out, cols = 3, 256
     q, (packed, scales, biases) = quant_inputs(out, cols, bits, group)
     per = 32 // bits
@@ -503,19 +506,9 @@ def test_dequantize_ref_is_the_documented_layout(bits, group):
         for j in range(0, cols, 37):
             word = int(packed[o, j // per]) & 0xFFFFFFFF
             assert (word >> ((j % per) * bits)) & ((1 << bits) - 1) == int(q[o, j])
-    w = cb.dequantize_ref(packed, scales, biases, bits, group)
     want = q.float() * scales.float().repeat_interleave(group, 1) + biases.float().repeat_interleave(group, 1)
-    assert torch.equal(w, want)
-    try:
-        from turbo import quant
-    except ImportError:
-        return
-    assert torch.equal(quant.dequantize(packed, scales, biases, bits, group), w)
-    fmt = quant.format_for(bits=bits, group=group)
-    assert fmt.scale_dtype == scales.dtype
-    x = torch.randn(2, cols)
-    torch.testing.assert_close(cb.affine_linear_ref(x, packed, scales, biases, bits, group),
-                               quant.linear_dequant(x, quant.QuantizedWeight(packed, scales, biases, bits, group)))
+    assert torch.equal(quant.dequantize(packed, scales, biases, bits, group), want)
+    assert quant.format_for(bits=bits, group=group).scale_dtype == scales.dtype
 
 
 # ---- the wrappers, launched into a CPU emulation of each kernel ----------------------------------
@@ -817,7 +810,7 @@ def test_wrapped_affine_linear(emulated, bits, group):
     x = torch.randn(3, 256)
     got = cb.affine_linear(x, packed, scales, biases, bits, group)
     # fp32 sums of 256 products in another order
-    torch.testing.assert_close(got, cb.affine_linear_ref(x, packed, scales, biases, bits, group), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, dequantized_linear(x, packed, scales, biases, bits, group), rtol=1e-4, atol=1e-4)
     assert emulated.launches[-1] == cb.QUANT_KERNELS[bits]
 
 
@@ -865,7 +858,7 @@ def test_host_compiled_edges(host):
         for rows in (9, 17):  # past the kernel's 8-row chunk
             x = torch.randn(rows, 512, generator=gen)
             torch.testing.assert_close(cb.affine_linear(x, packed, scales, biases, bits, group),
-                                       cb.affine_linear_ref(x, packed, scales, biases, bits, group),
+                                       dequantized_linear(x, packed, scales, biases, bits, group),
                                        rtol=1e-4, atol=1e-4)
 
 
@@ -969,7 +962,7 @@ def test_gpu_affine_linear(bits, group, rows):
     out, cols = 1000, 2048
     _, (packed, scales, biases) = quant_inputs(out, cols, bits, group, seed=bits)
     x = torch.randn(rows, cols)
-    want = cb.affine_linear_ref(x, packed, scales, biases, bits, group)
+    want = dequantized_linear(x, packed, scales, biases, bits, group)
     got = cb.affine_linear(x.cuda(), packed.cuda(), scales.cuda(), biases.cuda(), bits, group)
     close(got, want, rtol=1e-4, atol=2e-3)
 

@@ -21,11 +21,12 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     from turbo import TurboError
+    from turbo.extras import require
 
-    from .app import TurboApp
     from .settings import compose_settings
 
     try:
+        require("textual", "tui")  # before .app, which is built on it
         settings = compose_settings(argv)
     except TurboError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
               file=sys.stderr)
         return 2
+    from .app import TurboApp
+
     TurboApp(settings).run()
     return 0
 

@@ -1,4 +1,4 @@
-"""The trunk's and drafter's math as plain torch functions (DESIGN 2.1, 2.2).
+"""The trunk's and drafter's math as plain torch functions (docs/DESIGN.md 2.1, 2.2).
 
 These are the CPU backend's kernels and the references the CUDA kernels are tested
 against. Functions used on the decode/verify path are *row-stable*: a row's result
@@ -76,6 +76,13 @@ def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
     return x if target == rows else torch.cat([x, x.new_zeros(target - rows, x.shape[1])])
 
 
+def rows_stand_alone(mm, xs: torch.Tensor) -> bool:
+    """Whether every row of mm(xs[:m]), for m = 2..len(xs), equals mm of that row alone (the
+    row-stability probe `calibrate_rows` and `quant.Int4Kernel.row_stable` both run)."""
+    alone = [mm(xs[i:i + 1])[0] for i in range(xs.shape[0])]
+    return all(torch.equal(mm(xs[:m])[i], alone[i]) for m in range(2, xs.shape[0] + 1) for i in range(m))
+
+
 def calibrate_rows(w: torch.Tensor, max_rows: int = 9, seed: int = 0) -> int:
     """The smallest row block under which every row of a 1..max_rows-row call equals the
     same row computed alone (at row 0), for this weight's shape and dtype, on its device
@@ -87,13 +94,8 @@ def calibrate_rows(w: torch.Tensor, max_rows: int = 9, seed: int = 0) -> int:
     g = torch.Generator(device=dev).manual_seed(seed)
     xs = torch.randn(max_rows, w.shape[1], generator=g, device=dev).to(w.dtype)
     probe = torch.randn(w.shape, generator=g, device=dev).to(w.dtype)
-    chosen = 0
-    for block in ROW_BLOCK_CANDIDATES:
-        alone = [F.linear(_padded(xs[i:i + 1], block), probe)[0] for i in range(max_rows)]
-        if all(torch.equal(F.linear(_padded(xs[:m], block), probe)[i], alone[i])
-               for m in range(2, max_rows + 1) for i in range(m)):
-            chosen = block
-            break
+    chosen = next((block for block in ROW_BLOCK_CANDIDATES
+                   if rows_stand_alone(lambda x: F.linear(_padded(x, block), probe), xs)), 0)
     _row_block[key] = chosen
     return chosen
 

@@ -23,10 +23,8 @@ CPU = Backend("cpu", (1, 2, 3, 4, 16, 15))
 
 def cuda_missing() -> str | None:
     """Why the cuda backend cannot run here, or None."""
-    try:
-        from .cuda import cuda_unavailable_reason
-    except ImportError as e:  # the backend module itself needs cuda-python
-        return f"cuda backend unavailable: {e}"
+    from .cuda import cuda_unavailable_reason  # imports cuda-python lazily: it names the extra when absent
+
     return cuda_unavailable_reason()
 
 

@@ -1,4 +1,4 @@
-"""The cuda backend (DESIGN 7): torch CUDA tensors for storage, the hot kernels as CUDA C
+"""The cuda backend (docs/DESIGN.md 7): torch CUDA tensors for storage, the hot kernels as CUDA C
 compiled ahead of time to PTX (kernels_ptx/, scripts/build_ptx.py) and launched through
 cuda-python's driver API (cuda_kernels.py).
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import TurboError
+from .. import extras
 from . import Backend
 
 # the kernels cover fp weights and the three affine formats (turbo/quant.py codes 4, 16, 15)
@@ -44,7 +45,7 @@ def cuda_unavailable_reason() -> str | None:
     try:
         from cuda.bindings import driver
     except ImportError:
-        return "backend cuda needs cuda-python (pip install cuda-python): cuda.bindings.driver is not importable"
+        return f"backend cuda needs cuda-python; {extras.missing('cuda', 'cuda.bindings')}"
     try:
         result = driver.cuInit(0)
     except Exception as e:  # noqa: BLE001 - cuda-python raises when libcuda cannot be loaded
@@ -269,37 +270,3 @@ def affine_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, b
                  [ptr(x), ptr(packed), ptr(s), ptr(b), ptr(y), i32(rows), i32(cols), i32(out_features), i32(group),
                   i32(kind)])
     return y
-
-
-def linear(x: torch.Tensor, w) -> torch.Tensor:
-    """ops.linear on the GPU: a packed QuantizedWeight (anything with packed / scales / biases /
-    bits / group) goes through the quantized kernel, a plain matrix through torch (cuBLAS)."""
-    if hasattr(w, "packed") and hasattr(w, "bits"):
-        return affine_linear(x, w.packed, w.scales, w.biases, w.bits, w.group)
-    return torch.nn.functional.linear(x.to(w.dtype), w).float()
-
-
-# ---- torch references the kernels are tested against (where the CPU backend has none) -----
-
-
-def unpack_ref(packed: torch.Tensor, bits: int) -> torch.Tensor:
-    """int32 words [out, words] -> levels [out, words*32/bits]: element j of a row at bits
-    (j % (32/bits)) * bits of word j // (32/bits), little-endian."""
-    per = 32 // bits
-    words = packed.to(torch.int64) & 0xFFFFFFFF
-    shifts = torch.arange(per, dtype=torch.int64, device=packed.device) * bits
-    return ((words[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1)
-
-
-def dequantize_ref(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
-                   group: int) -> torch.Tensor:
-    """The fp32 matrix: w[o, i] = scale[o, i // group] * q[o, i] + bias[o, i // group]."""
-    q = unpack_ref(packed, bits).float()
-    out, cols = q.shape
-    w = q.reshape(out, cols // group, group) * scales.float()[..., None] + biases.float()[..., None]
-    return w.reshape(out, cols)
-
-
-def affine_linear_ref(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
-                      group: int) -> torch.Tensor:
-    return x.float() @ dequantize_ref(packed, scales, biases, bits, group).T

@@ -1,4 +1,4 @@
-"""The PTX loader over cuda-python's driver API (DESIGN 7): no compiler at run time.
+"""The PTX loader over cuda-python's driver API (docs/DESIGN.md 7): no compiler at run time.
 
 cuInit -> cuDeviceGet -> cuDevicePrimaryCtxRetain + cuCtxSetCurrent (torch's own primary
 context, so torch's pointers and streams are valid here) -> cuModuleLoadData once per module

@@ -38,7 +38,8 @@ from tqdm import tqdm
 
 from .arch import arch_from_config, read_config_json
 from .errors import TurboError
-from .install import DRAFTER_DIR, read_header, safetensors_files
+from .install import DRAFTER_DIR, safetensors_files
+from .safetensors_format import read_header
 from . import quant as q
 
 COPY_CHUNK = 4 * 1024 * 1024
@@ -95,13 +96,17 @@ def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
     files = safetensors_files(directory)
     if not files:
         raise TurboError(f"{directory}: no *.safetensors files (expected an HF checkpoint)")
+    seen: dict[str, Path] = {}
     for path in files:
         if not path.is_file():
             raise TurboError(f"{path}: missing (listed by model.safetensors.index.json)")
-        header, data_start = read_header(path)
-        for name, meta in header.items():
-            if name != "__metadata__":
-                yield name, meta, path, data_start
+        header = read_header(path)
+        for name, t in header.tensors.items():
+            if name in seen:
+                raise TurboError(f"{path}: tensor {name} is also in {seen[name]}")
+            seen[name] = path
+            yield name, {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}, path, \
+                header.data_start
 
 
 def plan_copy(name: str, meta: dict, path: Path, data_start: int) -> Planned:

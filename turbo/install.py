@@ -200,9 +200,8 @@ class ResidentIndex:
         e = self.need(name)
         if e.bits:
             return self.load_quantized(name).dequantize(dtype or torch.float32)
-        torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
-                       "I8": torch.int8, "U32": torch.int32, "I32": torch.int32, "I64": torch.int64,
-                       "F64": torch.float64}.get(e.st_dtype)
+        # every unquantized weight is a float: integer bytes read as one would change the output silently
+        torch_dtype = TORCH_DTYPES.get(DTYPE_CODES.get(e.st_dtype, 0))
         if torch_dtype is None:
             raise TurboError(f"{name}: stored as {e.st_dtype}, expected one of BF16, F16, F32")
         data = self._read(e.file, e.offset, e.size_bytes, name)

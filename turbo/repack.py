@@ -412,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="quantize the projection matrices: int4 (group 64, bf16 scales, dtype 4), int2 / int1 "
                              "(group 128, f16 scales, dtypes 16 / 15)")
     args = parser.parse_args(argv)
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet, args.quant)
     except TurboError as e:
@@ -421,6 +421,8 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyboardInterrupt, Interrupted) as e:
         print("interrupted", file=sys.stderr)
         return 128 + (signal.SIGTERM if isinstance(e, Interrupted) else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote install {path}")
     return 0
 

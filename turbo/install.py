@@ -8,24 +8,27 @@ manifest flag, so nothing can disagree with the bytes.
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping
 
 import torch
 
 from .arch import Arch, arch_from_config, read_config_json
 from .errors import TurboError
+from .safetensors_format import Header, TensorInfo, read_header
 
 # The reference engine's dtype numbering.
 DTYPE_CODES = {"BF16": 1, "F16": 2, "F32": 3}
 TORCH_DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 CODE_NAMES = {1: "bf16", 2: "f16", 3: "f32", 4: "int4", 5: "int8", 15: "int1", 16: "int2"}
-ELEMENT_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "U8": 1, "I8": 1, "U32": 4, "I32": 4, "I64": 8, "F64": 8, "BOOL": 1}
 
 BUNDLED_DIR = Path(__file__).parent / "installs"
 DRAFTER_DIR = "dflash"
-MAX_HEADER_BYTES = 100 * 1024 * 1024
+# What each file of an install may hold: a name outside its file's prefixes would shadow (or
+# be shadowed by) the part that owns it. Quantized companions share their weight's prefix.
+TRUNK_PREFIXES = ("trunk.", "mtp.", "vision.")
+DRAFTER_PREFIXES = ("dflash.",)
 
 
 @dataclass(frozen=True)
@@ -61,53 +64,17 @@ def shape4(dims: tuple[int, ...], name: str) -> tuple[int, int, int, int]:
     return tuple(list(dims) + [0] * (4 - len(dims)))  # type: ignore[return-value]
 
 
-def read_header(path: Path) -> tuple[dict, int]:
-    """A safetensors header and the absolute offset where its data section starts."""
-    try:
-        size = path.stat().st_size
-        with path.open("rb") as f:
-            raw = f.read(8)
-            if len(raw) < 8:
-                raise TurboError(f"{path}: truncated safetensors file (no header length)")
-            (n,) = struct.unpack("<Q", raw)
-            if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise TurboError(f"{path}: truncated or corrupt safetensors header ({n} header bytes, file is {size})")
-            header = json.loads(f.read(n))
-    except OSError as e:
-        raise TurboError(f"{path}: cannot read ({e.strerror})") from None
-    except (UnicodeDecodeError, json.JSONDecodeError):
-        raise TurboError(f"{path}: corrupt safetensors header (not JSON)") from None
-    if not isinstance(header, dict):
-        raise TurboError(f"{path}: corrupt safetensors header")
-    data_start = 8 + n
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            begin, end = meta["data_offsets"]
-            dims = meta["shape"]
-            dtype = meta["dtype"]
-        except (KeyError, TypeError, ValueError):
-            raise TurboError(f"{path}: corrupt header entry for {name}") from None
-        if data_start + end > size:
-            raise TurboError(
-                f"{path}: truncated safetensors file: {name} ends at byte {data_start + end}, the file has {size}"
-            )
-        count = 1
-        for d in dims:
-            count *= d
-        if dtype in ELEMENT_BYTES and count * ELEMENT_BYTES[dtype] != end - begin:
-            raise TurboError(f"{path}: {name} has {end - begin} bytes, expected {count * ELEMENT_BYTES[dtype]} for {dtype}{dims}")
-    return header, data_start
-
-
 def safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, KeyError, json.JSONDecodeError):
-            raise TurboError(f"{index}: not a safetensors index (expected a 'weight_map')") from None
+        except (OSError, KeyError, TypeError, ValueError, RecursionError):
+            weight_map = None
+        # shards are files beside the index: a path elsewhere is not one
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) and f and Path(f).name == f
+                                                       for f in weight_map.values()):
+            raise TurboError(f"{index}: not a safetensors index (expected a 'weight_map' of file names)")
         return [directory / f for f in sorted(set(weight_map.values()))]
     return sorted(directory.glob("*.safetensors"))
 
@@ -115,24 +82,29 @@ def safetensors_files(directory: Path) -> list[Path]:
 class ResidentIndex:
     """name -> Entry over every safetensors file of an install (drafter included)."""
 
-    def __init__(self, files: list[Path]):
+    def __init__(self, files: list[Path], prefixes: Mapping[Path, tuple[str, ...]] | None = None):
+        """Every tensor of `files`; a file listed in `prefixes` may only hold names under those."""
         self.entries: dict[str, Entry] = {}
+        self.headers: list[Header] = []
         for path in files:
             if not path.is_file():
                 raise TurboError(f"{path}: missing (listed by the install)")
-            header, data_start = read_header(path)
-            for name, meta in header.items():
-                if name == "__metadata__":
-                    continue
-                self._add(name, meta, path, data_start)
+            header = read_header(path)
+            allowed = (prefixes or {}).get(path)
+            for name, info in header.tensors.items():
+                if allowed is not None and not name.startswith(allowed):
+                    raise TurboError(f"{path}: tensor {name} does not belong in this file "
+                                     f"(expected names under {', '.join(allowed)})")
+                if name in self.entries:
+                    raise TurboError(f"{path}: tensor {name} is also in {self.entries[name].file}")
+                self._add(info, header)
+            self.headers.append(header)
         self._attach_quant_companions()
 
-    def _add(self, name: str, meta: dict, path: Path, data_start: int) -> None:
-        begin, end = meta["data_offsets"]
-        dims = tuple(meta["shape"])
-        st = meta["dtype"]
-        code = DTYPE_CODES.get(st, 0)  # 0: raw storage (packed quantized payloads, scales)
-        self.entries[name] = Entry(name, code, shape4(dims, name), path, data_start + begin, end - begin, st, dims)
+    def _add(self, info: TensorInfo, header: Header) -> None:
+        code = DTYPE_CODES.get(info.dtype, 0)  # 0: raw storage (packed quantized payloads, scales)
+        self.entries[info.name] = Entry(info.name, code, shape4(info.shape, info.name), header.path,
+                                        header.data_start + info.begin, info.end - info.begin, info.dtype, info.shape)
 
     def _attach_quant_companions(self) -> None:
         """Fold `name.scales` / `name.biases` into `name`'s entry for every tensor the files'
@@ -142,23 +114,26 @@ class ResidentIndex:
         from . import quant
 
         declared: dict[str, dict] = {}
-        for path in sorted({e.file for e in self.entries.values()}):
-            header, _ = read_header(path)
-            raw = (header.get("__metadata__") or {}).get(quant.METADATA_KEY)
+        for header in self.headers:
+            path = header.path
+            raw = (header.metadata or {}).get(quant.METADATA_KEY)
             if raw is None:
                 continue
             try:
                 table = json.loads(raw)
-                assert isinstance(table, dict)
-            except (TypeError, ValueError, AssertionError):
-                raise TurboError(f"{path}: __metadata__[{quant.METADATA_KEY!r}] is not a JSON object") from None
+            except (ValueError, RecursionError):
+                table = None
+            if not isinstance(table, dict):
+                raise TurboError(f"{path}: __metadata__[{quant.METADATA_KEY!r}] is not a JSON object")
             declared.update(table)
         for name, spec in declared.items():
             e = self.entries.get(name)
             if e is None:
                 raise TurboError(f"{name}: listed as quantized in the metadata but not in the install")
-            if not isinstance(spec, dict):
-                raise TurboError(f"{name}: quantization metadata {spec!r} is not an object")
+            if not isinstance(spec, dict) or not all(spec.get(k) is None or type(spec[k]) is int
+                                                     for k in ("code", "bits", "group")):
+                raise TurboError(f"{name}: quantization metadata {str(spec)[:80]} is not an object of integer "
+                                 f"code, bits and group")
             fmt = quant.format_for(spec.get("code"), spec.get("bits"), spec.get("group"), name)
             if e.st_dtype != "U32":
                 raise TurboError(f"{name}: quantized as {fmt.name} but stored as {e.st_dtype}, expected U32")
@@ -225,9 +200,8 @@ class ResidentIndex:
         e = self.need(name)
         if e.bits:
             return self.load_quantized(name).dequantize(dtype or torch.float32)
-        torch_dtype = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8,
-                       "I8": torch.int8, "U32": torch.int32, "I32": torch.int32, "I64": torch.int64,
-                       "F64": torch.float64}.get(e.st_dtype)
+        # every unquantized weight is a float: integer bytes read as one would change the output silently
+        torch_dtype = TORCH_DTYPES.get(DTYPE_CODES.get(e.st_dtype, 0))
         if torch_dtype is None:
             raise TurboError(f"{name}: stored as {e.st_dtype}, expected one of BF16, F16, F32")
         data = self._read(e.file, e.offset, e.size_bytes, name)
@@ -301,7 +275,8 @@ def open_install(path_or_name: str | Path) -> Install:
         if not drafter_files:
             raise TurboError(f"{drafter_dir}: no model.safetensors (expected the drafter's weights)")
         files = files + drafter_files
-    index = ResidentIndex(files)
+    prefixes = {f: DRAFTER_PREFIXES if f.parent == drafter_dir else TRUNK_PREFIXES for f in files}
+    index = ResidentIndex(files, prefixes)
     if not index.has_prefix("trunk."):
         raise TurboError(f"{root}: no trunk.* tensors (expected an install made by python -m turbo.repack)")
     name = str(path_or_name) if not Path(str(path_or_name)).is_dir() else root.name

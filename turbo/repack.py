@@ -5,7 +5,8 @@
 Peak memory stays at one copy buffer: tensor bytes are copied from the source file to
 the output file in bounded chunks, never materialised as a whole model. The output is
 written into a temporary sibling directory and renamed at the end, so an interrupted
-repack leaves no half install behind.
+repack leaves no half install behind: Ctrl-C or SIGTERM remove it (one line, `interrupted`),
+and one left by a repack killed outright is removed by the next repack into that directory.
 
 --quant int4|int2|int1 quantizes the rank-2 projection matrices (turbo/quant.py: int4 in
 groups of 64 with bf16 scales, dtype 4; int2 / int1 in groups of 128 with f16 scales,
@@ -26,10 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import secrets
 import shutil
+import signal
 import struct
 import sys
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
@@ -38,10 +41,14 @@ from tqdm import tqdm
 
 from .arch import arch_from_config, read_config_json
 from .errors import TurboError
-from .install import DRAFTER_DIR, read_header, safetensors_files
+from .install import DRAFTER_DIR, safetensors_files
+from .safetensors_format import read_header
 from . import quant as q
 
 COPY_CHUNK = 4 * 1024 * 1024
+# A repack writes into the hidden sibling `.OUT.repack-PID-RANDOM` and renames it when done.
+TMP_MARK = ".repack-"
+TMP_PATTERN = re.compile(r"\..+\.repack-(\d+)-[0-9a-f]{8}")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt")
 # Checkpoint name prefix -> install prefix, most specific first.
@@ -95,13 +102,17 @@ def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
     files = safetensors_files(directory)
     if not files:
         raise TurboError(f"{directory}: no *.safetensors files (expected an HF checkpoint)")
+    seen: dict[str, Path] = {}
     for path in files:
         if not path.is_file():
             raise TurboError(f"{path}: missing (listed by model.safetensors.index.json)")
-        header, data_start = read_header(path)
-        for name, meta in header.items():
-            if name != "__metadata__":
-                yield name, meta, path, data_start
+        header = read_header(path)
+        for name, t in header.tensors.items():
+            if name in seen:
+                raise TurboError(f"{path}: tensor {name} is also in {seen[name]}")
+            seen[name] = path
+            yield name, {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}, path, \
+                header.data_start
 
 
 def plan_copy(name: str, meta: dict, path: Path, data_start: int) -> Planned:
@@ -146,15 +157,23 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
     return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
 
 
-def plan_drafter(drafter: Path, fmt: q.QFormat | None = None,
+def plan_drafter(drafter: Path, hidden: int, fmt: q.QFormat | None = None,
                  quantized: dict[str, dict] | None = None) -> list[Planned]:
+    """The drafter's tensors under dflash.*; refused before anything is written unless it
+    fuses into a trunk of width `hidden`."""
     config = read_config_json(drafter / "config.json")
+    where = drafter / "config.json"
     if config.get("architectures") != ["DFlash2DraftModel"]:
-        raise TurboError(
-            f"{drafter / 'config.json'}: architectures is {config.get('architectures')!r}, expected ['DFlash2DraftModel']"
-        )
+        raise TurboError(f"{where}: architectures is {config.get('architectures')!r}, expected ['DFlash2DraftModel']")
+    if config.get("hidden_size") != hidden:
+        raise TurboError(f"{where}: hidden_size is {config.get('hidden_size')!r}, expected the trunk's {hidden}")
     tensors = [(name, name if name.startswith("dflash.") else "dflash." + name, meta, path, data_start)
                for name, meta, path, data_start in source_tensors(drafter)]
+    fc = next((t for t in tensors if t[1] == "dflash.fc.weight"), None)
+    if fc is None:
+        raise TurboError(f"{drafter}: no fc.weight (expected the drafter's [{hidden}, k*{hidden}] fusion)")
+    if not fc[2]["shape"] or fc[2]["shape"][0] != hidden:
+        raise TurboError(f"{fc[3]}: {fc[0]} has shape {fc[2]['shape']}, expected {hidden} rows (the trunk's hidden size)")
     return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
 
 
@@ -299,7 +318,7 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     if out.exists():
         raise TurboError(f"{out}: already exists (expected a new directory to write the install into)")
     config = read_config_json(src / "config.json")
-    arch_from_config(config, str(src / "config.json"))  # refuse what the runtime could not open
+    arch = arch_from_config(config, str(src / "config.json"))  # refuse what the runtime could not open
     if not (src / "tokenizer.json").is_file():
         raise TurboError(f"{src / 'tokenizer.json'}: missing (the install needs the checkpoint's tokenizer)")
     if quant not in ("none", *q.FORMATS):
@@ -310,11 +329,22 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     trunk = plan_trunk(src, text_only, fmt, trunk_quant)
     if drafter is not None and not Path(drafter).is_dir():
         raise TurboError(f"{drafter}: no such drafter directory")
-    drafter_plan = plan_drafter(Path(drafter), fmt, drafter_quant) if drafter is not None else []
+    drafter_plan = plan_drafter(Path(drafter), arch.hidden, fmt, drafter_quant) if drafter is not None else []
     if text_only:
         config = {k: v for k, v in config.items() if k != "vision_config"}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    for parent in (out.parent, *out.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise TurboError(f"{parent}: not a directory (expected one to write the install {out.name} into)")
+            break
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out.parent)
+        # os.mkdir applies the umask: the install gets an ordinary directory's permissions
+        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+    except OSError as e:
+        raise TurboError(f"{e.filename or out.parent}: cannot create the install there ({e.strerror})") from None
     try:
         total = sum(p.size for p in trunk + drafter_plan)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"repack {src.name}", disable=quiet,
@@ -332,10 +362,43 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
                 shutil.copyfile(Path(drafter) / "config.json", tmp / DRAFTER_DIR / "config.json")
                 write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar, drafter_quant)
         os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TurboError(f"{out}: cannot write the install ({e.strerror}{f': {e.filename}' if e.filename else ''})") \
+            from None
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def remove_stale_temporaries(parent: Path) -> None:
+    """Remove what a repack killed outright (kill -9, power loss) left in `parent`: its temporary
+    sibling is named after its pid, and a pid that no longer runs will not finish it."""
+    for path in parent.iterdir():
+        m = TMP_PATTERN.fullmatch(path.name)
+        if m is None or not path.is_dir() or _running(int(m.group(1))):
+            continue
+        shutil.rmtree(path)
+        print(f"removed {path}, left by an interrupted repack", file=sys.stderr)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True
+
+
+class Interrupted(BaseException):
+    """SIGTERM, raised where the repack is so that its temporary directory is removed."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Interrupted
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -349,11 +412,17 @@ def main(argv: list[str] | None = None) -> int:
                         help="quantize the projection matrices: int4 (group 64, bf16 scales, dtype 4), int2 / int1 "
                              "(group 128, f16 scales, dtypes 16 / 15)")
     args = parser.parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet, args.quant)
     except TurboError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Interrupted) as e:
+        print("interrupted", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(e, Interrupted) else signal.SIGINT)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     print(f"wrote install {path}")
     return 0
 

@@ -1,0 +1,439 @@
+"""Fuzz an install's files: every case a mutated copy, run in a worker subprocess, its outcome classified.
+
+    python scripts/fuzz.py --headers N [--install tiny] [--seed 0] [--timeout 60]
+
+Each case mutates one file of the install (a safetensors header, for --headers) and runs
+turbo.open + a short greedy generation on it in a worker process, which is restarted after a
+crash (counted as `crash`) or a case that outlives --timeout (`hang`). Outcomes:
+
+    turbo_error        one-line TurboError                                     ok
+    generated-equal    the unmutated install's greedy tokens                   ok
+    generated-changed  other tokens                                            BAD
+    other-exception    any other exception, or a TurboError of several lines   BAD
+    accepted-but-library-refuses  generated although safetensors refuses it    BAD
+    crash / hang                                                               BAD
+
+The worker also reports whether the safetensors library and turbo's own header reader accept
+the mutated file, so callers can assert they agree. A --configs mode plugs in as another
+TARGETS entry: mutators of config.json / dflash/config.json with the same Case interface.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import select
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [5, 6, 7]
+NEW_TOKENS = 4
+MARK = "@@fuzz "  # prefixes the worker's replies: anything else on its stdout is not ours
+BAD = ("generated-changed", "other-exception", "accepted-but-library-refuses", "crash", "hang")
+# The library keeps the last of a name given twice; turbo refuses it (turbo/safetensors_format.py).
+STRICTER_THAN_LIBRARY = ("duplicate-tensor",)
+
+
+@dataclass
+class Case:
+    cls: str  # the mutation class
+    file: str  # the mutated file, relative to the install
+    blob: bytes  # its new content
+
+
+@dataclass
+class Outcome:
+    case: Case
+    outcome: str
+    library_ok: bool | None = None
+    turbo_header_ok: bool | None = None
+    detail: str = ""
+
+
+# ---- safetensors header mutations -------------------------------------------------------------
+
+
+@dataclass
+class StFile:
+    """A parsed safetensors file: its header (tensor entries in order) and data section."""
+
+    header: dict
+    data: bytes
+
+    @classmethod
+    def parse(cls, blob: bytes) -> StFile:
+        (n,) = struct.unpack("<Q", blob[:8])
+        return cls(json.loads(blob[8:8 + n]), blob[8 + n:])
+
+    def tensors(self) -> list[str]:
+        return [k for k in self.header if k != "__metadata__"]
+
+    def blob(self, text: str | None = None, length_delta: int = 0, data: bytes | None = None) -> bytes:
+        raw = (json.dumps(self.header, separators=(",", ":")) if text is None else text).encode()
+        raw += b" " * (-len(raw) % 8)
+        return struct.pack("<Q", len(raw) + length_delta) + raw + (self.data if data is None else data)
+
+
+def _entry(rng: random.Random, f: StFile) -> dict:
+    return f.header[rng.choice(f.tensors())]
+
+
+def _by_offset(f: StFile) -> list[str]:
+    return sorted(f.tensors(), key=lambda k: f.header[k]["data_offsets"])
+
+
+def m_length(rng, f):
+    return f.blob(length_delta=rng.choice([-2, -1, 1, 2]))
+
+
+def m_shift(rng, f):
+    e = _entry(rng, f)
+    k = rng.choice([1, 2, 8, 64])
+    e["data_offsets"] = [e["data_offsets"][0] + k, e["data_offsets"][1] + k]
+    return f.blob()
+
+
+def m_overlap(rng, f):
+    names = _by_offset(f)
+    i = rng.randrange(1, len(names))
+    f.header[names[i]]["data_offsets"][0] = f.header[names[i - 1]]["data_offsets"][0]
+    return f.blob()
+
+
+def m_into_header(rng, f):
+    # offsets counted from the file's start (the header) instead of from the data section
+    skip = len(f.blob()) - len(f.data)
+    for k in f.tensors():
+        f.header[k]["data_offsets"] = [o + skip for o in f.header[k]["data_offsets"]]
+    return f.blob()
+
+
+def m_negative(rng, f):
+    _entry(rng, f)["data_offsets"][0] = -rng.choice([1, 8])
+    return f.blob()
+
+
+def m_gap(rng, f):
+    names = _by_offset(f)
+    cut = f.header[names[rng.randrange(len(names))]]["data_offsets"][1]
+    g = rng.choice([1, 4, 8])
+    for k in names:
+        f.header[k]["data_offsets"] = [o + g if o >= cut and o > 0 else o for o in f.header[k]["data_offsets"]]
+    return f.blob(data=f.data[:cut] + b"\0" * g + f.data[cut:])
+
+
+def m_trailing(rng, f):
+    return f.blob(data=f.data + b"\0" * rng.choice([1, 2, 8]))
+
+
+def m_truncated(rng, f):
+    return f.blob(data=f.data[:-rng.choice([1, 2, 8])])
+
+
+def _append_raw(f: StFile, raw_entry: str) -> bytes:
+    text = json.dumps(f.header, separators=(",", ":"))
+    return f.blob(text[:-1] + "," + raw_entry + "}")
+
+
+def m_duplicate_tensor(rng, f):
+    name = rng.choice(f.tensors())
+    return _append_raw(f, json.dumps(name) + ":" + json.dumps(f.header[name]))
+
+
+def m_duplicate_field(rng, f):
+    name = rng.choice(f.tensors())
+    e = json.dumps(f.header.pop(name))
+    return _append_raw(f, json.dumps(name) + ":" + e[:-1] + ',"dtype":' + json.dumps(json.loads(e)["dtype"]) + "}")
+
+
+def m_duplicate_metadata(rng, f):
+    f.header.pop("__metadata__", None)
+    return _append_raw(f, '"__metadata__":{},"__metadata__":{"k":"v"}')
+
+
+def m_wrong_type(rng, f):
+    e = _entry(rng, f)
+    field = rng.choice(["shape", "data_offsets"])
+    i = rng.randrange(len(e[field])) if e[field] else None
+    bad = rng.choice([str, float, lambda v: None, lambda v: True, lambda v: [v]])
+    if i is None or rng.random() < 0.3:
+        e[field] = bad(e[field]) if bad is not str else json.dumps(e[field])
+    else:
+        e[field][i] = bad(e[field][i])
+    return f.blob()
+
+
+def m_dtype(rng, f):
+    e = _entry(rng, f)
+    e["dtype"] = rng.choice([[e["dtype"]], e["dtype"].lower(), "Q4", 3, None, {"t": e["dtype"]}])
+    return f.blob()
+
+
+def m_huge_int(rng, f):
+    e = _entry(rng, f)
+    field = rng.choice(["shape", "data_offsets"])
+    value = rng.choice([2**64, 2**64 - 1, 10**30, 2**63])
+    if e[field]:
+        e[field][rng.randrange(len(e[field]))] = value
+    else:
+        e[field] = [value]
+    return f.blob()
+
+
+def m_deep_nesting(rng, f):
+    d = rng.choice([124, 125, 126, 200, 5000])
+    text = json.dumps(f.header, separators=(",", ":"))
+    return f.blob(text[:-1] + ',"x":{"k":' + "[" * d + "]" * d + "}}")
+
+
+def m_metadata_not_object(rng, f):
+    f.header["__metadata__"] = rng.choice([[], "pt", 1, None, {"k": 1}, {"k": None}, [["k", "v"]]])
+    return f.blob()
+
+
+def _drop_bytes(f: StFile, name: str) -> bytes:
+    b, e = f.header[name]["data_offsets"]
+    for k in f.tensors():
+        f.header[k]["data_offsets"] = [o - (e - b) if o >= e else o for o in f.header[k]["data_offsets"]]
+    f.header[name]["data_offsets"] = [b, b]
+    return f.data[:b] + f.data[e:]
+
+
+def m_zero_dim(rng, f):
+    name = rng.choice(f.tensors())
+    data = _drop_bytes(f, name)
+    f.header[name]["shape"] = [0] + f.header[name]["shape"][1:]
+    return f.blob(data=data)
+
+
+def m_extra_dim(rng, f):
+    e = _entry(rng, f)
+    e["shape"] = e["shape"] + [1] if rng.random() < 0.5 else [1] + e["shape"]
+    return f.blob()
+
+
+def m_shadowing_prefix(rng, f):
+    name = rng.choice(f.tensors())
+    prefix, rest = name.split(".", 1)
+    other = {"dflash": "trunk", "trunk": "dflash", "mtp": "dflash"}.get(prefix, "trunk")
+    f.header[other + "." + rest] = f.header.pop(name)
+    return f.blob()
+
+
+def m_noop_reorder(rng, f):
+    items = list(f.header.items())
+    rng.shuffle(items)
+    f.header = dict(items)
+    return f.blob()
+
+
+def m_noop_padding(rng, f):
+    return f.blob(json.dumps(f.header, separators=(",", ":")) + " " * rng.choice([1, 8, 100]))
+
+
+def m_noop_unknown_field(rng, f):
+    _entry(rng, f)["x-note"] = {"by": "fuzz", "n": [1, -2, 3.5]}
+    return f.blob()
+
+
+def m_noop_metadata_key(rng, f):
+    f.header["__metadata__"] = {**(f.header.get("__metadata__") or {}), "fuzz": "1"}
+    return f.blob()
+
+
+HEADER_MUTATORS: dict[str, Callable[[random.Random, StFile], bytes]] = {
+    "length-off": m_length, "offsets-shifted": m_shift, "offsets-overlap": m_overlap,
+    "offsets-into-header": m_into_header, "offsets-negative": m_negative, "gap": m_gap,
+    "trailing-bytes": m_trailing, "truncated": m_truncated, "duplicate-tensor": m_duplicate_tensor,
+    "duplicate-field": m_duplicate_field, "duplicate-metadata": m_duplicate_metadata, "wrong-type": m_wrong_type,
+    "dtype-bad": m_dtype, "huge-int": m_huge_int, "deep-nesting": m_deep_nesting,
+    "metadata-not-object": m_metadata_not_object, "zero-dim": m_zero_dim, "extra-dim": m_extra_dim,
+    "shadowing-prefix": m_shadowing_prefix, "noop-reorder": m_noop_reorder, "noop-padding": m_noop_padding,
+    "noop-unknown-field": m_noop_unknown_field, "noop-metadata-key": m_noop_metadata_key,
+}
+
+
+def header_cases(install: Path, n: int, seed: int) -> list[Case]:
+    """n header mutations, the classes in turn, each on a random safetensors file of the install."""
+    rng = random.Random(seed)
+    files = sorted(str(p.relative_to(install)) for p in install.rglob("*.safetensors"))
+    blobs = {f: (install / f).read_bytes() for f in files}
+    classes = list(HEADER_MUTATORS)
+    cases = []
+    for i in range(n):
+        cls, file = classes[i % len(classes)], rng.choice(files)
+        cases.append(Case(cls, file, HEADER_MUTATORS[cls](rng, StFile.parse(blobs[file]))))
+    return cases
+
+
+TARGETS: dict[str, Callable[[Path, int, int], list[Case]]] = {"headers": header_cases}
+
+
+# ---- running cases ----------------------------------------------------------------------------
+
+
+def case_install(base: Path, case: Case, into: Path) -> Path:
+    """The base install with one file replaced: every other file a symlink to the base's."""
+    for src in base.rglob("*"):
+        dst = into / src.relative_to(base)
+        if src.is_dir():
+            dst.mkdir(parents=True, exist_ok=True)
+        else:
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            dst.symlink_to(src.resolve())
+    (into / case.file).unlink()
+    (into / case.file).write_bytes(case.blob)
+    return into
+
+
+def worker() -> None:
+    """Reads {"install", "file"} lines; replies with what the library, turbo's reader and turbo.open made of it."""
+    import turbo
+    from safetensors import safe_open
+
+    from turbo.errors import TurboError
+    from turbo.safetensors_format import read_header
+
+    for line in sys.stdin:
+        job = json.loads(line)
+        reply: dict = {}
+        if job.get("file"):
+            path = Path(job["install"]) / job["file"]
+            try:
+                with safe_open(str(path), "pt"):
+                    reply["library_ok"] = True
+            except Exception:
+                reply["library_ok"] = False
+            try:
+                read_header(path)
+                reply["turbo_header_ok"] = True
+            except TurboError:
+                reply["turbo_header_ok"] = False
+        try:
+            out = turbo.open(job["install"], backend="cpu").generate(PROMPT, max_new_tokens=NEW_TOKENS,
+                                                                     stop_at_eos=False)
+            reply |= {"result": "generated", "tokens": out.tokens}
+        except TurboError as e:
+            reply |= {"result": "turbo_error", "message": str(e)}
+        except Exception as e:  # the outcome we are looking for: any other exception is a finding
+            reply |= {"result": "other", "message": f"{type(e).__name__}: {e}"}
+        print(MARK + json.dumps(reply), flush=True)
+
+
+class Worker:
+    """One worker subprocess, restarted after a crash or a hang."""
+
+    def __init__(self, timeout: float):
+        self.timeout, self.proc = timeout, None
+
+    def ask(self, install: Path, file: str | None) -> dict | str:
+        """The worker's reply, or "crash" / "hang"."""
+        if self.proc is None:
+            env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+            self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+        self.proc.stdin.write(json.dumps({"install": str(install), "file": file}) + "\n")
+        self.proc.stdin.flush()
+        while True:
+            ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+            if not ready:
+                self.close()
+                return "hang"
+            line = self.proc.stdout.readline()
+            if not line:
+                self.close()
+                return "crash"
+            if line.startswith(MARK):
+                return json.loads(line[len(MARK):])
+
+    def close(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+
+def classify(case: Case, reply: dict | str, reference: list[int]) -> Outcome:
+    if isinstance(reply, str):
+        return Outcome(case, reply)
+    o = Outcome(case, "", reply.get("library_ok"), reply.get("turbo_header_ok"), reply.get("message", ""))
+    if reply["result"] == "turbo_error":
+        o.outcome = "turbo_error" if "\n" not in o.detail else "other-exception"
+    elif reply["result"] == "other":
+        o.outcome = "other-exception"
+    elif not o.library_ok:
+        o.outcome = "accepted-but-library-refuses"
+    else:
+        o.outcome = "generated-equal" if reply["tokens"] == reference else "generated-changed"
+        o.detail = str(reply["tokens"])
+    return o
+
+
+def run_cases(base: Path, cases: list[Case], timeout: float = 60.0) -> list[Outcome]:
+    w = Worker(timeout)
+    try:
+        ref = w.ask(base, None)
+        if not isinstance(ref, dict) or ref["result"] != "generated":
+            raise SystemExit(f"the unmutated install {base} does not generate: {ref}")
+        outcomes = []
+        with tempfile.TemporaryDirectory(prefix="turbo-fuzz-") as tmp:
+            for i, case in enumerate(cases):
+                install = case_install(base, case, Path(tmp) / f"case{i}")
+                outcomes.append(classify(case, w.ask(install, case.file), ref["tokens"]))
+                shutil.rmtree(install)
+        return outcomes
+    finally:
+        w.close()
+
+
+def table(outcomes: list[Outcome]) -> str:
+    names = sorted({o.outcome for o in outcomes}, key=lambda n: (n in BAD, n))
+    counts = Counter((o.case.cls, o.outcome) for o in outcomes)
+    classes = sorted({o.case.cls for o in outcomes})
+    width = max(map(len, classes + ["class"]))
+    rows = [f"{'class':<{width}}  " + "  ".join(names)]
+    for c in classes:
+        rows.append(f"{c:<{width}}  " + "  ".join(f"{counts[c, n] or '':>{len(n)}}" for n in names))
+    rows.append(f"{'total':<{width}}  " + "  ".join(f"{sum(counts[c, n] for c in classes):>{len(n)}}" for n in names))
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    for target in TARGETS:
+        parser.add_argument(f"--{target}", type=int, default=0, metavar="N", help=f"N {target} mutations")
+    parser.add_argument("--install", default="tiny", help="the install to mutate (a directory or a shipped name)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a case counts as a hang")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker()
+        return 0
+    sys.path.insert(0, str(ROOT))
+    from turbo.install import resolve
+
+    base = resolve(args.install).resolve()
+    cases = [c for t, make in TARGETS.items() for c in make(base, getattr(args, t), args.seed)]
+    if not cases:
+        parser.error(f"nothing to do: give one of {', '.join('--' + t for t in TARGETS)} N")
+    outcomes = run_cases(base, cases, args.timeout)
+    print(table(outcomes))
+    bad = [o for o in outcomes if o.outcome in BAD]
+    for o in bad:
+        print(f"BAD {o.outcome}: {o.case.cls} on {o.case.file}: {o.detail[:200]}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

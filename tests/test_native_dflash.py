@@ -11,7 +11,8 @@ from turbo import ops
 from turbo.backends import native
 from turbo.drafters.dflash import DflashDrafter
 from turbo.install import open_install
-from turbo.trunk import Trunk
+from turbo.loader import load_dflash, load_trunk
+from turbo.options import OpenOptions
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.why_not()}")
 
@@ -25,11 +26,9 @@ def pair(inst, trunk, embed=None, products="fp32", **kw) -> tuple[DflashDrafter,
     """The same drafter twice: through native_dflash.c (with `products`), and through the torch code."""
     embed = trunk.embed if embed is None else embed
     lm_head = ops.dense(trunk.lm_head)  # as the engine passes it
-    fast = DflashDrafter(inst, embed, lm_head, products=products, **kw)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TURBO_NATIVE", "0")
-        ref = DflashDrafter(inst, embed, lm_head, **kw)
-    assert fast.native is not None and ref.native is None
+    fast = load_dflash(inst, embed, lm_head, opts=OpenOptions(draft_products=products), **kw)
+    ref = load_dflash(inst, embed, lm_head, opts=OpenOptions(native=False), **kw)
+    assert fast.step_name == "native" and ref.step_name == "torch"
     return fast, ref
 
 
@@ -46,7 +45,7 @@ def need(products: str) -> None:
 @pytest.fixture(scope="module")
 def random_model(spec_install):
     inst = open_install(spec_install[1])
-    return inst, Trunk(inst)
+    return inst, load_trunk(inst, OpenOptions(), "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +92,7 @@ def test_causal_drafter_matches_torch(spec_install, tmp_path):
     config = json.loads((path / "dflash" / "config.json").read_text())
     (path / "dflash" / "config.json").write_text(json.dumps(config | {"is_causal": True}))
     inst = open_install(path)
-    check_blocks(inst, Trunk(inst), ids_of(40, 320, 5))
+    check_blocks(inst, load_trunk(inst, OpenOptions(), "cpu"), ids_of(40, 320, 5))
 
 
 @pytest.mark.parametrize("positions, window", [(40, None), (300, None), (300, 16)])  # short; window-limited; wrapped
@@ -168,7 +167,7 @@ def test_native_selector_picks_what_the_torch_selector_picks():
 
 def test_other_activation_dtypes_keep_the_torch_pass(tiny):
     inst, trunk = tiny
-    assert DflashDrafter(inst, trunk.embed, ops.dense(trunk.lm_head), dtype=torch.bfloat16).native is None
+    assert load_dflash(inst, trunk.embed, ops.dense(trunk.lm_head), dtype=torch.bfloat16).step_name == "torch"
 
 
 def test_out_of_range_inputs_are_refused_before_c_reads_them(random_model):

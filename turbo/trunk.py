@@ -65,6 +65,16 @@ class TrunkWeights:
     inv_freq: torch.Tensor  # [rotary_dim / 2]
 
 
+def trunk_matrices(w: TrunkWeights | Trunk) -> list[torch.Tensor]:
+    """Every weight the decode/verify path multiplies by."""
+    mats = [w.lm_head]
+    for layer in w.layers:
+        m = layer.mixer
+        mats += [m.in_proj, m.out] if layer.gdn else [m.qkv, m.o]
+        mats += [layer.gate_up, layer.down]
+    return mats
+
+
 class Trunk:
     def __init__(self, arch: Arch, weights: TrunkWeights, dtype: torch.dtype, device: torch.device,
                  make_step: Callable[[Trunk], TrunkStep], why_torch: str | None = None):
@@ -79,13 +89,7 @@ class Trunk:
         return self.stepper.name
 
     def matrices(self) -> list[torch.Tensor]:
-        """Every weight the decode/verify path multiplies by."""
-        mats = [self.lm_head]
-        for layer in self.layers:
-            m = layer.mixer
-            mats += [m.in_proj, m.out] if isinstance(m, GdnWeights) else [m.qkv, m.o]
-            mats += [layer.gate_up, layer.down]
-        return mats
+        return trunk_matrices(self)
 
     # ---- state -------------------------------------------------------------------------
 

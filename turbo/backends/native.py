@@ -460,6 +460,8 @@ class NativeMtpStep:
     """The MTP head's layer (native.c's attn_layer) and head, on the trunk's native step.
     Packs the head's matrices in `layout` (draft_layout) in place."""
 
+    name = "native"
+
     def __init__(self, head, storage: torch.dtype, layout: str):
         self.head = head
         pack_layer(head.layer, storage, layout)
@@ -515,6 +517,8 @@ class NativeDflashStep:
     drafter's matrices in `layout` (draft_layout) in place, as the trunk's are: from here on
     the torch pass is not used, and memory is not doubled. A bf16 drafter's stay bf16
     (widened exactly in the product: the same values, half the bytes)."""
+
+    name = "native"
 
     def __init__(self, d, layout: str):
         self.d = d

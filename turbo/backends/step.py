@@ -61,6 +61,8 @@ class TrunkStep(Protocol):
 class MtpStep(Protocol):
     """The MTP head's decoder layer and head over its own K/V cache."""
 
+    name: str
+
     def write(self, x: torch.Tensor, p0: int) -> None:
         """Rows x [R, H] at p0..: their K/V into the cache (committed rows)."""
 
@@ -70,6 +72,8 @@ class MtpStep(Protocol):
 
 class DflashStep(Protocol):
     """The DFlash2 drafter's context rows, block pass and candidate selection."""
+
+    name: str
 
     def bind(self) -> None:
         """The drafter's rings were (re)allocated."""

@@ -77,6 +77,8 @@ class TorchTrunkStep:
 class TorchMtpStep:
     """The MTP head's layer with the trunk's torch pieces (turbo.trunk.qkv / mlp)."""
 
+    name = "torch"
+
     def __init__(self, head):
         self.head = head
 
@@ -111,6 +113,8 @@ class TorchMtpStep:
 class TorchDflashStep:
     """The DFlash2 pass in torch ops, in the drafter's activation dtype; on cuda the grouped
     conv and the candidate selector run the PTX kernels."""
+
+    name = "torch"
 
     def __init__(self, drafter):
         self.d = drafter

@@ -177,3 +177,34 @@ def test_out_of_range_inputs_are_refused_before_c_reads_them(random_model):
         fast.add_context(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="anchor 320"):
         fast.forward_block(320, 0, 2)
+
+
+def test_a_vector_with_an_extra_empty_dim_is_refused_before_c_reads_it(spec_install, tmp_path):
+    """[64, 0] has the four-wide record of a [64] vector; the full shape tells them apart."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from turbo.errors import TurboError
+
+    dst = shutil.copytree(spec_install[1], tmp_path / "inst")
+    path = dst / "dflash" / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["dflash.norm.weight"] = torch.zeros(64, 0)
+    save_file(tensors, str(path))
+    inst = open_install(dst)
+    trunk = load_trunk(inst, OpenOptions(), "cpu")
+    with pytest.raises(TurboError, match=r"dflash.norm.weight has shape \[64, 0\], expected a \[64\] vector"):
+        load_dflash(inst, trunk.embed, ops.dense(trunk.lm_head))
+
+
+def test_the_ctypes_mirrors_match_the_compiled_structs(monkeypatch):
+    import ctypes
+
+    assert native._struct_mismatch(native.library()) is None
+
+    class Shorter(ctypes.Structure):
+        _fields_ = [("hidden", ctypes.c_int)]
+
+    monkeypatch.setattr(native, "STRUCTS", (native.Layer, Shorter, native.DfLayer))
+    assert "Shorter is" in native._struct_mismatch(native.library())  # names the struct (Dflash's slot)

@@ -373,15 +373,15 @@ def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
 
 
 def trunk_refusal(device: torch.device, matrices: list) -> str | None:
-    """Why the trunk's step cannot run here (None: it can): on the CPU, with every matrix a
-    plain fp32 or bf16 tensor of one dtype, and the library built."""
+    """Why the trunk's step cannot run here (None: it can, the library built): on the CPU,
+    with every matrix a plain fp32 or bf16 tensor of one dtype."""
     if device.type != "cpu":
         return f"the trunk runs on {device.type}"
     if not all(isinstance(m, torch.Tensor) for m in matrices):
         return "packed quantized matrices"
     if any(m.dtype != matrices[0].dtype for m in matrices) or matrices[0].dtype not in WTYPES:
         return f"matrices in {sorted({str(m.dtype).removeprefix('torch.') for m in matrices})}"
-    return why_not()
+    return None
 
 
 class NativeTrunkStep:
@@ -500,8 +500,8 @@ DFLASH_MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "attn_proj", "mlp_p
 
 
 def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | None:
-    """Why the DFlash2 pass cannot run in native_dflash.c (None: it can): on the CPU, fp32
-    activations, a plain fp32 or bf16 embedding table, and the library built."""
+    """Why the DFlash2 pass cannot run in native_dflash.c (None: it can, the library built):
+    on the CPU, fp32 activations, a plain fp32 or bf16 embedding table."""
     if device.type != "cpu":
         return f"the drafter runs on {device.type}"
     if dtype != torch.float32:
@@ -509,7 +509,7 @@ def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | Non
     plain_table = isinstance(embed, torch.Tensor) and embed.is_contiguous()
     if not (plain_table or isinstance(embed, PackedRows)) or embed.dtype not in WTYPES:
         return "the embedding table is not a plain fp32 or bf16 one"
-    return why_not()
+    return None
 
 
 class NativeDflashStep:

@@ -94,8 +94,8 @@ class DflashDrafter(DrafterBase):
     and the context rows run in native_dflash.c where it is in use, with the matrix products
     `draft_products` picks (native.draft_layout): "fp32" computes the torch pass's function
     (to rounding); "int8" (weights per output, inputs per row) and "bf16" read fewer bytes
-    and do more multiply-adds per instruction; "auto" the fastest the CPU has. The trunk checks every proposal: the drafter's precision moves acceptance, never
-    the output."""
+    and do more multiply-adds per instruction; "auto" the fastest the CPU has. The trunk
+    checks every proposal: the drafter's precision moves acceptance, never the output."""
 
     kind = "dflash"
 
@@ -127,6 +127,7 @@ class DflashDrafter(DrafterBase):
         cap = capacity or self.window + DFLASH_RING_SLACK
         kv, d = self.shape.num_kv_heads, self.shape.head_dim
         self.capacity = cap
+        # per layer [capacity, kv_heads, head_dim]: position p at slot p % capacity
         self.ring_k = [torch.zeros(cap, kv, d, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.ring_v = [torch.zeros(cap, kv, d, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.context = 0  # context positions added so far (positions 0..context-1)

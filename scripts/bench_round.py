@@ -68,7 +68,7 @@ def main() -> None:
             parts = {}
             for strategy in ("checkpoint", "replay"):
                 def verify_then_rollback(strategy=strategy):
-                    o = trunk.step(st, rows, dflash.aux_layers, keep=strategy)
+                    o = trunk.step(st, rows, dflash.aux_layers, strategy)
                     t = time.perf_counter()
                     trunk.rollback(st, o, len(rows), 1 + block // 2, strategy)
                     parts.setdefault(strategy, []).append(time.perf_counter() - t)

@@ -243,7 +243,7 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
         r["trunk_decode_step_ms"] = round(timed(lambda: trunk.step(st, [7]), 50) * 1e3, 3)
 
         def verify():
-            o = trunk.step(st, [7] * 9, keep="checkpoint")
+            o = trunk.step(st, [7] * 9, rollback="checkpoint")
             trunk.rollback(st, o, 9, 1, "checkpoint")
         r["trunk_verify9_plus_rollback_ms"] = round(timed(verify, 30) * 1e3, 3)
         ops.CUDA_KERNELS = False

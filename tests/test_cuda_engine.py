@@ -163,23 +163,23 @@ def test_quantized_linear_goes_to_the_gemv_kernel(emulated_dispatch):
 
 def test_forward_and_rollback_stay_on_the_device(spec_install, monkeypatch):
     """On `meta`, a host tensor mixed into the math raises ('not on the expected device')."""
-    from turbo.drafters.dflash import DflashDrafter
-    from turbo.trunk import Trunk
+    from turbo.loader import load_dflash, load_trunk
+    from turbo.options import OpenOptions
 
     monkeypatch.setattr(ops, "calibrate_rows", lambda w, *a, **k: 0)  # a measurement: meaningless on meta
     meta = torch.device("meta")
     inst = open_install(spec_install[1])
-    trunk = Trunk(inst, torch.float32, meta)
+    trunk = load_trunk(inst, OpenOptions(), meta)
     assert all(m.device == meta for m in trunk.matrices()) and trunk.inv_freq.device == meta
     st = trunk.new_state(16)
     out = trunk.prefill(st, list(range(5, 30)), (0, 2))  # grows the 16-slot caches, too
     assert out.logits.device == meta and all(k.shape[1] >= 25 for k, _ in st.kv.values())
     for keep in ("checkpoint", "replay", None):
-        step = trunk.step(st, [3, 4, 5], (0, 2), keep=keep)
+        step = trunk.step(st, [3, 4, 5], (0, 2), keep)
         assert step.logits.device == meta
         if keep:
             trunk.rollback(st, step, 3, 1, keep)
-    d = DflashDrafter(inst, trunk.embed, trunk.lm_head, device=meta)
+    d = load_dflash(inst, trunk.embed, trunk.lm_head, device=meta)
     d.begin(out)
     logits, final = d.forward_block(7, d.context, 4)
     assert logits.device == final.device == meta
@@ -190,17 +190,17 @@ def test_mtp_head_stays_on_the_device(tmp_path, monkeypatch):
     from helpers import make_checkpoint
     from test_mtp import add_mtp, mtp_tensors
 
-    from turbo.drafters.mtp import MtpDrafter
+    from turbo.loader import load_mtp, load_trunk
+    from turbo.options import OpenOptions
     from turbo.repack import repack
-    from turbo.trunk import Trunk
 
     model = make_checkpoint(tmp_path / "hf", 5)
     add_mtp(tmp_path / "hf", mtp_tensors(model.config, 5))
     inst = open_install(repack(tmp_path / "hf", tmp_path / "install", quiet=True))
     monkeypatch.setattr(ops, "calibrate_rows", lambda w, *a, **k: 0)
     meta = torch.device("meta")
-    trunk = Trunk(inst, torch.float32, meta)
-    head = MtpDrafter(inst, trunk)
+    trunk = load_trunk(inst, OpenOptions(), meta)
+    head = load_mtp(inst, trunk)
     assert head.fc.device == meta and head.k.device == meta
     st = trunk.new_state(16)
     out = trunk.prefill(st, list(range(5, 30)))

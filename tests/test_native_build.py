@@ -9,9 +9,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 PROBE = """
 import turbo
-from turbo.backends import native
 rt = turbo.open("tiny")
-print("native" if rt.trunk.native is not None else "torch", "|", native.why_not())
+print(rt.trunk.step_name, "|", rt.trunk.why_torch)
 print(rt.generate("def f(x):", max_new_tokens=12, policy="off").tokens)
 """
 

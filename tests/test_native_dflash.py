@@ -11,7 +11,8 @@ from turbo import ops
 from turbo.backends import native
 from turbo.drafters.dflash import DflashDrafter
 from turbo.install import open_install
-from turbo.trunk import Trunk
+from turbo.loader import load_dflash, load_trunk
+from turbo.options import OpenOptions
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.why_not()}")
 
@@ -25,11 +26,9 @@ def pair(inst, trunk, embed=None, products="fp32", **kw) -> tuple[DflashDrafter,
     """The same drafter twice: through native_dflash.c (with `products`), and through the torch code."""
     embed = trunk.embed if embed is None else embed
     lm_head = ops.dense(trunk.lm_head)  # as the engine passes it
-    fast = DflashDrafter(inst, embed, lm_head, products=products, **kw)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TURBO_NATIVE", "0")
-        ref = DflashDrafter(inst, embed, lm_head, **kw)
-    assert fast.native is not None and ref.native is None
+    fast = load_dflash(inst, embed, lm_head, opts=OpenOptions(draft_products=products), **kw)
+    ref = load_dflash(inst, embed, lm_head, opts=OpenOptions(native=False), **kw)
+    assert fast.step_name == "native" and ref.step_name == "torch"
     return fast, ref
 
 
@@ -46,7 +45,7 @@ def need(products: str) -> None:
 @pytest.fixture(scope="module")
 def random_model(spec_install):
     inst = open_install(spec_install[1])
-    return inst, Trunk(inst)
+    return inst, load_trunk(inst, OpenOptions(), "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +92,7 @@ def test_causal_drafter_matches_torch(spec_install, tmp_path):
     config = json.loads((path / "dflash" / "config.json").read_text())
     (path / "dflash" / "config.json").write_text(json.dumps(config | {"is_causal": True}))
     inst = open_install(path)
-    check_blocks(inst, Trunk(inst), ids_of(40, 320, 5))
+    check_blocks(inst, load_trunk(inst, OpenOptions(), "cpu"), ids_of(40, 320, 5))
 
 
 @pytest.mark.parametrize("positions, window", [(40, None), (300, None), (300, 16)])  # short; window-limited; wrapped
@@ -168,7 +167,7 @@ def test_native_selector_picks_what_the_torch_selector_picks():
 
 def test_other_activation_dtypes_keep_the_torch_pass(tiny):
     inst, trunk = tiny
-    assert DflashDrafter(inst, trunk.embed, ops.dense(trunk.lm_head), dtype=torch.bfloat16).native is None
+    assert load_dflash(inst, trunk.embed, ops.dense(trunk.lm_head), dtype=torch.bfloat16).step_name == "torch"
 
 
 def test_out_of_range_inputs_are_refused_before_c_reads_them(random_model):
@@ -178,3 +177,34 @@ def test_out_of_range_inputs_are_refused_before_c_reads_them(random_model):
         fast.add_context(torch.zeros(2, 3))
     with pytest.raises(ValueError, match="anchor 320"):
         fast.forward_block(320, 0, 2)
+
+
+def test_a_vector_with_an_extra_empty_dim_is_refused_before_c_reads_it(spec_install, tmp_path):
+    """[64, 0] has the four-wide record of a [64] vector; the full shape tells them apart."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from turbo.errors import TurboError
+
+    dst = shutil.copytree(spec_install[1], tmp_path / "inst")
+    path = dst / "dflash" / "model.safetensors"
+    with safe_open(str(path), "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors["dflash.norm.weight"] = torch.zeros(64, 0)
+    save_file(tensors, str(path))
+    inst = open_install(dst)
+    trunk = load_trunk(inst, OpenOptions(), "cpu")
+    with pytest.raises(TurboError, match=r"dflash.norm.weight has shape \[64, 0\], expected a \[64\] vector"):
+        load_dflash(inst, trunk.embed, ops.dense(trunk.lm_head))
+
+
+def test_the_ctypes_mirrors_match_the_compiled_structs(monkeypatch):
+    import ctypes
+
+    assert native._struct_mismatch(native.library()) is None
+
+    class Shorter(ctypes.Structure):
+        _fields_ = [("hidden", ctypes.c_int)]
+
+    monkeypatch.setattr(native, "STRUCTS", (native.Layer, Shorter, native.DfLayer))
+    assert "Shorter is" in native._struct_mismatch(native.library())  # names the struct (Dflash's slot)

@@ -13,8 +13,13 @@ from safetensors.torch import save_file
 from turbo import engine, quant
 from turbo.errors import TurboError
 from turbo.install import ResidentIndex, open_install
+from turbo.loader import load_trunk
+from turbo.options import OpenOptions
 from turbo.repack import repack
-from turbo.trunk import Trunk
+
+
+def Trunk(inst, **opts):  # noqa: N802
+    return load_trunk(inst, OpenOptions(**opts), "cpu")
 
 FMT = quant.FORMATS
 # every projection's input width divides 128 (and 64): all of them quantize in all formats
@@ -157,12 +162,10 @@ def test_speculation_on_a_quantized_install_is_lossless(fmt, int4_install, tmp_p
         assert spec.tokens == plain.tokens, (fmt, block, rollback)
 
 
-def test_packed_weights_compute_the_same_as_dequantized_at_load(int4_install, monkeypatch):
-    monkeypatch.setenv("TURBO_NATIVE", "0")  # both on the torch step: packed matrices never take native.c
+def test_packed_weights_compute_the_same_as_dequantized_at_load(int4_install):
     inst = open_install(int4_install[2])
-    at_load = Trunk(inst)
-    monkeypatch.setenv(quant.CPU_MODE_ENV, "packed")
-    packed = Trunk(inst)
+    at_load = Trunk(inst, native=False)  # both on the torch step: packed matrices never take native.c
+    packed = Trunk(inst, native=False, quant_cpu="packed")
     assert isinstance(packed.layers[0].gate_up, quant.QuantizedWeight)
     assert isinstance(packed.layers[0].mixer.in_proj, quant.QuantizedWeight)  # fused packed: qkv|z|b|a
     assert torch.equal(packed.layers[0].gate_up.dequantize(), at_load.layers[0].gate_up)

@@ -9,12 +9,20 @@ from helpers import ScriptedDrafter
 from turbo import ops
 from turbo.backends import native
 from turbo.drafters import DrafterBase
-from turbo.drafters.dflash import DflashDrafter
 from turbo.install import open_install
-from turbo.trunk import Trunk
+from turbo.loader import load_dflash, load_trunk
+from turbo.options import OpenOptions
 
 PROMPTS = [list(range(5, 40)), [7, 100, 3, 250, 17, 17, 17, 42]]
 pytestmark = pytest.mark.usefixtures("step_path")  # every test on both CPU steps
+
+
+def Trunk(inst):  # noqa: N802 (the step the environment names: step_path sets TURBO_NATIVE)
+    return load_trunk(inst, OpenOptions.from_env(), "cpu")
+
+
+def DflashDrafter(inst, embed, lm_head, **kw):  # noqa: N802
+    return load_dflash(inst, embed, lm_head, opts=OpenOptions.from_env(), **kw)
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +31,7 @@ def rt(spec_install, step_path):
 
 
 def test_the_step_in_use_is_the_one_asked_for(rt, step_path):
-    assert (rt.trunk.native is not None) == (step_path == "native")
+    assert rt.trunk.step_name == step_path
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +142,7 @@ def test_replay_and_checkpoint_leave_bit_identical_states(spec_install):
             rows = [int(t) for t in torch.randint(0, 320, (int(torch.randint(1, 10, (1,), generator=g)),),
                                                   generator=g)]
             kept = int(torch.randint(1, len(rows) + 1, (1,), generator=g))
-            out = trunk.step(st, rows, keep=strategy)
+            out = trunk.step(st, rows, rollback=strategy)
             trunk.rollback(st, out, len(rows), kept, strategy)
             history.append((st.pos, {i: (s.clone(), w.clone()) for i, (s, w) in st.gdn.items()}))
         states[strategy] = history
@@ -151,7 +159,7 @@ def test_verify_rows_equal_decode_steps_bitwise(spec_install):
     a, b = trunk.new_state(), trunk.new_state()
     trunk.prefill(a, prompt)
     trunk.prefill(b, prompt)
-    verify = trunk.step(a, rows, aux_layers=(0, 2), keep="checkpoint")
+    verify = trunk.step(a, rows, aux_layers=(0, 2), rollback="checkpoint")
     for r, tok in enumerate(rows):
         one = trunk.step(b, [tok], aux_layers=(0, 2))
         assert torch.equal(one.logits[0], verify.logits[r]) and torch.equal(one.aux[0], verify.aux[r])

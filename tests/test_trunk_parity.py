@@ -6,7 +6,12 @@ from helpers import make_install
 
 import turbo
 from turbo.install import open_install
-from turbo.trunk import Trunk
+from turbo.loader import load_trunk
+from turbo.options import OpenOptions
+
+
+def Trunk(inst, dtype: str = "float32"):  # noqa: N802 (the step the environment names: step_path)
+    return load_trunk(inst, OpenOptions.from_env(dtype=dtype), "cpu")
 
 SHAPES = {
     # GQA 2, Hv/Hk 2, untied, layer_types from full_attention_interval (4), rotary 0.25
@@ -65,7 +70,7 @@ def test_64_greedy_tokens_equal_transformers_generate(pair):
 
 def test_bf16_weights_stay_close(pair):
     model, path = pair
-    rt32, rt16 = Trunk(open_install(path)), Trunk(open_install(path), torch.bfloat16)
+    rt32, rt16 = Trunk(open_install(path)), Trunk(open_install(path), "bfloat16")
     ids = list(range(3, 30))
     a = rt32.prefill(rt32.new_state(), ids, want_logits=True).logits
     b = rt16.prefill(rt16.new_state(), ids, want_logits=True).logits

@@ -49,19 +49,23 @@ class Arch:
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary)
 
-    def is_linear(self, layer: int) -> bool:
+    def is_gdn(self, layer: int) -> bool:
+        """A Gated DeltaNet layer (config.json's linear_attention)."""
         return self.layer_types[layer] == "linear_attention"
 
     @property
     def full_layers(self) -> list[int]:
-        return [i for i in range(self.num_layers) if not self.is_linear(i)]
+        return [i for i in range(self.num_layers) if not self.is_gdn(i)]
 
     @property
     def lin_conv_dim(self) -> int:
         return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
 
 
-def _need(cfg: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+def need_field(cfg: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
+    """cfg[key] as `kind` (an int is a float too, a bool is neither); TurboError naming the
+    field and `where` when it is missing or of another kind. (The trunk's and the drafters'
+    configs both read their fields through it.)"""
     if key not in cfg or cfg[key] is None:
         raise TurboError(f"{where}: missing required field '{key}'")
     value = cfg[key]
@@ -73,7 +77,7 @@ def _need(cfg: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any
 
 
 def _positive(cfg: dict, key: str, where: str) -> int:
-    value = _need(cfg, key, int, where)
+    value = need_field(cfg, key, int, where)
     if value <= 0:
         raise TurboError(f"{where}: field '{key}' is {value}, expected a positive integer")
     return value
@@ -117,7 +121,7 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
         rope = {k: text[k] for k in ("rope_theta", "partial_rotary_factor") if k in text}
     if not isinstance(rope, dict):
         raise TurboError(f"{w}: field 'rope_parameters' is {rope!r}, expected an object")
-    rope_theta = _need(rope, "rope_theta", float, f"{w} rope_parameters")
+    rope_theta = need_field(rope, "rope_theta", float, f"{w} rope_parameters")
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
     if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
         raise TurboError(f"{w}: field 'partial_rotary_factor' is {partial!r}, expected a number in (0, 1]")
@@ -139,7 +143,7 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
-        rms_eps=_need(text, "rms_norm_eps", float, w),
+        rms_eps=need_field(text, "rms_norm_eps", float, w),
         vocab=_positive(text, "vocab_size", w),
         tie_embeddings=tie,
         layer_types=tuple(layer_types),

@@ -1,28 +1,289 @@
 """Loading apart from running: an install's tensors read, checked and prepared for a step.
 
 `load_trunk` and `load_drafter` are what the engine calls; everything that reads the
-resident index for the forward lives behind them.
+resident index for the forward lives here. Each part gets one step object, chosen once
+(turbo/backends/step.py): the native CPU step where `OpenOptions.native` allows it and it
+can run, else the torch step; the part keeps the reason (`why_torch`). The options arrive
+resolved: nothing here reads the environment.
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import ops
+from . import ops, quant
+from .backends import native
+from .backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
+from .drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
+from .drafters.dflash_config import derive_shape, dflash_layer_tensor, parse_config
+from .drafters.mtp import MTP_PREFIX, MtpDrafter, MtpWeights
+from .errors import TurboError
 from .install import Install
 from .options import OpenOptions
-from .trunk import Trunk
+from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, Trunk, TrunkWeights, trunk_matrices
+
+NATIVE_OFF = "TURBO_NATIVE=0"  # why_torch when OpenOptions.native is False
 
 
-def load_trunk(install: Install, opts: OpenOptions, device: torch.device) -> Trunk:
-    return Trunk(install, getattr(torch, opts.dtype), device)
+def _native_refusal(opts: OpenOptions, refusal: str | None) -> str | None:
+    """Why a part does not take the native step: the options, the part's own `refusal`,
+    or the library's build (built here, once per process, into opts.cache_dir)."""
+    if not opts.native:
+        return NATIVE_OFF
+    if refusal is not None:
+        return refusal
+    native.library(opts.cache_dir)
+    return native.why_not()
+
+
+def _to(t, device: torch.device):
+    return t if device.type == "cpu" else t.to(device)
+
+
+# ---- the trunk ------------------------------------------------------------------------------
+
+
+def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) -> Trunk:
+    """The trunk's weights in `opts.dtype` on `device` (prepared on the host exactly as for
+    the CPU, then moved there once), on the native step where it can run."""
+    a, index = install.arch, install.index
+    dtype, device = getattr(torch, opts.dtype), torch.device(device)
+    on_cpu = device.type == "cpu"
+    mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
+    stored: set[str] = set()  # how the matrices (and the embedding) are stored: see native.storage_dtype
+
+    def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None, matrix: bool = False):
+        full = PREFIX + name
+        entry = index.need(full)
+        if matrix or name == "embed_tokens.weight":
+            stored.add(entry.st_dtype)
+        if entry.dims != tuple(shape):
+            raise TurboError(f"{full} has shape {list(entry.dims)}, expected {list(shape)}")
+        if matrix and entry.bits and (not on_cpu or quant.keep_packed(mode, entry.bits, as_dtype or dtype)):
+            qw = index.load_quantized(full, as_dtype or dtype)  # a QuantizedWeight for ops.linear
+            qw.use_kernel = mode != "packed" and on_cpu  # (on cuda: the quantized GEMV kernel)
+            return qw
+        return index.load(full, as_dtype or dtype)
+
+    def norm(name: str, n: int) -> torch.Tensor:
+        return 1.0 + w(name, (n,), torch.float32)
+
+    embed = w("embed_tokens.weight", (a.vocab, a.hidden))
+    lm_head = embed if a.tie_embeddings else w("lm_head.weight", (a.vocab, a.hidden), matrix=True)
+    final_norm = norm("norm.weight", a.hidden)
+    layers: list[LayerWeights] = []
+    hd, nh, nkv = a.head_dim, a.num_heads, a.num_kv_heads
+    kd, vd = a.lin_k_heads * a.lin_k_dim, a.lin_v_heads * a.lin_v_dim
+    for i in range(a.num_layers):
+        p = f"layers.{i}."
+        if a.is_gdn(i):
+            m = p + "linear_attn."
+            conv = w(m + "conv1d.weight", (a.lin_conv_dim, 1, a.conv_kernel), torch.float32)[:, 0]
+            mixer: AttnWeights | GdnWeights = GdnWeights(
+                in_proj=quant.fuse([
+                    w(m + "in_proj_qkv.weight", (2 * kd + vd, a.hidden), matrix=True),
+                    w(m + "in_proj_z.weight", (vd, a.hidden), matrix=True),
+                    w(m + "in_proj_b.weight", (a.lin_v_heads, a.hidden), matrix=True),
+                    w(m + "in_proj_a.weight", (a.lin_v_heads, a.hidden), matrix=True),
+                ]),
+                conv=conv.contiguous(),
+                neg_a=-w(m + "A_log", (a.lin_v_heads,), torch.float32).exp(),
+                dt_bias=w(m + "dt_bias", (a.lin_v_heads,), torch.float32),
+                norm=w(m + "norm.weight", (a.lin_v_dim,), torch.float32),
+                out=w(m + "out_proj.weight", (a.hidden, vd), matrix=True),
+            )
+        else:
+            m = p + "self_attn."
+            mixer = AttnWeights(
+                qkv=quant.fuse([
+                    w(m + "q_proj.weight", (2 * nh * hd, a.hidden), matrix=True),
+                    w(m + "k_proj.weight", (nkv * hd, a.hidden), matrix=True),
+                    w(m + "v_proj.weight", (nkv * hd, a.hidden), matrix=True),
+                ]),
+                o=w(m + "o_proj.weight", (a.hidden, nh * hd), matrix=True),
+                q_norm=norm(m + "q_norm.weight", hd),
+                k_norm=norm(m + "k_norm.weight", hd),
+            )
+        layers.append(LayerWeights(
+            gdn=a.is_gdn(i),
+            in_norm=norm(p + "input_layernorm.weight", a.hidden),
+            post_norm=norm(p + "post_attention_layernorm.weight", a.hidden),
+            mixer=mixer,
+            gate_up=quant.fuse([w(p + "mlp.gate_proj.weight", (a.intermediate, a.hidden), matrix=True),
+                                w(p + "mlp.up_proj.weight", (a.intermediate, a.hidden), matrix=True)]),
+            down=w(p + "mlp.down_proj.weight", (a.hidden, a.intermediate), matrix=True),
+        ))
+    inv_freq = ops.rope_inv_freq(a.rotary_dim, a.rope_theta)
+    if not on_cpu:  # once, at load: everything above was prepared on the host exactly as for the CPU
+        embed = ops.to_device(embed, device)
+        lm_head = embed if a.tie_embeddings else ops.to_device(lm_head, device)
+        final_norm, inv_freq = ops.to_device(final_norm, device), ops.to_device(inv_freq, device)
+        layers = [ops.to_device(layer, device) for layer in layers]
+    weights = TrunkWeights(embed, lm_head, final_norm, layers, inv_freq)
+    why = _native_refusal(opts, native.trunk_refusal(device, trunk_matrices(weights)))
+    if why is None:
+        storage = native.storage_dtype(dtype, stored)  # the matrices packed, the embedding kept, in it
+
+        def make_step(trunk: Trunk) -> native.NativeTrunkStep:
+            return native.NativeTrunkStep(trunk, storage)
+    else:
+        make_step = TorchTrunkStep
+    return Trunk(a, weights, dtype, device, make_step, why)
+
+
+# ---- the drafters ---------------------------------------------------------------------------
 
 
 def load_drafter(kind: str, install: Install, trunk: Trunk, window: int | None, opts: OpenOptions):
     """The install's own drafter of `kind` (dflash | mtp), ready for the engine (turbo.drafters.Drafter)."""
     if kind == "dflash":
-        from .drafters.dflash import DflashDrafter
-        return DflashDrafter(install, trunk.embed, ops.dense(trunk.lm_head), window, device=trunk.device,
-                             products=opts.draft_products)
-    from .drafters.mtp import MtpDrafter
-    return MtpDrafter(install, trunk, opts.draft_products)
+        return load_dflash(install, trunk.embed, ops.dense(trunk.lm_head), window, opts, device=trunk.device)
+    return load_mtp(install, trunk, opts.draft_products)
+
+
+def _refuse_products(products: str, part: str, why: str) -> None:
+    """Drafter-only products are the native pass's; the torch pass computes in fp32."""
+    if products not in ("auto", "fp32"):
+        raise TurboError(f"draft_products {products}: {part} is not in use ({why}); expected auto or fp32")
+
+
+def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, window: int | None = None,
+                opts: OpenOptions = OpenOptions(), dtype: torch.dtype = torch.float32,
+                scale: float = DFLASH_RESIDUAL_SCALE, device: torch.device | str = "cpu") -> DflashDrafter:
+    """The DFlash2 drafter over the trunk's `embed` table and (dense) `lm_head`, in `dtype`
+    activations on `device`; `window` its context (None: the trained sliding_window)."""
+    if install.drafter_config is None:
+        raise TurboError(f"{install.path}: no dflash/config.json (the install carries no DFlash2 drafter)")
+    cfg = parse_config(install.drafter_config, install.arch, str(install.path / "dflash" / "config.json"))
+    idx = install.index
+    shape = derive_shape(idx, cfg.hidden, cfg.vocab, cfg.taps, cfg.group)
+    if (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.inter) != (
+            cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate):
+        raise TurboError(f"dflash/config.json: heads {cfg.heads}, kv heads {cfg.kv_heads}, head_dim {cfg.head_dim}, "
+                         f"intermediate {cfg.intermediate} disagree with the tensors' {shape.num_heads}, "
+                         f"{shape.num_kv_heads}, {shape.head_dim}, {shape.inter}")
+    if shape.aux_count != len(cfg.target_layers):
+        raise TurboError(f"dflash.fc.weight fuses {shape.aux_count} aux states, but target_layer_ids lists "
+                         f"{len(cfg.target_layers)}")
+    if shape.rank != cfg.rank:
+        raise TurboError(f"dflash/config.json: selector_rank is {cfg.rank}, the codebooks have rank {shape.rank}")
+    if window is not None and not 1 <= window <= cfg.window:
+        raise TurboError(f"window {window} is outside 1..{cfg.window} (the drafter's trained sliding_window)")
+    device = torch.device(device)
+    stored: set[str] = set()
+
+    def t(name: str, as_dtype: torch.dtype = dtype) -> torch.Tensor:
+        if as_dtype == dtype:
+            stored.add(idx.need(name).st_dtype)
+        return _to(idx.load(name, as_dtype), device)
+
+    def norm(name: str) -> torch.Tensor:
+        return _to(1.0 + idx.load(name, torch.float32), device)  # computed on the host, as on the CPU
+
+    layers = []
+    for i in range(shape.layers):
+        def n(s: str) -> str:
+            return dflash_layer_tensor(i, s)
+        layers.append(DflashLayer(
+            in_norm=norm(n("input_layernorm.weight")), post_norm=norm(n("post_attention_layernorm.weight")),
+            q=t(n("self_attn.q_proj.weight")), k=t(n("self_attn.k_proj.weight")), v=t(n("self_attn.v_proj.weight")),
+            o=t(n("self_attn.o_proj.weight")), q_norm=norm(n("self_attn.q_norm.weight")),
+            k_norm=norm(n("self_attn.k_norm.weight")), gate=t(n("mlp.gate_proj.weight")),
+            up=t(n("mlp.up_proj.weight")), down=t(n("mlp.down_proj.weight")),
+            attn_proj=t(n("attention_conv.kernel_projection.weight")), attn_base=t(n("attention_conv.base_kernel")),
+            mlp_proj=t(n("mlp_conv.kernel_projection.weight")), mlp_base=t(n("mlp_conv.base_kernel")),
+        ))
+    weights = DflashWeights(
+        embed=embed, lm_head=lm_head.to(dtype), lm_head_bf16=lm_head.dtype == torch.bfloat16,
+        fc=t("dflash.fc.weight"), hidden_norm=norm("dflash.hidden_norm.weight"), final_norm=norm("dflash.norm.weight"),
+        hidden_projection=t("dflash.candidate_selector.hidden_projection.weight", torch.float32),
+        pred_codebook=t("dflash.candidate_selector.predecessor_codebook", torch.float32),
+        succ_codebook=t("dflash.candidate_selector.successor_codebook", torch.float32),
+        layers=layers, inv_freq=_to(ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta), device), stored=stored)
+    products = opts.draft_products
+    why = _native_refusal(opts, native.dflash_refusal(device, dtype, embed))
+    if why is None:
+        layout = native.draft_layout(products)
+
+        def make_step(d: DflashDrafter) -> native.NativeDflashStep:
+            return native.NativeDflashStep(d, layout)
+    else:
+        _refuse_products(products, "the drafter's native CPU pass", why)
+        make_step = TorchDflashStep
+    return DflashDrafter(cfg, shape, weights, window or cfg.window, dtype, scale, device, make_step, why)
+
+
+def mtp_tensor_shapes(arch) -> dict[str, tuple[int, ...]]:
+    """Every tensor the MTP head needs, with the shape the trunk's arch implies."""
+    h, hd, nh, nkv, inter = arch.hidden, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.intermediate
+    layer = MTP_PREFIX + "layers.0."
+    return {
+        MTP_PREFIX + "fc.weight": (h, 2 * h),
+        MTP_PREFIX + "pre_fc_norm_embedding.weight": (h,),
+        MTP_PREFIX + "pre_fc_norm_hidden.weight": (h,),
+        MTP_PREFIX + "norm.weight": (h,),
+        layer + "input_layernorm.weight": (h,),
+        layer + "post_attention_layernorm.weight": (h,),
+        layer + "self_attn.q_proj.weight": (2 * nh * hd, h),
+        layer + "self_attn.k_proj.weight": (nkv * hd, h),
+        layer + "self_attn.v_proj.weight": (nkv * hd, h),
+        layer + "self_attn.o_proj.weight": (h, nh * hd),
+        layer + "self_attn.q_norm.weight": (hd,),
+        layer + "self_attn.k_norm.weight": (hd,),
+        layer + "mlp.gate_proj.weight": (inter, h),
+        layer + "mlp.up_proj.weight": (inter, h),
+        layer + "mlp.down_proj.weight": (h, inter),
+    }
+
+
+def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDrafter:
+    """The install's MTP head over `trunk` (its embedding, lm_head and step: native.c's
+    layer on the trunk's native step, with the `products` matrix products)."""
+    if not install.has_mtp:
+        raise TurboError(f"{install.path}: this install carries no MTP head (mtp.fc.weight is not in the "
+                         "resident index)")
+    index, arch = install.index, install.arch
+    if MTP_PREFIX + "layers.1.input_layernorm.weight" in index:
+        raise TurboError("mtp.layers.1.input_layernorm.weight: this head has more than one MTP layer, and this "
+                         "port runs exactly one (num_nextn_predict_layers 1, as Qwen3.5 ships)")
+    for name, shape in mtp_tensor_shapes(arch).items():
+        dims = index.need(name).dims
+        if tuple(dims) != shape:
+            raise TurboError(f"{name} has shape {list(dims)}, expected {list(shape)} (from the trunk's config)")
+    dtype, device = trunk.dtype, trunk.device  # the trunk's: weights moved once at load, the cache there too
+    stored: set[str] = set()
+
+    def w(name: str) -> torch.Tensor:
+        stored.add(index.need(MTP_PREFIX + name).st_dtype)
+        return _to(index.load(MTP_PREFIX + name, dtype), device)
+
+    def norm(name: str) -> torch.Tensor:
+        return _to(1.0 + index.load(MTP_PREFIX + name, torch.float32), device)  # computed on the host, as on the CPU
+
+    p = "layers.0."
+    a = p + "self_attn."
+    weights = MtpWeights(
+        fc=w("fc.weight"),
+        norm_embedding=norm("pre_fc_norm_embedding.weight"),
+        norm_hidden=norm("pre_fc_norm_hidden.weight"),
+        final_norm=norm("norm.weight"),
+        layer=LayerWeights(
+            gdn=False,
+            in_norm=norm(p + "input_layernorm.weight"),
+            post_norm=norm(p + "post_attention_layernorm.weight"),
+            mixer=AttnWeights(qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
+                              o=w(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
+                              k_norm=norm(a + "k_norm.weight")),
+            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+            down=w(p + "mlp.down_proj.weight"),
+        ),
+    )
+    if trunk.step_name == "native":  # so is the head's layer (native.c's attn_layer + head)
+        storage, layout = native.storage_dtype(dtype, stored), native.draft_layout(products)
+
+        def make_step(head: MtpDrafter) -> native.NativeMtpStep:
+            return native.NativeMtpStep(head, storage, layout)
+    else:
+        _refuse_products(products, "the MTP head's native CPU step", trunk.why_torch)
+        make_step = TorchMtpStep
+    return MtpDrafter(trunk, weights, make_step)

@@ -15,7 +15,7 @@ Packing is the MLX community layout: q is packed little-endian into uint32 words
 of a row at bits (j % (32 // bits)) * bits of word j // (32 // bits); the packed weight is
 [out, in * bits / 32] (stored as safetensors U32), `scales` and `biases` are [out, in / group].
 
-On the CPU (TURBO_QUANT_CPU, default auto; figures from scripts/bench_quant.py):
+On the CPU (OpenOptions.quant_cpu, TURBO_QUANT_CPU; default auto; figures from scripts/bench_quant.py):
 - dequant: dequantized once when the trunk loads. Dequantization is deterministic elementwise
   math, and `ops.linear`'s row-stable padding applies unchanged to the float matrix.
 - packed: kept as a `QuantizedWeight` that `ops.linear` dequantizes per call (the same
@@ -31,12 +31,12 @@ On the CPU (TURBO_QUANT_CPU, default auto; figures from scripts/bench_quant.py):
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from .errors import TurboError
+from .options import QUANT_CPU_ENV
 
 
 @dataclass(frozen=True)
@@ -60,8 +60,8 @@ QUANT_CODES = tuple(sorted(BY_CODE))
 METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
 
 # The CPU representation of a quantized matrix in the trunk (module docstring): auto,
-# dequant, packed or kernel.
-CPU_MODE_ENV = "TURBO_QUANT_CPU"
+# dequant, packed or kernel (OpenOptions.quant_cpu, read from this variable at the edges).
+CPU_MODE_ENV = QUANT_CPU_ENV
 
 
 CPU_MODES = ("auto", "dequant", "packed", "kernel")
@@ -72,8 +72,8 @@ def keep_packed(mode: str, bits: int, dtype: torch.dtype) -> bool:
     return mode == "packed" or (bits == 4 and (mode == "kernel" or (mode == "auto" and dtype == torch.bfloat16)))
 
 
-def cpu_mode() -> str:
-    mode = os.environ.get(CPU_MODE_ENV, "auto").strip() or "auto"
+def cpu_mode(mode: str) -> str:
+    """`mode` checked against CPU_MODES."""
     if mode not in CPU_MODES:
         raise TurboError(f"{CPU_MODE_ENV}={mode!r} is not one of {', '.join(CPU_MODES)}")
     return mode

@@ -52,24 +52,13 @@
  * wtype 3 (int8 quads). */
 int dot_products(void) { return BF16_DOT | INT8_DOT << 1; }
 
+int struct_size(int which) {
+    return which == 0 ? (int)sizeof(Layer) : which == 1 ? (int)sizeof(Dflash) : which == 2 ? (int)sizeof(DfLayer) : -1;
+}
+
 typedef float v16 __attribute__((vector_size(64)));
 typedef uint16_t u16x16 __attribute__((vector_size(32)));
 typedef uint32_t u32x16 __attribute__((vector_size(64)));
-
-typedef struct {
-    int hidden, inter, wtype;
-    float eps;
-    const float *in_norm, *post_norm; /* (1 + w), fp32 */
-    const void *gate_up, *down;
-    /* Gated DeltaNet */
-    const void *in_proj, *out;
-    const float *conv, *neg_a, *dt_bias, *gnorm;
-    int kheads, kdim, vheads, vdim, taps;
-    /* gated attention */
-    const void *qkv, *o;
-    const float *q_norm, *k_norm, *inv_freq;
-    int heads, kv_heads, head_dim, rot;
-} Layer;
 
 static inline v16 load_w(const void *w, int wtype, size_t at) {
     v16 r;

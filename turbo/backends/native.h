@@ -9,6 +9,50 @@
 #include <immintrin.h>
 #endif
 
+/* The structs Python fills (turbo/backends/native.py mirrors them with ctypes and checks
+ * their sizes against struct_size at load). */
+
+/* native.c: one trunk layer's weights (pointers) and sizes. */
+typedef struct {
+    int hidden, inter, wtype;
+    float eps;
+    const float *in_norm, *post_norm; /* (1 + w), fp32 */
+    const void *gate_up, *down;
+    /* Gated DeltaNet */
+    const void *in_proj, *out;
+    const float *conv, *neg_a, *dt_bias, *gnorm;
+    int kheads, kdim, vheads, vdim, taps;
+    /* gated attention */
+    const void *qkv, *o;
+    const float *q_norm, *k_norm, *inv_freq;
+    int heads, kv_heads, head_dim, rot;
+} Layer;
+
+/* native_dflash.c: one DFlash2 layer and the drafter. */
+typedef struct {
+    const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
+    const void *q, *k, *v, *o, *gate, *up, *down;        /* packed [out, in] */
+    const void *attn_proj, *mlp_proj;                    /* packed [2 * taps * groups, hidden] */
+    const float *attn_base, *mlp_base;                   /* [2, taps, hidden] */
+    float *ring_k, *ring_v;                              /* [capacity, kv_heads, head_dim] */
+} DfLayer;
+
+typedef struct {
+    int hidden, heads, kv_heads, head_dim, inter, taps, group, aux_width, vocab, layers;
+    int window, capacity, causal, mask_token, embed_wtype, embed_panels;
+    int wtype, lm_wtype; /* the packed matrices' (fc and the layers') and the lm_head's: fp32 0, bf16 1 */
+    float eps;     /* the norms of unscaled values: q, k, the fused context */
+    float res_eps; /* eps / scale^2: the norms reading the scaled residual stream */
+    float scale;
+    const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's), rows or panels (embed_row) */
+    const void *fc, *lm_head; /* packed */
+    const float *hidden_norm, *final_norm, *inv_freq;
+    const DfLayer *layer;
+} Dflash;
+
+/* sizeof(Layer), sizeof(Dflash), sizeof(DfLayer) for which = 0, 1, 2 (-1 otherwise). */
+int struct_size(int which);
+
 /* y [R, n] = x [R, k] @ w[n, k]^T for a packed w (panels of 16 outputs; native.c). */
 void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y);
 

@@ -1,11 +1,13 @@
-"""The CPU backend's native code -- native.c (the trunk's step and the packed products) and
-native_dflash.c (the DFlash2 pass) -- compiled once per machine with the host's C compiler.
+"""The native CPU step -- native.c (the trunk's step, the MTP head's layer, the packed
+products) and native_dflash.c (the DFlash2 pass) -- compiled once per machine with the host's
+C compiler, and every ctypes declaration and call into it.
 
-`library()` returns the loaded library, or None when it cannot be had (no compiler, a failed
-build, or TURBO_NATIVE=0); the trunk and drafters then run their torch code, which is just as
-lossless, only slower. `why_not()` says which. The build goes to a per-user cache, keyed by the
-source, the compiler and the machine, and is renamed into place whole, so parallel jobs
-(a Hydra multirun) never load a half-written file.
+`library(cache_dir)` returns the loaded library, or None when it cannot be had (no compiler,
+a failed build); `why_not()` says why. Whether a part runs here is the loader's choice
+(turbo/loader.py); where it does not, the torch step (turbo/backends/torch_step.py) runs, just
+as lossless, only slower. The build goes to a per-user cache, keyed by the source, the
+compiler and the machine, and is renamed into place whole, so parallel jobs (a Hydra
+multirun) never load a half-written file.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import TurboError
+from .step import GdnTrace, StepOut, TrunkState
 
 # native.c: the trunk's step; native_*.c: further parts (built into the same library)
 SOURCES = sorted(Path(__file__).parent.glob("native*.c"))
@@ -37,7 +40,7 @@ _tried = False
 
 
 class Layer(ctypes.Structure):
-    """native.c's Layer: one trunk layer's weights (pointers) and sizes."""
+    """native.h's Layer: one trunk layer's weights (pointers) and sizes."""
 
     _fields_ = [
         ("hidden", ctypes.c_int), ("inter", ctypes.c_int), ("wtype", ctypes.c_int), ("eps", ctypes.c_float),
@@ -53,12 +56,34 @@ class Layer(ctypes.Structure):
     ]
 
 
+class DfLayer(ctypes.Structure):
+    """native.h's DfLayer: one DFlash2 layer's weights and its context ring (pointers)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "in_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o", "gate", "up", "down",
+        "attn_proj", "mlp_proj", "attn_base", "mlp_base", "ring_k", "ring_v")]
+
+
+class Dflash(ctypes.Structure):
+    """native.h's Dflash: the drafter's sizes, scaling and weights (pointers)."""
+
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "hidden", "heads", "kv_heads", "head_dim", "inter", "taps", "group", "aux_width", "vocab", "layers",
+        "window", "capacity", "causal", "mask_token", "embed_wtype", "embed_panels", "wtype", "lm_wtype")] + [
+        ("eps", ctypes.c_float), ("res_eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        (name, ctypes.c_void_p) for name in ("embed", "fc", "lm_head", "hidden_norm", "final_norm", "inv_freq")] + [
+        ("layer", ctypes.POINTER(DfLayer))]
+
+
+STRUCTS = (Layer, Dflash, DfLayer)  # native.c's struct_size(0, 1, 2)
+
 WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 # native.c's entry points: p a pointer (a Layer's address too), i an int, f a float
 SIGNATURES = {
     "linear_packed": "p i i p i i p",
     "dot_products": "",
+    "struct_size": "i",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p",
     "embed_rows": "p i i p i i p",
@@ -70,21 +95,16 @@ SIGNATURES = {
     "dflash_add_context": "p p i i",
     "dflash_select": "p p i i i p i p p i i p",
 }
-RETURNS_INT = {"dot_products"}  # (the rest return nothing)
+RETURNS_INT = {"dot_products", "struct_size"}  # (the rest return nothing)
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("TURBO_CACHE") or os.environ.get("XDG_CACHE_HOME")
-    return Path(root) / "turbo" if root else Path.home() / ".cache" / "turbo"
-
-
-def _build(cc: str) -> Path:
+def _build(cc: str, cache_dir: Path | None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, HEADER]) + " ".join(map(str, FLAGS)).encode()
                          + version.encode() + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     errors = []
-    for dest_dir in (_cache_dir(), Path(tempfile.gettempdir()) / "turbo-native"):
+    for dest_dir in (cache_dir or Path.home() / ".cache" / "turbo", Path(tempfile.gettempdir()) / "turbo-native"):
         target = dest_dir / f"native-{key}.so"
         if target.exists():
             return target
@@ -106,46 +126,60 @@ def _build(cc: str) -> Path:
                        f"{errors[-1][0] if errors else 'unknown'}")
 
 
-def library() -> ctypes.CDLL | None:
+def _struct_mismatch(lib: ctypes.CDLL) -> str | None:
+    """ctypes' layouts against the compiler's: a mismatch means the Python mirror of native.h
+    went stale (a build bug), and every call would read fields at the wrong offsets."""
+    for which, struct in enumerate(STRUCTS):
+        c_size = lib.struct_size(which)
+        if c_size != ctypes.sizeof(struct):
+            return (f"native.h's {struct.__name__} is {c_size} bytes, its ctypes mirror in "
+                    f"turbo/backends/native.py {ctypes.sizeof(struct)}: the two disagree")
+    return None
+
+
+def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
+    """The library, built (into `cache_dir`, default ~/.cache/turbo) and loaded once per
+    process: a later call's cache_dir is not looked at."""
     global _lib, _why, _tried
-    if os.environ.get("TURBO_NATIVE", "1") == "0":
-        return None
     if not _tried:
         _tried = True
+        # CC: the C toolchain's own convention (as make and setuptools read it)
         cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
         try:
             if cc is None:
                 raise RuntimeError("no C compiler on PATH (set CC)")
-            lib = ctypes.CDLL(str(_build(cc)))
+            lib = ctypes.CDLL(str(_build(cc, cache_dir)))
             for name, args in SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.argtypes = [_C[a] for a in args.split()]
                 fn.restype = ctypes.c_int if name in RETURNS_INT else None
-            _lib = lib
         except (RuntimeError, OSError, subprocess.SubprocessError) as e:
             _why = str(e)
+            return None
+        _why = _struct_mismatch(lib)
+        if _why is not None:  # a build bug, not a reason to fall back quietly
+            raise RuntimeError(_why)
+        _lib = lib
     return _lib
 
 
 _threads = 0
 
 
-def threaded() -> ctypes.CDLL | None:
+def threaded() -> ctypes.CDLL:
     """library(), its matrix products split over torch's intra-op thread count (checked
     on every call: `threads=` or torch.set_num_threads may change it)."""
     global _threads
-    lib = library()
+    lib = _lib
     n = torch.get_num_threads()
-    if lib is not None and n != _threads:
+    if n != _threads:
         lib.set_threads(n)
         _threads = n
     return lib
 
 
 def why_not() -> str | None:
-    """Why the native step is not in use (None when it is)."""
-    if os.environ.get("TURBO_NATIVE", "1") == "0":
-        return "TURBO_NATIVE=0"
+    """Why the library cannot be had (None when it can)."""
     library()
     return _why
 
@@ -306,3 +340,241 @@ def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.n)
     threaded().linear_packed(x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), w.wtype, w.n, y.data_ptr())
     return y
+
+
+# ---- the steps ----------------------------------------------------------------------------
+
+
+def pack_layer(layer, dtype: torch.dtype, layout: str = "panels") -> None:
+    """A trunk-shaped layer's (turbo.trunk.LayerWeights) matrices into `layout` (panels: in
+    `dtype`), in place (ops.linear takes them too)."""
+    m = layer.mixer
+    if layer.gdn:
+        m.in_proj, m.out = pack_as(m.in_proj, dtype, layout), pack_as(m.out, dtype, layout)
+    else:
+        m.qkv, m.o = pack_as(m.qkv, dtype, layout), pack_as(m.o, dtype, layout)
+    layer.gate_up, layer.down = pack_as(layer.gate_up, dtype, layout), pack_as(layer.down, dtype, layout)
+
+
+def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
+    """native.c's struct for one packed layer (its tensors must outlive it: it holds pointers)."""
+    m = layer.mixer
+    s = Layer(hidden=a.hidden, inter=a.intermediate, wtype=layer.gate_up.wtype, eps=a.rms_eps,
+              in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
+              gate_up=ptr(layer.gate_up), down=ptr(layer.down))
+    if layer.gdn:
+        s.in_proj, s.out, s.conv = ptr(m.in_proj), ptr(m.out), ptr(m.conv)
+        s.neg_a, s.dt_bias, s.gnorm = ptr(m.neg_a), ptr(m.dt_bias), ptr(m.norm)
+        s.kheads, s.kdim, s.vheads, s.vdim, s.taps = a.lin_k_heads, a.lin_k_dim, a.lin_v_heads, a.lin_v_dim, a.conv_kernel
+    else:
+        s.qkv, s.o, s.q_norm, s.k_norm, s.inv_freq = ptr(m.qkv), ptr(m.o), ptr(m.q_norm), ptr(m.k_norm), ptr(inv_freq)
+        s.heads, s.kv_heads, s.head_dim, s.rot = a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim
+    return s
+
+
+def trunk_refusal(device: torch.device, matrices: list) -> str | None:
+    """Why the trunk's step cannot run here (None: it can, the library built): on the CPU,
+    with every matrix a plain fp32 or bf16 tensor of one dtype."""
+    if device.type != "cpu":
+        return f"the trunk runs on {device.type}"
+    if not all(isinstance(m, torch.Tensor) for m in matrices):
+        return "packed quantized matrices"
+    if any(m.dtype != matrices[0].dtype for m in matrices) or matrices[0].dtype not in WTYPES:
+        return f"matrices in {sorted({str(m.dtype).removeprefix('torch.') for m in matrices})}"
+    return None
+
+
+class NativeTrunkStep:
+    """The trunk's step through native.c: one call per layer, the torch step's contract and
+    traces. A step is short (a fraction of a millisecond), so the Python here is kept to a
+    few buffers per layer and raw pointers (the layers' structs built once, here).
+    Packs the trunk's matrices in `storage` (native.storage_dtype) in place."""
+
+    name = "native"
+
+    def __init__(self, trunk, storage: torch.dtype):
+        self.trunk = trunk
+        for layer in trunk.layers:
+            pack_layer(layer, storage)
+        trunk.lm_head = pack(trunk.lm_head.to(storage))
+        # tied: the embedding rows are read out of the packed lm_head (the table is kept once)
+        trunk.embed = PackedRows(trunk.lm_head) if trunk.arch.tie_embeddings else trunk.embed.to(storage)
+        self.structs = [layer_struct(trunk.arch, layer, trunk.inv_freq) for layer in trunk.layers]
+        self.addresses = [ctypes.addressof(s) for s in self.structs]
+
+    def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
+             rollback: str | None) -> StepOut:
+        t = self.trunk
+        a, lib = t.arch, threaded()
+        rows, p0 = len(tokens), st.pos
+        if not 0 <= min(tokens) <= max(tokens) < a.vocab:  # the C reads the rows it is given
+            raise ValueError(f"a token of {tokens} is not an id in 0..{a.vocab - 1}")
+        t.reserve(st, p0 + rows)
+        x = torch.empty(rows, a.hidden)  # [R, H]: the residual stream, updated in place layer by layer
+        xp = x.data_ptr()
+        lib.embed_rows(*table_of(t.embed), (ctypes.c_int * rows)(*tokens), rows, a.hidden, xp)
+        taps, conv_dim = a.conv_kernel, a.lin_conv_dim
+        hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim
+        slot = {layer: j for j, layer in enumerate(sorted(aux_layers))}  # in layer order, as the torch step cats them
+        aux = torch.empty(rows, len(slot) * a.hidden) if slot else None
+        traces = {}
+        for i, address in enumerate(self.addresses):
+            if i in st.gdn:
+                state, window = st.gdn[i]
+                new_state, ext = torch.empty(hv, dk, dv), torch.empty(taps - 1 + rows, conv_dim)
+                inputs = torch.empty(rows * hv * (2 * dk + dv + 2))  # q, k, v, g, beta (native.c)
+                states = torch.empty(rows, hv, dk, dv) if rollback == "checkpoint" else None
+                lib.gdn_layer(address, xp, rows, state.data_ptr(), new_state.data_ptr(),
+                              window.data_ptr(), ext.data_ptr(), inputs.data_ptr(), ptr(states))
+                st.gdn[i] = (new_state, ext[rows:])
+                if rollback is not None:
+                    traces[i] = GdnTrace(state, ext, self._inputs(inputs, rows) if rollback == "replay" else None,
+                                         list(states.unbind(0)) if states is not None else None)
+            else:
+                kc, vc = st.kv[i]
+                lib.attn_layer(address, xp, rows, p0, 0, kc.data_ptr(), vc.data_ptr(), kc.shape[1])
+            if i in slot:
+                lib.copy_rows(xp, rows, a.hidden, aux.data_ptr() + 4 * slot[i] * a.hidden, len(slot) * a.hidden)
+        st.pos = p0 + rows
+        logits = torch.empty(rows, a.vocab)
+        lib.head(xp, rows, a.hidden, t.final_norm.data_ptr(), a.rms_eps, t.lm_head.data.data_ptr(),
+                 t.lm_head.wtype, a.vocab, logits.data_ptr(), None)
+        return StepOut(logits, x, aux, traces)
+
+    def _inputs(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
+        """native.c's recurrence inputs of `rows` rows, as the trace's q, k, v, g, beta."""
+        a = self.trunk.arch
+        hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim
+        q, k, v, g, beta = flat.split([rows * hv * dk, rows * hv * dk, rows * hv * dv, rows * hv, rows * hv])
+        return q.view(rows, hv, dk), k.view(rows, hv, dk), v.view(rows, hv, dv), g.view(rows, hv), beta.view(rows, hv)
+
+    def replay(self, trace: GdnTrace, kept: int) -> torch.Tensor:
+        a = self.trunk.arch
+        state = trace.snapshot.contiguous().clone()
+        _lib.gdn_recurrence(ptr(state), kept, a.lin_v_heads, a.lin_k_dim, a.lin_v_dim,
+                            *(ptr(x) for x in trace.inputs), None, None)
+        return state
+
+
+class NativeMtpStep:
+    """The MTP head's layer (native.c's attn_layer) and head, on the trunk's native step.
+    Packs the head's matrices in `layout` (draft_layout) in place."""
+
+    name = "native"
+
+    def __init__(self, head, storage: torch.dtype, layout: str):
+        self.head = head
+        pack_layer(head.layer, storage, layout)
+        head.fc = pack_as(head.fc, storage, layout)
+        self.struct = layer_struct(head.arch, head.layer, head.trunk.inv_freq)
+        self.address = ctypes.addressof(self.struct)
+
+    def _layer(self, x: torch.Tensor, p0: int) -> torch.Tensor:
+        """Rows x at p0.. through the layer (K/V written, attending from start)."""
+        h = self.head
+        h.reserve(p0 + x.shape[0])
+        y = x.float().contiguous().clone()
+        threaded().attn_layer(self.address, y.data_ptr(), y.shape[0], p0, h.start,
+                              h.k.data_ptr(), h.v.data_ptr(), h.k.shape[1])
+        return y
+
+    def write(self, x: torch.Tensor, p0: int) -> None:
+        self._layer(x, p0)
+
+    def row(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.head
+        a = h.arch
+        y = self._layer(x, pos)
+        out, logits = torch.empty(1, a.hidden), torch.empty(1, a.vocab)
+        lm = h.trunk.lm_head
+        threaded().head(y.data_ptr(), 1, a.hidden, h.final_norm.data_ptr(), h.eps, ptr(lm), lm.wtype, a.vocab,
+                        logits.data_ptr(), out.data_ptr())
+        return out, logits
+
+
+# native_dflash.c's dflash_select keeps at most this many candidates per row.
+SELECT_MAX_K = 64
+
+# The DFlash2 layer matrices native_dflash.c reads packed.
+DFLASH_MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "attn_proj", "mlp_proj")
+
+
+def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | None:
+    """Why the DFlash2 pass cannot run in native_dflash.c (None: it can, the library built):
+    on the CPU, fp32 activations, a plain fp32 or bf16 embedding table."""
+    if device.type != "cpu":
+        return f"the drafter runs on {device.type}"
+    if dtype != torch.float32:
+        return f"activations are {str(dtype).removeprefix('torch.')}"
+    plain_table = isinstance(embed, torch.Tensor) and embed.is_contiguous()
+    if not (plain_table or isinstance(embed, PackedRows)) or embed.dtype not in WTYPES:
+        return "the embedding table is not a plain fp32 or bf16 one"
+    return None
+
+
+class NativeDflashStep:
+    """The DFlash2 pass and context rows in native_dflash.c (one call each). Packs the
+    drafter's matrices in `layout` (draft_layout) in place, as the trunk's are: from here on
+    the torch pass is not used, and memory is not doubled. A bf16 drafter's stay bf16
+    (widened exactly in the product: the same values, half the bytes)."""
+
+    name = "native"
+
+    def __init__(self, d, layout: str):
+        self.d = d
+        storage = storage_dtype(d.dtype, d.stored)
+        for layer in d.layers:
+            for name in DFLASH_MATRICES:
+                setattr(layer, name, pack_as(getattr(layer, name), storage, layout))
+        d.fc = pack_as(d.fc, storage, layout)
+        d.lm_head = pack_as(d.lm_head, torch.bfloat16 if d.lm_head_bf16 else torch.float32, layout)
+        cfg, shape = d.cfg, d.shape
+        embed, embed_wtype, embed_panels = table_of(d.embed)
+        self.layers = (DfLayer * len(d.layers))(*(DfLayer(
+            in_norm=ptr(l.in_norm), post_norm=ptr(l.post_norm), q_norm=ptr(l.q_norm), k_norm=ptr(l.k_norm),
+            q=ptr(l.q), k=ptr(l.k), v=ptr(l.v), o=ptr(l.o), gate=ptr(l.gate), up=ptr(l.up), down=ptr(l.down),
+            attn_proj=ptr(l.attn_proj), mlp_proj=ptr(l.mlp_proj), attn_base=ptr(l.attn_base),
+            mlp_base=ptr(l.mlp_base)) for l in d.layers))
+        self.struct = Dflash(
+            hidden=shape.hidden, heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+            inter=shape.inter, taps=cfg.taps, group=cfg.group, aux_width=d.fc.shape[1], vocab=cfg.vocab,
+            layers=len(d.layers), window=d.window, causal=cfg.is_causal, mask_token=cfg.mask_token,
+            embed_wtype=embed_wtype, embed_panels=embed_panels, wtype=d.fc.wtype, lm_wtype=d.lm_head.wtype,
+            eps=cfg.eps, res_eps=cfg.eps / (d.scale * d.scale),
+            scale=d.scale, embed=embed, fc=ptr(d.fc), hidden_norm=ptr(d.hidden_norm),
+            final_norm=ptr(d.final_norm), lm_head=ptr(d.lm_head), inv_freq=ptr(d.inv_freq),
+            layer=self.layers)
+        self.address = ctypes.addressof(self.struct)
+
+    def bind(self) -> None:
+        d = self.d
+        self.struct.capacity = d.capacity
+        for layer, rk, rv in zip(self.layers, d.ring_k, d.ring_v):
+            layer.ring_k, layer.ring_v = ptr(rk), ptr(rv)
+
+    def add_context(self, aux: torch.Tensor) -> None:
+        width = self.struct.aux_width
+        if aux.shape[1:] != (width,):  # C reads what it is given: shapes are checked here
+            raise ValueError(f"aux rows are {list(aux.shape[1:])} wide, the drafter fuses {width}")
+        aux = aux.float().contiguous()
+        threaded().dflash_add_context(self.address, aux.data_ptr(), aux.shape[0], self.d.context)
+
+    def forward(self, anchor: int, anchor_pos: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        vocab, hidden = self.struct.vocab, self.struct.hidden
+        if not 0 <= anchor < vocab:
+            raise ValueError(f"anchor {anchor} is not a token id in 0..{vocab - 1}")
+        logits, final = torch.empty(block, vocab), torch.empty(block, hidden)
+        threaded().dflash_forward(self.address, anchor, anchor_pos, block, logits.data_ptr(), final.data_ptr())
+        return logits, final
+
+    def select(self, logits: torch.Tensor, final: torch.Tensor, anchor: int, top_k: int) -> list[int]:
+        d, block = self.d, logits.shape[0]
+        if top_k > SELECT_MAX_K:  # (imported here: turbo.drafters.dflash imports this module)
+            from ..drafters.dflash import select_candidates
+            return select_candidates(logits, final, anchor, d.hidden_projection, d.pred_codebook,
+                                     d.succ_codebook, top_k)
+        out = (ctypes.c_int * block)()
+        threaded().dflash_select(logits.data_ptr(), final.data_ptr(), block, logits.shape[1], final.shape[1],
+                                 d.hidden_projection.data_ptr(), d.hidden_projection.shape[0],
+                                 d.pred_codebook.data_ptr(), d.succ_codebook.data_ptr(), top_k, anchor, out)
+        return list(out)

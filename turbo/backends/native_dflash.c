@@ -21,28 +21,6 @@
 #include "native.h"
 
 
-typedef struct {
-    const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
-    const void *q, *k, *v, *o, *gate, *up, *down;        /* packed [out, in] */
-    const void *attn_proj, *mlp_proj;                    /* packed [2 * taps * groups, hidden] */
-    const float *attn_base, *mlp_base;                   /* [2, taps, hidden] */
-    float *ring_k, *ring_v;                              /* [capacity, kv_heads, head_dim] */
-} DfLayer;
-
-typedef struct {
-    int hidden, heads, kv_heads, head_dim, inter, taps, group, aux_width, vocab, layers;
-    int window, capacity, causal, mask_token, embed_wtype, embed_panels;
-    int wtype, lm_wtype; /* the packed matrices' (fc and the layers') and the lm_head's: fp32 0, bf16 1 */
-    float eps;     /* the norms of unscaled values: q, k, the fused context */
-    float res_eps; /* eps / scale^2: the norms reading the scaled residual stream */
-    float scale;
-    const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's), rows or panels (embed_row) */
-    const void *fc, *lm_head; /* packed */
-    const float *hidden_norm, *final_norm, *inv_freq;
-    const DfLayer *layer;
-} Dflash;
-
-
 /* cos and sin [R, head_dim / 2] of positions p0..p0+R-1: one table shared by every head and layer. */
 static void df_rope_table(const Dflash *D, int p0, int R, float *cs, float *sn) {
     int half = D->head_dim / 2;

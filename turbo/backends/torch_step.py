@@ -1,0 +1,197 @@
+"""The torch step: the trunk's row-stable step, the MTP head's layer and the DFlash2 pass in
+torch ops. It is the CPU reference the native step and the CUDA kernels are tested against;
+on backend=cuda the same code runs the PTX kernels (turbo/ops.py dispatches on the tensors'
+device)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .. import ops
+from ..drafters.dflash import grouped_conv, select_candidates
+from .step import GdnTrace, StepOut, TrunkState
+
+
+class TorchTrunkStep:
+    name = "torch"
+
+    def __init__(self, trunk):
+        self.trunk = trunk
+        for mat in trunk.matrices():  # the row blocks ops.linear pads to, once per matrix
+            ops.calibrate_rows(mat)
+
+    def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
+             rollback: str | None) -> StepOut:
+        t = self.trunk
+        a, dev = t.arch, t.device
+        rows, p0 = len(tokens), st.pos
+        t.reserve(st, p0 + rows)
+        x = t.embed[torch.tensor(tokens, device=dev)].float()
+        positions = torch.arange(p0, p0 + rows, device=dev)
+        aux, traces = [], {}
+        for i, layer in enumerate(t.layers):
+            h = ops.rms_norm(x, layer.in_norm, a.rms_eps)
+            m = layer.mixer
+            if layer.gdn:
+                state, window = st.gdn[i]
+                ext, inputs, z = t.gdn_inputs(m, h, window)
+                o, new_state, states = ops.gdn_recurrence(state, *inputs, keep_states=rollback == "checkpoint")
+                st.gdn[i] = (new_state, ext[rows:])
+                if rollback is not None:
+                    traces[i] = GdnTrace(state, ext, inputs if rollback == "replay" else None, states)
+                y = t.gdn_out(m, o, z)
+            else:
+                q, k, v, gate = t.qkv(m, h, positions)
+                kc, vc = st.kv[i]
+                kc[:, p0:p0 + rows], vc[:, p0:p0 + rows] = k.transpose(0, 1), v.transpose(0, 1)
+                y = ops.linear(self._attend_rows(q, kc, vc, p0) * ops.sigmoid(gate), m.o)
+            x = x + y
+            x = x + t.mlp(layer, ops.rms_norm(x, layer.post_norm, a.rms_eps))
+            if i in aux_layers:
+                aux.append(x)
+        st.pos = p0 + rows
+        return StepOut(t.head(x), x, torch.cat(aux, dim=-1) if aux else None, traces)
+
+    def _attend_rows(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p0: int) -> torch.Tensor:
+        """Each row attends to exactly its own causal prefix, one call per row, so a row's
+        arithmetic does not depend on how many rows were verified with it."""
+        a = self.trunk.arch
+        groups = a.num_heads // a.num_kv_heads
+        scale = a.head_dim ** -0.5
+        outs = []
+        for r in range(q.shape[0]):
+            end = p0 + r + 1
+            qr = q[r].reshape(a.num_kv_heads, groups, a.head_dim)
+            scores = torch.bmm(qr, kc[:, :end].transpose(1, 2)) * scale
+            outs.append(torch.bmm(torch.softmax(scores, dim=-1), vc[:, :end]).reshape(-1))
+        return torch.stack(outs)
+
+    def replay(self, trace: GdnTrace, kept: int) -> torch.Tensor:
+        state = trace.snapshot
+        for r in range(kept):
+            state, _ = ops.gdn_step(state, *(x[r] for x in trace.inputs))
+        return state
+
+
+class TorchMtpStep:
+    """The MTP head's layer with the trunk's torch pieces (turbo.trunk.qkv / mlp)."""
+
+    name = "torch"
+
+    def __init__(self, head):
+        self.head = head
+
+    def write(self, x: torch.Tensor, p0: int) -> None:
+        self._write_kv(x, p0)
+
+    def _write_kv(self, x: torch.Tensor, p0: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer's q and gate for rows at p0.., with their K/V written into the cache."""
+        hd = self.head
+        rows = x.shape[0]
+        hd.reserve(p0 + rows)
+        h = ops.rms_norm(x, hd.layer.in_norm, hd.eps)
+        q, k, v, gate = hd.trunk.qkv(hd.layer.mixer, h, torch.arange(p0, p0 + rows, device=hd.device))
+        hd.k[:, p0:p0 + rows], hd.v[:, p0:p0 + rows] = k.transpose(0, 1), v.transpose(0, 1)
+        return q, gate
+
+    def row(self, x: torch.Tensor, pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        hd = self.head
+        a = hd.arch
+        q, gate = self._write_kv(x, pos)
+        groups = a.num_heads // a.num_kv_heads
+        qr = q[0].reshape(a.num_kv_heads, groups, a.head_dim)
+        keys, values = hd.k[:, hd.start:pos + 1], hd.v[:, hd.start:pos + 1]
+        scores = torch.bmm(qr, keys.transpose(1, 2)) * a.head_dim ** -0.5
+        att = torch.bmm(torch.softmax(scores, dim=-1), values).reshape(1, -1)
+        x = x + ops.linear(att * ops.sigmoid(gate), hd.layer.mixer.o)
+        x = x + hd.trunk.mlp(hd.layer, ops.rms_norm(x, hd.layer.post_norm, hd.eps))
+        out = ops.rms_norm(x, hd.final_norm, hd.eps)
+        return out, ops.linear(out, hd.trunk.lm_head)
+
+
+class TorchDflashStep:
+    """The DFlash2 pass in torch ops, in the drafter's activation dtype; on cuda the grouped
+    conv and the candidate selector run the PTX kernels."""
+
+    name = "torch"
+
+    def __init__(self, drafter):
+        self.d = drafter
+
+    def bind(self) -> None:
+        pass  # the rings are read by index on every call
+
+    def _lin(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.to(w.dtype), w)
+
+    def add_context(self, aux: torch.Tensor) -> None:
+        d = self.d
+        n = aux.shape[0]
+        ctx = ops.rms_norm(self._lin(aux, d.fc), d.hidden_norm, d.cfg.eps).to(d.dtype)
+        positions = torch.arange(d.context, d.context + n, device=d.device)
+        cos, sin = ops.rope_cos_sin(positions, d.inv_freq)
+        slots = positions % d.capacity
+        kv, hdim = d.shape.num_kv_heads, d.shape.head_dim
+        for layer, rk, rv in zip(d.layers, d.ring_k, d.ring_v):
+            k = ops.rms_norm(self._lin(ctx, layer.k).reshape(n, kv, hdim), layer.k_norm, d.cfg.eps)
+            rk[slots] = ops.apply_rope(k, cos, sin).to(d.dtype)
+            rv[slots] = self._lin(ctx, layer.v).reshape(n, kv, hdim).to(d.dtype)
+
+    def _conv_prepare(self, x: torch.Tensor, proj: torch.Tensor, base: torch.Tensor):
+        d = self.d
+        groups = d.shape.hidden // d.cfg.group
+        dyn = self._lin(x, proj).reshape(x.shape[0], 2, d.cfg.taps, groups)
+        return self._grouped_conv(x, base[0], dyn[:, 0]), dyn[:, 1]
+
+    def _grouped_conv(self, h: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        cb = ops.cuda_kernels(h)
+        if cb is not None:  # dflash.cu (fp32), back in the activation dtype
+            return cb.grouped_conv(h, base, dyn, self.d.cfg.group).to(h.dtype)
+        return grouped_conv(h, base, dyn, self.d.cfg.group)
+
+    def _attention(self, li: int, u: torch.Tensor, anchor_pos: int) -> torch.Tensor:
+        d = self.d
+        layer = d.layers[li]
+        rows = u.shape[0]
+        h, kv, hdim = d.shape.num_heads, d.shape.num_kv_heads, d.shape.head_dim
+        cos, sin = ops.rope_cos_sin(torch.arange(anchor_pos, anchor_pos + rows, device=d.device), d.inv_freq)
+        q = ops.apply_rope(ops.rms_norm(self._lin(u, layer.q).reshape(rows, h, hdim), layer.q_norm, d.cfg.eps), cos, sin)
+        k = ops.apply_rope(ops.rms_norm(self._lin(u, layer.k).reshape(rows, kv, hdim), layer.k_norm, d.cfg.eps), cos, sin)
+        v = self._lin(u, layer.v).reshape(rows, kv, hdim).float()
+        lo = max(0, anchor_pos - d.window)
+        slots = torch.arange(lo, anchor_pos, device=d.device) % d.capacity
+        keys = torch.cat([d.ring_k[li][slots].float(), k])  # [ctx + rows, kv, d]
+        values = torch.cat([d.ring_v[li][slots].float(), v])
+        rep = h // kv
+        keys, values = keys.repeat_interleave(rep, 1).transpose(0, 1), values.repeat_interleave(rep, 1).transpose(0, 1)
+        mask = None
+        if d.cfg.is_causal:
+            ctx = slots.shape[0]
+            mask = torch.ones(rows, ctx + rows, dtype=torch.bool, device=d.device).tril(ctx)
+        att = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask)
+        return self._lin(att.transpose(0, 1).reshape(rows, h * hdim), layer.o)
+
+    def forward(self, anchor: int, anchor_pos: int, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+        d = self.d
+        s = d.scale
+        eps = d.cfg.eps / (s * s)  # norms reading the scaled stream compute the unscaled norm
+        tokens = torch.tensor([anchor] + [d.cfg.mask_token] * block, device=d.device)
+        x = (d.embed[tokens].float() / s).to(d.dtype)
+        for li, layer in enumerate(d.layers):
+            xn = ops.rms_norm(x, layer.in_norm, eps).to(d.dtype)
+            u, dyn = self._conv_prepare(xn, layer.attn_proj, layer.attn_base)
+            y = self._grouped_conv(self._attention(li, u, anchor_pos).to(d.dtype), layer.attn_base[1], dyn)
+            x = x + y / s
+            xn = ops.rms_norm(x, layer.post_norm, eps).to(d.dtype)
+            u, dyn = self._conv_prepare(xn, layer.mlp_proj, layer.mlp_base)
+            y = self._lin(F.silu(self._lin(u, layer.gate)) * self._lin(u, layer.up), layer.down)
+            x = x + self._grouped_conv(y, layer.mlp_base[1], dyn) / s
+        final = ops.rms_norm(x, d.final_norm, eps)[1:]
+        return self._lin(final, d.lm_head).float(), final
+
+    def select(self, logits: torch.Tensor, final: torch.Tensor, anchor: int, top_k: int) -> list[int]:
+        d = self.d
+        cb = ops.cuda_kernels(logits)
+        select = cb.select_candidates if cb is not None and top_k <= cb.SEL_MAX_K else select_candidates
+        return select(logits, final, anchor, d.hidden_projection, d.pred_codebook, d.succ_codebook, top_k)

@@ -1,4 +1,4 @@
-"""Quantized installs on the CPU (issue 8): the three matmul paths, tokens/s int4 vs bf16,
+"""Quantized installs on the CPU (docs/DESIGN.md 4): the three matmul paths, tokens/s int4 vs bf16,
 and the size on disk per format.
 
     python scripts/bench_quant.py [--threads 1] [--tokens 48] [--src HF_CHECKPOINT_OR_INSTALL]

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the MTP head (DESIGN 2.3, issue 9) of the embedded tiny model and export it.
+"""Train the MTP head (docs/DESIGN.md 2.3) of the embedded tiny model and export it.
 
 The head learns to predict the trunk's own greedy tokens, one and two positions ahead,
 with the input convention the runtime uses (turbo/drafters/mtp.py, after vLLM's

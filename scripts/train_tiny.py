@@ -16,7 +16,7 @@ exists unless ``--force``):
     workloads     conf/workload/{prose,code,math}.yaml from held-out material
     trunk         train transformers.Qwen3_5ForCausalLM (fp32) -> build/tiny_hf
     continuations the trunk's own greedy continuations + aux hidden states
-    drafter       train the DFlash2 drafter (DESIGN 2.2) on those continuations
+    drafter       train the DFlash2 drafter (docs/DESIGN.md 2.2) on those continuations
     export        drafter -> build/tiny_dflash (published, unprefixed names)
     report        build/TRAINING.md (sizes, data, losses, accuracy, samples)
 
@@ -692,7 +692,7 @@ def make_continuations(work: Path, hp: HParams, build: Path, log: Logger) -> Non
 
 
 # --------------------------------------------------------------------------
-# DFlash2 drafter (DESIGN 2.2)
+# DFlash2 drafter (docs/DESIGN.md 2.2)
 # --------------------------------------------------------------------------
 class ZeroRMSNorm(nn.Module):
     """The trunk's zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), fp32."""
@@ -721,7 +721,7 @@ def rope_cos_sin(pos: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tenso
 
 
 class GroupedDynConv(nn.Module):
-    """DESIGN 2.2 step 3: per-row dynamic kernels (one per group of channels)
+    """docs/DESIGN.md 2.2 step 3: per-row dynamic kernels (one per group of channels)
     added to a static base kernel, causal along the block rows."""
 
     def __init__(self, hidden: int, taps: int, group: int) -> None:
@@ -1121,7 +1121,7 @@ def write_report(work: Path, hp: HParams, build: Path, repo: Path, log: Logger) 
                      f"{drafter.get('train_tok_loss', {}).get(w)} |")
     lines += ["", "## Drafter accuracy on held-out greedy continuations (per position 1..8)", "",
               "top1: argmax of the row's logits; selector: the greedy candidate-selector chain "
-              "(DESIGN 2.2 step 5); accept_prefix: P(d_1..d_i all equal the trunk's greedy tokens).", ""]
+              "(docs/DESIGN.md 2.2 step 5); accept_prefix: P(d_1..d_i all equal the trunk's greedy tokens).", ""]
     for w, e in drafter.get("eval", {}).items():
         lines += [f"- **{w}**: top1 {e['top1']}", f"  selector {e['selector']}",
                   f"  accept_prefix {e['accept_prefix']}; accepted/round at block 8: "

@@ -1,4 +1,4 @@
-"""The whole engine on backend=cuda (DESIGN 7, issue 7).
+"""The whole engine on backend=cuda (docs/DESIGN.md 7).
 
 On a GPU (skipped without one): `turbo.open(path, backend="cuda").generate(prompt,
 policy="fixed", block=b, rollback=r)` commits the CPU backend's tokens for b in 1..8 and both

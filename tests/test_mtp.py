@@ -1,4 +1,4 @@
-"""The MTP head as a drafter (issue 9): lossless speculation, refusals, repack, and the
+"""The MTP head as a drafter (docs/DESIGN.md 2.3): lossless speculation, refusals, repack, and the
 head's forward against an independent hand-written one."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""task=probe, the Hydra multirun launchers and policy=adaptive (issue 5)."""
+"""task=probe, the Hydra multirun launchers and policy=adaptive (docs/DESIGN.md 3, 8)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Quantized installs (issue 8): formats, repack --quant, the resident index, MLX-layout
+"""Quantized installs (docs/DESIGN.md 4): formats, repack --quant, the resident index, MLX-layout
 sources, the CPU forward, lossless speculation, and malformed tensors refused by name."""
 
 import json

@@ -125,7 +125,7 @@ def test_derive_reads_the_published_shapes(spec):
         5, 16, 4, 2, 96, 16, 8, 2)
 
 
-# ---- blockers, in the reference's order ----------------------------------------------------
+# ---- blockers, in the order of docs/DESIGN.md 6 ----------------------------------------------------
 
 
 def test_blocker_order_vision_first(spec, tmp_path, spec_install):

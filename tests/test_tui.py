@@ -1,4 +1,4 @@
-"""The Textual TUI (issue 6): driven with App.run_test() and Pilot against small random installs.
+"""The Textual TUI (docs/DESIGN.md 9): driven with App.run_test() and Pilot against small random installs.
 
 Snapshots (pytest-textual-snapshot, tests/__snapshots__/test_tui/) hide wall-clock figures
 (TurboApp(timing=False)); refresh them with `pytest tests/test_tui.py --snapshot-update`.

@@ -1,4 +1,4 @@
-"""The trunk's architecture, read from an HF `config.json` (DESIGN 2.1).
+"""The trunk's architecture, read from an HF `config.json` (docs/DESIGN.md 2.1).
 
 Every field the forward needs is read from the checkpoint; a missing one is refused
 by name. The only fallbacks are the ones the format itself defines (layer_types from

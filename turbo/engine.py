@@ -1,5 +1,5 @@
 """The public API, the speculative round (draft, verify, accept, roll back) and the loop around
-it (DESIGN 5).
+it (docs/DESIGN.md 5).
 
     rt = turbo.open("tiny")
     result = rt.generate("def fib(n):", max_new_tokens=64, policy="fixed", block=4)

@@ -1,4 +1,4 @@
-"""An install directory and its resident index (DESIGN 4).
+"""An install directory and its resident index (docs/DESIGN.md 4).
 
 The index is a view over the safetensors headers, built without reading tensor data:
 what an install carries (drafter, MTP head, vision tower) is read off it, never off a
@@ -18,7 +18,7 @@ from .arch import Arch, arch_from_config, read_config_json
 from .errors import TurboError
 from .safetensors_format import Header, TensorInfo, read_header
 
-# The reference engine's dtype numbering.
+# The dtype numbering of docs/DESIGN.md 4 (the Rust engine's, section 10).
 DTYPE_CODES = {"BF16": 1, "F16": 2, "F32": 3}
 TORCH_DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 CODE_NAMES = {1: "bf16", 2: "f16", 3: "f32", 4: "int4", 5: "int8", 15: "int1", 16: "int2"}

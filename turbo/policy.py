@@ -1,4 +1,4 @@
-"""Draft policies and speculation blockers, as the reference defines them (DESIGN 3, 6)."""
+"""Draft policies and speculation blockers, as the Rust module defined them (docs/DESIGN.md 3, 6, 10)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from .install import CODE_NAMES, Install
 
 # The published drafter's trained block, and the widest block this port builds.
 DFLASH_BLOCK = 8
-# What `auto` serves: measured fastest on prose, code and math (the reference's table):
+# What `auto` serves: measured fastest on prose, code and math (the table in docs/DESIGN.md 10):
 # a rejected round restores and replays recurrent state, and a block of B needs all B
 # proposals to land, so the trained 8 is the wrong serving block.
 DFLASH_SERVING_BLOCK = 2

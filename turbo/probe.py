@@ -1,4 +1,4 @@
-"""task=probe: the accept-length probe (DESIGN 8; the reference's DFLASH_SERVING_BLOCK table).
+"""task=probe: the accept-length probe (docs/DESIGN.md 8; the DFLASH_SERVING_BLOCK table of docs/DESIGN.md 10).
 
     python -m turbo task=probe                                  # the composed workload, blocks 1 2 4 7 8 + adaptive
     python -m turbo task=probe probe.workloads=[prose,code,math] probe.rollbacks=[replay,checkpoint]
@@ -8,7 +8,7 @@
 For every workload it decodes `max_new_tokens` greedy tokens per prompt with `off` (the baseline),
 then with every block at `policy=fixed` (and `policy=adaptive`), for every rollback strategy. The
 configurations run round-robin per prompt, so a change of machine load hits all of them alike.
-It prints per workload the reference's two tables (accepted per round; rollback rate) and a third
+It prints per workload the two tables of docs/DESIGN.md 10 (accepted per round; rollback rate) and a third
 (per-position acceptance, mean acceptance length, tokens/s, speedup over off), checks every
 configuration produced `off`'s tokens on every prompt, and writes `metrics.json` (schema below) in
 the Hydra output directory. Counts are deterministic; wall-clock figures are for ordering only.
@@ -23,7 +23,7 @@ when `probe.adaptive` is true. Keys (conf/task/probe.yaml; `probe.*` is a top-le
   probe.rollbacks             null = the top-level `rollback`; or a list
   probe.prompts_per_workload  null = every prompt of the workload; N = the first N
   probe.stop_at_eos           false: every prompt decodes exactly max_new_tokens (an end-of-text
-                              token does not stop it, as the reference's probe counts a fixed N)
+                              token does not stop it, as the Rust engine's probe counted a fixed N)
 `max_new_tokens` (top level) overrides every workload's own; `prompt=` replaces the workload's prompts.
 
 metrics.json (schema "turbo.probe/1"):

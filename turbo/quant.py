@@ -1,4 +1,4 @@
-"""Affine group quantization of projection matrices (DESIGN 4, issue 8).
+"""Affine group quantization of projection matrices (docs/DESIGN.md 4).
 
     w[o, i] = scale[o, i // group] * q[o, i] + bias[o, i // group],  q in 0 .. 2**bits - 1
 
@@ -6,7 +6,7 @@ Groups run along the input dimension. scale = (max - min) / (2**bits - 1) and bi
 per group, both rounded to the format's storage dtype *before* q is chosen, so q is the
 nearest level of the affine map that is actually stored.
 
-Formats (the reference engine's dtype codes):
+Formats (the dtype codes of docs/DESIGN.md 4):
     code 4   int4  group 64   bf16 scales / biases
     code 16  int2  group 128  f16
     code 15  int1  group 128  f16

@@ -1,4 +1,4 @@
-"""The counters of DESIGN 5, with their exact definitions (vLLM's names)."""
+"""The counters of docs/DESIGN.md 5, with their exact definitions (vLLM's names)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from dataclasses import asdict, dataclass, field, replace
 
 
 def derived(rounds: int, accepted: int, rollbacks: int, reached: list[int], landed: list[int]) -> dict:
-    """The figures DESIGN 5 defines from the raw counts (one generation's, or summed over many)."""
+    """The figures docs/DESIGN.md 5 defines from the raw counts (one generation's, or summed over many)."""
     per_round = accepted / (rounds or 1)
     return {"accepted_per_round": per_round, "mean_acceptance_length": 1.0 + per_round,
             "rollback_rate": rollbacks / (rounds or 1),

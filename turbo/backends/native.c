@@ -1,4 +1,4 @@
-/* The CPU decode/verify step of the Qwen3.5 trunk (DESIGN 2.1), one call per layer.
+/* The CPU decode/verify step of the Qwen3.5 trunk (docs/DESIGN.md 2.1), one call per layer.
  *
  * Why C: a one-token step of a small model is ~400 tiny torch ops (each costs more to
  * dispatch than to compute) and BLAS GEMV paths that are slower than reading the

@@ -1,4 +1,4 @@
-/* The DFlash2 drafter's CPU pass (DESIGN 2.2): one call per draft pass and one per batch of
+/* The DFlash2 drafter's CPU pass (docs/DESIGN.md 2.2): one call per draft pass and one per batch of
  * context rows. Activations fp32; the matrix products fp32, or the drafter-only bf16 or
  * int8 ones (native.c's wtype 2 and 3, `draft_products`).
  *

@@ -2,10 +2,12 @@
 checks, and losslessness through the engine's verify."""
 
 import random
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import turbo
 from turbo.drafters import is_drafter
@@ -155,15 +157,23 @@ REPEATING = [int(t) for t in torch.randint(2, 320, (24,), generator=torch.Genera
 
 
 @pytest.mark.parametrize("install", ["spec_install", "plain_install"])
-def test_lossless_and_drafting(install, request):
+def test_lossless_on_every_block_and_rollback(install, request):
     rt = turbo.open(request.getfixturevalue(install)[1])
     plain = rt.generate(REPEATING, max_new_tokens=40, policy="off").tokens
-    accepted = []
     for rollback in ("checkpoint", "replay"):
         for block in range(1, 9):
             out = generate_with(rt, REPEATING, NgramDrafter(), "fixed", block, max_new_tokens=40, rollback=rollback)
             assert out.tokens == plain, (rollback, block)
-            accepted.append(out.stats.accepted_per_round)
-    out = generate_with(rt, REPEATING, NgramDrafter(), "adaptive", 8, max_new_tokens=40)
+            assert out.stats.drafted > 0  # the repeated prompt is matched: proposals reach the verify
+    assert generate_with(rt, REPEATING, NgramDrafter(), "adaptive", 8, max_new_tokens=40).tokens == plain
+
+
+def test_proposals_land_on_the_tiny_model():
+    # a random trunk never repeats itself; the trained one falls into loops the drafter copies
+    rt = turbo.open("tiny", backend="cpu")
+    workload = OmegaConf.load(Path(__file__).parents[1] / "conf" / "workload" / "edit.yaml")
+    prompt, n = workload.prompts[0], workload.max_new_tokens
+    plain = rt.generate(prompt, max_new_tokens=n, policy="off").tokens
+    out = generate_with(rt, prompt, NgramDrafter(), "fixed", 4, max_new_tokens=n)
     assert out.tokens == plain
-    assert max(accepted) > 0  # it drafts: proposals land
+    assert out.stats.accepted_per_round > 0.5

@@ -7,9 +7,12 @@ every proposal, so it is as lossless as any drafter. It pays on input-grounded w
 edits, summaries, retrieval answers) and on repetitive output, where the continuation is a
 copy of something already seen.
 
-An index maps each n-gram (min_match <= n <= max_match, as a tuple) to the position right
-after its latest occurrence; commits extend it by the new end positions only, so a
-proposal never scans the history.
+The longest matching suffix wins (more context, likelier the same continuation); among its
+occurrences the most recent, since the nearest copy is the likeliest to go on the same way
+(the function being rewritten, the last turn of a loop in the output), and keeping it is
+free: an index maps each n-gram (min_match <= n <= max_match, as a tuple) to the position
+right after its latest occurrence, each new occurrence overwriting the last. Commits index
+the new end positions only, so a proposal never scans the history.
 """
 
 from __future__ import annotations

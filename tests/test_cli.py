@@ -126,7 +126,7 @@ def test_unknown_draft_products(spec_install, tmp_path):
 
 
 def test_bad_overrides_are_one_line(tmp_path):
-    one_line_error(run(tmp_path, "workload=poetry"), "workload/poetry", "code math prose")
+    one_line_error(run(tmp_path, "workload=poetry"), "workload/poetry", "code edit math prose")
     one_line_error(run(tmp_path, "nosuchkey=1"), "nosuchkey")
     one_line_error(run(tmp_path, "block=abc", "+policy=fixed"), "block")
 

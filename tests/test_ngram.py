@@ -143,14 +143,7 @@ def test_config_refusals_name_the_field(fields, message):
 # ---- through the engine -----------------------------------------------------------------
 
 def generate_with(rt, prompt, drafter: NgramDrafter, policy: str, block: int, **kwargs):
-    # until drafter=obj lands: the object stands in for the install's DFlash2 drafter, and the
-    # plan is forced (an install without a drafter refuses policy fixed)
-    rt._drafters[("dflash", None)] = drafter
-    rt.plan = lambda *_: Plan(policy, "dflash", block, None)
-    try:
-        return rt.generate(prompt, policy=policy, block=block, **kwargs)
-    finally:
-        del rt._drafters[("dflash", None)], rt.plan
+    return rt.generate(prompt, policy=policy, block=block, drafter=drafter, **kwargs)
 
 
 REPEATING = [int(t) for t in torch.randint(2, 320, (24,), generator=torch.Generator().manual_seed(5))] * 3

@@ -13,7 +13,6 @@ import turbo
 from turbo.drafters import is_drafter
 from turbo.drafters.ngram import NgramConfig, NgramDrafter
 from turbo.errors import TurboError
-from turbo.policy import Plan
 
 
 def drafter(prompt: list[int], **config) -> NgramDrafter:

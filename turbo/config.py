@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from omegaconf import DictConfig
 
+from .drafters.ngram import NgramConfig
 from .errors import TurboError
 from .options import GenerationOptions, OpenOptions
 
@@ -30,6 +31,22 @@ def _opt_int(cfg: DictConfig, key: str) -> int | None:
     return v
 
 
+NGRAM_KEYS = tuple(f.name for f in fields(NgramConfig))
+
+
+def _ngram(cfg: DictConfig) -> NgramConfig:
+    """The `ngram:` block (conf/config.yaml); NgramConfig checks the values."""
+    node = cfg.get("ngram")
+    if node is None:
+        return NgramConfig()
+    if not isinstance(node, DictConfig):
+        raise TurboError(f"config: ngram={node!r}, expected a mapping of {', '.join(NGRAM_KEYS)}")
+    unknown = [k for k in node if k not in NGRAM_KEYS]
+    if unknown:
+        raise TurboError(f"config: ngram.{unknown[0]} is not one of {', '.join(NGRAM_KEYS)}")
+    return NgramConfig(**{str(k): v for k, v in node.items()})
+
+
 def run_config(cfg: DictConfig) -> RunConfig:
     try:
         install = cfg.install.path
@@ -49,7 +66,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
     generation = GenerationOptions(
         max_new_tokens=max_new if max_new is not None else int(workload.max_new_tokens), policy=str(name),
         block=_opt_int(cfg, "block"), rollback=str(cfg.get("rollback")), drafter=str(cfg.get("drafter")),
-        window=_opt_int(cfg, "window"))
+        window=_opt_int(cfg, "window"), ngram=_ngram(cfg))
     return RunConfig(install=str(install), opening=opening, generation=generation,
                      prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
                      workload=str(workload.get("name", "")), prompts=prompts, task=str(task))

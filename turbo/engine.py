@@ -21,6 +21,7 @@ from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native, select_backend
 from .detokenizer import Detokenizer
 from .drafters import Drafter, is_drafter
+from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError
 from .install import Install, open_install
 from .loader import load_drafter, load_trunk
@@ -118,7 +119,7 @@ class Runtime:
             self.tokenizer = Tokenizer.from_file(str(tok))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
-        self._drafters: dict[tuple[str, int | None], Drafter] = {}
+        self._drafters: dict[tuple[str, int | NgramConfig | None], Drafter] = {}  # (kind, window or ngram config)
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -135,11 +136,13 @@ class Runtime:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
-    def drafter(self, kind: str, window: int | None) -> Drafter:
-        """The install's own drafter of `kind` (dflash | mtp) with that context window."""
-        key = (kind, window)
+    def drafter(self, kind: str, window: int | None, ngram: NgramConfig = NgramConfig()) -> Drafter:
+        """The install's own drafter of `kind` (dflash | mtp) with that context window, or the
+        n-gram drafter with that config (one per config: its begin() starts a generation afresh)."""
+        key = (kind, ngram if kind == "ngram" else window)
         if key not in self._drafters:
-            self._drafters[key] = load_drafter(kind, self.install, self.trunk, window, self.options)
+            self._drafters[key] = (NgramDrafter(ngram) if kind == "ngram"
+                                   else load_drafter(kind, self.install, self.trunk, window, self.options))
         return self._drafters[key]
 
     def plan(self, policy: str | None, block: int | None, drafter: str | Drafter) -> Plan:
@@ -191,7 +194,12 @@ class Runtime:
         if o.window is not None and p.drafter == "mtp":
             raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and the MTP head "
                              "drafting here keeps none (drop window= or use drafter=dflash)")
-        draft = None if p.drafter is None else o.drafter if own else self.drafter(p.drafter, o.window)
+        if not isinstance(o.ngram, NgramConfig):
+            raise TurboError(f"ngram {o.ngram!r} is not a turbo.drafters.ngram.NgramConfig")
+        if o.window is not None and p.drafter == "ngram":
+            raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and the n-gram drafter "
+                             "looks through the whole history (drop window= or use drafter=dflash)")
+        draft = None if p.drafter is None else o.drafter if own else self.drafter(p.drafter, o.window, o.ngram)
         stats = Stats(prompt_tokens=len(ids), policy=p.policy, drafter=p.drafter, block=p.block,
                       window=draft.window if draft is not None else None, rollback=o.rollback,
                       backend=self.backend.name, speculation_off_reason=p.off_reason)

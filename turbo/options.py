@@ -12,6 +12,8 @@ import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from .drafters.ngram import NgramConfig
+
 NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
 QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (turbo.quant.CPU_MODES)
 CACHE_ENV = "TURBO_CACHE"  # where native.c's build is cached
@@ -55,9 +57,10 @@ class GenerationOptions:
     policy: str | None = None  # auto | off | fixed | adaptive; None: the env var's (policy_from_env), else auto
     block: int | None = None  # proposals per round (fixed; the widest for adaptive)
     rollback: str = "checkpoint"  # checkpoint | replay: how a rejected round restores the GDN state
-    drafter: object = "auto"  # auto | dflash | mtp, or a Drafter object of the caller's (turbo.drafters)
+    drafter: object = "auto"  # auto | dflash | mtp | ngram, or a Drafter object of the caller's (turbo.drafters)
     window: int | None = None  # the DFlash2 drafter's context window (None: its trained sliding_window)
     stop_at_eos: bool = True  # stop at the model's end-of-text token
+    ngram: NgramConfig = NgramConfig()  # drafter=ngram's matching (turbo/drafters/ngram.py)
 
     def but(self, **changes) -> "GenerationOptions":
         return replace(self, **changes)

@@ -22,7 +22,7 @@ assert 0 < DFLASH_SERVING_BLOCK <= DFLASH_BLOCK
 VISION_SPECULATION_BLOCKER_MARKER = "speculation blocked [vision]"
 MOE_SPECULATION_BLOCKER_MARKER = "speculation blocked [moe]"
 POLICIES = ("auto", "off", "fixed", "adaptive")
-DRAFTERS = ("auto", "dflash", "mtp")
+DRAFTERS = ("auto", "dflash", "mtp", "ngram")  # ngram: prompt lookup (no weights); auto never picks it
 ROLLBACKS = ("checkpoint", "replay")
 
 
@@ -38,8 +38,9 @@ def policy_from_env(drafter: str = "dflash") -> DraftPolicy:
 
 
 def speculation_blocker(install: Install, drafter: str | None, covered_dtypes: tuple[int, ...]) -> str | None:
-    """Why speculation with `drafter` (dflash | mtp; None: a caller's own drafter object, which
-    only needs the verify) cannot run on this install, or None.
+    """Why speculation with `drafter` (dflash | mtp | ngram; None: a caller's own drafter object)
+    cannot run on this install, or None. ngram and a drafter object need only the verify: they
+    bring no weights, so no "this install carries no drafter" applies to them.
 
     Ordered: the first that applies wins. The vision arm is first because every check
     below would wave a tower-carrying install through into wrong numbers."""
@@ -78,7 +79,7 @@ class Plan:
     """What a generation will do, decided once before it starts."""
 
     policy: str
-    drafter: str | None  # dflash | mtp | a caller's drafter's kind | None (plain decode)
+    drafter: str | None  # dflash | mtp | ngram | a caller's drafter's kind | None (plain decode)
     block: int  # 0 when plain decode
     off_reason: str | None
 
@@ -100,7 +101,7 @@ def check_block(block: int, trained: int) -> None:
 
 def plan(install: Install, policy: str, block: int | None, drafter: str | Drafter, covered_dtypes: tuple[int, ...],
          trained_block: int | None = None) -> Plan:
-    """drafter: auto | dflash | mtp, or a caller's Drafter object (its kind names it in the plan)."""
+    """drafter: auto | dflash | mtp | ngram, or a caller's Drafter object (its kind names it in the plan)."""
     if policy not in POLICIES:
         raise TurboError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
     if block is not None and (not isinstance(block, int) or isinstance(block, bool)):

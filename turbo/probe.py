@@ -27,7 +27,8 @@ when `probe.adaptive` is true. Keys (conf/task/probe.yaml; `probe.*` is a top-le
 `max_new_tokens` (top level) overrides every workload's own; `prompt=` replaces the workload's prompts.
 
 metrics.json (schema "turbo.probe/1"):
-  schema, install, backend, drafter, draft_products (as configured), window, max_new_tokens (null: per workload),
+  schema, install, backend, drafter, ngram (drafter=ngram's config; null for the others), draft_products
+  (as configured), window, max_new_tokens (null: per workload),
   blocks, adaptive, rollbacks, workloads, prompts_per_workload, stop_at_eos, overrides (the job's Hydra overrides), lossless (bool),
   timing_note, and `runs`: one object per (workload, rollback, policy, block):
     workload, policy ("off" | "fixed" | "adaptive"), block (0 for off; the widest block for adaptive),
@@ -47,7 +48,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -313,6 +314,7 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
     lossless = all(r["same_text_as_off"] for r in all_runs)
     metrics = {
         "schema": SCHEMA, "install": rc.install, "backend": rt.backend.name, "drafter": drafter,
+        "ngram": asdict(g.ngram) if drafter == "ngram" else None,
         "draft_products": rc.opening.draft_products, "window": g.window, "max_new_tokens": override_max,
         "blocks": list(blocks), "adaptive": with_adaptive,
         "rollbacks": rollbacks, "workloads": workloads, "prompts_per_workload": per, "stop_at_eos": stop_at_eos,

@@ -1,18 +1,27 @@
 """The n-gram drafter: its matching rules, its incremental index against a scan, its config
 checks, and losslessness through the engine's verify."""
 
+import dataclasses
 import random
+import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from safetensors.torch import save_file
 
 import turbo
+from turbo.config import run_config
 from turbo.drafters import is_drafter
 from turbo.drafters.ngram import NgramConfig, NgramDrafter
 from turbo.errors import TurboError
+from turbo.install import open_install
+from turbo.policy import (DEFAULT_SPECULATION_BLOCK, DFLASH_BLOCK, MOE_SPECULATION_BLOCKER_MARKER,
+                          VISION_SPECULATION_BLOCKER_MARKER, Plan, plan)
+
+ROOT = Path(__file__).parents[1]
 
 
 def drafter(prompt: list[int], **config) -> NgramDrafter:
@@ -149,23 +158,111 @@ REPEATING = [int(t) for t in torch.randint(2, 320, (24,), generator=torch.Genera
 
 
 @pytest.mark.parametrize("install", ["spec_install", "plain_install"])
-def test_lossless_on_every_block_and_rollback(install, request):
-    rt = turbo.open(request.getfixturevalue(install)[1])
+@pytest.mark.parametrize("by_name", [False, True], ids=["object", "drafter=ngram"])
+def test_lossless_on_every_block_and_rollback(install, by_name, step_path, request):
+    # 72 prompt tokens + 40: past the spec install drafter's window (64), which ngram does not keep
+    rt = turbo.open(request.getfixturevalue(install)[1], backend="cpu")
+    assert rt.trunk.step_name == step_path
+
+    def fresh():
+        return "ngram" if by_name else NgramDrafter()
+
     plain = rt.generate(REPEATING, max_new_tokens=40, policy="off").tokens
     for rollback in ("checkpoint", "replay"):
         for block in range(1, 9):
-            out = generate_with(rt, REPEATING, NgramDrafter(), "fixed", block, max_new_tokens=40, rollback=rollback)
+            out = generate_with(rt, REPEATING, fresh(), "fixed", block, max_new_tokens=40, rollback=rollback)
             assert out.tokens == plain, (rollback, block)
             assert out.stats.drafted > 0  # the repeated prompt is matched: proposals reach the verify
-    assert generate_with(rt, REPEATING, NgramDrafter(), "adaptive", 8, max_new_tokens=40).tokens == plain
+            assert out.stats.drafter == "ngram"
+    assert generate_with(rt, REPEATING, fresh(), "adaptive", 8, max_new_tokens=40).tokens == plain
 
 
 def test_proposals_land_on_the_tiny_model():
     # a random trunk never repeats itself; the trained one falls into loops the drafter copies
     rt = turbo.open("tiny", backend="cpu")
-    workload = OmegaConf.load(Path(__file__).parents[1] / "conf" / "workload" / "edit.yaml")
+    workload = OmegaConf.load(ROOT / "conf" / "workload" / "edit.yaml")
     prompt, n = workload.prompts[0], workload.max_new_tokens
     plain = rt.generate(prompt, max_new_tokens=n, policy="off").tokens
     out = generate_with(rt, prompt, NgramDrafter(), "fixed", 4, max_new_tokens=n)
     assert out.tokens == plain
     assert out.stats.accepted_per_round > 0.5
+
+
+# ---- drafter=ngram: the policy, the options, the config -----------------------------------
+
+CPU = (1, 2, 3)
+
+
+def test_ngram_needs_no_drafter_weights_and_auto_never_picks_it(plain_install):
+    bare = open_install(plain_install[1])
+    assert plan(bare, "auto", None, "auto", CPU).drafter is None
+    assert plan(bare, "auto", None, "ngram", CPU) == Plan("auto", "ngram", DEFAULT_SPECULATION_BLOCK, None)
+    assert plan(bare, "adaptive", None, "ngram", CPU).block == DFLASH_BLOCK
+    assert plan(bare, "fixed", 8, "ngram", CPU).block == 8
+    with pytest.raises(TurboError, match="block 9 is outside 1..8"):
+        plan(bare, "fixed", 9, "ngram", CPU)
+
+
+def test_the_verify_blockers_still_apply_to_ngram(plain_install, tmp_path):
+    bare = open_install(plain_install[1])
+    moe = dataclasses.replace(bare, arch=dataclasses.replace(bare.arch, num_experts=64))
+    assert plan(moe, "auto", None, "ngram", CPU).off_reason.startswith(MOE_SPECULATION_BLOCKER_MARKER)
+    with pytest.raises(TurboError, match=r"speculation blocked \[moe\]"):
+        plan(moe, "fixed", 2, "ngram", CPU)
+    assert "is dtype 3" in plan(bare, "auto", None, "ngram", (4, 15, 16)).off_reason
+    dst = tmp_path / "vis"
+    shutil.copytree(plain_install[1], dst)
+    save_file({"vision.patch_embed.proj.weight": torch.zeros(4, 3)}, str(dst / "vision.safetensors"))
+    reason = plan(open_install(dst), "adaptive", None, "ngram", CPU).off_reason
+    assert reason.startswith(VISION_SPECULATION_BLOCKER_MARKER)
+
+
+@pytest.fixture(scope="module")
+def plain_rt(plain_install):
+    return turbo.open(plain_install[1], backend="cpu")
+
+
+def test_the_generation_options_configure_the_drafter(plain_rt):
+    plain = plain_rt.generate(REPEATING, max_new_tokens=24, policy="off").tokens
+    one = plain_rt.generate(REPEATING, max_new_tokens=24, policy="fixed", block=4, drafter="ngram",
+                            ngram=NgramConfig(max_proposal=1))
+    assert one.tokens == plain and 0 < one.stats.drafted <= one.stats.rounds
+    # search=generated: the repeated prompt is not looked at, and this random trunk does not repeat itself
+    out = plain_rt.generate(REPEATING, max_new_tokens=24, policy="fixed", block=4, drafter="ngram",
+                            ngram=NgramConfig(search="generated"))
+    assert out.tokens == plain and out.stats.drafted < one.stats.drafted
+
+
+def test_window_and_a_bad_ngram_option_are_refused(plain_rt):
+    with pytest.raises(TurboError, match="window 8: .* the n-gram drafter looks through the whole history"):
+        plain_rt.generate([5, 6, 7], max_new_tokens=4, drafter="ngram", window=8)
+    with pytest.raises(TurboError, match="ngram {'min_match': 3} is not a turbo.drafters.ngram.NgramConfig"):
+        plain_rt.generate([5, 6, 7], max_new_tokens=4, drafter="ngram", ngram={"min_match": 3})
+
+
+def compose(overrides: list[str]):
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
+        return hydra_compose(config_name="config", overrides=overrides)
+
+
+def test_the_config_block_reaches_the_options_and_the_tui():
+    from tui import compose_settings
+
+    g = run_config(compose(["drafter=ngram", "ngram.min_match=3", "ngram.search=prompt"])).generation
+    assert (g.drafter, g.ngram) == ("ngram", NgramConfig(min_match=3, search="prompt"))
+    assert run_config(compose([])).generation.ngram == NgramConfig()
+    s = compose_settings(["drafter=ngram", "ngram.max_proposal=4"])
+    assert (s.generation.drafter, s.generation.ngram.max_proposal) == ("ngram", 4)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("+ngram.longest=3", "config: ngram.longest is not one of min_match, max_match, max_proposal, search"),
+    ("ngram.max_match=1", "ngram max_match 1 is below min_match 2, expected max_match >= min_match"),
+    ("ngram=4", "config: ngram=4, expected a mapping of min_match, max_match, max_proposal, search"),
+])
+def test_config_refusals_name_the_key(override, message):
+    with pytest.raises(TurboError) as e:
+        run_config(compose([override]))
+    assert str(e.value) == message

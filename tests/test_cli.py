@@ -58,6 +58,13 @@ def test_speculative_stats_line(spec_install, tmp_path):
         assert field in last
 
 
+def test_ngram_drafter_speculates_on_an_install_without_one(plain_install, tmp_path):
+    proc = run(tmp_path, f"install.path={plain_install[1]}", "prompt=" + "a b c d e f " * 8, "max_new_tokens=16",
+               "drafter=ngram", "+policy=fixed", "block=4")
+    assert proc.returncode == 0, proc.stderr
+    assert "ngram block 4" in proc.stdout.strip().splitlines()[-1]
+
+
 def test_missing_install(tmp_path):
     one_line_error(run(tmp_path, f"install.path={tmp_path}/nowhere"), "nowhere", "no such directory")
 

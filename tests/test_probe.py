@@ -66,6 +66,15 @@ def test_probe_fixed_policy_measures_one_block(install, tmp_path):
     assert [(r["policy"], r["block"]) for r in m["runs"]] == [("off", 0), ("fixed", 2)]
 
 
+def test_probe_records_the_ngram_drafter_and_its_config(install, tmp_path):
+    m = probe(tmp_path, [f"install.path={install}", "max_new_tokens=6", "probe.prompts_per_workload=1",
+                         "+policy=fixed", "block=4", "drafter=ngram", "ngram.max_match=3"])
+    assert m["lossless"] and m["drafter"] == "ngram"
+    assert m["ngram"] == {"min_match": 2, "max_match": 3, "max_proposal": 8, "search": "all"}
+    assert probe(tmp_path, [f"install.path={install}", "max_new_tokens=4", "probe.prompts_per_workload=1",
+                            "+policy=fixed", "block=2"])["ngram"] is None
+
+
 def test_probe_rejects_a_bad_block(install, tmp_path):
     from turbo.errors import TurboError
 

@@ -26,7 +26,7 @@ from .errors import TurboError
 from .install import Install, open_install
 from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions
-from .policy import DRAFTERS, ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
+from .policy import OWN_DRAFTERS, ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
 from .stats import Stats
 from .trunk import Trunk, TrunkState
 
@@ -185,8 +185,8 @@ class Runtime:
             raise TurboError(f"rollback {o.rollback!r} is not one of {', '.join(ROLLBACKS)}")
         own = not isinstance(o.drafter, str)  # the caller's drafter object
         if own and not is_drafter(o.drafter):
-            raise TurboError(f"drafter {o.drafter!r} is not one of {', '.join(DRAFTERS)} nor a turbo.drafters.Drafter "
-                             "(turbo.drafters.DrafterBase has its defaults)")
+            raise TurboError(f"drafter {o.drafter!r} is not one of {', '.join(OWN_DRAFTERS)} nor a turbo.drafters.Drafter "
+                             "(turbo.drafters.DrafterBase has its defaults), nor ngram (the n-gram drafter, no weights)")
         p = self.plan(o.policy, o.block, o.drafter)
         if o.window is not None and own:
             raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and a drafter object "

@@ -22,7 +22,8 @@ assert 0 < DFLASH_SERVING_BLOCK <= DFLASH_BLOCK
 VISION_SPECULATION_BLOCKER_MARKER = "speculation blocked [vision]"
 MOE_SPECULATION_BLOCKER_MARKER = "speculation blocked [moe]"
 POLICIES = ("auto", "off", "fixed", "adaptive")
-DRAFTERS = ("auto", "dflash", "mtp", "ngram")  # ngram: prompt lookup (no weights); auto never picks it
+OWN_DRAFTERS = ("auto", "dflash", "mtp")  # served by the install's own weights
+DRAFTERS = OWN_DRAFTERS + ("ngram",)  # ngram: prompt lookup (no weights); auto never picks it
 ROLLBACKS = ("checkpoint", "replay")
 
 

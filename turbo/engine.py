@@ -185,8 +185,9 @@ class Runtime:
             raise TurboError(f"rollback {o.rollback!r} is not one of {', '.join(ROLLBACKS)}")
         own = not isinstance(o.drafter, str)  # the caller's drafter object
         if own and not is_drafter(o.drafter):
-            raise TurboError(f"drafter {o.drafter!r} is not one of {', '.join(OWN_DRAFTERS)} nor a turbo.drafters.Drafter "
-                             "(turbo.drafters.DrafterBase has its defaults), nor ngram (the n-gram drafter, no weights)")
+            raise TurboError(f"drafter {o.drafter!r} is not one of {', '.join(OWN_DRAFTERS)} nor a "
+                             "turbo.drafters.Drafter (turbo.drafters.DrafterBase has its defaults), "
+                             "nor ngram (the n-gram drafter, no weights)")
         p = self.plan(o.policy, o.block, o.drafter)
         if o.window is not None and own:
             raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and a drafter object "

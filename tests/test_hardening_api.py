@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -133,9 +132,9 @@ def test_ctrl_c_in_the_tui_stops_the_generation(spec_install, rt):
             assert not app.busy and app.is_running
             await type_prompt(pilot, "hello")
             await pilot.press("enter")
-            deadline = time.monotonic() + 30
-            while app.last_stats is None or app.last_stats.rounds < 3:
-                assert time.monotonic() < deadline
+            for _ in range(3000):  # until 3 rounds are shown (30 s at most)
+                if app.last_stats is not None and app.last_stats.rounds >= 3:
+                    break
                 await asyncio.sleep(0.01)
             await pilot.press("ctrl+c")
             await settle(app, pilot)

@@ -2,6 +2,7 @@
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -149,3 +150,45 @@ def test_a_missing_sweep_launcher_is_one_line(monkeypatch):
     for launcher, plugin in [("local", "hydra-joblib-launcher"), ("submitit_local", "hydra-submitit-launcher")]:
         line = launcher_missing(["-m", f"hydra/launcher={launcher}"])
         assert plugin in line and "pip install 'turbo[sweeps]'" in line
+
+
+@pytest.mark.parametrize("threads", ["100000", "-1"])
+def test_threads_outside_the_machine_are_one_line(plain_install, tmp_path, threads):
+    proc = run(tmp_path, f"install.path={plain_install[1]}", "prompt=hi", f"threads={threads}")
+    one_line_error(proc, f"threads {threads} is outside 1..", "cores")
+
+
+def test_unknown_keys_are_refused_with_plus_too(tmp_path):
+    one_line_error(run(tmp_path, "+blok=4"), "config key 'blok' is not known", "nearest: block")
+    one_line_error(run(tmp_path, "task=probe", "++probe.blok=[1]"), "'probe.blok'", "nearest: probe.blocks")
+
+
+def test_a_probe_refusal_is_one_line(spec_install, tmp_path):
+    one_line_error(run(tmp_path, f"install.path={spec_install[1]}", "task=probe", "probe.blocks=[0]"),
+                   "block 0 is outside 1..8")
+
+
+def test_an_output_dir_under_a_file(spec_install, tmp_path):
+    (tmp_path / "afile").write_text("")
+    where = f"hydra.run.dir={tmp_path}/afile/out"
+    cmd = [sys.executable, "-m", "turbo", "threads=1", "backend=cpu", f"install.path={spec_install[1]}"]
+    probe = subprocess.run(cmd + ["task=probe", where], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    one_line_error(probe, f"{tmp_path}/afile is not a directory")
+    # generate writes nothing: Hydra's output directory is not needed at all
+    gen = subprocess.run(cmd + ["prompt=hi", "max_new_tokens=4", where], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert gen.returncode == 0 and "generated 4 tok" in gen.stdout, gen.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_ctrl_c_ends_with_the_stats_line_and_exit_130(plain_install, tmp_path):
+    cmd = [sys.executable, "-m", "turbo", "threads=1", "backend=cpu", f"install.path={plain_install[1]}",
+           "prompt=hello", "max_new_tokens=2000"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    assert proc.stdout.read(9).startswith("hello")  # the prompt and the first tokens: the decode is under way
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("[stats] prompt") and "generated 2000 tok" not in last, out

@@ -21,12 +21,16 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     from turbo import TurboError
+    from turbo.config import unknown_key
     from turbo.extras import require
 
-    from .settings import compose_settings
+    from .settings import compose_settings, conf_dir
 
     try:
         require("textual", "tui")  # before .app, which is built on it
+        problem = unknown_key(conf_dir(), argv)
+        if problem:
+            raise TurboError(problem)
         settings = compose_settings(argv)
     except TurboError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -42,4 +46,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # Ctrl-C while it loads (in the app, ctrl+c is a key: it stops a generation)
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

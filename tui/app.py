@@ -13,6 +13,7 @@ import time
 
 from rich.text import Text
 from textual import on, work
+from textual.actions import SkipAction
 from textual.app import App, ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, VerticalScroll
@@ -68,6 +69,7 @@ class TurboApp(App):
     BINDINGS = [
         Binding("enter", "submit", "Submit", show=False),  # when the focus is off the prompt
         Binding("escape", "stop", "Stop"),
+        Binding("ctrl+c", "interrupt", show=False, priority=True),  # over the prompt's copy: ends a generation
         Binding("ctrl+n", "cycle_mode", "Policy/block"),
         Binding("ctrl+r", "cycle_rollback", "Rollback"),
         Binding("ctrl+o", "preset", "Preset"),
@@ -184,13 +186,9 @@ class TurboApp(App):
 
     @work(thread=True, exit_on_error=False, group="load")
     def _load(self, install: str) -> None:
-        import torch
-
         import turbo
 
         try:
-            if self.settings.opening.threads:
-                torch.set_num_threads(self.settings.opening.threads)
             rt = turbo.open(install, self.settings.opening)
         except Exception as e:  # noqa: BLE001 - TurboError or anything else: shown, never raised
             self._from_thread(self._loaded, None, install, _message(e))
@@ -360,6 +358,13 @@ class TurboApp(App):
         self.stopping = True
         self._stop.set()
         self._set_status("stopping …")
+
+    def action_interrupt(self) -> None:
+        """Ctrl-C: stops a running generation like esc (its tokens and counters stay); otherwise
+        the key goes on (the prompt's copy, Textual's hint that ctrl+q quits)."""
+        if not self.busy or self.transcript is None:
+            raise SkipAction()
+        self.action_stop()
 
     def action_cycle_mode(self) -> None:
         policy, block = next_mode(self.settings.policy, self.settings.block)

@@ -1,5 +1,10 @@
 """python -m turbo [Hydra overrides]: task=generate streams text and a stats line;
-task=probe measures acceptance per block (turbo.probe)."""
+task=probe measures acceptance per block (turbo.probe).
+
+A user's error (TurboError, an OS error, a bad override) ends it in one stderr line, exit 2;
+Ctrl-C in `interrupted`, exit 130. task=generate runs outside @hydra.main: it writes nothing,
+so it needs no Hydra output directory (a read-only working directory is fine).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import gc
 import importlib.util
 import os
 import sys
+from pathlib import Path
+from typing import Callable
 
 import hydra
 from omegaconf import DictConfig
@@ -19,14 +26,10 @@ LAUNCHER_PLUGINS = {"joblib": "hydra_joblib_launcher", "local": "hydra_joblib_la
 
 
 def run(cfg: DictConfig) -> int:
-    import torch
-
     from .config import run_config
     from .engine import open as open_runtime
 
     rc = run_config(cfg)
-    if rc.opening.threads:
-        torch.set_num_threads(rc.opening.threads)
     rt = open_runtime(rc.install, rc.opening)
     # A full collection walks every tracked object -- ~180k once torch is imported, ~100 ms
     # here -- and would land in the middle of some decode step. What exists once the runtime
@@ -40,44 +43,83 @@ def run(cfg: DictConfig) -> int:
         print(rt.backend.note, file=sys.stderr)
     stats = None
     sys.stdout.write(rc.prompt)
-    for i, event in enumerate(events):
-        if i == 0 and event.stats.speculation_off_reason and rc.generation.policy != "off":
-            print(f"\n[turbo] speculation off: {event.stats.speculation_off_reason}", file=sys.stderr)
-        sys.stdout.write(event.text)
-        sys.stdout.flush()
-        stats = event.stats
-    print()
-    print(stats.line())
+    try:
+        for i, event in enumerate(events):
+            if i == 0 and event.stats.speculation_off_reason and rc.generation.policy != "off":
+                print(f"\n[turbo] speculation off: {event.stats.speculation_off_reason}", file=sys.stderr)
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+            stats = event.stats
+    finally:  # Ctrl-C too: the stats of what was generated
+        print()
+        if stats is not None:
+            print(stats.line(), flush=True)
     return 0
+
+
+def guarded(task: Callable[[], int]) -> int:
+    """task()'s exit status, a user's error as one line and 2, Ctrl-C as `interrupted` and 130."""
+    from .errors import TurboError
+
+    try:
+        return task()
+    except (TurboError, OSError) as e:  # OSError: a path the user gave or the working directory
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 @hydra.main(version_base=None, config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    from .errors import TurboError
-
-    try:
-        code = run(cfg)
-    except TurboError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    code = guarded(lambda: run(cfg))
     if code:
         sys.exit(code)
 
 
-def override_error(argv: list[str]) -> str | None:
-    """Compose the config once up front, so a bad override (an unknown key or group option)
-    is one line and exit 2 here rather than Hydra's multi-line report. Sweeps (-m) and
-    hydra.* settings are left to Hydra."""
-    if any(a in ("-m", "--multirun") for a in argv):
-        return None
-    overrides = [a for a in argv if not a.startswith("-") and not a.startswith(("hydra.", "hydra/"))]
+def cli(argv: list[str]) -> int:
+    """Refuse a bad override in one line before Hydra (whose report is many), then run: generate
+    from the config composed here, probe and sweeps (-m) and Hydra's flags under @hydra.main."""
+    from .config import unknown_key
+
+    overrides = [a for a in argv if not a.startswith("-")]
+    problem = launcher_missing(argv) or unknown_key(CONF_DIR, overrides)
+    if problem is None and not any(a.startswith("-") for a in argv):
+        cfg, problem = composed([a for a in overrides if not a.startswith(("hydra.", "hydra/"))])
+        if cfg is not None and cfg.task.get("name") == "generate":
+            return guarded(lambda: run(cfg))
+        problem = problem or output_dir_problem(overrides)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    main()
+    return 0
+
+
+def composed(overrides: list[str], hydra_node: bool = False) -> tuple[DictConfig | None, str | None]:
+    """(the config, None), or (None, why it cannot compose) in one line."""
     from hydra import compose, initialize_config_dir
 
     try:
         with initialize_config_dir(version_base=None, config_dir=CONF_DIR, job_name="turbo"):
-            compose(config_name="config", overrides=overrides)
+            return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_node), None
     except Exception as e:  # Hydra raises several kinds; all mean "this override cannot compose"
-        return " ".join(str(e).split("Config search path")[0].split())
+        return None, " ".join(str(e).split("Config search path")[0].split())
+
+
+def output_dir_problem(overrides: list[str]) -> str | None:
+    """Why Hydra could not create the run's output directory (hydra.run.dir): the probe writes
+    its metrics there. Checked here, since Hydra reports it as a traceback."""
+    cfg, problem = composed(overrides, hydra_node=True)
+    if cfg is None:
+        return problem
+    path = Path(str(cfg.hydra.run.dir)).absolute()
+    first = next(p for p in (path, *path.parents) if p.exists())
+    if not first.is_dir():
+        return f"hydra.run.dir {path}: {first} is not a directory"
+    if not os.access(first, os.W_OK):
+        return f"hydra.run.dir {path}: {first} is not writable (pass hydra.run.dir=A_WRITABLE_DIR)"
     return None
 
 
@@ -102,8 +144,4 @@ def _installed(module: str) -> bool:
 
 
 if __name__ == "__main__":
-    problem = launcher_missing(sys.argv[1:]) or override_error(sys.argv[1:])
-    if problem:
-        print(f"error: {problem}", file=sys.stderr)
-        sys.exit(2)
-    main()
+    sys.exit(guarded(lambda: cli(sys.argv[1:])))

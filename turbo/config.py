@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 from dataclasses import dataclass, fields
+from pathlib import Path
 
 from omegaconf import DictConfig
 
@@ -70,3 +72,52 @@ def run_config(cfg: DictConfig) -> RunConfig:
     return RunConfig(install=str(install), opening=opening, generation=generation,
                      prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
                      workload=str(workload.get("name", "")), prompts=prompts, task=str(task))
+
+
+def known_keys(conf_dir: str) -> set[str]:
+    """Every key the config can have, dotted: conf/config.yaml's own and each group option's at
+    its package (the group's name, or the root under `# @package _global_`). Hydra's are not in it."""
+    from omegaconf import OmegaConf
+
+    def walk(node, prefix: str) -> None:
+        for key, value in node.items():
+            if prefix or key not in ("defaults", "hydra"):
+                keys.add(prefix + str(key))
+                if isinstance(value, DictConfig):
+                    walk(value, f"{prefix}{key}.")
+
+    keys: set[str] = set()
+    root = Path(conf_dir)
+    walk(OmegaConf.load(root / "config.yaml"), "")
+    for path in root.glob("*/*.yaml"):
+        if path.parent.name != "hydra":
+            group = "" if path.read_text().startswith("# @package _global_") else path.parent.name
+            keys.add(group)
+            walk(OmegaConf.load(path), f"{group}." if group else "")
+    keys.discard("")
+    return keys
+
+
+def unknown_key(conf_dir: str, overrides: list[str]) -> str | None:
+    """The first override setting a key the config does not have -- with `+` too: the config is
+    closed, so `+blok=4` is a typo, not a new setting -- as one line naming the nearest known key.
+    Group selections (`+policy=fixed`, `workload=code`) and hydra.* are Hydra's to check."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:  # a malformed override: composing it reports that
+        return None
+    known = None
+    for o in parsed:
+        key = o.key_or_group
+        if key.split(".")[0].split("/")[0] == "hydra" or Path(conf_dir, key).is_dir():
+            continue
+        known = known if known is not None else known_keys(conf_dir)
+        if key not in known:
+            near = difflib.get_close_matches(key, known, n=1)
+            hint = f"nearest: {near[0]}" if near else \
+                "expected one of " + ", ".join(sorted(k for k in known if "." not in k))
+            return f"config key {key!r} is not known ({hint})"
+    return None

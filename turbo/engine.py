@@ -9,11 +9,13 @@ it (docs/DESIGN.md 5).
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 from tokenizers import Tokenizer
 
@@ -25,12 +27,15 @@ from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError
 from .install import Install, open_install
 from .loader import load_drafter, load_trunk
-from .options import GenerationOptions, OpenOptions
+from .options import INTEGER_FIELDS, GenerationOptions, OpenOptions, as_integer, integer
 from .policy import OWN_DRAFTERS, ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
 from .stats import Stats
 from .trunk import Trunk, TrunkState
 
 DEFAULT_GENERATION = GenerationOptions()
+ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "
+             "start a new stream")
+Prompt = str | list[int] | tuple[int, ...] | np.ndarray  # text, or token ids
 
 
 @dataclass
@@ -120,17 +125,34 @@ class Runtime:
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
         self._drafters: dict[tuple[str, int | NgramConfig | None], Drafter] = {}  # (kind, window or ngram config)
+        # One generation at a time (the drafters and the trunk's caches are the runtime's own):
+        # `generate` holds _serial for its whole call, a stream only while it starts; each prefill
+        # and round holds _step, and a round of a stream that a later generation took over refuses.
+        self._serial = threading.RLock()
+        self._step = threading.Lock()
+        self._generation = 0  # the latest generation started; only its stream may run rounds
 
     # ---- helpers -----------------------------------------------------------------------
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
-        ids = list(prompt) if isinstance(prompt, (list, tuple)) else self.tokenizer.encode(prompt).ids
+    def encode(self, prompt: Prompt) -> list[int]:
+        """A str goes through the tokenizer. Token ids: a list or tuple of Python or numpy integers,
+        or a 1-D numpy integer array (bools are not ids)."""
+        if isinstance(prompt, str):
+            return self._checked_ids(self.tokenizer.encode(prompt).ids)
+        if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
+            raise TurboError(f"prompt array of shape {list(prompt.shape)}: expected a 1-D array of token ids")
+        if not isinstance(prompt, (list, tuple, np.ndarray)):
+            raise TurboError(f"prompt of type {type(prompt).__name__}: expected a str, or token ids as a list, "
+                             "a tuple or a 1-D numpy integer array")
+        return self._checked_ids(prompt)
+
+    def _checked_ids(self, tokens) -> list[int]:
+        ids, vocab = [integer(t) for t in tokens], self.install.arch.vocab
         if not ids:
             raise TurboError("prompt is empty (expected at least one token)")
-        vocab = self.install.arch.vocab
-        bad = [t for t in ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise TurboError(f"prompt token {bad[0]!r} is not an id in 0..{vocab - 1}")
+        bad = next((t for t, i in zip(tokens, ids) if i is None or not 0 <= i < vocab), None)
+        if bad is not None:
+            raise TurboError(f"prompt token {bad!r} is not an id in 0..{vocab - 1}")
         return ids
 
     def decode(self, ids: list[int]) -> str:
@@ -158,22 +180,30 @@ class Runtime:
 
     # ---- the API -----------------------------------------------------------------------
 
-    def generate(self, prompt: str | list[int], opts: GenerationOptions | None = None, **fields) -> GenerateResult:
-        """The whole generation at once; the same options as `stream`."""
+    def generate(self, prompt: Prompt, opts: GenerationOptions | None = None, **fields) -> GenerateResult:
+        """The whole generation at once; the same options as `stream`. Calls from several threads
+        run one after another."""
         tokens, flags, stats = [], [], None
-        for event in self.stream(prompt, opts, **fields):
-            tokens += event.tokens
-            flags += event.from_draft
-            stats = event.stats
+        with self._serial:
+            for event in self.stream(prompt, opts, **fields):
+                tokens += event.tokens
+                flags += event.from_draft
+                stats = event.stats
         return GenerateResult(tokens, self.decode(tokens), stats, flags)
 
-    def stream(self, prompt: str | list[int], opts: GenerationOptions | None = None,
-               **fields) -> Iterator[RoundEvent]:
+    def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
         """Yields one event per committed round. `opts` (turbo.options.GenerationOptions), or its
-        fields as keywords (over `opts` when both). Validation happens before the first yield."""
+        fields as keywords (over `opts` when both). Validation happens before the first yield.
+        Another generation started before this stream ends takes the runtime over: this stream's
+        next round then raises TurboError."""
+        with self._serial:  # waits for a `generate` running on another thread
+            return self._stream(prompt, opts, **fields)
+
+    def _stream(self, prompt: Prompt, opts: GenerationOptions | None, **fields) -> Iterator[RoundEvent]:
         o = opts if opts is not None else DEFAULT_GENERATION
         if fields:
             o = o.but(**fields)
+        o = o.but(**{name: as_integer(name, getattr(o, name)) for name in INTEGER_FIELDS})
         ids = self.encode(prompt)
         if not isinstance(o.max_new_tokens, int) or o.max_new_tokens < 1:
             raise TurboError(f"max_new_tokens is {o.max_new_tokens!r}, expected a positive integer")
@@ -212,21 +242,27 @@ class Runtime:
         trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
         eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
         start = time.perf_counter()
-        st = trunk.new_state(len(ids) + max_new + 16)
-        aux_layers = draft.aux_layers if draft is not None else ()
-        prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
-        if draft is not None:
-            draft.begin(prompt_out, ids)
+        with self._serial, self._step:  # this generation takes the runtime over
+            self._generation += 1
+            me = self._generation
+            st = trunk.new_state(len(ids) + max_new + 16)
+            aux_layers = draft.aux_layers if draft is not None else ()
+            prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
+            if draft is not None:
+                draft.begin(prompt_out, ids)
         chooser = None
         if p.policy == "adaptive" and draft is not None:
             chooser = AdaptiveChooser(p.block, memory=(draft, rollback))
             draft = LazyContext(draft, chooser)  # plain rounds skip the drafter's work
         anchor, generated, text, first_done = ids[-1], [], Detokenizer(self.decode), None
         while len(generated) < max_new:
-            block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
-            r = play_round(trunk, st, draft, anchor, block, rollback, accept_greedy)
-            if chooser is not None:
-                chooser.observe(block, r.accepted, r.draft_s, r.verify_s, r.rollback_s)
+            with self._step:
+                if self._generation != me:
+                    raise TurboError(ABANDONED)
+                block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
+                r = play_round(trunk, st, draft, anchor, block, rollback, accept_greedy)
+                if chooser is not None:
+                    chooser.observe(block, r.accepted, r.draft_s, r.verify_s, r.rollback_s)
             stats.record_round(len(r.proposals), r.accepted, r.replayed)
             n, room = r.accepted, max_new - len(generated)
             committed, flags = (r.proposals[:n] + [r.bonus])[:room], ([True] * n + [False])[:room]
@@ -258,4 +294,6 @@ def open(path_or_name: str | Path = "tiny", opts: OpenOptions | None = None, **f
     elif fields:
         opts = opts.but(**fields)
     native.check_draft_products(opts.draft_products)  # before the install loads
+    if opts.threads is not None:  # checked in range by OpenOptions: torch crashes far past the cores
+        torch.set_num_threads(opts.threads)
     return Runtime(open_install(path_or_name), opts)

@@ -8,11 +8,13 @@ Environment variables are read here and nowhere else (`OpenOptions.from_env`,
 
 from __future__ import annotations
 
+import operator
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .drafters.ngram import NgramConfig
+from .errors import TurboError
 
 NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
 QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (turbo.quant.CPU_MODES)
@@ -31,6 +33,9 @@ class OpenOptions:
     native: bool = True  # False: the torch step even where native.c builds (TURBO_NATIVE=0)
     quant_cpu: str = "auto"  # TURBO_QUANT_CPU: auto | kernel | packed | dequant (turbo.quant)
     cache_dir: Path | None = None  # native.c's build cache (TURBO_CACHE; None: XDG / ~/.cache)
+
+    def __post_init__(self) -> None:
+        check_threads(self.threads)
 
     @classmethod
     def from_env(cls, **given) -> "OpenOptions":
@@ -67,6 +72,7 @@ class GenerationOptions:
 
 
 GENERATION_FIELDS = tuple(f.name for f in fields(GenerationOptions))
+INTEGER_FIELDS = ("max_new_tokens", "block", "window")  # as_integer's: the GenerationOptions fields that count
 OPEN_FIELDS = tuple(f.name for f in fields(OpenOptions))
 
 
@@ -82,3 +88,31 @@ def policy_from_env(drafter: str) -> tuple[str, int | None]:
     if n < 0:
         return "auto", None
     return ("off", None) if n == 0 else ("fixed", n)
+
+
+def integer(value: object) -> int | None:
+    """`value` as an int when it is a Python or numpy integer, else None. bool is an int subclass
+    in Python, and True as a block or a token id is a mistake rather than a 1: None too."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def as_integer(name: str, value: object) -> int | None:
+    """`value` (None, or an integer as `integer` takes it) as an int or None; TurboError otherwise."""
+    n = integer(value)
+    if n is None and value is not None:
+        raise TurboError(f"{name} is {value!r}, expected an integer")
+    return n
+
+
+def check_threads(threads: object) -> None:
+    """torch.set_num_threads takes any int: -1 is a traceback from deep inside torch, and far more
+    threads than the machine has cores a crash (100000 segfaults)."""
+    n = as_integer("threads", threads)
+    cores = os.cpu_count() or 1
+    if n is not None and not 1 <= n <= 4 * cores:
+        raise TurboError(f"threads {n} is outside 1..{4 * cores} (up to 4x this machine's {cores} cores)")

@@ -260,13 +260,13 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
         raise TurboError(f"config: probe.stop_at_eos={stop_at_eos!r}, expected true or false")
 
     rt = runtime if runtime is not None else open_runtime(rc.install, rc.opening)
-    if rt.backend.note and not quiet:
-        print(rt.backend.note, file=sys.stderr)
     # validate every configuration before decoding anything (a bad block fails in seconds)
     plans = {b: rt.plan("fixed", b, g.drafter) for b in blocks}
     adaptive_plan = rt.plan("adaptive", None, g.drafter) if with_adaptive else None
     if adaptive_plan is not None and adaptive_plan.drafter is None:
         raise TurboError(f"adaptive cannot speculate: {adaptive_plan.off_reason}")
+    if rt.backend.note and not quiet:  # after the checks: a refusal stays one line
+        print(rt.backend.note, file=sys.stderr)
     drafter = next((p.drafter for p in plans.values()), adaptive_plan.drafter if adaptive_plan else None)
 
     configs = [(None, 0, None)] + [(rb, b, "fixed") for rb in rollbacks for b in blocks]

@@ -8,15 +8,26 @@ so it needs no Hydra output directory (a read-only working directory is fine).
 
 from __future__ import annotations
 
-import gc
-import importlib.util
 import os
+import signal
 import sys
-from pathlib import Path
-from typing import Callable
 
-import hydra
-from omegaconf import DictConfig
+
+def _interrupted_early(signum, frame) -> None:
+    print("interrupted", file=sys.stderr)
+    os._exit(130)
+
+
+if __name__ == "__main__":  # a Ctrl-C while the imports below run (a second or so) is one line too
+    signal.signal(signal.SIGINT, _interrupted_early)
+
+import gc  # noqa: E402
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Callable  # noqa: E402
+
+import hydra  # noqa: E402
+from omegaconf import DictConfig  # noqa: E402
 
 CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
 # hydra/launcher=NAME -> the Hydra plugin that runs it (conf/hydra/launcher: local is joblib, slurm submitit)
@@ -61,6 +72,7 @@ def guarded(task: Callable[[], int]) -> int:
     """task()'s exit status, a user's error as one line and 2, Ctrl-C as `interrupted` and 130."""
     from .errors import TurboError
 
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on Ctrl-C is caught below
     try:
         return task()
     except (TurboError, OSError) as e:  # OSError: a path the user gave or the working directory

@@ -161,13 +161,14 @@ def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, wi
         shape = derive_shape(idx, cfg.hidden, cfg.vocab, cfg.taps, cfg.group)
     else:
         shape = derive_published_shape(idx, cfg)
-    if (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.inter) != (
-            cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate):
-        raise TurboError(f"dflash/config.json: heads {cfg.heads}, kv heads {cfg.kv_heads}, head_dim {cfg.head_dim}, "
-                         f"intermediate {cfg.intermediate} disagree with the tensors' {shape.num_heads}, "
-                         f"{shape.num_kv_heads}, {shape.head_dim}, {shape.inter}")
+    for field, value, derived in (("num_attention_heads", cfg.heads, shape.num_heads),
+                                  ("num_key_value_heads", cfg.kv_heads, shape.num_kv_heads),
+                                  ("head_dim", cfg.head_dim, shape.head_dim),
+                                  ("intermediate_size", cfg.intermediate, shape.inter)):
+        if value != derived:
+            raise TurboError(f"dflash/config.json: field {field!r} is {value}, the tensors' is {derived}")
     if shape.aux_count != len(cfg.target_layers):
-        raise TurboError(f"dflash.fc.weight fuses {shape.aux_count} aux states, but target_layer_ids lists "
+        raise TurboError(f"dflash.fc.weight fuses {shape.aux_count} aux states, but field 'target_layer_ids' lists "
                          f"{len(cfg.target_layers)}")
     if cfg.has_selector and shape.rank != cfg.rank:
         raise TurboError(f"dflash/config.json: selector_rank is {cfg.rank}, the codebooks have rank {shape.rank}")

@@ -176,8 +176,8 @@ def parse_published_config(cfg: dict, arch: Arch, where: str = "dflash/config.js
     layer_types = cfg.get("layer_types", ["sliding_attention"] * c.layers)
     if (not isinstance(layer_types, list) or len(layer_types) != c.layers
             or any(t not in ("sliding_attention", "full_attention") for t in layer_types)):
-        raise TurboError(f"{where}: field 'layer_types' is {layer_types!r}, expected {c.layers} x "
-                         f"'sliding_attention' / 'full_attention'")
+        raise TurboError(f"{where}: field 'layer_types' is {layer_types!r}, expected num_hidden_layers ({c.layers}) "
+                         f"entries of 'sliding_attention' / 'full_attention'")
     targets = cfg.get("num_target_layers", arch.num_layers)
     if targets != arch.num_layers:
         raise TurboError(f"{where}: field 'num_target_layers' is {targets!r}, expected the trunk's {arch.num_layers}")
@@ -196,6 +196,9 @@ def check_shared_fields(c: DflashConfig, arch: Arch, where: str) -> None:
     for field, value in positive.items():
         if value <= 0:
             raise TurboError(f"{where}: field {field!r} is {value}, expected a positive integer")
+    for field, value in (("rms_norm_eps", c.eps), ("rope_theta", c.rope_theta)):
+        if not value > 0:
+            raise TurboError(f"{where}: field {field!r} is {value}, expected a positive number")
     if c.heads % c.kv_heads:
         raise TurboError(f"{where}: field 'num_attention_heads' is {c.heads}, expected a multiple of "
                          f"num_key_value_heads {c.kv_heads}")
@@ -326,7 +329,10 @@ def derive_published_shape(index: ResidentIndex, cfg: DflashConfig) -> DflashSha
     gate_rows = _first_widths(index, dflash_layer_tensor(0, "mlp.gate_proj.weight"))[0]
     if head_dim == 0 or q_rows % head_dim or k_rows % head_dim:
         raise TurboError(f"the DFlash drafter's shapes do not divide: q {q_rows}, k {k_rows}, head_dim {head_dim}")
-    aux = len(cfg.target_layers)
+    fc_cols = _first_widths(index, "dflash.fc.weight")[1]
+    aux = fc_cols // hidden  # (the loader holds it against target_layer_ids)
+    if aux == 0 or aux * hidden != fc_cols:
+        raise TurboError(f"dflash.fc.weight has {fc_cols} columns, not a whole number of {hidden}-wide aux states")
     _expect(index, "dflash.fc.weight", hidden, aux * hidden)
     _expect(index, "dflash.hidden_norm.weight", hidden)
     _expect(index, "dflash.norm.weight", hidden)

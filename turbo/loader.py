@@ -201,7 +201,8 @@ def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, wi
             o=t(n("self_attn.o_proj.weight")), q_norm=norm(n("self_attn.q_norm.weight")),
             k_norm=norm(n("self_attn.k_norm.weight")), gate=t(n("mlp.gate_proj.weight")),
             up=t(n("mlp.up_proj.weight")), down=t(n("mlp.down_proj.weight")),
-            attn_proj=conv(i, "attention_conv.kernel_projection.weight"), attn_base=conv(i, "attention_conv.base_kernel"),
+            attn_proj=conv(i, "attention_conv.kernel_projection.weight"),
+            attn_base=conv(i, "attention_conv.base_kernel"),
             mlp_proj=conv(i, "mlp_conv.kernel_projection.weight"), mlp_base=conv(i, "mlp_conv.base_kernel"),
         ))
     weights = DflashWeights(

@@ -73,14 +73,12 @@ def parse_drafter_config(cfg: dict, arch: Arch, where: str = "dflash/config.json
                      f"{', '.join(repr([a]) for a in ARCHITECTURES)}")
 
 
-def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> DflashConfig:
-    """The drafter config, refused by field name when missing or not honourable."""
-    if cfg.get("architectures") != ["DFlash2DraftModel"]:
-        raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected ['DFlash2DraftModel']")
+def shared_fields(cfg: dict, where: str) -> tuple[dict, str, dict]:
+    """(dflash_config, its `where`, the DflashConfig fields both architectures read alike)."""
     d = need_field(cfg, "dflash_config", dict, where)
     dw = f"{where} dflash_config"
     rope = need_field(cfg, "rope_parameters", dict, where)
-    c = DflashConfig(
+    return d, dw, dict(
         hidden=need_field(cfg, "hidden_size", int, where),
         layers=need_field(cfg, "num_hidden_layers", int, where),
         heads=need_field(cfg, "num_attention_heads", int, where),
@@ -93,11 +91,21 @@ def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> Df
         block_size=need_field(d, "block_size", int, dw),
         mask_token=need_field(d, "mask_token_id", int, dw),
         target_layers=tuple(need_field(d, "target_layer_ids", list, dw)),
+        rope_theta=need_field(rope, "rope_theta", float, f"{where} rope_parameters"),
+    )
+
+
+def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> DflashConfig:
+    """The drafter config, refused by field name when missing or not honourable."""
+    if cfg.get("architectures") != ["DFlash2DraftModel"]:
+        raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected ['DFlash2DraftModel']")
+    d, dw, shared = shared_fields(cfg, where)
+    c = DflashConfig(
+        **shared,
         taps=need_field(d, "conv_kernel_size", int, dw),
         group=need_field(d, "conv_group_size", int, dw),
         rank=need_field(d, "selector_rank", int, dw),
         top_k=need_field(d, "selector_top_k", int, dw),
-        rope_theta=need_field(rope, "rope_theta", float, f"{where} rope_parameters"),
         is_causal=need_field(cfg, "is_causal", bool, where),
     )
     layer_types = need_field(cfg, "layer_types", list, where)
@@ -139,27 +147,9 @@ def parse_published_config(cfg: dict, arch: Arch, where: str = "dflash/config.js
     if cfg.get("architectures") != [PUBLISHED_ARCH]:
         raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected "
                          f"[{PUBLISHED_ARCH!r}]")
-    d = need_field(cfg, "dflash_config", dict, where)
-    dw = f"{where} dflash_config"
-    rope = need_field(cfg, "rope_parameters", dict, where)
-    c = DflashConfig(
-        hidden=need_field(cfg, "hidden_size", int, where),
-        layers=need_field(cfg, "num_hidden_layers", int, where),
-        heads=need_field(cfg, "num_attention_heads", int, where),
-        kv_heads=need_field(cfg, "num_key_value_heads", int, where),
-        head_dim=need_field(cfg, "head_dim", int, where),
-        intermediate=need_field(cfg, "intermediate_size", int, where),
-        eps=need_field(cfg, "rms_norm_eps", float, where),
-        vocab=need_field(cfg, "vocab_size", int, where),
-        window=need_field(cfg, "sliding_window", int, where),
-        block_size=need_field(d, "block_size", int, dw),
-        mask_token=need_field(d, "mask_token_id", int, dw),
-        target_layers=tuple(need_field(d, "target_layer_ids", list, dw)),
-        taps=0, group=0, rank=0, top_k=0,
-        rope_theta=need_field(rope, "rope_theta", float, f"{where} rope_parameters"),
-        is_causal=False,
-        architecture=PUBLISHED_ARCH,
-    )
+    d, dw, shared = shared_fields(cfg, where)
+    c = DflashConfig(**shared, taps=0, group=0, rank=0, top_k=0, is_causal=False, architecture=PUBLISHED_ARCH)
+    rope = cfg["rope_parameters"]
     if cfg.get("is_causal", False) is not False:
         raise TurboError(f"{where}: field 'is_causal' is {cfg['is_causal']!r}, expected false (the published "
                          f"DFlash block is bidirectional)")

@@ -116,6 +116,35 @@ def make_drafter(directory: Path, hidden: int, vocab: int, target_layers: list[i
     return directory
 
 
+def published_dflash_config(hidden: int, vocab: int, target_layers: list[int], num_target_layers: int,
+                            block_size: int = 16, window: int = 64, heads: int = 4, kv_heads: int = 2,
+                            head_dim: int = 16, intermediate: int = 96) -> dict:
+    """A config.json in the published DFlash layout (as z-lab's Qwen3.5 drafters ship it)."""
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden,
+            "num_hidden_layers": 5, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+            "head_dim": head_dim, "intermediate_size": intermediate, "rms_norm_eps": 1e-6, "vocab_size": vocab,
+            "sliding_window": window, "use_sliding_window": True, "num_target_layers": num_target_layers,
+            "layer_types": ["sliding_attention"] * 4 + ["full_attention"], "tie_word_embeddings": False,
+            "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default"},
+            "dflash_config": {"block_size": block_size, "mask_token_id": 1, "target_layer_ids": target_layers}}
+
+
+def make_published_dflash(directory: Path, hidden: int, vocab: int, target_layers: list[int], num_target_layers: int,
+                          seed: int = 0, block_size: int = 16, window: int = 64, **config_over) -> Path:
+    """A random DFlash drafter in the published layout (`DFlashDraftModel`: unprefixed names,
+    no conv, no candidate selector): make_drafter's five layers without those tensors."""
+    from safetensors.torch import load_file, save_file
+
+    make_drafter(directory, hidden, vocab, target_layers, seed, block_size, window)
+    path = directory / "model.safetensors"
+    tensors = {n: t for n, t in load_file(str(path)).items()
+               if "_conv." not in n and not n.startswith("candidate_selector.")}
+    save_file(tensors, str(path))
+    config = published_dflash_config(hidden, vocab, target_layers, num_target_layers, block_size, window)
+    (directory / "config.json").write_text(json.dumps(config | config_over, indent=2))
+    return directory
+
+
 def make_spec_install(tmp: Path, seed: int = 0, **over):
     """A random trunk plus a random drafter, repacked together."""
     cfg = hf_config(**over)

@@ -15,7 +15,7 @@ from . import ops, quant
 from .backends import native
 from .backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from .drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
-from .drafters.dflash_config import derive_shape, dflash_layer_tensor, parse_config
+from .drafters.dflash_config import derive_published_shape, derive_shape, dflash_layer_tensor, parse_drafter_config
 from .drafters.mtp import MTP_PREFIX, MtpDrafter, MtpWeights
 from .errors import TurboError
 from .install import Install
@@ -150,22 +150,27 @@ def _refuse_products(products: str, part: str, why: str) -> None:
 def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, window: int | None = None,
                 opts: OpenOptions = OpenOptions(), dtype: torch.dtype = torch.float32,
                 scale: float = DFLASH_RESIDUAL_SCALE, device: torch.device | str = "cpu") -> DflashDrafter:
-    """The DFlash2 drafter over the trunk's `embed` table and (dense) `lm_head`, in `dtype`
-    activations on `device`; `window` its context (None: the trained sliding_window)."""
+    """The install's DFlash drafter (DFlash2 or the published DFlash, as its config names)
+    over the trunk's `embed` table and (dense) `lm_head`, in `dtype` activations on `device`;
+    `window` its context (None: the trained sliding_window)."""
     if install.drafter_config is None:
-        raise TurboError(f"{install.path}: no dflash/config.json (the install carries no DFlash2 drafter)")
-    cfg = parse_config(install.drafter_config, install.arch, str(install.path / "dflash" / "config.json"))
+        raise TurboError(f"{install.path}: no dflash/config.json (the install carries no DFlash drafter)")
+    cfg = parse_drafter_config(install.drafter_config, install.arch, str(install.path / "dflash" / "config.json"))
     idx = install.index
-    shape = derive_shape(idx, cfg.hidden, cfg.vocab, cfg.taps, cfg.group)
-    if (shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.inter) != (
-            cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.intermediate):
-        raise TurboError(f"dflash/config.json: heads {cfg.heads}, kv heads {cfg.kv_heads}, head_dim {cfg.head_dim}, "
-                         f"intermediate {cfg.intermediate} disagree with the tensors' {shape.num_heads}, "
-                         f"{shape.num_kv_heads}, {shape.head_dim}, {shape.inter}")
+    if cfg.has_conv:
+        shape = derive_shape(idx, cfg.hidden, cfg.vocab, cfg.taps, cfg.group)
+    else:
+        shape = derive_published_shape(idx, cfg)
+    for field, value, derived in (("num_attention_heads", cfg.heads, shape.num_heads),
+                                  ("num_key_value_heads", cfg.kv_heads, shape.num_kv_heads),
+                                  ("head_dim", cfg.head_dim, shape.head_dim),
+                                  ("intermediate_size", cfg.intermediate, shape.inter)):
+        if value != derived:
+            raise TurboError(f"dflash/config.json: field {field!r} is {value}, the tensors' is {derived}")
     if shape.aux_count != len(cfg.target_layers):
-        raise TurboError(f"dflash.fc.weight fuses {shape.aux_count} aux states, but target_layer_ids lists "
+        raise TurboError(f"dflash.fc.weight fuses {shape.aux_count} aux states, but field 'target_layer_ids' lists "
                          f"{len(cfg.target_layers)}")
-    if shape.rank != cfg.rank:
+    if cfg.has_selector and shape.rank != cfg.rank:
         raise TurboError(f"dflash/config.json: selector_rank is {cfg.rank}, the codebooks have rank {shape.rank}")
     if window is not None and not 1 <= window <= cfg.window:
         raise TurboError(f"window {window} is outside 1..{cfg.window} (the drafter's trained sliding_window)")
@@ -180,6 +185,12 @@ def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, wi
     def norm(name: str) -> torch.Tensor:
         return _to(1.0 + idx.load(name, torch.float32), device)  # computed on the host, as on the CPU
 
+    def conv(i: int, name: str) -> torch.Tensor | None:
+        return t(dflash_layer_tensor(i, name)) if cfg.has_conv else None
+
+    def selector(name: str) -> torch.Tensor | None:
+        return t("dflash.candidate_selector." + name, torch.float32) if cfg.has_selector else None
+
     layers = []
     for i in range(shape.layers):
         def n(s: str) -> str:
@@ -190,15 +201,15 @@ def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, wi
             o=t(n("self_attn.o_proj.weight")), q_norm=norm(n("self_attn.q_norm.weight")),
             k_norm=norm(n("self_attn.k_norm.weight")), gate=t(n("mlp.gate_proj.weight")),
             up=t(n("mlp.up_proj.weight")), down=t(n("mlp.down_proj.weight")),
-            attn_proj=t(n("attention_conv.kernel_projection.weight")), attn_base=t(n("attention_conv.base_kernel")),
-            mlp_proj=t(n("mlp_conv.kernel_projection.weight")), mlp_base=t(n("mlp_conv.base_kernel")),
+            attn_proj=conv(i, "attention_conv.kernel_projection.weight"),
+            attn_base=conv(i, "attention_conv.base_kernel"),
+            mlp_proj=conv(i, "mlp_conv.kernel_projection.weight"), mlp_base=conv(i, "mlp_conv.base_kernel"),
         ))
     weights = DflashWeights(
         embed=embed, lm_head=lm_head.to(dtype), lm_head_bf16=lm_head.dtype == torch.bfloat16,
         fc=t("dflash.fc.weight"), hidden_norm=norm("dflash.hidden_norm.weight"), final_norm=norm("dflash.norm.weight"),
-        hidden_projection=t("dflash.candidate_selector.hidden_projection.weight", torch.float32),
-        pred_codebook=t("dflash.candidate_selector.predecessor_codebook", torch.float32),
-        succ_codebook=t("dflash.candidate_selector.successor_codebook", torch.float32),
+        hidden_projection=selector("hidden_projection.weight"), pred_codebook=selector("predecessor_codebook"),
+        succ_codebook=selector("successor_codebook"),
         layers=layers, inv_freq=_to(ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta), device), stored=stored)
     products = opts.draft_products
     why = _native_refusal(opts, native.dflash_refusal(device, dtype, embed))

@@ -5,19 +5,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from . import options
-from .drafters import Drafter
+from .drafters import Drafter, mtp
 from .errors import TurboError
 from .install import CODE_NAMES, Install
 
-# The published drafter's trained block, and the widest block this port builds.
+# DFlash2's trained block: the bound for a drafter that names none (the MTP head, a caller's own).
 DFLASH_BLOCK = 8
+# The widest block this port builds: the published DFlash drafters' trained block_size.
+WIDEST_BLOCK = 16
 # What `auto` serves: measured fastest on prose, code and math (the table in docs/DESIGN.md 10):
 # a rejected round restores and replays recurrent state, and a block of B needs all B
 # proposals to land, so the trained 8 is the wrong serving block.
 DFLASH_SERVING_BLOCK = 2
 # The MTP head's own default, the same answer from a second architecture.
 DEFAULT_SPECULATION_BLOCK = 2
-assert 0 < DFLASH_SERVING_BLOCK <= DFLASH_BLOCK
+assert 0 < DFLASH_SERVING_BLOCK <= DFLASH_BLOCK <= WIDEST_BLOCK
 
 VISION_SPECULATION_BLOCKER_MARKER = "speculation blocked [vision]"
 MOE_SPECULATION_BLOCKER_MARKER = "speculation blocked [moe]"
@@ -65,6 +67,9 @@ def speculation_blocker(install: Install, drafter: str | None, covered_dtypes: t
         names = ", ".join(f"{CODE_NAMES.get(c, c)} ({c})" for c in covered_dtypes)
         return (f"the batched verify covers {names}, and this install's {probe} is dtype {entry.dtype}")
     if drafter == "mtp":
+        declared = mtp.declared_layers(install.config)
+        if not install.has_mtp and declared:
+            return mtp.missing_head(str(install.path / "config.json"), declared)
         if not install.has_mtp:
             return ("this install carries no MTP head (mtp.fc.weight is not in the resident index); repack from a "
                     "checkpoint that ships mtp.* tensors, or use drafter=dflash")
@@ -90,14 +95,16 @@ def choose_drafter(install: Install, drafter: str) -> str:
         raise TurboError(f"drafter {drafter!r} is not one of {', '.join(DRAFTERS)}")
     if drafter != "auto":
         return drafter
+    # DFlash2, then the published DFlash, then the MTP head: an install files at most one DFlash
+    # drafter (either architecture) under dflash/, so auto is that one where present
     return "mtp" if install.has_mtp and not install.has_dflash else "dflash"
 
 
 def check_block(block: int, trained: int) -> None:
-    widest = min(trained, DFLASH_BLOCK)
+    widest = min(trained, WIDEST_BLOCK)
     if not 1 <= block <= widest:
         raise TurboError(f"block {block} is outside 1..{widest}: the drafter's trained block is {trained} "
-                         f"and this port builds at most {DFLASH_BLOCK}")
+                         f"and this port builds at most {WIDEST_BLOCK}")
 
 
 def plan(install: Install, policy: str, block: int | None, drafter: str | Drafter, covered_dtypes: tuple[int, ...],
@@ -121,6 +128,6 @@ def plan(install: Install, policy: str, block: int | None, drafter: str | Drafte
     if block is None:
         block = DFLASH_SERVING_BLOCK if kind == "dflash" else DEFAULT_SPECULATION_BLOCK
         if policy == "adaptive":
-            block = min(trained, DFLASH_BLOCK)
+            block = min(trained, WIDEST_BLOCK)
     check_block(block, trained)
     return Plan(policy, kind or drafter.kind, block, None)

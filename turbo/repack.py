@@ -40,6 +40,8 @@ from typing import Callable, Iterator
 from tqdm import tqdm
 
 from .arch import arch_from_config, read_config_json
+from .drafters import mtp
+from .drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from .errors import TurboError
 from .install import DRAFTER_DIR, safetensors_files
 from .safetensors_format import read_header
@@ -51,7 +53,9 @@ TMP_MARK = ".repack-"
 TMP_PATTERN = re.compile(r"\..+\.repack-(\d+)-[0-9a-f]{8}")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt")
-# Checkpoint name prefix -> install prefix, most specific first.
+# Checkpoint name prefix -> install prefix, most specific first. A Qwen3_5ForConditionalGeneration
+# checkpoint's MTP head sits at the top level beside model.language_model.* and keeps its names
+# (vLLM's vllm/model_executor/models/qwen3_5_mtp.py loads `mtp.*` as they are published).
 RENAMES = (
     ("model.language_model.", "trunk."),
     ("model.visual.", "vision."),
@@ -159,12 +163,14 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
 
 def plan_drafter(drafter: Path, hidden: int, fmt: q.QFormat | None = None,
                  quantized: dict[str, dict] | None = None) -> list[Planned]:
-    """The drafter's tensors under dflash.*; refused before anything is written unless it
-    fuses into a trunk of width `hidden`."""
+    """The drafter's tensors (DFlash2 or the published DFlash, both published unprefixed)
+    under dflash.*; refused before anything is written unless it fuses into a trunk of width
+    `hidden`. The runtime tells the two apart by the config's `architectures`."""
     config = read_config_json(drafter / "config.json")
     where = drafter / "config.json"
-    if config.get("architectures") != ["DFlash2DraftModel"]:
-        raise TurboError(f"{where}: architectures is {config.get('architectures')!r}, expected ['DFlash2DraftModel']")
+    if config.get("architectures") not in [[a] for a in DRAFTER_ARCHITECTURES]:
+        raise TurboError(f"{where}: architectures is {config.get('architectures')!r}, expected one of "
+                         f"{', '.join(repr([a]) for a in DRAFTER_ARCHITECTURES)}")
     if config.get("hidden_size") != hidden:
         raise TurboError(f"{where}: hidden_size is {config.get('hidden_size')!r}, expected the trunk's {hidden}")
     tensors = [(name, name if name.startswith("dflash.") else "dflash." + name, meta, path, data_start)
@@ -327,6 +333,9 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     trunk_quant: dict[str, dict] = {}
     drafter_quant: dict[str, dict] = {}
     trunk = plan_trunk(src, text_only, fmt, trunk_quant)
+    declared = mtp.declared_layers(config)
+    if declared and not any(p.name.startswith("mtp.") for p in trunk):  # still an install: the trunk is whole
+        print(f"note: {mtp.missing_head(str(src / 'config.json'), declared)}", file=sys.stderr)
     if drafter is not None and not Path(drafter).is_dir():
         raise TurboError(f"{drafter}: no such drafter directory")
     drafter_plan = plan_drafter(Path(drafter), arch.hidden, fmt, drafter_quant) if drafter is not None else []

@@ -28,18 +28,19 @@ typedef struct {
     int heads, kv_heads, head_dim, rot;
 } Layer;
 
-/* native_dflash.c: one DFlash2 layer and the drafter. */
+/* native_dflash.c: one DFlash layer and the drafter (DFlash2, or the published DFlash: no conv). */
 typedef struct {
     const float *in_norm, *post_norm, *q_norm, *k_norm; /* (1 + w) */
     const void *q, *k, *v, *o, *gate, *up, *down;        /* packed [out, in] */
-    const void *attn_proj, *mlp_proj;                    /* packed [2 * taps * groups, hidden] */
-    const float *attn_base, *mlp_base;                   /* [2, taps, hidden] */
+    const void *attn_proj, *mlp_proj;                    /* packed [2 * taps * groups, hidden] (NULL: no conv) */
+    const float *attn_base, *mlp_base;                   /* [2, taps, hidden] (NULL: no conv) */
     float *ring_k, *ring_v;                              /* [capacity, kv_heads, head_dim] */
 } DfLayer;
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, inter, taps, group, aux_width, vocab, layers;
     int window, capacity, causal, mask_token, embed_wtype, embed_panels;
+    int conv; /* 1: the grouped conv around every sublayer (DFlash2); 0: none (the published DFlash) */
     int wtype, lm_wtype; /* the packed matrices' (fc and the layers') and the lm_head's: fp32 0, bf16 1 */
     float eps;     /* the norms of unscaled values: q, k, the fused context */
     float res_eps; /* eps / scale^2: the norms reading the scaled residual stream */

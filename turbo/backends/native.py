@@ -69,7 +69,7 @@ class Dflash(ctypes.Structure):
 
     _fields_ = [(name, ctypes.c_int) for name in (
         "hidden", "heads", "kv_heads", "head_dim", "inter", "taps", "group", "aux_width", "vocab", "layers",
-        "window", "capacity", "causal", "mask_token", "embed_wtype", "embed_panels", "wtype", "lm_wtype")] + [
+        "window", "capacity", "causal", "mask_token", "embed_wtype", "embed_panels", "conv", "wtype", "lm_wtype")] + [
         ("eps", ctypes.c_float), ("res_eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("embed", "fc", "lm_head", "hidden_norm", "final_norm", "inv_freq")] + [
         ("layer", ctypes.POINTER(DfLayer))]
@@ -495,7 +495,7 @@ class NativeMtpStep:
 # native_dflash.c's dflash_select keeps at most this many candidates per row.
 SELECT_MAX_K = 64
 
-# The DFlash2 layer matrices native_dflash.c reads packed.
+# The DFlash layer matrices native_dflash.c reads packed.
 DFLASH_MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "attn_proj", "mlp_proj")
 
 
@@ -513,7 +513,7 @@ def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | Non
 
 
 class NativeDflashStep:
-    """The DFlash2 pass and context rows in native_dflash.c (one call each). Packs the
+    """The DFlash pass and context rows in native_dflash.c (one call each). Packs the
     drafter's matrices in `layout` (draft_layout) in place, as the trunk's are: from here on
     the torch pass is not used, and memory is not doubled. A bf16 drafter's stay bf16
     (widened exactly in the product: the same values, half the bytes)."""
@@ -525,7 +525,8 @@ class NativeDflashStep:
         storage = storage_dtype(d.dtype, d.stored)
         for layer in d.layers:
             for name in DFLASH_MATRICES:
-                setattr(layer, name, pack_as(getattr(layer, name), storage, layout))
+                if getattr(layer, name) is not None:  # (the conv's projections: absent without a conv)
+                    setattr(layer, name, pack_as(getattr(layer, name), storage, layout))
         d.fc = pack_as(d.fc, storage, layout)
         d.lm_head = pack_as(d.lm_head, torch.bfloat16 if d.lm_head_bf16 else torch.float32, layout)
         cfg, shape = d.cfg, d.shape
@@ -538,8 +539,8 @@ class NativeDflashStep:
         self.struct = Dflash(
             hidden=shape.hidden, heads=shape.num_heads, kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
             inter=shape.inter, taps=cfg.taps, group=cfg.group, aux_width=d.fc.shape[1], vocab=cfg.vocab,
-            layers=len(d.layers), window=d.window, causal=cfg.is_causal, mask_token=cfg.mask_token,
-            embed_wtype=embed_wtype, embed_panels=embed_panels, wtype=d.fc.wtype, lm_wtype=d.lm_head.wtype,
+            layers=len(d.layers), window=d.window, causal=cfg.is_causal, conv=cfg.has_conv,
+            mask_token=cfg.mask_token, embed_wtype=embed_wtype, embed_panels=embed_panels, wtype=d.fc.wtype, lm_wtype=d.lm_head.wtype,
             eps=cfg.eps, res_eps=cfg.eps / (d.scale * d.scale),
             scale=d.scale, embed=embed, fc=ptr(d.fc), hidden_norm=ptr(d.hidden_norm),
             final_norm=ptr(d.final_norm), lm_head=ptr(d.lm_head), inv_freq=ptr(d.inv_freq),

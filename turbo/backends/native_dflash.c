@@ -1,5 +1,6 @@
-/* The DFlash2 drafter's CPU pass (docs/DESIGN.md 2.2): one call per draft pass and one per batch of
- * context rows. Activations fp32; the matrix products fp32, or the drafter-only bf16 or
+/* The DFlash drafters' CPU pass (docs/DESIGN.md 2.2): one call per draft pass and one per batch of
+ * context rows. DFlash2 wraps every sublayer in its grouped conv; the published DFlash
+ * (`conv` 0) runs the same layers without it. Activations fp32; the matrix products fp32, or the drafter-only bf16 or
  * int8 ones (native.c's wtype 2 and 3, `draft_products`).
  *
  * Why C: a draft pass of a small drafter is ~1,400 tiny torch ops and Python calls, about
@@ -66,6 +67,24 @@ static void df_gconv(const Dflash *D, const float *h, int R, const float *base, 
     }
 }
 
+/* A sublayer's input: the conv's side 0 of xn into u (the projection's dynamic kernels, both
+ * sides, into dyn [R, P]), or xn itself where the drafter has no conv. */
+static const float *df_conv_prepare(const Dflash *D, const float *xn, int R, const void *proj, const float *base,
+                                    float *dyn, int P, float *u) {
+    if (!D->conv) return xn;
+    linear_packed(xn, R, D->hidden, proj, D->wtype, P, dyn);
+    df_gconv(D, xn, R, base, dyn, P, u);
+    return u;
+}
+
+/* A sublayer's output y: the conv's side 1 into out (dyn: side 1's kernels), or y itself without a conv. */
+static const float *df_conv_finish(const Dflash *D, const float *y, int R, const float *base, const float *dyn,
+                                   int P, float *out) {
+    if (!D->conv) return y;
+    df_gconv(D, y, R, base + (size_t)D->taps * D->hidden, dyn, P, out);
+    return out;
+}
+
 /* Attention of the R block rows (positions p0..): each query sees the context positions
  * max(0, p0 - window)..p0-1, read from the ring in position order (so a wrapped ring and an
  * unbounded one compute the same thing), then the block's own keys -- all of them, or up to
@@ -126,7 +145,8 @@ static void df_attend(const Dflash *D, const DfLayer *L, const float *q, const f
  * logits [block, vocab] and final [block, hidden] (the normed hidden) of the block rows. */
 void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logits, float *final) {
     int R = block + 1, H = D->hidden, I = D->inter, d = D->head_dim, half = d / 2;
-    int qd = D->heads * d, kvd = D->kv_heads * d, P = 2 * D->taps * (H / D->group), off = D->taps * (H / D->group);
+    int qd = D->heads * d, kvd = D->kv_heads * d;
+    int P = D->conv ? 2 * D->taps * (H / D->group) : 0, off = P / 2; /* the conv's dynamic kernels per row */
     float s = D->scale;
     size_t n_x = (size_t)R * H, n_i = (size_t)R * I;
     float *buf = malloc(sizeof(float) * (4 * n_x + (size_t)R * (P + 2 * qd + 2 * kvd + 2 * half) + 2 * n_i));
@@ -143,31 +163,29 @@ void dflash_forward(const Dflash *D, int anchor, int p0, int block, float *logit
         const DfLayer *L = &D->layer[l];
         /* attention, between the two sides of its grouped conv */
         rms_norm_rows(x, R, H, L->in_norm, D->res_eps, xn);
-        linear_packed(xn, R, H, L->attn_proj, D->wtype, P, dyn);
-        df_gconv(D, xn, R, L->attn_base, dyn, P, u);
-        linear_packed(u, R, H, L->q, D->wtype, qd, y);
+        const float *in = df_conv_prepare(D, xn, R, L->attn_proj, L->attn_base, dyn, P, u), *out;
+        linear_packed(in, R, H, L->q, D->wtype, qd, y);
         for (int r = 0; r < R; r++)
             df_norm_rope(D, y + (size_t)r * qd, D->heads, L->q_norm, cs + (size_t)r * half, sn + (size_t)r * half,
                          q + (size_t)r * qd);
-        linear_packed(u, R, H, L->k, D->wtype, kvd, y);
+        linear_packed(in, R, H, L->k, D->wtype, kvd, y);
         for (int r = 0; r < R; r++)
             df_norm_rope(D, y + (size_t)r * kvd, D->kv_heads, L->k_norm, cs + (size_t)r * half,
                          sn + (size_t)r * half, k + (size_t)r * kvd);
-        linear_packed(u, R, H, L->v, D->wtype, kvd, v);
+        linear_packed(in, R, H, L->v, D->wtype, kvd, v);
         df_attend(D, L, q, k, v, R, p0, att);
         linear_packed(att, R, qd, L->o, D->wtype, H, y);
-        df_gconv(D, y, R, L->attn_base + (size_t)D->taps * H, dyn + off, P, u);
-        for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
+        out = df_conv_finish(D, y, R, L->attn_base, dyn + off, P, u);
+        for (size_t i = 0; i < n_x; i++) x[i] = x[i] + out[i] / s;
         /* the MLP, between the two sides of its own */
         rms_norm_rows(x, R, H, L->post_norm, D->res_eps, xn);
-        linear_packed(xn, R, H, L->mlp_proj, D->wtype, P, dyn);
-        df_gconv(D, xn, R, L->mlp_base, dyn, P, u);
-        linear_packed(u, R, H, L->gate, D->wtype, I, g);
-        linear_packed(u, R, H, L->up, D->wtype, I, up);
+        in = df_conv_prepare(D, xn, R, L->mlp_proj, L->mlp_base, dyn, P, u);
+        linear_packed(in, R, H, L->gate, D->wtype, I, g);
+        linear_packed(in, R, H, L->up, D->wtype, I, up);
         for (size_t i = 0; i < n_i; i++) g[i] = fast_silu(g[i]) * up[i];
         linear_packed(g, R, I, L->down, D->wtype, H, y);
-        df_gconv(D, y, R, L->mlp_base + (size_t)D->taps * H, dyn + off, P, u);
-        for (size_t i = 0; i < n_x; i++) x[i] = x[i] + u[i] / s;
+        out = df_conv_finish(D, y, R, L->mlp_base, dyn + off, P, u);
+        for (size_t i = 0; i < n_x; i++) x[i] = x[i] + out[i] / s;
     }
     rms_norm_rows(x + H, block, H, D->final_norm, D->res_eps, final);
     linear_packed(final, block, H, D->lm_head, D->lm_wtype, D->vocab, logits);

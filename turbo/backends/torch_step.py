@@ -1,4 +1,4 @@
-"""The torch step: the trunk's row-stable step, the MTP head's layer and the DFlash2 pass in
+"""The torch step: the trunk's row-stable step, the MTP head's layer and the DFlash passes in
 torch ops. It is the CPU reference the native step and the CUDA kernels are tested against;
 on backend=cuda the same code runs the PTX kernels (turbo/ops.py dispatches on the tensors'
 device)."""
@@ -111,8 +111,8 @@ class TorchMtpStep:
 
 
 class TorchDflashStep:
-    """The DFlash2 pass in torch ops, in the drafter's activation dtype; on cuda the grouped
-    conv and the candidate selector run the PTX kernels."""
+    """The DFlash pass (either architecture) in torch ops, in the drafter's activation dtype;
+    on cuda the grouped conv and the candidate selector run the PTX kernels."""
 
     name = "torch"
 
@@ -138,11 +138,17 @@ class TorchDflashStep:
             rk[slots] = ops.apply_rope(k, cos, sin).to(d.dtype)
             rv[slots] = self._lin(ctx, layer.v).reshape(n, kv, hdim).to(d.dtype)
 
-    def _conv_prepare(self, x: torch.Tensor, proj: torch.Tensor, base: torch.Tensor):
+    def _conv_prepare(self, x: torch.Tensor, proj: torch.Tensor | None, base: torch.Tensor | None):
+        """The conv's side 0 of x and the dynamic kernels of its side 1; (x, None) without a conv."""
         d = self.d
+        if not d.cfg.has_conv:
+            return x, None
         groups = d.shape.hidden // d.cfg.group
         dyn = self._lin(x, proj).reshape(x.shape[0], 2, d.cfg.taps, groups)
         return self._grouped_conv(x, base[0], dyn[:, 0]), dyn[:, 1]
+
+    def _conv_finish(self, y: torch.Tensor, base: torch.Tensor | None, dyn: torch.Tensor | None) -> torch.Tensor:
+        return y if dyn is None else self._grouped_conv(y, base[1], dyn)
 
     def _grouped_conv(self, h: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
         cb = ops.cuda_kernels(h)
@@ -181,12 +187,12 @@ class TorchDflashStep:
         for li, layer in enumerate(d.layers):
             xn = ops.rms_norm(x, layer.in_norm, eps).to(d.dtype)
             u, dyn = self._conv_prepare(xn, layer.attn_proj, layer.attn_base)
-            y = self._grouped_conv(self._attention(li, u, anchor_pos).to(d.dtype), layer.attn_base[1], dyn)
+            y = self._conv_finish(self._attention(li, u, anchor_pos).to(d.dtype), layer.attn_base, dyn)
             x = x + y / s
             xn = ops.rms_norm(x, layer.post_norm, eps).to(d.dtype)
             u, dyn = self._conv_prepare(xn, layer.mlp_proj, layer.mlp_base)
             y = self._lin(F.silu(self._lin(u, layer.gate)) * self._lin(u, layer.up), layer.down)
-            x = x + self._grouped_conv(y, layer.mlp_base[1], dyn) / s
+            x = x + self._conv_finish(y, layer.mlp_base, dyn) / s
         final = ops.rms_norm(x, d.final_norm, eps)[1:]
         return self._lin(final, d.lm_head).float(), final
 

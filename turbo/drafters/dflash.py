@@ -1,6 +1,9 @@
-"""The DFlash2 block-diffusion drafter (docs/DESIGN.md 2.2): its weights, context ring and
+"""The DFlash block-diffusion drafters (docs/DESIGN.md 2.2): their weights, context ring and
 math; the pass itself runs on the step the loader chose (turbo/backends/step.py).
-Its config and shapes are checked in dflash_config.py, its tensors read in turbo/loader.py.
+Their config and shapes are checked in dflash_config.py, their tensors read in turbo/loader.py.
+One class runs both architectures: DFlash2, and the published DFlash, which is DFlash2
+without the grouped conv (its sublayers read their input as is) and without the candidate
+selector (a row proposes its logits' argmax).
 """
 
 from __future__ import annotations
@@ -62,10 +65,10 @@ class DflashLayer:
     gate: torch.Tensor | Packed
     up: torch.Tensor | Packed
     down: torch.Tensor | Packed
-    attn_proj: torch.Tensor | Packed
-    attn_base: torch.Tensor  # [2, taps, H]
-    mlp_proj: torch.Tensor | Packed
-    mlp_base: torch.Tensor
+    attn_proj: torch.Tensor | Packed | None  # the conv's [2 * taps * groups, H] (None: no conv)
+    attn_base: torch.Tensor | None  # [2, taps, H]
+    mlp_proj: torch.Tensor | Packed | None
+    mlp_base: torch.Tensor | None
 
 
 @dataclass
@@ -76,9 +79,9 @@ class DflashWeights:
     fc: torch.Tensor  # [H, aux_count * H]
     hidden_norm: torch.Tensor  # 1 + w, fp32
     final_norm: torch.Tensor
-    hidden_projection: torch.Tensor  # [rank, H] fp32
-    pred_codebook: torch.Tensor  # [vocab, rank] fp32
-    succ_codebook: torch.Tensor
+    hidden_projection: torch.Tensor | None  # [rank, H] fp32 (None: no candidate selector)
+    pred_codebook: torch.Tensor | None  # [vocab, rank] fp32
+    succ_codebook: torch.Tensor | None
     layers: list[DflashLayer]
     inv_freq: torch.Tensor  # [head_dim / 2]
     stored: set[str]  # the safetensors dtypes of the weights loaded in the drafter's dtype
@@ -95,7 +98,8 @@ class DflashDrafter(DrafterBase):
     `draft_products` picks (native.draft_layout): "fp32" computes the torch pass's function
     (to rounding); "int8" (weights per output, inputs per row) and "bf16" read fewer bytes
     and do more multiply-adds per instruction; "auto" the fastest the CPU has. The trunk
-    checks every proposal: the drafter's precision moves acceptance, never the output."""
+    checks every proposal: the drafter's precision moves acceptance, never the output.
+    Both architectures are kind "dflash" (stats, policy); `architecture` says which."""
 
     kind = "dflash"
 
@@ -103,6 +107,7 @@ class DflashDrafter(DrafterBase):
                  dtype: torch.dtype, scale: float, device: torch.device,
                  make_step: Callable[[DflashDrafter], DflashStep], why_torch: str | None = None):
         self.cfg, self.shape = cfg, shape
+        self.architecture = cfg.architecture
         self.window = window
         self.block_size = cfg.block_size
         self.aux_layers = tuple(cfg.target_layers)
@@ -151,6 +156,8 @@ class DflashDrafter(DrafterBase):
 
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
         logits, final = self.forward_block(anchor, anchor_pos, block)
+        if not self.cfg.has_selector:
+            return logits.argmax(dim=-1).tolist()  # ties: the lower id, as the selector's
         top_k = min(self.cfg.top_k, logits.shape[-1])
         return self.stepper.select(logits, final, anchor, top_k)
 

@@ -1,7 +1,11 @@
-"""The DFlash2 drafter's config and tensor shapes, checked before anything is built
+"""The DFlash drafters' config and tensor shapes, checked before anything is built
 (docs/DESIGN.md 2.2): every field the forward needs is required, and the tensors' recorded
 shapes are derived and cross-checked the way the Rust original's `DflashShape::derive`
 does, with its messages (every shape compared in full).
+
+Two architectures, named by the drafter config's `architectures`: DFlash2 (grouped conv
+around every sublayer, candidate selector) and the published DFlash the Qwen3.5 drafters
+ship as (`DFlashDraftModel`: neither; proposals are the argmax of the trunk's lm_head).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ DFLASH_PREFIX = "dflash"
 DFLASH_LAYERS = 5
 DFLASH_TAPS = 2
 DFLASH_GROUP_SIZE = 16
+DFLASH2_ARCH = "DFlash2DraftModel"
+PUBLISHED_ARCH = "DFlashDraftModel"
+ARCHITECTURES = (DFLASH2_ARCH, PUBLISHED_ARCH)
 
 
 def dflash_layer_tensor(layer: int, suffix: str) -> str:
@@ -42,16 +49,36 @@ class DflashConfig:
     top_k: int
     rope_theta: float
     is_causal: bool
+    architecture: str = DFLASH2_ARCH
+
+    @property
+    def has_conv(self) -> bool:
+        """The grouped conv around every sublayer (DFlash2); without it the sublayers read their input as is."""
+        return self.architecture == DFLASH2_ARCH
+
+    @property
+    def has_selector(self) -> bool:
+        """The candidate selector (DFlash2); without it a row proposes its logits' argmax."""
+        return self.architecture == DFLASH2_ARCH
 
 
-def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> DflashConfig:
-    """The drafter config, refused by field name when missing or not honourable."""
-    if cfg.get("architectures") != ["DFlash2DraftModel"]:
-        raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected ['DFlash2DraftModel']")
+def parse_drafter_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> DflashConfig:
+    """The config of whichever DFlash architecture `architectures` names."""
+    names = cfg.get("architectures")
+    if names == [PUBLISHED_ARCH]:
+        return parse_published_config(cfg, arch, where)
+    if names == [DFLASH2_ARCH]:
+        return parse_config(cfg, arch, where)
+    raise TurboError(f"{where}: field 'architectures' is {names!r}, expected one of "
+                     f"{', '.join(repr([a]) for a in ARCHITECTURES)}")
+
+
+def shared_fields(cfg: dict, where: str) -> tuple[dict, str, dict]:
+    """(dflash_config, its `where`, the DflashConfig fields both architectures read alike)."""
     d = need_field(cfg, "dflash_config", dict, where)
     dw = f"{where} dflash_config"
     rope = need_field(cfg, "rope_parameters", dict, where)
-    c = DflashConfig(
+    return d, dw, dict(
         hidden=need_field(cfg, "hidden_size", int, where),
         layers=need_field(cfg, "num_hidden_layers", int, where),
         heads=need_field(cfg, "num_attention_heads", int, where),
@@ -64,11 +91,21 @@ def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> Df
         block_size=need_field(d, "block_size", int, dw),
         mask_token=need_field(d, "mask_token_id", int, dw),
         target_layers=tuple(need_field(d, "target_layer_ids", list, dw)),
+        rope_theta=need_field(rope, "rope_theta", float, f"{where} rope_parameters"),
+    )
+
+
+def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> DflashConfig:
+    """The drafter config, refused by field name when missing or not honourable."""
+    if cfg.get("architectures") != ["DFlash2DraftModel"]:
+        raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected ['DFlash2DraftModel']")
+    d, dw, shared = shared_fields(cfg, where)
+    c = DflashConfig(
+        **shared,
         taps=need_field(d, "conv_kernel_size", int, dw),
         group=need_field(d, "conv_group_size", int, dw),
         rank=need_field(d, "selector_rank", int, dw),
         top_k=need_field(d, "selector_top_k", int, dw),
-        rope_theta=need_field(rope, "rope_theta", float, f"{where} rope_parameters"),
         is_causal=need_field(cfg, "is_causal", bool, where),
     )
     layer_types = need_field(cfg, "layer_types", list, where)
@@ -102,6 +139,71 @@ def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> Df
     return c
 
 
+def parse_published_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> DflashConfig:
+    """The published DFlash drafter's config (z-lab's `DFlashDraftModel`, as the Qwen3.5
+    drafters ship it: `dflash_config {block_size, mask_token_id, target_layer_ids}`), refused
+    by field name when missing or not honourable. Its block is bidirectional (z-lab's forward
+    runs it unmasked); its context is the last `sliding_window` positions."""
+    if cfg.get("architectures") != [PUBLISHED_ARCH]:
+        raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected "
+                         f"[{PUBLISHED_ARCH!r}]")
+    d, dw, shared = shared_fields(cfg, where)
+    c = DflashConfig(**shared, taps=0, group=0, rank=0, top_k=0, is_causal=False, architecture=PUBLISHED_ARCH)
+    rope = cfg["rope_parameters"]
+    if cfg.get("is_causal", False) is not False:
+        raise TurboError(f"{where}: field 'is_causal' is {cfg['is_causal']!r}, expected false (the published "
+                         f"DFlash block is bidirectional)")
+    if rope.get("rope_type", "default") != "default":
+        raise TurboError(f"{where} rope_parameters: field 'rope_type' is {rope['rope_type']!r}, expected 'default' "
+                         f"(the rotation this port runs)")
+    for fields, at in ((cfg, where), (d, dw)):  # what some forks add: only the published forward's values run
+        for key in ("input_embedding_scale", "output_multiplier"):
+            if fields.get(key, 1.0) != 1.0:
+                raise TurboError(f"{at}: field {key!r} is {fields[key]!r}, expected 1.0 (the published DFlash forward)")
+        if fields.get("final_logit_softcapping") not in (None, 0):
+            raise TurboError(f"{at}: field 'final_logit_softcapping' is {fields['final_logit_softcapping']!r}, "
+                             f"expected none (the published DFlash forward)")
+    layer_types = cfg.get("layer_types", ["sliding_attention"] * c.layers)
+    if (not isinstance(layer_types, list) or len(layer_types) != c.layers
+            or any(t not in ("sliding_attention", "full_attention") for t in layer_types)):
+        raise TurboError(f"{where}: field 'layer_types' is {layer_types!r}, expected num_hidden_layers ({c.layers}) "
+                         f"entries of 'sliding_attention' / 'full_attention'")
+    targets = cfg.get("num_target_layers", arch.num_layers)
+    if targets != arch.num_layers:
+        raise TurboError(f"{where}: field 'num_target_layers' is {targets!r}, expected the trunk's {arch.num_layers}")
+    check_shared_fields(c, arch, where)
+    return c
+
+
+def check_shared_fields(c: DflashConfig, arch: Arch, where: str) -> None:
+    """What both architectures' fields must satisfy to fuse into this trunk and run."""
+    dw = f"{where} dflash_config"
+    for key, field, trunk in (("hidden", "hidden_size", arch.hidden), ("vocab", "vocab_size", arch.vocab)):
+        if getattr(c, key) != trunk:
+            raise TurboError(f"{where}: field {field!r} is {getattr(c, key)}, expected the trunk's {trunk}")
+    positive = {"num_hidden_layers": c.layers, "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads,
+                "head_dim": c.head_dim, "intermediate_size": c.intermediate, "sliding_window": c.window}
+    for field, value in positive.items():
+        if value <= 0:
+            raise TurboError(f"{where}: field {field!r} is {value}, expected a positive integer")
+    for field, value in (("rms_norm_eps", c.eps), ("rope_theta", c.rope_theta)):
+        if not value > 0:
+            raise TurboError(f"{where}: field {field!r} is {value}, expected a positive number")
+    if c.heads % c.kv_heads:
+        raise TurboError(f"{where}: field 'num_attention_heads' is {c.heads}, expected a multiple of "
+                         f"num_key_value_heads {c.kv_heads}")
+    if c.block_size < 2:
+        raise TurboError(f"{dw}: field 'block_size' is {c.block_size}, expected at least 2")
+    if not c.target_layers:
+        raise TurboError(f"{dw}: field 'target_layer_ids' is empty, expected trunk layer ids")
+    bad = [t for t in c.target_layers if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < arch.num_layers]
+    if bad:
+        raise TurboError(f"{dw}: field 'target_layer_ids' has {bad[0]!r}, expected ids in 0..{arch.num_layers - 1} "
+                         f"(the trunk's layers)")
+    if not 0 <= c.mask_token < arch.vocab:
+        raise TurboError(f"{dw}: field 'mask_token_id' is {c.mask_token}, expected an id below vocab {arch.vocab}")
+
+
 @dataclass(frozen=True)
 class DflashShape:
     """The drafter's widths, derived from the recorded tensor shapes."""
@@ -117,41 +219,54 @@ class DflashShape:
     aux_count: int
 
 
+def _first_widths(index: ResidentIndex, name: str) -> tuple[int, int]:
+    """The first two widths (0 where the tensor has fewer), to derive from: every tensor is
+    then compared in full (`_expect`), so no extra or missing dim slips by."""
+    d = index.need(name).dims + (0, 0)
+    return d[0], d[1]
+
+
+def _expect(index: ResidentIndex, name: str, *want: int) -> None:
+    got = index.need(name).dims
+    if got != want:
+        vector = f"a [{want[0]}] vector" if len(want) == 1 else str(list(want))
+        raise TurboError(f"{name} has shape {list(got)}, expected {vector}")
+
+
+def _expect_layers(index: ResidentIndex, layers: int, hidden: int, head_dim: int, q_rows: int, k_rows: int,
+                   gate_rows: int) -> None:
+    """Every decoder layer's norms, attention and MLP, as both architectures have them."""
+    for layer in range(layers):
+        def name(suffix: str) -> str:
+            return dflash_layer_tensor(layer, suffix)
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            _expect(index, name(f"{norm}.weight"), hidden)
+        for norm in ("q_norm", "k_norm"):
+            _expect(index, name(f"self_attn.{norm}.weight"), head_dim)
+        _expect(index, name("self_attn.q_proj.weight"), q_rows, hidden)
+        _expect(index, name("self_attn.k_proj.weight"), k_rows, hidden)
+        _expect(index, name("self_attn.v_proj.weight"), k_rows, hidden)
+        _expect(index, name("self_attn.o_proj.weight"), hidden, q_rows)
+        _expect(index, name("mlp.gate_proj.weight"), gate_rows, hidden)
+        _expect(index, name("mlp.up_proj.weight"), gate_rows, hidden)
+        _expect(index, name("mlp.down_proj.weight"), hidden, gate_rows)
+
+
 def derive_shape(index: ResidentIndex, hidden: int, vocab: int, taps: int = DFLASH_TAPS,
                  group: int = DFLASH_GROUP_SIZE) -> DflashShape:
     """The Rust original's `DflashShape::derive`: the same checks and messages."""
-
-    def dims(name: str) -> tuple[int, ...]:
-        return index.need(name).dims
-
-    def shape_of(name: str) -> tuple[int, int]:
-        """The first two widths (0 where the tensor has fewer), to derive from: every
-        tensor is then compared in full (`expect`), so no extra or missing dim slips by."""
-        d = dims(name) + (0, 0)
-        return d[0], d[1]
-
-    def expect(name: str, *want: int) -> None:
-        got = dims(name)
-        if got != want:
-            raise TurboError(f"{name} has shape {list(got)}, expected {list(want)}")
-
-    def expect_vector(name: str, rows: int) -> None:
-        got = dims(name)
-        if got != (rows,):
-            raise TurboError(f"{name} has shape {list(got)}, expected a [{rows}] vector")
-
-    head_dim = shape_of(dflash_layer_tensor(0, "self_attn.q_norm.weight"))[0]
-    q_rows, _ = shape_of(dflash_layer_tensor(0, "self_attn.q_proj.weight"))
-    k_rows, _ = shape_of(dflash_layer_tensor(0, "self_attn.k_proj.weight"))
-    gate_rows, _ = shape_of(dflash_layer_tensor(0, "mlp.gate_proj.weight"))
-    pred_rows, rank = shape_of("dflash.candidate_selector.predecessor_codebook")
-    succ_rows, succ_rank = shape_of("dflash.candidate_selector.successor_codebook")
+    head_dim = _first_widths(index, dflash_layer_tensor(0, "self_attn.q_norm.weight"))[0]
+    q_rows, _ = _first_widths(index, dflash_layer_tensor(0, "self_attn.q_proj.weight"))
+    k_rows, _ = _first_widths(index, dflash_layer_tensor(0, "self_attn.k_proj.weight"))
+    gate_rows, _ = _first_widths(index, dflash_layer_tensor(0, "mlp.gate_proj.weight"))
+    pred_rows, rank = _first_widths(index, "dflash.candidate_selector.predecessor_codebook")
+    succ_rows, succ_rank = _first_widths(index, "dflash.candidate_selector.successor_codebook")
     if rank == 0 or rank > hidden or pred_rows != vocab or succ_rows != vocab or succ_rank != rank:
         raise TurboError(f"dflash candidate selector codebook shape mismatch: pred [{pred_rows}, {rank}], "
                          f"succ [{succ_rows}, {succ_rank}], expected [{vocab}, {rank}]")
-    expect("dflash.candidate_selector.predecessor_codebook", vocab, rank)
-    expect("dflash.candidate_selector.successor_codebook", vocab, rank)
-    fc_rows, fc_cols = shape_of("dflash.fc.weight")
+    _expect(index, "dflash.candidate_selector.predecessor_codebook", vocab, rank)
+    _expect(index, "dflash.candidate_selector.successor_codebook", vocab, rank)
+    fc_rows, fc_cols = _first_widths(index, "dflash.fc.weight")
     layers = 0
     while dflash_layer_tensor(layers, "input_layernorm.weight") in index:
         layers += 1
@@ -165,33 +280,51 @@ def derive_shape(index: ResidentIndex, hidden: int, vocab: int, taps: int = DFLA
     if q_rows > hidden or k_rows > hidden or gate_rows > 4 * hidden:
         raise TurboError(f"the DFlash2 drafter widths exceed their allocation bounds: q {q_rows}, k {k_rows}, "
                          f"ffn {gate_rows}, hidden {hidden}")
-    expect("dflash.fc.weight", hidden, aux_count * hidden)
-    expect_vector("dflash.hidden_norm.weight", hidden)
-    expect_vector("dflash.norm.weight", hidden)
-    expect("dflash.candidate_selector.hidden_projection.weight", rank, hidden)
-    for layer in range(layers):
-        def name(suffix: str) -> str:
-            return dflash_layer_tensor(layer, suffix)
-        expect_vector(name("input_layernorm.weight"), hidden)
-        expect_vector(name("post_attention_layernorm.weight"), hidden)
-        expect_vector(name("self_attn.q_norm.weight"), head_dim)
-        expect_vector(name("self_attn.k_norm.weight"), head_dim)
-        expect(name("self_attn.q_proj.weight"), q_rows, hidden)
-        expect(name("self_attn.k_proj.weight"), k_rows, hidden)
-        expect(name("self_attn.v_proj.weight"), k_rows, hidden)
-        expect(name("self_attn.o_proj.weight"), hidden, q_rows)
-        expect(name("mlp.gate_proj.weight"), gate_rows, hidden)
-        expect(name("mlp.up_proj.weight"), gate_rows, hidden)
-        expect(name("mlp.down_proj.weight"), hidden, gate_rows)
+    _expect(index, "dflash.fc.weight", hidden, aux_count * hidden)
+    _expect(index, "dflash.hidden_norm.weight", hidden)
+    _expect(index, "dflash.norm.weight", hidden)
+    _expect(index, "dflash.candidate_selector.hidden_projection.weight", rank, hidden)
+    _expect_layers(index, layers, hidden, head_dim, q_rows, k_rows, gate_rows)
     conv_rows = 2 * taps * (hidden // group)
-    proj_rows, _ = shape_of(dflash_layer_tensor(0, "attention_conv.kernel_projection.weight"))
+    proj_rows, _ = _first_widths(index, dflash_layer_tensor(0, "attention_conv.kernel_projection.weight"))
     if proj_rows != conv_rows:
         raise TurboError(f"attention_conv.kernel_projection.weight has {proj_rows} rows against the {conv_rows} this "
                          f"port's conv dispatches (2 sides x {taps} taps x {hidden}/{group} groups); this drafter's "
                          f"conv shape is not the published one")
     for layer in range(layers):
         for stem in ("attention_conv", "mlp_conv"):
-            expect(dflash_layer_tensor(layer, f"{stem}.kernel_projection.weight"), conv_rows, hidden)
-            expect(dflash_layer_tensor(layer, f"{stem}.base_kernel"), 2, taps, hidden)
+            _expect(index, dflash_layer_tensor(layer, f"{stem}.kernel_projection.weight"), conv_rows, hidden)
+            _expect(index, dflash_layer_tensor(layer, f"{stem}.base_kernel"), 2, taps, hidden)
     return DflashShape(layers, hidden, head_dim, q_rows // head_dim, k_rows // head_dim, gate_rows, conv_rows,
                        rank, aux_count)
+
+
+def derive_published_shape(index: ResidentIndex, cfg: DflashConfig) -> DflashShape:
+    """The published DFlash drafter's widths from the index, every tensor checked in full
+    against them and the config; DFlash2's conv and selector tensors are refused (the
+    config names the other architecture)."""
+    for name in index.entries:
+        if name.startswith(DFLASH_PREFIX + ".") and ("_conv." in name or ".candidate_selector." in name):
+            raise TurboError(f"{name}: a DFlash2 tensor, but dflash/config.json names {PUBLISHED_ARCH} "
+                             f"(expected {DFLASH2_ARCH!r} for a drafter with a conv and a candidate selector)")
+    layers = 0
+    while dflash_layer_tensor(layers, "input_layernorm.weight") in index:
+        layers += 1
+    if layers != cfg.layers:
+        raise TurboError(f"the DFlash drafter has {layers} contiguous layers, expected num_hidden_layers "
+                         f"{cfg.layers}")
+    hidden, head_dim = cfg.hidden, _first_widths(index, dflash_layer_tensor(0, "self_attn.q_norm.weight"))[0]
+    q_rows = _first_widths(index, dflash_layer_tensor(0, "self_attn.q_proj.weight"))[0]
+    k_rows = _first_widths(index, dflash_layer_tensor(0, "self_attn.k_proj.weight"))[0]
+    gate_rows = _first_widths(index, dflash_layer_tensor(0, "mlp.gate_proj.weight"))[0]
+    if head_dim == 0 or q_rows % head_dim or k_rows % head_dim:
+        raise TurboError(f"the DFlash drafter's shapes do not divide: q {q_rows}, k {k_rows}, head_dim {head_dim}")
+    fc_cols = _first_widths(index, "dflash.fc.weight")[1]
+    aux = fc_cols // hidden  # (the loader holds it against target_layer_ids)
+    if aux == 0 or aux * hidden != fc_cols:
+        raise TurboError(f"dflash.fc.weight has {fc_cols} columns, not a whole number of {hidden}-wide aux states")
+    _expect(index, "dflash.fc.weight", hidden, aux * hidden)
+    _expect(index, "dflash.hidden_norm.weight", hidden)
+    _expect(index, "dflash.norm.weight", hidden)
+    _expect_layers(index, layers, hidden, head_dim, q_rows, k_rows, gate_rows)
+    return DflashShape(layers, hidden, head_dim, q_rows // head_dim, k_rows // head_dim, gate_rows, 0, 0, aux)

@@ -6,6 +6,11 @@ layer shaped like the trunk's (gated q_proj, q_norm/k_norm, partial RoPE, GQA, S
 The embedding and lm_head are the trunk's. The tensors are read and checked in
 turbo/loader.py; the layer runs on the step the loader chose (turbo/backends/step.py).
 
+A `Qwen3_5ForConditionalGeneration` checkpoint ships the head under these same names,
+top level beside `model.language_model.*`, and its text config says `mtp_num_hidden_layers: 1`
+(vLLM's `vllm/model_executor/models/qwen3_5_mtp.py` loads `mtp.*` by these names);
+python -m turbo.repack keeps them as they are.
+
 The input convention is vLLM's (`vllm/model_executor/models/qwen3_next_mtp.py`, driven by
 `vllm/v1/spec_decode/eagle.py`):
 - one row at position p reads the trunk's hidden state at p AFTER the trunk's final norm
@@ -37,6 +42,19 @@ from .. import ops
 from ..backends.step import MtpStep
 from ..trunk import LayerWeights, Trunk
 from . import DrafterBase
+
+def declared_layers(config: dict) -> int:
+    """The MTP layers a checkpoint's config declares (`mtp_num_hidden_layers`, in the text
+    config of the ConditionalGeneration layout); 0 where it declares none."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    n = text.get("mtp_num_hidden_layers", 0)
+    return n if isinstance(n, int) and not isinstance(n, bool) else 0
+
+
+def missing_head(where: str, declared: int) -> str:
+    """The one line for a config that declares an MTP head whose tensors are not there."""
+    return (f"{where} declares mtp_num_hidden_layers {declared}, but the checkpoint has no mtp.* tensors "
+            f"(mtp.fc.weight is missing): there is no MTP head to draft with")
 
 MTP_PREFIX = "mtp."
 

@@ -258,3 +258,16 @@ def test_a_seed_repeats_the_generation_and_temperature_zero_is_greedy(small):
             assert a.stats.seed == 4 and a.tokens != greedy
     fresh = small.generate(PROMPT, max_new_tokens=4, temperature=1.0, stop_at_eos=False)
     assert fresh.stats.seed is not None and "seed" in fresh.stats.line()
+
+
+def test_the_probe_samples_and_compares_no_tokens(small, tmp_path):
+    from test_probe import probe
+
+    ov = [f"install.path={small.install.path}", "max_new_tokens=8", "probe.prompts_per_workload=2",
+          "probe.blocks=[2,4]", "probe.adaptive=false", "drafter=mtp", "temperature=0.7", "top_p=0.9", "seed=0"]
+    a, b = probe(tmp_path / "a", ov), probe(tmp_path / "b", ov)
+    assert a["lossless"] is None and (a["temperature"], a["top_p"], a["seed"]) == (0.7, 0.9, 0)
+    assert all("same_text_as_off" not in r for r in a["runs"])
+    counts = ("generated_tokens", "rounds", "drafted", "accepted", "per_position_acceptance")
+    assert [{k: r[k] for k in counts} for r in a["runs"]] == [{k: r[k] for k in counts} for r in b["runs"]]
+    assert a["runs"][1]["drafted"] == 2 * a["runs"][1]["rounds"]

@@ -20,8 +20,9 @@ from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
 from turbo.options import GenerationOptions
+from turbo.sampling import sampling_label
 
-from .settings import Settings, mode_label, next_mode, next_temperature, sampling_label
+from .settings import Settings, mode_label, next_mode, next_temperature
 from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, header_text,
                    position_bars, visible)
 

@@ -18,17 +18,6 @@ def next_temperature(t: float) -> float:
     return TEMPERATURES[(TEMPERATURES.index(t) + 1) % len(TEMPERATURES)] if t in TEMPERATURES else TEMPERATURES[0]
 
 
-def sampling_label(g: GenerationOptions) -> str:
-    """"T 0" (greedy), or "T 0.7 p 0.9 k 40 min_p 0.05 seed 1" with the fields that cut."""
-    parts = [f"T {g.temperature:g}"]
-    if g.temperature:
-        parts += [f"p {g.top_p:g}"] if g.top_p < 1 else []
-        parts += [f"k {g.top_k}"] if g.top_k else []
-        parts += [f"min_p {g.min_p:g}"] if g.min_p else []
-        parts += [f"seed {g.seed}"] if g.seed is not None else []
-    return " ".join(parts)
-
-
 def mode_label(policy: str, block: int | None) -> str:
     if policy == "fixed":
         return f"fixed {block}"

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import TurboError
+from .options import GenerationOptions
 
 
 @dataclass(frozen=True)
@@ -133,3 +134,14 @@ def rejection_sampler(temperature: float, top_k: int | None, top_p: float, min_p
     if temperature == 0:
         return None
     return RejectionSampler(Sampler(params, secrets.randbits(63) if seed is None else seed))
+
+
+def sampling_label(g: GenerationOptions) -> str:
+    """"T 0" (greedy), or e.g. "T 0.7 p 0.9 k 40 min_p 0.05 seed 1": the fields that cut."""
+    parts = [f"T {g.temperature:g}"]
+    if g.temperature:
+        parts += [f"p {g.top_p:g}"] if g.top_p < 1 else []
+        parts += [f"k {g.top_k}"] if g.top_k else []
+        parts += [f"min_p {g.min_p:g}"] if g.min_p else []
+        parts += [f"seed {g.seed}"] if g.seed is not None else []
+    return " ".join(parts)

@@ -173,5 +173,5 @@ class ScriptedDrafter:
         self.round += 1
         return [t if i != n else (t + 1) % self.vocab for i, t in enumerate(truth)]
 
-    def commit(self, out, kept):
+    def commit(self, out, kept, tokens):
         pass

@@ -183,7 +183,7 @@ def test_forward_and_rollback_stay_on_the_device(spec_install, monkeypatch):
     d.begin(out)
     logits, final = d.forward_block(7, d.context, 4)
     assert logits.device == final.device == meta
-    d.commit(step, 2)
+    d.commit(step, 2, [4, 5])
 
 
 def test_mtp_head_stays_on_the_device(tmp_path, monkeypatch):
@@ -207,4 +207,4 @@ def test_mtp_head_stays_on_the_device(tmp_path, monkeypatch):
     head.begin(out, list(range(5, 31)))
     o, logits = head.step_row(head.last_x, head.filled - 1)
     assert o.device == logits.device == meta
-    head._append(o, [9])  # a commit's path (commit itself reads argmax tokens, which meta has none of)
+    head.commit(out, 1, [9])

@@ -110,16 +110,16 @@ def test_the_incremental_index_equals_a_scan(config):
             assert propose(d, block) == scan(d.history, len(prompt), config, block)
             tokens = [rng.randrange(4) for _ in range(rng.randrange(1, 5))]
             if rng.random() < 0.5:
-                d.commit(step_out(tokens), len(tokens))
+                d.commit(step_out(tokens), len(tokens), tokens)
             else:
-                d.commit_deferred([d.defer(step_out(tokens + [0]), len(tokens))])
+                d.commit_deferred([d.defer(step_out(tokens + [0]), len(tokens), tokens)])
 
 
-def test_commit_appends_the_trunk_greedy_tokens_of_the_kept_rows():
+def test_commit_appends_the_committed_tokens_of_the_kept_rows():
     d = drafter([1, 2, 3])
-    d.commit(step_out([4, 5, 6, 7]), 2)
+    d.commit(step_out([4, 5, 6, 7]), 2, [4, 5])
     assert d.history == [1, 2, 3, 4, 5]
-    assert d.defer(step_out([8, 9]), 1) == [8]
+    assert d.defer(step_out([8, 9]), 1, [8]) == [8]
 
 
 def test_an_anchor_off_the_history_is_an_engine_bug():

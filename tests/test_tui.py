@@ -292,6 +292,28 @@ def test_presets_and_clear(installs, spec_rt):
     asyncio.run(run())
 
 
+def test_temperature_key_samples_the_next_generation(installs, spec_rt):
+    s = settings(installs[0], policy="fixed", block=3, top_p=0.9, seed=2)
+
+    async def run():
+        app = TurboApp(s, runtime=spec_rt)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(app, pilot)
+            assert "T 0  " in str(app.query_one("#header").content)  # greedy: the other fields unused
+            await pilot.press("ctrl+t")  # 0 -> 0.7
+            assert app.settings.generation.temperature == 0.7
+            assert "T 0.7 p 0.9 seed 2" in str(app.query_one("#header").content)
+            await type_prompt(pilot, "abc")
+            await pilot.press("enter")
+            await settle(app, pilot)
+            assert app.last_outcome == "done" and app.last_stats.seed == 2
+            assert_matches(app, spec_rt.generate("abc", app.settings.generation))
+            await pilot.press("ctrl+t", "ctrl+t")  # 0.7 -> 1.0 -> 0
+            assert app.settings.generation.temperature == 0.0
+
+    asyncio.run(run())
+
+
 # ---- snapshots -----------------------------------------------------------------------------------
 
 

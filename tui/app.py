@@ -21,8 +21,9 @@ from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
 from turbo.options import GenerationOptions
+from turbo.sampling import sampling_label
 
-from .settings import Settings, mode_label, next_mode
+from .settings import Settings, mode_label, next_mode, next_temperature
 from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, header_text,
                    position_bars, visible)
 
@@ -72,6 +73,7 @@ class TurboApp(App):
         Binding("ctrl+c", "interrupt", show=False, priority=True),  # over the prompt's copy: ends a generation
         Binding("ctrl+n", "cycle_mode", "Policy/block"),
         Binding("ctrl+r", "cycle_rollback", "Rollback"),
+        Binding("ctrl+t", "cycle_temperature", "Temperature"),
         Binding("ctrl+o", "preset", "Preset"),
         Binding("ctrl+l", "clear", "Clear"),
         Binding("ctrl+q", "quit", "Quit"),
@@ -158,6 +160,7 @@ class TurboApp(App):
             "install": rt.install.name if rt is not None else s.install,
             "backend": rt.backend.name if rt is not None else s.opening.backend,
             "max_new_tokens": g.max_new_tokens,
+            "sampling": sampling_label(g),  # the settings': what the next generation samples with
         }
         if st is not None and not pending:
             info |= {"drafter": st.drafter or "none", "policy": st.policy, "block": st.block if st.drafter else "–",
@@ -378,6 +381,12 @@ class TurboApp(App):
         self.settings = self.settings.with_(rollback=rollback)
         self._refresh_header()
         self._set_status(f"rollback: {rollback} (for the next prompt)")
+
+    def action_cycle_temperature(self) -> None:
+        t = next_temperature(self.settings.generation.temperature)
+        self.settings = self.settings.with_(temperature=t)
+        self._refresh_header()
+        self._set_status(f"sampling: {sampling_label(self.settings.generation)} (for the next prompt)")
 
     def action_preset(self) -> None:
         presets = self.settings.presets

@@ -10,6 +10,12 @@ from turbo.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, Ope
 # The draft modes ctrl+n cycles through, between generations: (policy, block).
 MODES: tuple[tuple[str, int | None], ...] = (("off", None), ("auto", None)) + tuple(("fixed", b) for b in range(1, 9))
 ROLLBACKS = ("checkpoint", "replay")
+TEMPERATURES = (0.0, 0.7, 1.0)  # what ctrl+t cycles through (0: greedy)
+
+
+def next_temperature(t: float) -> float:
+    """The temperature after t in TEMPERATURES; one outside the cycle goes to its start."""
+    return TEMPERATURES[(TEMPERATURES.index(t) + 1) % len(TEMPERATURES)] if t in TEMPERATURES else TEMPERATURES[0]
 
 
 def mode_label(policy: str, block: int | None) -> str:

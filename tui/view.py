@@ -141,7 +141,7 @@ def counter_values(stats, timing: bool = True) -> dict[str, str]:
 
 
 def header_text(info: dict) -> Text:
-    """The header: install, backend, drafter, policy, block, window, rollback, and why speculation is off."""
+    """The header: install, backend, drafter, policy, block, window, rollback, sampling, and why speculation is off."""
     t = Text()
     t.append(" turbo ", style="bold reverse")
     t.append("  ")  # separate segments: leading spaces of a styled run get trimmed by some SVG viewers
@@ -162,6 +162,9 @@ def header_text(info: dict) -> Text:
         t.append(" ")
         t.append("max new tokens ", style="dim")
         t.append(str(info["max_new_tokens"]), style="bold")
+        t.append("  ")
+    if info.get("sampling"):
+        t.append(info["sampling"], style="bold")
         t.append("  ")
     off = info.get("off_reason")
     if info.get("pending"):

@@ -48,9 +48,15 @@ import time
 import weakref
 from collections import deque
 from statistics import median
+from typing import TYPE_CHECKING
 
 from .drafters import Drafter
 from .stats import count_positions
+
+if TYPE_CHECKING:
+    import torch
+
+    from .sampling import Sampler
 
 
 _COSTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
@@ -267,13 +273,21 @@ class LazyContext:
         self.kind, self.aux_layers, self.window = drafter.kind, drafter.aux_layers, drafter.window
         self.pending: list = []  # what defer returned, one item per round since the last propose
 
-    def commit(self, out, kept: int) -> None:
-        self.pending.append(self.inner.defer(out, kept))
+    def commit(self, out, kept: int, tokens: list[int]) -> None:
+        self.pending.append(self.inner.defer(out, kept, tokens))
 
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
+        self._flush()
+        return self.inner.propose(anchor, anchor_pos, block)
+
+    def propose_sampled(self, anchor: int, anchor_pos: int, block: int,
+                        sampler: Sampler) -> tuple[list[int], torch.Tensor | None]:
+        self._flush()
+        return self.inner.propose_sampled(anchor, anchor_pos, block, sampler)
+
+    def _flush(self) -> None:
         if self.pending:
             t = time.perf_counter()
             self.inner.commit_deferred(self.pending)
             self.pending = []
             self.chooser.flush_s += time.perf_counter() - t
-        return self.inner.propose(anchor, anchor_pos, block)

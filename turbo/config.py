@@ -49,6 +49,15 @@ def _ngram(cfg: DictConfig) -> NgramConfig:
     return NgramConfig(**{str(k): v for k, v in node.items()})
 
 
+def _opt_float(cfg: DictConfig, key: str, default: float) -> float:
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise TurboError(f"config: {key}={v!r}, expected a number")
+    return float(v)
+
+
 def run_config(cfg: DictConfig) -> RunConfig:
     try:
         install = cfg.install.path
@@ -68,7 +77,9 @@ def run_config(cfg: DictConfig) -> RunConfig:
     generation = GenerationOptions(
         max_new_tokens=max_new if max_new is not None else int(workload.max_new_tokens), policy=str(name),
         block=_opt_int(cfg, "block"), rollback=str(cfg.get("rollback")), drafter=str(cfg.get("drafter")),
-        window=_opt_int(cfg, "window"), ngram=_ngram(cfg))
+        window=_opt_int(cfg, "window"), ngram=_ngram(cfg), temperature=_opt_float(cfg, "temperature", 0.0),
+        top_k=_opt_int(cfg, "top_k"), top_p=_opt_float(cfg, "top_p", 1.0), min_p=_opt_float(cfg, "min_p", 0.0),
+        seed=_opt_int(cfg, "seed"))
     return RunConfig(install=str(install), opening=opening, generation=generation,
                      prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
                      workload=str(workload.get("name", "")), prompts=prompts, task=str(task))

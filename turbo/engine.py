@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from .install import Install, open_install
 from .loader import load_drafter, load_trunk
 from .options import INTEGER_FIELDS, GenerationOptions, OpenOptions, as_integer, integer
 from .policy import OWN_DRAFTERS, ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
+from .sampling import RejectionSampler, rejection_sampler
 from .stats import Stats
 from .trunk import Trunk, TrunkState
 
@@ -57,9 +58,6 @@ class GenerateResult:
 
 # ---- the round -----------------------------------------------------------------------------
 
-# (proposals, the verify's logits over [anchor, proposals...]) -> (accepted, the next token)
-Accept = Callable[[list[int], torch.Tensor], tuple[int, int]]
-
 
 @dataclass(slots=True)
 class RoundResult:
@@ -85,20 +83,29 @@ def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]
 
 
 def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: int, block: int, rollback: str,
-               accept: Accept) -> RoundResult:
+               sampler: RejectionSampler | None = None) -> RoundResult:
     """Draft `block` proposals after `anchor` (none at block 0), verify them with the anchor in
-    one trunk step, accept a prefix, roll the state back to it and tell the drafter what was kept."""
+    one trunk step, accept a prefix, roll the state back to it and tell the drafter what was kept.
+    The acceptance rule is the only thing sampling changes: sampler None is greedy
+    (`accept_greedy`); else the drafter proposes with its distributions and the sampler's
+    accept/resample rule keeps the trunk's distribution (turbo.sampling)."""
     t0 = time.perf_counter()
-    proposals = drafter.propose(anchor, st.pos, block) if block else []
+    q = None
+    if not block:
+        proposals = []
+    elif sampler is None:
+        proposals = drafter.propose(anchor, st.pos, block)
+    else:
+        proposals, q = drafter.propose_sampled(anchor, st.pos, block, sampler.sampler)
     t1 = time.perf_counter()
     rows = [anchor] + proposals
     out = trunk.step(st, rows, drafter.aux_layers if drafter is not None else (), rollback if proposals else None)
-    accepted, bonus = accept(proposals, out.logits)
+    accepted, bonus = accept_greedy(proposals, out.logits) if sampler is None else sampler(proposals, q, out.logits)
     t2 = time.perf_counter()
     replayed = trunk.rollback(st, out, len(rows), accepted + 1, rollback)
     t3 = time.perf_counter()
     if drafter is not None:
-        drafter.commit(out, accepted + 1)
+        drafter.commit(out, accepted + 1, proposals[:accepted] + [bonus])
     return RoundResult(proposals, accepted, bonus, replayed, t1 - t0, t2 - t1, t3 - t2)
 
 
@@ -230,14 +237,16 @@ class Runtime:
         if o.window is not None and p.drafter == "ngram":
             raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and the n-gram drafter "
                              "looks through the whole history (drop window= or use drafter=dflash)")
+        sampler = rejection_sampler(o.temperature, o.top_k, o.top_p, o.min_p, o.seed)  # None: greedy
         draft = None if p.drafter is None else o.drafter if own else self.drafter(p.drafter, o.window, o.ngram)
         stats = Stats(prompt_tokens=len(ids), policy=p.policy, drafter=p.drafter, block=p.block,
                       window=draft.window if draft is not None else None, rollback=o.rollback,
-                      backend=self.backend.name, speculation_off_reason=p.off_reason)
-        return self._rounds(ids, o, p, draft, stats)
+                      backend=self.backend.name, speculation_off_reason=p.off_reason,
+                      seed=sampler.sampler.seed if sampler is not None else None)
+        return self._rounds(ids, o, p, draft, stats, sampler)
 
     def _rounds(self, ids: list[int], o: GenerationOptions, p: Plan, draft: Drafter | None,
-                stats: Stats) -> Iterator[RoundEvent]:
+                stats: Stats, sampler: RejectionSampler | None) -> Iterator[RoundEvent]:
         """The loop around the round: limits, end of text, timing, detokenization, events."""
         trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
         eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
@@ -260,7 +269,7 @@ class Runtime:
                 if self._generation != me:
                     raise TurboError(ABANDONED)
                 block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
-                r = play_round(trunk, st, draft, anchor, block, rollback, accept_greedy)
+                r = play_round(trunk, st, draft, anchor, block, rollback, sampler)
                 if chooser is not None:
                     chooser.observe(block, r.accepted, r.draft_s, r.verify_s, r.rollback_s)
             stats.record_round(len(r.proposals), r.accepted, r.replayed)

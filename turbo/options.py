@@ -66,6 +66,12 @@ class GenerationOptions:
     window: int | None = None  # the DFlash2 drafter's context window (None: its trained sliding_window)
     stop_at_eos: bool = True  # stop at the model's end-of-text token
     ngram: NgramConfig = NgramConfig()  # drafter=ngram's matching (turbo/drafters/ngram.py)
+    # sampling (turbo.sampling): temperature 0 is greedy and ignores the rest
+    temperature: float = 0.0
+    top_k: int | None = None  # None or 0: no top-k cut
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None  # the generation's generator seed; None: a fresh one (reported in Stats.seed)
 
     def but(self, **changes) -> "GenerationOptions":
         return replace(self, **changes)

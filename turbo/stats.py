@@ -51,6 +51,7 @@ class Stats:
     rollback: str = "checkpoint"
     backend: str = "cpu"
     speculation_off_reason: str | None = None
+    seed: int | None = None  # the sampling generator's seed (None: greedy, temperature 0)
     # reached[i]: rounds in which proposal i+1 was judged (all before it accepted);
     # landed[i]: rounds in which it was accepted too.
     reached: list[int] = field(default_factory=list, repr=False)
@@ -84,6 +85,8 @@ class Stats:
         parts = [f"prompt {self.prompt_tokens} tok", f"generated {self.generated_tokens} tok",
                  f"ttft {self.ttft_s * 1000:.1f} ms", f"prefill {self.prefill_tokens_per_s:.1f} tok/s",
                  f"decode {self.decode_tokens_per_s:.1f} tok/s"]
+        if self.seed is not None:
+            parts.append(f"seed {self.seed}")
         if self.drafter:
             parts += [f"{self.drafter} block {self.block}", f"rounds {self.rounds}",
                       f"accepted/round {self.accepted_per_round:.2f}",

@@ -8,16 +8,23 @@ verifies every proposal, so any object honouring this protocol is lossless.
 One generation calls, in order:
     begin(prompt_out, prompt)            once, after prefill
     propose(anchor, anchor_pos, block)   each speculative round -> up to `block` token ids
-    commit(out, kept)                    after each round's verify (plain rounds too)
+      (under sampling: propose_sampled(anchor, anchor_pos, block, sampler) -> (ids, q))
+    commit(out, kept, tokens)            after each round's verify (plain rounds too)
 The adaptive policy decodes plainly for stretches and feeds the drafter lazily: for a plain
-round it calls `defer(out, kept)` instead of `commit` and keeps what it returns; before the
-next `propose` it hands the kept items to `commit_deferred` in one batch. The default
-(`DrafterBase`) keeps the whole step output and commits each in turn.
+round it calls `defer(out, kept, tokens)` instead of `commit` and keeps what it returns;
+before the next proposal it hands the kept items to `commit_deferred` in one batch. The
+default (`DrafterBase`) keeps the whole step output and commits each in turn, and proposes
+under sampling what `propose` does, as a point mass.
 """
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..sampling import Sampler
 
 
 @runtime_checkable
@@ -34,12 +41,20 @@ class Drafter(Protocol):
         """Up to `block` proposals to follow `anchor` (the last committed token, at position
         anchor_pos, not yet through the trunk). Fewer (even none) is allowed."""
 
-    def commit(self, out: Any, kept: int) -> None:
-        """The trunk's StepOut of the round's rows [anchor, proposals...]; its first `kept`
-        rows are committed (kept - 1 proposals accepted)."""
+    def propose_sampled(self, anchor: int, anchor_pos: int, block: int,
+                        sampler: Sampler) -> tuple[list[int], torch.Tensor | None]:
+        """`propose` under sampling: the proposals and q [n, vocab], row i the distribution
+        proposal i was drawn from (given the anchor and the proposals before it), or None
+        when every proposal is a point mass (a deterministic drafter). Random draws come
+        from `sampler` (its generator), so a seed repeats the generation."""
 
-    def defer(self, out: Any, kept: int) -> Any:
-        """What `commit(out, kept)` needs, detached from `out` (kept across plain rounds)."""
+    def commit(self, out: Any, kept: int, tokens: list[int]) -> None:
+        """The trunk's StepOut of the round's rows [anchor, proposals...]; its first `kept`
+        rows are committed (kept - 1 proposals accepted). tokens: the committed token after
+        each kept row (the accepted proposals, then the round's bonus: the next anchor)."""
+
+    def defer(self, out: Any, kept: int, tokens: list[int]) -> Any:
+        """What `commit(out, kept, tokens)` needs, detached from `out` (kept across plain rounds)."""
 
     def commit_deferred(self, items: list[Any]) -> None:
         """The same as `commit` for each deferred item in order, in one batch if it can."""
@@ -55,15 +70,19 @@ class DrafterBase:
     def begin(self, prompt_out: Any, prompt: list[int]) -> None:
         pass
 
-    def commit(self, out: Any, kept: int) -> None:
+    def propose_sampled(self, anchor: int, anchor_pos: int, block: int,
+                        sampler: Sampler) -> tuple[list[int], torch.Tensor | None]:
+        return self.propose(anchor, anchor_pos, block), None
+
+    def commit(self, out: Any, kept: int, tokens: list[int]) -> None:
         pass
 
-    def defer(self, out: Any, kept: int) -> Any:
-        return out, kept
+    def defer(self, out: Any, kept: int, tokens: list[int]) -> Any:
+        return out, kept, tokens
 
     def commit_deferred(self, items: list[Any]) -> None:
-        for out, kept in items:
-            self.commit(out, kept)
+        for out, kept, tokens in items:
+            self.commit(out, kept, tokens)
 
 
 def is_drafter(obj: object) -> bool:

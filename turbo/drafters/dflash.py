@@ -9,7 +9,7 @@ selector (a row proposes its logits' argmax).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,9 @@ from ..backends.native import Packed
 from ..backends.step import DflashStep
 from . import DrafterBase
 from .dflash_config import DflashConfig, DflashShape, derive_shape, parse_config  # noqa: F401 (the checks' home)
+
+if TYPE_CHECKING:
+    from ..sampling import Sampler
 
 DFLASH_RESIDUAL_SCALE = 8.0  # the draft pass divides its residual stream by this so it fits fp16
 DFLASH_RING_SLACK = 128
@@ -161,6 +164,29 @@ class DflashDrafter(DrafterBase):
         top_k = min(self.cfg.top_k, logits.shape[-1])
         return self.stepper.select(logits, final, anchor, top_k)
 
+    def propose_sampled(self, anchor: int, anchor_pos: int, block: int,
+                        sampler: Sampler) -> tuple[list[int], torch.Tensor]:
+        """The selector's sampling path (docs/DESIGN.md 5, "Sampling"), torch-side from the
+        pass's logits and final hidden. Row i's candidates are its top-k logits, scored as
+        the greedy selector scores them given the predecessor (the anchor, then the token
+        row i-1 drew); q_i = the sampler's processing of those scores (temperature, then
+        top-k / top-p / min-p within the candidates), zero off the candidates; the token is
+        drawn from q_i by inverse CDF over the candidates in top-k order."""
+        logits, final = self.forward_block(anchor, anchor_pos, block)
+        logits, final = logits.float(), final.float()
+        cand = torch.topk(logits, min(self.cfg.top_k, logits.shape[-1]), dim=-1).indices
+        proj = final @ self.hidden_projection.float().T
+        q = torch.zeros_like(logits)
+        pred, out = anchor, []
+        for i in range(logits.shape[0]):
+            c = cand[i]
+            score = logits[i, c] + (self.succ_codebook[c].float() @ (self.pred_codebook[pred].float() * proj[i]))
+            qc = sampler.probs(score[None])[0]
+            q[i, c] = qc
+            pred = int(c[sampler.draw(qc)])
+            out.append(pred)
+        return out, q
+
     # ---- the engine's hooks ------------------------------------------------------------
 
     def begin(self, prompt_out, tokens: list[int] | None = None) -> None:
@@ -169,10 +195,10 @@ class DflashDrafter(DrafterBase):
         if prompt_out is not None:
             self.add_context(prompt_out.aux)
 
-    def commit(self, out, kept: int) -> None:
-        self.add_context(out.aux[:kept])
+    def commit(self, out, kept: int, tokens: list[int]) -> None:
+        self.add_context(out.aux[:kept])  # the aux rows carry everything (tokens unused)
 
-    def defer(self, out, kept: int) -> torch.Tensor:
+    def defer(self, out, kept: int, tokens: list[int]) -> torch.Tensor:
         # the aux rows are all it reads: holding a plain round's whole output (its logits)
         # through a plain stretch costs a plain round ~8% (fresh memory every step)
         return out.aux[:kept].clone()

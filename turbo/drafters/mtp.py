@@ -24,9 +24,9 @@ The input convention is vLLM's (`vllm/model_executor/models/qwen3_next_mtp.py`, 
 In this engine the anchor (the last committed token, at position a) has not been through
 the trunk when a round is drafted, so draft step 1 is the row at a-1: (trunk hidden at
 a-1, embed(anchor)) -> d_1 at a+1. Every cached position is built from committed data: a
-trunk step's kept rows at a..a+k-1 are paired with the trunk's own greedy tokens after
-them (accepted proposals equal those, and the last is the bonus: the next anchor), so the
-cache is exactly the prefix [0, a+k) after each commit, rollbacks included. Draft steps
+trunk step's kept rows at a..a+k-1 are paired with the tokens committed after them (the
+accepted proposals, and last the bonus: the next anchor), so the cache is exactly the
+prefix [0, a+k) after each commit, rollbacks included. Draft steps
 2..B (rows a..a+B-2, from the head's own outputs) write scratch K/V past the prefix, which
 the next commit overwrites before anything reads it.
 """
@@ -34,7 +34,7 @@ the next commit overwrites before anything reads it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -42,6 +42,9 @@ from .. import ops
 from ..backends.step import MtpStep
 from ..trunk import LayerWeights, Trunk
 from . import DrafterBase
+
+if TYPE_CHECKING:
+    from ..sampling import Sampler
 
 def declared_layers(config: dict) -> int:
     """The MTP layers a checkpoint's config declares (`mtp_num_hidden_layers`, in the text
@@ -148,6 +151,23 @@ class MtpDrafter(DrafterBase):
         self._append(prompt_out.hidden, list(tokens[1:n + 1]))
 
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
+        return self._chain(anchor, anchor_pos, block, lambda logits: int(logits[0].argmax()))
+
+    def propose_sampled(self, anchor: int, anchor_pos: int, block: int,
+                        sampler: Sampler) -> tuple[list[int], torch.Tensor | None]:
+        """Each chained step draws from the head's processed distribution (the sampler's
+        temperature, top-k, top-p, min-p): that row is the proposal's q."""
+        qs: list[torch.Tensor] = []
+
+        def pick(logits: torch.Tensor) -> int:
+            qs.append(sampler.probs(logits))
+            return sampler.draw(qs[-1][0])
+
+        proposals = self._chain(anchor, anchor_pos, block, pick)
+        return proposals, torch.cat(qs) if qs else None
+
+    def _chain(self, anchor: int, anchor_pos: int, block: int, pick: Callable[[torch.Tensor], int]) -> list[int]:
+        """Up to `block` chained steps; pick(logits [1, vocab]) chooses each step's token."""
         if anchor_pos != self.filled:
             raise ValueError(f"MTP cache holds positions up to {self.filled}, the anchor sits at {anchor_pos}")
         if self.last_x is None:
@@ -162,16 +182,15 @@ class MtpDrafter(DrafterBase):
         x, proposals = self.last_x, []
         for i in range(block):
             out, logits = self.step_row(x, anchor_pos - 1 + i)
-            token = int(logits[0].argmax())
+            token = pick(logits)
             proposals.append(token)
             if i + 1 < block:
                 x = self.fuse(out, [token])
         return proposals
 
-    def commit(self, out, kept: int) -> None:
+    def commit(self, out, kept: int, tokens: list[int]) -> None:
         """out: a trunk step over rows [anchor, d_1..] at positions filled..; its first `kept`
-        rows are committed. The token after kept row j is the trunk's greedy token t_j (an
-        accepted proposal equals it, and t_{kept-1} is the bonus, the next anchor), so this
-        needs nothing from `propose` and follows plain rounds as well."""
-        tokens = out.logits[:kept].argmax(dim=-1).tolist()
+        rows are committed, tokens[j] the token committed after kept row j (tokens[-1] the
+        bonus, the next anchor), so this needs nothing from `propose` and follows plain
+        rounds as well."""
         self._append(out.hidden[:kept], tokens)

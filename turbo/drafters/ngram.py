@@ -3,9 +3,10 @@
 It proposes what followed the most recent earlier occurrence of the history's last tokens
 (history = the prompt and every committed token, ending with the anchor). Nothing is
 computed from the model, so a round's draft costs a few dict lookups; the trunk verifies
-every proposal, so it is as lossless as any drafter. It pays on input-grounded work (code
-edits, summaries, retrieval answers) and on repetitive output, where the continuation is a
-copy of something already seen.
+every proposal, so it is as lossless as any drafter (under sampling its proposals are a
+point mass, DrafterBase.propose_sampled: each lands with the trunk's probability of it).
+It pays on input-grounded work (code edits, summaries, retrieval answers) and on
+repetitive output, where the continuation is a copy of something already seen.
 
 The longest matching suffix wins (more context, likelier the same continuation); among its
 occurrences the most recent, since the nearest copy is the likeliest to go on the same way
@@ -102,23 +103,16 @@ class NgramDrafter(DrafterBase):
             out.append(out[len(out) - period])
         return out
 
-    @staticmethod
-    def committed_tokens(out, kept: int) -> list[int]:
-        """The round's committed ids from the trunk's StepOut: the greedy token after each kept
-        row (accepted proposals equal those; the last is the next anchor). Greedy-only: a
-        sampling engine would hand its committed tokens to `extend` instead."""
-        return out.logits[:kept].argmax(dim=-1).tolist()
-
     def extend(self, tokens: list[int]) -> None:
         self.history += tokens
         self._index_new()
 
-    def commit(self, out, kept: int) -> None:
-        self.extend(self.committed_tokens(out, kept))
+    def commit(self, out, kept: int, tokens: list[int]) -> None:
+        self.extend(tokens)
 
-    def defer(self, out, kept: int) -> list[int]:
+    def defer(self, out, kept: int, tokens: list[int]) -> list[int]:
         # only the ids: the adaptive loop keeps deferred items across plain stretches
-        return self.committed_tokens(out, kept)
+        return list(tokens)
 
     def commit_deferred(self, items: list[list[int]]) -> None:
         for tokens in items:

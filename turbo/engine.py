@@ -117,7 +117,7 @@ class Runtime:
 
     def __init__(self, install: Install, opts: OpenOptions):
         self.options = opts
-        self.backend: Backend = select_backend(opts.backend)
+        self.backend: Backend = select_backend(opts.backend, opts.ptx_dir)
         if opts.dtype not in ("float32", "bfloat16"):
             raise TurboError(f"dtype {opts.dtype!r} is not one of float32, bfloat16")
         self.install = install

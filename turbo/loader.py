@@ -32,7 +32,7 @@ def _native_refusal(opts: OpenOptions, refusal: str | None) -> str | None:
         return NATIVE_OFF
     if refusal is not None:
         return refusal
-    native.library(opts.cache_dir)
+    native.library(opts.cache_dir, opts.compiler)
     return native.why_not()
 
 

@@ -19,6 +19,8 @@ from .errors import TurboError
 NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
 QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (turbo.quant.CPU_MODES)
 CACHE_ENV = "TURBO_CACHE"  # where native.c's build is cached
+COMPILER_ENV = "CC"  # the C compiler native.c is built with (the toolchain's own convention, as make reads it)
+PTX_DIR_ENV = "TURBO_PTX_DIR"  # where backend cuda reads its PTX (default: the checkout's kernels_ptx/)
 POLICY_ENVS = {"dflash": "TURBO_DFLASH_DRAFT", "mtp": "TURBO_MTP_DRAFT"}
 
 
@@ -33,6 +35,8 @@ class OpenOptions:
     native: bool = True  # False: the torch step even where native.c builds (TURBO_NATIVE=0)
     quant_cpu: str = "auto"  # TURBO_QUANT_CPU: auto | kernel | packed | dequant (turbo.quant)
     cache_dir: Path | None = None  # native.c's build cache (TURBO_CACHE; None: XDG / ~/.cache)
+    compiler: str | None = None  # native.c's C compiler (CC; None: cc, gcc or clang on PATH)
+    ptx_dir: Path | None = None  # backend cuda's PTX (TURBO_PTX_DIR; None: kernels_ptx/ of the checkout)
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
@@ -48,6 +52,10 @@ class OpenOptions:
         if "cache_dir" not in given:
             root = os.environ.get(CACHE_ENV) or os.environ.get("XDG_CACHE_HOME")
             env["cache_dir"] = Path(root) / "turbo" if root else None
+        if "compiler" not in given:
+            env["compiler"] = os.environ.get(COMPILER_ENV) or None
+        if "ptx_dir" not in given:
+            env["ptx_dir"] = Path(os.environ[PTX_DIR_ENV]) if os.environ.get(PTX_DIR_ENV) else None
         return cls(**env, **given)
 
     def but(self, **changes) -> "OpenOptions":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from ..errors import TurboError
 
@@ -28,11 +29,16 @@ def cuda_missing() -> str | None:
     return cuda_unavailable_reason()
 
 
-def select_backend(name: str) -> Backend:
+def select_backend(name: str, ptx_dir: Path | None = None) -> Backend:
+    """The backend `name` names (auto: cuda where it can run, else cpu); `ptx_dir` where
+    backend cuda reads its kernels (None: the checkout's kernels_ptx/)."""
     if name not in BACKENDS:
         raise TurboError(f"backend {name!r} is not one of {', '.join(BACKENDS)}")
     if name == "cpu":
         return CPU
+    from .cuda_kernels import use_ptx_dir  # (imports no cuda-python)
+
+    use_ptx_dir(ptx_dir)
     missing = cuda_missing()
     if name == "cuda":
         if missing:

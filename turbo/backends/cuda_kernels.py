@@ -11,14 +11,12 @@ naming the call and the kernel (or module) it was for.
 from __future__ import annotations
 
 import ctypes
-import os
 import re
 import threading
 from pathlib import Path
 
 from ..errors import TurboError
 
-PTX_DIR_ENV = "TURBO_PTX_DIR"
 ARCHS = ("sm_80", "sm_90")  # what scripts/build_ptx.py builds; sm_90 PTX also JITs on newer GPUs
 MODULES = ("gdn", "conv", "norm", "dflash", "qgemv")
 # The checked-in PTX says `.version 9.0` (nvcc 13.0), which needs a CUDA 13.0 driver. The kernels
@@ -43,9 +41,16 @@ class CudaError(TurboError):
     """A driver call failed: the message names the call, the kernel/module and the CUresult."""
 
 
+_ptx_dir: Path | None = None  # OpenOptions.ptx_dir, set by the runtime that opens backend cuda
+
+
+def use_ptx_dir(path: Path | None) -> None:
+    global _ptx_dir
+    _ptx_dir = path
+
+
 def ptx_dir() -> Path:
-    env = os.environ.get(PTX_DIR_ENV)
-    return Path(env) if env else Path(__file__).resolve().parents[2] / "kernels_ptx"
+    return _ptx_dir if _ptx_dir is not None else Path(__file__).resolve().parents[2] / "kernels_ptx"
 
 
 def arch_for(major: int, minor: int) -> str | None:

@@ -137,14 +137,13 @@ def _struct_mismatch(lib: ctypes.CDLL) -> str | None:
     return None
 
 
-def library(cache_dir: Path | None = None) -> ctypes.CDLL | None:
-    """The library, built (into `cache_dir`, default ~/.cache/turbo) and loaded once per
-    process: a later call's cache_dir is not looked at."""
+def library(cache_dir: Path | None = None, compiler: str | None = None) -> ctypes.CDLL | None:
+    """The library, built (with `compiler`, default cc / gcc / clang on PATH, into `cache_dir`,
+    default ~/.cache/turbo) and loaded once per process: a later call's arguments are not looked at."""
     global _lib, _why, _tried
     if not _tried:
         _tried = True
-        # CC: the C toolchain's own convention (as make and setuptools read it)
-        cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        cc = compiler or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
         try:
             if cc is None:
                 raise RuntimeError("no C compiler on PATH (set CC)")

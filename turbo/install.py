@@ -41,16 +41,17 @@ class Entry:
     size_bytes: int
     st_dtype: str  # the safetensors dtype string the bytes are stored as
     dims: tuple[int, ...]  # the true shape
-    scale_offset: int = 0
-    scale_size: int = 0
-    bias_offset: int = 0
-    bias_size: int = 0
     # quantized weights (dtype 4 / 16 / 15): shape and dims are the logical [out, in];
-    # offset / size_bytes are the packed U32 payload [out, in*bits/32] (`packed_dims`)
+    # offset / size_bytes are the packed U32 payload [out, in*bits/32] (`packed_dims`),
+    # its per-group scales and biases (stored as scale_st_dtype) are the companions' bytes
     bits: int = 0
     group: int = 0
     packed_dims: tuple[int, ...] = ()
+    scale_offset: int = 0
+    scale_size: int = 0
     scale_st_dtype: str = ""
+    bias_offset: int = 0
+    bias_size: int = 0
 
 
 def shape4(dims: tuple[int, ...], name: str) -> tuple[int, int, int, int]:
@@ -146,8 +147,9 @@ class ResidentIndex:
                                      f"{fmt.scale_st} scales and biases")
             out, cols = quant.check_shapes(name, fmt, e.dims, sc.dims, bi.dims)
             self.entries[name] = Entry(name, fmt.code, shape4((out, cols), name), e.file, e.offset, e.size_bytes,
-                                       e.st_dtype, (out, cols), sc.offset, sc.size_bytes, bi.offset, bi.size_bytes,
-                                       fmt.bits, fmt.group, e.dims, fmt.scale_st)
+                                       e.st_dtype, (out, cols), bits=fmt.bits, group=fmt.group, packed_dims=e.dims,
+                                       scale_offset=sc.offset, scale_size=sc.size_bytes, scale_st_dtype=fmt.scale_st,
+                                       bias_offset=bi.offset, bias_size=bi.size_bytes)
         for name, e in self.entries.items():
             if name.endswith(".scales") and name[:-len(".scales")] in self.entries \
                     and self.entries[name[:-len(".scales")]].st_dtype == "U32" and name[:-len(".scales")] not in declared:

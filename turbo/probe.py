@@ -60,7 +60,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from .config import RunConfig
 from .errors import TurboError
 from .sampling import sampling_label
-from .stats import derived, widen
+from .stats import COUNT_FIELDS, Counts
 
 if TYPE_CHECKING:
     from .engine import Runtime
@@ -80,50 +80,29 @@ class Agg:
     block: int
     rollback: str | None
     max_new_tokens: int
+    counts: Counts = field(default_factory=Counts)
     prompts: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    rounds: int = 0
-    drafted: int = 0
-    accepted: int = 0
-    rollbacks: int = 0
-    replayed_rows: int = 0
     wall_s: float = 0.0
-    reached: list[int] = field(default_factory=list)
-    landed: list[int] = field(default_factory=list)
     mismatched: list[int] = field(default_factory=list)
 
-    def add(self, stats, wall: float) -> None:
+    def add(self, stats: Counts, wall: float) -> None:
+        self.counts.add(stats)
         self.prompts += 1
-        self.prompt_tokens += stats.prompt_tokens
-        self.generated_tokens += stats.generated_tokens
-        self.rounds += stats.rounds
-        self.drafted += stats.drafted
-        self.accepted += stats.accepted
-        self.rollbacks += stats.rollbacks
-        self.replayed_rows += stats.replayed_rows
         self.wall_s += wall
-        widen(self.reached, self.landed, len(stats.reached))
-        for i, (r, l) in enumerate(zip(stats.reached, stats.landed)):
-            self.reached[i] += r
-            self.landed[i] += l
 
     @property
     def label(self) -> str:
         return {"off": "off", "adaptive": "adaptive"}.get(self.policy, str(self.block))
 
     def as_dict(self, off: "Agg | None") -> dict:
-        rounds = self.rounds or 1
-        tps = self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
-        off_tps = off.generated_tokens / off.wall_s if off is not None and off.wall_s > 0 else 0.0
+        c = self.counts
+        tps = c.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
+        off_tps = off.counts.generated_tokens / off.wall_s if off is not None and off.wall_s > 0 else 0.0
         return {
             "workload": self.workload, "policy": self.policy, "block": self.block, "rollback": self.rollback,
             "prompts": self.prompts, "max_new_tokens": self.max_new_tokens,
-            "prompt_tokens": self.prompt_tokens, "generated_tokens": self.generated_tokens,
-            "rounds": self.rounds, "drafted": self.drafted, "accepted": self.accepted, "rollbacks": self.rollbacks,
-            "replayed_rows": self.replayed_rows,
-            **derived(self.rounds, self.accepted, self.rollbacks, self.reached, self.landed),
-            "mean_block": self.drafted / rounds,
+            **{name: getattr(c, name) for name in COUNT_FIELDS}, **c.derived(),
+            "mean_block": c.drafted / (c.rounds or 1),
             "same_text_as_off": not self.mismatched, "mismatched_prompts": list(self.mismatched),
             "wall_s": self.wall_s, "tokens_per_s": tps,
             "speedup_vs_off": tps / off_tps if off_tps > 0 else None,

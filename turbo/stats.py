@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 
 
 def derived(rounds: int, accepted: int, rollbacks: int, reached: list[int], landed: list[int]) -> dict:
@@ -29,18 +29,46 @@ def count_positions(reached: list, landed: list, drafted: int, accepted: int) ->
 
 
 @dataclass
-class Stats:
+class Counts:
+    """The raw counts of docs/DESIGN.md 5: one generation's (Stats), or summed over many (the probe)."""
+
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    # rounds played, proposals drafted, of them accepted; rounds that rolled back, rows they replayed
     rounds: int = 0
     drafted: int = 0
     accepted: int = 0
+    rollbacks: int = 0
+    replayed_rows: int = 0
+    # reached[i]: rounds in which proposal i+1 was judged (all before it accepted);
+    # landed[i]: rounds in which it was accepted too.
+    reached: list[int] = field(default_factory=list, repr=False)
+    landed: list[int] = field(default_factory=list, repr=False)
+
+    def add(self, other: Counts) -> None:
+        """Sum another's counts into these."""
+        for name in COUNT_FIELDS:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        widen(self.reached, self.landed, len(other.reached))
+        for i, (r, l) in enumerate(zip(other.reached, other.landed)):
+            self.reached[i] += r
+            self.landed[i] += l
+
+    def derived(self) -> dict:
+        return derived(self.rounds, self.accepted, self.rollbacks, self.reached, self.landed)
+
+
+COUNT_FIELDS = tuple(f.name for f in fields(Counts) if f.name not in ("reached", "landed"))
+
+
+@dataclass
+class Stats(Counts):
+    """One generation's counts, the figures derived from them, its timings and what it ran."""
+
     accepted_per_round: float = 0.0
     mean_acceptance_length: float = 0.0
     rollback_rate: float = 0.0
     per_position_acceptance: list[float] = field(default_factory=list)
-    replayed_rows: int = 0
-    rollbacks: int = 0
     ttft_s: float = 0.0
     prefill_tokens_per_s: float = 0.0
     decode_tokens_per_s: float = 0.0
@@ -52,10 +80,6 @@ class Stats:
     backend: str = "cpu"
     speculation_off_reason: str | None = None
     seed: int | None = None  # the sampling generator's seed (None: greedy, temperature 0)
-    # reached[i]: rounds in which proposal i+1 was judged (all before it accepted);
-    # landed[i]: rounds in which it was accepted too.
-    reached: list[int] = field(default_factory=list, repr=False)
-    landed: list[int] = field(default_factory=list, repr=False)
 
     def record_round(self, block: int, accepted: int, replayed: int) -> None:
         self.rounds += 1
@@ -66,7 +90,7 @@ class Stats:
             self.rollbacks += 1
         widen(self.reached, self.landed, block)
         count_positions(self.reached, self.landed, block, accepted)
-        for name, value in derived(self.rounds, self.accepted, self.rollbacks, self.reached, self.landed).items():
+        for name, value in self.derived().items():
             setattr(self, name, value)
 
     def snapshot(self) -> Stats:

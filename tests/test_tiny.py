@@ -46,6 +46,15 @@ def test_fixed_blocks_reproduce_the_golden(rt, block):
         assert out.stats.accepted > 0
 
 
+@pytest.mark.parametrize("drafter", ["dflash", "mtp", "ngram"])
+def test_temperature_zero_is_greedy_whatever_the_other_sampling_fields(rt, drafter):
+    for block in (1, 2, 4, 8):
+        out = run(rt, policy="fixed", block=block, drafter=drafter, temperature=0.0, top_k=3, top_p=0.5, min_p=0.2,
+                  seed=block)
+        assert out.tokens == GOLDEN["tokens"], (drafter, block)
+        assert out.stats.seed is None  # no generator: the greedy path itself
+
+
 def test_window_is_refused_for_the_mtp_head(rt):
     with pytest.raises(turbo.TurboError, match="window 64"):
         rt.generate("x", max_new_tokens=2, policy="fixed", block=2, drafter="mtp", window=64)

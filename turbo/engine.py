@@ -23,6 +23,7 @@ from .detokenizer import Detokenizer
 from .drafters import Drafter, is_drafter
 from .errors import TurboError
 from .install import Install, open_install
+from .install_check import check_install
 from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions
 from .policy import DRAFTERS, ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
@@ -118,6 +119,7 @@ class Runtime:
             self.tokenizer = Tokenizer.from_file(str(tok))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
+        check_install(install, self.tokenizer)
         self._drafters: dict[tuple[str, int | None], Drafter] = {}
 
     # ---- helpers -----------------------------------------------------------------------

@@ -67,6 +67,7 @@ class Arch:
 # RoPE takes the position as an fp32 number (turbo/ops.py, native.c): past 2^24 positions
 # stop being exact integers, so no model may declare more.
 MAX_POSITIONS = 1 << 24
+INT32_MAX = 2**31 - 1
 _SHORT = reprlib.Repr()  # values in messages: a deep or huge one stays one short line
 _SHORT.maxlevel, _SHORT.maxlong, _SHORT.maxstring, _SHORT.maxother = 3, 40, 40, 40
 
@@ -92,12 +93,13 @@ def need_field(cfg: dict, key: str, kind: type | tuple[type, ...], where: str) -
     return value
 
 
-def need_positive(cfg: dict, key: str, where: str, at_most: int | None = None, why: str = "") -> int:
+def need_positive(cfg: dict, key: str, where: str, at_most: int = INT32_MAX,
+                  why: str = " (the kernels take sizes as 32-bit ints)") -> int:
     """cfg[key] as an integer in 1..at_most (`why` says where the bound comes from)."""
     value = need_field(cfg, key, int, where)
     if value <= 0:
         raise TurboError(f"{where}: field '{key}' is {show(value)}, expected a positive integer")
-    if at_most is not None and value > at_most:
+    if value > at_most:
         raise TurboError(f"{where}: field '{key}' is {show(value)}, expected at most {at_most}{why}")
     return value
 

@@ -19,6 +19,8 @@ DFLASH_GROUP_SIZE = 16
 # The context ring is allocated whole when the drafter loads (window rows per layer, K and V):
 # published drafters train a few thousand rows; past this a typo would allocate gigabytes.
 DFLASH_MAX_WINDOW = 1 << 16
+# A diffusion block is a handful of positions (published drafters train 8 or 16).
+DFLASH_MAX_BLOCK = 1 << 10
 
 
 def dflash_layer_tensor(layer: int, suffix: str) -> str:
@@ -68,7 +70,7 @@ def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> Df
         window=need_positive(cfg, "sliding_window", where, min(arch.max_positions, DFLASH_MAX_WINDOW),
                              " (the trunk's max_position_embeddings, or the context ring's cap "
                              f"{DFLASH_MAX_WINDOW})"),
-        block_size=need_field(d, "block_size", int, dw),
+        block_size=need_positive(d, "block_size", dw, DFLASH_MAX_BLOCK, " (no drafter trains a wider block)"),
         mask_token=need_field(d, "mask_token_id", int, dw),
         target_layers=tuple(need_field(d, "target_layer_ids", list, dw)),
         taps=need_field(d, "conv_kernel_size", int, dw),

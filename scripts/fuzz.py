@@ -40,6 +40,7 @@ from typing import Callable
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
 NEW_TOKENS = 4
+STARTUP_S = 600.0
 MARK = "@@fuzz "  # prefixes the worker's replies: anything else on its stdout is not ours
 BAD = ("generated-changed", "other-exception", "accepted-but-library-refuses", "accepted-should-refuse", "crash",
        "hang")
@@ -555,8 +556,8 @@ class Worker:
     def __init__(self, timeout: float):
         self.timeout, self.proc = timeout, None
 
-    def ask(self, install: Path, file: str | None) -> dict | str:
-        """The worker's reply, or "crash" / "hang"."""
+    def ask(self, install: Path, file: str | None, timeout: float | None = None) -> dict | str:
+        """The worker's reply, or "crash" / "hang" (no reply within `timeout`, default the worker's)."""
         if self.proc is None:
             env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
             self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
@@ -564,7 +565,7 @@ class Worker:
         self.proc.stdin.write(json.dumps({"install": str(install), "file": file}) + "\n")
         self.proc.stdin.flush()
         while True:
-            ready, _, _ = select.select([self.proc.stdout], [], [], self.timeout)
+            ready, _, _ = select.select([self.proc.stdout], [], [], timeout or self.timeout)
             if not ready:
                 self.close()
                 return "hang"
@@ -604,7 +605,7 @@ def classify(case: Case, reply: dict | str, reference: list[int]) -> Outcome:
 def run_cases(base: Path, cases: list[Case], timeout: float = 60.0) -> list[Outcome]:
     w = Worker(timeout)
     try:
-        ref = w.ask(base, None)
+        ref = w.ask(base, None, max(timeout, STARTUP_S))  # the first ask imports torch and may build native.c
         if not isinstance(ref, dict) or ref["result"] != "generated":
             raise SystemExit(f"the unmutated install {base} does not generate: {ref}")
         outcomes = []

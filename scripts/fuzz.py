@@ -173,7 +173,7 @@ def m_wrong_type(rng, f):
     i = rng.randrange(len(e[field])) if e[field] else None
     bad = rng.choice([str, float, lambda v: None, lambda v: True, lambda v: [v]])
     if i is None or rng.random() < 0.3:
-        e[field] = bad(e[field]) if bad is not str else json.dumps(e[field])
+        e[field] = json.dumps(e[field]) if bad is str else 1.5 if bad is float else bad(e[field])
     else:
         e[field][i] = bad(e[field][i])
     return f.blob()

@@ -35,7 +35,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterable, Iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
@@ -269,17 +269,16 @@ HEADER_MUTATORS: dict[str, Callable[[random.Random, StFile], bytes]] = {
 }
 
 
-def header_cases(install: Path, n: int, seed: int) -> list[Case]:
-    """n header mutations, the classes in turn, each on a random safetensors file of the install."""
+def header_cases(install: Path, n: int, seed: int) -> Iterator[Case]:
+    """n header mutations, the classes in turn, each on a random safetensors file of the install
+    (made one at a time: thousands of mutated weight files do not fit in memory)."""
     rng = random.Random(seed)
     files = sorted(str(p.relative_to(install)) for p in install.rglob("*.safetensors"))
     blobs = {f: (install / f).read_bytes() for f in files}
     classes = list(HEADER_MUTATORS)
-    cases = []
     for i in range(n):
         cls, file = classes[i % len(classes)], rng.choice(files)
-        cases.append(Case(cls, file, HEADER_MUTATORS[cls](rng, StFile.parse(blobs[file]))))
-    return cases
+        yield Case(cls, file, HEADER_MUTATORS[cls](rng, StFile.parse(blobs[file])))
 
 
 # ---- config.json / dflash/config.json mutations ------------------------------------------------
@@ -496,7 +495,7 @@ def config_cases(install: Path, n: int, seed: int) -> list[Case]:
     return cases
 
 
-TARGETS: dict[str, Callable[[Path, int, int], list[Case]]] = {"headers": header_cases, "configs": config_cases}
+TARGETS: dict[str, Callable[[Path, int, int], Iterable[Case]]] = {"headers": header_cases, "configs": config_cases}
 
 
 # ---- running cases ----------------------------------------------------------------------------
@@ -602,7 +601,7 @@ def classify(case: Case, reply: dict | str, reference: list[int]) -> Outcome:
     return o
 
 
-def run_cases(base: Path, cases: list[Case], timeout: float = 60.0) -> list[Outcome]:
+def run_cases(base: Path, cases: Iterable[Case], timeout: float = 60.0) -> list[Outcome]:
     w = Worker(timeout)
     try:
         ref = w.ask(base, None, max(timeout, STARTUP_S))  # the first ask imports torch and may build native.c
@@ -612,6 +611,7 @@ def run_cases(base: Path, cases: list[Case], timeout: float = 60.0) -> list[Outc
         with tempfile.TemporaryDirectory(prefix="turbo-fuzz-") as tmp:
             for i, case in enumerate(cases):
                 install = case_install(base, case, Path(tmp) / f"case{i}")
+                case.blob = b""  # written: the outcome keeps the case's class and file, not its bytes
                 outcomes.append(classify(case, w.ask(install, case.file), ref["tokens"]))
                 shutil.rmtree(install)
         return outcomes
@@ -647,9 +647,9 @@ def main(argv: list[str] | None = None) -> int:
     from turbo.install import resolve
 
     base = resolve(args.install).resolve()
-    cases = [c for t, make in TARGETS.items() for c in make(base, getattr(args, t), args.seed)]
-    if not cases:
+    if not any(getattr(args, t) for t in TARGETS):
         parser.error(f"nothing to do: give one of {', '.join('--' + t for t in TARGETS)} N")
+    cases = (c for t, make in TARGETS.items() for c in make(base, getattr(args, t), args.seed))
     outcomes = run_cases(base, cases, args.timeout)
     print(table(outcomes))
     bad = [o for o in outcomes if o.outcome in BAD]

@@ -156,7 +156,7 @@ DIFFERING = [  # (field path, value, what the refusal names)
     ("num_hidden_layers", 4, "field 'layer_types' is .*, expected num_hidden_layers \\(4\\) entries"),
     ("num_attention_heads", 8, "field 'num_attention_heads' is 8, the tensors' is 4"),
     ("num_key_value_heads", 1, "field 'num_key_value_heads' is 1, the tensors' is 2"),
-    ("num_key_value_heads", 3, "field 'num_attention_heads' is 4, expected a multiple of num_key_value_heads 3"),
+    ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ("head_dim", 8, "field 'head_dim' is 8, the tensors' is 16"),
     ("intermediate_size", 64, "field 'intermediate_size' is 64, the tensors' is 96"),
     ("rms_norm_eps", -1e-6, "field 'rms_norm_eps' is -1e-06, expected a positive number"),

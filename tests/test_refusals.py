@@ -7,11 +7,12 @@ import shutil
 
 import pytest
 import torch
-from helpers import hf_config, make_drafter
+from helpers import hf_config, make_drafter, tiny_tokenizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import turbo
+from turbo.arch import arch_from_config, read_config_json
 from turbo.drafters.dflash import derive_shape, parse_config
 from turbo.errors import TurboError
 from turbo.install import open_install
@@ -203,3 +204,127 @@ def test_env_policy_drives_the_api(monkeypatch, spec_install):
 def test_auto_falls_back_and_says_why(plain_install):
     out = turbo.open(plain_install[1], backend="cpu").generate([5, 6, 7], max_new_tokens=4)
     assert out.stats.drafter is None and "no DFlash2 drafter" in out.stats.speculation_off_reason
+
+
+# ---- every config value checked: type, range, consistency ----------------------------------------
+
+NAN = float("nan")
+
+
+def _edited(cfg: dict, path: str, value) -> dict:
+    cfg = copy.deepcopy(cfg)
+    node = cfg
+    *parents, leaf = path.split(".")
+    for p in parents:
+        node = node[p]
+    node[leaf] = value
+    return cfg
+
+
+TRUNK_BAD = [
+    ("rms_norm_eps", 0, "rms_norm_eps' is 0.0, expected a number in \\(0, 1\\)"),
+    ("rms_norm_eps", -1, "rms_norm_eps' is -1.0"), ("rms_norm_eps", NAN, "rms_norm_eps' is nan"),
+    ("rms_norm_eps", 1e12, "rms_norm_eps' is 1000000000000.0"),
+    ("rope_parameters.rope_theta", 0, "rope_theta' is 0.0, expected a positive number"),
+    ("rope_parameters.rope_theta", NAN, "rope_theta' is nan"),
+    ("rope_parameters.partial_rotary_factor", 0.01, "partial_rotary_factor = 0, expected a positive even number"),
+    ("rope_parameters.partial_rotary_factor", 0.3125, "partial_rotary_factor = 5, expected a positive even number"),
+    ("eos_token_id", -1, "eos_token_id' has -1, expected token ids in 0..319"),
+    ("eos_token_id", 320, "eos_token_id' has 320"), ("eos_token_id", "2", "eos_token_id' has '2'"),
+    ("eos_token_id", [1, 2.0], "eos_token_id' has 2.0"),
+    ("num_experts", "8", "num_experts' is '8', expected an integer >= 0"),
+    ("num_experts", -1, "num_experts' is -1"),
+    ("max_position_embeddings", 2**31, "max_position_embeddings' is 2147483648, expected at most 16777216"),
+    ("head_dim", 10**400, "head_dim' is 1000000000000.*0000, expected at most 2147483647"),
+    ("num_attention_heads", 3, "num_attention_heads 3 is not a multiple of num_key_value_heads 2"),
+    ("linear_num_key_heads", 3, "linear_num_value_heads 4 is not a multiple of linear_num_key_heads 3"),
+    ("hidden_size", 64.0, "hidden_size' is 64.0, expected int"),
+    ("tie_word_embeddings", 0, "tie_word_embeddings"),
+    ("model_type", ["qwen3_5"], "model_type \\['qwen3_5'\\] is not supported"),
+]
+
+
+@pytest.mark.parametrize("path,value,needle", TRUNK_BAD)
+def test_trunk_config_values_are_refused_by_name(spec, path, value, needle):
+    with pytest.raises(TurboError, match=needle) as e:
+        arch_from_config(_edited(spec.config, path, value))
+    assert "\n" not in str(e.value)
+
+
+def test_trunk_config_valid_values_pass(spec):
+    a = arch_from_config(_edited(_edited(spec.config, "eos_token_id", [0, 319]), "num_experts", None))
+    assert a.eos_token_ids == (0, 319) and a.num_experts == 0
+
+
+DRAFTER_BAD = [
+    ("sliding_window", 2**31, "sliding_window' is 2147483648, expected at most 4096"),
+    ("dflash_config.target_layer_ids", [0, 0], "target_layer_ids' is \\[0, 0\\], expected distinct layer ids"),
+    ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("num_hidden_layers", 4, "layer_types"),
+    ("head_dim", 15, "head_dim' is 15, expected an even number"),
+    ("rms_norm_eps", NAN, "rms_norm_eps' is nan"),
+    ("rope_parameters.rope_theta", -1, "rope_theta' is -1.0"),
+    ("dflash_config.selector_top_k", 321, "selector_top_k' is 321, expected 2..320"),
+    ("dflash_config", [1], "dflash_config' is \\[1\\], expected dict"),
+]
+
+
+@pytest.mark.parametrize("path,value,needle", DRAFTER_BAD)
+def test_drafter_config_values_are_refused_by_name(spec, dcfg, path, value, needle):
+    with pytest.raises(TurboError, match=needle):
+        parse_config(_edited(dcfg, path, value), spec.arch)
+
+
+def test_drafter_layer_count_is_the_ports(spec, dcfg):
+    cfg = _edited(_edited(dcfg, "num_hidden_layers", 4), "layer_types", ["sliding_attention"] * 4)
+    with pytest.raises(TurboError, match="num_hidden_layers' is 4, expected 5"):
+        parse_config(cfg, spec.arch)
+
+
+@pytest.mark.parametrize("text,needle", [("[" * 100000 + "]" * 100000, "nested too deeply"),
+                                         ('{"a": ' + "9" * 5000 + "}", "not readable JSON")])
+def test_deep_or_huge_json_is_one_line(tmp_path, text, needle):
+    path = tmp_path / "config.json"
+    path.write_text(text)
+    with pytest.raises(TurboError, match=needle) as e:
+        read_config_json(path)
+    assert "\n" not in str(e.value) and len(str(e.value)) < 300
+
+
+def _install_copy(tmp_path, spec_install, edit_config=None):
+    dst = tmp_path / "inst"
+    shutil.copytree(spec_install[1], dst)
+    if edit_config is not None:
+        cfg = json.loads((dst / "config.json").read_text())
+        edit_config(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def test_tokenizer_past_the_vocab_is_refused_and_a_smaller_one_is_fine(tmp_path, spec_install):
+    dst = _install_copy(tmp_path, spec_install)
+    tiny_tokenizer(300).save(str(dst / "tokenizer.json"))  # smaller: the model's vocab padded, as Qwen3.5's is
+    assert turbo.open(dst, backend="cpu").generate([5, 6, 7], max_new_tokens=2).tokens
+    tok = tiny_tokenizer(320)  # 318 ids: the training text runs out of merges
+    tok.add_tokens(["<|a|>", "<|b|>", "<|c|>"])  # added tokens: the last one past the model's 320 rows
+    tok.save(str(dst / "tokenizer.json"))
+    with pytest.raises(TurboError, match="the tokenizer's ids reach 320 .a vocabulary of 321., expected ids below "
+                                         "the model's vocab_size 320"):
+        turbo.open(dst, backend="cpu")
+
+
+def test_undeclared_trunk_layers_are_refused(tmp_path, spec_install):
+    def drop_last(cfg):
+        cfg["num_hidden_layers"] = 3
+        cfg["layer_types"] = cfg["layer_types"][:3]
+    with pytest.raises(TurboError, match="num_hidden_layers' is 3, but the install carries trunk.layers.3"):
+        turbo.open(_install_copy(tmp_path, spec_install, drop_last), backend="cpu")
+
+
+def test_a_broken_drafter_config_is_refused_at_open(tmp_path, spec_install):
+    dst = _install_copy(tmp_path, spec_install)
+    cfg = json.loads((dst / "dflash" / "config.json").read_text())
+    cfg["dflash_config"] = [1]
+    (dst / "dflash" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(TurboError, match="dflash_config' is \\[1\\], expected dict"):
+        turbo.open(dst, backend="cpu")

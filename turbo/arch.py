@@ -8,9 +8,11 @@ full_attention_interval, partial_rotary_factor 0.25, as transformers does).
 from __future__ import annotations
 
 import json
+import math
+import reprlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import TurboError
 
@@ -62,6 +64,18 @@ class Arch:
         return 2 * self.lin_k_heads * self.lin_k_dim + self.lin_v_heads * self.lin_v_dim
 
 
+# RoPE takes the position as an fp32 number (turbo/ops.py, native.c): past 2^24 positions
+# stop being exact integers, so no model may declare more.
+MAX_POSITIONS = 1 << 24
+INT32_MAX = 2**31 - 1
+_SHORT = reprlib.Repr()  # values in messages: a deep or huge one stays one short line
+_SHORT.maxlevel, _SHORT.maxlong, _SHORT.maxstring, _SHORT.maxother = 3, 40, 40, 40
+
+
+def show(value: Any) -> str:
+    return _SHORT.repr(value)
+
+
 def need_field(cfg: dict, key: str, kind: type | tuple[type, ...], where: str) -> Any:
     """cfg[key] as `kind` (an int is a float too, a bool is neither); TurboError naming the
     field and `where` when it is missing or of another kind. (The trunk's and the drafters'
@@ -70,17 +84,50 @@ def need_field(cfg: dict, key: str, kind: type | tuple[type, ...], where: str) -
         raise TurboError(f"{where}: missing required field '{key}'")
     value = cfg[key]
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        value = float(value)
+        try:
+            value = float(value)
+        except OverflowError:
+            raise TurboError(f"{where}: field '{key}' is {show(value)}, expected a finite number") from None
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TurboError(f"{where}: field '{key}' is {value!r}, expected {getattr(kind, '__name__', kind)}")
+        raise TurboError(f"{where}: field '{key}' is {show(value)}, expected {getattr(kind, '__name__', kind)}")
     return value
 
 
-def _positive(cfg: dict, key: str, where: str) -> int:
+def need_positive(cfg: dict, key: str, where: str, at_most: int = INT32_MAX,
+                  why: str = " (the kernels take sizes as 32-bit ints)") -> int:
+    """cfg[key] as an integer in 1..at_most (`why` says where the bound comes from)."""
     value = need_field(cfg, key, int, where)
     if value <= 0:
-        raise TurboError(f"{where}: field '{key}' is {value}, expected a positive integer")
+        raise TurboError(f"{where}: field '{key}' is {show(value)}, expected a positive integer")
+    if value > at_most:
+        raise TurboError(f"{where}: field '{key}' is {show(value)}, expected at most {at_most}{why}")
     return value
+
+
+def need_real(cfg: dict, key: str, where: str, ok: Callable[[float], bool], expected: str) -> float:
+    """cfg[key] as a finite float for which `ok` holds (`expected` names the range)."""
+    value = need_field(cfg, key, float, where)
+    if not math.isfinite(value) or not ok(value):
+        raise TurboError(f"{where}: field '{key}' is {show(value)}, expected {expected}")
+    return value
+
+
+def need_eps(cfg: dict, key: str, where: str) -> float:
+    """A norm's epsilon: it only keeps 1/sqrt off zero, so anything outside (0, 1) is a typo."""
+    return need_real(cfg, key, where, lambda v: 0 < v < 1, "a number in (0, 1)")
+
+
+def need_rope_theta(cfg: dict, where: str) -> float:
+    return need_real(cfg, "rope_theta", where, lambda v: v > 0, "a positive number")
+
+
+def _token_ids(value: Any, vocab: int, where: str) -> tuple[int, ...]:
+    """eos_token_id: absent, one id or a list of ids, each below the vocab."""
+    ids = [] if value is None else value if isinstance(value, list) else [value]
+    for t in ids:
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise TurboError(f"{where}: field 'eos_token_id' has {show(t)}, expected token ids in 0..{vocab - 1}")
+    return tuple(ids)
 
 
 def read_config_json(path: Path) -> dict:
@@ -88,80 +135,84 @@ def read_config_json(path: Path) -> dict:
         raise TurboError(f"{path}: missing (expected the model's config.json)")
     try:
         data = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TurboError(f"{path}: not readable JSON ({e})") from None
+    except (OSError, UnicodeDecodeError, ValueError) as e:  # ValueError: bad JSON, or an int of 4300+ digits
+        raise TurboError(f"{path}: not readable JSON ({show(str(e))})") from None
+    except RecursionError:
+        raise TurboError(f"{path}: not readable JSON (nested too deeply)") from None
     if not isinstance(data, dict):
         raise TurboError(f"{path}: expected a JSON object")
     return data
 
 
 def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
-    """Parse a Qwen3.5 config dict (CausalLM or ConditionalGeneration layout)."""
+    """Parse a Qwen3.5 config dict (CausalLM or ConditionalGeneration layout), every field
+    checked for its type, its range and its consistency with the others."""
     top_type = cfg.get("model_type")
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     model_type = text.get("model_type", top_type)
-    if model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
+    if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
         raise TurboError(
-            f"{where}: model_type {model_type!r} is not supported, expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+            f"{where}: model_type {show(model_type)} is not supported, expected one of {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
     w = f"{where} (text config)" if text is not cfg else where
-    num_layers = _positive(text, "num_hidden_layers", w)
+    num_layers = need_positive(text, "num_hidden_layers", w)
     layer_types = text.get("layer_types")
     if layer_types is None:
-        interval = text.get("full_attention_interval", 4)
-        if not isinstance(interval, int) or interval <= 0:
-            raise TurboError(f"{w}: field 'full_attention_interval' is {interval!r}, expected a positive integer")
+        interval = need_positive({"full_attention_interval": 4} | text, "full_attention_interval", w)
         layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers)]
-    if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(t not in LAYER_KINDS for t in layer_types):
+    if not isinstance(layer_types, list) or len(layer_types) != num_layers or any(
+            not isinstance(t, str) or t not in LAYER_KINDS for t in layer_types):
         raise TurboError(
-            f"{w}: field 'layer_types' must list {num_layers} entries of {' / '.join(LAYER_KINDS)}, got {layer_types!r}"
+            f"{w}: field 'layer_types' must list {num_layers} entries of {' / '.join(LAYER_KINDS)}, got {show(layer_types)}"
         )
     rope = text.get("rope_parameters")
     if rope is None:  # older configs keep rope fields at the top level
         rope = {k: text[k] for k in ("rope_theta", "partial_rotary_factor") if k in text}
     if not isinstance(rope, dict):
-        raise TurboError(f"{w}: field 'rope_parameters' is {rope!r}, expected an object")
-    rope_theta = need_field(rope, "rope_theta", float, f"{w} rope_parameters")
-    partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-    if not isinstance(partial, (int, float)) or not 0 < partial <= 1:
-        raise TurboError(f"{w}: field 'partial_rotary_factor' is {partial!r}, expected a number in (0, 1]")
+        raise TurboError(f"{w}: field 'rope_parameters' is {show(rope)}, expected an object")
+    rope_theta = need_rope_theta(rope, f"{w} rope_parameters")
+    partial = need_real({"partial_rotary_factor": text.get("partial_rotary_factor", 0.25)} | rope,
+                        "partial_rotary_factor", w, lambda v: 0 < v <= 1, "a number in (0, 1]")
     tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
     if not isinstance(tie, bool):
         raise TurboError(f"{w}: missing required field 'tie_word_embeddings' (expected true or false)")
-    eos = text.get("eos_token_id", cfg.get("eos_token_id"))
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
-    head_dim = _positive(text, "head_dim", w)
-    num_heads = _positive(text, "num_attention_heads", w)
-    num_kv = _positive(text, "num_key_value_heads", w)
+    vocab = need_positive(text, "vocab_size", w)
+    head_dim = need_positive(text, "head_dim", w)
+    num_heads = need_positive(text, "num_attention_heads", w)
+    num_kv = need_positive(text, "num_key_value_heads", w)
     if num_heads % num_kv:
         raise TurboError(f"{w}: num_attention_heads {num_heads} is not a multiple of num_key_value_heads {num_kv}")
+    experts = 0 if text.get("num_experts") is None else text["num_experts"]
+    if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
+        raise TurboError(f"{w}: field 'num_experts' is {show(experts)}, expected an integer >= 0")
     arch = Arch(
         model_type=model_type,
-        hidden=_positive(text, "hidden_size", w),
-        intermediate=_positive(text, "intermediate_size", w),
+        hidden=need_positive(text, "hidden_size", w),
+        intermediate=need_positive(text, "intermediate_size", w),
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv,
         head_dim=head_dim,
-        rms_eps=need_field(text, "rms_norm_eps", float, w),
-        vocab=_positive(text, "vocab_size", w),
+        rms_eps=need_eps(text, "rms_norm_eps", w),
+        vocab=vocab,
         tie_embeddings=tie,
         layer_types=tuple(layer_types),
-        lin_k_heads=_positive(text, "linear_num_key_heads", w),
-        lin_v_heads=_positive(text, "linear_num_value_heads", w),
-        lin_k_dim=_positive(text, "linear_key_head_dim", w),
-        lin_v_dim=_positive(text, "linear_value_head_dim", w),
-        conv_kernel=_positive(text, "linear_conv_kernel_dim", w),
+        lin_k_heads=need_positive(text, "linear_num_key_heads", w),
+        lin_v_heads=need_positive(text, "linear_num_value_heads", w),
+        lin_k_dim=need_positive(text, "linear_key_head_dim", w),
+        lin_v_dim=need_positive(text, "linear_value_head_dim", w),
+        conv_kernel=need_positive(text, "linear_conv_kernel_dim", w),
         rope_theta=rope_theta,
-        partial_rotary=float(partial),
-        max_positions=_positive(text, "max_position_embeddings", w),
-        eos_token_ids=eos_ids,
-        num_experts=int(text.get("num_experts", 0) or 0),
+        partial_rotary=partial,
+        max_positions=need_positive(text, "max_position_embeddings", w, MAX_POSITIONS,
+                                    " (RoPE positions are fp32: exact integers end at 2^24)"),
+        eos_token_ids=_token_ids(text.get("eos_token_id", cfg.get("eos_token_id")), vocab, w),
+        num_experts=experts,
     )
     if arch.lin_v_heads % arch.lin_k_heads:
         raise TurboError(
             f"{w}: linear_num_value_heads {arch.lin_v_heads} is not a multiple of linear_num_key_heads {arch.lin_k_heads}"
         )
-    if arch.rotary_dim % 2:
-        raise TurboError(f"{w}: head_dim * partial_rotary_factor = {arch.rotary_dim}, expected an even number")
+    if arch.rotary_dim <= 0 or arch.rotary_dim % 2:
+        raise TurboError(f"{w}: head_dim * partial_rotary_factor = {arch.rotary_dim}, expected a positive even number")
     return arch

@@ -26,6 +26,7 @@ from .drafters import Drafter, is_drafter
 from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError
 from .install import Install, open_install
+from .install_check import check_install
 from .loader import load_drafter, load_trunk
 from .options import INTEGER_FIELDS, GenerationOptions, OpenOptions, as_integer, integer
 from .policy import OWN_DRAFTERS, ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
@@ -131,6 +132,7 @@ class Runtime:
             self.tokenizer = Tokenizer.from_file(str(tok))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
+        check_install(install, self.tokenizer)
         self._drafters: dict[tuple[str, int | NgramConfig | None], Drafter] = {}  # (kind, window or ngram config)
         # One generation at a time (the drafters and the trunk's caches are the runtime's own):
         # `generate` holds _serial for its whole call, a stream only while it starts; each prefill

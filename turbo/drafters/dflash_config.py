@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import Arch, need_field
+from ..arch import Arch, need_eps, need_field, need_positive, need_rope_theta, show
 from ..errors import TurboError
 from ..install import ResidentIndex
 
@@ -23,6 +23,11 @@ DFLASH_GROUP_SIZE = 16
 DFLASH2_ARCH = "DFlash2DraftModel"
 PUBLISHED_ARCH = "DFlashDraftModel"
 ARCHITECTURES = (DFLASH2_ARCH, PUBLISHED_ARCH)
+# The context ring is allocated whole when the drafter loads (window rows per layer, K and V):
+# published drafters train a few thousand rows; past this a typo would allocate gigabytes.
+DFLASH_MAX_WINDOW = 1 << 16
+# A diffusion block is a handful of positions (published drafters train 8 or 16).
+DFLASH_MAX_BLOCK = 1 << 10
 
 
 def dflash_layer_tensor(layer: int, suffix: str) -> str:
@@ -69,73 +74,63 @@ def parse_drafter_config(cfg: dict, arch: Arch, where: str = "dflash/config.json
         return parse_published_config(cfg, arch, where)
     if names == [DFLASH2_ARCH]:
         return parse_config(cfg, arch, where)
-    raise TurboError(f"{where}: field 'architectures' is {names!r}, expected one of "
+    raise TurboError(f"{where}: field 'architectures' is {show(names)}, expected one of "
                      f"{', '.join(repr([a]) for a in ARCHITECTURES)}")
 
 
-def shared_fields(cfg: dict, where: str) -> tuple[dict, str, dict]:
-    """(dflash_config, its `where`, the DflashConfig fields both architectures read alike)."""
+def shared_fields(cfg: dict, arch: Arch, where: str) -> tuple[dict, str, dict]:
+    """(dflash_config, its `where`, the DflashConfig fields both architectures read alike),
+    each of its type and in its range."""
     d = need_field(cfg, "dflash_config", dict, where)
     dw = f"{where} dflash_config"
     rope = need_field(cfg, "rope_parameters", dict, where)
     return d, dw, dict(
-        hidden=need_field(cfg, "hidden_size", int, where),
-        layers=need_field(cfg, "num_hidden_layers", int, where),
-        heads=need_field(cfg, "num_attention_heads", int, where),
-        kv_heads=need_field(cfg, "num_key_value_heads", int, where),
-        head_dim=need_field(cfg, "head_dim", int, where),
-        intermediate=need_field(cfg, "intermediate_size", int, where),
-        eps=need_field(cfg, "rms_norm_eps", float, where),
-        vocab=need_field(cfg, "vocab_size", int, where),
-        window=need_field(cfg, "sliding_window", int, where),
-        block_size=need_field(d, "block_size", int, dw),
+        hidden=need_positive(cfg, "hidden_size", where),
+        layers=need_positive(cfg, "num_hidden_layers", where),
+        heads=need_positive(cfg, "num_attention_heads", where),
+        kv_heads=need_positive(cfg, "num_key_value_heads", where),
+        head_dim=need_positive(cfg, "head_dim", where),
+        intermediate=need_positive(cfg, "intermediate_size", where),
+        eps=need_eps(cfg, "rms_norm_eps", where),
+        vocab=need_positive(cfg, "vocab_size", where),
+        window=need_positive(cfg, "sliding_window", where, min(arch.max_positions, DFLASH_MAX_WINDOW),
+                             " (the trunk's max_position_embeddings, or the context ring's cap "
+                             f"{DFLASH_MAX_WINDOW})"),
+        block_size=need_positive(d, "block_size", dw, DFLASH_MAX_BLOCK, " (no drafter trains a wider block)"),
         mask_token=need_field(d, "mask_token_id", int, dw),
         target_layers=tuple(need_field(d, "target_layer_ids", list, dw)),
-        rope_theta=need_field(rope, "rope_theta", float, f"{where} rope_parameters"),
+        rope_theta=need_rope_theta(rope, f"{where} rope_parameters"),
     )
 
 
 def parse_config(cfg: dict, arch: Arch, where: str = "dflash/config.json") -> DflashConfig:
-    """The drafter config, refused by field name when missing or not honourable."""
-    if cfg.get("architectures") != ["DFlash2DraftModel"]:
-        raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected ['DFlash2DraftModel']")
-    d, dw, shared = shared_fields(cfg, where)
+    """The DFlash2 drafter's config, refused by field name when missing, of another type, out of
+    range or inconsistent with itself or the trunk."""
+    if cfg.get("architectures") != [DFLASH2_ARCH]:
+        raise TurboError(f"{where}: field 'architectures' is {show(cfg.get('architectures'))}, "
+                         f"expected [{DFLASH2_ARCH!r}]")
+    d, dw, shared = shared_fields(cfg, arch, where)
     c = DflashConfig(
         **shared,
         taps=need_field(d, "conv_kernel_size", int, dw),
         group=need_field(d, "conv_group_size", int, dw),
-        rank=need_field(d, "selector_rank", int, dw),
+        rank=need_positive(d, "selector_rank", dw),
         top_k=need_field(d, "selector_top_k", int, dw),
         is_causal=need_field(cfg, "is_causal", bool, where),
     )
     layer_types = need_field(cfg, "layer_types", list, where)
     if len(layer_types) != c.layers or any(t != "sliding_attention" for t in layer_types):
-        raise TurboError(f"{where}: field 'layer_types' is {layer_types!r}, expected {c.layers} x 'sliding_attention'")
-    if c.hidden != arch.hidden:
-        raise TurboError(f"{where}: field 'hidden_size' is {c.hidden}, expected the trunk's {arch.hidden}")
-    if c.vocab != arch.vocab:
-        raise TurboError(f"{where}: field 'vocab_size' is {c.vocab}, expected the trunk's {arch.vocab}")
+        raise TurboError(f"{where}: field 'layer_types' is {show(layer_types)}, expected {c.layers} x 'sliding_attention'")
+    if c.layers != DFLASH_LAYERS:
+        raise TurboError(f"{where}: field 'num_hidden_layers' is {c.layers}, expected {DFLASH_LAYERS} (the layers "
+                         "this port runs)")
     if c.taps != DFLASH_TAPS:
         raise TurboError(f"{dw}: field 'conv_kernel_size' is {c.taps}, expected {DFLASH_TAPS} (the taps this port runs)")
     if c.group <= 0 or c.hidden % c.group:
         raise TurboError(f"{dw}: field 'conv_group_size' is {c.group}, expected a divisor of hidden_size {c.hidden}")
-    if c.top_k < 2:
-        raise TurboError(f"{dw}: field 'selector_top_k' is {c.top_k}, expected at least 2")
-    if c.block_size < 2:
-        raise TurboError(f"{dw}: field 'block_size' is {c.block_size}, expected at least 2")
-    if not c.target_layers:
-        raise TurboError(f"{dw}: field 'target_layer_ids' is empty, expected trunk layer ids")
-    for t in c.target_layers:
-        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < arch.num_layers:
-            raise TurboError(f"{dw}: field 'target_layer_ids' has {t!r}, expected ids in 0..{arch.num_layers - 1} "
-                             f"(the trunk's layers)")
-    if not 0 <= c.mask_token < arch.vocab:
-        raise TurboError(f"{dw}: field 'mask_token_id' is {c.mask_token}, expected an id below vocab {arch.vocab}")
-    if c.window <= 0:
-        raise TurboError(f"{where}: field 'sliding_window' is {c.window}, expected a positive integer")
-    for key in ("heads", "kv_heads", "head_dim", "intermediate", "rank"):
-        if getattr(c, key) <= 0:
-            raise TurboError(f"{where}: {key} is {getattr(c, key)}, expected a positive integer")
+    if not 2 <= c.top_k <= c.vocab:
+        raise TurboError(f"{dw}: field 'selector_top_k' is {c.top_k}, expected 2..{c.vocab} (the vocab)")
+    check_shared_fields(c, arch, where)
     return c
 
 
@@ -147,7 +142,7 @@ def parse_published_config(cfg: dict, arch: Arch, where: str = "dflash/config.js
     if cfg.get("architectures") != [PUBLISHED_ARCH]:
         raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected "
                          f"[{PUBLISHED_ARCH!r}]")
-    d, dw, shared = shared_fields(cfg, where)
+    d, dw, shared = shared_fields(cfg, arch, where)
     c = DflashConfig(**shared, taps=0, group=0, rank=0, top_k=0, is_causal=False, architecture=PUBLISHED_ARCH)
     rope = cfg["rope_parameters"]
     if cfg.get("is_causal", False) is not False:
@@ -176,30 +171,27 @@ def parse_published_config(cfg: dict, arch: Arch, where: str = "dflash/config.js
 
 
 def check_shared_fields(c: DflashConfig, arch: Arch, where: str) -> None:
-    """What both architectures' fields must satisfy to fuse into this trunk and run."""
+    """What both architectures' fields must satisfy to fuse into this trunk and run (their types
+    and ranges are shared_fields')."""
     dw = f"{where} dflash_config"
     for key, field, trunk in (("hidden", "hidden_size", arch.hidden), ("vocab", "vocab_size", arch.vocab)):
         if getattr(c, key) != trunk:
             raise TurboError(f"{where}: field {field!r} is {getattr(c, key)}, expected the trunk's {trunk}")
-    positive = {"num_hidden_layers": c.layers, "num_attention_heads": c.heads, "num_key_value_heads": c.kv_heads,
-                "head_dim": c.head_dim, "intermediate_size": c.intermediate, "sliding_window": c.window}
-    for field, value in positive.items():
-        if value <= 0:
-            raise TurboError(f"{where}: field {field!r} is {value}, expected a positive integer")
-    for field, value in (("rms_norm_eps", c.eps), ("rope_theta", c.rope_theta)):
-        if not value > 0:
-            raise TurboError(f"{where}: field {field!r} is {value}, expected a positive number")
     if c.heads % c.kv_heads:
-        raise TurboError(f"{where}: field 'num_attention_heads' is {c.heads}, expected a multiple of "
-                         f"num_key_value_heads {c.kv_heads}")
+        raise TurboError(f"{where}: num_attention_heads {c.heads} is not a multiple of num_key_value_heads "
+                         f"{c.kv_heads}")
+    if c.head_dim % 2:
+        raise TurboError(f"{where}: field 'head_dim' is {c.head_dim}, expected an even number (RoPE rotates pairs)")
     if c.block_size < 2:
         raise TurboError(f"{dw}: field 'block_size' is {c.block_size}, expected at least 2")
     if not c.target_layers:
         raise TurboError(f"{dw}: field 'target_layer_ids' is empty, expected trunk layer ids")
     bad = [t for t in c.target_layers if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < arch.num_layers]
     if bad:
-        raise TurboError(f"{dw}: field 'target_layer_ids' has {bad[0]!r}, expected ids in 0..{arch.num_layers - 1} "
+        raise TurboError(f"{dw}: field 'target_layer_ids' has {show(bad[0])}, expected ids in 0..{arch.num_layers - 1} "
                          f"(the trunk's layers)")
+    if len(set(c.target_layers)) != len(c.target_layers):
+        raise TurboError(f"{dw}: field 'target_layer_ids' is {list(c.target_layers)}, expected distinct layer ids")
     if not 0 <= c.mask_token < arch.vocab:
         raise TurboError(f"{dw}: field 'mask_token_id' is {c.mask_token}, expected an id below vocab {arch.vocab}")
 

@@ -159,7 +159,7 @@ DIFFERING = [  # (field path, value, what the refusal names)
     ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
     ("head_dim", 8, "field 'head_dim' is 8, the tensors' is 16"),
     ("intermediate_size", 64, "field 'intermediate_size' is 64, the tensors' is 96"),
-    ("rms_norm_eps", -1e-6, "field 'rms_norm_eps' is -1e-06, expected a positive number"),
+    ("rms_norm_eps", -1e-6, "field 'rms_norm_eps' is -1e-06, expected a number in \\(0, 1\\)"),
     ("rms_norm_eps", "1e-6", "field 'rms_norm_eps' is '1e-6', expected float"),
     ("sliding_window", 0, "field 'sliding_window' is 0, expected a positive integer"),
     ("num_target_layers", 32, "field 'num_target_layers' is 32, expected the trunk's 4"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from .drafters.dflash_config import parse_config
+from .drafters.dflash_config import parse_drafter_config
 from .errors import TurboError
 from .install import DRAFTER_DIR, Install
 from .trunk import PREFIX
@@ -28,5 +28,5 @@ def check_install(install: Install, tokenizer: Tokenizer) -> None:
         raise TurboError(f"{root / 'config.json'}: field 'num_hidden_layers' is {arch.num_layers}, but the install "
                          f"carries {PREFIX}layers.{arch.num_layers}.* tensors (expected every trunk layer declared)")
     if install.drafter_config is not None:  # before a plan reads it
-        parse_config(install.drafter_config, arch, str(root / DRAFTER_DIR / "config.json"))
+        parse_drafter_config(install.drafter_config, arch, str(root / DRAFTER_DIR / "config.json"))
     check_tokenizer(tokenizer, arch.vocab, str(root / "tokenizer.json"))

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import ScriptedDrafter, hf_config, make_drafter, make_install  # noqa: E402
+from helpers import ScriptedDrafter, make_drafter, make_install  # noqa: E402
 
 import turbo  # noqa: E402
 
@@ -96,13 +96,13 @@ def main() -> None:
             schedule.append(n)
         for block in range(1, 9):
             for strategy in ("checkpoint", "replay"):
-                rt._drafters[("dflash", None)] = ScriptedDrafter(reference, [min(n, block) for n in schedule], 4096)
-                res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block, rollback=strategy)
+                scripted = ScriptedDrafter(reference, [min(n, block) for n in schedule], 4096)
+                res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block, rollback=strategy,
+                                  drafter=scripted)
                 assert res.tokens == off.tokens, "speculation changed the output"
                 s = res.stats
                 print(f"| {block} | {strategy} | {s.accepted_per_round:.2f} | {s.rollback_rate:.0%} | "
                       f"{s.decode_tokens_per_s:.1f} | {s.decode_tokens_per_s / off.stats.decode_tokens_per_s:.2f}x |")
-        rt._drafters.pop(("dflash", None))
 
 
 if __name__ == "__main__":

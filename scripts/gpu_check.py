@@ -102,7 +102,7 @@ def graphed(fn):
 def bench(out: Path) -> dict:
     import torch
 
-    from turbo import ops
+    from turbo import ops, quant
     from turbo.backends import cuda as cb
 
     torch.manual_seed(0)
@@ -124,8 +124,8 @@ def bench(out: Path) -> dict:
         return packed.to(dev), scales.to(dev), biases.to(dev)
 
     in_proj, out_proj = qweight(proj_out, hidden), qweight(hidden, hv * d)
-    in_deq = cb.dequantize_ref(*in_proj, 4, 64).to(torch.bfloat16)
-    out_deq = cb.dequantize_ref(*out_proj, 4, 64).to(torch.bfloat16)
+    in_deq = quant.dequantize(*in_proj, 4, 64, torch.bfloat16)
+    out_deq = quant.dequantize(*out_proj, 4, 64, torch.bfloat16)
     conv_w = torch.randn(conv_c, taps, device=dev) * 0.3
     norm_w = torch.randn(d, device=dev)
     state = torch.randn(hv, d, d, device=dev) * 0.1
@@ -193,8 +193,6 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
     """Decode and speculative tokens/s of the whole engine on backend=cuda (see the docstring)."""
     import tempfile
 
-    import torch
-
     import turbo
     from turbo import ops
     from turbo.install import BUNDLED_DIR
@@ -228,11 +226,9 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
                                               "accepted_per_round": round(res.stats.accepted_per_round, 2),
                                               "same_tokens_as_plain": res.tokens == plain.tokens}
             for block in (4, 8):
-                rt._drafters[("dflash", None)] = ScriptedDrafter(prompt + plain.tokens, [block], rt.install.arch.vocab)
-                try:
-                    res = rt.generate(prompt, max_new_tokens=new, policy="fixed", block=block, stop_at_eos=False)
-                finally:
-                    del rt._drafters[("dflash", None)]
+                scripted = ScriptedDrafter(prompt + plain.tokens, [block], rt.install.arch.vocab)
+                res = rt.generate(prompt, max_new_tokens=new, policy="fixed", block=block, stop_at_eos=False,
+                                  drafter=scripted)
                 r[f"speculative_b{block}_all_accepted"] = {
                     "tokens_per_s": round(res.stats.decode_tokens_per_s, 1),
                     "accepted_per_round": round(res.stats.accepted_per_round, 2),

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from turbo.drafters import DrafterBase
 from turbo.repack import repack
 
 
@@ -153,9 +154,9 @@ def make_spec_install(tmp: Path, seed: int = 0, **over):
     return make_install(tmp, seed, drafter=drafter, **over)
 
 
-class ScriptedDrafter:
+class ScriptedDrafter(DrafterBase):
     """Proposes the trunk's own greedy continuation, wrong at chosen positions, so the
-    round's accepted count follows `schedule` exactly."""
+    round's accepted count follows `schedule` exactly (under sampling: a point mass)."""
 
     kind = "dflash"
     aux_layers = ()
@@ -173,5 +174,3 @@ class ScriptedDrafter:
         self.round += 1
         return [t if i != n else (t + 1) % self.vocab for i, t in enumerate(truth)]
 
-    def commit(self, out, kept, tokens):
-        pass

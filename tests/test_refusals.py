@@ -7,13 +7,13 @@ import shutil
 
 import pytest
 import torch
-from helpers import hf_config, make_drafter, tiny_tokenizer
+from helpers import tiny_tokenizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import turbo
 from turbo.arch import arch_from_config, read_config_json
-from turbo.drafters.dflash import derive_shape, parse_config
+from turbo.drafters.dflash_config import derive_shape, parse_config
 from turbo.errors import TurboError
 from turbo.install import open_install
 from turbo.policy import (DFLASH_SERVING_BLOCK, MOE_SPECULATION_BLOCKER_MARKER, VISION_SPECULATION_BLOCKER_MARKER,

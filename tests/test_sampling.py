@@ -237,14 +237,10 @@ def test_speculative_sampling_matches_plain_sampling(small, kind):
     assert fits(samples, plain_target(small))
 
 
-class Scripted(ScriptedDrafter, DrafterBase):
-    """Proposes the trunk's greedy continuation of the prompt: a point mass on p's argmax."""
-
-
 def test_the_check_rejects_an_argmax_acceptance_rule_end_to_end(small, monkeypatch):
     greedy = small.generate(PROMPT, max_new_tokens=K + 8, policy="off", stop_at_eos=False).tokens
     monkeypatch.setattr(engine, "rejection_sampler", lambda *a: ArgmaxRule(rejection_sampler(*a).sampler))
-    assert not fits(speculative_samples(small, Scripted(PROMPT + greedy, [8], VOCAB), 400), plain_target(small))
+    assert not fits(speculative_samples(small, ScriptedDrafter(PROMPT + greedy, [8], VOCAB), 400), plain_target(small))
 
 
 def test_a_seed_repeats_the_generation_and_temperature_zero_is_greedy(small):

@@ -8,7 +8,6 @@ from helpers import ScriptedDrafter
 
 from turbo import ops
 from turbo.backends import native
-from turbo.drafters import DrafterBase
 from turbo.install import open_install
 from turbo.loader import load_dflash, load_trunk
 from turbo.options import OpenOptions
@@ -77,16 +76,12 @@ def test_ring_wrap_attends_exactly_the_window(spec_install):
     assert torch.equal(a, b)
 
 
-class Scripted(ScriptedDrafter, DrafterBase):
-    """The scripted drafter with the protocol's defaults for what it does not define."""
-
-
 @pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
 def test_scripted_drafter_counters_equal_hand_computed(rt, rollback):
     prompt = PROMPTS[0]
     schedule = [4, 0, 1, 2, 3, 4, 2, 0]  # every accepted count 0..4 occurs
     base = rt.generate(prompt, max_new_tokens=24 + 8, policy="off").tokens
-    scripted = Scripted(prompt + base, schedule, 320)
+    scripted = ScriptedDrafter(prompt + base, schedule, 320)
     out = rt.generate(prompt, max_new_tokens=24, policy="fixed", block=4, rollback=rollback, drafter=scripted)
     s = out.stats
     assert out.tokens == base[:24]
@@ -107,7 +102,7 @@ def test_a_drafter_object_speculates_where_the_install_ships_none(plain_install)
     prompt = PROMPTS[1]
     base = plain_rt.generate(prompt, max_new_tokens=20, policy="off").tokens
     assert plain_rt.generate(prompt, max_new_tokens=4).stats.drafter is None  # auto: nothing to draft with
-    own = Scripted(prompt + base, [2, 0, 3], 320)
+    own = ScriptedDrafter(prompt + base, [2, 0, 3], 320)
     own.kind = "scripted"
     out = plain_rt.generate(prompt, max_new_tokens=20, policy="fixed", block=3, drafter=own)
     assert out.tokens == base and out.stats.drafter == "scripted" and out.stats.accepted > 0

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ..backends.native import Packed
 from ..backends.step import DflashStep
 from . import DrafterBase
-from .dflash_config import DflashConfig, DflashShape, derive_shape, parse_config  # noqa: F401 (the checks' home)
+from .dflash_config import DflashConfig, DflashShape
 
 if TYPE_CHECKING:
     from ..sampling import Sampler

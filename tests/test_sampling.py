@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import turbo
-from helpers import ScriptedDrafter, hf_config, make_drafter, randomize_
+from helpers import ScriptedDrafter, hf_config, make_drafter, make_published_dflash, randomize_
 from test_mtp import add_mtp, mtp_tensors
 
 from turbo import engine
@@ -189,8 +189,8 @@ def word_level_tokenizer(vocab: int):
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
-    """A random trunk with a random MTP head and a random DFlash2 drafter (selector top-k 4)."""
+def small_checkpoint(tmp_path_factory):
+    """A random trunk with a random MTP head, over an 8-token vocabulary: (its directory, config)."""
     from transformers import Qwen3_5ForCausalLM
 
     tmp = tmp_path_factory.mktemp("small_vocab")
@@ -202,8 +202,24 @@ def small(tmp_path_factory):
     word_level_tokenizer(VOCAB).save(str(tmp / "hf" / "tokenizer.json"))
     (tmp / "hf" / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     add_mtp(tmp / "hf", mtp_tensors(cfg, 3, scale=0.3))
+    return tmp, cfg
+
+
+@pytest.fixture(scope="module")
+def small(small_checkpoint):
+    """The small trunk and MTP head with a random DFlash2 drafter (selector top-k 4)."""
+    tmp, cfg = small_checkpoint
     drafter = make_drafter(tmp / "drafter", cfg.hidden_size, VOCAB, [0, cfg.num_hidden_layers - 2], seed=3, top_k=4)
     return turbo.open(repack(tmp / "hf", tmp / "install", drafter=drafter, quiet=True), backend="cpu")
+
+
+@pytest.fixture(scope="module")
+def small_published(small_checkpoint):
+    """The small trunk with a random drafter in the published DFlash layout (no selector)."""
+    tmp, cfg = small_checkpoint
+    drafter = make_published_dflash(tmp / "published", cfg.hidden_size, VOCAB, [0, cfg.num_hidden_layers - 2],
+                                    cfg.num_hidden_layers, seed=3)
+    return turbo.open(repack(tmp / "hf", tmp / "install_published", drafter=drafter, quiet=True), backend="cpu")
 
 
 def plain_target(rt) -> dict[tuple[int, ...], float]:
@@ -235,6 +251,13 @@ def test_speculative_sampling_matches_plain_sampling(small, kind):
     drafter = {"off": None, "ngram": NgramDrafter()}.get(kind, kind)
     samples = speculative_samples(small, drafter, 1000)
     assert fits(samples, plain_target(small))
+
+
+def test_speculative_sampling_with_the_published_dflash_matches_plain_sampling(small_published):
+    """Its rows draw from their own processed logits (no selector chains them): q_i = p_draft(row i)."""
+    assert small_published.generate(PROMPT, max_new_tokens=2, policy="fixed", block=2).stats.drafter == "dflash"
+    assert small_published.drafter("dflash", None).architecture == "DFlashDraftModel"
+    assert fits(speculative_samples(small_published, "dflash", 1000), plain_target(small_published))
 
 
 def test_the_check_rejects_an_argmax_acceptance_rule_end_to_end(small, monkeypatch):

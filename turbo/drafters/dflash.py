@@ -171,9 +171,14 @@ class DflashDrafter(DrafterBase):
         the greedy selector scores them given the predecessor (the anchor, then the token
         row i-1 drew); q_i = the sampler's processing of those scores (temperature, then
         top-k / top-p / min-p within the candidates), zero off the candidates; the token is
-        drawn from q_i by inverse CDF over the candidates in top-k order."""
+        drawn from q_i by inverse CDF over the candidates in top-k order. Without a selector (the
+        published DFlash) the rows do not read each other's tokens: q_i is the sampler's
+        processing of row i's logits, and each row draws from its own."""
         logits, final = self.forward_block(anchor, anchor_pos, block)
         logits, final = logits.float(), final.float()
+        if not self.cfg.has_selector:
+            q = sampler.probs(logits)
+            return [sampler.draw(row) for row in q], q
         cand = torch.topk(logits, min(self.cfg.top_k, logits.shape[-1]), dim=-1).indices
         proj = final @ self.hidden_projection.float().T
         q = torch.zeros_like(logits)

@@ -229,15 +229,15 @@ class Runtime:
                              "nor ngram (the n-gram drafter, no weights)")
         p = self.plan(o.policy, o.block, o.drafter)
         if o.window is not None and own:
-            raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and a drafter object "
+            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and a drafter object "
                              "keeps its own (drop window=)")
         if o.window is not None and p.drafter == "mtp":
-            raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and the MTP head "
+            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and the MTP head "
                              "drafting here keeps none (drop window= or use drafter=dflash)")
         if not isinstance(o.ngram, NgramConfig):
             raise TurboError(f"ngram {o.ngram!r} is not a turbo.drafters.ngram.NgramConfig")
         if o.window is not None and p.drafter == "ngram":
-            raise TurboError(f"window {o.window}: the window is the DFlash2 drafter's context, and the n-gram drafter "
+            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and the n-gram drafter "
                              "looks through the whole history (drop window= or use drafter=dflash)")
         sampler = rejection_sampler(o.temperature, o.top_k, o.top_p, o.min_p, o.seed)  # None: greedy
         draft = None if p.drafter is None else o.drafter if own else self.drafter(p.drafter, o.window, o.ngram)

@@ -71,7 +71,7 @@ class GenerationOptions:
     block: int | None = None  # proposals per round (fixed; the widest for adaptive)
     rollback: str = "checkpoint"  # checkpoint | replay: how a rejected round restores the GDN state
     drafter: object = "auto"  # auto | dflash | mtp | ngram, or a Drafter object of the caller's (turbo.drafters)
-    window: int | None = None  # the DFlash2 drafter's context window (None: its trained sliding_window)
+    window: int | None = None  # the DFlash drafter's context window (None: its trained sliding_window)
     stop_at_eos: bool = True  # stop at the model's end-of-text token
     ngram: NgramConfig = NgramConfig()  # drafter=ngram's matching (turbo/drafters/ngram.py)
     # sampling (turbo.sampling): temperature 0 is greedy and ignores the rest

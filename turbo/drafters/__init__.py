@@ -1,7 +1,8 @@
 """Drafters propose a block of tokens for the trunk to verify.
 
 The engine talks to a drafter only through `Drafter` below. The shipped ones are the
-DFlash2 block drafter (`dflash.py`) and the model's MTP head (`mtp.py`); a caller can hand
+DFlash block drafter (`dflash.py`: DFlash2 or the published DFlash), the model's MTP head
+(`mtp.py`) and the n-gram drafter (`ngram.py`, no weights); a caller can hand
 `Runtime.generate` / `stream` a drafter object of its own (`drafter=obj`): the trunk
 verifies every proposal, so any object honouring this protocol is lossless.
 
@@ -29,7 +30,7 @@ if TYPE_CHECKING:
 
 @runtime_checkable
 class Drafter(Protocol):
-    kind: str  # a short name for stats and reports: "dflash", "mtp", or the caller's own
+    kind: str  # a short name for stats and reports: "dflash", "mtp", "ngram", or the caller's own
     aux_layers: tuple[int, ...]  # trunk layers whose outputs the drafter reads (StepOut.aux, in layer order)
     window: int | None  # the context window it keeps (None: unbounded / not applicable)
 

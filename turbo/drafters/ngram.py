@@ -33,7 +33,8 @@ class NgramConfig:
     on a CPU every wrong proposal is a verify row paid for and a rollback; two is where
     Hugging Face's prompt lookup sits (max_matching_ngram_size=2). max_match 4: vLLM's
     documented prompt_lookup_max; a longer match rarely changes the continuation found.
-    max_proposal 8: the widest block this port builds (the block caps it as well)."""
+    max_proposal 8: the widest block a drafter without a trained block gets
+    (turbo.policy.DFLASH_BLOCK; the block caps it as well)."""
 
     min_match: int = 2  # the shortest suffix that may match
     max_match: int = 4  # the longest suffix tried (the longest match wins)
@@ -115,6 +116,4 @@ class NgramDrafter(DrafterBase):
         return list(tokens)
 
     def commit_deferred(self, items: list[list[int]]) -> None:
-        for tokens in items:
-            self.history += tokens
-        self._index_new()
+        self.extend([t for tokens in items for t in tokens])

@@ -39,7 +39,8 @@ Feeding the previous spec round's rows counts in the draft cost (speculating pay
 round); the batch a stretch of plain rounds left is timed apart and left out (a switch, not a
 cost of the block).
 Adaptive's counts follow its timing-driven choices, so unlike fixed blocks they are not
-reproducible run to run; its text is (lossless: every round commits the trunk's greedy tokens).
+reproducible run to run; its output is lossless all the same (greedy: the trunk's tokens; sampling:
+the trunk's distribution, turbo.sampling).
 """
 
 from __future__ import annotations

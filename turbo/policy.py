@@ -9,7 +9,7 @@ from .drafters import Drafter, mtp
 from .errors import TurboError
 from .install import CODE_NAMES, Install
 
-# DFlash2's trained block: the bound for a drafter that names none (the MTP head, a caller's own).
+# DFlash2's trained block: the bound for a drafter that names none (the MTP head, ngram, a caller's own).
 DFLASH_BLOCK = 8
 # The widest block this port builds: the published DFlash drafters' trained block_size.
 WIDEST_BLOCK = 16
@@ -17,7 +17,8 @@ WIDEST_BLOCK = 16
 # a rejected round restores and replays recurrent state, and a block of B needs all B
 # proposals to land, so the trained 8 is the wrong serving block.
 DFLASH_SERVING_BLOCK = 2
-# The MTP head's own default, the same answer from a second architecture.
+# The default block of every other drafter (the MTP head, ngram, a caller's own): the MTP head
+# measured the same answer from a second architecture.
 DEFAULT_SPECULATION_BLOCK = 2
 assert 0 < DFLASH_SERVING_BLOCK <= DFLASH_BLOCK <= WIDEST_BLOCK
 
@@ -95,8 +96,8 @@ def choose_drafter(install: Install, drafter: str) -> str:
         raise TurboError(f"drafter {drafter!r} is not one of {', '.join(DRAFTERS)}")
     if drafter != "auto":
         return drafter
-    # DFlash2, then the published DFlash, then the MTP head: an install files at most one DFlash
-    # drafter (either architecture) under dflash/, so auto is that one where present
+    # the install's DFlash drafter (it files at most one, of either architecture, under dflash/),
+    # else its MTP head; with neither, dflash, whose blocker then says why speculation is off
     return "mtp" if install.has_mtp and not install.has_dflash else "dflash"
 
 

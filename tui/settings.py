@@ -9,7 +9,6 @@ from turbo.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, Ope
 
 # The draft modes ctrl+n cycles through, between generations: (policy, block).
 MODES: tuple[tuple[str, int | None], ...] = (("off", None), ("auto", None)) + tuple(("fixed", b) for b in range(1, 9))
-ROLLBACKS = ("checkpoint", "replay")
 TEMPERATURES = (0.0, 0.7, 1.0)  # what ctrl+t cycles through (0: greedy)
 
 

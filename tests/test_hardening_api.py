@@ -66,6 +66,13 @@ def test_numpy_integer_options_are_integers(rt, plain):
     assert result.tokens == plain and result.stats.block == 3 and result.stats.window == 32
 
 
+def test_numpy_integer_sampling_options_are_integers(rt):
+    sampled = dict(max_new_tokens=12, policy="fixed", block=2, temperature=0.7)
+    a = rt.generate(PROMPT, top_k=np.int64(8), seed=np.int32(5), **sampled)
+    b = rt.generate(PROMPT, top_k=8, seed=5, **sampled)
+    assert a.tokens == b.tokens and a.stats.seed == 5 and type(a.stats.seed) is int
+
+
 @pytest.mark.parametrize("threads", [100000, -1, 0])
 def test_threads_outside_the_machine_are_refused(spec_install, threads):
     with pytest.raises(TurboError, match=rf"^threads {threads} is outside 1\.\.\d+ \(up to 4x this machine's \d+ cores\)$"):

@@ -86,7 +86,7 @@ class GenerationOptions:
 
 
 GENERATION_FIELDS = tuple(f.name for f in fields(GenerationOptions))
-INTEGER_FIELDS = ("max_new_tokens", "block", "window")  # as_integer's: the GenerationOptions fields that count
+INTEGER_FIELDS = ("max_new_tokens", "block", "window", "top_k", "seed")  # as_integer's: the GenerationOptions fields that count
 OPEN_FIELDS = tuple(f.name for f in fields(OpenOptions))
 
 

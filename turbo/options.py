@@ -86,7 +86,8 @@ class GenerationOptions:
 
 
 GENERATION_FIELDS = tuple(f.name for f in fields(GenerationOptions))
-INTEGER_FIELDS = ("max_new_tokens", "block", "window", "top_k", "seed")  # as_integer's: the GenerationOptions fields that count
+# as_integer's: the GenerationOptions fields that count
+INTEGER_FIELDS = ("max_new_tokens", "block", "window", "top_k", "seed")
 OPEN_FIELDS = tuple(f.name for f in fields(OpenOptions))
 
 

@@ -1,4 +1,4 @@
-"""HF checkpoint (+ DFlash2 drafter) -> turbo install, streaming tensor by tensor.
+"""HF checkpoint (+ DFlash drafter) -> turbo install, streaming tensor by tensor.
 
     python -m turbo.repack SRC OUT [--drafter DIR] [--text-only] [--quant none|int4|int2|int1]
 
@@ -414,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM or Qwen3_5ForConditionalGeneration)")
     parser.add_argument("out", help="the install directory to create")
-    parser.add_argument("--drafter", help="a published DFlash2 drafter directory to file under dflash.")
+    parser.add_argument("--drafter", help="a DFlash drafter directory (DFlash2 or the published DFlash) to file under dflash.")
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--quant", default="none", choices=("none", *q.FORMATS),

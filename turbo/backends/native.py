@@ -1,5 +1,5 @@
 """The native CPU step -- native.c (the trunk's step, the MTP head's layer, the packed
-products) and native_dflash.c (the DFlash2 pass) -- compiled once per machine with the host's
+products) and native_dflash.c (the DFlash pass, both architectures) -- compiled once per machine with the host's
 C compiler, and every ctypes declaration and call into it.
 
 `library(cache_dir)` returns the loaded library, or None when it cannot be had (no compiler,
@@ -57,7 +57,7 @@ class Layer(ctypes.Structure):
 
 
 class DfLayer(ctypes.Structure):
-    """native.h's DfLayer: one DFlash2 layer's weights and its context ring (pointers)."""
+    """native.h's DfLayer: one DFlash layer's weights and its context ring (pointers)."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in (
         "in_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o", "gate", "up", "down",
@@ -499,7 +499,7 @@ DFLASH_MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "attn_proj", "mlp_p
 
 
 def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | None:
-    """Why the DFlash2 pass cannot run in native_dflash.c (None: it can, the library built):
+    """Why the DFlash pass (either architecture) cannot run in native_dflash.c (None: it can, the library built):
     on the CPU, fp32 activations, a plain fp32 or bf16 embedding table."""
     if device.type != "cpu":
         return f"the drafter runs on {device.type}"

@@ -71,7 +71,7 @@ class MtpStep(Protocol):
 
 
 class DflashStep(Protocol):
-    """The DFlash2 drafter's context rows, block pass and candidate selection."""
+    """A DFlash drafter's context rows, block pass and (DFlash2's) candidate selection."""
 
     name: str
 
@@ -85,4 +85,5 @@ class DflashStep(Protocol):
         """Logits [block, vocab] and final hidden [block, H] of the proposal rows."""
 
     def select(self, logits: torch.Tensor, final: torch.Tensor, anchor: int, top_k: int) -> list[int]:
-        """Each row's token: its top-k rescored by the bigram selector."""
+        """Each row's token: its top-k rescored by the bigram selector (DFlash2 only: the
+        published DFlash has no selector, and its drafter takes the argmax without a call)."""

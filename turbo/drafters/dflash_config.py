@@ -140,7 +140,7 @@ def parse_published_config(cfg: dict, arch: Arch, where: str = "dflash/config.js
     by field name when missing or not honourable. Its block is bidirectional (z-lab's forward
     runs it unmasked); its context is the last `sliding_window` positions."""
     if cfg.get("architectures") != [PUBLISHED_ARCH]:
-        raise TurboError(f"{where}: field 'architectures' is {cfg.get('architectures')!r}, expected "
+        raise TurboError(f"{where}: field 'architectures' is {show(cfg.get('architectures'))}, expected "
                          f"[{PUBLISHED_ARCH!r}]")
     d, dw, shared = shared_fields(cfg, arch, where)
     c = DflashConfig(**shared, taps=0, group=0, rank=0, top_k=0, is_causal=False, architecture=PUBLISHED_ARCH)

@@ -46,6 +46,9 @@ from . import DrafterBase
 if TYPE_CHECKING:
     from ..sampling import Sampler
 
+MTP_PREFIX = "mtp."
+
+
 def declared_layers(config: dict) -> int:
     """The MTP layers a checkpoint's config declares (`mtp_num_hidden_layers`, in the text
     config of the ConditionalGeneration layout); 0 where it declares none."""
@@ -58,8 +61,6 @@ def missing_head(where: str, declared: int) -> str:
     """The one line for a config that declares an MTP head whose tensors are not there."""
     return (f"{where} declares mtp_num_hidden_layers {declared}, but the checkpoint has no mtp.* tensors "
             f"(mtp.fc.weight is missing): there is no MTP head to draft with")
-
-MTP_PREFIX = "mtp."
 
 
 @dataclass

@@ -73,14 +73,8 @@ def bench_matmul(out: int, cols: int) -> None:
           f"packed int4 {qw.nbytes / 1e6:.1f} MB")
 
 
-def open_rt(install: str, dtype: str, mode: str):
-    import os
-
-    os.environ[quant.CPU_MODE_ENV] = mode
-    try:
-        rt = engine.open(install, backend="cpu", dtype=dtype)
-    finally:
-        os.environ.pop(quant.CPU_MODE_ENV, None)
+def open_rt(install: str, dtype: str, mode: str):  # mode: OpenOptions.quant_cpu
+    rt = engine.open(install, backend="cpu", dtype=dtype, quant_cpu=mode)
     rt.generate(list(range(5, 21)), max_new_tokens=4, policy="off", stop_at_eos=False)  # warm up (kernel probes)
     return rt
 

@@ -29,6 +29,7 @@ Exit status: pytest's.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -310,4 +311,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
+    # no options; --help must print this docstring, not run the script
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     sys.exit(main())

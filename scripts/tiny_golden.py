@@ -5,6 +5,7 @@ drafter against it. Rerun only when the shipped weights change."""
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -28,4 +29,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # no options; --help must print this docstring, not run the script
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -174,3 +174,11 @@ class ScriptedDrafter(DrafterBase):
         self.round += 1
         return [t if i != n else (t + 1) % self.vocab for i, t in enumerate(truth)]
 
+
+def assert_lossless(rt, prompt, reference: list[int], block: int, **kw):
+    """A fixed-block generation commits exactly plain decode's `reference` tokens, drafting the
+    full block every round; returns it."""
+    res = rt.generate(prompt, policy="fixed", block=block, **kw)
+    assert res.tokens == reference, (prompt, block)
+    assert res.stats.block == block and res.stats.drafted == block * res.stats.rounds
+    return res

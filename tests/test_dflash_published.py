@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import hf_config, make_install, make_published_dflash
+from helpers import assert_lossless, hf_config, make_install, make_published_dflash
 
 import turbo
 from turbo import ops
@@ -58,9 +58,7 @@ def test_auto_drafts_with_it_and_names_its_architecture(rt, step_path):
 @pytest.mark.parametrize("block", range(1, 17))
 def test_lossless_every_block(rt, plain, block, rollback):
     for i, prompt in enumerate(PROMPTS):
-        out = rt.generate(prompt, max_new_tokens=37, policy="fixed", block=block, rollback=rollback)
-        assert out.tokens == plain[i]
-        assert out.stats.block == block and out.stats.drafted == block * out.stats.rounds
+        assert_lossless(rt, prompt, plain[i], block, max_new_tokens=37, rollback=rollback)
 
 
 def test_the_trained_block_bounds_the_block(rt):
@@ -68,13 +66,12 @@ def test_the_trained_block_bounds_the_block(rt):
         rt.generate(PROMPTS[0], max_new_tokens=4, policy="fixed", block=17)
 
 
-def test_lossless_past_the_window(rt):
+@pytest.mark.parametrize("block,rollback", [(16, "checkpoint"), (5, "replay")])
+def test_lossless_past_the_window(rt, block, rollback):
     """window 4 -> a ring of 4 + 128 slots; 30 + 150 positions wrap it."""
     prompt = list(range(3, 33))
     base = rt.generate(prompt, max_new_tokens=150, policy="off").tokens
-    for block, rollback in [(16, "checkpoint"), (5, "replay")]:
-        out = rt.generate(prompt, max_new_tokens=150, policy="fixed", block=block, rollback=rollback, window=4)
-        assert out.tokens == base and out.stats.window == 4
+    assert assert_lossless(rt, prompt, base, block, max_new_tokens=150, rollback=rollback, window=4).stats.window == 4
 
 
 def test_adaptive_reaches_the_trained_block(rt, plain):

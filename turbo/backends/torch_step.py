@@ -57,21 +57,21 @@ class TorchTrunkStep:
         """Each row attends to exactly its own causal prefix, one call per row, so a row's
         arithmetic does not depend on how many rows were verified with it."""
         a = self.trunk.arch
-        groups = a.num_heads // a.num_kv_heads
-        scale = a.head_dim ** -0.5
-        outs = []
-        for r in range(q.shape[0]):
-            end = p0 + r + 1
-            qr = q[r].reshape(a.num_kv_heads, groups, a.head_dim)
-            scores = torch.bmm(qr, kc[:, :end].transpose(1, 2)) * scale
-            outs.append(torch.bmm(torch.softmax(scores, dim=-1), vc[:, :end]).reshape(-1))
-        return torch.stack(outs)
+        return torch.stack([attend(q[r], kc[:, :p0 + r + 1], vc[:, :p0 + r + 1], a) for r in range(q.shape[0])])
 
     def replay(self, trace: GdnTrace, kept: int) -> torch.Tensor:
         state = trace.snapshot
         for r in range(kept):
             state, _ = ops.gdn_step(state, *(x[r] for x in trace.inputs))
         return state
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, a) -> torch.Tensor:
+    """One row's attention: q [heads, d] over keys / values [kv_heads, n, d], each kv head
+    serving its group of query heads; [heads * d]."""
+    qr = q.reshape(a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim)
+    scores = torch.bmm(qr, keys.transpose(1, 2)) * a.head_dim ** -0.5
+    return torch.bmm(torch.softmax(scores, dim=-1), values).reshape(-1)
 
 
 class TorchMtpStep:
@@ -99,11 +99,7 @@ class TorchMtpStep:
         hd = self.head
         a = hd.arch
         q, gate = self._write_kv(x, pos)
-        groups = a.num_heads // a.num_kv_heads
-        qr = q[0].reshape(a.num_kv_heads, groups, a.head_dim)
-        keys, values = hd.k[:, hd.start:pos + 1], hd.v[:, hd.start:pos + 1]
-        scores = torch.bmm(qr, keys.transpose(1, 2)) * a.head_dim ** -0.5
-        att = torch.bmm(torch.softmax(scores, dim=-1), values).reshape(1, -1)
+        att = attend(q[0], hd.k[:, hd.start:pos + 1], hd.v[:, hd.start:pos + 1], a)[None]
         x = x + ops.linear(att * ops.sigmoid(gate), hd.layer.mixer.o)
         x = x + hd.trunk.mlp(hd.layer, ops.rms_norm(x, hd.layer.post_norm, hd.eps))
         out = ops.rms_norm(x, hd.final_norm, hd.eps)

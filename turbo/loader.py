@@ -40,6 +40,12 @@ def _to(t, device: torch.device):
     return t if device.type == "cpu" else t.to(device)
 
 
+def _norm(index, name: str, device: torch.device) -> torch.Tensor:
+    """A drafter's RMSNorm weight as the forward reads it, 1 + w in fp32 (computed on the host,
+    as on the CPU, then moved)."""
+    return _to(1.0 + index.load(name, torch.float32), device)
+
+
 # ---- the trunk ------------------------------------------------------------------------------
 
 
@@ -183,7 +189,7 @@ def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, wi
         return _to(idx.load(name, as_dtype), device)
 
     def norm(name: str) -> torch.Tensor:
-        return _to(1.0 + idx.load(name, torch.float32), device)  # computed on the host, as on the CPU
+        return _norm(idx, name, device)
 
     def conv(i: int, name: str) -> torch.Tensor | None:
         return t(dflash_layer_tensor(i, name)) if cfg.has_conv else None
@@ -269,7 +275,7 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
         return _to(index.load(MTP_PREFIX + name, dtype), device)
 
     def norm(name: str) -> torch.Tensor:
-        return _to(1.0 + index.load(MTP_PREFIX + name, torch.float32), device)  # computed on the host, as on the CPU
+        return _norm(index, MTP_PREFIX + name, device)
 
     p = "layers.0."
     a = p + "self_attn."

@@ -38,6 +38,10 @@ DEFAULT_GENERATION = GenerationOptions()
 ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "
              "start a new stream")
 Prompt = str | list[int] | tuple[int, ...] | np.ndarray  # text, or token ids
+# the drafters that keep no DFlash context window, and what to say to window= with them
+NO_WINDOW = {"object": "a drafter object keeps its own (drop window=)",
+             "mtp": "the MTP head drafting here keeps none (drop window= or use drafter=dflash)",
+             "ngram": "the n-gram drafter looks through the whole history (drop window= or use drafter=dflash)"}
 
 
 @dataclass
@@ -228,17 +232,12 @@ class Runtime:
                              "turbo.drafters.Drafter (turbo.drafters.DrafterBase has its defaults), "
                              "nor ngram (the n-gram drafter, no weights)")
         p = self.plan(o.policy, o.block, o.drafter)
-        if o.window is not None and own:
-            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and a drafter object "
-                             "keeps its own (drop window=)")
-        if o.window is not None and p.drafter == "mtp":
-            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and the MTP head "
-                             "drafting here keeps none (drop window= or use drafter=dflash)")
         if not isinstance(o.ngram, NgramConfig):
             raise TurboError(f"ngram {o.ngram!r} is not a turbo.drafters.ngram.NgramConfig")
-        if o.window is not None and p.drafter == "ngram":
-            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and the n-gram drafter "
-                             "looks through the whole history (drop window= or use drafter=dflash)")
+        no_window = "object" if own else p.drafter
+        if o.window is not None and no_window in NO_WINDOW:
+            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and "
+                             f"{NO_WINDOW[no_window]}")
         sampler = rejection_sampler(o.temperature, o.top_k, o.top_p, o.min_p, o.seed)  # None: greedy
         draft = None if p.drafter is None else o.drafter if own else self.drafter(p.drafter, o.window, o.ngram)
         stats = Stats(prompt_tokens=len(ids), policy=p.policy, drafter=p.drafter, block=p.block,

@@ -128,7 +128,6 @@ class Runtime:
         self.install = install
         # backend cuda: weights, caches and the forward on the GPU (the hot ops as PTX kernels)
         self.device = torch.device("cuda" if self.backend.name == "cuda" else "cpu")
-        self.trunk = load_trunk(install, opts, self.device)
         tok = install.path / "tokenizer.json"
         if not tok.is_file():
             raise TurboError(f"{tok}: missing (expected the install's tokenizer)")
@@ -136,7 +135,9 @@ class Runtime:
             self.tokenizer = Tokenizer.from_file(str(tok))
         except Exception as e:  # tokenizers raises a bare Exception on malformed files
             raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
-        check_install(install, self.tokenizer)
+        # the parts' agreement is read off the configs and the index: checked before any weight loads
+        self.drafter_config = check_install(install, self.tokenizer)  # the DFlash drafter's, parsed (or None)
+        self.trunk = load_trunk(install, opts, self.device)
         self._drafters: dict[tuple[str, int | NgramConfig | None], Drafter] = {}  # (kind, window or ngram config)
         # One generation at a time (the drafters and the trunk's caches are the runtime's own):
         # `generate` holds _serial for its whole call, a stream only while it starts; each prefill
@@ -185,11 +186,8 @@ class Runtime:
             kind = choose_drafter(self.install, drafter) if isinstance(drafter, str) else "dflash"
             env = policy_from_env(kind)
             policy, block = env.name, block if block is not None else env.block
-        trained = None
-        if self.install.drafter_config is not None:
-            trained = (self.install.drafter_config.get("dflash_config") or {}).get("block_size")
-        return plan(self.install, policy, block, drafter, self.backend.verify_dtypes,
-                    trained if isinstance(trained, int) else None)
+        trained = self.drafter_config.block_size if self.drafter_config is not None else None
+        return plan(self.install, policy, block, drafter, self.backend.verify_dtypes, trained)
 
     # ---- the API -----------------------------------------------------------------------
 

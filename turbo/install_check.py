@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from tokenizers import Tokenizer
 
-from .drafters.dflash_config import parse_drafter_config
+from .drafters.dflash_config import DflashConfig, parse_drafter_config
 from .errors import TurboError
 from .install import DRAFTER_DIR, Install
 from .trunk import PREFIX
@@ -22,11 +22,14 @@ def check_tokenizer(tokenizer: Tokenizer, vocab: int, where: str) -> None:
                          f"the model's vocab_size {vocab}")
 
 
-def check_install(install: Install, tokenizer: Tokenizer) -> None:
+def check_install(install: Install, tokenizer: Tokenizer) -> DflashConfig | None:
+    """Refuse parts that disagree; returns the drafter's parsed config (None without one)."""
     arch, root = install.arch, install.path
     if install.index.has_prefix(f"{PREFIX}layers.{arch.num_layers}."):
         raise TurboError(f"{root / 'config.json'}: field 'num_hidden_layers' is {arch.num_layers}, but the install "
                          f"carries {PREFIX}layers.{arch.num_layers}.* tensors (expected every trunk layer declared)")
+    drafter = None
     if install.drafter_config is not None:  # before a plan reads it
-        parse_drafter_config(install.drafter_config, arch, str(root / DRAFTER_DIR / "config.json"))
+        drafter = parse_drafter_config(install.drafter_config, arch, str(root / DRAFTER_DIR / "config.json"))
     check_tokenizer(tokenizer, arch.vocab, str(root / "tokenizer.json"))
+    return drafter

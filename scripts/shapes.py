@@ -1,0 +1,113 @@
+"""Random checkpoints of published shapes, built once and cached, for the real-scale benchmarks.
+
+    python scripts/shapes.py qwen3.5-0.8b [--cache DIR]     # prints the install's path
+
+`build(name)` writes an HF checkpoint (Qwen3_5ForCausalLM layout, bf16, random weights) of
+the named shape and repacks it with the real repack; both are kept under the cache
+(default ~/.cache/turbo/shapes) and reused. Tensors are made one at a time straight in
+bf16 from a model built on the meta device, so building a 1.5 GB checkpoint needs about
+its own size in memory, not a float32 model.
+
+The shapes are the published configs' text-model fields (Qwen/Qwen3.5-0.8B config.json,
+text_config); the tokenizer is a small byte-level BPE (tests/helpers.py), which real
+checkpoints also pad past (ids stay below the model's vocab).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+FULL_EVERY_4 = lambda n: ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]  # noqa: E731
+
+SHAPES: dict[str, dict] = {
+    # 752M parameters, 1.5 GB in bf16
+    "qwen3.5-0.8b": dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
+                         layer_types=FULL_EVERY_4(24), num_attention_heads=8, num_key_value_heads=2, head_dim=256,
+                         linear_num_key_heads=16, linear_num_value_heads=16, linear_key_head_dim=128,
+                         linear_value_head_dim=128, linear_conv_kernel_dim=4, tie_word_embeddings=True,
+                         rms_norm_eps=1e-6, max_position_embeddings=262144,
+                         rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                              partial_rotary_factor=0.25)),
+}
+
+DEFAULT_CACHE = Path.home() / ".cache" / "turbo" / "shapes"
+
+
+def _random(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
+    """Weights scaled so activations stay O(1) through the depth (as tests/helpers.randomize_)."""
+    if name.endswith("norm.weight") or "layernorm" in name:
+        t = torch.randn(shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
+    elif name.endswith("A_log"):
+        t = torch.rand(shape, generator=g) * 2.0 - 1.0
+    elif name.endswith("dt_bias"):
+        t = torch.randn(shape, generator=g) * 0.5
+    elif len(shape) >= 2:
+        t = torch.randn(shape, generator=g) * (1.0 / shape[-1] ** 0.5)
+    else:
+        t = torch.randn(shape, generator=g) * 0.02
+    return t.to(torch.bfloat16)
+
+
+def write_checkpoint(directory: Path, shape: dict, seed: int = 0) -> None:
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    from helpers import tiny_tokenizer
+
+    cfg = Qwen3_5TextConfig(**shape)
+    with torch.device("meta"):
+        model = Qwen3_5ForCausalLM(cfg)
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, p in model.state_dict().items():
+        if shape.get("tie_word_embeddings") and name == "lm_head.weight":
+            continue
+        tensors[name] = _random(name, tuple(p.shape), g)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config = cfg.to_dict()
+    config.update(architectures=["Qwen3_5ForCausalLM"], torch_dtype="bfloat16", dtype="bfloat16")
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    tiny_tokenizer(4096).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+
+
+def build(name: str, cache: Path = DEFAULT_CACHE, quant: str = "none") -> Path:
+    """The install of shape `name` (repacked with --quant `quant`), built on first use."""
+    from turbo.repack import repack
+
+    if name not in SHAPES:
+        raise SystemExit(f"shape {name!r}: expected one of {', '.join(SHAPES)}")
+    hf = cache / name / "hf"
+    if not (hf / "config.json").is_file():
+        write_checkpoint(hf, SHAPES[name])
+    install = cache / name / ("install" if quant == "none" else f"install-{quant}")
+    if not (install / "model.safetensors").is_file():
+        repack(hf, install, quiet=True, quant=quant)
+    return install
+
+
+def checkpoint(name: str, cache: Path = DEFAULT_CACHE) -> Path:
+    """The HF checkpoint directory of shape `name` (for transformers and llama.cpp's converter)."""
+    build(name, cache)
+    return cache / name / "hf"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("shape", choices=sorted(SHAPES))
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--quant", default="none")
+    args = ap.parse_args()
+    print(build(args.shape, args.cache, args.quant))
+
+
+if __name__ == "__main__":
+    main()

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import TurboError
-from .options import GenerationOptions
+from .options import GenerationOptions, integer
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,7 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
             raise TurboError(f"temperature is {self.temperature!r}, expected a finite number >= 0")
-        if self.top_k is not None and (not _integer(self.top_k) or self.top_k < 0):
+        if self.top_k is not None and (integer(self.top_k) is None or self.top_k < 0):
             raise TurboError(f"top_k is {self.top_k!r}, expected a non-negative integer or null (0 and null: no cut)")
         if not _number(self.top_p) or not 0 < self.top_p <= 1:
             raise TurboError(f"top_p is {self.top_p!r}, expected a number in (0, 1]")
@@ -42,10 +42,6 @@ class SamplingParams:
 
 def _number(x: object) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def _integer(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def probabilities(logits: torch.Tensor, s: SamplingParams) -> torch.Tensor:
@@ -129,7 +125,7 @@ def rejection_sampler(temperature: float, top_k: int | None, top_p: float, min_p
     unused); else a RejectionSampler with its generator seeded from `seed` (None: a fresh
     seed, reported in Stats.seed so the run can be repeated)."""
     params = SamplingParams(temperature, top_k, top_p, min_p)  # checked at temperature 0 too
-    if seed is not None and (not _integer(seed) or seed < 0):
+    if seed is not None and (integer(seed) is None or seed < 0):
         raise TurboError(f"seed is {seed!r}, expected a non-negative integer or null (a fresh seed)")
     if temperature == 0:
         return None

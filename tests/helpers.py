@@ -220,3 +220,29 @@ def make_moe_install(tmp: Path, seed: int = 0, model_type: str = "qwen3_5_moe", 
     src = tmp / f"hf{seed}"
     model = make_moe_checkpoint(src, model_type, seed, fused, **over)
     return model, repack(src, tmp / f"install{seed}", quiet=True)
+
+
+def assert_prefill_and_64_steps_match(model, trunk) -> None:
+    """Prefill logits of 40 tokens and 64 decode steps after them within 1e-4 of transformers' `model`."""
+    ids = torch.randint(0, model.config.vocab_size, (1, 40 + 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits[0].float()
+    st = trunk.new_state()
+    prefill = trunk.prefill(st, ids[0, :40].tolist(), want_logits=True)
+    assert (prefill.logits - ref[:40]).abs().max().item() < 1e-4
+    worst = 0.0
+    for t in range(40, 104):
+        out = trunk.step(st, [int(ids[0, t])])
+        worst = max(worst, (out.logits[0] - ref[t]).abs().max().item())
+    assert worst < 1e-4
+
+
+def assert_64_greedy_tokens_match(model, install: Path) -> None:
+    """64 greedy tokens from the install equal transformers' generate."""
+    import turbo
+
+    prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 24:].tolist()
+    ours = turbo.open(install, backend="cpu").generate(prompt[0].tolist(), max_new_tokens=64, policy="off")
+    assert ours.tokens == hf

@@ -4,10 +4,10 @@ rows against decode steps."""
 
 import pytest
 import torch
-from helpers import make_moe_checkpoint, make_moe_install
+from helpers import (assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_moe_checkpoint,
+                     make_moe_install)
 from safetensors import safe_open
 
-import turbo
 from turbo.install import open_install
 from turbo.loader import load_trunk
 from turbo.options import OpenOptions
@@ -52,29 +52,11 @@ def test_the_config_routes_the_layers_transformers_routes(pair, step_path):
     assert [layer.moe is not None for layer in trunk.layers] == [i in routed for i in range(len(trunk.layers))]
 
 
-def test_prefill_and_64_decode_steps_match_transformers(pair):
+def test_logits_and_64_greedy_tokens_match_transformers(pair):
+    """Prefill and 64 decode steps within 1e-4, and 64 greedy tokens identical."""
     model, path = pair
-    trunk = Trunk(open_install(path))
-    ids = torch.randint(0, model.config.vocab_size, (1, 40 + 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = model(ids).logits[0].float()
-    st = trunk.new_state()
-    prefill = trunk.prefill(st, ids[0, :40].tolist(), want_logits=True)
-    assert (prefill.logits - ref[:40]).abs().max().item() < 1e-4
-    worst = 0.0
-    for t in range(40, 104):
-        out = trunk.step(st, [int(ids[0, t])])
-        worst = max(worst, (out.logits[0] - ref[t]).abs().max().item())
-    assert worst < 1e-4
-
-
-def test_64_greedy_tokens_equal_transformers_generate(pair):
-    model, path = pair
-    prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        hf = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 24:].tolist()
-    ours = turbo.open(path, backend="cpu").generate(prompt[0].tolist(), max_new_tokens=64, policy="off")
-    assert ours.tokens == hf
+    assert_prefill_and_64_steps_match(model, Trunk(open_install(path)))
+    assert_64_greedy_tokens_match(model, path)
 
 
 @pytest.mark.parametrize("rows", [2, 5, 9])

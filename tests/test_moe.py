@@ -2,6 +2,8 @@
 Qwen3NextForCausalLM (the oracle), repacked from both expert layouts, on both CPU steps; verify
 rows against decode steps."""
 
+import json
+
 import pytest
 import torch
 from helpers import (assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_moe_checkpoint,
@@ -98,3 +100,27 @@ def test_both_expert_layouts_repack_to_one_install(tmp_path, model_type, quant):
     if quant == "int4":
         assert a[expert + "gate_proj.weight"].dtype == torch.uint32 and expert + "down_proj.weight.scales" in a
         assert a["trunk.layers.0.mlp.gate.weight"].dtype == torch.float32  # the router stays float
+
+
+def test_the_conditional_generation_layout_repacks_to_the_same_trunk(tmp_path):
+    """Qwen3_5MoeForConditionalGeneration: the text model under model.language_model.* and its
+    fields in text_config; the same install as the CausalLM layout's."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "causal"
+    make_moe_checkpoint(src, "qwen3_5_moe", 5, fused=True)
+    cond = tmp_path / "cond"
+    cond.mkdir()
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        (cond / f).write_bytes((src / f).read_bytes())
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({n.replace("model.", "model.language_model.", 1): t for n, t in tensors.items()},
+              str(cond / "model.safetensors"), metadata={"format": "pt"})
+    text = json.loads((src / "config.json").read_text())
+    (cond / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+        "tie_word_embeddings": text.pop("tie_word_embeddings"), "text_config": text}))
+    a = _tensors(repack(src, tmp_path / "a", quiet=True))
+    b = _tensors(repack(cond, tmp_path / "b", quiet=True, text_only=True))
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert open_install(tmp_path / "b").arch.moe_layers == (0, 1, 2, 3)

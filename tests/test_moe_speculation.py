@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from helpers import ScriptedDrafter, assert_lossless, make_moe_checkpoint, make_moe_install
+from helpers import ScriptedDrafter, assert_lossless, make_drafter, make_moe_checkpoint, make_moe_install
 from test_mtp import add_mtp, mtp_tensors
 
 import turbo
@@ -80,3 +80,17 @@ def test_without_a_drafter_of_its_own_the_moe_blocker_holds(tmp_path):
         res = bare.generate([1, 2, 3], max_new_tokens=6, policy="auto", drafter=drafter, stop_at_eos=False)
         assert res.tokens == plain and res.stats.drafter is None
         assert res.stats.speculation_off_reason.startswith(MOE_SPECULATION_BLOCKER_MARKER)
+
+
+@pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
+def test_a_dflash_drafter_of_its_own_speculates_losslessly(tmp_path, rollback):
+    """An MoE install repacked with a DFlash2 drafter (fed by the routed trunk's aux layers)."""
+    model = make_moe_checkpoint(tmp_path / "hf", "qwen3_next", 9)
+    drafter = make_drafter(tmp_path / "drafter", model.config.hidden_size, model.config.vocab_size, [0, 2], seed=9)
+    rt = turbo.open(repack(tmp_path / "hf", tmp_path / "install", drafter=drafter, quiet=True), backend="cpu")
+    for prompt in PROMPTS:
+        ref = rt.generate(prompt, max_new_tokens=20, policy="off", stop_at_eos=False).tokens
+        for block in (1, 3, 8):
+            res = rt.generate(prompt, max_new_tokens=20, policy="fixed", block=block, drafter="dflash",
+                              rollback=rollback, stop_at_eos=False)
+            assert res.tokens == ref and res.stats.drafter == "dflash" and res.stats.rounds > 0

@@ -8,12 +8,16 @@ written into a temporary sibling directory and renamed at the end, so an interru
 repack leaves no half install behind: Ctrl-C or SIGTERM remove it (one line, `interrupted`),
 and one left by a repack killed outright is removed by the next repack into that directory.
 
+MoE checkpoints (Qwen3.5-MoE, Qwen3-Next) come out in one layout whichever expert layout they
+carry: every expert's matrices on their own (see "MoE checkpoints" below for how a fused stack
+is cut without holding it).
+
 --quant int4|int2|int1 quantizes the rank-2 projection matrices (turbo/quant.py: int4 in
 groups of 64 with bf16 scales, dtype 4; int2 / int1 in groups of 128 with f16 scales,
 dtypes 16 / 15), one tensor in memory at a time, as `name` (packed U32) + `name.scales` +
 `name.biases`, recording {name: {code, group, bits}} in the file's __metadata__["turbo.quant"].
 Quantized: weights of modules named `*_proj` or `in_proj*` (attention q/k/v/o, linear-attention
-in_proj_qkv/z/b/a and out_proj, MLP gate/up/down), `fc` (the drafter's / MTP's fusion) and an
+in_proj_qkv/z/b/a and out_proj, MLP gate/up/down, every routed and shared expert's), `fc` (the drafter's / MTP's fusion) and an
 untied `lm_head`, under trunk.*, mtp.* and dflash.*. Kept float: embeddings, norms, conv
 kernels, A_log, dt_bias, routers, the drafter's kernel_projection / base_kernel and candidate
 selector (small and precision-critical), the vision tower, and any projection whose input width
@@ -499,7 +503,8 @@ def _on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM or Qwen3_5ForConditionalGeneration)")
+    parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, their "
+                                    "MoE versions, or Qwen3NextForCausalLM)")
     parser.add_argument("out", help="the install directory to create")
     parser.add_argument("--drafter", help="a DFlash drafter directory (DFlash2 or the published DFlash) to file under dflash.")
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")

@@ -84,13 +84,14 @@ void moe_block(const Layer *L, float *x, int R) {
         }
     }
     if (M->shared_gate_up) {
-        float gate[R];
+        float *gate = malloc(sizeof(float) * (size_t)R);
         swiglu(h, R, H, S, M->shared_gate_up, M->shared_down, M->wtype, ye);
         linear_packed(h, R, H, M->shared_gate, M->wtype, 1, gate);
         for (int r = 0; r < R; r++) {
             float g = fast_sigmoid(gate[r]);
             for (int c = 0; c < H; c++) acc[(size_t)r * H + c] += g * ye[(size_t)r * H + c];
         }
+        free(gate);
     }
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += acc[i];
     free(h); free(probs); free(experts); free(weights); free(acc); free(rows); free(w); free(xe); free(ye);

@@ -11,7 +11,8 @@ its own size in memory, not a float32 model.
 The shapes are the published configs' text-model fields (Qwen/Qwen3.5-0.8B config.json,
 text_config; qwen3.5-35b-a3b-2l: Qwen/Qwen3.5-35B-A3B's layer, two of its 40 layers -- one
 Gated DeltaNet, one attention -- so that it and transformers' copy fit a 24 GB machine together;
-its experts stacked as transformers holds them, so the repack cuts the stacks); the tokenizer is a small byte-level BPE (tests/helpers.py), which real
+its experts stacked as transformers holds them, so the repack cuts the stacks); the tokenizer
+is a small byte-level BPE (tests/helpers.py), which real
 checkpoints also pad past (ids stay below the model's vocab).
 """
 

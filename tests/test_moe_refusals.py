@@ -71,7 +71,8 @@ def test_a_missing_shared_expert_gate_or_expert_is_refused_by_name(checkpoints, 
     tensors = load_file(str(path))
     del tensors[name]
     save_file(tensors, str(path))
-    _refused(lambda: load_trunk(open_install(install), OpenOptions(), "cpu"), "missing tensor " + name.replace(".", r"\."))
+    _refused(lambda: load_trunk(open_install(install), OpenOptions(), "cpu"),
+             "missing tensor " + name.replace(".", r"\."))
 
 
 def test_a_misshapen_expert_is_refused_by_name(checkpoints, tmp_path):
@@ -94,7 +95,8 @@ def _config(checkpoints, layout="loose"):
     ("loose", "num_experts", None, "missing required field 'num_experts'"),
     ("loose", "moe_intermediate_size", None, "missing required field 'moe_intermediate_size'"),
     ("loose", "shared_expert_intermediate_size", None, "missing required field 'shared_expert_intermediate_size'"),
-    ("loose", "shared_expert_intermediate_size", -1, "shared_expert_intermediate_size' is -1, expected an integer >= 0"),
+    ("loose", "shared_expert_intermediate_size", -1,
+     "shared_expert_intermediate_size' is -1, expected an integer >= 0"),
     ("fused", "norm_topk_prob", None, "missing required field 'norm_topk_prob'"),
     ("fused", "norm_topk_prob", 1, "norm_topk_prob' is 1, expected bool"),
     ("fused", "decoder_sparse_step", 0, "decoder_sparse_step' is 0, expected a positive integer"),

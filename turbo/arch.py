@@ -257,7 +257,8 @@ def _moe_fields(text: dict, model_type: str, num_layers: int, w: str) -> dict:
         dense = text.get("mlp_only_layers") or []
         if not isinstance(dense, list) or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers
                                               for i in dense):
-            raise TurboError(f"{w}: field 'mlp_only_layers' is {show(dense)}, expected layer ids in 0..{num_layers - 1}")
+            raise TurboError(f"{w}: field 'mlp_only_layers' is {show(dense)}, expected layer ids in "
+                             f"0..{num_layers - 1}")
         layers = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
     return dict(num_experts=experts, experts_per_token=top_k,
                 moe_intermediate=need_positive(text, "moe_intermediate_size", w),

@@ -9,9 +9,12 @@ resolved: nothing here reads the environment.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from . import ops, quant
+from .arch import Arch
 from .backends import native
 from .backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from .drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
@@ -140,14 +143,15 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     return Trunk(a, weights, dtype, device, make_step, why)
 
 
-def moe_tensor_shapes(a, mlp: str) -> dict[str, tuple[int, ...]]:
+def moe_tensor_shapes(a: Arch, mlp: str) -> dict[str, tuple[int, ...]]:
     """Every tensor of the MoE block under `mlp` (e.g. "layers.3.mlp."), with the shape the
     config implies (the shared expert's only when it has a width)."""
     e_count, inter, shared, h = a.num_experts, a.moe_intermediate, a.shared_intermediate, a.hidden
     shapes = {mlp + "gate.weight": (e_count, h)}
     for e in range(e_count):
         x = f"{mlp}experts.{e}."
-        shapes |= {x + "gate_proj.weight": (inter, h), x + "up_proj.weight": (inter, h), x + "down_proj.weight": (h, inter)}
+        shapes |= {x + "gate_proj.weight": (inter, h), x + "up_proj.weight": (inter, h),
+                   x + "down_proj.weight": (h, inter)}
     if shared:
         x = mlp + "shared_expert."
         shapes |= {x + "gate_proj.weight": (shared, h), x + "up_proj.weight": (shared, h),
@@ -155,7 +159,8 @@ def moe_tensor_shapes(a, mlp: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_moe(read, index, prefix: str, mlp: str, a) -> MoeWeights:
+def load_moe(read: Callable[[str, tuple[int, ...]], torch.Tensor], index, prefix: str, mlp: str,
+             a: Arch) -> MoeWeights:
     """One MoE block through `read(name, shape)` (a matrix of the part under `prefix`); an
     expert past num_experts in the install is refused, as a missing one is by read."""
     extra = f"{prefix}{mlp}experts.{a.num_experts}.gate_proj.weight"

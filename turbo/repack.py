@@ -17,7 +17,8 @@ groups of 64 with bf16 scales, dtype 4; int2 / int1 in groups of 128 with f16 sc
 dtypes 16 / 15), one tensor in memory at a time, as `name` (packed U32) + `name.scales` +
 `name.biases`, recording {name: {code, group, bits}} in the file's __metadata__["turbo.quant"].
 Quantized: weights of modules named `*_proj` or `in_proj*` (attention q/k/v/o, linear-attention
-in_proj_qkv/z/b/a and out_proj, MLP gate/up/down, every routed and shared expert's), `fc` (the drafter's / MTP's fusion) and an
+in_proj_qkv/z/b/a and out_proj, MLP gate/up/down, every routed and shared expert's), `fc` (the
+drafter's / MTP's fusion) and an
 untied `lm_head`, under trunk.*, mtp.* and dflash.*. Kept float: embeddings, norms, conv
 kernels, A_log, dt_bias, routers, the drafter's kernel_projection / base_kernel and candidate
 selector (small and precision-critical), the vision tower, and any projection whose input width
@@ -43,7 +44,7 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
-from .arch import arch_from_config, read_config_json
+from .arch import Arch, arch_from_config, read_config_json
 from .drafters import mtp
 from .drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from .errors import TurboError
@@ -173,7 +174,8 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
             raise TurboError(f"{name}: unexpected tensor in {path.name} (expected model.*, lm_head.*, mtp.* or a vision tower)")
         if text_only and new.startswith("vision."):
             continue
-        tensors += moe_sources(name, new, meta, path, data_start, arch) if arch.moe else [(name, new, meta, path, data_start)]
+        source = (name, new, meta, path, data_start)
+        tensors += moe_sources(*source, arch) if arch.moe else [source]
     return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
 
 
@@ -230,7 +232,7 @@ def _need_shape(name: str, meta: dict, shape: list[int], why: str) -> None:
         raise TurboError(f"{name} has shape {meta['shape']}, expected {shape} ({why})")
 
 
-def moe_sources(name: str, new: str, meta: dict, path: Path, data_start: int, arch) -> list[tuple]:
+def moe_sources(name: str, new: str, meta: dict, path: Path, data_start: int, arch: Arch) -> list[tuple]:
     """The install tensors (source name, install name, meta, file, data start) one tensor of an
     MoE checkpoint becomes: a fused expert stack its experts, Qwen3-Next's grouped projections
     Qwen3.5's, anything else itself."""
@@ -256,7 +258,8 @@ def moe_sources(name: str, new: str, meta: dict, path: Path, data_start: int, ar
         hk, dk, dv, rep = arch.lin_k_heads, arch.lin_k_dim, arch.lin_v_dim, arch.lin_v_heads // arch.lin_k_heads
         if kind == "in_proj_qkvz":  # per key head: q [dk], k [dk], v [rep*dv], z [rep*dv]
             group = 2 * dk + 2 * rep * dv
-            _need_shape(name, meta, [hk * group, h], "per key head: 2 key dims + 2 * value heads per key head * value dim")
+            _need_shape(name, meta, [hk * group, h], "per key head: 2 * key dim + 2 * value heads per key head "
+                                                      "* value dim")
             parts = (("in_proj_qkv", [(0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + rep * dv)]),
                      ("in_proj_z", [(2 * dk + rep * dv, group)]))
         else:  # per key head: b [rep], a [rep]
@@ -280,8 +283,10 @@ ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 
 def quantizable(new: str, meta: dict, fmt: q.QFormat) -> bool:
     """The rank-2 projection matrices (see the module docstring); everything else stays float."""
-    if meta["dtype"] not in FLOAT_ST or len(meta["shape"]) != 2 or not all(meta["shape"]) or not new.endswith(".weight"):
-        return False  # (an empty matrix: a shared expert of width 0 stays as it is)
+    if meta["dtype"] not in FLOAT_ST or len(meta["shape"]) != 2 or not new.endswith(".weight"):
+        return False
+    if not all(meta["shape"]):  # an empty matrix (a shared expert of width 0) stays as it is
+        return False
     if not new.startswith(("trunk.", "mtp.", "dflash.")):
         return False
     module = new[:-len(".weight")].rsplit(".", 1)[-1]
@@ -503,8 +508,8 @@ def _on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, their "
-                                    "MoE versions, or Qwen3NextForCausalLM)")
+    parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, "
+                                    "their MoE versions, or Qwen3NextForCausalLM)")
     parser.add_argument("out", help="the install directory to create")
     parser.add_argument("--drafter", help="a DFlash drafter directory (DFlash2 or the published DFlash) to file under dflash.")
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")

@@ -1,6 +1,6 @@
 """The native CPU step -- native.c (the trunk's step, the MTP head's layer, the packed
-products), native_moe.c (the MoE block) and native_dflash.c (the DFlash pass, both architectures) -- compiled once per machine with the host's
-C compiler, and every ctypes declaration and call into it.
+products), native_moe.c (the MoE block) and native_dflash.c (the DFlash pass, both
+architectures) -- compiled once per machine with the host's C compiler, and every ctypes declaration and call into it.
 
 `library(cache_dir)` returns the loaded library, or None when it cannot be had (no compiler,
 a failed build); `why_not()` says why. Whether a part runs here is the loader's choice
@@ -42,7 +42,8 @@ _tried = False
 class Moe(ctypes.Structure):
     """native.h's Moe: one layer's mixture of experts (pointers to packed matrices) and sizes."""
 
-    _fields_ = [(name, ctypes.c_int) for name in ("experts", "top_k", "inter", "shared_inter", "norm_topk", "wtype")] + [
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "experts", "top_k", "inter", "shared_inter", "norm_topk", "wtype")] + [
         ("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
         ("down", ctypes.POINTER(ctypes.c_void_p)),
         ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p)]
@@ -370,8 +371,8 @@ def pack_layer(layer, dtype: torch.dtype, layout: str = "panels") -> None:
     e.gate_up = [pack_as(w, dtype, layout) for w in e.gate_up]
     e.down = [pack_as(w, dtype, layout) for w in e.down]
     if e.shared_gate_up is not None:
-        e.shared_gate_up, e.shared_down = pack_as(e.shared_gate_up, dtype, layout), pack_as(e.shared_down, dtype, layout)
-        e.shared_gate = pack_as(e.shared_gate, dtype, layout)
+        e.shared_gate_up, e.shared_down, e.shared_gate = (
+            pack_as(w, dtype, layout) for w in (e.shared_gate_up, e.shared_down, e.shared_gate))
 
 
 def moe_struct(a, moe) -> Moe:

@@ -9,7 +9,10 @@ bf16 from a model built on the meta device, so building a 1.5 GB checkpoint need
 its own size in memory, not a float32 model.
 
 The shapes are the published configs' text-model fields (Qwen/Qwen3.5-0.8B config.json,
-text_config); the tokenizer is a small byte-level BPE (tests/helpers.py), which real
+text_config; qwen3.5-35b-a3b-2l: Qwen/Qwen3.5-35B-A3B's layer, two of its 40 layers -- one
+Gated DeltaNet, one attention -- so that it and transformers' copy fit a 24 GB machine together;
+its experts stacked as transformers holds them, so the repack cuts the stacks); the tokenizer
+is a small byte-level BPE (tests/helpers.py), which real
 checkpoints also pad past (ids stay below the model's vocab).
 """
 
@@ -35,7 +38,18 @@ SHAPES: dict[str, dict] = {
                          rms_norm_eps=1e-6, max_position_embeddings=262144,
                          rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
                                               partial_rotary_factor=0.25)),
+    # 2.7B parameters (its active ones: 0.6B, of which the untied head and embedding 0.5B), 5.4 GB in bf16
+    "qwen3.5-35b-a3b-2l": dict(vocab_size=248320, hidden_size=2048, num_hidden_layers=2,
+                               layer_types=["linear_attention", "full_attention"], num_attention_heads=16,
+                               num_key_value_heads=2, head_dim=256, linear_num_key_heads=16, linear_num_value_heads=32,
+                               linear_key_head_dim=128, linear_value_head_dim=128, linear_conv_kernel_dim=4,
+                               num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+                               shared_expert_intermediate_size=512, tie_word_embeddings=False, rms_norm_eps=1e-6,
+                               max_position_embeddings=262144,
+                               rope_parameters=dict(rope_type="default", rope_theta=10000000.0,
+                                                    partial_rotary_factor=0.25)),
 }
+MOE = {"qwen3.5-35b-a3b-2l"}  # built as Qwen3_5MoeForCausalLM (the rest: Qwen3_5ForCausalLM)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "turbo" / "shapes"
 
@@ -55,15 +69,17 @@ def _random(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tens
     return t.to(torch.bfloat16)
 
 
-def write_checkpoint(directory: Path, shape: dict, seed: int = 0) -> None:
+def write_checkpoint(directory: Path, shape: dict, seed: int = 0, moe: bool = False) -> None:
     from safetensors.torch import save_file
-    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
 
     from helpers import tiny_tokenizer
 
-    cfg = Qwen3_5TextConfig(**shape)
+    config_class, model_class = (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if moe else \
+        (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
+    cfg = config_class(**shape)
     with torch.device("meta"):
-        model = Qwen3_5ForCausalLM(cfg)
+        model = model_class(cfg)
     g = torch.Generator().manual_seed(seed)
     tensors = {}
     for name, p in model.state_dict().items():
@@ -73,7 +89,7 @@ def write_checkpoint(directory: Path, shape: dict, seed: int = 0) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config = cfg.to_dict()
-    config.update(architectures=["Qwen3_5ForCausalLM"], torch_dtype="bfloat16", dtype="bfloat16")
+    config.update(architectures=[model_class.__name__], torch_dtype="bfloat16", dtype="bfloat16")
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     tiny_tokenizer(4096).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
@@ -87,7 +103,7 @@ def build(name: str, cache: Path = DEFAULT_CACHE, quant: str = "none") -> Path:
         raise SystemExit(f"shape {name!r}: expected one of {', '.join(SHAPES)}")
     hf = cache / name / "hf"
     if not (hf / "config.json").is_file():
-        write_checkpoint(hf, SHAPES[name])
+        write_checkpoint(hf, SHAPES[name], moe=name in MOE)
     install = cache / name / ("install" if quant == "none" else f"install-{quant}")
     if not (install / "model.safetensors").is_file():
         repack(hf, install, quiet=True, quant=quant)

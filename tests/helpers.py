@@ -182,3 +182,67 @@ def assert_lossless(rt, prompt, reference: list[int], block: int, **kw):
     assert res.tokens == reference, (prompt, block)
     assert res.stats.block == block and res.stats.drafted == block * res.stats.rounds
     return res
+
+
+MOE_BASE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
+
+
+def make_moe_checkpoint(directory: Path, model_type: str = "qwen3_5_moe", seed: int = 0, fused: bool = False,
+                        **over):
+    """A Qwen3_5MoeForCausalLM or Qwen3NextForCausalLM with random weights saved as an HF
+    checkpoint: its experts one by one as save_pretrained writes them, or (`fused`) stacked
+    as transformers holds them (gate_up_proj [E, 2I, H], down_proj [E, H, I]); returns the model."""
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config, causal = {"qwen3_5_moe": (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM),
+                      "qwen3_next": (Qwen3NextConfig, Qwen3NextForCausalLM)}[model_type]
+    torch.manual_seed(seed)
+    dense = hf_config().to_dict()
+    base = {k: dense[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                                  "num_attention_heads", "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                                  "linear_conv_kernel_dim", "tie_word_embeddings", "rms_norm_eps",
+                                  "max_position_embeddings")}
+    model = causal(config(**(base | MOE_BASE | over))).float().eval()
+    randomize_(model, seed)
+    model.save_pretrained(directory)
+    if fused:
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()
+                   if not (k == "lm_head.weight" and model.config.tie_word_embeddings)}
+        save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tiny_tokenizer(model.config.vocab_size).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    return model
+
+
+def make_moe_install(tmp: Path, seed: int = 0, model_type: str = "qwen3_5_moe", fused: bool = False, **over):
+    src = tmp / f"hf{seed}"
+    model = make_moe_checkpoint(src, model_type, seed, fused, **over)
+    return model, repack(src, tmp / f"install{seed}", quiet=True)
+
+
+def assert_prefill_and_64_steps_match(model, trunk) -> None:
+    """Prefill logits of 40 tokens and 64 decode steps after them within 1e-4 of transformers' `model`."""
+    ids = torch.randint(0, model.config.vocab_size, (1, 40 + 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits[0].float()
+    st = trunk.new_state()
+    prefill = trunk.prefill(st, ids[0, :40].tolist(), want_logits=True)
+    assert (prefill.logits - ref[:40]).abs().max().item() < 1e-4
+    worst = 0.0
+    for t in range(40, 104):
+        out = trunk.step(st, [int(ids[0, t])])
+        worst = max(worst, (out.logits[0] - ref[t]).abs().max().item())
+    assert worst < 1e-4
+
+
+def assert_64_greedy_tokens_match(model, install: Path) -> None:
+    """64 greedy tokens from the install equal transformers' generate."""
+    import turbo
+
+    prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 24:].tolist()
+    ours = turbo.open(install, backend="cpu").generate(prompt[0].tolist(), max_new_tokens=64, policy="off")
+    assert ours.tokens == hf

@@ -2,9 +2,8 @@
 
 import pytest
 import torch
-from helpers import make_install
+from helpers import assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_install
 
-import turbo
 from turbo.install import open_install
 from turbo.loader import load_trunk
 from turbo.options import OpenOptions
@@ -46,26 +45,12 @@ def test_layer_types_follow_config(pair):
 def test_prefill_and_64_decode_steps_match_transformers(pair):
     model, path = pair
     trunk = Trunk(open_install(path))
-    ids = torch.randint(0, model.config.vocab_size, (1, 40 + 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = model(ids).logits[0].float()
-    st = trunk.new_state()
-    prefill = trunk.prefill(st, ids[0, :40].tolist(), want_logits=True)
-    assert (prefill.logits - ref[:40]).abs().max().item() < 1e-4
-    worst = 0.0
-    for t in range(40, 104):
-        out = trunk.step(st, [int(ids[0, t])])
-        worst = max(worst, (out.logits[0] - ref[t]).abs().max().item())
-    assert worst < 1e-4
+    assert_prefill_and_64_steps_match(model, trunk)
 
 
 def test_64_greedy_tokens_equal_transformers_generate(pair):
     model, path = pair
-    prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        hf = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 24:].tolist()
-    ours = turbo.open(path, backend="cpu").generate(prompt[0].tolist(), max_new_tokens=64, policy="off")
-    assert ours.tokens == hf
+    assert_64_greedy_tokens_match(model, path)
 
 
 def test_bf16_weights_stay_close(pair):

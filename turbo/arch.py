@@ -17,8 +17,9 @@ from typing import Any, Callable
 from .errors import TurboError
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text")
-# Families that share the hybrid layout but route to experts: recognised so the
-# speculation blockers can name them, not yet served by the trunk forward.
+# Families that share the hybrid layout and route their MLPs to experts (turbo/trunk.py's
+# MoE block). qwen3_next publishes its linear-attention projections grouped per key head;
+# the repack rewrites them into Qwen3.5's layout, so the forward serves both alike.
 MOE_MODEL_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
 LAYER_KINDS = ("linear_attention", "full_attention")
 
@@ -46,6 +47,12 @@ class Arch:
     max_positions: int
     eos_token_ids: tuple[int, ...] = ()
     num_experts: int = 0
+    # the MoE block (all 0 / empty for a dense trunk)
+    experts_per_token: int = 0  # top-k of the router
+    moe_intermediate: int = 0  # one routed expert's SwiGLU width
+    shared_intermediate: int = 0  # the gated shared expert's width (0: none)
+    norm_topk_prob: bool = True  # renormalise the top-k probabilities to sum to 1
+    moe_layers: tuple[int, ...] = ()  # the layers whose MLP is the MoE block (the rest are dense)
 
     @property
     def rotary_dim(self) -> int:
@@ -54,6 +61,15 @@ class Arch:
     def is_gdn(self, layer: int) -> bool:
         """A Gated DeltaNet layer (config.json's linear_attention)."""
         return self.layer_types[layer] == "linear_attention"
+
+    def is_moe(self, layer: int) -> bool:
+        """A layer whose MLP routes to experts (decoder_sparse_step / mlp_only_layers)."""
+        return layer in self.moe_layers
+
+    @property
+    def moe(self) -> bool:
+        """The checkpoint is a mixture of experts (its MTP head's MLP routes too)."""
+        return self.model_type in MOE_MODEL_TYPES
 
     @property
     def full_layers(self) -> list[int]:
@@ -185,10 +201,12 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
     experts = 0 if text.get("num_experts") is None else text["num_experts"]
     if not isinstance(experts, int) or isinstance(experts, bool) or experts < 0:
         raise TurboError(f"{w}: field 'num_experts' is {show(experts)}, expected an integer >= 0")
+    moe = _moe_fields(text, model_type, num_layers, w) if model_type in MOE_MODEL_TYPES else {}
+    dense_mlp = len(moe.get("moe_layers", ())) < num_layers
     arch = Arch(
         model_type=model_type,
         hidden=need_positive(text, "hidden_size", w),
-        intermediate=need_positive(text, "intermediate_size", w),
+        intermediate=need_positive(text, "intermediate_size", w) if dense_mlp else 0,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv,
@@ -207,7 +225,7 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
         max_positions=need_positive(text, "max_position_embeddings", w, MAX_POSITIONS,
                                     " (RoPE positions are fp32: exact integers end at 2^24)"),
         eos_token_ids=_token_ids(text.get("eos_token_id", cfg.get("eos_token_id")), vocab, w),
-        num_experts=experts,
+        **({"num_experts": experts} | moe),
     )
     if arch.lin_v_heads % arch.lin_k_heads:
         raise TurboError(
@@ -216,3 +234,32 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
     if arch.rotary_dim <= 0 or arch.rotary_dim % 2:
         raise TurboError(f"{w}: head_dim * partial_rotary_factor = {arch.rotary_dim}, expected a positive even number")
     return arch
+
+
+def _moe_fields(text: dict, model_type: str, num_layers: int, w: str) -> dict:
+    """The MoE block's fields, as transformers' Qwen3_5MoeForCausalLM / Qwen3NextForCausalLM
+    read them: Qwen3.5-MoE routes every layer and always renormalises the top-k; Qwen3-Next
+    says so in norm_topk_prob and routes layer i unless it is in mlp_only_layers or
+    (i + 1) is not a multiple of decoder_sparse_step (the format's defaults: 1 and [])."""
+    experts = need_positive(text, "num_experts", w)
+    top_k = need_positive(text, "num_experts_per_tok", w)
+    if top_k > experts:
+        raise TurboError(f"{w}: field 'num_experts_per_tok' is {top_k}, expected at most num_experts {experts}")
+    shared = need_field(text, "shared_expert_intermediate_size", int, w)
+    if shared < 0:
+        raise TurboError(f"{w}: field 'shared_expert_intermediate_size' is {shared}, expected an integer >= 0")
+    layers = tuple(range(num_layers))
+    norm = True
+    if model_type == "qwen3_next":
+        norm = need_field(text, "norm_topk_prob", bool, w)
+        step = need_positive({"decoder_sparse_step": 1} | {k: v for k, v in text.items() if v is not None},
+                             "decoder_sparse_step", w)
+        dense = text.get("mlp_only_layers") or []
+        if not isinstance(dense, list) or any(not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers
+                                              for i in dense):
+            raise TurboError(f"{w}: field 'mlp_only_layers' is {show(dense)}, expected layer ids in "
+                             f"0..{num_layers - 1}")
+        layers = tuple(i for i in layers if i not in dense and (i + 1) % step == 0)
+    return dict(num_experts=experts, experts_per_token=top_k,
+                moe_intermediate=need_positive(text, "moe_intermediate_size", w),
+                shared_intermediate=shared, norm_topk_prob=norm, moe_layers=layers)

@@ -9,9 +9,12 @@ resolved: nothing here reads the environment.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from . import ops, quant
+from .arch import Arch
 from .backends import native
 from .backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from .drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
@@ -20,7 +23,7 @@ from .drafters.mtp import MTP_PREFIX, MtpDrafter, MtpWeights
 from .errors import TurboError
 from .install import Install
 from .options import OpenOptions
-from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, Trunk, TrunkWeights, trunk_matrices
+from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk, TrunkWeights, trunk_matrices
 
 NATIVE_OFF = "TURBO_NATIVE=0"  # why_torch when OpenOptions.native is False
 
@@ -110,14 +113,17 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
                 q_norm=norm(m + "q_norm.weight", hd),
                 k_norm=norm(m + "k_norm.weight", hd),
             )
+        moe = load_moe(lambda name, shape: w(name, shape, matrix=True), index, PREFIX, p + "mlp.", a) \
+            if a.is_moe(i) else None
         layers.append(LayerWeights(
             gdn=a.is_gdn(i),
             in_norm=norm(p + "input_layernorm.weight", a.hidden),
             post_norm=norm(p + "post_attention_layernorm.weight", a.hidden),
             mixer=mixer,
-            gate_up=quant.fuse([w(p + "mlp.gate_proj.weight", (a.intermediate, a.hidden), matrix=True),
-                                w(p + "mlp.up_proj.weight", (a.intermediate, a.hidden), matrix=True)]),
-            down=w(p + "mlp.down_proj.weight", (a.hidden, a.intermediate), matrix=True),
+            gate_up=None if moe else quant.fuse([w(p + "mlp.gate_proj.weight", (a.intermediate, a.hidden), matrix=True),
+                                                 w(p + "mlp.up_proj.weight", (a.intermediate, a.hidden), matrix=True)]),
+            down=None if moe else w(p + "mlp.down_proj.weight", (a.hidden, a.intermediate), matrix=True),
+            moe=moe,
         ))
     inv_freq = ops.rope_inv_freq(a.rotary_dim, a.rope_theta)
     if not on_cpu:  # once, at load: everything above was prepared on the host exactly as for the CPU
@@ -135,6 +141,43 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     else:
         make_step = TorchTrunkStep
     return Trunk(a, weights, dtype, device, make_step, why)
+
+
+def moe_tensor_shapes(a: Arch, mlp: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the MoE block under `mlp` (e.g. "layers.3.mlp."), with the shape the
+    config implies (the shared expert's only when it has a width)."""
+    e_count, inter, shared, h = a.num_experts, a.moe_intermediate, a.shared_intermediate, a.hidden
+    shapes = {mlp + "gate.weight": (e_count, h)}
+    for e in range(e_count):
+        x = f"{mlp}experts.{e}."
+        shapes |= {x + "gate_proj.weight": (inter, h), x + "up_proj.weight": (inter, h),
+                   x + "down_proj.weight": (h, inter)}
+    if shared:
+        x = mlp + "shared_expert."
+        shapes |= {x + "gate_proj.weight": (shared, h), x + "up_proj.weight": (shared, h),
+                   x + "down_proj.weight": (h, shared), mlp + "shared_expert_gate.weight": (1, h)}
+    return shapes
+
+
+def load_moe(read: Callable[[str, tuple[int, ...]], torch.Tensor], index, prefix: str, mlp: str,
+             a: Arch) -> MoeWeights:
+    """One MoE block through `read(name, shape)` (a matrix of the part under `prefix`); an
+    expert past num_experts in the install is refused, as a missing one is by read."""
+    extra = f"{prefix}{mlp}experts.{a.num_experts}.gate_proj.weight"
+    if extra in index:
+        raise TurboError(f"{extra}: the install has more experts than num_experts {a.num_experts} (config.json)")
+    m = {name[len(mlp):]: read(name, shape) for name, shape in moe_tensor_shapes(a, mlp).items()}
+    experts = range(a.num_experts)
+    shared = a.shared_intermediate > 0
+    return MoeWeights(
+        router=m["gate.weight"],
+        gate_up=[quant.fuse([m[f"experts.{e}.gate_proj.weight"], m[f"experts.{e}.up_proj.weight"]]) for e in experts],
+        down=[m[f"experts.{e}.down_proj.weight"] for e in experts],
+        shared_gate_up=quant.fuse([m["shared_expert.gate_proj.weight"], m["shared_expert.up_proj.weight"]])
+        if shared else None,
+        shared_down=m["shared_expert.down_proj.weight"] if shared else None,
+        shared_gate=m["shared_expert_gate.weight"] if shared else None,
+    )
 
 
 # ---- the drafters ---------------------------------------------------------------------------
@@ -247,10 +290,11 @@ def mtp_tensor_shapes(arch) -> dict[str, tuple[int, ...]]:
         layer + "self_attn.o_proj.weight": (h, nh * hd),
         layer + "self_attn.q_norm.weight": (hd,),
         layer + "self_attn.k_norm.weight": (hd,),
+    } | (moe_tensor_shapes(arch, layer + "mlp.") if arch.moe else {
         layer + "mlp.gate_proj.weight": (inter, h),
         layer + "mlp.up_proj.weight": (inter, h),
         layer + "mlp.down_proj.weight": (h, inter),
-    }
+    })
 
 
 def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDrafter:
@@ -291,8 +335,9 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
             mixer=AttnWeights(qkv=torch.cat([w(a + "q_proj.weight"), w(a + "k_proj.weight"), w(a + "v_proj.weight")]),
                               o=w(a + "o_proj.weight"), q_norm=norm(a + "q_norm.weight"),
                               k_norm=norm(a + "k_norm.weight")),
-            gate_up=torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
-            down=w(p + "mlp.down_proj.weight"),
+            gate_up=None if arch.moe else torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
+            down=None if arch.moe else w(p + "mlp.down_proj.weight"),
+            moe=load_moe(lambda name, shape: w(name), index, MTP_PREFIX, p + "mlp.", arch) if arch.moe else None,
         ),
     )
     if trunk.step_name == "native":  # so is the head's layer (native.c's attn_layer + head)

@@ -53,9 +53,11 @@ def _key(w) -> tuple[int, int, torch.dtype, int, str]:
 
 
 def to_device(obj, device: torch.device):
-    """A weight, a QuantizedWeight or a dataclass of them (recursively) moved to `device`."""
+    """A weight, a QuantizedWeight or a dataclass or list of them (recursively) moved to `device`."""
     if isinstance(obj, torch.Tensor):
         return obj.to(device)
+    if isinstance(obj, list):  # (an MoE block's experts)
+        return [to_device(x, device) for x in obj]
     if isinstance(obj, QuantizedWeight):
         return dataclasses.replace(obj, packed=obj.packed.to(device), scales=obj.scales.to(device),
                                    biases=obj.biases.to(device), _kernel=None, _dense=None)

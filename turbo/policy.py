@@ -47,13 +47,19 @@ def speculation_blocker(install: Install, drafter: str | None, covered_dtypes: t
     bring no weights, so no "this install carries no drafter" applies to them.
 
     Ordered: the first that applies wins. The vision arm is first because every check
-    below would wave a tower-carrying install through into wrong numbers."""
+    below would wave a tower-carrying install through into wrong numbers. The MoE arm
+    applies to an install that declares experts unless its trunk routes them and it carries a
+    drafter of its own (an MTP head, a DFlash drafter): then every drafter, ngram and a
+    caller's included, speculates through the routed verify."""
     arch, index = install.arch, install.index
     if install.has_vision:
         return (f"{VISION_SPECULATION_BLOCKER_MARKER}: this install has a vision tower, and the batched verify "
                 "embeds every row from the token table and rotates at the raw position, so a speculative round "
                 "past an image would attend and rotate by the wrong values; repack with --text-only or use +policy=off")
-    if arch.num_experts != 0:
+    own_drafter = install.has_mtp or install.has_dflash
+    if arch.num_experts != 0 and not (arch.moe_layers and own_drafter):
+        # the ported policy; an MoE install whose trunk routes (turbo/trunk.py's MoE block) and
+        # that brings a drafter of its own speculates through the routed verify (README: MoE)
         return (f"{MOE_SPECULATION_BLOCKER_MARKER}: this install routes to {arch.num_experts} experts, and no "
                 "published MoE checkpoint of this architecture ships a DFlash2 drafter (the published one targets "
                 "the dense half); this is a checkpoint gap, not a missing kernel")

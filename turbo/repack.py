@@ -8,12 +8,17 @@ written into a temporary sibling directory and renamed at the end, so an interru
 repack leaves no half install behind: Ctrl-C or SIGTERM remove it (one line, `interrupted`),
 and one left by a repack killed outright is removed by the next repack into that directory.
 
+MoE checkpoints (Qwen3.5-MoE, Qwen3-Next) come out in one layout whichever expert layout they
+carry: every expert's matrices on their own (see "MoE checkpoints" below for how a fused stack
+is cut without holding it).
+
 --quant int4|int2|int1 quantizes the rank-2 projection matrices (turbo/quant.py: int4 in
 groups of 64 with bf16 scales, dtype 4; int2 / int1 in groups of 128 with f16 scales,
 dtypes 16 / 15), one tensor in memory at a time, as `name` (packed U32) + `name.scales` +
 `name.biases`, recording {name: {code, group, bits}} in the file's __metadata__["turbo.quant"].
 Quantized: weights of modules named `*_proj` or `in_proj*` (attention q/k/v/o, linear-attention
-in_proj_qkv/z/b/a and out_proj, MLP gate/up/down), `fc` (the drafter's / MTP's fusion) and an
+in_proj_qkv/z/b/a and out_proj, MLP gate/up/down, every routed and shared expert's), `fc` (the
+drafter's / MTP's fusion) and an
 untied `lm_head`, under trunk.*, mtp.* and dflash.*. Kept float: embeddings, norms, conv
 kernels, A_log, dt_bias, routers, the drafter's kernel_projection / base_kernel and candidate
 selector (small and precision-critical), the vision tower, and any projection whose input width
@@ -39,7 +44,7 @@ from typing import Callable, Iterator
 
 from tqdm import tqdm
 
-from .arch import arch_from_config, read_config_json
+from .arch import Arch, arch_from_config, read_config_json
 from .drafters import mtp
 from .drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from .errors import TurboError
@@ -88,18 +93,29 @@ def install_name(name: str) -> str | None:
     return None
 
 
-def _copier(path: Path, offset: int, size: int) -> Callable[[object], None]:
+Pieces = list[tuple[int, int]]  # a tensor's bytes: (absolute offset, size) ranges of its file, in order
+
+
+def _copier(path: Path, pieces: Pieces) -> Callable[[object], None]:
     def write(out) -> None:
         with path.open("rb") as f:
-            f.seek(offset)
-            left = size
-            while left:
-                chunk = f.read(min(COPY_CHUNK, left))
-                if not chunk:
-                    raise TurboError(f"{path}: truncated while copying")
-                out.write(chunk)
-                left -= len(chunk)
+            for offset, size in pieces:
+                f.seek(offset)
+                left = size
+                while left:
+                    chunk = f.read(min(COPY_CHUNK, left))
+                    if not chunk:
+                        raise TurboError(f"{path}: truncated while copying")
+                    out.write(chunk)
+                    left -= len(chunk)
     return write
+
+
+def _pieces(meta: dict, data_start: int) -> Pieces:
+    """A source tensor's bytes: its data_offsets, or the ranges of a tensor cut out of another
+    (`pieces`, relative to the data start: an expert out of a fused stack, see moe_sources)."""
+    spans = meta["pieces"] if "pieces" in meta else [meta["data_offsets"]]
+    return [(data_start + b, e - b) for b, e in spans]
 
 
 def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
@@ -120,8 +136,8 @@ def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
 
 
 def plan_copy(name: str, meta: dict, path: Path, data_start: int) -> Planned:
-    begin, end = meta["data_offsets"]
-    return Planned(name, meta["dtype"], list(meta["shape"]), end - begin, _copier(path, data_start + begin, end - begin))
+    pieces = _pieces(meta, data_start)
+    return Planned(name, meta["dtype"], list(meta["shape"]), sum(n for _, n in pieces), _copier(path, pieces))
 
 
 def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None = None,
@@ -150,6 +166,7 @@ def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None 
 def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
                quantized: dict[str, dict] | None = None) -> list[Planned]:
     config = read_config_json(src / "config.json")
+    arch = arch_from_config(config, str(src / "config.json"))
     tensors = []
     for name, meta, path, data_start in source_tensors(src):
         new = install_name(name)
@@ -157,7 +174,8 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
             raise TurboError(f"{name}: unexpected tensor in {path.name} (expected model.*, lm_head.*, mtp.* or a vision tower)")
         if text_only and new.startswith("vision."):
             continue
-        tensors.append((name, new, meta, path, data_start))
+        source = (name, new, meta, path, data_start)
+        tensors += moe_sources(*source, arch) if arch.moe else [source]
     return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
 
 
@@ -183,14 +201,91 @@ def plan_drafter(drafter: Path, hidden: int, fmt: q.QFormat | None = None,
     return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
 
 
+# ---- MoE checkpoints: one install layout -------------------------------------------------------
+#
+# Published MoE checkpoints carry every expert's matrices on their own
+# (`mlp.experts.{e}.gate_proj.weight`, ...); transformers holds them fused
+# (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]). The install keeps the
+# per-expert names: a fused stack is cut into its experts as byte ranges of the source file
+# (expert e's gate is rows e*2I..e*2I+I of the stack, contiguous), so it is never held in memory
+# whole -- copied in COPY_CHUNK pieces, or under --quant one expert's [I, H] matrix at a time
+# like any other projection. Qwen3-Next's linear-attention projections, grouped per key head
+# (in_proj_qkvz, in_proj_ba), are regrouped into Qwen3.5's four the same way: as row ranges.
+
+FUSED_EXPERTS = re.compile(r"((?:trunk|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?")
+EXPERT = re.compile(r"(?:trunk|mtp)\.layers\.\d+\.mlp\.experts\.(\d+)\..+")
+NEXT_PROJECTIONS = re.compile(r"(trunk\.layers\.\d+\.linear_attn)\.(in_proj_qkvz|in_proj_ba)\.weight")
+
+
+def _rows(name: str, meta: dict, rows: list[tuple[int, int]], shape: list[int]) -> dict:
+    """A tensor made of row ranges [start, stop) of the rank-2 or rank-3 source `meta` (rows
+    counted over its leading dims), shaped `shape`."""
+    if meta["dtype"] not in ST_BYTES:
+        raise TurboError(f"{name}: stored as {meta['dtype']}, expected BF16, F16 or F32 (the repack regroups its rows)")
+    row = ST_BYTES[meta["dtype"]] * meta["shape"][-1]
+    begin = meta["data_offsets"][0]
+    return {"dtype": meta["dtype"], "shape": shape, "pieces": [(begin + a * row, begin + b * row) for a, b in rows]}
+
+
+def _need_shape(name: str, meta: dict, shape: list[int], why: str) -> None:
+    if list(meta["shape"]) != shape:
+        raise TurboError(f"{name} has shape {meta['shape']}, expected {shape} ({why})")
+
+
+def moe_sources(name: str, new: str, meta: dict, path: Path, data_start: int, arch: Arch) -> list[tuple]:
+    """The install tensors (source name, install name, meta, file, data start) one tensor of an
+    MoE checkpoint becomes: a fused expert stack its experts, Qwen3-Next's grouped projections
+    Qwen3.5's, anything else itself."""
+    e_count, h = arch.num_experts, arch.hidden
+    if (m := FUSED_EXPERTS.fullmatch(new)) is not None:
+        stem, kind = m.groups()
+        if len(meta["shape"]) != 3 or meta["shape"][0] != e_count:
+            raise TurboError(f"{name} has shape {meta['shape']}: a stack of {meta['shape'][:1]} experts, expected "
+                             f"num_experts {e_count} (config.json)")
+        inter = arch.moe_intermediate
+        if kind == "gate_up_proj":
+            _need_shape(name, meta, [e_count, 2 * inter, h], "num_experts, 2 * moe_intermediate_size, hidden_size")
+            return [(f"{name}[{e}]", f"{stem}.{e}.{proj}.weight", _rows(name, meta, [(rows, rows + inter)], [inter, h]),
+                     path, data_start) for e in range(e_count)
+                    for proj, rows in (("gate_proj", 2 * e * inter), ("up_proj", (2 * e + 1) * inter))]
+        _need_shape(name, meta, [e_count, h, inter], "num_experts, hidden_size, moe_intermediate_size")
+        return [(f"{name}[{e}]", f"{stem}.{e}.down_proj.weight", _rows(name, meta, [(e * h, (e + 1) * h)], [h, inter]),
+                 path, data_start) for e in range(e_count)]
+    if (m := EXPERT.fullmatch(new)) is not None and int(m.group(1)) >= e_count:
+        raise TurboError(f"{name}: expert {m.group(1)} of a layer configured for num_experts {e_count}")
+    if (m := NEXT_PROJECTIONS.fullmatch(new)) is not None and arch.model_type == "qwen3_next":
+        stem, kind = m.groups()
+        hk, dk, dv, rep = arch.lin_k_heads, arch.lin_k_dim, arch.lin_v_dim, arch.lin_v_heads // arch.lin_k_heads
+        if kind == "in_proj_qkvz":  # per key head: q [dk], k [dk], v [rep*dv], z [rep*dv]
+            group = 2 * dk + 2 * rep * dv
+            _need_shape(name, meta, [hk * group, h], "per key head: 2 * key dim + 2 * value heads per key head "
+                                                      "* value dim")
+            parts = (("in_proj_qkv", [(0, dk), (dk, 2 * dk), (2 * dk, 2 * dk + rep * dv)]),
+                     ("in_proj_z", [(2 * dk + rep * dv, group)]))
+        else:  # per key head: b [rep], a [rep]
+            group = 2 * rep
+            _need_shape(name, meta, [hk * group, h], "per key head: 2 * value heads per key head")
+            parts = (("in_proj_b", [(0, rep)]), ("in_proj_a", [(rep, group)]))
+        out = []
+        for proj, spans in parts:  # one piece per (span, key head), span by span: q of every head, then k, ...
+            rows = [(g * group + a, g * group + b) for a, b in spans for g in range(hk)]
+            out.append((f"{name}[{proj}]", f"{stem}.{proj}.weight",
+                        _rows(name, meta, rows, [sum(b - a for a, b in rows), h]), path, data_start))
+        return out
+    return [(name, new, meta, path, data_start)]
+
+
 # ---- quantization (--quant, and MLX-layout quantized sources) ------------------------------
 
 FLOAT_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
 
 
 def quantizable(new: str, meta: dict, fmt: q.QFormat) -> bool:
     """The rank-2 projection matrices (see the module docstring); everything else stays float."""
     if meta["dtype"] not in FLOAT_ST or len(meta["shape"]) != 2 or not new.endswith(".weight"):
+        return False
+    if not all(meta["shape"]):  # an empty matrix (a shared expert of width 0) stays as it is
         return False
     if not new.startswith(("trunk.", "mtp.", "dflash.")):
         return False
@@ -200,15 +295,17 @@ def quantizable(new: str, meta: dict, fmt: q.QFormat) -> bool:
     return meta["shape"][1] % fmt.group == 0
 
 
-def _load_source(path: Path, offset: int, size: int, st: str, shape: list[int], name: str):
+def _load_source(path: Path, pieces: Pieces, st: str, shape: list[int], name: str):
     import torch
 
-    data = bytearray(size)  # the one copy of the source tensor in memory
+    data = bytearray(sum(n for _, n in pieces))  # the one copy of the source tensor in memory
+    at = 0
     with path.open("rb") as f:
-        f.seek(offset)
-        got = f.readinto(data)
-    if got != size:
-        raise TurboError(f"{path}: truncated while reading {name}")
+        for offset, size in pieces:
+            f.seek(offset)
+            if f.readinto(memoryview(data)[at:at + size]) != size:
+                raise TurboError(f"{path}: truncated while reading {name}")
+            at += size
     return torch.frombuffer(data, dtype=getattr(torch, FLOAT_ST[st])).reshape(shape)
 
 
@@ -222,8 +319,8 @@ class _QuantJob:
     """Quantizes one source tensor when its packed weight is written and hands the scales
     and biases, written right after, from the same result; then drops it (one tensor in memory)."""
 
-    def __init__(self, name: str, path: Path, offset: int, size: int, st: str, shape: list[int], fmt: q.QFormat):
-        self.args = (path, offset, size, st, shape, name)
+    def __init__(self, name: str, path: Path, pieces: Pieces, st: str, shape: list[int], fmt: q.QFormat):
+        self.args = (path, pieces, st, shape, name)
         self.fmt, self.name, self.parts = fmt, name, None
 
     def writer(self, i: int) -> Callable[[object], None]:
@@ -252,11 +349,11 @@ def _mlx_spec(config: dict, module: str) -> tuple[int, int] | None:
         return None
 
 
-def _cast_writer(path: Path, offset: int, size: int, st: str, shape: list[int], name: str, to_st: str):
+def _cast_writer(path: Path, pieces: Pieces, st: str, shape: list[int], name: str, to_st: str):
     import torch
 
     def write(out) -> None:
-        out.write(_tensor_bytes(_load_source(path, offset, size, st, shape, name).to(getattr(torch, FLOAT_ST[to_st]))))
+        out.write(_tensor_bytes(_load_source(path, pieces, st, shape, name).to(getattr(torch, FLOAT_ST[to_st]))))
     return write
 
 
@@ -272,7 +369,6 @@ def plan_tensors(tensors: list[tuple[str, str, dict, Path, int]], fmt: q.QFormat
             if not any(by_src.get(c, (0, 0, {}))[2].get("dtype") == "U32" for c in (base + ".weight", base)):
                 raise TurboError(f"{name}: quantization scales/biases without a packed U32 {base}.weight")
             continue
-        begin, end = meta["data_offsets"]
         if meta["dtype"] == "U32" and name.endswith(".weight"):
             # an MLX-layout quantized source: carry it packed
             base = name[:-len(".weight")]
@@ -296,16 +392,16 @@ def plan_tensors(tensors: list[tuple[str, str, dict, Path, int]], fmt: q.QFormat
                 cb, ce = comp[2]["data_offsets"]
                 if comp[2]["dtype"] == src_fmt.scale_st:
                     planned.append(Planned(new + suffix, src_fmt.scale_st, list(comp[2]["shape"]), ce - cb,
-                                           _copier(comp[3], comp[4] + cb, ce - cb)))
+                                           _copier(comp[3], [(comp[4] + cb, ce - cb)])))
                 else:
-                    count = (ce - cb) // {"BF16": 2, "F16": 2, "F32": 4}[comp[2]["dtype"]]
+                    count = (ce - cb) // ST_BYTES[comp[2]["dtype"]]
                     planned.append(Planned(new + suffix, src_fmt.scale_st, list(comp[2]["shape"]), count * 2,
-                                           _cast_writer(comp[3], comp[4] + cb, ce - cb, comp[2]["dtype"],
+                                           _cast_writer(comp[3], [(comp[4] + cb, ce - cb)], comp[2]["dtype"],
                                                         list(comp[2]["shape"]), comp[0], src_fmt.scale_st)))
             quantized[new] = {"code": src_fmt.code, "group": src_fmt.group, "bits": src_fmt.bits}
         elif fmt is not None and quantizable(new, meta, fmt):
             rows, cols = meta["shape"]
-            job = _QuantJob(new, path, data_start + begin, end - begin, meta["dtype"], meta["shape"], fmt)
+            job = _QuantJob(new, path, _pieces(meta, data_start), meta["dtype"], meta["shape"], fmt)
             groups = cols // fmt.group
             planned.append(Planned(new, "U32", [rows, cols * fmt.bits // 32], rows * cols * fmt.bits // 8, job.writer(0)))
             planned.append(Planned(new + ".scales", fmt.scale_st, [rows, groups], rows * groups * 2, job.writer(1)))
@@ -412,7 +508,8 @@ def _on_sigterm(signum, frame) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
-    parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM or Qwen3_5ForConditionalGeneration)")
+    parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, "
+                                    "their MoE versions, or Qwen3NextForCausalLM)")
     parser.add_argument("out", help="the install directory to create")
     parser.add_argument("--drafter", help="a DFlash drafter directory (DFlash2 or the published DFlash) to file under dflash.")
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")

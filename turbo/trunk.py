@@ -47,13 +47,33 @@ class GdnWeights:
 
 
 @dataclass
+class MoeWeights:
+    """One layer's mixture of experts: the router, every expert, the gated shared expert."""
+
+    router: torch.Tensor  # [E, hidden]
+    gate_up: list[torch.Tensor]  # E x [2*I, hidden] (gate rows | up rows)
+    down: list[torch.Tensor]  # E x [hidden, I]
+    shared_gate_up: torch.Tensor | None  # [2*S, hidden]; None: no shared expert (S = 0)
+    shared_down: torch.Tensor | None  # [hidden, S]
+    shared_gate: torch.Tensor | None  # [1, hidden]: sigmoid of it scales the shared expert
+
+    def matrices(self) -> list[torch.Tensor]:
+        shared = [self.shared_gate_up, self.shared_down, self.shared_gate] if self.shared_gate_up is not None else []
+        return [self.router, *self.gate_up, *self.down, *shared]
+
+
+@dataclass
 class LayerWeights:
     gdn: bool  # a Gated DeltaNet layer (else gated attention)
     in_norm: torch.Tensor
     post_norm: torch.Tensor
     mixer: AttnWeights | GdnWeights
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: torch.Tensor | None  # the dense MLP (None in an MoE layer)
+    down: torch.Tensor | None
+    moe: MoeWeights | None = None  # the MoE block, in place of the dense MLP
+
+    def mlp_matrices(self) -> list[torch.Tensor]:
+        return self.moe.matrices() if self.moe is not None else [self.gate_up, self.down]
 
 
 @dataclass
@@ -65,13 +85,35 @@ class TrunkWeights:
     inv_freq: torch.Tensor  # [rotary_dim / 2]
 
 
+def swiglu(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate h) * up h), gate_up the two matrices' rows stacked."""
+    gu = ops.linear(h, gate_up)
+    n = gu.shape[1] // 2
+    return ops.linear(ops.silu(gu[:, :n]) * gu[:, n:], down)
+
+
+def route_rows(logits: torch.Tensor, top_k: int, renormalise: bool) -> list[list[tuple[int, float]]]:
+    """Each row's experts and weights: softmax over the router logits [R, E] in fp32, the
+    top_k most probable (ties to the lower expert index: a stable sort), their probabilities
+    renormalised to sum to 1 when the config says so; a row at a time, so that a row's
+    routing is the same whatever rows are routed with it."""
+    picks = []
+    for row in logits.float():
+        probs, experts = torch.sort(torch.softmax(row, dim=-1), descending=True, stable=True)
+        top = probs[:top_k]
+        if renormalise:
+            top = top / top.sum()
+        picks.append(sorted(zip(experts[:top_k].tolist(), top.tolist())))
+    return picks
+
+
 def trunk_matrices(w: TrunkWeights | Trunk) -> list[torch.Tensor]:
     """Every weight the decode/verify path multiplies by."""
     mats = [w.lm_head]
     for layer in w.layers:
         m = layer.mixer
         mats += [m.in_proj, m.out] if layer.gdn else [m.qkv, m.o]
-        mats += [layer.gate_up, layer.down]
+        mats += layer.mlp_matrices()
     return mats
 
 
@@ -114,9 +156,24 @@ class Trunk:
     # ---- shared pieces -----------------------------------------------------------------
 
     def mlp(self, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
-        gu = ops.linear(h, layer.gate_up)
-        n = self.arch.intermediate
-        return ops.linear(ops.silu(gu[:, :n]) * gu[:, n:], layer.down)
+        if layer.moe is not None:
+            return self.moe(layer.moe, h)
+        return swiglu(h, layer.gate_up, layer.down)
+
+    def moe(self, m: MoeWeights, h: torch.Tensor) -> torch.Tensor:
+        """The MoE block of R rows, each routed on its own (route_rows); an expert runs once
+        over the rows that picked it, and each row adds its experts' outputs in ascending
+        expert order, so its sum does not depend on the rows routed with it."""
+        a = self.arch
+        out = torch.zeros(h.shape[0], a.hidden, device=h.device)
+        picks = route_rows(ops.linear(h, m.router), a.experts_per_token, a.norm_topk_prob)
+        for e in sorted({e for row in picks for e, _ in row}):
+            rows = [r for r, row in enumerate(picks) for x, _ in row if x == e]
+            weights = torch.tensor([w for row in picks for x, w in row if x == e], device=h.device)
+            out[rows] += swiglu(h[rows], m.gate_up[e], m.down[e]) * weights[:, None]
+        if m.shared_gate_up is not None:
+            out = out + ops.sigmoid(ops.linear(h, m.shared_gate)) * swiglu(h, m.shared_gate_up, m.shared_down)
+        return out
 
     def gdn_inputs(self, m: GdnWeights, h: torch.Tensor, window: torch.Tensor):
         """Projections and conv of R rows: returns ext, (q, k, v, g, beta) per row, z."""

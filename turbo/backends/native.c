@@ -53,7 +53,8 @@
 int dot_products(void) { return BF16_DOT | INT8_DOT << 1; }
 
 int struct_size(int which) {
-    return which == 0 ? (int)sizeof(Layer) : which == 1 ? (int)sizeof(Dflash) : which == 2 ? (int)sizeof(DfLayer) : -1;
+    return which == 0 ? (int)sizeof(Layer) : which == 1 ? (int)sizeof(Dflash) : which == 2 ? (int)sizeof(DfLayer)
+         : which == 3 ? (int)sizeof(Moe) : -1;
 }
 
 typedef float v16 __attribute__((vector_size(64)));
@@ -319,6 +320,10 @@ static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(fast_exp(
 
 /* x += down(silu(gate) * up) of rms_norm(x): the MLP half of every layer. */
 static void mlp_block(const Layer *L, float *x, int R) {
+    if (L->moe) {
+        moe_block(L, x, R);
+        return;
+    }
     int H = L->hidden, I = L->inter;
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *gu = malloc(sizeof(float) * (size_t)R * 2 * I);

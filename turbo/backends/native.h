@@ -12,6 +12,15 @@
 /* The structs Python fills (turbo/backends/native.py mirrors them with ctypes and checks
  * their sizes against struct_size at load). */
 
+/* native_moe.c: one layer's mixture of experts (pointers to packed matrices) and sizes. */
+typedef struct {
+    int experts, top_k, inter, shared_inter, norm_topk, wtype;
+    const void *router;              /* packed [experts, hidden] */
+    const void *const *gate_up;      /* experts x packed [2 * inter, hidden] (gate rows | up rows) */
+    const void *const *down;         /* experts x packed [hidden, inter] */
+    const void *shared_gate_up, *shared_down, *shared_gate; /* [2 S, hidden], [hidden, S], [1, hidden]; NULL: none */
+} Moe;
+
 /* native.c: one trunk layer's weights (pointers) and sizes. */
 typedef struct {
     int hidden, inter, wtype;
@@ -26,6 +35,7 @@ typedef struct {
     const void *qkv, *o;
     const float *q_norm, *k_norm, *inv_freq;
     int heads, kv_heads, head_dim, rot;
+    const Moe *moe; /* the MLP half routes to experts (native_moe.c) in place of gate_up / down; NULL: dense */
 } Layer;
 
 /* native_dflash.c: one DFlash layer and the drafter (DFlash2, or the published DFlash: no conv). */
@@ -51,8 +61,11 @@ typedef struct {
     const DfLayer *layer;
 } Dflash;
 
-/* sizeof(Layer), sizeof(Dflash), sizeof(DfLayer) for which = 0, 1, 2 (-1 otherwise). */
+/* sizeof(Layer), sizeof(Dflash), sizeof(DfLayer), sizeof(Moe) for which = 0, 1, 2, 3 (-1 otherwise). */
 int struct_size(int which);
+
+/* x += the MoE block of rms_norm(x) (post_norm, eps, hidden of L), R rows (native_moe.c). */
+void moe_block(const Layer *L, float *x, int R);
 
 /* y [R, n] = x [R, k] @ w[n, k]^T for a packed w (panels of 16 outputs; native.c). */
 void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y);

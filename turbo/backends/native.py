@@ -1,6 +1,6 @@
 """The native CPU step -- native.c (the trunk's step, the MTP head's layer, the packed
-products) and native_dflash.c (the DFlash pass, both architectures) -- compiled once per machine with the host's
-C compiler, and every ctypes declaration and call into it.
+products), native_moe.c (the MoE block) and native_dflash.c (the DFlash pass, both
+architectures) -- compiled once per machine with the host's C compiler, and every ctypes declaration and call into it.
 
 `library(cache_dir)` returns the loaded library, or None when it cannot be had (no compiler,
 a failed build); `why_not()` says why. Whether a part runs here is the loader's choice
@@ -39,6 +39,16 @@ _why: str | None = None
 _tried = False
 
 
+class Moe(ctypes.Structure):
+    """native.h's Moe: one layer's mixture of experts (pointers to packed matrices) and sizes."""
+
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "experts", "top_k", "inter", "shared_inter", "norm_topk", "wtype")] + [
+        ("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
+        ("down", ctypes.POINTER(ctypes.c_void_p)),
+        ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p)]
+
+
 class Layer(ctypes.Structure):
     """native.h's Layer: one trunk layer's weights (pointers) and sizes."""
 
@@ -53,6 +63,7 @@ class Layer(ctypes.Structure):
         ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p), ("inv_freq", ctypes.c_void_p),
         ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("rot", ctypes.c_int),
+        ("moe", ctypes.POINTER(Moe)),
     ]
 
 
@@ -75,7 +86,7 @@ class Dflash(ctypes.Structure):
         ("layer", ctypes.POINTER(DfLayer))]
 
 
-STRUCTS = (Layer, Dflash, DfLayer)  # native.c's struct_size(0, 1, 2)
+STRUCTS = (Layer, Dflash, DfLayer, Moe)  # native.c's struct_size(0, 1, 2, 3)
 
 WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
@@ -352,15 +363,38 @@ def pack_layer(layer, dtype: torch.dtype, layout: str = "panels") -> None:
         m.in_proj, m.out = pack_as(m.in_proj, dtype, layout), pack_as(m.out, dtype, layout)
     else:
         m.qkv, m.o = pack_as(m.qkv, dtype, layout), pack_as(m.o, dtype, layout)
-    layer.gate_up, layer.down = pack_as(layer.gate_up, dtype, layout), pack_as(layer.down, dtype, layout)
+    if layer.moe is None:
+        layer.gate_up, layer.down = pack_as(layer.gate_up, dtype, layout), pack_as(layer.down, dtype, layout)
+        return
+    e = layer.moe
+    e.router = pack_as(e.router, dtype, layout)
+    e.gate_up = [pack_as(w, dtype, layout) for w in e.gate_up]
+    e.down = [pack_as(w, dtype, layout) for w in e.down]
+    if e.shared_gate_up is not None:
+        e.shared_gate_up, e.shared_down, e.shared_gate = (
+            pack_as(w, dtype, layout) for w in (e.shared_gate_up, e.shared_down, e.shared_gate))
+
+
+def moe_struct(a, moe) -> Moe:
+    """native.h's Moe for one packed MoE block (ctypes keeps its pointer arrays alive with it)."""
+    gate_up = (ctypes.c_void_p * len(moe.gate_up))(*(ptr(w) for w in moe.gate_up))
+    down = (ctypes.c_void_p * len(moe.down))(*(ptr(w) for w in moe.down))
+    s = Moe(experts=a.num_experts, top_k=a.experts_per_token, inter=a.moe_intermediate,
+            shared_inter=a.shared_intermediate if moe.shared_gate_up is not None else 0,
+            norm_topk=a.norm_topk_prob, wtype=moe.router.wtype, router=ptr(moe.router),
+            gate_up=gate_up, down=down, shared_gate_up=ptr(moe.shared_gate_up), shared_down=ptr(moe.shared_down),
+            shared_gate=ptr(moe.shared_gate))
+    return s
 
 
 def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
     """native.c's struct for one packed layer (its tensors must outlive it: it holds pointers)."""
     m = layer.mixer
-    s = Layer(hidden=a.hidden, inter=a.intermediate, wtype=layer.gate_up.wtype, eps=a.rms_eps,
+    s = Layer(hidden=a.hidden, inter=a.intermediate, wtype=(m.in_proj if layer.gdn else m.qkv).wtype, eps=a.rms_eps,
               in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
               gate_up=ptr(layer.gate_up), down=ptr(layer.down))
+    if layer.moe is not None:
+        s.moe = ctypes.pointer(moe_struct(a, layer.moe))
     if layer.gdn:
         s.in_proj, s.out, s.conv = ptr(m.in_proj), ptr(m.out), ptr(m.conv)
         s.neg_a, s.dt_bias, s.gnorm = ptr(m.neg_a), ptr(m.dt_bias), ptr(m.norm)

@@ -1,6 +1,6 @@
 """Speculation on MoE installs: lossless through the routed verify where the install carries a
-drafter of its own (an MTP head whose layer routes too), the ported MoE blocker where it does
-not; on both CPU steps."""
+drafter of its own (an MTP head whose layer routes too) or with ngram, the ported MoE blocker
+where no drafter is at hand; on both CPU steps."""
 
 import types
 
@@ -69,12 +69,17 @@ def test_auto_picks_the_head(rt):
 
 
 def test_without_a_drafter_of_its_own_the_moe_blocker_holds(tmp_path):
-    """The ported policy, marker and message, for every drafter: fixed refuses, auto plain-decodes
-    and says why."""
+    """The ported policy, marker and message, for every drafter that needs weights the install
+    lacks: fixed refuses, auto plain-decodes and says why. ngram needs none: it speculates."""
     _, path = make_moe_install(tmp_path, 7)
     bare = turbo.open(path, backend="cpu")
     plain = bare.generate([1, 2, 3], max_new_tokens=6, policy="off", stop_at_eos=False).tokens
-    for drafter in ("auto", "dflash", "mtp", "ngram"):
+    prompt = [5, 17, 99, 5, 17, 99, 5, 17]
+    ref = bare.generate(prompt, max_new_tokens=24, policy="off", stop_at_eos=False).tokens
+    for block in (1, 4, 8):
+        res = bare.generate(prompt, max_new_tokens=24, policy="fixed", block=block, drafter="ngram", stop_at_eos=False)
+        assert res.tokens == ref and res.stats.drafter == "ngram" and res.stats.speculation_off_reason is None
+    for drafter in ("auto", "dflash", "mtp"):
         with pytest.raises(turbo.TurboError, match=r"speculation blocked \[moe\]: this install routes to 8 experts"):
             bare.generate([1, 2, 3], max_new_tokens=6, policy="fixed", block=2, drafter=drafter)
         res = bare.generate([1, 2, 3], max_new_tokens=6, policy="auto", drafter=drafter, stop_at_eos=False)

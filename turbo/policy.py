@@ -48,16 +48,16 @@ def speculation_blocker(install: Install, drafter: str | None, covered_dtypes: t
 
     Ordered: the first that applies wins. The vision arm is first because every check
     below would wave a tower-carrying install through into wrong numbers. The MoE arm
-    applies to an install that declares experts unless its trunk routes them and it carries a
-    drafter of its own (an MTP head, a DFlash drafter): then every drafter, ngram and a
-    caller's included, speculates through the routed verify."""
+    applies to an install that declares experts unless its trunk routes them and a drafter is
+    at hand: one of its own (an MTP head, a DFlash drafter: then every drafter speculates), or
+    one that needs no weights (ngram, a caller's object); then the routed verify checks it."""
     arch, index = install.arch, install.index
     if install.has_vision:
         return (f"{VISION_SPECULATION_BLOCKER_MARKER}: this install has a vision tower, and the batched verify "
                 "embeds every row from the token table and rotates at the raw position, so a speculative round "
                 "past an image would attend and rotate by the wrong values; repack with --text-only or use +policy=off")
-    own_drafter = install.has_mtp or install.has_dflash
-    if arch.num_experts != 0 and not (arch.moe_layers and own_drafter):
+    at_hand = install.has_mtp or install.has_dflash or drafter in ("ngram", None)
+    if arch.num_experts != 0 and not (arch.moe_layers and at_hand):
         # the ported policy; an MoE install whose trunk routes (turbo/trunk.py's MoE block) and
         # that brings a drafter of its own speculates through the routed verify (README: MoE)
         return (f"{MOE_SPECULATION_BLOCKER_MARKER}: this install routes to {arch.num_experts} experts, and no "

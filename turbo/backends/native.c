@@ -391,13 +391,17 @@ static void gdn_column(float *S, int dk, int dv, int j, const float *qh, const f
 
 /* The gated delta rule over R rows, one after another, all heads; `state` [Hv, dk, dv] is
  * updated in place. q, k [R, Hv, dk]; v [R, Hv, dv]; g, beta [R, Hv]. out [R, Hv, dv] and
- * states [R, Hv, dk, dv] (the state after every row) are optional. */
+ * states [R, Hv, dk, dv] (the state after every row) are optional. The heads are
+ * independent: each runs its rows whole on one thread, so the thread count changes nothing. */
 void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q, const float *k,
                     const float *v, const float *g, const float *beta, float *out, float *states) {
     size_t per = (size_t)dk * dv;
-    for (int r = 0; r < R; r++) {
-        for (int h = 0; h < Hv; h++) {
-            float *S = state + h * per;
+    int parts = threads < Hv ? threads : Hv;
+    if ((long)R * Hv * per < MIN_PARALLEL_MACS) parts = 1;
+#pragma omp parallel for num_threads(parts) schedule(static)
+    for (int h = 0; h < Hv; h++) {
+        float *S = state + h * per;
+        for (int r = 0; r < R; r++) {
             const float *qh = q + ((size_t)r * Hv + h) * dk, *kh = k + ((size_t)r * Hv + h) * dk;
             const float *vh = v + ((size_t)r * Hv + h) * dv;
             float *oh = out ? out + ((size_t)r * Hv + h) * dv : NULL;
@@ -406,8 +410,8 @@ void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q,
             for (; c + 64 <= dv; c += 64) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 4);
             for (; c + 16 <= dv; c += 16) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 1);
             for (; c < dv; c++) gdn_column(S, dk, dv, c, qh, kh, vh, decay, b, oh);
+            if (states) memcpy(states + ((size_t)r * Hv + h) * per, S, sizeof(float) * per);
         }
-        if (states) memcpy(states + (size_t)r * Hv * per, state, sizeof(float) * Hv * per);
     }
 }
 
@@ -489,15 +493,16 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* out [d] = sum_t p[t] * V[t] (V [n, d]), each element summed over t in order; 64 columns
- * at a time in registers (an accumulator kept in memory would wait on its own store). */
-static void weighted_sum(const float *p, const float *V, int n, int d, float *out) {
+/* out [d] = sum_t p[t] * V[t] (V [n, d], rows `stride` apart), each element summed over t in
+ * order; 64 columns at a time in registers (an accumulator kept in memory would wait on its
+ * own store). */
+static void weighted_sum(const float *p, const float *V, int n, int d, int stride, float *out) {
     int c = 0;
     for (; c + 64 <= d; c += 64) { /* even and odd t in separate sums (two chains), added at the end */
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, u;
         int t = 0;
         for (; t + 2 <= n; t += 2) {
-            const float *v = V + (size_t)t * d + c, *w = v + d;
+            const float *v = V + (size_t)t * stride + c, *w = v + stride;
             float pt = p[t], pw = p[t + 1];
             memcpy(&u, v, 64); a0 += pt * u;
             memcpy(&u, v + 16, 64); a1 += pt * u;
@@ -509,7 +514,7 @@ static void weighted_sum(const float *p, const float *V, int n, int d, float *ou
             memcpy(&u, w + 48, 64); b3 += pw * u;
         }
         if (t < n) {
-            const float *v = V + (size_t)t * d + c;
+            const float *v = V + (size_t)t * stride + c;
             float pt = p[t];
             memcpy(&u, v, 64); a0 += pt * u;
             memcpy(&u, v + 16, 64); a1 += pt * u;
@@ -522,7 +527,7 @@ static void weighted_sum(const float *p, const float *V, int n, int d, float *ou
     }
     for (int i = c; i < d; i++) {
         float acc = 0.0f;
-        for (int t = 0; t < n; t++) acc += p[t] * V[(size_t)t * d + i];
+        for (int t = 0; t < n; t++) acc += p[t] * V[(size_t)t * stride + i];
         out[i] = acc;
     }
 }
@@ -538,11 +543,51 @@ static void rope(float *x, int rot, const float *inv_freq, int pos) {
     }
 }
 
+/* Columns of V summed per strip, every query of a kv head over one strip before the next:
+ * a strip of a long cache (n x 64 floats) stays in the cache while the queries reread it,
+ * so each cached value comes from memory once per step. */
+#define V_STRIP 64
+
+/* Kv head j of attn_layer: the scores of every row's queries on its keys K [N, hd], their
+ * softmax, and the gated weighted sums of V [N, hd] into att. */
+static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int N, const float *K, const float *V,
+                           const float *proj, const float *qs, float *scores, float *att) {
+    int nh = L->heads, hd = L->head_dim, groups = nh / L->kv_heads, P = 2 * nh * hd + 2 * L->kv_heads * hd;
+    float scale = 1.0f / sqrtf((float)hd);
+    /* key by key: a key is read once for all the queries (each score is still one `dot`) */
+    for (int t = 0; t < N; t++)
+        for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
+            for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+                size_t qi = (size_t)r * nh + hq;
+                scores[qi * N + t] = dot(qs + qi * hd, K + (size_t)t * hd, hd) * scale;
+            }
+    for (int r = 0; r < R; r++)
+        for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+            int n = p0 + r + 1 - start;
+            float *sr = scores + ((size_t)r * nh + hq) * N;
+            float m = max_of(sr, n);
+            for (int t = 0; t < n; t++) sr[t] = fast_exp(sr[t] - m); /* (vectorises) */
+            float z = sum_of(sr, n);
+            for (int t = 0; t < n; t++) sr[t] /= z;
+        }
+    for (int c = 0; c < hd; c += V_STRIP)
+        for (int r = 0; r < R; r++)
+            for (int hq = j * groups; hq < (j + 1) * groups; hq++)
+                weighted_sum(scores + ((size_t)r * nh + hq) * N, V + c, p0 + r + 1 - start,
+                             hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+    for (int r = 0; r < R; r++)
+        for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+            float *a = att + ((size_t)r * nh + hq) * hd;
+            const float *gate = proj + (size_t)r * P + hq * 2 * hd + hd;
+            for (int i = 0; i < hd; i++) a[i] *= fast_sigmoid(gate[i]);
+        }
+}
+
 /* One gated-attention layer over R rows at positions p0.., then its MLP. kc, vc
  * [kv_heads, cap, head_dim]: the rows' K and V are written at p0..p0+R-1; row r attends
  * to positions start..p0+r, exactly its own causal prefix (start: the first cached one). */
 void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, float *vc, int cap) {
-    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim, groups = nh / nkv;
+    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int P = 2 * nh * hd + 2 * nkv * hd;
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
@@ -551,7 +596,6 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     float *qs = malloc(sizeof(float) * (size_t)R * nh * hd);
     float *scores = malloc(sizeof(float) * (size_t)R * nh * N);
     float *y = malloc(sizeof(float) * (size_t)R * H);
-    float scale = 1.0f / sqrtf((float)hd);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
     linear_packed(h, R, H, L->qkv, L->wtype, P, proj);
     for (int r = 0; r < R; r++) { /* K and V of every row into the cache first */
@@ -569,34 +613,14 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
             rms_norm(proj + (size_t)r * P + hq * 2 * hd, hd, L->q_norm, L->eps, q);
             rope(q, L->rot, L->inv_freq, p0 + r);
         }
-    for (int j = 0; j < nkv; j++) {
-        /* the scores of all the rows' queries on this kv head, key by key: a key is read once
-         * for all of them (each score is still one `dot`, whoever else is computed with it) */
-        const float *K = kc + ((size_t)j * cap + start) * hd;
-        for (int t = 0; t < N; t++)
-            for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
-                for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
-                    size_t qi = (size_t)r * nh + hq;
-                    scores[qi * N + t] = dot(qs + qi * hd, K + (size_t)t * hd, hd) * scale;
-                }
-    }
-    for (int r = 0; r < R; r++) {
-        const float *pr = proj + (size_t)r * P;
-        int n = p0 + r + 1 - start;
-        for (int hq = 0; hq < nh; hq++) {
-            int j = hq / groups;
-            const float *V = vc + ((size_t)j * cap + start) * hd;
-            float *sr = scores + ((size_t)r * nh + hq) * N;
-            float m = max_of(sr, n);
-            for (int t = 0; t < n; t++) sr[t] = fast_exp(sr[t] - m); /* (vectorises) */
-            float z = sum_of(sr, n);
-            float *a = att + ((size_t)r * nh + hq) * hd;
-            const float *gate = pr + hq * 2 * hd + hd;
-            for (int t = 0; t < n; t++) sr[t] /= z;
-            weighted_sum(sr, V, n, hd, a);
-            for (int i = 0; i < hd; i++) a[i] *= fast_sigmoid(gate[i]);
-        }
-    }
+    /* the kv heads are independent: each is attended whole by one thread, in the same order
+     * whatever the thread count (and the row count: each score and sum is its own chain) */
+    int parts = threads < nkv ? threads : nkv;
+    if ((long)R * nh * N * hd < MIN_PARALLEL_MACS) parts = 1;
+#pragma omp parallel for num_threads(parts) schedule(static)
+    for (int j = 0; j < nkv; j++)
+        attend_kv_head(L, j, R, p0, start, N, kc + ((size_t)j * cap + start) * hd,
+                       vc + ((size_t)j * cap + start) * hd, proj, qs, scores, att);
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
     free(h); free(proj); free(att); free(qs); free(scores); free(y);

@@ -374,6 +374,10 @@ def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
 
 # ---- the steps ----------------------------------------------------------------------------
 
+# Rows per call of the native prefill: its working set (activations [chunk, ...], attention
+# scores [chunk, heads, prompt]) is bounded by it, and every matrix is read once per chunk.
+PREFILL_CHUNK = 256
+
 
 def pack_layer(layer, dtype: torch.dtype, layout: str = "panels") -> None:
     """A trunk-shaped layer's (turbo.trunk.LayerWeights) matrices into `layout` (panels: in
@@ -430,6 +434,28 @@ class NativeTrunkStep:
 
     def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
              rollback: str | None) -> StepOut:
+        x, aux, traces = self._rows(st, tokens, aux_layers, rollback)
+        return StepOut(self._head(x), x, aux, traces)
+
+    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
+        """The prompt as steps of PREFILL_CHUNK rows: each a verify-sized call (its rows equal
+        decode steps), so the working set is one chunk's (attention scores [chunk, heads,
+        prompt], no [prompt, prompt] matrix) and the lm_head runs only where logits are asked."""
+        parts = [self._rows(st, tokens[c:c + PREFILL_CHUNK], aux_layers, None)
+                 for c in range(0, len(tokens), PREFILL_CHUNK)]
+        x = torch.cat([p[0] for p in parts])
+        aux = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
+        return StepOut(self._head(x if want_logits else x[-1:]), x, aux)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        t, a = self.trunk, self.trunk.arch
+        logits = torch.empty(x.shape[0], a.vocab)
+        threaded().head(x.data_ptr(), x.shape[0], a.hidden, t.final_norm.data_ptr(), a.rms_eps,
+                        t.lm_head.data.data_ptr(), t.lm_head.wtype, a.vocab, logits.data_ptr(), None)
+        return logits
+
+    def _rows(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], rollback: str | None):
+        """R rows through every layer: (the residual stream x [R, H], aux, traces)."""
         t = self.trunk
         a, lib = t.arch, threaded()
         rows, p0 = len(tokens), st.pos
@@ -462,10 +488,7 @@ class NativeTrunkStep:
             if i in slot:
                 lib.copy_rows(xp, rows, a.hidden, aux.data_ptr() + 4 * slot[i] * a.hidden, len(slot) * a.hidden)
         st.pos = p0 + rows
-        logits = torch.empty(rows, a.vocab)
-        lib.head(xp, rows, a.hidden, t.final_norm.data_ptr(), a.rms_eps, t.lm_head.data.data_ptr(),
-                 t.lm_head.wtype, a.vocab, logits.data_ptr(), None)
-        return StepOut(logits, x, aux, traces)
+        return x, aux, traces
 
     def _inputs(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
         """native.c's recurrence inputs of `rows` rows, as the trace's q, k, v, g, beta."""

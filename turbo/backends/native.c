@@ -89,6 +89,9 @@ static inline float lanes_sum(v16 a) {
 
 /* Matrix products of at least this many multiply-adds are split over the threads. */
 #define MIN_PARALLEL_MACS 65536
+/* Attention (scores) of at least this many: a one-row step over a short cache costs less than
+ * the threads' barrier on a busy machine (decode over 2048+ cached positions splits). */
+#define MIN_PARALLEL_ATTENTION (1L << 22)
 static int threads = 1;
 
 /* Threads for the matrix products (1 = the caller only). OpenMP: built with -fopenmp this
@@ -397,7 +400,7 @@ void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q,
                     const float *v, const float *g, const float *beta, float *out, float *states) {
     size_t per = (size_t)dk * dv;
     int parts = threads < Hv ? threads : Hv;
-    if ((long)R * Hv * per < MIN_PARALLEL_MACS) parts = 1;
+    if (R < 2 || (long)R * Hv * per < MIN_PARALLEL_MACS) parts = 1; /* a decode step's: less than a barrier */
 #pragma omp parallel for num_threads(parts) schedule(static)
     for (int h = 0; h < Hv; h++) {
         float *S = state + h * per;
@@ -493,6 +496,23 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
+/* a . K[j] for the four rows of K [4, n]: four chains side by side (a read once for all),
+ * each the operations of `dot` in its order, so each result is `dot`'s bit for bit. */
+static inline void dot4(const float *a, const float *K, int n, float *out) {
+    int nv = n & ~15;
+    v16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, u, v;
+    for (int i = 0; i < nv; i += 16) {
+        memcpy(&u, a + i, 64);
+        memcpy(&v, K + i, 64); acc0 += u * v;
+        memcpy(&v, K + n + i, 64); acc1 += u * v;
+        memcpy(&v, K + 2 * (size_t)n + i, 64); acc2 += u * v;
+        memcpy(&v, K + 3 * (size_t)n + i, 64); acc3 += u * v;
+    }
+    out[0] = lanes_sum(acc0), out[1] = lanes_sum(acc1), out[2] = lanes_sum(acc2), out[3] = lanes_sum(acc3);
+    for (int j = 0; j < 4; j++)
+        for (int i = nv; i < n; i++) out[j] += a[i] * K[(size_t)j * n + i];
+}
+
 /* out [d] = sum_t p[t] * V[t] (V [n, d], rows `stride` apart), each element summed over t in
  * order; 64 columns at a time in registers (an accumulator kept in memory would wait on its
  * own store). */
@@ -554,8 +574,18 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
                            const float *proj, const float *qs, float *scores, float *att) {
     int nh = L->heads, hd = L->head_dim, groups = nh / L->kv_heads, P = 2 * nh * hd + 2 * L->kv_heads * hd;
     float scale = 1.0f / sqrtf((float)hd);
-    /* key by key: a key is read once for all the queries (each score is still one `dot`) */
-    for (int t = 0; t < N; t++)
+    /* four keys at a time: they are read once for all the queries (each score is still one
+     * `dot`); a row also scores the block's keys past its own, never read */
+    int t = 0;
+    for (; t + 4 <= N; t += 4)
+        for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
+            for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+                size_t qi = (size_t)r * nh + hq;
+                float *sc = scores + qi * N + t;
+                dot4(qs + qi * hd, K + (size_t)t * hd, hd, sc);
+                for (int e = 0; e < 4; e++) sc[e] *= scale;
+            }
+    for (; t < N; t++)
         for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                 size_t qi = (size_t)r * nh + hq;
@@ -616,7 +646,7 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     /* the kv heads are independent: each is attended whole by one thread, in the same order
      * whatever the thread count (and the row count: each score and sum is its own chain) */
     int parts = threads < nkv ? threads : nkv;
-    if ((long)R * nh * N * hd < MIN_PARALLEL_MACS) parts = 1;
+    if ((long)R * nh * N * hd < MIN_PARALLEL_ATTENTION) parts = 1;
 #pragma omp parallel for num_threads(parts) schedule(static)
     for (int j = 0; j < nkv; j++)
         attend_kv_head(L, j, R, p0, start, N, kc + ((size_t)j * cap + start) * hd,

@@ -92,6 +92,8 @@ static inline float lanes_sum(v16 a) {
 /* Attention (scores) of at least this many: a one-row step over a short cache costs less than
  * the threads' barrier on a busy machine (decode over 2048+ cached positions splits). */
 #define MIN_PARALLEL_ATTENTION (1L << 22)
+/* The attention scores one call holds at most (4M floats, 16 MB; at least one row's). */
+#define SCORE_FLOATS (1L << 22)
 static int threads = 1;
 
 /* Threads for the matrix products (1 = the caller only). OpenMP: built with -fopenmp this
@@ -623,8 +625,12 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     float *proj = malloc(sizeof(float) * (size_t)R * P);
     float *att = malloc(sizeof(float) * (size_t)R * nh * hd);
     int N = p0 + R - start; /* keys the last row sees; row r sees the first N - (R - 1 - r) */
+    /* rows attend in blocks whose scores [rows, heads, N] fit SCORE_FLOATS: memory stays a
+     * chunk's however long the cache (the rows are independent: blocks change no value) */
+    int block = (int)(SCORE_FLOATS / ((long)nh * N));
+    block = block < 1 ? 1 : block > R ? R : block;
     float *qs = malloc(sizeof(float) * (size_t)R * nh * hd);
-    float *scores = malloc(sizeof(float) * (size_t)R * nh * N);
+    float *scores = malloc(sizeof(float) * (size_t)block * nh * N);
     float *y = malloc(sizeof(float) * (size_t)R * H);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
     linear_packed(h, R, H, L->qkv, L->wtype, P, proj);
@@ -645,12 +651,16 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
         }
     /* the kv heads are independent: each is attended whole by one thread, in the same order
      * whatever the thread count (and the row count: each score and sum is its own chain) */
-    int parts = threads < nkv ? threads : nkv;
-    if ((long)R * nh * N * hd < MIN_PARALLEL_ATTENTION) parts = 1;
+    for (int r0 = 0; r0 < R; r0 += block) {
+        int rows = R - r0 < block ? R - r0 : block, n = p0 + r0 + rows - start;
+        int parts = threads < nkv ? threads : nkv;
+        if ((long)rows * nh * n * hd < MIN_PARALLEL_ATTENTION) parts = 1;
 #pragma omp parallel for num_threads(parts) schedule(static)
-    for (int j = 0; j < nkv; j++)
-        attend_kv_head(L, j, R, p0, start, N, kc + ((size_t)j * cap + start) * hd,
-                       vc + ((size_t)j * cap + start) * hd, proj, qs, scores, att);
+        for (int j = 0; j < nkv; j++)
+            attend_kv_head(L, j, rows, p0 + r0, start, n, kc + ((size_t)j * cap + start) * hd,
+                           vc + ((size_t)j * cap + start) * hd, proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd,
+                           scores, att + (size_t)r0 * nh * hd);
+    }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
     free(h); free(proj); free(att); free(qs); free(scores); free(y);

@@ -171,13 +171,26 @@ class ResidentIndex:
     def has_prefix(self, prefix: str) -> bool:
         return any(n.startswith(prefix) for n in self.entries)
 
-    def _read(self, file: Path, offset: int, size: int, name: str) -> bytes:
-        with file.open("rb") as f:
+    def _read_into(self, file: Path, offset: int, out: torch.Tensor, name: str) -> torch.Tensor:
+        """`out`'s bytes read from `file` at `offset`, straight into its buffer (no staging copy:
+        a load holds each tensor once)."""
+        view = memoryview(out.view(torch.uint8).reshape(-1).numpy()) if out.numel() else memoryview(b"")
+        with file.open("rb", buffering=0) as f:
             f.seek(offset)
-            data = f.read(size)
-        if len(data) != size:
-            raise TurboError(f"{file}: truncated while reading {name}")
-        return data
+            done = 0
+            while done < len(view):  # a raw read may return less than asked (Linux caps one at ~2 GB)
+                got = f.readinto(view[done:])
+                if not got:
+                    raise TurboError(f"{file}: truncated while reading {name}")
+                done += got
+        return out
+
+    def _float_dtype(self, e: Entry) -> torch.dtype:
+        # every unquantized weight is a float: integer bytes read as one would change the output silently
+        torch_dtype = TORCH_DTYPES.get(DTYPE_CODES.get(e.st_dtype, 0))
+        if torch_dtype is None:
+            raise TurboError(f"{e.name}: stored as {e.st_dtype}, expected one of BF16, F16, F32")
+        return torch_dtype
 
     def load_quantized(self, name: str, dtype: torch.dtype = torch.float32):
         """A quantized entry as a packed `quant.QuantizedWeight` (compute dtype `dtype`)."""
@@ -189,12 +202,11 @@ class ResidentIndex:
         sdt = TORCH_DTYPES[DTYPE_CODES[e.scale_st_dtype]]
         rows, groups = e.dims[0], e.dims[1] // e.group
 
-        def t(offset: int, size: int, tdtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-            return torch.frombuffer(bytearray(self._read(e.file, offset, size, name)), dtype=tdtype).reshape(shape)
+        def t(offset: int, tdtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+            return self._read_into(e.file, offset, torch.empty(shape, dtype=tdtype), name)  # (sizes: checked)
 
-        return QuantizedWeight(t(e.offset, e.size_bytes, torch.int32, e.packed_dims),
-                               t(e.scale_offset, e.scale_size, sdt, (rows, groups)),
-                               t(e.bias_offset, e.bias_size, sdt, (rows, groups)), e.bits, e.group, dtype)
+        return QuantizedWeight(t(e.offset, torch.int32, e.packed_dims), t(e.scale_offset, sdt, (rows, groups)),
+                               t(e.bias_offset, sdt, (rows, groups)), e.bits, e.group, dtype)
 
     def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read one tensor's bytes (and only those) from its file. A quantized weight is
@@ -202,14 +214,20 @@ class ResidentIndex:
         e = self.need(name)
         if e.bits:
             return self.load_quantized(name).dequantize(dtype or torch.float32)
-        # every unquantized weight is a float: integer bytes read as one would change the output silently
-        torch_dtype = TORCH_DTYPES.get(DTYPE_CODES.get(e.st_dtype, 0))
-        if torch_dtype is None:
-            raise TurboError(f"{name}: stored as {e.st_dtype}, expected one of BF16, F16, F32")
-        data = self._read(e.file, e.offset, e.size_bytes, name)
-        t = torch.frombuffer(bytearray(data), dtype=torch_dtype).reshape(e.dims) if data else torch.empty(e.dims, dtype=torch_dtype)
+        t = self._read_into(e.file, e.offset, torch.empty(e.dims, dtype=self._float_dtype(e)), name)
         return t.to(dtype) if dtype is not None else t
 
+    def rows(self, name: str, r0: int, r1: int, scratch: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+        """Rows r0..r1 of an unquantized matrix, in its stored dtype, read on their own into
+        `scratch` (a flat buffer per dtype, grown as needed and reused: a matrix is packed a
+        slice at a time, so loading never holds a second copy of it nor faults in fresh pages)."""
+        e = self.need(name)
+        dtype, cols = self._float_dtype(e), e.dims[1]
+        size = (r1 - r0) * cols
+        if dtype not in scratch or scratch[dtype].numel() < size:
+            scratch[dtype] = torch.empty(size, dtype=dtype)
+        out = scratch[dtype][:size].view(r1 - r0, cols)
+        return self._read_into(e.file, e.offset + r0 * cols * out.element_size(), out, name)
 
 def install_has_dflash(index: ResidentIndex) -> bool:
     return "dflash.fc.weight" in index

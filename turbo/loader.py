@@ -23,9 +23,10 @@ from .drafters.mtp import MTP_PREFIX, MtpDrafter, MtpWeights
 from .errors import TurboError
 from .install import Install
 from .options import OpenOptions
-from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk, TrunkWeights, trunk_matrices
+from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk, TrunkWeights
 
 NATIVE_OFF = "TURBO_NATIVE=0"  # why_torch when OpenOptions.native is False
+EMBED = "embed_tokens.weight"
 
 
 def _native_refusal(opts: OpenOptions, refusal: str | None) -> str | None:
@@ -52,33 +53,80 @@ def _norm(index, name: str, device: torch.device) -> torch.Tensor:
 # ---- the trunk ------------------------------------------------------------------------------
 
 
+def _stored_matrix_dtypes(index) -> set[str]:
+    """How the trunk's matrices and embedding are stored (safetensors names): every 2-D
+    `trunk.*.weight` (a quantized one's logical dims), read off the index before any loads."""
+    return {e.st_dtype for name, e in index.entries.items()
+            if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}
+
+
 def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) -> Trunk:
     """The trunk's weights in `opts.dtype` on `device` (prepared on the host exactly as for
-    the CPU, then moved there once), on the native step where it can run."""
+    the CPU, then moved there once), on the native step where it can run. The native step's
+    matrices are packed as they are read, a slice at a time (native.pack_rows), so loading
+    holds about the packed weights and nothing twice; whether it runs is settled first."""
     a, index = install.arch, install.index
     dtype, device = getattr(torch, opts.dtype), torch.device(device)
     on_cpu = device.type == "cpu"
     mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
-    stored: set[str] = set()  # how the matrices (and the embedding) are stored: see native.storage_dtype
+    kept = on_cpu and any(e.bits and quant.keep_packed(mode, e.bits, dtype) for name, e in index.entries.items()
+                          if name.startswith(PREFIX) and name != PREFIX + EMBED)
+    why = _native_refusal(opts, native.trunk_refusal(device, dtype, kept))
+    # the matrices packed, the embedding kept, in it (None: the torch step's plain tensors)
+    storage = native.storage_dtype(dtype, _stored_matrix_dtypes(index)) if why is None else None
 
-    def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None, matrix: bool = False):
-        full = PREFIX + name
-        entry = index.need(full)
-        if matrix or name == "embed_tokens.weight":
-            stored.add(entry.st_dtype)
-        if entry.dims != tuple(shape):
-            raise TurboError(f"{full} has shape {list(entry.dims)}, expected {list(shape)}")
-        if matrix and entry.bits and (not on_cpu or quant.keep_packed(mode, entry.bits, as_dtype or dtype)):
-            qw = index.load_quantized(full, as_dtype or dtype)  # a QuantizedWeight for ops.linear
+    scratch: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # the packing's read buffers per part (index.rows)
+
+    def entry(name: str, shape: tuple[int, ...]):
+        e = index.need(PREFIX + name)
+        if e.dims != tuple(shape):
+            raise TurboError(f"{PREFIX + name} has shape {list(e.dims)}, expected {list(shape)}")
+        return e
+
+    def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None):
+        entry(name, shape)
+        return index.load(PREFIX + name, as_dtype or dtype)
+
+    def plain(e):
+        """A matrix as ops.linear takes it: a tensor in `dtype`, or a packed QuantizedWeight."""
+        if e.bits and (not on_cpu or quant.keep_packed(mode, e.bits, dtype)):
+            qw = index.load_quantized(e.name, dtype)
             qw.use_kernel = mode != "packed" and on_cpu  # (on cuda: the quantized GEMV kernel)
             return qw
-        return index.load(full, as_dtype or dtype)
+        return index.load(e.name, dtype)
+
+    def matrix(parts: list[tuple[str, tuple[int, int]]]):
+        """The parts' rows fused into one matrix: native: packed as read; else a tensor (or a
+        packed QuantizedWeight) for ops.linear."""
+        entries = [entry(name, shape) for name, shape in parts]
+        if storage is None:
+            return quant.fuse([plain(e) for e in entries])
+        dense = {e.name: index.load(e.name, dtype) for e in entries if e.bits}  # (dequantized once)
+
+        def read(r0: int, r1: int) -> torch.Tensor:
+            pieces, at = [], 0
+            for j, e in enumerate(entries):
+                lo, hi = max(r0, at), min(r1, at + e.dims[0])
+                if lo < hi:  # (each part its own buffer: one slice may read two)
+                    pieces.append(dense[e.name][lo - at:hi - at] if e.bits
+                                  else index.rows(e.name, lo - at, hi - at, scratch.setdefault(j, {})))
+                at += e.dims[0]
+            # (a slice across two parts: rare, the fused parts' sizes are mostly whole panels)
+            return torch.cat([p.to(storage) for p in pieces]) if len(pieces) > 1 else pieces[0]
+
+        return native.pack_rows(read, sum(e.dims[0] for e in entries), storage)
 
     def norm(name: str, n: int) -> torch.Tensor:
         return 1.0 + w(name, (n,), torch.float32)
 
-    embed = w("embed_tokens.weight", (a.vocab, a.hidden))
-    lm_head = embed if a.tie_embeddings else w("lm_head.weight", (a.vocab, a.hidden), matrix=True)
+    table = (a.vocab, a.hidden)
+    if a.tie_embeddings and storage is not None:  # the embedding rows read out of the packed lm_head: kept once
+        lm_head = matrix([(EMBED, table)])
+        embed = native.PackedRows(lm_head)
+    else:
+        embed = w(EMBED, table)
+        embed = embed.to(storage) if storage is not None else embed
+        lm_head = embed if a.tie_embeddings else matrix([("lm_head.weight", table)])
     final_norm = norm("norm.weight", a.hidden)
     layers: list[LayerWeights] = []
     hd, nh, nkv = a.head_dim, a.num_heads, a.num_kv_heads
@@ -89,40 +137,35 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
             m = p + "linear_attn."
             conv = w(m + "conv1d.weight", (a.lin_conv_dim, 1, a.conv_kernel), torch.float32)[:, 0]
             mixer: AttnWeights | GdnWeights = GdnWeights(
-                in_proj=quant.fuse([
-                    w(m + "in_proj_qkv.weight", (2 * kd + vd, a.hidden), matrix=True),
-                    w(m + "in_proj_z.weight", (vd, a.hidden), matrix=True),
-                    w(m + "in_proj_b.weight", (a.lin_v_heads, a.hidden), matrix=True),
-                    w(m + "in_proj_a.weight", (a.lin_v_heads, a.hidden), matrix=True),
-                ]),
+                in_proj=matrix([(m + "in_proj_qkv.weight", (2 * kd + vd, a.hidden)),
+                                (m + "in_proj_z.weight", (vd, a.hidden)),
+                                (m + "in_proj_b.weight", (a.lin_v_heads, a.hidden)),
+                                (m + "in_proj_a.weight", (a.lin_v_heads, a.hidden))]),
                 conv=conv.contiguous(),
                 neg_a=-w(m + "A_log", (a.lin_v_heads,), torch.float32).exp(),
                 dt_bias=w(m + "dt_bias", (a.lin_v_heads,), torch.float32),
                 norm=w(m + "norm.weight", (a.lin_v_dim,), torch.float32),
-                out=w(m + "out_proj.weight", (a.hidden, vd), matrix=True),
+                out=matrix([(m + "out_proj.weight", (a.hidden, vd))]),
             )
         else:
             m = p + "self_attn."
             mixer = AttnWeights(
-                qkv=quant.fuse([
-                    w(m + "q_proj.weight", (2 * nh * hd, a.hidden), matrix=True),
-                    w(m + "k_proj.weight", (nkv * hd, a.hidden), matrix=True),
-                    w(m + "v_proj.weight", (nkv * hd, a.hidden), matrix=True),
-                ]),
-                o=w(m + "o_proj.weight", (a.hidden, nh * hd), matrix=True),
+                qkv=matrix([(m + "q_proj.weight", (2 * nh * hd, a.hidden)),
+                            (m + "k_proj.weight", (nkv * hd, a.hidden)),
+                            (m + "v_proj.weight", (nkv * hd, a.hidden))]),
+                o=matrix([(m + "o_proj.weight", (a.hidden, nh * hd))]),
                 q_norm=norm(m + "q_norm.weight", hd),
                 k_norm=norm(m + "k_norm.weight", hd),
             )
-        moe = load_moe(lambda name, shape: w(name, shape, matrix=True), index, PREFIX, p + "mlp.", a) \
-            if a.is_moe(i) else None
+        moe = load_moe(matrix, index, PREFIX, p + "mlp.", a) if a.is_moe(i) else None
         layers.append(LayerWeights(
             gdn=a.is_gdn(i),
             in_norm=norm(p + "input_layernorm.weight", a.hidden),
             post_norm=norm(p + "post_attention_layernorm.weight", a.hidden),
             mixer=mixer,
-            gate_up=None if moe else quant.fuse([w(p + "mlp.gate_proj.weight", (a.intermediate, a.hidden), matrix=True),
-                                                 w(p + "mlp.up_proj.weight", (a.intermediate, a.hidden), matrix=True)]),
-            down=None if moe else w(p + "mlp.down_proj.weight", (a.hidden, a.intermediate), matrix=True),
+            gate_up=None if moe else matrix([(p + "mlp.gate_proj.weight", (a.intermediate, a.hidden)),
+                                             (p + "mlp.up_proj.weight", (a.intermediate, a.hidden))]),
+            down=None if moe else matrix([(p + "mlp.down_proj.weight", (a.hidden, a.intermediate))]),
             moe=moe,
         ))
     inv_freq = ops.rope_inv_freq(a.rotary_dim, a.rope_theta)
@@ -132,15 +175,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
         final_norm, inv_freq = ops.to_device(final_norm, device), ops.to_device(inv_freq, device)
         layers = [ops.to_device(layer, device) for layer in layers]
     weights = TrunkWeights(embed, lm_head, final_norm, layers, inv_freq)
-    why = _native_refusal(opts, native.trunk_refusal(device, trunk_matrices(weights)))
-    if why is None:
-        storage = native.storage_dtype(dtype, stored)  # the matrices packed, the embedding kept, in it
-
-        def make_step(trunk: Trunk) -> native.NativeTrunkStep:
-            return native.NativeTrunkStep(trunk, storage)
-    else:
-        make_step = TorchTrunkStep
-    return Trunk(a, weights, dtype, device, make_step, why)
+    return Trunk(a, weights, dtype, device, TorchTrunkStep if why else native.NativeTrunkStep, why)
 
 
 def moe_tensor_shapes(a: Arch, mlp: str) -> dict[str, tuple[int, ...]]:
@@ -159,24 +194,28 @@ def moe_tensor_shapes(a: Arch, mlp: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_moe(read: Callable[[str, tuple[int, ...]], torch.Tensor], index, prefix: str, mlp: str,
+def load_moe(matrix: Callable[[list[tuple[str, tuple[int, ...]]]], object], index, prefix: str, mlp: str,
              a: Arch) -> MoeWeights:
-    """One MoE block through `read(name, shape)` (a matrix of the part under `prefix`); an
-    expert past num_experts in the install is refused, as a missing one is by read."""
+    """One MoE block through `matrix(parts)` (the named tensors of the part under `prefix`, with
+    their shapes, fused by rows into one matrix); an expert past num_experts in the install is
+    refused, as a missing one is by `matrix`."""
     extra = f"{prefix}{mlp}experts.{a.num_experts}.gate_proj.weight"
     if extra in index:
         raise TurboError(f"{extra}: the install has more experts than num_experts {a.num_experts} (config.json)")
-    m = {name[len(mlp):]: read(name, shape) for name, shape in moe_tensor_shapes(a, mlp).items()}
+    shapes = moe_tensor_shapes(a, mlp)
+
+    def m(*names: str):
+        return matrix([(mlp + n, shapes[mlp + n]) for n in names])
+
     experts = range(a.num_experts)
     shared = a.shared_intermediate > 0
     return MoeWeights(
-        router=m["gate.weight"],
-        gate_up=[quant.fuse([m[f"experts.{e}.gate_proj.weight"], m[f"experts.{e}.up_proj.weight"]]) for e in experts],
-        down=[m[f"experts.{e}.down_proj.weight"] for e in experts],
-        shared_gate_up=quant.fuse([m["shared_expert.gate_proj.weight"], m["shared_expert.up_proj.weight"]])
-        if shared else None,
-        shared_down=m["shared_expert.down_proj.weight"] if shared else None,
-        shared_gate=m["shared_expert_gate.weight"] if shared else None,
+        router=m("gate.weight"),
+        gate_up=[m(f"experts.{e}.gate_proj.weight", f"experts.{e}.up_proj.weight") for e in experts],
+        down=[m(f"experts.{e}.down_proj.weight") for e in experts],
+        shared_gate_up=m("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight") if shared else None,
+        shared_down=m("shared_expert.down_proj.weight") if shared else None,
+        shared_gate=m("shared_expert_gate.weight") if shared else None,
     )
 
 
@@ -337,7 +376,8 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
                               k_norm=norm(a + "k_norm.weight")),
             gate_up=None if arch.moe else torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
             down=None if arch.moe else w(p + "mlp.down_proj.weight"),
-            moe=load_moe(lambda name, shape: w(name), index, MTP_PREFIX, p + "mlp.", arch) if arch.moe else None,
+            moe=load_moe(lambda parts: quant.fuse([w(name) for name, _ in parts]), index, MTP_PREFIX, p + "mlp.",
+                         arch) if arch.moe else None,
         ),
     )
     if trunk.step_name == "native":  # so is the head's layer (native.c's attn_layer + head)

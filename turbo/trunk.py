@@ -1,7 +1,8 @@
 """The Qwen3.5 trunk: embedding, hybrid layers, head (docs/DESIGN.md 2.1), on the CPU or a GPU.
 
 Two entry points share the weights and the caches:
-- `prefill` runs a whole prompt at once (chunked delta rule, causal SDPA);
+- `prefill` runs a whole prompt at once (the step's own way: native.c in chunks of rows,
+  torch ops the whole prompt per op -- chunked delta rule, causal SDPA);
 - `step` runs R rows one after another's state -- R = 1 is a decode step, R = B + 1 a
   speculative verify -- with row-stable ops, so a verify row equals the decode step it
   stands for, bit for bit. It can leave what a rollback needs (`rollback`).
@@ -222,12 +223,17 @@ class Trunk:
 
     def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...] = (),
                 want_logits: bool = False) -> StepOut:
-        """The prompt at once, from an empty state."""
+        """The prompt at once, from an empty state (logits: the last row's, or every row's)."""
         if st.pos != 0:
             raise ValueError("prefill starts from an empty state")
+        self.reserve(st, len(tokens))
+        return self.stepper.prefill(st, tokens, aux_layers, want_logits)
+
+    def prefill_torch(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
+                      want_logits: bool) -> StepOut:
+        """The torch step's prefill: the whole prompt per op (chunked delta rule, causal SDPA)."""
         a = self.arch
         n = len(tokens)
-        self.reserve(st, n)
         x = self.embed[torch.tensor(tokens, device=self.device)].float()
         positions = torch.arange(n, device=self.device)
         aux = []

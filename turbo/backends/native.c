@@ -90,6 +90,11 @@ static inline float lanes_sum(v16 a) {
 
 /* Matrix products of at least this many multiply-adds are split over the threads. */
 #define MIN_PARALLEL_MACS 65536
+/* Attention (scores) of at least this many: a one-row step over a short cache costs less than
+ * the threads' barrier on a busy machine (decode over 2048+ cached positions splits). */
+#define MIN_PARALLEL_ATTENTION (1L << 22)
+/* The attention scores one call holds at most (4M floats, 16 MB; at least one row's). */
+#define SCORE_FLOATS (1L << 22)
 static int threads = 1;
 
 /* Threads for the matrix products (1 = the caller only). OpenMP: built with -fopenmp this
@@ -396,13 +401,17 @@ static void gdn_column(float *S, int dk, int dv, int j, const float *qh, const f
 
 /* The gated delta rule over R rows, one after another, all heads; `state` [Hv, dk, dv] is
  * updated in place. q, k [R, Hv, dk]; v [R, Hv, dv]; g, beta [R, Hv]. out [R, Hv, dv] and
- * states [R, Hv, dk, dv] (the state after every row) are optional. */
+ * states [R, Hv, dk, dv] (the state after every row) are optional. The heads are
+ * independent: each runs its rows whole on one thread, so the thread count changes nothing. */
 void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q, const float *k,
                     const float *v, const float *g, const float *beta, float *out, float *states) {
     size_t per = (size_t)dk * dv;
-    for (int r = 0; r < R; r++) {
-        for (int h = 0; h < Hv; h++) {
-            float *S = state + h * per;
+    int parts = threads < Hv ? threads : Hv;
+    if (R < 2 || (long)R * Hv * per < MIN_PARALLEL_MACS) parts = 1; /* a decode step's: less than a barrier */
+#pragma omp parallel for num_threads(parts) schedule(static)
+    for (int h = 0; h < Hv; h++) {
+        float *S = state + h * per;
+        for (int r = 0; r < R; r++) {
             const float *qh = q + ((size_t)r * Hv + h) * dk, *kh = k + ((size_t)r * Hv + h) * dk;
             const float *vh = v + ((size_t)r * Hv + h) * dv;
             float *oh = out ? out + ((size_t)r * Hv + h) * dv : NULL;
@@ -411,8 +420,8 @@ void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q,
             for (; c + 64 <= dv; c += 64) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 4);
             for (; c + 16 <= dv; c += 16) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 1);
             for (; c < dv; c++) gdn_column(S, dk, dv, c, qh, kh, vh, decay, b, oh);
+            if (states) memcpy(states + ((size_t)r * Hv + h) * per, S, sizeof(float) * per);
         }
-        if (states) memcpy(states + (size_t)r * Hv * per, state, sizeof(float) * Hv * per);
     }
 }
 
@@ -494,15 +503,33 @@ static inline float dot(const float *a, const float *b, int n) {
     return s;
 }
 
-/* out [d] = sum_t p[t] * V[t] (V [n, d]), each element summed over t in order; 64 columns
- * at a time in registers (an accumulator kept in memory would wait on its own store). */
-static void weighted_sum(const float *p, const float *V, int n, int d, float *out) {
+/* a . K[j] for the four rows of K [4, n]: four chains side by side (a read once for all),
+ * each the operations of `dot` in its order, so each result is `dot`'s bit for bit. */
+static inline void dot4(const float *a, const float *K, int n, float *out) {
+    int nv = n & ~15;
+    v16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, u, v;
+    for (int i = 0; i < nv; i += 16) {
+        memcpy(&u, a + i, 64);
+        memcpy(&v, K + i, 64); acc0 += u * v;
+        memcpy(&v, K + n + i, 64); acc1 += u * v;
+        memcpy(&v, K + 2 * (size_t)n + i, 64); acc2 += u * v;
+        memcpy(&v, K + 3 * (size_t)n + i, 64); acc3 += u * v;
+    }
+    out[0] = lanes_sum(acc0), out[1] = lanes_sum(acc1), out[2] = lanes_sum(acc2), out[3] = lanes_sum(acc3);
+    for (int j = 0; j < 4; j++)
+        for (int i = nv; i < n; i++) out[j] += a[i] * K[(size_t)j * n + i];
+}
+
+/* out [d] = sum_t p[t] * V[t] (V [n, d], rows `stride` apart), each element summed over t in
+ * order; 64 columns at a time in registers (an accumulator kept in memory would wait on its
+ * own store). */
+static void weighted_sum(const float *p, const float *V, int n, int d, int stride, float *out) {
     int c = 0;
     for (; c + 64 <= d; c += 64) { /* even and odd t in separate sums (two chains), added at the end */
         v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, u;
         int t = 0;
         for (; t + 2 <= n; t += 2) {
-            const float *v = V + (size_t)t * d + c, *w = v + d;
+            const float *v = V + (size_t)t * stride + c, *w = v + stride;
             float pt = p[t], pw = p[t + 1];
             memcpy(&u, v, 64); a0 += pt * u;
             memcpy(&u, v + 16, 64); a1 += pt * u;
@@ -514,7 +541,7 @@ static void weighted_sum(const float *p, const float *V, int n, int d, float *ou
             memcpy(&u, w + 48, 64); b3 += pw * u;
         }
         if (t < n) {
-            const float *v = V + (size_t)t * d + c;
+            const float *v = V + (size_t)t * stride + c;
             float pt = p[t];
             memcpy(&u, v, 64); a0 += pt * u;
             memcpy(&u, v + 16, 64); a1 += pt * u;
@@ -527,7 +554,7 @@ static void weighted_sum(const float *p, const float *V, int n, int d, float *ou
     }
     for (int i = c; i < d; i++) {
         float acc = 0.0f;
-        for (int t = 0; t < n; t++) acc += p[t] * V[(size_t)t * d + i];
+        for (int t = 0; t < n; t++) acc += p[t] * V[(size_t)t * stride + i];
         out[i] = acc;
     }
 }
@@ -543,20 +570,73 @@ static void rope(float *x, int rot, const float *inv_freq, int pos) {
     }
 }
 
+/* Columns of V summed per strip, every query of a kv head over one strip before the next:
+ * a strip of a long cache (n x 64 floats) stays in the cache while the queries reread it,
+ * so each cached value comes from memory once per step. */
+#define V_STRIP 64
+
+/* Kv head j of attn_layer: the scores of every row's queries on its keys K [N, hd], their
+ * softmax, and the gated weighted sums of V [N, hd] into att. */
+static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int N, const float *K, const float *V,
+                           const float *proj, const float *qs, float *scores, float *att) {
+    int nh = L->heads, hd = L->head_dim, groups = nh / L->kv_heads, P = 2 * nh * hd + 2 * L->kv_heads * hd;
+    float scale = 1.0f / sqrtf((float)hd);
+    /* four keys at a time: they are read once for all the queries (each score is still one
+     * `dot`); a row also scores the block's keys past its own, never read */
+    int t = 0;
+    for (; t + 4 <= N; t += 4)
+        for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
+            for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+                size_t qi = (size_t)r * nh + hq;
+                float *sc = scores + qi * N + t;
+                dot4(qs + qi * hd, K + (size_t)t * hd, hd, sc);
+                for (int e = 0; e < 4; e++) sc[e] *= scale;
+            }
+    for (; t < N; t++)
+        for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
+            for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+                size_t qi = (size_t)r * nh + hq;
+                scores[qi * N + t] = dot(qs + qi * hd, K + (size_t)t * hd, hd) * scale;
+            }
+    for (int r = 0; r < R; r++)
+        for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+            int n = p0 + r + 1 - start;
+            float *sr = scores + ((size_t)r * nh + hq) * N;
+            float m = max_of(sr, n);
+            for (int t = 0; t < n; t++) sr[t] = fast_exp(sr[t] - m); /* (vectorises) */
+            float z = sum_of(sr, n);
+            for (int t = 0; t < n; t++) sr[t] /= z;
+        }
+    for (int c = 0; c < hd; c += V_STRIP)
+        for (int r = 0; r < R; r++)
+            for (int hq = j * groups; hq < (j + 1) * groups; hq++)
+                weighted_sum(scores + ((size_t)r * nh + hq) * N, V + c, p0 + r + 1 - start,
+                             hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+    for (int r = 0; r < R; r++)
+        for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+            float *a = att + ((size_t)r * nh + hq) * hd;
+            const float *gate = proj + (size_t)r * P + hq * 2 * hd + hd;
+            for (int i = 0; i < hd; i++) a[i] *= fast_sigmoid(gate[i]);
+        }
+}
+
 /* One gated-attention layer over R rows at positions p0.., then its MLP. kc, vc
  * [kv_heads, cap, head_dim]: the rows' K and V are written at p0..p0+R-1; row r attends
  * to positions start..p0+r, exactly its own causal prefix (start: the first cached one). */
 void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, float *vc, int cap) {
-    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim, groups = nh / nkv;
+    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
     int P = 2 * nh * hd + 2 * nkv * hd;
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
     float *att = malloc(sizeof(float) * (size_t)R * nh * hd);
     int N = p0 + R - start; /* keys the last row sees; row r sees the first N - (R - 1 - r) */
+    /* rows attend in blocks whose scores [rows, heads, N] fit SCORE_FLOATS: memory stays a
+     * chunk's however long the cache (the rows are independent: blocks change no value) */
+    int block = (int)(SCORE_FLOATS / ((long)nh * N));
+    block = block < 1 ? 1 : block > R ? R : block;
     float *qs = malloc(sizeof(float) * (size_t)R * nh * hd);
-    float *scores = malloc(sizeof(float) * (size_t)R * nh * N);
+    float *scores = malloc(sizeof(float) * (size_t)block * nh * N);
     float *y = malloc(sizeof(float) * (size_t)R * H);
-    float scale = 1.0f / sqrtf((float)hd);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
     linear_packed(h, R, H, L->qkv, L->wtype, P, proj);
     for (int r = 0; r < R; r++) { /* K and V of every row into the cache first */
@@ -574,33 +654,17 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
             rms_norm(proj + (size_t)r * P + hq * 2 * hd, hd, L->q_norm, L->eps, q);
             rope(q, L->rot, L->inv_freq, p0 + r);
         }
-    for (int j = 0; j < nkv; j++) {
-        /* the scores of all the rows' queries on this kv head, key by key: a key is read once
-         * for all of them (each score is still one `dot`, whoever else is computed with it) */
-        const float *K = kc + ((size_t)j * cap + start) * hd;
-        for (int t = 0; t < N; t++)
-            for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
-                for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
-                    size_t qi = (size_t)r * nh + hq;
-                    scores[qi * N + t] = dot(qs + qi * hd, K + (size_t)t * hd, hd) * scale;
-                }
-    }
-    for (int r = 0; r < R; r++) {
-        const float *pr = proj + (size_t)r * P;
-        int n = p0 + r + 1 - start;
-        for (int hq = 0; hq < nh; hq++) {
-            int j = hq / groups;
-            const float *V = vc + ((size_t)j * cap + start) * hd;
-            float *sr = scores + ((size_t)r * nh + hq) * N;
-            float m = max_of(sr, n);
-            for (int t = 0; t < n; t++) sr[t] = fast_exp(sr[t] - m); /* (vectorises) */
-            float z = sum_of(sr, n);
-            float *a = att + ((size_t)r * nh + hq) * hd;
-            const float *gate = pr + hq * 2 * hd + hd;
-            for (int t = 0; t < n; t++) sr[t] /= z;
-            weighted_sum(sr, V, n, hd, a);
-            for (int i = 0; i < hd; i++) a[i] *= fast_sigmoid(gate[i]);
-        }
+    /* the kv heads are independent: each is attended whole by one thread, in the same order
+     * whatever the thread count (and the row count: each score and sum is its own chain) */
+    for (int r0 = 0; r0 < R; r0 += block) {
+        int rows = R - r0 < block ? R - r0 : block, n = p0 + r0 + rows - start;
+        int parts = threads < nkv ? threads : nkv;
+        if ((long)rows * nh * n * hd < MIN_PARALLEL_ATTENTION) parts = 1;
+#pragma omp parallel for num_threads(parts) schedule(static)
+        for (int j = 0; j < nkv; j++)
+            attend_kv_head(L, j, rows, p0 + r0, start, n, kc + ((size_t)j * cap + start) * hd,
+                           vc + ((size_t)j * cap + start) * hd, proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd,
+                           scores, att + (size_t)r0 * nh * hd);
     }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];

@@ -21,6 +21,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -285,12 +286,25 @@ def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
     return torch.bfloat16 if dtype == torch.float32 and stored == {"BF16"} else dtype
 
 
+def panels_into(dst: torch.Tensor, w: torch.Tensor) -> None:
+    """w [m, k] into the first ceil(m/16) panels of dst [panels, k, 16] (the "panels" layout,
+    in dst's dtype: a last partial panel zero-padded), in one strided copy."""
+    m, k = w.shape
+    full = m // PANEL
+    dst[:full].copy_(w[:full * PANEL].reshape(full, PANEL, k).transpose(1, 2))
+    if m % PANEL:
+        dst[full].zero_()
+        dst[full, :, :m % PANEL].copy_(w[full * PANEL:].T)
+
+
 def pack(w: torch.Tensor, layout: str = "panels") -> Packed:
     n, k = w.shape
-    quad = {"panels": 1, "pairs": 2, "int8": 4}[layout]
-    padded = torch.nn.functional.pad(w, (0, -k % quad, 0, -n % PANEL))
     if layout == "panels":
-        return Packed(padded.reshape(-1, PANEL, k).transpose(1, 2).contiguous(), n, k)
+        data = torch.empty(-(-n // PANEL), k, PANEL, dtype=w.dtype)
+        panels_into(data, w)
+        return Packed(data, n, k)
+    quad = {"pairs": 2, "int8": 4}[layout]
+    padded = torch.nn.functional.pad(w, (0, -k % quad, 0, -n % PANEL))
     if layout == "pairs":
         assert w.dtype == torch.bfloat16, "bf16 dot products read bf16 matrices"
         return Packed(padded.reshape(-1, PANEL, padded.shape[1] // 2, 2).permute(0, 2, 1, 3).contiguous(), n, k, layout)
@@ -338,6 +352,23 @@ def draft_layout(products: str) -> str:
     return layout
 
 
+# Rows packed per slice when a matrix is packed as it is read (pack_rows): a few MB at a time.
+PACK_SLICE_ROWS = 64 * PANEL
+
+
+def pack_rows(read: Callable[[int, int], torch.Tensor], n: int, storage: torch.dtype) -> Packed:
+    """The matrix [n, k] whose rows r0..r1 `read(r0, r1)` returns, packed in panels of `storage`
+    a slice of rows at a time: the panels are panel-major, so rows 16a..16b pack to panels
+    a..b on their own, and only the packed matrix and one slice are ever resident."""
+    data = None
+    for r0 in range(0, n, PACK_SLICE_ROWS):
+        part = read(r0, min(n, r0 + PACK_SLICE_ROWS))
+        if data is None:
+            data = torch.empty(-(-n // PANEL), part.shape[1], PANEL, dtype=storage)
+        panels_into(data[r0 // PANEL:], part)
+    return Packed(data, n, data.shape[1])
+
+
 def pack_as(w: torch.Tensor, storage: torch.dtype, layout: str) -> Packed:
     """w packed in `layout`: panels keep `storage` (fp32 or bf16), pairs are bf16, int8 quantises."""
     return pack(w.to(torch.bfloat16 if layout == "pairs" else storage), layout)
@@ -353,6 +384,10 @@ def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
 
 
 # ---- the steps ----------------------------------------------------------------------------
+
+# Rows per call of the native prefill: its working set (activations [chunk, ...], attention
+# scores [chunk, heads, prompt]) is bounded by it, and every matrix is read once per chunk.
+PREFILL_CHUNK = 256
 
 
 def pack_layer(layer, dtype: torch.dtype, layout: str = "panels") -> None:
@@ -405,15 +440,16 @@ def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
     return s
 
 
-def trunk_refusal(device: torch.device, matrices: list) -> str | None:
+def trunk_refusal(device: torch.device, dtype: torch.dtype, quantized_kept: bool) -> str | None:
     """Why the trunk's step cannot run here (None: it can, the library built): on the CPU,
-    with every matrix a plain fp32 or bf16 tensor of one dtype."""
+    with every matrix a plain fp32 or bf16 one (`quantized_kept`: some stay packed quantized).
+    Asked before any weight loads: the native step's matrices are packed as they are read."""
     if device.type != "cpu":
         return f"the trunk runs on {device.type}"
-    if not all(isinstance(m, torch.Tensor) for m in matrices):
+    if quantized_kept:
         return "packed quantized matrices"
-    if any(m.dtype != matrices[0].dtype for m in matrices) or matrices[0].dtype not in WTYPES:
-        return f"matrices in {sorted({str(m.dtype).removeprefix('torch.') for m in matrices})}"
+    if dtype not in WTYPES:
+        return f"matrices in {str(dtype).removeprefix('torch.')}"
     return None
 
 
@@ -421,22 +457,39 @@ class NativeTrunkStep:
     """The trunk's step through native.c: one call per layer, the torch step's contract and
     traces. A step is short (a fraction of a millisecond), so the Python here is kept to a
     few buffers per layer and raw pointers (the layers' structs built once, here).
-    Packs the trunk's matrices in `storage` (native.storage_dtype) in place."""
+    The trunk arrives packed (turbo/loader.py packs each matrix as it reads it)."""
 
     name = "native"
 
-    def __init__(self, trunk, storage: torch.dtype):
+    def __init__(self, trunk):
         self.trunk = trunk
-        for layer in trunk.layers:
-            pack_layer(layer, storage)
-        trunk.lm_head = pack(trunk.lm_head.to(storage))
-        # tied: the embedding rows are read out of the packed lm_head (the table is kept once)
-        trunk.embed = PackedRows(trunk.lm_head) if trunk.arch.tie_embeddings else trunk.embed.to(storage)
         self.structs = [layer_struct(trunk.arch, layer, trunk.inv_freq) for layer in trunk.layers]
         self.addresses = [ctypes.addressof(s) for s in self.structs]
 
     def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
              rollback: str | None) -> StepOut:
+        x, aux, traces = self._rows(st, tokens, aux_layers, rollback)
+        return StepOut(self._head(x), x, aux, traces)
+
+    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
+        """The prompt as steps of PREFILL_CHUNK rows: each a verify-sized call (its rows equal
+        decode steps), so the working set is one chunk's (attention scores [chunk, heads,
+        prompt], no [prompt, prompt] matrix) and the lm_head runs only where logits are asked."""
+        parts = [self._rows(st, tokens[c:c + PREFILL_CHUNK], aux_layers, None)
+                 for c in range(0, len(tokens), PREFILL_CHUNK)]
+        x = torch.cat([p[0] for p in parts])
+        aux = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
+        return StepOut(self._head(x if want_logits else x[-1:]), x, aux)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        t, a = self.trunk, self.trunk.arch
+        logits = torch.empty(x.shape[0], a.vocab)
+        threaded().head(x.data_ptr(), x.shape[0], a.hidden, t.final_norm.data_ptr(), a.rms_eps,
+                        t.lm_head.data.data_ptr(), t.lm_head.wtype, a.vocab, logits.data_ptr(), None)
+        return logits
+
+    def _rows(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], rollback: str | None):
+        """R rows through every layer: (the residual stream x [R, H], aux, traces)."""
         t = self.trunk
         a, lib = t.arch, threaded()
         rows, p0 = len(tokens), st.pos
@@ -469,10 +522,7 @@ class NativeTrunkStep:
             if i in slot:
                 lib.copy_rows(xp, rows, a.hidden, aux.data_ptr() + 4 * slot[i] * a.hidden, len(slot) * a.hidden)
         st.pos = p0 + rows
-        logits = torch.empty(rows, a.vocab)
-        lib.head(xp, rows, a.hidden, t.final_norm.data_ptr(), a.rms_eps, t.lm_head.data.data_ptr(),
-                 t.lm_head.wtype, a.vocab, logits.data_ptr(), None)
-        return StepOut(logits, x, aux, traces)
+        return x, aux, traces
 
     def _inputs(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
         """native.c's recurrence inputs of `rows` rows, as the trace's q, k, v, g, beta."""

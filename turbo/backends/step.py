@@ -57,6 +57,11 @@ class TrunkStep(Protocol):
         """The state after the first `kept` rows, recomputed from the snapshot by the same
         recurrence code the verify ran."""
 
+    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
+        """The prompt from an empty state whose caches hold it: logits the last row's (every
+        row's with want_logits); it may compute differently from `step` (within the parity
+        tests' tolerance), never with a working set that grows past the caches and a chunk."""
+
 
 class MtpStep(Protocol):
     """The MTP head's decoder layer and head over its own K/V cache."""

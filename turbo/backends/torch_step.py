@@ -21,6 +21,9 @@ class TorchTrunkStep:
         for mat in trunk.matrices():  # the row blocks ops.linear pads to, once per matrix
             ops.calibrate_rows(mat)
 
+    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
+        return self.trunk.prefill_torch(st, tokens, aux_layers, want_logits)
+
     def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
              rollback: str | None) -> StepOut:
         t = self.trunk

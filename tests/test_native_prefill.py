@@ -1,0 +1,26 @@
+"""The native prefill runs the prompt as chunks of rows through the step: every row equals
+the one-row decode step it stands for, bit for bit -- also past 4096 cached positions, where
+attention takes a chunk's rows in blocks to bound its scores."""
+
+import pytest
+import torch
+
+from turbo.backends import native
+from turbo.install import open_install
+from turbo.loader import load_trunk
+from turbo.options import OpenOptions
+
+
+def test_prefill_rows_equal_decode_steps(plain_install):
+    if native.library() is None:
+        pytest.skip(f"native step unavailable: {native.why_not()}")
+    trunk = load_trunk(open_install(plain_install[1]), OpenOptions(), "cpu")
+    n, rows = 4200, native.PREFILL_CHUNK  # tiny has 4 query heads: past 4096 keys a chunk's scores take two blocks
+    tokens = [(13 * i) % 300 + 3 for i in range(n)]
+    a, b = trunk.new_state(n), trunk.new_state(n)
+    head = trunk.prefill(a, tokens[:n - rows])
+    assert torch.equal(head.hidden, trunk.prefill(b, tokens[:n - rows]).hidden)
+    chunk = trunk.step(a, tokens[n - rows:], (), None)  # the rows as the prefill's last chunk runs them
+    steps = [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
+    assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))
+    assert torch.equal(chunk.logits, torch.cat([s.logits for s in steps]))

@@ -609,7 +609,7 @@ void copy_rows(const float *src, int R, int H, float *dst, int stride) {
 }
 
 /* x [R, H] = the embedding table's rows ids (fp32, or bf16 widened exactly); the table is
- * row-major, or (panels) a packed matrix's panels -- a tied lm_head's, the table kept once. */
+ * row-major, or (panels 1, 2) a packed matrix's panels or pairs: see embed_row. */
 void embed_rows(const void *table, int wtype, int panels, const int *ids, int R, int H, float *x) {
     for (int r = 0; r < R; r++) embed_row(table, wtype, panels, ids[r], H, x + (size_t)r * H);
 }

@@ -240,8 +240,9 @@ class Packed:
 
 @dataclasses.dataclass
 class PackedRows:
-    """An embedding table read out of a packed matrix's panels: with tied embeddings the
-    table and the lm_head are one matrix, kept once. Row t is packed.data[t // 16, :, t % 16]."""
+    """An embedding table read out of a packed matrix's panels or pairs: with tied embeddings
+    the table and the lm_head are one matrix, kept once. Row t is packed.data[t // 16, :, t % 16]
+    (pairs: flattened, the pad of an odd width dropped)."""
 
     packed: Packed
 
@@ -255,13 +256,14 @@ class PackedRows:
 
     def __getitem__(self, ids) -> torch.Tensor:
         ids = torch.as_tensor(ids)
-        return self.packed.data[ids // PANEL, :, ids % PANEL]
+        rows = self.packed.data[ids // PANEL, :, ids % PANEL]
+        return rows.flatten(-2)[..., :self.packed.k] if self.packed.layout == "pairs" else rows
 
 
 def table_of(embed: torch.Tensor | PackedRows) -> tuple[int, int, int]:
     """An embedding table as native code reads it: (pointer, wtype, 1 if panels else 0)."""
     if isinstance(embed, PackedRows):
-        return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 1
+        return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 2 if embed.packed.layout == "pairs" else 1
     assert embed.is_contiguous() and embed.device.type == "cpu"
     return embed.data_ptr(), WTYPES[embed.dtype], 0
 
@@ -383,19 +385,30 @@ def trunk_refusal(device: torch.device, matrices: list) -> str | None:
     return None
 
 
+def trunk_layout(dtype: torch.dtype, storage: torch.dtype) -> str:
+    """How the trunk's float matrices are packed: under bf16 compute with bf16 weights, bf16
+    pairs (AVX512-BF16 dot products, activations rounded to bf16 per row: twice the
+    multiply-adds per instruction, so a verify of many rows costs about the bytes it reads);
+    otherwise, or where the CPU lacks them, panels (bf16 widened exactly: the fp32 products)."""
+    pairs = dtype == storage == torch.bfloat16 and "pairs" in dot_layouts()
+    return "pairs" if pairs else "panels"
+
+
 class NativeTrunkStep:
     """The trunk's step through native.c: one call per layer, the torch step's contract and
     traces. A step is short (a fraction of a millisecond), so the Python here is kept to a
     few buffers per layer and raw pointers (the layers' structs built once, here).
-    Packs the trunk's matrices in `storage` (native.storage_dtype) in place."""
+    Packs the trunk's matrices in `storage` (native.storage_dtype) in place, as `trunk_layout`
+    says."""
 
     name = "native"
 
     def __init__(self, trunk, storage: torch.dtype):
         self.trunk = trunk
+        layout = trunk_layout(trunk.dtype, storage)
         for layer in trunk.layers:
-            pack_layer(layer, storage)
-        trunk.lm_head = pack(trunk.lm_head.to(storage))
+            pack_layer(layer, storage, layout)
+        trunk.lm_head = pack_as(trunk.lm_head, storage, layout)
         # tied: the embedding rows are read out of the packed lm_head (the table is kept once)
         trunk.embed = PackedRows(trunk.lm_head) if trunk.arch.tie_embeddings else trunk.embed.to(storage)
         self.structs = [layer_struct(trunk.arch, layer, trunk.inv_freq) for layer in trunk.layers]

@@ -56,16 +56,19 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     dtype, device = getattr(torch, opts.dtype), torch.device(device)
     on_cpu = device.type == "cpu"
     mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
-    stored: set[str] = set()  # how the matrices (and the embedding) are stored: see native.storage_dtype
+    native_here = on_cpu and _native_refusal(opts, None) is None  # (mode native: its products read them packed)
+    stored: set[str] = set()  # how the float matrices (and the embedding) are stored: see native.storage_dtype
 
     def w(name: str, shape: tuple[int, ...], as_dtype: torch.dtype | None = None, matrix: bool = False):
         full = PREFIX + name
         entry = index.need(full)
-        if matrix or name == "embed_tokens.weight":
+        packed = matrix and entry.bits and (not on_cpu or quant.keep_packed(mode, entry.bits, as_dtype or dtype,
+                                                                             native_here))
+        if (matrix or name == "embed_tokens.weight") and not packed:
             stored.add(entry.st_dtype)
         if entry.dims != tuple(shape):
             raise TurboError(f"{full} has shape {list(entry.dims)}, expected {list(shape)}")
-        if matrix and entry.bits and (not on_cpu or quant.keep_packed(mode, entry.bits, as_dtype or dtype)):
+        if packed:
             qw = index.load_quantized(full, as_dtype or dtype)  # a QuantizedWeight for ops.linear
             qw.use_kernel = mode != "packed" and on_cpu  # (on cuda: the quantized GEMV kernel)
             return qw
@@ -126,7 +129,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
         final_norm, inv_freq = ops.to_device(final_norm, device), ops.to_device(inv_freq, device)
         layers = [ops.to_device(layer, device) for layer in layers]
     weights = TrunkWeights(embed, lm_head, final_norm, layers, inv_freq)
-    why = _native_refusal(opts, native.trunk_refusal(device, trunk_matrices(weights)))
+    why = _native_refusal(opts, native.trunk_refusal(device, trunk_matrices(weights), mode, dtype))
     if why is None:
         storage = native.storage_dtype(dtype, stored)  # the matrices packed, the embedding kept, in it
 

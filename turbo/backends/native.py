@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from .. import quant
 from ..errors import TurboError
 from .step import GdnTrace, StepOut, TrunkState
 
@@ -206,7 +207,10 @@ class Packed:
     - "int8": per output a scale max|w| / 127 (fp32), 128 x the sum of its int8 values
       (int32), then data[p, j, l, t] = round(w[16p + l, 4j + t] / scale) as int8, all in one
       byte buffer, for int8 dot products (wtype 3, inputs quantised per row).
-    The last two are for drafters: their products are not the fp32 function."""
+    - "q4", "q8" (wtype 4, 5): an affine int4 / int8 matrix (turbo.quant, groups of 64) read
+      packed, `quantized_panels`.
+    The last three are not the fp32 function: "pairs" and "int8" are for drafters, "q4" and "q8"
+    (the trunk's quantized installs) round the inputs to 8 bits per group of 64."""
 
     data: torch.Tensor
     n: int
@@ -215,7 +219,7 @@ class Packed:
 
     @property
     def wtype(self) -> int:
-        return {"pairs": 2, "int8": 3}.get(self.layout) or WTYPES[self.data.dtype]
+        return {"pairs": 2, "int8": 3, "q4": 4, "q8": 5}.get(self.layout) or WTYPES[self.data.dtype]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -228,6 +232,8 @@ class Packed:
     def dense(self) -> torch.Tensor:
         """The [n, k] matrix back (a copy; int8: the dequantised values)."""
         n_pad = -(-self.n // PANEL) * PANEL
+        if self.layout in QUANTIZED:
+            return quant.dequantize(*quantized_unpanel(self), QUANTIZED[self.layout], quant.GROUP)[:self.n]
         if self.layout == "int8":
             scale = self.data[:4 * n_pad].view(torch.float32)
             q = self.data[8 * n_pad:].view(torch.int8).reshape(n_pad // PANEL, -1, PANEL, 4)
@@ -274,6 +280,39 @@ def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
     widened exactly in the products, they give fp32 copies' results bit for bit from half
     the bytes (a decode step reads every matrix once per token)."""
     return torch.bfloat16 if dtype == torch.float32 and stored == {"BF16"} else dtype
+
+
+QUANTIZED = {"q4": 4, "q8": 8}  # the affine layouts read packed, and their bits
+LAYOUT_OF_BITS = {bits: layout for layout, bits in QUANTIZED.items()}
+
+
+def quantized_panels(w: quant.QuantizedWeight) -> Packed:
+    """An affine int4 / int8 matrix (groups of 64) as native.c's qtile reads it: per panel of 16
+    outputs and group, the scales and biases (bf16, 16 each), then the levels, words of 4 inputs
+    x 16 outputs (int4: two words to a byte, inputs 4j + t low and 4j + 32 + t high). Padded
+    outputs have scale and bias 0."""
+    n, k = w.shape
+    bits, groups, pad = w.bits, k // quant.GROUP, -n % PANEL
+    q = torch.nn.functional.pad(quant.unpack(w.packed, bits), (0, 0, 0, pad))
+    q = q.reshape(-1, PANEL, groups, quant.GROUP // 4, 4).permute(0, 2, 3, 1, 4)  # [panel, g, word, out, 4]
+    if bits == 4:
+        q = q[:, :, :8] | q[:, :, 8:] << 4
+    sb = [torch.nn.functional.pad(t.to(torch.bfloat16), (0, 0, 0, pad)).reshape(-1, PANEL, groups).transpose(1, 2)
+          for t in (w.scales, w.biases)]  # [panel, g, out]
+    parts = [t.contiguous().view(torch.uint8) for t in sb] + [q.reshape(*q.shape[:2], -1)]
+    return Packed(torch.cat(parts, dim=2).contiguous(), n, k, LAYOUT_OF_BITS[bits])
+
+
+def quantized_unpanel(p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantized_panels backwards: (packed levels, scales, biases) of the padded matrix."""
+    bits, panels, groups = QUANTIZED[p.layout], p.data.shape[0], p.data.shape[1]
+    scales, biases = (p.data[:, :, at:at + 2 * PANEL].contiguous().view(torch.bfloat16).transpose(1, 2)
+                      .reshape(-1, groups) for at in (0, 2 * PANEL))
+    q = p.data[:, :, 4 * PANEL:].reshape(panels, groups, -1, PANEL, 4)
+    if bits == 4:
+        q = torch.cat([q & 15, q >> 4], dim=2)
+    q = q.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, -1)
+    return quant.pack(q, bits), scales, biases
 
 
 def pack(w: torch.Tensor, layout: str = "panels") -> Packed:
@@ -329,8 +368,12 @@ def draft_layout(products: str) -> str:
     return layout
 
 
-def pack_as(w: torch.Tensor, storage: torch.dtype, layout: str) -> Packed:
-    """w packed in `layout`: panels keep `storage` (fp32 or bf16), pairs are bf16, int8 quantises."""
+def pack_as(w: torch.Tensor | quant.QuantizedWeight, storage: torch.dtype, layout: str) -> Packed:
+    """w packed in `layout`: panels keep `storage` (fp32 or bf16), pairs are bf16, int8 quantises;
+    an affine-quantized w is read packed whatever the layout (quantized_panels) where the
+    library has the products for it, else dequantized (fp32 panels)."""
+    if isinstance(w, quant.QuantizedWeight):
+        return quantized_panels(w) if native_bits(w) else pack(fp32_matrix(w))
     return pack(w.to(torch.bfloat16 if layout == "pairs" else storage), layout)
 
 
@@ -348,13 +391,40 @@ def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
 
 def pack_layer(layer, dtype: torch.dtype, layout: str = "panels") -> None:
     """A trunk-shaped layer's (turbo.trunk.LayerWeights) matrices into `layout` (panels: in
-    `dtype`), in place (ops.linear takes them too)."""
+    `dtype`), in place (ops.linear takes them too). The layer's products share one wtype: a
+    layer of one native quantized format is read packed; any other mix of quantized matrices
+    runs all of them in fp32 (bf16 widened exactly, the quantized ones dequantized at load)."""
     m = layer.mixer
-    if layer.gdn:
-        m.in_proj, m.out = pack_as(m.in_proj, dtype, layout), pack_as(m.out, dtype, layout)
-    else:
-        m.qkv, m.o = pack_as(m.qkv, dtype, layout), pack_as(m.o, dtype, layout)
-    layer.gate_up, layer.down = pack_as(layer.gate_up, dtype, layout), pack_as(layer.down, dtype, layout)
+    slots = [(m, "in_proj"), (m, "out")] if layer.gdn else [(m, "qkv"), (m, "o")]
+    slots += [(layer, "gate_up"), (layer, "down")]
+    kinds = {native_bits(getattr(owner, name)) for owner, name in slots}
+    mixed = any(isinstance(getattr(owner, name), quant.QuantizedWeight) for owner, name in slots) and (
+        len(kinds) > 1 or None in kinds)
+    for owner, name in slots:
+        w = getattr(owner, name)
+        if mixed:
+            w, dtype, layout = fp32_matrix(w), torch.float32, "panels"
+        setattr(owner, name, pack_as(w, dtype, layout))
+
+
+def native_bits(w) -> int | None:
+    """A matrix's bits where the native step reads it packed (None: a float matrix, or another format)."""
+    ok = isinstance(w, quant.QuantizedWeight) and w.bits in QUANTIZED.values() and w.group == quant.GROUP
+    return w.bits if ok and "int8" in dot_layouts() else None
+
+
+def fp32_matrix(w) -> torch.Tensor:
+    """A float or quantized matrix as an fp32 tensor (a quantized one dequantized)."""
+    return w.dequantize(torch.float32) if isinstance(w, quant.QuantizedWeight) else w.float()
+
+
+def quantized_copy(w: torch.Tensor, bits: int, rows: int = 16384) -> Packed:
+    """w quantized to the native format of `bits` and packed, `rows` at a time (a vocab-sized
+    lm_head in fp32 at once would be several times its size)."""
+    fmt = quant.BY_BITS[bits]
+    parts = [quantized_panels(quant.QuantizedWeight(*quant.quantize(w[i:i + rows], fmt), bits, fmt.group)).data
+             for i in range(0, w.shape[0], rows)]  # (rows a multiple of 16: whole panels)
+    return Packed(torch.cat(parts), w.shape[0], w.shape[1], LAYOUT_OF_BITS[bits])
 
 
 def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
@@ -373,15 +443,19 @@ def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
     return s
 
 
-def trunk_refusal(device: torch.device, matrices: list) -> str | None:
-    """Why the trunk's step cannot run here (None: it can, the library built): on the CPU,
-    with every matrix a plain fp32 or bf16 tensor of one dtype."""
+def trunk_refusal(device: torch.device, matrices: list, mode: str = "auto",
+                  dtype: torch.dtype = torch.float32) -> str | None:
+    """Why the trunk's step cannot run here (None: it can, the library built): on the CPU, with
+    every float matrix a plain fp32 or bf16 tensor of one dtype, and quantized ones kept packed
+    only where `mode` has the native step read them (turbo.quant.native_reads)."""
     if device.type != "cpu":
         return f"the trunk runs on {device.type}"
-    if not all(isinstance(m, torch.Tensor) for m in matrices):
+    floats = [m for m in matrices if isinstance(m, torch.Tensor)]
+    if any(not quant.native_reads(mode, m.bits, dtype) for m in matrices if isinstance(m, quant.QuantizedWeight)) \
+            or len(floats) + sum(isinstance(m, quant.QuantizedWeight) for m in matrices) < len(matrices):
         return "packed quantized matrices"
-    if any(m.dtype != matrices[0].dtype for m in matrices) or matrices[0].dtype not in WTYPES:
-        return f"matrices in {sorted({str(m.dtype).removeprefix('torch.') for m in matrices})}"
+    if floats and (any(m.dtype != floats[0].dtype for m in floats) or floats[0].dtype not in WTYPES):
+        return f"matrices in {sorted({str(m.dtype).removeprefix('torch.') for m in floats})}"
     return None
 
 
@@ -406,11 +480,18 @@ class NativeTrunkStep:
     def __init__(self, trunk, storage: torch.dtype):
         self.trunk = trunk
         layout = trunk_layout(trunk.dtype, storage)
+        bits = {native_bits(w) for layer in trunk.layers for w in (layer.gate_up, layer.down)} - {None}
         for layer in trunk.layers:
             pack_layer(layer, storage, layout)
-        trunk.lm_head = pack_as(trunk.lm_head, storage, layout)
-        # tied: the embedding rows are read out of the packed lm_head (the table is kept once)
-        trunk.embed = PackedRows(trunk.lm_head) if trunk.arch.tie_embeddings else trunk.embed.to(storage)
+        if trunk.arch.tie_embeddings and bits:
+            # the layers read packed: so is the lm_head, a copy in their format (the widest, if
+            # they differ; at real scale the head is a third of a step's bytes), the table exact
+            trunk.lm_head = quantized_copy(trunk.lm_head, max(bits))
+            trunk.embed = trunk.embed.to(storage)
+        else:
+            trunk.lm_head = pack_as(trunk.lm_head, storage, layout)
+            # tied: the embedding rows are read out of the packed lm_head (the table is kept once)
+            trunk.embed = PackedRows(trunk.lm_head) if trunk.arch.tie_embeddings else trunk.embed.to(storage)
         self.structs = [layer_struct(trunk.arch, layer, trunk.inv_freq) for layer in trunk.layers]
         self.addresses = [ctypes.addressof(s) for s in self.structs]
 

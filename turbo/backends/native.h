@@ -45,7 +45,7 @@ typedef struct {
     float eps;     /* the norms of unscaled values: q, k, the fused context */
     float res_eps; /* eps / scale^2: the norms reading the scaled residual stream */
     float scale;
-    const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's), rows, panels or pairs (embed_row) */
+    const void *embed; /* [vocab, hidden], fp32 or bf16 (the trunk's), rows or panels (embed_row) */
     const void *fc, *lm_head; /* packed */
     const float *hidden_norm, *final_norm, *inv_freq;
     const DfLayer *layer;
@@ -94,16 +94,12 @@ static inline void rms_norm_rows(const float *x, int R, int n, const float *scal
     for (int r = 0; r < R; r++) rms_norm(x + (size_t)r * n, n, scale, eps, out + (size_t)r * n);
 }
 
-/* out [H] = row t of an embedding table, fp32 or bf16 (wtype 0, 1; widened exactly), in
- * `panels` 0: row-major; 1: a packed matrix's panels of 16 rows (element i of row t at
- * ((t / 16) * H + i) * 16 + t % 16); 2: its bf16 pairs (at (((t / 16) * ceil(H / 2) + i / 2)
- * * 16 + t % 16) * 2 + i % 2) -- a tied lm_head's, the table kept once. */
+/* out [H] = row t of an embedding table, fp32 or bf16 (wtype 0, 1; widened exactly),
+ * row-major or in a packed matrix's panels of 16 rows (element i of row t at
+ * ((t / 16) * H + i) * 16 + t % 16). */
 static inline void embed_row(const void *table, int wtype, int panels, int t, int H, float *out) {
-    size_t panel = (size_t)(t / 16), lane = (size_t)(t % 16);
-    for (int i = 0; i < H; i++) {
-        size_t at = panels == 2 ? ((panel * ((H + 1) / 2) + i / 2) * 16 + lane) * 2 + i % 2
-                    : panels    ? (panel * H + i) * 16 + lane
-                                : (size_t)t * H + i;
+    size_t at = panels ? ((size_t)(t / 16) * H) * 16 + t % 16 : (size_t)t * H, step = panels ? 16 : 1;
+    for (int i = 0; i < H; i++, at += step) {
         if (wtype == 0) {
             out[i] = ((const float *)table)[at];
         } else {

@@ -246,9 +246,8 @@ class Packed:
 
 @dataclasses.dataclass
 class PackedRows:
-    """An embedding table read out of a packed matrix's panels or pairs: with tied embeddings
-    the table and the lm_head are one matrix, kept once. Row t is packed.data[t // 16, :, t % 16]
-    (pairs: flattened, the pad of an odd width dropped)."""
+    """An embedding table read out of a packed matrix's panels: with tied embeddings the
+    table and the lm_head are one matrix, kept once. Row t is packed.data[t // 16, :, t % 16]."""
 
     packed: Packed
 
@@ -262,14 +261,13 @@ class PackedRows:
 
     def __getitem__(self, ids) -> torch.Tensor:
         ids = torch.as_tensor(ids)
-        rows = self.packed.data[ids // PANEL, :, ids % PANEL]
-        return rows.flatten(-2)[..., :self.packed.k] if self.packed.layout == "pairs" else rows
+        return self.packed.data[ids // PANEL, :, ids % PANEL]
 
 
 def table_of(embed: torch.Tensor | PackedRows) -> tuple[int, int, int]:
     """An embedding table as native code reads it: (pointer, wtype, 1 if panels else 0)."""
     if isinstance(embed, PackedRows):
-        return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 2 if embed.packed.layout == "pairs" else 1
+        return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 1
     assert embed.is_contiguous() and embed.device.type == "cpu"
     return embed.data_ptr(), WTYPES[embed.dtype], 0
 
@@ -459,37 +457,44 @@ def trunk_refusal(device: torch.device, matrices: list, mode: str = "auto",
     return None
 
 
-def trunk_layout(dtype: torch.dtype, storage: torch.dtype) -> str:
-    """How the trunk's float matrices are packed: under bf16 compute with bf16 weights, bf16
-    pairs (AVX512-BF16 dot products, activations rounded to bf16 per row: twice the
-    multiply-adds per instruction, so a verify of many rows costs about the bytes it reads);
-    otherwise, or where the CPU lacks them, panels (bf16 widened exactly: the fp32 products)."""
-    pairs = dtype == storage == torch.bfloat16 and "pairs" in dot_layouts()
-    return "pairs" if pairs else "panels"
+def spare(st: TrunkState, key: tuple, rows: int, held: torch.Tensor) -> torch.Tensor:
+    """`rows` GDN states [rows, Hv, dk, dv] for a step of sequence `st` to write, from two
+    buffers it keeps per `key`: the one `held` (the state the step reads, which its trace keeps
+    as the snapshot) does not lie in. Fresh ones (1 MB a layer and row at 0.8B: ~160 MB per
+    9-row verify) come back from the allocator as new pages the kernel zeroes first, a second
+    write of every checkpoint; so a step's states and checkpoints live until this sequence's
+    next step, as a trace is used."""
+    pair = st.scratch.setdefault(key, [None, None])
+    base = held.untyped_storage().data_ptr()
+    j = next(j for j, buf in enumerate(pair) if buf is None or buf.untyped_storage().data_ptr() != base)
+    if pair[j] is None or pair[j].shape[0] < rows:
+        pair[j] = torch.empty(rows, *held.shape)
+    return pair[j][:rows]
 
 
 class NativeTrunkStep:
     """The trunk's step through native.c: one call per layer, the torch step's contract and
     traces. A step is short (a fraction of a millisecond), so the Python here is kept to a
     few buffers per layer and raw pointers (the layers' structs built once, here).
-    Packs the trunk's matrices in `storage` (native.storage_dtype) in place, as `trunk_layout`
-    says."""
+    Packs the trunk's matrices in `storage` (native.storage_dtype) in place: float ones in
+    panels (bf16 widened exactly, whatever the compute dtype: AVX512-BF16 pairs, two
+    multiply-adds per instruction, measured slower here -- a 9-row product ~1.6x the time --
+    so they stay the drafters'), quantized ones read packed (`pack_layer`)."""
 
     name = "native"
 
     def __init__(self, trunk, storage: torch.dtype):
         self.trunk = trunk
-        layout = trunk_layout(trunk.dtype, storage)
         bits = {native_bits(w) for layer in trunk.layers for w in (layer.gate_up, layer.down)} - {None}
         for layer in trunk.layers:
-            pack_layer(layer, storage, layout)
+            pack_layer(layer, storage)
         if trunk.arch.tie_embeddings and bits:
             # the layers read packed: so is the lm_head, a copy in their format (the widest, if
             # they differ; at real scale the head is a third of a step's bytes), the table exact
             trunk.lm_head = quantized_copy(trunk.lm_head, max(bits))
             trunk.embed = trunk.embed.to(storage)
         else:
-            trunk.lm_head = pack_as(trunk.lm_head, storage, layout)
+            trunk.lm_head = pack_as(trunk.lm_head, storage, "panels")
             # tied: the embedding rows are read out of the packed lm_head (the table is kept once)
             trunk.embed = PackedRows(trunk.lm_head) if trunk.arch.tie_embeddings else trunk.embed.to(storage)
         self.structs = [layer_struct(trunk.arch, layer, trunk.inv_freq) for layer in trunk.layers]
@@ -514,9 +519,9 @@ class NativeTrunkStep:
         for i, address in enumerate(self.addresses):
             if i in st.gdn:
                 state, window = st.gdn[i]
-                new_state, ext = torch.empty(hv, dk, dv), torch.empty(taps - 1 + rows, conv_dim)
+                new_state, ext = spare(st, ("state", i), 1, state)[0], torch.empty(taps - 1 + rows, conv_dim)
                 inputs = torch.empty(rows * hv * (2 * dk + dv + 2))  # q, k, v, g, beta (native.c)
-                states = torch.empty(rows, hv, dk, dv) if rollback == "checkpoint" else None
+                states = spare(st, ("states", i), rows, state) if rollback == "checkpoint" else None
                 lib.gdn_layer(address, xp, rows, state.data_ptr(), new_state.data_ptr(),
                               window.data_ptr(), ext.data_ptr(), inputs.data_ptr(), ptr(states))
                 st.gdn[i] = (new_state, ext[rows:])

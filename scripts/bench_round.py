@@ -1,18 +1,22 @@
-"""Where a speculative round's time goes, and what it buys, at every block.
+"""What a speculative round costs against a decode step, and what it buys, per block.
 
-    python scripts/bench_round.py [--accept 0.8] [--new 192]
+    python scripts/bench_round.py [--shape tiny|qwen3.5-0.8b] [--format bf16 int4 ...] [--accept 0.8]
 
-Times the parts of a round -- DFlash2 draft, batched verify of B+1 rows, rollback by
-each strategy -- on a random trunk (hidden 256, 8 layers, vocab 4096) and a random
-drafter, then tokens/s of whole generations against plain decode, with a scripted
-drafter (tests/helpers.py) that lands each proposal with probability --accept, so the
-acceptance is fixed and only the engine's costs vary. A benchmark, not a test.
+For each weight format (an install of the named shape, random weights: scripts/shapes.py for
+the published shapes, tests/helpers.py for tiny), interleaved format by format in every
+repetition: the time of a verify of R rows over one decode step, plain and keeping per-row
+state checkpoints (rollback checkpoint), then tokens/s of whole generations against plain
+decode with a scripted drafter (tests/helpers.py) landing each proposal with probability
+--accept, so the acceptance is fixed and only the engine's costs vary (the draft costs
+nothing). Medians over --reps, with the spread (min..max). A benchmark, not a test: time it
+under the machine's bench lock.
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import statistics
 import sys
 import tempfile
 import time
@@ -21,13 +25,28 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from helpers import ScriptedDrafter, make_drafter, make_install  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from helpers import ScriptedDrafter, make_install  # noqa: E402
 
 import turbo  # noqa: E402
+from turbo.repack import repack  # noqa: E402
 
-SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-             num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=64, linear_value_head_dim=64)
+# a random trunk of the tiny install's kind: hidden 256, 8 layers, vocab 4096
+TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+            linear_key_head_dim=64, linear_value_head_dim=64)
+QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
+
+
+def install(shape: str, fmt: str, tmp: Path) -> Path:
+    if shape == "tiny":
+        path = tmp / "install0"
+        if not path.is_dir():
+            make_install(tmp, 0, **TINY)
+        return path if fmt == "bf16" else repack(path, tmp / fmt, quiet=True, quant=QUANT[fmt])
+    from shapes import build
+
+    return build(shape, quant=QUANT[fmt])
 
 
 def timed(fn, reps: int) -> float:
@@ -38,71 +57,88 @@ def timed(fn, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
+def step_times(rt, prompt: list[int], rows: list[int], calls: int) -> dict:
+    """Seconds of a one-row decode step, and of R-row verifies (plain, keeping checkpoints)."""
+    trunk = rt.trunk
+    st = trunk.new_state(len(prompt) + 64)
+    trunk.prefill(st, prompt)
+    pos = st.pos
+
+    def step(n: int, rollback: str | None):
+        trunk.step(st, prompt[:n], (), rollback)
+        st.pos = pos  # back to the anchor (attention positions are overwritten next time)
+
+    out = {"decode": timed(lambda: step(1, None), calls)}
+    for n in rows:
+        out[n, None] = timed(lambda: step(n, None), calls)
+        out[n, "checkpoint"] = timed(lambda: step(n, "checkpoint"), calls)
+    return out
+
+
+def med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} ({min(xs):.2f}..{max(xs):.2f})"
+
+
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen3.5-0.8b"))
+    ap.add_argument("--format", nargs="+", default=["bf16"], choices=tuple(QUANT))
+    ap.add_argument("--dtype", default="float32", help="OpenOptions.dtype (the activations)")
     ap.add_argument("--accept", type=float, default=0.8, help="per-position acceptance of the scripted drafter")
-    ap.add_argument("--new", type=int, default=192)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--new", type=int, default=96, help="tokens per generation")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--reps", type=int, default=3, help="interleaved repetitions (medians reported)")
+    ap.add_argument("--calls", type=int, default=5, help="steps per timing")
+    ap.add_argument("--rows", type=int, nargs="+", default=[2, 3, 5, 9])
+    ap.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--skip-tokens", action="store_true", help="the verify table only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        tmp = Path(tmp)
-        drafter = make_drafter(tmp / "drafter", 256, 4096, [1, 3, 5, 7], heads=4, kv_heads=2, head_dim=64,
-                               intermediate=768, rank=32, window=256)
-        _, path = make_install(tmp, 0, drafter=drafter, **SHAPE)
-        rt = turbo.open(path, backend="cpu")
-        trunk, dflash = rt.trunk, rt.drafter("dflash", None)
-        prompt = [int(t) for t in torch.randint(0, 4096, (128,), generator=torch.Generator().manual_seed(0))]
-
-        print(f"round parts (ms), random trunk hidden 256 x 8 layers + 5-layer drafter, {args.threads} thread(s)")
-        print("| block | draft | verify (B+1 rows) | rollback checkpoint | rollback replay | decode step |")
-        print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-        for block in range(1, 9):
-            st = trunk.new_state(1024)
-            out = trunk.prefill(st, prompt[:-1], dflash.aux_layers)
-            dflash.begin(out)
-            pos = st.pos
-            draft = timed(lambda: dflash.propose(prompt[-1], pos, block), args.reps)
-            rows = [prompt[-1]] + [5] * block
-            parts = {}
-            for strategy in ("checkpoint", "replay"):
-                def verify_then_rollback(strategy=strategy):
-                    o = trunk.step(st, rows, dflash.aux_layers, strategy)
-                    t = time.perf_counter()
-                    trunk.rollback(st, o, len(rows), 1 + block // 2, strategy)
-                    parts.setdefault(strategy, []).append(time.perf_counter() - t)
-                    st.pos = pos  # back to the anchor for the next repetition (the attention part)
-                total = timed(verify_then_rollback, args.reps)
-                parts[strategy + "_total"] = total
-            rb = {s: sum(v) / len(v) for s, v in parts.items() if not s.endswith("_total")}
-            verify = parts["checkpoint_total"] - rb["checkpoint"]
-            step = timed(lambda: (trunk.step(st, [prompt[-1]]), setattr(st, "pos", pos)), args.reps)
-            print(f"| {block} | {draft * 1e3:.2f} | {verify * 1e3:.2f} | {rb['checkpoint'] * 1e3:.3f} | "
-                  f"{rb['replay'] * 1e3:.3f} | {step * 1e3:.2f} |")
-
-        off = rt.generate(prompt, max_new_tokens=args.new, policy="off")
-        reference = prompt + off.tokens
-        print(f"\ntokens/s with a scripted drafter landing each proposal with p = {args.accept} "
-              f"(draft cost excluded; plain decode {off.stats.decode_tokens_per_s:.1f} tok/s)")
-        print("| block | rollback | accepted/round | rollback rate | tok/s | vs off |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: |")
+        rts = {f: turbo.open(str(install(args.shape, f, Path(tmp))), backend="cpu", dtype=args.dtype)
+               for f in args.format}
+        vocab = min(rt.trunk.arch.vocab for rt in rts.values())
+        prompt = torch.randint(0, min(vocab, 4000), (128,), generator=torch.Generator().manual_seed(0)).tolist()
         rng = random.Random(0)
-        schedule = []
+        schedule = []  # accepted per round: each proposal lands with p = accept, up to the widest block
         for _ in range(4096):
             n = 0
-            while rng.random() < args.accept and n < 8:
+            while rng.random() < args.accept and n < max(args.blocks):
                 n += 1
             schedule.append(n)
-        for block in range(1, 9):
-            for strategy in ("checkpoint", "replay"):
-                scripted = ScriptedDrafter(reference, [min(n, block) for n in schedule], 4096)
-                res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block, rollback=strategy,
-                                  drafter=scripted)
-                assert res.tokens == off.tokens, "speculation changed the output"
-                s = res.stats
-                print(f"| {block} | {strategy} | {s.accepted_per_round:.2f} | {s.rollback_rate:.0%} | "
-                      f"{s.decode_tokens_per_s:.1f} | {s.decode_tokens_per_s / off.stats.decode_tokens_per_s:.2f}x |")
+        times = {f: [] for f in rts}
+        speed = {f: {} for f in rts}
+        for _ in range(args.reps):
+            for f, rt in rts.items():
+                times[f].append(step_times(rt, prompt, args.rows, args.calls))
+            if args.skip_tokens:
+                continue
+            for f, rt in rts.items():
+                off = rt.generate(prompt, max_new_tokens=args.new, policy="off", stop_at_eos=False)
+                speed[f].setdefault("plain", []).append(off.stats.decode_tokens_per_s)
+                for block in args.blocks:
+                    scripted = ScriptedDrafter(prompt + off.tokens, [min(n, block) for n in schedule], vocab)
+                    res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block,
+                                      rollback="checkpoint", drafter=scripted, stop_at_eos=False)
+                    assert res.tokens == off.tokens, "speculation changed the output"
+                    speed[f].setdefault(block, []).append(res.stats.decode_tokens_per_s)
+        print(f"shape {args.shape}, dtype {args.dtype}, {args.threads} thread(s), medians of {args.reps} "
+              f"interleaved runs (min..max)")
+        print("\n| format | decode step ms | " + " | ".join(f"verify {n} rows / step (plain; checkpoints)"
+                                                        for n in args.rows) + " |")
+        print("| --- | ---: |" + " ---: |" * len(args.rows))
+        for f, runs in times.items():
+            cells = [med([r[n, None] / r["decode"] for r in runs]) + "; " +
+                     med([r[n, "checkpoint"] / r["decode"] for r in runs]) for n in args.rows]
+            print(f"| {f} | {med([r['decode'] * 1e3 for r in runs])} | " + " | ".join(cells) + " |")
+        if args.skip_tokens:
+            return
+        print(f"\ntok/s at acceptance {args.accept} (scripted drafter, rollback checkpoint; draft cost excluded)")
+        print("| format | plain | " + " | ".join(f"block {b}" for b in args.blocks) + " | best / plain |")
+        print("| --- | ---: |" + " ---: |" * (len(args.blocks) + 1))
+        for f, s in speed.items():
+            best = max(statistics.median(s[b]) for b in args.blocks) / statistics.median(s["plain"])
+            print(f"| {f} | {med(s['plain'])} | " + " | ".join(med(s[b]) for b in args.blocks) + f" | {best:.2f}x |")
 
 
 if __name__ == "__main__":

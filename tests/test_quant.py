@@ -37,7 +37,7 @@ def _bound(w: torch.Tensor, fmt: quant.QFormat) -> torch.Tensor:
     return b.expand_as(g).reshape(w.shape)
 
 
-@pytest.mark.parametrize("fmt", list(FMT))
+@pytest.mark.parametrize("fmt", ["int4", "int2", "int1"])  # int8: tests/test_trunk_products.py
 def test_quantize_dequantize_error_bounds(fmt):
     f = FMT[fmt]
     g = torch.Generator().manual_seed(0)
@@ -290,7 +290,7 @@ def _write(tmp, tensors, table):
     ("scales", "w: scales have shape [8, 2], expected [8, 1]"),
     ("group", "w: group size 64 does not divide its 96 columns"),
     ("bits", "w: 3-bit quantization is not supported"),
-    ("code", "w: quantization code 7 is not one of 4, 15, 16"),
+    ("code", "w: quantization code 7 is not one of 4, 5, 15, 16"),
     ("dtype", "w.scales: stored as F32, int4 (dtype 4) keeps BF16 scales and biases"),
     ("missing", "w: quantized as int4 but w.scales / w.biases are missing"),
 ])

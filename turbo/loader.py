@@ -53,27 +53,47 @@ def _norm(index, name: str, device: torch.device) -> torch.Tensor:
 # ---- the trunk ------------------------------------------------------------------------------
 
 
-def _stored_matrix_dtypes(index) -> set[str]:
-    """How the trunk's matrices and embedding are stored (safetensors names): every 2-D
-    `trunk.*.weight` (a quantized one's logical dims), read off the index before any loads."""
-    return {e.st_dtype for name, e in index.entries.items()
-            if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}
+def _in_moe_block(name: str) -> bool:
+    # native_moe.c reads a whole MoE block in one float wtype: its experts are never read packed
+    return any(part in name for part in (".mlp.experts.", ".mlp.shared_expert", ".mlp.gate."))
 
 
 def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) -> Trunk:
     """The trunk's weights in `opts.dtype` on `device` (prepared on the host exactly as for
     the CPU, then moved there once), on the native step where it can run. The native step's
     matrices are packed as they are read, a slice at a time (native.pack_rows), so loading
-    holds about the packed weights and nothing twice; whether it runs is settled first."""
+    holds about the packed weights and nothing twice; whether it runs is settled first, and so
+    is every matrix's format (float panels, or int4 / int8 read packed)."""
     a, index = install.arch, install.index
     dtype, device = getattr(torch, opts.dtype), torch.device(device)
     on_cpu = device.type == "cpu"
     mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
-    kept = on_cpu and any(e.bits and quant.keep_packed(mode, e.bits, dtype) for name, e in index.entries.items()
-                          if name.startswith(PREFIX) and name != PREFIX + EMBED)
+    native_here = on_cpu and _native_refusal(opts, None) is None
+    # every 2-D `trunk.*.weight` (a quantized one's logical dims), read off the index before any loads
+    matrices = {name: e for name, e in index.entries.items()
+                if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}
+
+    def read_packed(name: str, e) -> bool:
+        """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
+        return (native_here and bool(e.bits) and native.reads_packed(e.bits, e.group)
+                and quant.native_reads(mode, e.bits, dtype) and not _in_moe_block(name))
+
+    kept = on_cpu and any(e.bits and quant.keep_packed(mode, e.bits, dtype) and not read_packed(name, e)
+                          for name, e in matrices.items() if name != PREFIX + EMBED)
     why = _native_refusal(opts, native.trunk_refusal(device, dtype, kept))
-    # the matrices packed, the embedding kept, in it (None: the torch step's plain tensors)
-    storage = native.storage_dtype(dtype, _stored_matrix_dtypes(index)) if why is None else None
+    # the float matrices packed, the embedding kept, in it (None: the torch step's plain tensors)
+    storage = native.storage_dtype(dtype, {e.st_dtype for name, e in matrices.items() if not read_packed(name, e)}) \
+        if why is None else None
+
+    def fmt_of(prefix: str) -> torch.dtype | int | None:
+        """How the native step packs the matrices under `prefix` (one layer's products share one
+        wtype): the bits of the one packed format they are all read in, else fp32 if any is
+        quantized (dequantized exactly), else `storage`."""
+        es = {n: e for n, e in matrices.items() if n.startswith(PREFIX + prefix) and not _in_moe_block(n)}
+        kinds = {e.bits if read_packed(n, e) else None for n, e in es.items()}
+        if storage is None or not any(e.bits for e in es.values()):
+            return storage
+        return kinds.pop() if len(kinds) == 1 and None not in kinds else torch.float32
 
     scratch: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # the packing's read buffers per part (index.rows)
 
@@ -95,12 +115,16 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
             return qw
         return index.load(e.name, dtype)
 
-    def matrix(parts: list[tuple[str, tuple[int, int]]]):
-        """The parts' rows fused into one matrix: native: packed as read; else a tensor (or a
-        packed QuantizedWeight) for ops.linear."""
+    def matrix(parts: list[tuple[str, tuple[int, int]]], fmt: torch.dtype | int | None = None):
+        """The parts' rows fused into one matrix: native: packed as read, in `fmt` (bits: read
+        packed; a dtype: float panels; None: `storage`); else a tensor (or a packed
+        QuantizedWeight) for ops.linear."""
         entries = [entry(name, shape) for name, shape in parts]
         if storage is None:
             return quant.fuse([plain(e) for e in entries])
+        if isinstance(fmt, int):  # (quantized matrices are a fraction of the float size: fused whole)
+            return native.quantized_panels(quant.fuse([index.load_quantized(e.name, dtype) for e in entries]))
+        into = fmt or storage
         dense = {e.name: index.load(e.name, dtype) for e in entries if e.bits}  # (dequantized once)
 
         def read(r0: int, r1: int) -> torch.Tensor:
@@ -112,27 +136,36 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
                                   else index.rows(e.name, lo - at, hi - at, scratch.setdefault(j, {})))
                 at += e.dims[0]
             # (a slice across two parts: rare, the fused parts' sizes are mostly whole panels)
-            return torch.cat([p.to(storage) for p in pieces]) if len(pieces) > 1 else pieces[0]
+            return torch.cat([p.to(into) for p in pieces]) if len(pieces) > 1 else pieces[0]
 
-        return native.pack_rows(read, sum(e.dims[0] for e in entries), storage)
+        return native.pack_rows(read, sum(e.dims[0] for e in entries), into)
 
     def norm(name: str, n: int) -> torch.Tensor:
         return 1.0 + w(name, (n,), torch.float32)
 
     table = (a.vocab, a.hidden)
-    if a.tie_embeddings and storage is not None:  # the embedding rows read out of the packed lm_head: kept once
+    formats = [fmt_of(f"layers.{i}.") for i in range(a.num_layers)]
+    packed_bits = {f for f in formats if isinstance(f, int)}
+    if a.tie_embeddings and packed_bits:
+        # the layers read packed: so is the lm_head, a copy in their format (the widest, if they
+        # differ; at real scale the head is a third of a step's bytes); the table stays exact
+        entry(EMBED, table)
+        embed = index.load(PREFIX + EMBED)  # (as stored: quantized a slice at a time)
+        lm_head = native.quantized_copy(embed, max(packed_bits))
+        embed = embed.to(storage)
+    elif a.tie_embeddings and storage is not None:  # the embedding rows read out of the packed lm_head: kept once
         lm_head = matrix([(EMBED, table)])
         embed = native.PackedRows(lm_head)
     else:
         embed = w(EMBED, table)
         embed = embed.to(storage) if storage is not None else embed
-        lm_head = embed if a.tie_embeddings else matrix([("lm_head.weight", table)])
+        lm_head = embed if a.tie_embeddings else matrix([("lm_head.weight", table)], fmt_of("lm_head."))
     final_norm = norm("norm.weight", a.hidden)
     layers: list[LayerWeights] = []
     hd, nh, nkv = a.head_dim, a.num_heads, a.num_kv_heads
     kd, vd = a.lin_k_heads * a.lin_k_dim, a.lin_v_heads * a.lin_v_dim
     for i in range(a.num_layers):
-        p = f"layers.{i}."
+        p, fmt = f"layers.{i}.", formats[i]
         if a.is_gdn(i):
             m = p + "linear_attn."
             conv = w(m + "conv1d.weight", (a.lin_conv_dim, 1, a.conv_kernel), torch.float32)[:, 0]
@@ -140,20 +173,20 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
                 in_proj=matrix([(m + "in_proj_qkv.weight", (2 * kd + vd, a.hidden)),
                                 (m + "in_proj_z.weight", (vd, a.hidden)),
                                 (m + "in_proj_b.weight", (a.lin_v_heads, a.hidden)),
-                                (m + "in_proj_a.weight", (a.lin_v_heads, a.hidden))]),
+                                (m + "in_proj_a.weight", (a.lin_v_heads, a.hidden))], fmt),
                 conv=conv.contiguous(),
                 neg_a=-w(m + "A_log", (a.lin_v_heads,), torch.float32).exp(),
                 dt_bias=w(m + "dt_bias", (a.lin_v_heads,), torch.float32),
                 norm=w(m + "norm.weight", (a.lin_v_dim,), torch.float32),
-                out=matrix([(m + "out_proj.weight", (a.hidden, vd))]),
+                out=matrix([(m + "out_proj.weight", (a.hidden, vd))], fmt),
             )
         else:
             m = p + "self_attn."
             mixer = AttnWeights(
                 qkv=matrix([(m + "q_proj.weight", (2 * nh * hd, a.hidden)),
                             (m + "k_proj.weight", (nkv * hd, a.hidden)),
-                            (m + "v_proj.weight", (nkv * hd, a.hidden))]),
-                o=matrix([(m + "o_proj.weight", (a.hidden, nh * hd))]),
+                            (m + "v_proj.weight", (nkv * hd, a.hidden))], fmt),
+                o=matrix([(m + "o_proj.weight", (a.hidden, nh * hd))], fmt),
                 q_norm=norm(m + "q_norm.weight", hd),
                 k_norm=norm(m + "k_norm.weight", hd),
             )
@@ -164,8 +197,8 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
             post_norm=norm(p + "post_attention_layernorm.weight", a.hidden),
             mixer=mixer,
             gate_up=None if moe else matrix([(p + "mlp.gate_proj.weight", (a.intermediate, a.hidden)),
-                                             (p + "mlp.up_proj.weight", (a.intermediate, a.hidden))]),
-            down=None if moe else matrix([(p + "mlp.down_proj.weight", (a.hidden, a.intermediate))]),
+                                             (p + "mlp.up_proj.weight", (a.intermediate, a.hidden))], fmt),
+            down=None if moe else matrix([(p + "mlp.down_proj.weight", (a.hidden, a.intermediate))], fmt),
             moe=moe,
         ))
     inv_freq = ops.rope_inv_freq(a.rotary_dim, a.rope_theta)

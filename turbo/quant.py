@@ -8,6 +8,7 @@ nearest level of the affine map that is actually stored.
 
 Formats (the dtype codes of docs/DESIGN.md 4):
     code 4   int4  group 64   bf16 scales / biases
+    code 5   int8  group 64   bf16
     code 16  int2  group 128  f16
     code 15  int1  group 128  f16
 
@@ -26,7 +27,12 @@ On the CPU (OpenOptions.quant_cpu, TURBO_QUANT_CPU; default auto; figures from s
   trusted; a weight it refuses or that probes unstable is dequantized once instead), so a
   verify row stays bit-identical to the decode step it stands for. With bf16 activations it
   is the fastest CPU path by far; with fp32 activations it is slower than a cached fp32 GEMV.
-- auto: kernel for int4 on a bf16 trunk, dequant otherwise (the faster of each pair measured).
+- native: int4 and int8 read packed by the native step's own products (native.c, AVX512-VNNI:
+  the inputs rounded to 8 bits per group of 64, an exact integer dot per group, so verify rows
+  stay decode steps bit for bit); a tied lm_head is quantized at load to the layers' format
+  (the embedding lookup stays exact). Other formats, and a layer whose matrices are not all of
+  one such format, are dequantized at load. Decode reads ~0.3x (int4) of bf16's bytes.
+- auto: native where the native step runs (int4 on a bf16 trunk: kernel), dequant otherwise.
 """
 
 from __future__ import annotations
@@ -51,12 +57,17 @@ class QFormat:
 
 FORMATS = {
     "int4": QFormat("int4", 4, 4, 64, torch.bfloat16, "BF16"),
+    "int8": QFormat("int8", 5, 8, 64, torch.bfloat16, "BF16"),
     "int2": QFormat("int2", 16, 2, 128, torch.float16, "F16"),
     "int1": QFormat("int1", 15, 1, 128, torch.float16, "F16"),
 }
+GROUP = 64  # the group of the formats the native CPU step reads packed (int4, int8)
 BY_CODE = {f.code: f for f in FORMATS.values()}
 BY_BITS = {f.bits: f for f in FORMATS.values()}
 QUANT_CODES = tuple(sorted(BY_CODE))
+# The formats (bits, group) alone may name, without a code: an MLX-layout source's. int8 is
+# named by its code only (repack --quant int8 writes it); an 8-bit MLX source is not carried.
+BITS_NAMED = (4, 2, 1)
 METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
 
 # The CPU representation of a quantized matrix in the trunk (module docstring): auto,
@@ -64,11 +75,21 @@ METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code,
 CPU_MODE_ENV = QUANT_CPU_ENV
 
 
-CPU_MODES = ("auto", "dequant", "packed", "kernel")
+CPU_MODES = ("auto", "dequant", "packed", "kernel", "native")
+NATIVE_BITS = (4, 8)  # the formats the native step reads packed (groups of GROUP)
 
 
-def keep_packed(mode: str, bits: int, dtype: torch.dtype) -> bool:
-    """Whether the trunk keeps a quantized matrix as a QuantizedWeight (else dequantizes it at load)."""
+def native_reads(mode: str, bits: int, dtype: torch.dtype) -> bool:
+    """Whether the native step reads a `bits` matrix packed under `mode` (where it runs)."""
+    auto = mode == "auto" and not (bits == 4 and dtype == torch.bfloat16)
+    return bits in NATIVE_BITS and (mode == "native" or auto)
+
+
+def keep_packed(mode: str, bits: int, dtype: torch.dtype, native: bool = False) -> bool:
+    """Whether the trunk keeps a quantized matrix as a QuantizedWeight (else dequantizes it at
+    load); `native`: the native step can run here."""
+    if native and native_reads(mode, bits, dtype):
+        return True
     return mode == "packed" or (bits == 4 and (mode == "kernel" or (mode == "auto" and dtype == torch.bfloat16)))
 
 
@@ -91,7 +112,7 @@ def format_for(code: int | None = None, bits: int | None = None, group: int | No
         if group is not None and group != fmt.group:
             raise TurboError(f"{name}: code {code} uses groups of {fmt.group}, the metadata says group {group}")
         return fmt
-    fmt = BY_BITS.get(bits)  # type: ignore[arg-type]
+    fmt = BY_BITS.get(bits) if bits in BITS_NAMED else None  # type: ignore[arg-type]
     if fmt is None:
         raise TurboError(f"{name}: {bits}-bit quantization is not supported (expected bits 4, 2 or 1)")
     if group != fmt.group:

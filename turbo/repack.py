@@ -1,6 +1,6 @@
 """HF checkpoint (+ DFlash drafter) -> turbo install, streaming tensor by tensor.
 
-    python -m turbo.repack SRC OUT [--drafter DIR] [--text-only] [--quant none|int4|int2|int1]
+    python -m turbo.repack SRC OUT [--drafter DIR] [--text-only] [--quant none|int4|int8|int2|int1]
 
 Peak memory stays at one copy buffer: tensor bytes are copied from the source file to
 the output file in bounded chunks, never materialised as a whole model. The output is
@@ -12,9 +12,9 @@ MoE checkpoints (Qwen3.5-MoE, Qwen3-Next) come out in one layout whichever exper
 carry: every expert's matrices on their own (see "MoE checkpoints" below for how a fused stack
 is cut without holding it).
 
---quant int4|int2|int1 quantizes the rank-2 projection matrices (turbo/quant.py: int4 in
-groups of 64 with bf16 scales, dtype 4; int2 / int1 in groups of 128 with f16 scales,
-dtypes 16 / 15), one tensor in memory at a time, as `name` (packed U32) + `name.scales` +
+--quant int4|int8|int2|int1 quantizes the rank-2 projection matrices (turbo/quant.py: int4
+and int8 in groups of 64 with bf16 scales, dtypes 4 and 5; int2 / int1 in groups of 128 with
+f16 scales, dtypes 16 / 15), one tensor in memory at a time, as `name` (packed U32) + `name.scales` +
 `name.biases`, recording {name: {code, group, bits}} in the file's __metadata__["turbo.quant"].
 Quantized: weights of modules named `*_proj` or `in_proj*` (attention q/k/v/o, linear-attention
 in_proj_qkv/z/b/a and out_proj, MLP gate/up/down, every routed and shared expert's), `fc` (the
@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--quant", default="none", choices=("none", *q.FORMATS),
-                        help="quantize the projection matrices: int4 (group 64, bf16 scales, dtype 4), int2 / int1 "
+                        help="quantize the projection matrices: int4 / int8 (group 64, bf16 scales, dtypes 4 / 5), int2 / int1 "
                              "(group 128, f16 scales, dtypes 16 / 15)")
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)

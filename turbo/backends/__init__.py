@@ -18,8 +18,9 @@ class Backend:
     note: str = ""
 
 
-# 4 / 16 / 15: INT4 / 2-bit / 1-bit affine (turbo/quant.py), run through ops.linear's row-stable path
-CPU = Backend("cpu", (1, 2, 3, 4, 16, 15))
+# 4 / 5 / 16 / 15: INT4 / INT8 / 2-bit / 1-bit affine (turbo/quant.py), through the native step's
+# products (int4, int8) or ops.linear's row-stable path
+CPU = Backend("cpu", (1, 2, 3, 4, 5, 16, 15))
 
 
 def cuda_missing() -> str | None:

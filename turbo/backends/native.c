@@ -48,8 +48,8 @@
 #define INT8_DOT 0
 #endif
 
-/* Which of the drafters' products are compiled in: bit 0 wtype 2 (bf16 pairs), bit 1
- * wtype 3 (int8 quads). */
+/* Which of the products are compiled in: bit 0 wtype 2 (bf16 pairs), bit 1 wtypes 3, 4 and 5
+ * (int8 quads, affine int4 and int8). */
 int dot_products(void) { return BF16_DOT | INT8_DOT << 1; }
 
 int struct_size(int which) {
@@ -101,6 +101,14 @@ static int threads = 1;
  * library shares the process's libgomp -- the one torch loaded -- so its parallel regions
  * use torch's pool instead of a second pool competing for the same cores. */
 void set_threads(int n) { threads = n < 1 ? 1 : n; }
+
+/* Outputs o0..o0+15 of one row (those below n) from a tile's register. */
+static inline void store_outputs(float *row, int n, int o0, v16 v) {
+    if (n - o0 >= 16) /* a fixed-size store: a variable count compiles to a slow string copy */
+        memcpy(row + o0, &v, 64);
+    else
+        for (int l = 0; l < n - o0; l++) row[o0 + l] = v[l];
+}
 
 /* ---- packed matrices: the layout the trunk's products use ----
  * A matrix w [n, k] is stored as panels of 16 outputs, P [ceil(n/16), k, 16] (the last
@@ -178,36 +186,36 @@ static inline __attribute__((always_inline)) void ptile(const float *x, int k, c
         }
     }
     for (int a = 0; a < NP; a++)
-        for (int b = 0; b < NR; b++) {
-            int o0 = (p + a) * 16, m = n - o0 < 16 ? n - o0 : 16;
-            float *dst = y + (size_t)(r + b) * n + o0;
-            if (m == 16) /* a fixed-size store: a variable count compiles to a slow string copy */
-                memcpy(dst, &acc[a][b], 64);
-            else
-                for (int l = 0; l < m; l++) dst[l] = acc[a][b][l];
-        }
+        for (int b = 0; b < NR; b++) store_outputs(y + (size_t)(r + b) * n, n, (p + a) * 16, acc[a][b]);
 }
 
-/* All rows against panels p..p+NP-1, in row tiles of up to 12 (a verify of up to 11
- * proposals reads each panel once; longer calls split near-evenly). */
-#define PANEL_ROWS(NP)                                                                        \
+/* All rows, in row tiles of up to MAXR (TILE(NR) computes rows r..r+NR-1; a verify of up to
+ * MAXR - 1 proposals reads each panel once; longer calls split near-evenly). */
+#define ROW_TILES(TILE, MAXR)                                                                 \
     for (int r = 0; r < R;) {                                                                 \
-        int left = R - r, nr = left <= 12 ? left : left <= 24 ? (left + 1) / 2 : 12;           \
+        int left = R - r, nr = left <= MAXR ? left : left <= 2 * MAXR ? (left + 1) / 2 : MAXR; \
         switch (nr) {                                                                         \
-        case 12: ptile(x, k, P, wtype, n, p, r, y, NP, 12); break;                            \
-        case 11: ptile(x, k, P, wtype, n, p, r, y, NP, 11); break;                            \
-        case 10: ptile(x, k, P, wtype, n, p, r, y, NP, 10); break;                            \
-        case 9: ptile(x, k, P, wtype, n, p, r, y, NP, 9); break;                              \
-        case 8: ptile(x, k, P, wtype, n, p, r, y, NP, 8); break;                              \
-        case 7: ptile(x, k, P, wtype, n, p, r, y, NP, 7); break;                              \
-        case 6: ptile(x, k, P, wtype, n, p, r, y, NP, 6); break;                              \
-        case 5: ptile(x, k, P, wtype, n, p, r, y, NP, 5); break;                              \
-        case 4: ptile(x, k, P, wtype, n, p, r, y, NP, 4); break;                              \
-        case 3: ptile(x, k, P, wtype, n, p, r, y, NP, 3); break;                              \
-        case 2: ptile(x, k, P, wtype, n, p, r, y, NP, 2); break;                              \
-        default: ptile(x, k, P, wtype, n, p, r, y, NP, 1);                                    \
+        case 12: if (MAXR >= 12) TILE(12); break;                                             \
+        case 11: if (MAXR >= 11) TILE(11); break;                                             \
+        case 10: if (MAXR >= 10) TILE(10); break;                                             \
+        case 9: if (MAXR >= 9) TILE(9); break;                                                \
+        case 8: if (MAXR >= 8) TILE(8); break;                                                \
+        case 7: if (MAXR >= 7) TILE(7); break;                                                \
+        case 6: TILE(6); break;                                                               \
+        case 5: TILE(5); break;                                                               \
+        case 4: TILE(4); break;                                                               \
+        case 3: TILE(3); break;                                                               \
+        case 2: TILE(2); break;                                                               \
+        default: TILE(1);                                                                     \
         }                                                                                     \
         r += nr;                                                                              \
+    }
+
+#define PTILE(NR) ptile(x, k, P, wtype, n, p, r, y, NP, NR)
+#define PANEL_ROWS(NP_)                                                                       \
+    {                                                                                         \
+        const int NP = NP_;                                                                   \
+        ROW_TILES(PTILE, 12)                                                                  \
     }
 
 /* Panels [p0, p1): four at a time for few rows (four independent chains per row hide the
@@ -222,6 +230,128 @@ static inline __attribute__((always_inline)) void packed_as(const float *x, int 
     for (; p < p1; p++) { PANEL_ROWS(1) }
 }
 
+#if INT8_DOT
+/* ---- affine-quantized matrices: wtype 4 (int4) and 5 (int8), groups of 64 inputs ----
+ * P, per panel of 16 outputs and per group g: the outputs' scales, then their biases (bf16,
+ * 32 bytes each), then the levels q (u8) in words of 4 inputs x 16 outputs -- int8: 16 words,
+ * byte (j, l, t) = q[16p + l, 64g + 4j + t]; int4: 8 words of nibbles, the low one input
+ * 4j + t, the high one input 4j + 32 + t (one load gives two words, one AND and one shift).
+ * x (group_quads): per row and group its scale s_g, the inputs as s8 x8 = round(x / s_g) and
+ * the sum of the rounded inputs s_g sum(x8). Per output, w.x = sum over g, in order, of
+ *     (q . x8)_g * (scale_g s_g) + bias_g s_g sum_g(x8)
+ * where the integer dot (vpdpbusd) is exact in any order and the float part is one fixed
+ * chain of fused multiply-adds: row-stable, like the float products. */
+#define QGROUP 64
+
+static inline size_t qgroup_bytes(int bits) { return 64 + (size_t)QGROUP * 16 * bits / 8; }
+
+static inline __m512 widen_bf16(const uint8_t *at) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+}
+
+static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int k, const uint8_t *P, const int bits,
+                                                        int n, int p, int r, float *y, const int NP, const int NR) {
+    int G = k / QGROUP;
+    size_t gb = qgroup_bytes(bits), xrow = (size_t)8 * G + k;
+    __m512 acc[4][6];
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) acc[a][b] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int g = 0; g < G; g++) {
+        const uint8_t *W[4];
+        __m512i ia[4][6];
+        for (int a = 0; a < NP; a++) {
+            W[a] = P + ((size_t)(p + a) * G + g) * gb;
+            for (int b = 0; b < NR; b++) ia[a][b] = _mm512_setzero_si512();
+        }
+        for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
+            __m512i lo[4], hi[4];
+            for (int a = 0; a < NP; a++) {
+                __builtin_prefetch(W[a] + 2 * gb + 64 * j);
+                __m512i v = _mm512_loadu_si512(W[a] + 64 + 64 * j);
+                lo[a] = bits == 4 ? _mm512_and_si512(v, low) : v;
+                hi[a] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            }
+            for (int b = 0; b < NR; b++) {
+                const uint8_t *xq = x + (size_t)(r + b) * xrow + (size_t)8 * G + (size_t)QGROUP * g + 4 * j;
+                int32_t w0, w1;
+                memcpy(&w0, xq, 4);
+                memcpy(&w1, xq + 32, 4);
+                for (int a = 0; a < NP; a++) {
+                    ia[a][b] = _mm512_dpbusd_epi32(ia[a][b], lo[a], _mm512_set1_epi32(w0));
+                    if (bits == 4) ia[a][b] = _mm512_dpbusd_epi32(ia[a][b], hi[a], _mm512_set1_epi32(w1));
+                }
+            }
+        }
+        for (int a = 0; a < NP; a++) {
+            __m512 ws = widen_bf16(W[a]), wb = widen_bf16(W[a] + 32);
+            for (int b = 0; b < NR; b++) {
+                const float *xs = (const float *)(x + (size_t)(r + b) * xrow);
+                acc[a][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[a][b]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[g])),
+                                            acc[a][b]);
+                acc[a][b] = _mm512_fmadd_ps(wb, _mm512_set1_ps(xs[G + g]), acc[a][b]);
+            }
+        }
+    }
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) store_outputs(y + (size_t)(r + b) * n, n, (p + a) * 16, (v16)acc[a][b]);
+}
+
+#define QTILE(NR) qtile((const uint8_t *)x, k, (const uint8_t *)P, bits, n, p, r, y, NP, NR)
+
+/* Panels [p0, p1) of a quantized matrix: rows in tiles of up to 6 (an integer and a float
+ * accumulator per output and row: 2 x 6 of each fill the registers), four panels at a time
+ * for one or two rows. */
+static inline __attribute__((always_inline)) void qpanels(const float *x, int R, int k, const void *P, int n, float *y,
+                                                          int p0, int p1, const int bits, const int NP) {
+    for (int p = p0; p + NP <= p1; p += NP)
+        ROW_TILES(QTILE, 6)
+}
+
+static inline __attribute__((always_inline)) void qpacked_as(const float *x, int R, int k, const void *P, int n,
+                                                             float *y, int p0, int p1, const int bits) {
+    int wide = R <= 2 ? 4 : 2, p = p0 + (p1 - p0) / wide * wide;
+    if (wide == 4)
+        qpanels(x, R, k, P, n, y, p0, p, bits, 4);
+    else
+        qpanels(x, R, k, P, n, y, p0, p, bits, 2);
+    qpanels(x, R, k, P, n, y, p, p1, bits, 1);
+}
+
+/* x [R, k] (k a multiple of 64) as qtile reads it: per row G = k / 64 scales s_g = max|x_g| / 127
+ * (1 for a group of zeros), G sums s_g sum(x8_g), then the k inputs x8 as s8. The bias then
+ * multiplies the rounded inputs as the scale does: y is the dequantized w times the rounded x
+ * (the exact sum of x would leave the scale's part, larger, uncancelled). */
+static uint8_t *group_quads(const float *x, int R, int k) {
+    int G = k / QGROUP;
+    size_t row = (size_t)8 * G + k;
+    uint8_t *out = malloc(row * R);
+    for (int r = 0; r < R; r++) {
+        float *scale = (float *)(out + row * r), *sum = scale + G;
+        int8_t *q = (int8_t *)(sum + G);
+        for (int g = 0; g < G; g++) {
+            const float *xg = x + (size_t)r * k + (size_t)QGROUP * g;
+            __m512 v[4], m = _mm512_setzero_ps();
+            for (int c = 0; c < 4; c++) {
+                v[c] = _mm512_loadu_ps(xg + 16 * c);
+                m = _mm512_max_ps(m, _mm512_abs_ps(v[c]));
+            }
+            float mx = _mm512_reduce_max_ps(m), s = mx > 0.0f ? mx / 127.0f : 1.0f;
+            __m512 inv = _mm512_set1_ps(1.0f / s);
+            __m512i t = _mm512_setzero_si512();
+            for (int c = 0; c < 4; c++) { /* to nearest even; |x / s| <= 127 (saturated at the ends) */
+                __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
+                t = _mm512_add_epi32(t, qi);
+                _mm_storeu_si128((__m128i *)(q + (size_t)QGROUP * g + 16 * c), _mm512_cvtsepi32_epi8(qi));
+            }
+            scale[g] = s;
+            sum[g] = s * (float)_mm512_reduce_add_epi32(t);
+        }
+    }
+    return out;
+}
+#endif
+
 static void packed_range(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
     if (wtype == 0)
         packed_as(x, R, k, P, n, y, p0, p1, 0);
@@ -232,6 +362,10 @@ static void packed_range(const float *x, int R, int k, const void *P, int wtype,
 #if INT8_DOT
     else if (wtype == 3)
         packed_as(x, R, k, P, n, y, p0, p1, 3);
+    else if (wtype == 4)
+        qpacked_as(x, R, k, P, n, y, p0, p1, 4);
+    else if (wtype == 5)
+        qpacked_as(x, R, k, P, n, y, p0, p1, 8);
 #endif
     else
         packed_as(x, R, k, P, n, y, p0, p1, 1);
@@ -316,6 +450,12 @@ void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n
         uint32_t *xq = int8_quads(x, R, k);
         products((const float *)xq, R, 1 + (k + 3) / 4, P, 3, n, y);
         free(xq);
+#if INT8_DOT
+    } else if (wtype == 4 || wtype == 5) {
+        uint8_t *xq = group_quads(x, R, k);
+        products((const float *)xq, R, k, P, wtype, n, y);
+        free(xq);
+#endif
     } else {
         products(x, R, k, P, wtype, n, y);
     }
@@ -399,6 +539,21 @@ static void gdn_column(float *S, int dk, int dv, int j, const float *qh, const f
     if (oh) oh[j] = o;
 }
 
+/* dst [n] = src [n]: a row's checkpoint of the recurrent state (1 MB a layer at 0.8B, 160 MB
+ * for a 9-row verify). Stored past the caches (streaming stores): nothing reads a checkpoint
+ * until a rollback, and a plain copy first reads every destination line in -- twice the
+ * memory traffic, measured twice the time. */
+static void keep_state(float *dst, const float *src, size_t n) {
+    size_t i = 0;
+#if defined(__AVX512F__)
+    if (((uintptr_t)dst & 63) == 0) {
+        for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
+        _mm_sfence(); /* (streaming stores are weakly ordered: done before anyone reads them) */
+    }
+#endif
+    memcpy(dst + i, src + i, sizeof(float) * (n - i));
+}
+
 /* The gated delta rule over R rows, one after another, all heads; `state` [Hv, dk, dv] is
  * updated in place. q, k [R, Hv, dk]; v [R, Hv, dv]; g, beta [R, Hv]. out [R, Hv, dv] and
  * states [R, Hv, dk, dv] (the state after every row) are optional. The heads are
@@ -420,7 +575,7 @@ void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q,
             for (; c + 64 <= dv; c += 64) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 4);
             for (; c + 16 <= dv; c += 16) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 1);
             for (; c < dv; c++) gdn_column(S, dk, dv, c, qh, kh, vh, decay, b, oh);
-            if (states) memcpy(states + ((size_t)r * Hv + h) * per, S, sizeof(float) * per);
+            if (states) keep_state(states + ((size_t)r * Hv + h) * per, S, per);
         }
     }
 }

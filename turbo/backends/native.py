@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from .. import quant
 from ..errors import TurboError
 from .step import GdnTrace, StepOut, TrunkState
 
@@ -218,7 +219,10 @@ class Packed:
     - "int8": per output a scale max|w| / 127 (fp32), 128 x the sum of its int8 values
       (int32), then data[p, j, l, t] = round(w[16p + l, 4j + t] / scale) as int8, all in one
       byte buffer, for int8 dot products (wtype 3, inputs quantised per row).
-    The last two are for drafters: their products are not the fp32 function."""
+    - "q4", "q8" (wtype 4, 5): an affine int4 / int8 matrix (turbo.quant, groups of 64) read
+      packed, `quantized_panels`.
+    The last three are not the fp32 function: "pairs" and "int8" are for drafters, "q4" and "q8"
+    (the trunk's quantized installs) round the inputs to 8 bits per group of 64."""
 
     data: torch.Tensor
     n: int
@@ -227,7 +231,7 @@ class Packed:
 
     @property
     def wtype(self) -> int:
-        return {"pairs": 2, "int8": 3}.get(self.layout) or WTYPES[self.data.dtype]
+        return {"pairs": 2, "int8": 3, "q4": 4, "q8": 5}.get(self.layout) or WTYPES[self.data.dtype]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -240,6 +244,8 @@ class Packed:
     def dense(self) -> torch.Tensor:
         """The [n, k] matrix back (a copy; int8: the dequantised values)."""
         n_pad = -(-self.n // PANEL) * PANEL
+        if self.layout in QUANTIZED:
+            return quant.dequantize(*quantized_unpanel(self), QUANTIZED[self.layout], quant.GROUP)[:self.n]
         if self.layout == "int8":
             scale = self.data[:4 * n_pad].view(torch.float32)
             q = self.data[8 * n_pad:].view(torch.int8).reshape(n_pad // PANEL, -1, PANEL, 4)
@@ -295,6 +301,39 @@ def panels_into(dst: torch.Tensor, w: torch.Tensor) -> None:
     if m % PANEL:
         dst[full].zero_()
         dst[full, :, :m % PANEL].copy_(w[full * PANEL:].T)
+
+
+QUANTIZED = {"q4": 4, "q8": 8}  # the affine layouts read packed, and their bits
+LAYOUT_OF_BITS = {bits: layout for layout, bits in QUANTIZED.items()}
+
+
+def quantized_panels(w: quant.QuantizedWeight) -> Packed:
+    """An affine int4 / int8 matrix (groups of 64) as native.c's qtile reads it: per panel of 16
+    outputs and group, the scales and biases (bf16, 16 each), then the levels, words of 4 inputs
+    x 16 outputs (int4: two words to a byte, inputs 4j + t low and 4j + 32 + t high). Padded
+    outputs have scale and bias 0."""
+    n, k = w.shape
+    bits, groups, pad = w.bits, k // quant.GROUP, -n % PANEL
+    q = torch.nn.functional.pad(quant.unpack(w.packed, bits), (0, 0, 0, pad))
+    q = q.reshape(-1, PANEL, groups, quant.GROUP // 4, 4).permute(0, 2, 3, 1, 4)  # [panel, g, word, out, 4]
+    if bits == 4:
+        q = q[:, :, :8] | q[:, :, 8:] << 4
+    sb = [torch.nn.functional.pad(t.to(torch.bfloat16), (0, 0, 0, pad)).reshape(-1, PANEL, groups).transpose(1, 2)
+          for t in (w.scales, w.biases)]  # [panel, g, out]
+    parts = [t.contiguous().view(torch.uint8) for t in sb] + [q.reshape(*q.shape[:2], -1)]
+    return Packed(torch.cat(parts, dim=2).contiguous(), n, k, LAYOUT_OF_BITS[bits])
+
+
+def quantized_unpanel(p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """quantized_panels backwards: (packed levels, scales, biases) of the padded matrix."""
+    bits, panels, groups = QUANTIZED[p.layout], p.data.shape[0], p.data.shape[1]
+    scales, biases = (p.data[:, :, at:at + 2 * PANEL].contiguous().view(torch.bfloat16).transpose(1, 2)
+                      .reshape(-1, groups) for at in (0, 2 * PANEL))
+    q = p.data[:, :, 4 * PANEL:].reshape(panels, groups, -1, PANEL, 4)
+    if bits == 4:
+        q = torch.cat([q & 15, q >> 4], dim=2)
+    q = q.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, -1)
+    return quant.pack(q, bits), scales, biases
 
 
 def pack(w: torch.Tensor, layout: str = "panels") -> Packed:
@@ -369,8 +408,12 @@ def pack_rows(read: Callable[[int, int], torch.Tensor], n: int, storage: torch.d
     return Packed(data, n, data.shape[1])
 
 
-def pack_as(w: torch.Tensor, storage: torch.dtype, layout: str) -> Packed:
-    """w packed in `layout`: panels keep `storage` (fp32 or bf16), pairs are bf16, int8 quantises."""
+def pack_as(w: torch.Tensor | quant.QuantizedWeight, storage: torch.dtype, layout: str) -> Packed:
+    """w packed in `layout`: panels keep `storage` (fp32 or bf16), pairs are bf16, int8 quantises;
+    an affine-quantized w is read packed whatever the layout (quantized_panels) where the
+    library has the products for it, else dequantized (fp32 panels)."""
+    if isinstance(w, quant.QuantizedWeight):
+        return quantized_panels(w) if native_bits(w) else pack(fp32_matrix(w))
     return pack(w.to(torch.bfloat16 if layout == "pairs" else storage), layout)
 
 
@@ -392,22 +435,32 @@ PREFILL_CHUNK = 256
 
 def pack_layer(layer, dtype: torch.dtype, layout: str = "panels") -> None:
     """A trunk-shaped layer's (turbo.trunk.LayerWeights) matrices into `layout` (panels: in
-    `dtype`), in place (ops.linear takes them too)."""
+    `dtype`), in place (ops.linear takes them too). The layer's products share one wtype: a
+    layer of one native quantized format is read packed; any other mix of quantized matrices
+    runs all of them in fp32 (bf16 widened exactly, the quantized ones dequantized at load)."""
     m = layer.mixer
-    if layer.gdn:
-        m.in_proj, m.out = pack_as(m.in_proj, dtype, layout), pack_as(m.out, dtype, layout)
-    else:
-        m.qkv, m.o = pack_as(m.qkv, dtype, layout), pack_as(m.o, dtype, layout)
+    slots = [(m, "in_proj"), (m, "out")] if layer.gdn else [(m, "qkv"), (m, "o")]
     if layer.moe is None:
-        layer.gate_up, layer.down = pack_as(layer.gate_up, dtype, layout), pack_as(layer.down, dtype, layout)
+        slots += [(layer, "gate_up"), (layer, "down")]
+    kinds = {native_bits(getattr(owner, name)) for owner, name in slots}
+    mixed = any(isinstance(getattr(owner, name), quant.QuantizedWeight) for owner, name in slots) and (
+        len(kinds) > 1 or None in kinds)
+    for owner, name in slots:
+        w = getattr(owner, name)
+        if mixed:
+            w, dtype, layout = fp32_matrix(w), torch.float32, "panels"
+        setattr(owner, name, pack_as(w, dtype, layout))
+    if layer.moe is None:
         return
-    e = layer.moe
-    e.router = pack_as(e.router, dtype, layout)
-    e.gate_up = [pack_as(w, dtype, layout) for w in e.gate_up]
-    e.down = [pack_as(w, dtype, layout) for w in e.down]
+    e = layer.moe  # native_moe.c reads the whole block in one wtype (the router's): float matrices
+
+    def one(w):
+        return pack_as(fp32_matrix(w) if isinstance(w, quant.QuantizedWeight) else w, dtype, layout)
+
+    e.router, e.gate_up, e.down = one(e.router), [one(w) for w in e.gate_up], [one(w) for w in e.down]
     if e.shared_gate_up is not None:
-        e.shared_gate_up, e.shared_down, e.shared_gate = (
-            pack_as(w, dtype, layout) for w in (e.shared_gate_up, e.shared_down, e.shared_gate))
+        e.shared_gate_up, e.shared_down, e.shared_gate = (one(w) for w in (e.shared_gate_up, e.shared_down,
+                                                                             e.shared_gate))
 
 
 def moe_struct(a, moe) -> Moe:
@@ -420,6 +473,31 @@ def moe_struct(a, moe) -> Moe:
             gate_up=gate_up, down=down, shared_gate_up=ptr(moe.shared_gate_up), shared_down=ptr(moe.shared_down),
             shared_gate=ptr(moe.shared_gate))
     return s
+
+
+def reads_packed(bits: int, group: int) -> bool:
+    """Whether the native step's products read a matrix of this affine format packed (int4 / int8
+    in groups of 64, where the CPU has the int8 dot products)."""
+    return bits in QUANTIZED.values() and group == quant.GROUP and "int8" in dot_layouts()
+
+
+def native_bits(w) -> int | None:
+    """A matrix's bits where the native step reads it packed (None: a float matrix, or another format)."""
+    return w.bits if isinstance(w, quant.QuantizedWeight) and reads_packed(w.bits, w.group) else None
+
+
+def fp32_matrix(w) -> torch.Tensor:
+    """A float or quantized matrix as an fp32 tensor (a quantized one dequantized)."""
+    return w.dequantize(torch.float32) if isinstance(w, quant.QuantizedWeight) else w.float()
+
+
+def quantized_copy(w: torch.Tensor, bits: int, rows: int = 16384) -> Packed:
+    """w quantized to the native format of `bits` and packed, `rows` at a time (a vocab-sized
+    lm_head in fp32 at once would be several times its size)."""
+    fmt = quant.BY_BITS[bits]
+    parts = [quantized_panels(quant.QuantizedWeight(*quant.quantize(w[i:i + rows], fmt), bits, fmt.group)).data
+             for i in range(0, w.shape[0], rows)]  # (rows a multiple of 16: whole panels)
+    return Packed(torch.cat(parts), w.shape[0], w.shape[1], LAYOUT_OF_BITS[bits])
 
 
 def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
@@ -442,7 +520,8 @@ def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
 
 def trunk_refusal(device: torch.device, dtype: torch.dtype, quantized_kept: bool) -> str | None:
     """Why the trunk's step cannot run here (None: it can, the library built): on the CPU,
-    with every matrix a plain fp32 or bf16 one (`quantized_kept`: some stay packed quantized).
+    with every matrix a plain fp32 or bf16 one or one its products read packed
+    (`quantized_kept`: some stay packed quantized in another format).
     Asked before any weight loads: the native step's matrices are packed as they are read."""
     if device.type != "cpu":
         return f"the trunk runs on {device.type}"
@@ -451,6 +530,21 @@ def trunk_refusal(device: torch.device, dtype: torch.dtype, quantized_kept: bool
     if dtype not in WTYPES:
         return f"matrices in {str(dtype).removeprefix('torch.')}"
     return None
+
+
+def spare(st: TrunkState, key: tuple, rows: int, held: torch.Tensor) -> torch.Tensor:
+    """`rows` GDN states [rows, Hv, dk, dv] for a step of sequence `st` to write, from two
+    buffers it keeps per `key`: the one `held` (the state the step reads, which its trace keeps
+    as the snapshot) does not lie in. Fresh ones (1 MB a layer and row at 0.8B: ~160 MB per
+    9-row verify) come back from the allocator as new pages the kernel zeroes first, a second
+    write of every checkpoint; so a step's states and checkpoints live until this sequence's
+    next step, as a trace is used."""
+    pair = st.scratch.setdefault(key, [None, None])
+    base = held.untyped_storage().data_ptr()
+    j = next(j for j, buf in enumerate(pair) if buf is None or buf.untyped_storage().data_ptr() != base)
+    if pair[j] is None or pair[j].shape[0] < rows:
+        pair[j] = torch.empty(rows, *held.shape)
+    return pair[j][:rows]
 
 
 class NativeTrunkStep:
@@ -507,9 +601,9 @@ class NativeTrunkStep:
         for i, address in enumerate(self.addresses):
             if i in st.gdn:
                 state, window = st.gdn[i]
-                new_state, ext = torch.empty(hv, dk, dv), torch.empty(taps - 1 + rows, conv_dim)
+                new_state, ext = spare(st, ("state", i), 1, state)[0], torch.empty(taps - 1 + rows, conv_dim)
                 inputs = torch.empty(rows * hv * (2 * dk + dv + 2))  # q, k, v, g, beta (native.c)
-                states = torch.empty(rows, hv, dk, dv) if rollback == "checkpoint" else None
+                states = spare(st, ("states", i), rows, state) if rollback == "checkpoint" else None
                 lib.gdn_layer(address, xp, rows, state.data_ptr(), new_state.data_ptr(),
                               window.data_ptr(), ext.data_ptr(), inputs.data_ptr(), ptr(states))
                 st.gdn[i] = (new_state, ext[rows:])

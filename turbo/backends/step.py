@@ -22,6 +22,8 @@ class TrunkState:
     pos: int
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [Hkv, capacity, d]
     gdn: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> state [Hv, dk, dv] fp32, conv window [K-1, C]
+    # a step's buffers kept for this sequence (the native step's states: `NativeTrunkStep.spare`)
+    scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
 
 @dataclass

@@ -1,0 +1,165 @@
+"""The trunk's matrix products in native.c -- bf16 weights, affine int4 / int8 read packed --
+against a float reference, and a verify row the decode step it stands for, bit for bit, at any
+row count and thread count; speculation on quantized installs stays lossless at every block."""
+
+import pytest
+import torch
+from helpers import assert_lossless, make_install, make_spec_install
+
+import turbo
+from turbo import ops, quant
+from turbo.backends import native
+from turbo.install import open_install
+from turbo.loader import load_trunk
+from turbo.options import OpenOptions
+from turbo.repack import repack
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.why_not()}")
+
+ROWS = range(1, 13)
+
+
+@pytest.fixture
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def assert_rows_are_steps(trunk, prompt: list[int], tokens: list[int]) -> None:
+    """Every R-row step (R in ROWS) gives the logits, bit for bit, of R one-row steps."""
+    for rows in ROWS:
+        batched, single = trunk.new_state(64), trunk.new_state(64)
+        trunk.prefill(batched, prompt)
+        trunk.prefill(single, prompt)
+        got = trunk.step(batched, tokens[:rows], rollback="checkpoint").logits
+        want = torch.cat([trunk.step(single, [t]).logits for t in tokens[:rows]])
+        assert torch.equal(got, want), rows
+        assert torch.equal(batched.gdn[0][0], single.gdn[0][0]), rows
+
+
+@pytest.fixture(scope="module")
+def bf16_rt(spec_install):
+    return turbo.open(spec_install[1], backend="cpu", dtype="bfloat16")
+
+
+def test_bf16_compute_keeps_the_exact_products(bf16_rt, spec_install):
+    """bf16 weights widened exactly, fp32 multiply-adds: AVX512-BF16 pairs measured slower here."""
+    trunk = bf16_rt.trunk
+    assert trunk.step_name == "native"
+    assert all(m.layout == "panels" and m.dtype == torch.bfloat16
+               for m in (trunk.layers[0].gate_up, trunk.layers[0].down, trunk.lm_head))
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_bf16_verify_rows_are_decode_steps(bf16_rt, threads):
+    g = torch.Generator().manual_seed(threads)
+    vocab = bf16_rt.trunk.arch.vocab
+    prompt, tokens = torch.randint(0, vocab, (9,), generator=g), torch.randint(0, vocab, (12,), generator=g)
+    assert_rows_are_steps(bf16_rt.trunk, prompt.tolist(), tokens.tolist())
+
+
+# ---- affine int4 / int8 read packed ---------------------------------------------------------
+
+QBITS = {"int4": 4, "int8": 8}
+# every projection's input width a multiple of 64: all of them quantize, every layer one format
+WIDE = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=32)
+
+
+def vnni() -> None:
+    if "int8" not in native.dot_layouts():
+        pytest.skip("this CPU has no AVX512-VNNI")
+
+
+def quantized(n: int, k: int, fmt: str, seed: int) -> quant.QuantizedWeight:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / k ** 0.5
+    return quant.QuantizedWeight(*quant.quantize(w, quant.FORMATS[fmt]), QBITS[fmt], quant.GROUP)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("n,k", [(37, 64), (200, 320), (1000, 1024)])
+@pytest.mark.parametrize("fmt", list(QBITS))
+def test_quantized_products_hold_the_matrix_and_are_row_stable(fmt, n, k, threads):
+    vnni()
+    qw = quantized(n, k, fmt, n + k)
+    p = native.pack_as(qw, torch.float32, "panels")
+    w = qw.dequantize()
+    assert p.layout == {"int4": "q4", "int8": "q8"}[fmt] and torch.equal(p.dense(), w)
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(1)) * 3
+    x[0] = 0.0  # a row of zeros: all groups' scales 1, every output 0
+    y = native.linear_packed(x, p)
+    # the one rounding: each input to the nearest of 255 levels of its group's max |x|, so each
+    # output is within half a level times the group's sum |w| (plus fp32 slack) of w . x
+    groups = x.abs().reshape(12, -1, quant.GROUP).amax(-1) / 127  # [rows, G]
+    w_abs = w.abs().reshape(n, -1, quant.GROUP).sum(-1)  # [n, G]
+    bound = 0.5 * groups @ w_abs.T + 1e-5 * (x.abs() @ w.abs().T) + 1e-6
+    assert ((y - x @ w.T).abs() <= bound).all()
+    assert torch.equal(y[0], torch.zeros(n))
+    for rows in ROWS:  # a row's outputs do not depend on the rows computed with it
+        assert torch.equal(native.linear_packed(x[:rows], p), y[:rows]), rows
+        assert torch.equal(native.linear_packed(x[rows - 1:rows], p), y[rows - 1:rows]), rows
+
+
+@pytest.fixture(scope="module", params=[("int4", False), ("int8", True)], ids=["int4", "int8-tied"])
+def quant_rt(request, tmp_path_factory):
+    vnni()
+    fmt, tied = request.param
+    tmp = tmp_path_factory.mktemp(fmt)
+    make_spec_install(tmp, 4, tie_word_embeddings=tied, **WIDE)  # (its HF checkpoint and drafter, quantized)
+    out = repack(tmp / "hf4", tmp / "q", drafter=tmp / "drafter4", quiet=True, quant=fmt)
+    rt = turbo.open(str(out), backend="cpu")
+    return fmt, tied, rt
+
+
+def test_quantized_installs_run_natively_read_packed(quant_rt):
+    fmt, tied, rt = quant_rt
+    trunk, layout = rt.trunk, {"int4": "q4", "int8": "q8"}[fmt]
+    assert trunk.step_name == "native"
+    assert {trunk.layers[i].gate_up.layout for i in range(len(trunk.layers))} == {layout}
+    assert trunk.layers[0].mixer.in_proj.layout == layout
+    assert trunk.lm_head.layout == layout  # a tied one: a quantized copy; the table stays exact
+    if tied:
+        table = rt.install.index.load("trunk.embed_tokens.weight", torch.float32)
+        assert torch.equal(trunk.embed.float(), table)
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_quantized_verify_rows_are_decode_steps(quant_rt, threads):
+    trunk = quant_rt[2].trunk
+    g = torch.Generator().manual_seed(threads + 10)
+    prompt, tokens = torch.randint(0, trunk.arch.vocab, (9,), generator=g), torch.randint(0, trunk.arch.vocab, (12,))
+    assert_rows_are_steps(trunk, prompt.tolist(), tokens.tolist())
+
+
+def test_quantized_speculation_is_lossless_at_every_block(quant_rt):
+    rt = quant_rt[2]
+    prompt = list(range(7, 40))
+    plain = rt.generate(prompt, max_new_tokens=24, policy="off", stop_at_eos=False).tokens
+    for block in range(1, 9):
+        for rollback in ("checkpoint", "replay"):
+            assert_lossless(rt, prompt, plain, block, max_new_tokens=24, stop_at_eos=False, rollback=rollback)
+
+
+def test_int8_format_bounds_and_repack():
+    f = quant.FORMATS["int8"]
+    assert (f.code, f.bits, f.group, f.scale_dtype) == (5, 8, 64, torch.bfloat16)
+    w = torch.randn(48, 512, generator=torch.Generator().manual_seed(0)) * 0.05
+    back = quant.dequantize(*quant.quantize(w, f), f.bits, f.group)
+    step = (w.reshape(48, -1, 64).amax(-1) - w.reshape(48, -1, 64).amin(-1)) / 255
+    # half a level, plus the bf16 rounding of scale and bias (2^-8 relative, 255 levels)
+    bound = (0.5 + 256 * 2.0 ** -8) * step + w.abs().reshape(48, -1, 64).amax(-1) * 2.0 ** -8
+    assert ((back - w).abs().reshape(48, -1, 64) <= bound[..., None] + 1e-6).all()
+
+
+def test_a_layer_of_mixed_formats_runs_in_fp32(tmp_path):
+    """Every product of a layer shares one wtype: a layer whose down_proj the group does not
+    divide (96 inputs: kept bf16) runs all its matrices in fp32, the quantized ones dequantized."""
+    vnni()
+    _, path = make_install(tmp_path, 2, intermediate_size=96)
+    out = repack(path, tmp_path / "q", quiet=True, quant="int4")
+    trunk = load_trunk(open_install(out), OpenOptions(), "cpu")
+    assert trunk.step_name == "native" and trunk.layers[0].gate_up.layout == "panels"
+    assert trunk.layers[0].gate_up.dtype == torch.float32
+    ref = load_trunk(open_install(out), OpenOptions(quant_cpu="dequant"), "cpu")
+    assert torch.equal(ops.dense(trunk.layers[0].gate_up), ops.dense(ref.layers[0].gate_up).float())

@@ -154,7 +154,6 @@ def run(args: argparse.Namespace) -> int:
 
     import turbo
     from ..errors import TurboError
-    from ..ops import dense
     from . import dflash2, heldout, mtp
     from .data import batch, build, read_groups
     from .loop import Schedule, train
@@ -170,8 +169,10 @@ def run(args: argparse.Namespace) -> int:
     install, arch = rt.install, rt.install.arch
     drafter_kind = "mtp" if args.kind == "mtp" else "dflash"
 
+    tokenizer = rt.tokenizer
+
     def encode(text: str) -> list[int]:
-        return rt.tokenizer.encode(text).ids
+        return tokenizer.encode(text).ids
 
     groups = read_groups(args.data, encode) if args.data else []
     if args.heldout is not None:
@@ -195,9 +196,10 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(exist_ok=True)
     if args.resume:
         check_resume(args, work)
-    embed, lm_head = dense(rt.trunk.embed).float(), dense(rt.trunk.lm_head).float()
+    embed = install.index.load("trunk.embed_tokens.weight", torch.float32)
+    lm_head = embed if arch.tie_embeddings else install.index.load("trunk.lm_head.weight", torch.float32)
     if args.kind == "dflash2":
-        mask = args.mask_token_id if args.mask_token_id is not None else rt.tokenizer.token_to_id("<|mask|>")
+        mask = args.mask_token_id if args.mask_token_id is not None else tokenizer.token_to_id("<|mask|>")
         if mask is None:
             raise TurboError("the tokenizer has no <|mask|> token: give --mask-token-id (an id the text never uses)")
         shape = dflash2.draft_shape(arch, mask, args.heads, args.kv_heads, args.head_dim, args.intermediate,

@@ -149,13 +149,64 @@ def load_dataset(path: Path) -> dict:
     return {name: [Example(**e) for e in ex] for name, ex in torch.load(path, weights_only=True).items()}
 
 
+def make_model(args: argparse.Namespace, install, tokenizer):
+    """(the model to train, the trunk layers its data needs, its shape as recorded, the loss's gamma)."""
+    import torch
+
+    from ..errors import TurboError
+    from . import dflash2, mtp
+
+    arch = install.arch
+    embed = install.index.load("trunk.embed_tokens.weight", torch.float32)
+    lm_head = embed if arch.tie_embeddings else install.index.load("trunk.lm_head.weight", torch.float32)
+    torch.manual_seed(args.seed)
+    if args.kind == "mtp":
+        if not arch.full_layers:
+            raise TurboError(f"{install.path}: the trunk has no full-attention layer to start an MTP head from")
+        head = mtp.MtpHead(arch, embed, lm_head)
+        head.init_from_trunk(install)
+        return head, (), {"hidden": arch.hidden, "from_layer": arch.full_layers[-1]}, None
+    mask = args.mask_token_id if args.mask_token_id is not None else tokenizer.token_to_id("<|mask|>")
+    if mask is None:
+        raise TurboError("the tokenizer has no <|mask|> token: give --mask-token-id (an id the text never uses)")
+    shape = dflash2.draft_shape(arch, mask, args.heads, args.kv_heads, args.head_dim, args.intermediate, args.rank,
+                                args.top_k, args.block, args.window, args.target_layers, args.target_count)
+    gamma = args.gamma if args.gamma is not None else dflash2.default_gamma(shape.block)
+    return dflash2.DFlash2(shape, embed, lm_head), shape.target_layers, dflash2.shape_record(shape), gamma
+
+
+def step_losses(args: argparse.Namespace, model, sets: dict, gamma: float | None, device):
+    """step_loss(step, generator) for turbo.train.loop.train: one group per step, in turn (every
+    group weighs alike), --batch examples of it, --anchors blocks in each (DFlash2)."""
+    import torch
+
+    from . import dflash2, mtp
+    from .data import batch
+
+    names = [n for n, ex in sets.items() if ex]
+
+    def step_loss(step: int, gen: torch.Generator):
+        ex = sets[names[step % len(names)]]
+        pick = torch.randint(0, len(ex), (args.batch,), generator=gen).tolist()
+        b = batch([ex[i] for i in pick], device)
+        if args.kind == "mtp":
+            loss, parts = mtp.loss(model, b["ids"], b["hidden"], b["greedy"], b["lengths"], args.step2_weight)
+        else:  # anchors uniform over [first, length - 2]: every block has a target
+            span = (b["lengths"] - 1 - b["first"]).cpu()
+            u = torch.rand(args.batch, args.anchors, generator=gen)
+            anchors = (b["first"].cpu()[:, None] + (u * span[:, None]).long()).to(device)
+            loss, parts = dflash2.loss(model, b["ids"], b["aux"], b["lengths"], anchors, gamma)
+        return loss, parts, int(b["lengths"].sum())
+    return step_loss
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
     import turbo
     from ..errors import TurboError
     from . import dflash2, heldout, mtp
-    from .data import batch, build, read_groups
+    from .data import build, read_groups
     from .loop import Schedule, train
 
     check(args)
@@ -166,10 +217,7 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
     rt = turbo.open(args.install, backend=device.type)
-    install, arch = rt.install, rt.install.arch
-    drafter_kind = "mtp" if args.kind == "mtp" else "dflash"
-
-    tokenizer = rt.tokenizer
+    install, tokenizer = rt.install, rt.tokenizer
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text).ids
@@ -186,7 +234,7 @@ def run(args: argparse.Namespace) -> int:
     if args.eval_only:
         if not prompts:
             raise TurboError("--eval-only: expected --heldout FILE_OR_DIR (prompts to measure on)")
-        trained = rt.drafter_config.block_size if drafter_kind == "dflash" and rt.drafter_config else None
+        trained = rt.drafter_config.block_size if args.kind == "dflash2" and rt.drafter_config else None
         result = heldout.evaluate(install.path, args.out, args.kind, prompts, heldout.blocks_for(trained),
                                   args.eval_tokens, device.type, None)
         print(heldout.table(result))
@@ -196,26 +244,7 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(exist_ok=True)
     if args.resume:
         check_resume(args, work)
-    embed = install.index.load("trunk.embed_tokens.weight", torch.float32)
-    lm_head = embed if arch.tie_embeddings else install.index.load("trunk.lm_head.weight", torch.float32)
-    if args.kind == "dflash2":
-        mask = args.mask_token_id if args.mask_token_id is not None else tokenizer.token_to_id("<|mask|>")
-        if mask is None:
-            raise TurboError("the tokenizer has no <|mask|> token: give --mask-token-id (an id the text never uses)")
-        shape = dflash2.draft_shape(arch, mask, args.heads, args.kv_heads, args.head_dim, args.intermediate,
-                                    args.rank, args.top_k, args.block, args.window, args.target_layers,
-                                    args.target_count)
-        torch.manual_seed(args.seed)
-        model: torch.nn.Module = dflash2.DFlash2(shape, embed, lm_head)
-        aux_layers, record = shape.target_layers, dflash2.shape_record(shape)
-        gamma = args.gamma if args.gamma is not None else dflash2.default_gamma(shape.block)
-    else:
-        if not arch.full_layers:
-            raise TurboError(f"{install.path}: the trunk has no full-attention layer to start an MTP head from")
-        torch.manual_seed(args.seed)
-        model = mtp.MtpHead(arch, embed, lm_head)
-        model.init_from_trunk(install)
-        aux_layers, record = (), {"hidden": arch.hidden, "from_layer": arch.full_layers[-1]}
+    model, aux_layers, record, gamma = make_model(args, install, tokenizer)
     data_path = work / "dataset.pt"
     if args.resume and data_path.is_file():
         sets = load_dataset(data_path)
@@ -223,29 +252,14 @@ def run(args: argparse.Namespace) -> int:
         sets = build(rt, groups, args.examples, args.targets, args.prompt_tokens, args.new_tokens, aux_layers,
                      args.kind == "mtp", args.seed)
         save_dataset(data_path, sets)
-    names = [n for n, ex in sets.items() if ex]
-    if not names:
+    if not any(sets.values()):
         raise TurboError("no training examples: every continuation ended at once (try --targets text)")
     (work / "run.json").write_text(json.dumps({"settings": settings(args), "shape": record,
                                                "examples": {n: len(ex) for n, ex in sets.items()}}, indent=2) + "\n")
     del rt  # its weights are not needed while training
     model.to(device)
-
-    def step_loss(step: int, gen: torch.Generator):
-        ex = sets[names[step % len(names)]]  # one group per step, in turn: every group weighs alike
-        pick = torch.randint(0, len(ex), (args.batch,), generator=gen).tolist()
-        b = batch([ex[i] for i in pick], device)
-        if args.kind == "mtp":
-            loss, parts = mtp.loss(model, b["ids"], b["hidden"], b["greedy"], b["lengths"], args.step2_weight)
-        else:
-            span = (b["lengths"] - 1 - b["first"]).cpu()
-            u = torch.rand(args.batch, args.anchors, generator=gen)
-            anchors = (b["first"].cpu()[:, None] + (u * span[:, None]).long()).to(device)
-            loss, parts = dflash2.loss(model, b["ids"], b["aux"], b["lengths"], anchors, gamma)
-        return loss, parts, int(b["lengths"].sum())
-
-    steps = train(model, step_loss, Schedule(args.lr, args.steps, args.minutes, args.checkpoint_every, args.seed),
-                  work, args.resume)
+    steps = train(model, step_losses(args, model, sets, gamma, device),
+                  Schedule(args.lr, args.steps, args.minutes, args.checkpoint_every, args.seed), work, args.resume)
     model.cpu()
     (dflash2.export if args.kind == "dflash2" else mtp.export)(model, args.out)
     run_record = json.loads((work / "run.json").read_text()) | {"steps": steps}

@@ -101,6 +101,7 @@ def test_resume_continues_the_run(plain_install, data, tmp_path, kind):
     (["--data", "/nonexistent/text", "--steps", "2"], "/nonexistent/text: no such file or directory"),
     (["--data", "DATA"], "expected --steps or --minutes"),
     (["--data", "DATA", "--steps", "2", "--block", "1"], "--block 1 is below 2"),
+    (["--data", "DATA", "DATA", "--steps", "2"], "a second group named 'qa'"),
 ])
 def test_bad_input_is_one_line(plain_install, data, tmp_path, capsys, extra, message):
     _, install = plain_install

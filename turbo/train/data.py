@@ -82,6 +82,9 @@ def read_groups(paths: list[str], encode) -> list[Group]:
         if not docs:
             raise TurboError(f"{path}: no text in it (expected at least one non-empty document)")
         name = path.stem if path.is_file() else path.name
+        if any(g.name == name for g in groups):
+            raise TurboError(f"{path}: a second group named {name!r} (each path is one group, named after it; "
+                             "expected distinct names)")
         groups.append(Group(name, docs))
     return groups
 

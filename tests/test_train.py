@@ -109,3 +109,17 @@ def test_bad_input_is_one_line(plain_install, data, tmp_path, capsys, extra, mes
     assert main([str(install), "--kind", "dflash2", "--out", str(tmp_path / "o"), *extra, *SMALL]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0]
+
+
+def test_from_install_starts_from_the_drafters_it_carries(trained, data, tmp_path):
+    install, d, m = trained
+    filed = repack(install, tmp_path / "install", drafter=d, quiet=True, mtp_head=m)
+    for kind, own in (("dflash2", d), ("mtp", m)):
+        out = tmp_path / kind
+        # one step at a learning rate that moves nothing bf16 can show: the export is the start
+        assert main([str(filed), "--kind", kind, "--from-install", "--data", *data, "--out", str(out), "--steps", "1",
+                     "--lr", "1e-12", "--heldout-count", "0", *SMALL[:-2]]) == 0
+        want, got = load_file(str(own / "model.safetensors")), load_file(str(out / "model.safetensors"))
+        assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    cfg = json.loads((tmp_path / "dflash2" / "config.json").read_text())
+    assert cfg["dflash_config"]["block_size"] == 4  # the install's drafter's shape, not the defaults

@@ -18,7 +18,7 @@ from pathlib import Path
 
 MODEL_FILES = ("config.json", "model.safetensors")
 # the settings a resumed run must share with the run it continues
-FIXED_ON_RESUME = ("install", "kind", "data", "targets", "examples", "prompt_tokens", "new_tokens", "heads",
+FIXED_ON_RESUME = ("install", "kind", "from_install", "data", "targets", "examples", "prompt_tokens", "new_tokens", "heads",
                    "kv_heads", "head_dim", "intermediate", "rank", "top_k", "block", "window", "target_layers",
                    "target_count", "mask_token_id", "gamma", "batch", "anchors", "lr", "seed", "step2_weight")
 
@@ -45,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--heldout-count", type=int, default=10, help="held-out documents per group (0: no evaluation)")
     d.add_argument("--eval-tokens", type=int, default=256, help="tokens generated per held-out prompt at most")
     d.add_argument("--eval-only", action="store_true", help="measure the install's own drafter of --kind; no training")
+    p.add_argument("--from-install", action="store_true",
+                   help="start from the drafter of --kind the install carries, in its shape (rather than afresh)")
     s = p.add_argument_group("the DFlash2 drafter (5 layers, its width the trunk's; unset: scaled from the trunk)")
     s.add_argument("--heads", type=int)
     s.add_argument("--kv-heads", type=int)
@@ -149,10 +151,19 @@ def load_dataset(path: Path) -> dict:
     return {name: [Example(**e) for e in ex] for name, ex in torch.load(path, weights_only=True).items()}
 
 
-def make_model(args: argparse.Namespace, install, tokenizer):
-    """(the model to train, the trunk layers its data needs, its shape as recorded, the loss's gamma)."""
+def own_weights(install, prefix: str) -> dict:
+    """The install's tensors under `prefix`, named as the trainable model names them."""
     import torch
 
+    return {n[len(prefix):]: install.index.load(n, torch.float32) for n in install.index.entries if n.startswith(prefix)}
+
+
+def make_model(args: argparse.Namespace, install, tokenizer, drafter_config):
+    """(the model to train, the trunk layers its data needs, its shape as recorded, the loss's gamma);
+    --from-install: the install's own drafter of --kind (its parsed DFlash config: `drafter_config`)."""
+    import torch
+
+    from ..drafters.mtp import MTP_PREFIX
     from ..errors import TurboError
     from . import dflash2, mtp
 
@@ -164,15 +175,31 @@ def make_model(args: argparse.Namespace, install, tokenizer):
         if not arch.full_layers:
             raise TurboError(f"{install.path}: the trunk has no full-attention layer to start an MTP head from")
         head = mtp.MtpHead(arch, embed, lm_head)
-        head.init_from_trunk(install)
+        if not args.from_install:
+            head.init_from_trunk(install)
+        elif install.has_mtp:
+            head.load_state_dict(own_weights(install, MTP_PREFIX))
+        else:
+            raise TurboError(f"--from-install: {install.path} carries no MTP head")
         return head, (), {"hidden": arch.hidden, "from_layer": arch.full_layers[-1]}, None
-    mask = args.mask_token_id if args.mask_token_id is not None else tokenizer.token_to_id("<|mask|>")
-    if mask is None:
-        raise TurboError("the tokenizer has no <|mask|> token: give --mask-token-id (an id the text never uses)")
-    shape = dflash2.draft_shape(arch, mask, args.heads, args.kv_heads, args.head_dim, args.intermediate, args.rank,
-                                args.top_k, args.block, args.window, args.target_layers, args.target_count)
+    if args.from_install:
+        c = drafter_config
+        if c is None or not c.has_conv:
+            raise TurboError(f"--from-install: {install.path} carries no DFlash2 drafter")
+        shape = dflash2.draft_shape(arch, c.mask_token, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.rank,
+                                    c.top_k, c.block_size, c.window, list(c.target_layers))
+    else:
+        mask = args.mask_token_id if args.mask_token_id is not None else tokenizer.token_to_id("<|mask|>")
+        if mask is None:
+            raise TurboError("the tokenizer has no <|mask|> token: give --mask-token-id (an id the text never uses)")
+        shape = dflash2.draft_shape(arch, mask, args.heads, args.kv_heads, args.head_dim, args.intermediate,
+                                    args.rank, args.top_k, args.block, args.window, args.target_layers,
+                                    args.target_count)
+    model = dflash2.DFlash2(shape, embed, lm_head)
+    if args.from_install:
+        model.load_state_dict(own_weights(install, "dflash."))
     gamma = args.gamma if args.gamma is not None else dflash2.default_gamma(shape.block)
-    return dflash2.DFlash2(shape, embed, lm_head), shape.target_layers, dflash2.shape_record(shape), gamma
+    return model, shape.target_layers, dflash2.shape_record(shape), gamma
 
 
 def step_losses(args: argparse.Namespace, model, sets: dict, gamma: float | None, device):
@@ -244,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(exist_ok=True)
     if args.resume:
         check_resume(args, work)
-    model, aux_layers, record, gamma = make_model(args, install, tokenizer)
+    model, aux_layers, record, gamma = make_model(args, install, tokenizer, rt.drafter_config)
     data_path = work / "dataset.pt"
     if args.resume and data_path.is_file():
         sets = load_dataset(data_path)
@@ -268,7 +295,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {args.out} ({steps} steps); file it: python -m turbo.repack {install.path} NEW {flag} {args.out}")
     if prompts:
         result = heldout.evaluate(install.path, args.out, args.kind, prompts,
-                                  heldout.blocks_for(args.block if args.kind == "dflash2" else None),
+                                  heldout.blocks_for(record.get("block") if args.kind == "dflash2" else None),
                                   args.eval_tokens, device.type, args.out)
         print(heldout.table(result))
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train the bundled `tiny` model: a small Qwen3.5 trunk and its DFlash2 drafter.
+"""Train the bundled `tiny` model: a small Qwen3.5 trunk, its DFlash2 drafter and its MTP head.
 
 Everything is built from material present on every Python machine, so the run
 is reproducible anywhere without downloads:
@@ -15,16 +15,17 @@ exists unless ``--force``):
     tokenizer     byte-level BPE, 4096 ids incl. <|endoftext|> and <|mask|>
     workloads     conf/workload/{prose,code,math}.yaml from held-out material
     trunk         train transformers.Qwen3_5ForCausalLM (fp32) -> build/tiny_hf
-    continuations the trunk's own greedy continuations + aux hidden states
-    drafter       train the DFlash2 drafter (docs/DESIGN.md 2.2) on those continuations
-    export        drafter -> build/tiny_dflash (published, unprefixed names)
-    report        build/TRAINING.md (sizes, data, losses, accuracy, samples)
+    install       build/tiny_hf repacked alone -> build/tiny_trunk
+    prompts       the drafters' prompt mix -> build/tiny_prompts/{code,math,prose}.jsonl
+    dflash2       python -m turbo.train build/tiny_trunk --kind dflash2 -> build/tiny_dflash2
+    mtp           python -m turbo.train build/tiny_trunk --kind mtp -> build/tiny_mtp
+    report        build/TRAINING.md (sizes, data, losses, held-out acceptance, samples)
 
-``--resume`` continues a killed ``trunk`` or ``drafter`` run from its last
-checkpoint (written every ``--ckpt-minutes``).  Learning-rate schedules follow
-the fraction of the *time budget* spent (the CPUs are shared, so step rates
-vary); pass ``--trunk-steps`` / ``--drafter-steps`` for a step-based schedule
-that is exactly reproducible.
+scripts/build_tiny_install.sh files the trunk and both into turbo/installs/tiny.
+``--resume`` continues a killed ``trunk``, ``dflash2`` or ``mtp`` run from its last
+checkpoint.  Learning-rate schedules follow the fraction of the *time budget*
+spent (the CPUs are shared, so step rates vary); pass ``--trunk-steps`` for a
+step-based schedule that is exactly reproducible.
 """
 from __future__ import annotations
 
@@ -50,7 +51,7 @@ from tqdm import tqdm
 WORKLOADS = ("prose", "code", "math")
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
-STAGES = ("corpus", "tokenizer", "workloads", "trunk", "continuations", "drafter", "export", "report")
+STAGES = ("corpus", "tokenizer", "workloads", "trunk", "install", "prompts", "dflash2", "mtp", "report")
 
 
 # --------------------------------------------------------------------------
@@ -80,27 +81,11 @@ class HParams:
     weight_decay: float = 0.1
     trunk_minutes: float = 55.0
     trunk_steps: int = 0  # 0 = time-budget schedule
-    # continuations
-    prefix_len: int = 64
-    cont_len: int = 96
-    cont_train_per_workload: int = 600
-    cont_eval_per_workload: int = 64
-    gen_batch: int = 150
-    # drafter
-    d_layers: int = 5
-    block_size: int = 8
-    conv_taps: int = 2
-    conv_group: int = 16
-    selector_rank: int = 32
-    selector_top_k: int = 16
-    sliding_window: int = 256
+    # the drafters (python -m turbo.train; its defaults for the rest)
+    drafter_examples: int = 600  # per workload
     target_layer_ids: tuple[int, ...] = (1, 3, 5, 6)
-    gamma: float = 4.0
-    d_lr: float = 2e-3
-    d_batch_seqs: int = 16
-    d_anchors: int = 8
-    drafter_minutes: float = 25.0
-    drafter_steps: int = 0
+    drafter_minutes: float = 16.0
+    mtp_minutes: float = 13.0
     # bookkeeping
     ckpt_minutes: float = 4.0
     eval_minutes: float = 5.0
@@ -361,6 +346,11 @@ def load_tokens(work: Path, w: str, split: str) -> torch.Tensor:
 # --------------------------------------------------------------------------
 # Workload prompts (held-out material only)
 # --------------------------------------------------------------------------
+WORKLOAD_NOTES = {"prose": "# Held-out prose prompts (scripts/train_tiny.py's held-out docstrings and help topics), "
+                           "each cut\n# mid-sentence so that the model continues it: whole paragraphs ended at once "
+                           "(end of text)."}
+
+
 def write_workloads(work: Path, hp: HParams, repo: Path, log: Logger, n: int = 10) -> None:
     rng = random.Random(hp.seed + 7)
     prompts: dict[str, list[str]] = {}
@@ -376,13 +366,14 @@ def write_workloads(work: Path, hp: HParams, repo: Path, log: Logger, n: int = 1
                 code.append(snippet + "\n")  # one snippet per held-out file: variety
     rng.shuffle(code)
     prompts["code"] = code[:n]
-    # prose: the first few lines of held-out docstrings / help topics
+    # prose: the first few lines of held-out docstrings / help topics, cut mid-sentence: a whole
+    # paragraph is where the model ends the text at once, and a generation of one token measures nothing
     prose = []
     for text in load_docs(work, "prose_eval"):
         lines = [l for l in text.splitlines()][:5]
         snippet = "\n".join(lines).rstrip()
         if 120 < len(snippet) < 400:
-            prose.append(snippet + "\n")
+            prose.append(snippet[:int(len(snippet) * 0.85)].rsplit(" ", 1)[0])
     rng.shuffle(prose)
     prompts["prose"] = prose[:n]
     # math: held-out seed; the prompt stops after "Solution:" so the model works it
@@ -391,11 +382,84 @@ def write_workloads(work: Path, hp: HParams, repo: Path, log: Logger, n: int = 1
     out.mkdir(parents=True, exist_ok=True)
     for w in WORKLOADS:
         assert len(prompts[w]) >= 8, (w, len(prompts[w]))
-        body = [f"# Held-out {w} prompts written by scripts/train_tiny.py (not in the training data).",
-                f"name: {w}", "max_new_tokens: 256", "prompts:"]
+        body = [WORKLOAD_NOTES.get(w, f"# Held-out {w} prompts written by scripts/train_tiny.py (not in the training "
+                                      "data)."), f"name: {w}", "max_new_tokens: 256", "prompts:"]
         body += [f"  - {json.dumps(p)}" for p in prompts[w]]  # JSON strings are valid YAML
         (out / f"{w}.yaml").write_text("\n".join(body) + "\n")
         log.log("workloads", workload=w, prompts=len(prompts[w]))
+
+
+# --------------------------------------------------------------------------
+# The drafters' prompt mix: several phrasings per workload, from training material only.
+# The held-out prompts (docs/tiny_heldout/*.jsonl, written by hand) use none of these phrasings.
+# --------------------------------------------------------------------------
+MATH_FRAMES = ("Problem: {q}\nSolution:\n", "Q: {q}\nA:", "Question: {q}\nAnswer:", "{q}\nSolution:\n",
+               "Solve: {q}\n", "Math: {q}\n", "Problem {n}. {q}\nSolution:\n", "{q}\nLet's think step by step.\n",
+               "Puzzle: {q}\nExplanation:\n", "Quiz {n}: {q}\n", "Practice: {q}\nAnswer:\n", "{q}\n")
+EXPR_ASKS = ("Compute {e}.", "What is {e}?", "Calculate {e}.", "Work out {e}.")
+CODE_FRAMES = ("{head}", "# {doc}\n{sig}\n", "{sig}\n    \"\"\"{doc}\"\"\"\n", "Instruction: {doc}\nCode:\n{sig}\n",
+               "Write a Python function that {doc_lc}\n{sig}\n", "```python\n{head}", "# {doc}\n", "{comment}")
+PROSE_FRAMES = ("{head}", "{comment}", "Explain {name}:\n", "{name}: {first}", "Summary of {name}.\n{first}",
+                "Documentation for {name}\n\n", "Q: What does {name} do?\nA:", "{first}")
+
+
+def math_question(rng: random.Random) -> str:
+    """A generated problem's question, asked in one of several ways."""
+    q = math_problem(rng).split("\nSolution:")[0].removeprefix("Problem: ")
+    if q.startswith("Compute "):
+        q = rng.choice(EXPR_ASKS).format(e=q.removeprefix("Compute ").removesuffix("."))
+    return q
+
+
+def code_parts(text: str, rng: random.Random) -> dict[str, str] | None:
+    """A function of a training file: its head, signature, docstring's first line and a comment run."""
+    lines = text.splitlines()
+    starts = [i for i, l in enumerate(lines) if l.lstrip().startswith("def ") and l.rstrip().endswith(":")]
+    if not starts:
+        return None
+    documented = [i for i in starts if i + 1 < len(lines) and lines[i + 1].strip().startswith(('"""', "'''"))]
+    i = rng.choice(documented or starts)
+    sig = lines[i].strip()
+    body = [l.strip() for l in lines[i + 1:i + 4]]
+    doc = ""
+    if body and body[0].startswith(('"""', "'''")):
+        doc = (body[0][3:] or (body[1] if len(body) > 1 else "")).strip('"\' ')
+    doc = doc if len(doc) > 12 else f"does what {sig[4:sig.find('(')]} does"
+    comments = comment_blocks(text)
+    return {"head": "\n".join(lines[i:i + 6]).rstrip() + "\n", "sig": sig, "doc": doc,
+            "doc_lc": doc[0].lower() + doc[1:], "comment": rng.choice(comments) if comments else f"# {doc}\n"}
+
+
+def prose_parts(text: str) -> dict[str, str]:
+    lines = text.strip().splitlines()
+    name = lines[0].strip() if len(lines[0]) < 60 else "this module"
+    body = " ".join(l.strip() for l in lines[1:] if l.strip()) or lines[0]
+    first = body.split(". ")[0].rstrip(".") + ". "
+    return {"head": "\n".join(lines[:5]).rstrip() + "\n", "name": name, "first": first,
+            "comment": (body[:300].rsplit(" ", 1)[0] + " ")}
+
+
+def write_prompts(work: Path, hp: HParams, build: Path, log: Logger, n: int = 3000) -> None:
+    """build/tiny_prompts/{code,math,prose}.jsonl: n prompts each, the phrasings in turn."""
+    rng = random.Random(hp.seed + 55)
+    out = build / "tiny_prompts"
+    out.mkdir(parents=True, exist_ok=True)
+    code_docs, prose_docs = load_docs(work, "code_train"), load_docs(work, "prose_train")
+    made: dict[str, list[str]] = {"math": [], "code": [], "prose": []}
+    while len(made["math"]) < n:
+        frame = MATH_FRAMES[len(made["math"]) % len(MATH_FRAMES)]
+        made["math"].append(frame.format(q=math_question(rng), n=rng.randint(1, 40)))
+    while len(made["code"]) < n:
+        parts = code_parts(rng.choice(code_docs), rng)
+        if parts is not None:
+            made["code"].append(CODE_FRAMES[len(made["code"]) % len(CODE_FRAMES)].format(**parts))
+    while len(made["prose"]) < n:
+        doc = rng.choice(prose_docs)
+        if len(doc) > 120:
+            made["prose"].append(PROSE_FRAMES[len(made["prose"]) % len(PROSE_FRAMES)].format(**prose_parts(doc)))
+    for w, items in made.items():
+        (out / f"{w}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in items))
+        log.log("prompts", workload=w, prompts=len(items))
 
 
 # --------------------------------------------------------------------------
@@ -634,7 +698,7 @@ def load_trunk_hf(path: Path) -> nn.Module:
 
 
 # --------------------------------------------------------------------------
-# Continuations: the trunk's greedy tokens + the aux hidden states
+# The drafters: python -m turbo.train on the trunk's install
 # --------------------------------------------------------------------------
 @torch.no_grad()
 def greedy(model: nn.Module, prefix: torch.Tensor, n: int) -> torch.Tensor:
@@ -651,408 +715,34 @@ def greedy(model: nn.Module, prefix: torch.Tensor, n: int) -> torch.Tensor:
     return torch.stack(toks, 1)
 
 
-@torch.no_grad()
-def aux_states(model: nn.Module, ids: torch.Tensor, layer_ids: tuple[int, ...]) -> torch.Tensor:
-    """Per-position outputs of the given decoder layers, concatenated: [B, T, n_aux*H].
-    Read with forward hooks on the layers themselves, so there is no doubt
-    about which entry of `hidden_states` is meant (layer i = hidden_states[i+1])."""
-    got: dict[int, torch.Tensor] = {}
-    hooks = []
-    for i in layer_ids:
-        def hook(_m, _inp, out, i=i):
-            got[i] = out[0] if isinstance(out, tuple) else out
-        hooks.append(model.model.layers[i].register_forward_hook(hook))
-    try:
-        model(input_ids=ids, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    return torch.cat([got[i] for i in layer_ids], -1)
+
+def build_trunk_install(build: Path) -> None:
+    """build/tiny_trunk: the trunk alone, repacked as an install (what the drafters train for)."""
+    from turbo.repack import repack
+
+    repack(build / "tiny_hf", build / "tiny_trunk", quiet=True)
 
 
-def make_continuations(work: Path, hp: HParams, build: Path, log: Logger) -> None:
-    model = load_trunk_hf(build / "tiny_hf")
-    for split, count in (("eval", hp.cont_eval_per_workload), ("train", hp.cont_train_per_workload)):
-        for wi, w in enumerate(WORKLOADS):
-            path = work / f"cont_{w}_{split}.pt"
-            if path.exists():
-                continue
-            s = load_tokens(work, w, split)
-            g = torch.Generator().manual_seed(hp.seed + 31 * wi + (0 if split == "train" else 7))
-            offs = torch.randint(0, len(s) - hp.prefix_len - 1, (count,), generator=g)
-            seqs, auxs = [], []
-            for i in tqdm(range(0, count, hp.gen_batch), desc=f"cont {w}/{split}"):
-                prefix = torch.stack([s[o:o + hp.prefix_len] for o in offs[i:i + hp.gen_batch].tolist()])
-                ids = torch.cat([prefix, greedy(model, prefix, hp.cont_len)], 1)
-                seqs.append(ids)
-                auxs.append(aux_states(model, ids, hp.target_layer_ids).to(torch.float16))
-            atomic_save({"ids": torch.cat(seqs).to(torch.int16), "aux": torch.cat(auxs),
-                         "prefix_len": hp.prefix_len}, path)
-            log.log("continuations", workload=w, split=split, seqs=count, tokens=count * hp.cont_len)
+def drafter_command(kind: str, hp: HParams, build: Path, repo: Path) -> list[str]:
+    """python -m turbo.train's arguments for the shipped drafter (`kind` dflash2) or MTP head."""
+    heldout = [str(repo / "docs" / "tiny_heldout" / f"{w}.jsonl") for w in ("code", "math", "prose")]
+    args = [str(build / "tiny_trunk"), "--kind", kind,
+            "--data", *(str(build / "tiny_prompts" / f"{w}.jsonl") for w in ("code", "math", "prose")),
+            "--heldout", *heldout, "--out", str(build / f"tiny_{kind}"), "--examples", str(hp.drafter_examples),
+            "--prompt-tokens", "128", "--new-tokens", "96", "--device", "cpu", "--threads", "1",
+            "--checkpoint-every", "200", "--seed", "0"]
+    if kind == "dflash2":
+        return args + ["--target-layers", *map(str, hp.target_layer_ids), "--minutes", str(hp.drafter_minutes)]
+    return args + ["--minutes", str(hp.mtp_minutes)]
 
 
-# --------------------------------------------------------------------------
-# DFlash2 drafter (docs/DESIGN.md 2.2)
-# --------------------------------------------------------------------------
-class ZeroRMSNorm(nn.Module):
-    """The trunk's zero-centred RMSNorm: x * rsqrt(mean(x^2) + eps) * (1 + w), fp32."""
+def train_drafter(kind: str, hp: HParams, build: Path, repo: Path, resume: bool) -> None:
+    from turbo.train.__main__ import main as train_main
 
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight.float())
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, -1)
-    return torch.cat((-b, a), -1)
-
-
-def rope_cos_sin(pos: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-head NeoX RoPE tables for integer positions of any shape -> [..., dim]."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    f = pos.float()[..., None] * inv
-    emb = torch.cat((f, f), -1)
-    return emb.cos(), emb.sin()
-
-
-class GroupedDynConv(nn.Module):
-    """docs/DESIGN.md 2.2 step 3: per-row dynamic kernels (one per group of channels)
-    added to a static base kernel, causal along the block rows."""
-
-    def __init__(self, hidden: int, taps: int, group: int) -> None:
-        super().__init__()
-        self.taps, self.group, self.groups = taps, group, hidden // group
-        self.kernel_projection = nn.Linear(hidden, 2 * taps * self.groups, bias=False)
-        nn.init.zeros_(self.kernel_projection.weight)  # start as the base kernel alone
-        base = torch.zeros(2, taps, hidden)
-        base[:, 0] = 1.0  # identity at init: tap 0 passes the row through
-        self.base_kernel = nn.Parameter(base)
-
-    def _conv(self, h: torch.Tensor, dyn: torch.Tensor, side: int) -> torch.Tensor:
-        # h [..., R, H]; dyn [..., R, taps, groups] (the OUTPUT row's kernels)
-        k = self.base_kernel[side] + dyn.repeat_interleave(self.group, dim=-1)  # [..., R, taps, H]
-        out = k[..., 0, :] * h
-        for o in range(1, self.taps):
-            shifted = F.pad(h, (0, 0, o, 0))[..., :h.shape[-2], :]  # h[t-o], zero before row 0
-            out = out + k[..., o, :] * shifted
-        return out
-
-    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dyn = self.kernel_projection(x).unflatten(-1, (2, self.taps, self.groups))
-        return self._conv(x, dyn[..., 0, :, :], 0), dyn[..., 1, :, :]
-
-    def finish(self, y: torch.Tensor, dyn1: torch.Tensor) -> torch.Tensor:
-        return self._conv(y, dyn1, 1)
-
-
-class DraftAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float) -> None:
-        super().__init__()
-        self.h, self.kvh, self.hd = heads, kv_heads, head_dim
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)  # plain: no gate half
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.q_norm = ZeroRMSNorm(head_dim, eps)
-        self.k_norm = ZeroRMSNorm(head_dim, eps)
-
-    def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """ctx [N, T, H] (fused aux states) -> k, v [N, T, kvh, hd]; k roped at its position."""
-        k = self.k_norm(self.k_proj(ctx).unflatten(-1, (self.kvh, self.hd)))
-        k = k * cos[:, :, None] + rotate_half(k) * sin[:, :, None]
-        return k, self.v_proj(ctx).unflatten(-1, (self.kvh, self.hd))
-
-    def forward(self, u: torch.Tensor, ck: torch.Tensor, cv: torch.Tensor, cmask: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """u [N, A, R, H] block rows; ck/cv [N, T, kvh, hd]; cmask [N, A, T] (visible
-        context); cos/sin [N, A, R, hd] at the block positions."""
-        rep = self.h // self.kvh
-        q = self.q_norm(self.q_proj(u).unflatten(-1, (self.h, self.hd)))
-        q = q * cos[..., None, :] + rotate_half(q) * sin[..., None, :]
-        kb = self.k_norm(self.k_proj(u).unflatten(-1, (self.kvh, self.hd)))
-        kb = kb * cos[..., None, :] + rotate_half(kb) * sin[..., None, :]
-        vb = self.v_proj(u).unflatten(-1, (self.kvh, self.hd))
-        ck, cv = ck.repeat_interleave(rep, 2), cv.repeat_interleave(rep, 2)  # head h reads kv h // rep
-        kb, vb = kb.repeat_interleave(rep, 3), vb.repeat_interleave(rep, 3)
-        scale = self.hd ** -0.5
-        s_ctx = torch.einsum("narhd,nthd->nahrt", q, ck) * scale
-        s_ctx = s_ctx.masked_fill(~cmask[:, :, None, None, :], float("-inf"))
-        s_blk = torch.einsum("narhd,nashd->nahrs", q, kb) * scale  # bidirectional in the block
-        p = torch.cat([s_ctx, s_blk], -1).float().softmax(-1)
-        T = ck.shape[1]
-        o = torch.einsum("nahrt,nthd->narhd", p[..., :T], cv) + torch.einsum("nahrs,nashd->narhd", p[..., T:], vb)
-        return self.o_proj(o.flatten(-2))
-
-
-class DraftMLP(nn.Module):
-    def __init__(self, hidden: int, inter: int) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.down_proj = nn.Linear(inter, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class DraftLayer(nn.Module):
-    def __init__(self, hp: HParams, eps: float) -> None:
-        super().__init__()
-        self.input_layernorm = ZeroRMSNorm(hp.hidden, eps)
-        self.post_attention_layernorm = ZeroRMSNorm(hp.hidden, eps)
-        self.self_attn = DraftAttention(hp.hidden, hp.heads, hp.kv_heads, hp.head_dim, eps)
-        self.mlp = DraftMLP(hp.hidden, hp.intermediate)
-        self.attention_conv = GroupedDynConv(hp.hidden, hp.conv_taps, hp.conv_group)
-        self.mlp_conv = GroupedDynConv(hp.hidden, hp.conv_taps, hp.conv_group)
-
-    def forward(self, x, ck, cv, cmask, cos, sin):
-        u, d = self.attention_conv.prepare(self.input_layernorm(x))
-        x = x + self.attention_conv.finish(self.self_attn(u, ck, cv, cmask, cos, sin), d)
-        u, d = self.mlp_conv.prepare(self.post_attention_layernorm(x))
-        return x + self.mlp_conv.finish(self.mlp(u), d)
-
-
-class CandidateSelector(nn.Module):
-    def __init__(self, hidden: int, vocab: int, rank: int) -> None:
-        super().__init__()
-        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
-        self.predecessor_codebook = nn.Parameter(torch.randn(vocab, rank) * 0.02)
-        self.successor_codebook = nn.Parameter(torch.randn(vocab, rank) * 0.02)
-
-    def scores(self, logits: torch.Tensor, final: torch.Tensor, pred: torch.Tensor,
-               cand: torch.Tensor) -> torch.Tensor:
-        """score_ij = logits_i[c_ij] + dot(pred_cb[pred_i] * proj_i, succ_cb[c_ij])."""
-        proj = self.hidden_projection(final)
-        q = self.predecessor_codebook[pred] * proj  # [..., rank]
-        return logits.gather(-1, cand) + torch.einsum("...r,...kr->...k", q, self.successor_codebook[cand])
-
-
-class DFlash2Drafter(nn.Module):
-    """Differentiable DFlash2 forward over many blocks at once. Parameter names
-    match the published drafter checkpoint (without the `dflash.` prefix). The
-    trunk's embedding / lm_head (tied) are frozen buffers, not exported."""
-
-    def __init__(self, hp: HParams, embed: torch.Tensor, mask_id: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.hp, self.mask_id = hp, mask_id
-        n_aux = len(hp.target_layer_ids)
-        self.fc = nn.Linear(n_aux * hp.hidden, hp.hidden, bias=False)
-        self.hidden_norm = ZeroRMSNorm(hp.hidden, eps)
-        self.layers = nn.ModuleList([DraftLayer(hp, eps) for _ in range(hp.d_layers)])
-        self.norm = ZeroRMSNorm(hp.hidden, eps)
-        self.candidate_selector = CandidateSelector(hp.hidden, embed.shape[0], hp.selector_rank)
-        for m in self.modules():
-            if isinstance(m, nn.Linear) and m.weight.abs().sum() > 0:
-                nn.init.normal_(m.weight, std=0.02)
-        self.register_buffer("embed", embed.float(), persistent=False)
-
-    def forward(self, ids: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor):
-        """ids [N, T]; aux [N, T, n_aux*H]; anchors [N, A] positions.
-        Returns logits [N, A, B, V] and final states [N, A, B, H] for rows 1..B."""
-        hp = self.hp
-        N, T = ids.shape
-        B = hp.block_size
-        ctx = self.hidden_norm(self.fc(aux.float()))
-        tpos = torch.arange(T)
-        ccos, csin = rope_cos_sin(tpos.expand(N, T), hp.head_dim, hp.rope_theta)
-        # visible context for a block anchored at a: positions in [a - window, a)
-        cmask = (tpos[None, None] < anchors[..., None]) & (tpos[None, None] >= anchors[..., None] - hp.sliding_window)
-        rows = torch.full((N, anchors.shape[1], B + 1), self.mask_id, dtype=torch.long)
-        rows[..., 0] = ids.gather(1, anchors)
-        x = F.embedding(rows, self.embed)
-        bcos, bsin = rope_cos_sin(anchors[..., None] + torch.arange(B + 1), hp.head_dim, hp.rope_theta)
-        for layer in self.layers:
-            ck, cv = layer.self_attn.context_kv(ctx, ccos, csin)
-            x = layer(x, ck, cv, cmask, bcos, bsin)
-        final = self.norm(x)[..., 1:, :]
-        return final @ self.embed.T, final
-
-    def export_state(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.state_dict().items()}
-
-
-def load_cont(work: Path, split: str) -> dict[str, dict[str, torch.Tensor]]:
-    return {w: torch.load(work / f"cont_{w}_{split}.pt") for w in WORKLOADS}
-
-
-def block_targets(ids: torch.Tensor, anchors: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """targets [N, A, B] = ids[a+i] (the trunk's greedy tokens); valid where a+i < T."""
-    T = ids.shape[1]
-    pos = anchors[..., None] + torch.arange(1, B + 1)
-    valid = pos < T
-    return ids.gather(1, pos.clamp(max=T - 1).flatten(1)).view(pos.shape), valid
-
-
-def drafter_loss(model: DFlash2Drafter, ids: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor,
-                 hp: HParams) -> tuple[torch.Tensor, dict[str, float]]:
-    logits, final = model(ids, aux, anchors)
-    tgt, valid = block_targets(ids, anchors, hp.block_size)
-    # DFlash positional weighting: early rows matter most for acceptance
-    w = torch.exp(-torch.arange(hp.block_size, dtype=torch.float32) / hp.gamma).expand_as(tgt) * valid
-    ce = F.cross_entropy(logits.flatten(0, 2), tgt.flatten(), reduction="none").view_as(tgt)
-    loss_tok = (ce * w).sum() / w.sum()
-    # selector: teacher-forced predecessors (anchor for row 1, then the truths)
-    pred = torch.cat([ids.gather(1, anchors)[..., None], tgt[..., :-1]], -1)
-    cand = logits.detach().topk(hp.selector_top_k, -1).indices
-    hit = cand == tgt[..., None]
-    present = hit.any(-1) & valid
-    sc = model.candidate_selector.scores(logits, final, pred, cand)
-    sce = F.cross_entropy(sc.flatten(0, 2), hit.float().argmax(-1).flatten(), reduction="none").view_as(tgt)
-    ws = w * present
-    loss_sel = (sce * ws).sum() / ws.sum().clamp(min=1)
-    return loss_tok + loss_sel, {"tok": loss_tok.item(), "sel": loss_sel.item()}
-
-
-@torch.no_grad()
-def drafter_eval(model: DFlash2Drafter, data: dict[str, dict[str, torch.Tensor]], hp: HParams,
-                 stride: int = 3) -> dict[str, Any]:
-    """Per position i: top-1 accuracy of the logits (teacher-forced context),
-    the greedy selector chain's accuracy, and the acceptance-style rate
-    P(d_1..d_i all right) of the selector chain, on held-out continuations."""
-    model.eval()
-    res = {}
-    for w, d in data.items():
-        ids, aux, P = d["ids"].long(), d["aux"], d["prefix_len"]
-        anchors = torch.arange(P - 1, ids.shape[1] - hp.block_size, stride)
-        top1 = torch.zeros(hp.block_size)
-        sel = torch.zeros(hp.block_size)
-        acc_run = torch.zeros(hp.block_size)
-        n = 0
-        for i in range(0, len(ids), 16):
-            x, a_ = ids[i:i + 16], aux[i:i + 16]
-            an = anchors.expand(len(x), -1)
-            logits, final = model(x, a_, an)
-            tgt, _ = block_targets(x, an, hp.block_size)
-            top1 += (logits.argmax(-1) == tgt).float().sum((0, 1))
-            cand = logits.topk(hp.selector_top_k, -1).indices
-            prev = x.gather(1, an)
-            right = torch.ones_like(prev, dtype=torch.bool)
-            for r in range(hp.block_size):  # greedy chain: pred_{i+1} = d_i
-                s = model.candidate_selector.scores(logits[:, :, r], final[:, :, r], prev, cand[:, :, r])
-                # ties resolve to the lower token id: sort candidates by id first
-                order = cand[:, :, r].argsort(-1)
-                best = s.gather(-1, order).argmax(-1, keepdim=True)
-                dr = cand[:, :, r].gather(-1, order.gather(-1, best)).squeeze(-1)
-                ok = dr == tgt[:, :, r]
-                sel[r] += ok.float().sum()
-                right &= ok
-                acc_run[r] += right.float().sum()
-                prev = dr
-            n += an.numel()
-        res[w] = {"top1": [round(v, 3) for v in (top1 / n).tolist()],
-                  "selector": [round(v, 3) for v in (sel / n).tolist()],
-                  "accept_prefix": [round(v, 3) for v in (acc_run / n).tolist()],
-                  "mean_accepted_b8": round((acc_run / n).sum().item(), 3),
-                  "mean_accepted_b2": round((acc_run[:2] / n).sum().item(), 3)}
-    model.train()
-    return res
-
-
-def build_drafter(work: Path, hp: HParams, build: Path) -> DFlash2Drafter:
-    from tokenizers import Tokenizer
-
-    tok = Tokenizer.from_file(str(work / "tokenizer.json"))
-    trunk = load_trunk_hf(build / "tiny_hf")
-    embed = trunk.model.embed_tokens.weight.detach().clone()
-    set_seed(hp.seed + 1)
-    return DFlash2Drafter(hp, embed, tok.token_to_id(MASK), eps=trunk.config.rms_norm_eps)
-
-
-def train_drafter(work: Path, hp: HParams, build: Path, log: Logger, resume: bool) -> None:
-    model = build_drafter(work, hp, build)
-    params = [p for p in model.parameters() if p.requires_grad]
-    log.log("drafter", params=sum(p.numel() for p in params))
-    opt = make_optimizer(params, hp.d_lr, hp.weight_decay)
-    ckpt_path = work / "drafter_ckpt.pt"
-    step, elapsed = resume_checkpoint(ckpt_path, model, opt, log, "drafter") if resume else (0, 0.0)
-    train, ev = load_cont(work, "train"), load_cont(work, "eval")
-    budget = Budget(hp.drafter_steps, hp.drafter_minutes, elapsed)
-    last_ckpt = last_eval = budget.now()
-    bar = tqdm(desc="drafter", unit="step", initial=step, dynamic_ncols=True, mininterval=10)
-    ema: dict[str, float] = {}
-    tuner = ThreadTuner(torch.get_num_threads())
-    model.train()
-    while not budget.done(step):
-        t_step = time.time()
-        for g in opt.param_groups:
-            g["lr"] = hp.d_lr * lr_factor(budget.progress(step), hp.warmup_frac, hp.min_lr_frac)
-        gen = torch.Generator().manual_seed(hp.seed * 7_919 + step)
-        w = WORKLOADS[step % len(WORKLOADS)]  # one workload per step, rotating: balanced
-        d = train[w]
-        idx = torch.randint(0, len(d["ids"]), (hp.d_batch_seqs,), generator=gen)
-        ids, aux, P = d["ids"][idx].long(), d["aux"][idx], d["prefix_len"]
-        # anchors from the last prefix token on, so every target is a greedy token
-        anchors = torch.randint(P - 1, ids.shape[1] - 1, (hp.d_batch_seqs, hp.d_anchors), generator=gen)
-        loss, parts = drafter_loss(model, ids, aux, anchors, hp)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        step += 1
-        tuner.record(time.time() - t_step)
-        ema[w] = parts["tok"] if w not in ema else 0.95 * ema[w] + 0.05 * parts["tok"]
-        bar.update(1)
-        bar.set_postfix(tok=f"{parts['tok']:.3f}", sel=f"{parts['sel']:.3f}")
-        now = budget.now()
-        if now - last_eval > hp.eval_minutes * 60:
-            last_eval = now
-            log.log("drafter", step=step, elapsed_min=round(now / 60, 1),
-                    train_tok_loss={k: round(v, 4) for k, v in ema.items()}, eval=drafter_eval(model, ev, hp, 9))
-        if now - last_ckpt > hp.ckpt_minutes * 60:
-            last_ckpt = now
-            atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": now},
-                        ckpt_path)
-    bar.close()
-    now = budget.now()
-    atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": now}, ckpt_path)
-    log.log("drafter", final=True, step=step, elapsed_min=round(now / 60, 1),
-            train_tok_loss={k: round(v, 4) for k, v in ema.items()}, eval=drafter_eval(model, ev, hp))
-
-
-def export_drafter(work: Path, hp: HParams, build: Path, log: Logger) -> None:
-    from safetensors.torch import save_file
-
-    model = build_drafter(work, hp, build)
-    model.load_state_dict(torch.load(work / "drafter_ckpt.pt", weights_only=False)["model"])
-    trunk_cfg = json.loads((build / "tiny_hf" / "config.json").read_text())
-    out = build / "tiny_dflash"
-    out.mkdir(parents=True, exist_ok=True)
-    cfg = {
-        "architectures": ["DFlash2DraftModel"],
-        "model_type": "dflash2",
-        "hidden_size": hp.hidden,
-        "num_hidden_layers": hp.d_layers,
-        "num_attention_heads": hp.heads,
-        "num_key_value_heads": hp.kv_heads,
-        "head_dim": hp.head_dim,
-        "intermediate_size": hp.intermediate,
-        "rms_norm_eps": trunk_cfg.get("rms_norm_eps", 1e-6),
-        "vocab_size": hp.vocab_size,
-        "sliding_window": hp.sliding_window,
-        "layer_types": ["sliding_attention"] * hp.d_layers,
-        "is_causal": False,
-        "rope_parameters": {"rope_type": "default", "rope_theta": hp.rope_theta},
-        "torch_dtype": "bfloat16",
-        "dflash_config": {
-            "block_size": hp.block_size,
-            "mask_token_id": model.mask_id,
-            "target_layer_ids": list(hp.target_layer_ids),
-            "conv_kernel_size": hp.conv_taps,
-            "conv_group_size": hp.conv_group,
-            "selector_rank": hp.selector_rank,
-            "selector_top_k": hp.selector_top_k,
-        },
-    }
-    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    tensors = model.export_state()
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    log.log("export", out=str(out), tensors=len(tensors),
-            params=sum(t.numel() for t in tensors.values()))
+    resumable = resume and (build / f"tiny_{kind}" / "train" / "run.json").is_file()
+    code = train_main(drafter_command(kind, hp, build, repo) + (["--resume"] if resumable else []))
+    if code:
+        sys.exit(code)
 
 
 # --------------------------------------------------------------------------
@@ -1066,14 +756,14 @@ nice -n 10 python scripts/train_tiny.py --stage corpus
 nice -n 10 python scripts/train_tiny.py --stage tokenizer
 nice -n 10 python scripts/train_tiny.py --stage workloads
 nohup nice -n 10 sh -c 'python scripts/train_tiny.py --stage trunk --resume && \\
-  python scripts/train_tiny.py --stage continuations --threads 1 && \\
-  python scripts/train_tiny.py --stage drafter --resume && \\
-  python scripts/train_tiny.py --stage export' >> build/train.log 2>&1 &
+  python scripts/train_tiny.py --stage install && \\
+  python scripts/train_tiny.py --stage prompts && \\
+  python scripts/train_tiny.py --stage dflash2 --resume && \\
+  python scripts/train_tiny.py --stage mtp --resume' >> build/train.log 2>&1 &
+sh scripts/build_tiny_install.sh
 nice -n 10 python scripts/train_tiny.py --stage report
-# after a kill: the same commands; --resume continues trunk/drafter from
-# build/tiny_work/{trunk,drafter}_ckpt.pt, continuations skip finished files.
-# (--threads 1 for the decode loop: on a contended 2-core box its tiny ops
-# straggle badly with 2 threads; trunk/drafter pick their count themselves.)
+# after a kill: the same commands; --resume continues the trunk from
+# build/tiny_work/trunk_ckpt.pt and the drafters from build/tiny_{dflash2,mtp}/train/.
 """
 
 
@@ -1094,38 +784,36 @@ def write_report(work: Path, hp: HParams, build: Path, repo: Path, log: Logger) 
             return sum(math.prod(f.get_slice(k).get_shape()) for k in f.keys())
 
     tok = Tokenizer.from_file(str(build / "tiny_hf" / "tokenizer.json"))
-    trunk, drafter = final_entry(work, "trunk"), final_entry(work, "drafter")
+    trunk = final_entry(work, "trunk")
     lines = ["# tiny: training record", "",
              "Written by `scripts/train_tiny.py --stage report`. Hyper-parameters: "
-             "`build/tiny_work/hparams.json`; every logged metric: `build/tiny_work/metrics.jsonl`.", "",
+             "`build/tiny_work/hparams.json`; every logged metric: `build/tiny_work/metrics.jsonl` (trunk), "
+             "`build/tiny_{dflash2,mtp}/train/log.jsonl` (the drafters).", "",
              "## Sizes", "",
              f"- trunk `build/tiny_hf/` (Qwen3_5ForCausalLM, bf16): {n_params(build / 'tiny_hf' / 'model.safetensors'):,} "
              f"parameters (tied embedding/lm_head counted once), vocab {tok.get_vocab_size()}",
-             f"- drafter `build/tiny_dflash/` (DFlash2, 5 layers, bf16): "
-             f"{n_params(build / 'tiny_dflash' / 'model.safetensors'):,} parameters (+ the trunk's shared embedding)",
+             f"- drafter `build/tiny_dflash2/` (DFlash2, 5 layers, bf16): "
+             f"{n_params(build / 'tiny_dflash2' / 'model.safetensors'):,} parameters (+ the trunk's shared embedding)",
+             f"- MTP head `build/tiny_mtp/` (bf16): {n_params(build / 'tiny_mtp' / 'model.safetensors'):,} parameters",
              "", "## Data (tokens)", "", "| workload | train | eval (held out) |", "|---|---|---|"]
     for w in WORKLOADS:
         lines.append(f"| {w} | {len(load_tokens(work, w, 'train')):,} | {len(load_tokens(work, w, 'eval')):,} |")
-    cont = hp.cont_train_per_workload * hp.cont_len
-    lines += ["", f"Drafter data: per workload {hp.cont_train_per_workload} greedy continuations x {hp.cont_len} "
-              f"tokens ({cont:,} tokens) after {hp.prefix_len}-token prefixes; eval: {hp.cont_eval_per_workload} "
-              "per workload from held-out material.", "",
-              "## Training", "",
+    lines += ["", "## Training", "",
               f"- trunk: {trunk.get('step')} steps of {hp.batch}x{hp.seq_len} tokens in {trunk.get('elapsed_min')} min "
-              f"(~{(trunk.get('step') or 0) * hp.batch * hp.seq_len:,} tokens), AdamW lr {hp.lr}, cosine, warmup",
-              f"- drafter: {drafter.get('step')} steps in {drafter.get('elapsed_min')} min, "
-              f"{hp.d_batch_seqs} sequences x {hp.d_anchors} anchored blocks per step", "",
-              "| workload | trunk train loss (EMA) | trunk val loss | drafter train CE (EMA) |", "|---|---|---|---|"]
+              f"(~{(trunk.get('step') or 0) * hp.batch * hp.seq_len:,} tokens), AdamW lr {hp.lr}, cosine, warmup", "",
+              "| workload | trunk train loss (EMA) | trunk val loss |", "|---|---|---|"]
     for w in WORKLOADS:
-        lines.append(f"| {w} | {trunk.get('train_loss', {}).get(w)} | {trunk.get('val_loss', {}).get(w)} | "
-                     f"{drafter.get('train_tok_loss', {}).get(w)} |")
-    lines += ["", "## Drafter accuracy on held-out greedy continuations (per position 1..8)", "",
-              "top1: argmax of the row's logits; selector: the greedy candidate-selector chain "
-              "(docs/DESIGN.md 2.2 step 5); accept_prefix: P(d_1..d_i all equal the trunk's greedy tokens).", ""]
-    for w, e in drafter.get("eval", {}).items():
-        lines += [f"- **{w}**: top1 {e['top1']}", f"  selector {e['selector']}",
-                  f"  accept_prefix {e['accept_prefix']}; accepted/round at block 8: "
-                  f"{e['mean_accepted_b8']}, at block 2: {e['mean_accepted_b2']}"]
+        lines.append(f"| {w} | {trunk.get('train_loss', {}).get(w)} | {trunk.get('val_loss', {}).get(w)} |")
+    for kind in ("dflash2", "mtp"):
+        run = json.loads((build / f"tiny_{kind}" / "train" / "run.json").read_text())
+        ev = json.loads((build / f"tiny_{kind}" / "eval.json").read_text())
+        lines += ["", f"## {kind}: `python -m turbo.train {' '.join(drafter_command(kind, hp, build, repo)[1:])}`", "",
+                  f"{run['steps']} steps on {run['examples']} greedy continuations of build/tiny_prompts; held out "
+                  "(docs/tiny_heldout, stopped at end of text), accepted per round:", "",
+                  "| workload | " + " | ".join(f"block {b}" for b in next(iter(ev["groups"].values()))["blocks"]) + " |",
+                  "|---" * (1 + len(next(iter(ev["groups"].values()))["blocks"])) + "|"]
+        for w, g in ev["groups"].items():
+            lines.append(f"| {w} | " + " | ".join(f"{r['accepted_per_round']:.2f}" for r in g["blocks"].values()) + " |")
     lines += ["", "## Commands", "", "```sh", COMMANDS.rstrip(), "```", "", "## Sample greedy continuations", ""]
     model = load_trunk_hf(build / "tiny_hf")
     for w in WORKLOADS:
@@ -1146,10 +834,11 @@ def stage_done(stage: str, work: Path, build: Path, repo: Path) -> bool:
         "corpus": work / "corpus" / "math_eval.json",
         "tokenizer": work / "tokens_math_eval.pt",
         "workloads": repo / "conf" / "workload" / "math.yaml",
+        "prompts": build / "tiny_prompts" / "math.jsonl",
         "trunk": build / "tiny_hf" / "model.safetensors",
-        "continuations": work / "cont_math_train.pt",
-        "drafter": work / "drafter_done",
-        "export": build / "tiny_dflash" / "model.safetensors",
+        "install": build / "tiny_trunk" / "model.safetensors",
+        "dflash2": build / "tiny_dflash2" / "eval.json",
+        "mtp": build / "tiny_mtp" / "eval.json",
         "report": build / "TRAINING.md",
     }
     return marks[stage].exists()
@@ -1159,7 +848,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--stage", default="all", choices=(*STAGES, "all"))
     ap.add_argument("--build", type=Path, default=Path("build"))
-    ap.add_argument("--resume", action="store_true", help="continue trunk/drafter from the last checkpoint")
+    ap.add_argument("--resume", action="store_true", help="continue trunk, dflash2, mtp from the last checkpoint")
     ap.add_argument("--force", action="store_true", help="rerun a stage whose output exists")
     ap.add_argument("--threads", type=int, default=2)
     for f in dataclasses.fields(HParams):  # every hyper-parameter is a flag
@@ -1176,7 +865,8 @@ def main(argv: list[str] | None = None) -> None:
     hp = HParams()
     if hp_path.exists():  # a resumed/later stage keeps the recorded values
         rec = json.loads(hp_path.read_text())
-        hp = HParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in rec.items()})
+        known = {f.name for f in dataclasses.fields(HParams)}  # (a record from before a field was dropped)
+        hp = HParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in rec.items() if k in known})
     for f in dataclasses.fields(HParams):
         v = getattr(args, f.name, None)
         if v is not None:
@@ -1198,13 +888,12 @@ def main(argv: list[str] | None = None) -> None:
             write_workloads(work, hp, repo, log)
         elif st == "trunk":
             train_trunk(work, hp, build, log, args.resume)
-        elif st == "continuations":
-            make_continuations(work, hp, build, log)
-        elif st == "drafter":
-            train_drafter(work, hp, build, log, args.resume)
-            (work / "drafter_done").touch()
-        elif st == "export":
-            export_drafter(work, hp, build, log)
+        elif st == "install":
+            build_trunk_install(build)
+        elif st == "prompts":
+            write_prompts(work, hp, build, log)
+        elif st in ("dflash2", "mtp"):
+            train_drafter(st, hp, build, repo, args.resume)
         elif st == "report":
             write_report(work, hp, build, repo, log)
         log.log(st, finished=True, seconds=round(time.time() - t0, 1))

@@ -42,9 +42,20 @@ def probe(tmp: Path, overrides) -> dict:
     return json.loads((tmp / "metrics.json").read_text())
 
 
+def test_probe_stops_at_end_of_text_unless_past_eos(tmp_path):
+    # tiny answers a math prompt in a few dozen tokens and then ends the text
+    ov = ["workload=math", "max_new_tokens=96", "probe.prompts_per_workload=1", "+policy=fixed", "block=4"]
+    stopped = probe(tmp_path / "stopped", ov)
+    past = probe(tmp_path / "past", ov + ["probe.past_eos=true"])
+    assert stopped["stop_at_eos"] is True and past["stop_at_eos"] is False
+    assert all(r["generated_tokens"] < 96 for r in stopped["runs"])
+    assert all(r["generated_tokens"] == 96 for r in past["runs"])
+    assert stopped["lossless"] and past["lossless"]
+
+
 def test_probe_counts_deterministic_and_lossless(install, tmp_path):
     ov = [f"install.path={install}", "max_new_tokens=12", "probe.prompts_per_workload=2", "probe.blocks=[1,2,4]",
-          "probe.adaptive=false", "probe.rollbacks=[replay,checkpoint]"]
+          "probe.adaptive=false", "probe.rollbacks=[replay,checkpoint]", "probe.past_eos=true"]
     a, b = probe(tmp_path / "a", ov), probe(tmp_path / "b", ov)
     assert a["schema"] == "turbo.probe/1" and a["lossless"]
     assert [(r["policy"], r["block"], r["rollback"]) for r in a["runs"]] == [

@@ -24,14 +24,16 @@ when `probe.adaptive` is true. Keys (conf/task/probe.yaml; `probe.*` is a top-le
   probe.workloads             null = the composed `workload`; or a list of conf/workload names
   probe.rollbacks             null = the top-level `rollback`; or a list
   probe.prompts_per_workload  null = every prompt of the workload; N = the first N
-  probe.stop_at_eos           false: every prompt decodes exactly max_new_tokens (an end-of-text
-                              token does not stop it, as the Rust engine's probe counted a fixed N)
+  probe.past_eos              false: a prompt's generation stops at end of text, as a user's does;
+                              true: every prompt decodes exactly max_new_tokens past it (a fixed N, as
+                              the Rust engine's probe counted, for comparison with its tables)
 `max_new_tokens` (top level) overrides every workload's own; `prompt=` replaces the workload's prompts.
 
 metrics.json (schema "turbo.probe/1"):
   schema, install, backend, drafter, ngram (drafter=ngram's config; null for the others), draft_products
   (as configured), window, max_new_tokens (null: per workload),
-  blocks, adaptive, rollbacks, workloads, prompts_per_workload, stop_at_eos, overrides (the job's Hydra overrides),
+  blocks, adaptive, rollbacks, workloads, prompts_per_workload, stop_at_eos (not probe.past_eos), overrides (the
+  job's Hydra overrides),
   temperature, top_k, top_p, min_p, seed (the sampling; temperature 0: greedy), lossless (bool; null when sampling),
   timing_note, and `runs`: one object per (workload, rollback, policy, block):
     workload, policy ("off" | "fixed" | "adaptive"), block (0 for off; the widest block for adaptive),
@@ -243,9 +245,10 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
     if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
         raise TurboError(f"config: probe.prompts_per_workload={per!r}, expected a positive integer or null")
     override_max = cfg.get("max_new_tokens")
-    stop_at_eos = pc.get("stop_at_eos", False)
-    if not isinstance(stop_at_eos, bool):
-        raise TurboError(f"config: probe.stop_at_eos={stop_at_eos!r}, expected true or false")
+    past_eos = pc.get("past_eos", False)
+    if not isinstance(past_eos, bool):
+        raise TurboError(f"config: probe.past_eos={past_eos!r}, expected true or false")
+    stop_at_eos = not past_eos
 
     # under sampling the tokens differ from off's by design: only greedy runs are compared
     sampling = None if g.temperature == 0 else sampling_label(g)

@@ -1,6 +1,6 @@
 """HF checkpoint (+ DFlash drafter) -> turbo install, streaming tensor by tensor.
 
-    python -m turbo.repack SRC OUT [--drafter DIR] [--text-only] [--quant none|int4|int8|int2|int1]
+    python -m turbo.repack SRC OUT [--drafter DIR] [--mtp DIR] [--text-only] [--quant none|int4|int8|int2|int1]
 
 Peak memory stays at one copy buffer: tensor bytes are copied from the source file to
 the output file in bounded chunks, never materialised as a whole model. The output is
@@ -177,6 +177,18 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
         source = (name, new, meta, path, data_start)
         tensors += moe_sources(*source, arch) if arch.moe else [source]
     return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
+
+
+def plan_mtp(head: Path, fmt: q.QFormat | None = None, quantized: dict[str, dict] | None = None) -> list[Planned]:
+    """An MTP head's `mtp.*` tensors (as python -m turbo.train --kind mtp writes them), filed
+    beside the trunk in place of any head the source carries; the loader checks their shapes
+    against the trunk's."""
+    tensors = []
+    for name, meta, path, data_start in source_tensors(head):
+        if not name.startswith(mtp.MTP_PREFIX):
+            raise TurboError(f"{path}: tensor {name} is not an MTP head's (expected mtp.* names)")
+        tensors.append((name, name, meta, path, data_start))
+    return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, {})
 
 
 def plan_drafter(drafter: Path, hidden: int, fmt: q.QFormat | None = None,
@@ -413,7 +425,7 @@ def plan_tensors(tensors: list[tuple[str, str, dict, Path, int]], fmt: q.QFormat
 
 
 def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, text_only: bool = False,
-           quiet: bool = False, quant: str = "none") -> Path:
+           quiet: bool = False, quant: str = "none", mtp_head: str | Path | None = None) -> Path:
     src, out = Path(src), Path(out)
     if not src.is_dir():
         raise TurboError(f"{src}: no such checkpoint directory")
@@ -429,6 +441,11 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     trunk_quant: dict[str, dict] = {}
     drafter_quant: dict[str, dict] = {}
     trunk = plan_trunk(src, text_only, fmt, trunk_quant)
+    if mtp_head is not None:
+        if not Path(mtp_head).is_dir():
+            raise TurboError(f"{mtp_head}: no such MTP head directory")
+        trunk_quant = {k: v for k, v in trunk_quant.items() if not k.startswith(mtp.MTP_PREFIX)}
+        trunk = [p for p in trunk if not p.name.startswith(mtp.MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt, trunk_quant)
     declared = mtp.declared_layers(config)
     if declared and not any(p.name.startswith("mtp.") for p in trunk):  # still an install: the trunk is whole
         print(f"note: {mtp.missing_head(str(src / 'config.json'), declared)}", file=sys.stderr)
@@ -512,6 +529,8 @@ def main(argv: list[str] | None = None) -> int:
                                     "their MoE versions, or Qwen3NextForCausalLM)")
     parser.add_argument("out", help="the install directory to create")
     parser.add_argument("--drafter", help="a DFlash drafter directory (DFlash2 or the published DFlash) to file under dflash.")
+    parser.add_argument("--mtp", help="an MTP head directory (mtp.* tensors, python -m turbo.train --kind mtp) to "
+                                      "file beside the trunk, in place of the source's own")
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--quant", default="none", choices=("none", *q.FORMATS),
@@ -520,7 +539,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet, args.quant)
+        path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet, args.quant, args.mtp)
     except TurboError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

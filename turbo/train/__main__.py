@@ -1,0 +1,312 @@
+"""python -m turbo.train INSTALL --kind dflash2|mtp --data FILE_OR_DIR... --out DIR [options]
+
+Trains a DFlash2 drafter or an MTP head for INSTALL (a directory, or a shipped install's name)
+on the text under --data, writes it into --out in the layout `python -m turbo.repack` files
+(`--drafter OUT` for DFlash2, `--mtp OUT` for the MTP head), and measures it on held-out
+prompts (--out/eval.json). --out/train/ keeps the training set, the checkpoint and the log:
+`--resume` continues there. A bad input ends it in one line (exit 2), Ctrl-C in `interrupted`
+(the last checkpoint stays).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from pathlib import Path
+
+MODEL_FILES = ("config.json", "model.safetensors")
+# the settings a resumed run must share with the run it continues
+FIXED_ON_RESUME = ("install", "kind", "from_install", "data", "targets", "examples", "prompt_tokens", "new_tokens", "heads",
+                   "kv_heads", "head_dim", "intermediate", "rank", "top_k", "block", "window", "target_layers",
+                   "target_count", "mask_token_id", "gamma", "batch", "anchors", "lr", "seed", "step2_weight")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m turbo.train", description=__doc__.split("\n\n")[1],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("install", help="the install to train for: a directory, or a shipped install's name")
+    p.add_argument("--kind", required=True, choices=("dflash2", "mtp"))
+    p.add_argument("--data", nargs="+", default=[], metavar="FILE_OR_DIR",
+                   help="text to train on; each path is one group (a directory: every file under it; .jsonl: one "
+                        "document a line; else one document a file)")
+    p.add_argument("--out", required=True, type=Path, help="the directory to write the drafter into")
+    d = p.add_argument_group("the training set")
+    d.add_argument("--targets", default="greedy", choices=("greedy", "text"),
+                   help="greedy: the trunk's own continuations of prompts drawn from the text; text: the text")
+    d.add_argument("--examples", type=int, default=600, help="examples per group")
+    d.add_argument("--prompt-tokens", type=int, default=64,
+                   help="a document up to this long is a prompt as it is; a longer one gives windows this long")
+    d.add_argument("--new-tokens", type=int, default=96, help="the longest continuation (targets greedy)")
+    d.add_argument("--heldout", nargs="+", default=None, metavar="FILE_OR_DIR",
+                   help="held-out prompts, one group a path (default: --heldout-count documents of each --data "
+                        "group, left out of training)")
+    d.add_argument("--heldout-count", type=int, default=10, help="held-out documents per group (0: no evaluation)")
+    d.add_argument("--eval-tokens", type=int, default=256, help="tokens generated per held-out prompt at most")
+    d.add_argument("--eval-only", action="store_true", help="measure the install's own drafter of --kind; no training")
+    p.add_argument("--from-install", action="store_true",
+                   help="start from the drafter of --kind the install carries, in its shape (rather than afresh)")
+    s = p.add_argument_group("the DFlash2 drafter (5 layers, its width the trunk's; unset: scaled from the trunk)")
+    s.add_argument("--heads", type=int)
+    s.add_argument("--kv-heads", type=int)
+    s.add_argument("--head-dim", type=int)
+    s.add_argument("--intermediate", type=int)
+    s.add_argument("--rank", type=int, help="the candidate selector's rank")
+    s.add_argument("--top-k", type=int, default=16, help="the candidate selector's candidates per row")
+    s.add_argument("--block", type=int, default=8, help="the block size it trains for")
+    s.add_argument("--window", type=int, default=256, help="its sliding window (context positions)")
+    s.add_argument("--target-layers", type=int, nargs="+", help="trunk layer ids (default: --target-count spread)")
+    s.add_argument("--target-count", type=int, default=5, help="how many trunk layers condition it")
+    s.add_argument("--mask-token-id", type=int, help="default: the tokenizer's <|mask|>")
+    s.add_argument("--gamma", type=float, help="the loss's position decay (default: the published one per block)")
+    t = p.add_argument_group("the job")
+    t.add_argument("--steps", type=int, help="steps in all (the schedule runs over them)")
+    t.add_argument("--minutes", type=float, help="the training time budget, across resumes")
+    t.add_argument("--batch", type=int, default=16, help="sequences per step")
+    t.add_argument("--anchors", type=int, default=8, help="blocks per sequence per step (DFlash2)")
+    t.add_argument("--lr", type=float, default=2e-3)
+    t.add_argument("--step2-weight", type=float, default=0.5, help="the chained step's loss weight (MTP)")
+    t.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the trunk and the training run (auto: cuda when torch sees a GPU)")
+    t.add_argument("--threads", type=int, help="torch threads (default: torch's)")
+    return p
+
+
+def check(args: argparse.Namespace) -> None:
+    from ..errors import TurboError
+
+    for name in ("examples", "prompt_tokens", "new_tokens", "eval_tokens", "batch", "anchors", "checkpoint_every",
+                 "steps", "threads", "target_count"):
+        v = getattr(args, name)
+        if v is not None and v < 1:
+            raise TurboError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
+    if args.heldout_count < 0:
+        raise TurboError(f"--heldout-count {args.heldout_count}: expected 0 or more")
+    if args.minutes is not None and not args.minutes > 0:
+        raise TurboError(f"--minutes {args.minutes}: expected a positive number")
+    if not args.eval_only:
+        if not args.data:
+            raise TurboError("--data: expected at least one file or directory to train on")
+        if args.steps is None and args.minutes is None:
+            raise TurboError("expected --steps or --minutes (how long to train)")
+        if args.resume != (args.out / "train" / "run.json").is_file():
+            raise TurboError(f"{args.out}: " + ("no run to resume there (drop --resume)" if args.resume else
+                                                "already holds a run (--resume continues it; or a new --out)"))
+
+
+def settings(args: argparse.Namespace) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k in FIXED_ON_RESUME}
+
+
+def check_resume(args: argparse.Namespace, work: Path) -> None:
+    from ..errors import TurboError
+
+    had = json.loads((work / "run.json").read_text())["settings"]
+    for k, v in settings(args).items():
+        if had.get(k) != v:
+            raise TurboError(f"--resume: --{k.replace('_', '-')} is {v!r}, the run in {work.parent} has {had.get(k)!r}")
+
+
+def split_heldout(groups, count: int, seed: int):
+    """(training groups, held-out groups): `count` documents of each group held out."""
+    from ..errors import TurboError
+    from .data import Group
+
+    train, held = [], []
+    for g in groups:
+        if len(g.documents) <= 2 * count:
+            raise TurboError(f"--data group {g.name!r}: {len(g.documents)} documents, too few to hold {count} out "
+                             f"(more than {2 * count} needed); give --heldout FILE, or --heldout-count 0")
+        docs = list(g.documents)
+        random.Random(f"heldout/{seed}/{g.name}").shuffle(docs)
+        held.append(Group(g.name, docs[:count]))
+        train.append(Group(g.name, docs[count:]))
+    return train, held
+
+
+def heldout_prompts(held, prompt_tokens: int, seed: int) -> dict[str, list[list[int]]]:
+    from .data import draw
+
+    rng = random.Random(f"prompts/{seed}")
+    return {g.name: [draw(doc, prompt_tokens, rng) for doc in g.documents] for g in held}
+
+
+def save_dataset(path: Path, sets: dict) -> None:
+    from dataclasses import asdict
+
+    import torch
+
+    torch.save({name: [asdict(e) for e in ex] for name, ex in sets.items()}, path)
+
+
+def load_dataset(path: Path) -> dict:
+    import torch
+
+    from .data import Example
+
+    return {name: [Example(**e) for e in ex] for name, ex in torch.load(path, weights_only=True).items()}
+
+
+def own_weights(install, prefix: str) -> dict:
+    """The install's tensors under `prefix`, named as the trainable model names them."""
+    import torch
+
+    return {n[len(prefix):]: install.index.load(n, torch.float32) for n in install.index.entries if n.startswith(prefix)}
+
+
+def make_model(args: argparse.Namespace, install, tokenizer, drafter_config):
+    """(the model to train, the trunk layers its data needs, its shape as recorded, the loss's gamma);
+    --from-install: the install's own drafter of --kind (its parsed DFlash config: `drafter_config`)."""
+    import torch
+
+    from ..drafters.mtp import MTP_PREFIX
+    from ..errors import TurboError
+    from . import dflash2, mtp
+
+    arch = install.arch
+    embed = install.index.load("trunk.embed_tokens.weight", torch.float32)
+    lm_head = embed if arch.tie_embeddings else install.index.load("trunk.lm_head.weight", torch.float32)
+    torch.manual_seed(args.seed)
+    if args.kind == "mtp":
+        if not arch.full_layers:
+            raise TurboError(f"{install.path}: the trunk has no full-attention layer to start an MTP head from")
+        head = mtp.MtpHead(arch, embed, lm_head)
+        if not args.from_install:
+            head.init_from_trunk(install)
+        elif install.has_mtp:
+            head.load_state_dict(own_weights(install, MTP_PREFIX))
+        else:
+            raise TurboError(f"--from-install: {install.path} carries no MTP head")
+        return head, (), {"hidden": arch.hidden, "from_layer": arch.full_layers[-1]}, None
+    if args.from_install:
+        c = drafter_config
+        if c is None or not c.has_conv:
+            raise TurboError(f"--from-install: {install.path} carries no DFlash2 drafter")
+        shape = dflash2.draft_shape(arch, c.mask_token, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.rank,
+                                    c.top_k, c.block_size, c.window, list(c.target_layers))
+    else:
+        mask = args.mask_token_id if args.mask_token_id is not None else tokenizer.token_to_id("<|mask|>")
+        if mask is None:
+            raise TurboError("the tokenizer has no <|mask|> token: give --mask-token-id (an id the text never uses)")
+        shape = dflash2.draft_shape(arch, mask, args.heads, args.kv_heads, args.head_dim, args.intermediate,
+                                    args.rank, args.top_k, args.block, args.window, args.target_layers,
+                                    args.target_count)
+    model = dflash2.DFlash2(shape, embed, lm_head)
+    if args.from_install:
+        model.load_state_dict(own_weights(install, "dflash."))
+    gamma = args.gamma if args.gamma is not None else dflash2.default_gamma(shape.block)
+    return model, shape.target_layers, dflash2.shape_record(shape), gamma
+
+
+def step_losses(args: argparse.Namespace, model, sets: dict, gamma: float | None, device):
+    """step_loss(step, generator) for turbo.train.loop.train: one group per step, in turn (every
+    group weighs alike), --batch examples of it, --anchors blocks in each (DFlash2)."""
+    import torch
+
+    from . import dflash2, mtp
+    from .data import batch
+
+    names = [n for n, ex in sets.items() if ex]
+
+    def step_loss(step: int, gen: torch.Generator):
+        ex = sets[names[step % len(names)]]
+        pick = torch.randint(0, len(ex), (args.batch,), generator=gen).tolist()
+        b = batch([ex[i] for i in pick], device)
+        if args.kind == "mtp":
+            loss, parts = mtp.loss(model, b["ids"], b["hidden"], b["greedy"], b["lengths"], args.step2_weight)
+        else:  # anchors uniform over [first, length - 2]: every block has a target
+            span = (b["lengths"] - 1 - b["first"]).cpu()
+            u = torch.rand(args.batch, args.anchors, generator=gen)
+            anchors = (b["first"].cpu()[:, None] + (u * span[:, None]).long()).to(device)
+            loss, parts = dflash2.loss(model, b["ids"], b["aux"], b["lengths"], anchors, gamma)
+        return loss, parts, int(b["lengths"].sum())
+    return step_loss
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    import turbo
+    from ..errors import TurboError
+    from . import dflash2, heldout, mtp
+    from .data import build, read_groups
+    from .loop import Schedule, train
+
+    check(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise TurboError("--device cuda: torch sees no GPU (expected a CUDA build of torch and a visible device)")
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    rt = turbo.open(args.install, backend=device.type)
+    install, tokenizer = rt.install, rt.tokenizer
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text).ids
+
+    groups = read_groups(args.data, encode) if args.data else []
+    if args.heldout is not None:
+        held = read_groups(args.heldout, encode)
+    elif args.heldout_count and groups:
+        groups, held = split_heldout(groups, args.heldout_count, args.seed)
+    else:
+        held = []
+    prompts = heldout_prompts(held, args.prompt_tokens, args.seed)
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.eval_only:
+        if not prompts:
+            raise TurboError("--eval-only: expected --heldout FILE_OR_DIR (prompts to measure on)")
+        trained = rt.drafter_config.block_size if args.kind == "dflash2" and rt.drafter_config else None
+        result = heldout.evaluate(install.path, args.out, args.kind, prompts, heldout.blocks_for(trained),
+                                  args.eval_tokens, device.type, None)
+        print(heldout.table(result))
+        return 0
+
+    work = args.out / "train"
+    work.mkdir(exist_ok=True)
+    if args.resume:
+        check_resume(args, work)
+    model, aux_layers, record, gamma = make_model(args, install, tokenizer, rt.drafter_config)
+    data_path = work / "dataset.pt"
+    if args.resume and data_path.is_file():
+        sets = load_dataset(data_path)
+    else:
+        sets = build(rt, groups, args.examples, args.targets, args.prompt_tokens, args.new_tokens, aux_layers,
+                     args.kind == "mtp", args.seed)
+        save_dataset(data_path, sets)
+    if not any(sets.values()):
+        raise TurboError("no training examples: every continuation ended at once (try --targets text)")
+    (work / "run.json").write_text(json.dumps({"settings": settings(args), "shape": record,
+                                               "examples": {n: len(ex) for n, ex in sets.items()}}, indent=2) + "\n")
+    del rt  # its weights are not needed while training
+    model.to(device)
+    steps = train(model, step_losses(args, model, sets, gamma, device),
+                  Schedule(args.lr, args.steps, args.minutes, args.checkpoint_every, args.seed), work, args.resume)
+    model.cpu()
+    (dflash2.export if args.kind == "dflash2" else mtp.export)(model, args.out)
+    run_record = json.loads((work / "run.json").read_text()) | {"steps": steps}
+    (work / "run.json").write_text(json.dumps(run_record, indent=2) + "\n")
+    flag = "--drafter" if args.kind == "dflash2" else "--mtp"
+    print(f"wrote {args.out} ({steps} steps); file it: python -m turbo.repack {install.path} NEW {flag} {args.out}")
+    if prompts:
+        result = heldout.evaluate(install.path, args.out, args.kind, prompts,
+                                  heldout.blocks_for(record.get("block") if args.kind == "dflash2" else None),
+                                  args.eval_tokens, device.type, args.out)
+        print(heldout.table(result))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from ..__main__ import guarded
+
+    args = parser().parse_args(argv)
+    return guarded(lambda: run(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

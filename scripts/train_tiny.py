@@ -807,13 +807,14 @@ def write_report(work: Path, hp: HParams, build: Path, repo: Path, log: Logger) 
     for kind in ("dflash2", "mtp"):
         run = json.loads((build / f"tiny_{kind}" / "train" / "run.json").read_text())
         ev = json.loads((build / f"tiny_{kind}" / "eval.json").read_text())
+        blocks = next(iter(ev["groups"].values()))["blocks"]
         lines += ["", f"## {kind}: `python -m turbo.train {' '.join(drafter_command(kind, hp, build, repo)[1:])}`", "",
                   f"{run['steps']} steps on {run['examples']} greedy continuations of build/tiny_prompts; held out "
                   "(docs/tiny_heldout, stopped at end of text), accepted per round:", "",
-                  "| workload | " + " | ".join(f"block {b}" for b in next(iter(ev["groups"].values()))["blocks"]) + " |",
-                  "|---" * (1 + len(next(iter(ev["groups"].values()))["blocks"])) + "|"]
+                  "| workload | " + " | ".join(f"block {b}" for b in blocks) + " |", "|---" * (1 + len(blocks)) + "|"]
         for w, g in ev["groups"].items():
-            lines.append(f"| {w} | " + " | ".join(f"{r['accepted_per_round']:.2f}" for r in g["blocks"].values()) + " |")
+            cells = " | ".join(f"{r['accepted_per_round']:.2f}" for r in g["blocks"].values())
+            lines.append(f"| {w} | {cells} |")
     lines += ["", "## Commands", "", "```sh", COMMANDS.rstrip(), "```", "", "## Sample greedy continuations", ""]
     model = load_trunk_hf(build / "tiny_hf")
     for w in WORKLOADS:

@@ -18,8 +18,8 @@ from pathlib import Path
 
 MODEL_FILES = ("config.json", "model.safetensors")
 # the settings a resumed run must share with the run it continues
-FIXED_ON_RESUME = ("install", "kind", "from_install", "data", "targets", "examples", "prompt_tokens", "new_tokens", "heads",
-                   "kv_heads", "head_dim", "intermediate", "rank", "top_k", "block", "window", "target_layers",
+FIXED_ON_RESUME = ("install", "kind", "from_install", "data", "targets", "examples", "prompt_tokens", "new_tokens",
+                   "heads", "kv_heads", "head_dim", "intermediate", "rank", "top_k", "block", "window", "target_layers",
                    "target_count", "mask_token_id", "gamma", "batch", "anchors", "lr", "seed", "step2_weight")
 
 
@@ -155,7 +155,8 @@ def own_weights(install, prefix: str) -> dict:
     """The install's tensors under `prefix`, named as the trainable model names them."""
     import torch
 
-    return {n[len(prefix):]: install.index.load(n, torch.float32) for n in install.index.entries if n.startswith(prefix)}
+    index = install.index
+    return {n[len(prefix):]: index.load(n, torch.float32) for n in index.entries if n.startswith(prefix)}
 
 
 def make_model(args: argparse.Namespace, install, tokenizer, drafter_config):

@@ -1,11 +1,12 @@
 """The long job: steps until --steps or the --minutes budget, a progress bar with the loss and
 tokens/s, a checkpoint every --checkpoint-every steps (and at the end), and --resume.
 
-Every run takes at least one step. Step s draws its batch from a generator seeded with (seed, s) and its learning rate from the
-schedule at s, so a resumed run takes exactly the steps an uninterrupted one would have: the
-same losses, to the rounding of reloading the optimizer state. The schedule (linear warmup,
-then cosine to a tenth) runs over --steps when given, else over the --minutes of training
-time, counted across resumes.
+Every run takes at least one step. Step s draws its batch from a generator seeded with (seed, s)
+and its learning rate from the schedule at s, so a resumed run (under --steps) takes exactly the steps an
+uninterrupted one would have: the same losses, to the rounding of reloading the optimizer
+state. The schedule (linear warmup, then cosine to a tenth) runs over --steps when given, else
+over the --minutes of training time, counted across resumes (a larger --minutes on --resume
+extends the run).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ class OpenOptions:
     draft_products: str = "auto"  # auto | fp32 | bf16 | int8: the CPU drafters' matrix products
     threads: int | None = None  # torch's intra-op threads (None: leave as is)
     native: bool = True  # False: the torch step even where native.c builds (TURBO_NATIVE=0)
-    quant_cpu: str = "auto"  # TURBO_QUANT_CPU: auto | kernel | packed | dequant (turbo.quant)
+    quant_cpu: str = "auto"  # TURBO_QUANT_CPU: auto | kernel | packed | dequant | native (turbo.quant)
     cache_dir: Path | None = None  # native.c's build cache (TURBO_CACHE; None: XDG / ~/.cache)
     compiler: str | None = None  # native.c's C compiler (CC; None: cc, gcc or clang on PATH)
     ptx_dir: Path | None = None  # backend cuda's PTX (TURBO_PTX_DIR; None: kernels_ptx/ of the checkout)

@@ -71,7 +71,7 @@ BITS_NAMED = (4, 2, 1)
 METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
 
 # The CPU representation of a quantized matrix in the trunk (module docstring): auto,
-# dequant, packed or kernel (OpenOptions.quant_cpu, read from this variable at the edges).
+# dequant, packed, kernel or native (OpenOptions.quant_cpu, read from this variable at the edges).
 CPU_MODE_ENV = QUANT_CPU_ENV
 
 

@@ -270,13 +270,14 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int k,
                 __builtin_prefetch(W[a] + 2 * gb + 64 * j);
                 __m512i v = _mm512_loadu_si512(W[a] + 64 + 64 * j);
                 lo[a] = bits == 4 ? _mm512_and_si512(v, low) : v;
-                hi[a] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                hi[a] = bits == 4 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low) : v;
             }
             for (int b = 0; b < NR; b++) {
                 const uint8_t *xq = x + (size_t)(r + b) * xrow + (size_t)8 * G + (size_t)QGROUP * g + 4 * j;
-                int32_t w0, w1;
+                int32_t w0, w1 = 0;
                 memcpy(&w0, xq, 4);
-                memcpy(&w1, xq + 32, 4);
+                if (bits == 4) /* the high nibbles' inputs (int8 has none: nothing read past the row) */
+                    memcpy(&w1, xq + 32, 4);
                 for (int a = 0; a < NP; a++) {
                     ia[a][b] = _mm512_dpbusd_epi32(ia[a][b], lo[a], _mm512_set1_epi32(w0));
                     if (bits == 4) ia[a][b] = _mm512_dpbusd_epi32(ia[a][b], hi[a], _mm512_set1_epi32(w1));

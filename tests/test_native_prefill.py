@@ -24,3 +24,18 @@ def test_prefill_rows_equal_decode_steps(plain_install):
     steps = [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
     assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))
     assert torch.equal(chunk.logits, torch.cat([s.logits for s in steps]))
+
+
+def test_a_verify_sized_call_and_a_chunk_sum_v_the_same_way():
+    """tiny (head_dim 64): a one-row step sums V row by row for its few queries (weighted_sums),
+    a prefill chunk of many rows strip by strip (weighted_sum); the bits are the same."""
+    if native.library() is None:
+        pytest.skip(f"native step unavailable: {native.why_not()}")
+    trunk = load_trunk(open_install("tiny"), OpenOptions(), "cpu")
+    n, rows = 1200, native.PREFILL_CHUNK
+    tokens = [(13 * i) % 300 + 3 for i in range(n)]
+    a, b = trunk.new_state(n), trunk.new_state(n)
+    trunk.prefill(a, tokens[:n - rows]), trunk.prefill(b, tokens[:n - rows])
+    chunk = trunk.step(a, tokens[n - rows:], (), None)
+    steps = [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
+    assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))

@@ -715,6 +715,42 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
     }
 }
 
+/* weighted_sum for `nq` queries at once, each out[q] = sum_t p[q][t] * V[t] over its first
+ * n[q] rows, for d a multiple of 64: element for element the same chains as weighted_sum
+ * (even and odd t in two sums added at the end), so the bits are weighted_sum's. V [*, d] is read once, row after row (a long cache streams from memory
+ * at full speed; weighted_sum's strips jump a row's length every 64 columns). acc [nq, 2, d]:
+ * the sums, in memory (nq * d * 8 bytes: for the few rows of a decode step or a verify). */
+static void weighted_sums(const float *const *p, const int *n, int nq, const float *V, int d, float *acc,
+                          float *const *out) {
+    int most = 0;
+    memset(acc, 0, sizeof(float) * (size_t)nq * 2 * d);
+    for (int q = 0; q < nq; q++) most = n[q] > most ? n[q] : most;
+    for (int t = 0; t < most; t++) {
+        const float *v = V + (size_t)t * d;
+        for (int q = 0; q < nq; q++) {
+            if (t >= n[q]) continue;
+            float pt = p[q][t], *a = acc + ((size_t)q * 2 + (t & 1)) * d;
+            v16 u, w;
+            for (int c = 0; c < d; c += 16) {
+                memcpy(&u, v + c, 64);
+                memcpy(&w, a + c, 64);
+                w += pt * u;
+                memcpy(a + c, &w, 64);
+            }
+        }
+    }
+    for (int q = 0; q < nq; q++) {
+        const float *a = acc + (size_t)q * 2 * d, *b = a + d;
+        v16 x, y;
+        for (int c = 0; c < d; c += 16) {
+            memcpy(&x, a + c, 64);
+            memcpy(&y, b + c, 64);
+            x += y;
+            memcpy(out[q] + c, &x, 64);
+        }
+    }
+}
+
 /* NeoX rotate-half on the first `rot` dims of one head vector, at position pos. */
 static void rope(float *x, int rot, const float *inv_freq, int pos) {
     int half = rot / 2;
@@ -730,6 +766,8 @@ static void rope(float *x, int rot, const float *inv_freq, int pos) {
  * a strip of a long cache (n x 64 floats) stays in the cache while the queries reread it,
  * so each cached value comes from memory once per step. */
 #define V_STRIP 64
+/* Queries of a kv head (rows x its query heads) summed by weighted_sums, V read once for all. */
+#define FEW_QUERIES 64
 
 /* Kv head j of attn_layer: the scores of every row's queries on its keys K [N, hd], their
  * softmax, and the gated weighted sums of V [N, hd] into att. */
@@ -763,11 +801,26 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
             float z = sum_of(sr, n);
             for (int t = 0; t < n; t++) sr[t] /= z;
         }
+    if (R * groups <= FEW_QUERIES) { /* a decode step or a verify: V streamed once, row by row */
+        const float *p[FEW_QUERIES];
+        float *out[FEW_QUERIES], acc[FEW_QUERIES * 2 * 256];
+        int n[FEW_QUERIES], nq = 0;
+        for (int r = 0; r < R; r++)
+            for (int hq = j * groups; hq < (j + 1) * groups; hq++, nq++) {
+                p[nq] = scores + ((size_t)r * nh + hq) * N, n[nq] = p0 + r + 1 - start;
+                out[nq] = att + ((size_t)r * nh + hq) * hd;
+            }
+        if (hd <= 256 && hd % 64 == 0) { /* (weighted_sum's one-chain columns would compile differently) */
+            weighted_sums(p, n, nq, V, hd, acc, out);
+            goto gated;
+        }
+    }
     for (int c = 0; c < hd; c += V_STRIP)
         for (int r = 0; r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++)
                 weighted_sum(scores + ((size_t)r * nh + hq) * N, V + c, p0 + r + 1 - start,
                              hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+gated:
     for (int r = 0; r < R; r++)
         for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
             float *a = att + ((size_t)r * nh + hq) * hd;

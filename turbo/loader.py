@@ -85,13 +85,22 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     storage = native.storage_dtype(dtype, {e.st_dtype for name, e in matrices.items() if not read_packed(name, e)}) \
         if why is None else None
 
-    def fmt_of(prefix: str) -> torch.dtype | int | None:
-        """How the native step packs the matrices under `prefix` (one layer's products share one
+    # the matrices outside MoE blocks by part ("layers.3.", "lm_head."), grouped once: an MoE
+    # install has tens of thousands of expert matrices, too many to rescan for every layer
+    parts: dict[str, list[tuple[str, object]]] = {}
+    for name, e in matrices.items():
+        if not _in_moe_block(name):
+            rest = name[len(PREFIX):]
+            part = rest[:rest.index(".", len("layers.")) + 1] if rest.startswith("layers.") else rest.split(".")[0] + "."
+            parts.setdefault(part, []).append((name, e))
+
+    def fmt_of(part: str) -> torch.dtype | int | None:
+        """How the native step packs the matrices of `part` (one layer's products share one
         wtype): the bits of the one packed format they are all read in, else fp32 if any is
         quantized (dequantized exactly), else `storage`."""
-        es = {n: e for n, e in matrices.items() if n.startswith(PREFIX + prefix) and not _in_moe_block(n)}
-        kinds = {e.bits if read_packed(n, e) else None for n, e in es.items()}
-        if storage is None or not any(e.bits for e in es.values()):
+        es = parts.get(part, [])
+        kinds = {e.bits if read_packed(n, e) else None for n, e in es}
+        if storage is None or not any(e.bits for _, e in es):
             return storage
         return kinds.pop() if len(kinds) == 1 and None not in kinds else torch.float32
 

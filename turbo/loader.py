@@ -91,7 +91,8 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     for name, e in matrices.items():
         if not _in_moe_block(name):
             rest = name[len(PREFIX):]
-            part = rest[:rest.index(".", len("layers.")) + 1] if rest.startswith("layers.") else rest.split(".")[0] + "."
+            cut = rest.index(".", len("layers.")) if rest.startswith("layers.") else rest.index(".")
+            part = rest[:cut + 1]
             parts.setdefault(part, []).append((name, e))
 
     def fmt_of(part: str) -> torch.dtype | int | None:

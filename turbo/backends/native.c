@@ -245,26 +245,43 @@ static inline __attribute__((always_inline)) void packed_as(const float *x, int 
 
 static inline size_t qgroup_bytes(int bits) { return 64 + (size_t)QGROUP * 16 * bits / 8; }
 
+/* acc + the dot of u8 w with the s8 word at `in`, broadcast (vpdpbusd). As an asm with the sum
+ * tied to its register: GCC's builtin lets the register allocator rotate a tile's sums through
+ * the stack each pass of the loop (a store and a load on every sum's chain). */
+static inline __m512i dot_u8s8(__m512i acc, __m512i w, const int32_t *in) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*in));
+    return acc;
+}
+
 static inline __m512 widen_bf16(const uint8_t *at) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
 }
 
-static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int k, const uint8_t *P, const int bits,
-                                                        int n, int p, int r, float *y, const int NP, const int NR) {
+static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int R, int k, const uint8_t *P,
+                                                        const int bits, int n, int p, int r, float *y, const int NP,
+                                                        const int NR) {
     int G = k / QGROUP;
-    size_t gb = qgroup_bytes(bits), xrow = (size_t)8 * G + k;
-    __m512 acc[4][6];
+    size_t gb = qgroup_bytes(bits);
+    const float *scale = (const float *)x + r * G, *sum = (const float *)x + (size_t)(R + r) * G;
+    const int32_t *words = (const int32_t *)x + (size_t)2 * R * G + r;
+    /* the float sums, touched once a group, live in memory (the empty asm takes their address,
+     * so the compiler cannot keep them in registers): the registers are left to the integer
+     * sums of up to 2 panels x 12 rows (more live vectors and the compiler spills those) */
+    __m512 acc[4][12];
     for (int a = 0; a < NP; a++)
         for (int b = 0; b < NR; b++) acc[a][b] = _mm512_setzero_ps();
     const __m512i low = _mm512_set1_epi8(0x0f);
     for (int g = 0; g < G; g++) {
+        __asm__ volatile("" : : "r"(acc) : "memory");
         const uint8_t *W[4];
-        __m512i ia[4][6];
+        __m512i ia[4][12];
         for (int a = 0; a < NP; a++) {
             W[a] = P + ((size_t)(p + a) * G + g) * gb;
             for (int b = 0; b < NR; b++) ia[a][b] = _mm512_setzero_si512();
         }
         for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
+            /* the rows' words j (and j + 8: the high nibbles' inputs) side by side */
+            const int32_t *wj = words + ((size_t)g * 16 + j) * R, *wh = wj + (size_t)8 * R;
             __m512i lo[4], hi[4];
             for (int a = 0; a < NP; a++) {
                 __builtin_prefetch(W[a] + 2 * gb + 64 * j);
@@ -272,25 +289,18 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int k,
                 lo[a] = bits == 4 ? _mm512_and_si512(v, low) : v;
                 hi[a] = bits == 4 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low) : v;
             }
-            for (int b = 0; b < NR; b++) {
-                const uint8_t *xq = x + (size_t)(r + b) * xrow + (size_t)8 * G + (size_t)QGROUP * g + 4 * j;
-                int32_t w0, w1 = 0;
-                memcpy(&w0, xq, 4);
-                if (bits == 4) /* the high nibbles' inputs (int8 has none: nothing read past the row) */
-                    memcpy(&w1, xq + 32, 4);
+            for (int b = 0; b < NR; b++)
                 for (int a = 0; a < NP; a++) {
-                    ia[a][b] = _mm512_dpbusd_epi32(ia[a][b], lo[a], _mm512_set1_epi32(w0));
-                    if (bits == 4) ia[a][b] = _mm512_dpbusd_epi32(ia[a][b], hi[a], _mm512_set1_epi32(w1));
+                    ia[a][b] = dot_u8s8(ia[a][b], lo[a], wj + b);
+                    if (bits == 4) ia[a][b] = dot_u8s8(ia[a][b], hi[a], wh + b);
                 }
-            }
         }
         for (int a = 0; a < NP; a++) {
             __m512 ws = widen_bf16(W[a]), wb = widen_bf16(W[a] + 32);
             for (int b = 0; b < NR; b++) {
-                const float *xs = (const float *)(x + (size_t)(r + b) * xrow);
-                acc[a][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[a][b]), _mm512_mul_ps(ws, _mm512_set1_ps(xs[g])),
-                                            acc[a][b]);
-                acc[a][b] = _mm512_fmadd_ps(wb, _mm512_set1_ps(xs[G + g]), acc[a][b]);
+                acc[a][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[a][b]),
+                                            _mm512_mul_ps(ws, _mm512_set1_ps(scale[b * G + g])), acc[a][b]);
+                acc[a][b] = _mm512_fmadd_ps(wb, _mm512_set1_ps(sum[b * G + g]), acc[a][b]);
             }
         }
     }
@@ -298,38 +308,47 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int k,
         for (int b = 0; b < NR; b++) store_outputs(y + (size_t)(r + b) * n, n, (p + a) * 16, (v16)acc[a][b]);
 }
 
-#define QTILE(NR) qtile((const uint8_t *)x, k, (const uint8_t *)P, bits, n, p, r, y, NP, NR)
+#define QTILE(NR) qtile((const uint8_t *)x, R, k, (const uint8_t *)P, bits, n, p, r, y, NP, NR)
 
-/* Panels [p0, p1) of a quantized matrix: rows in tiles of up to 6 (an integer and a float
- * accumulator per output and row: 2 x 6 of each fill the registers), four panels at a time
- * for one or two rows. */
+/* Panels [p0, p1) of a quantized matrix: an integer and a float accumulator per output and
+ * row fill the registers at 2 panels x 6 rows or 1 panel x 12 rows; so a verify of up to 12
+ * rows reads each panel once (one panel at a time), fewer rows take two panels (four for one
+ * or two rows: independent chains hide the latency). */
 static inline __attribute__((always_inline)) void qpanels(const float *x, int R, int k, const void *P, int n, float *y,
-                                                          int p0, int p1, const int bits, const int NP) {
+                                                          int p0, int p1, const int bits, const int NP,
+                                                          const int MAXR) {
     for (int p = p0; p + NP <= p1; p += NP)
-        ROW_TILES(QTILE, 6)
+        ROW_TILES(QTILE, MAXR)
 }
 
 static inline __attribute__((always_inline)) void qpacked_as(const float *x, int R, int k, const void *P, int n,
                                                              float *y, int p0, int p1, const int bits) {
+    if (R > 6) {
+        int p = p0 + (p1 - p0) / 2 * 2;
+        qpanels(x, R, k, P, n, y, p0, p, bits, 2, 12);
+        qpanels(x, R, k, P, n, y, p, p1, bits, 1, 12);
+        return;
+    }
     int wide = R <= 2 ? 4 : 2, p = p0 + (p1 - p0) / wide * wide;
     if (wide == 4)
-        qpanels(x, R, k, P, n, y, p0, p, bits, 4);
+        qpanels(x, R, k, P, n, y, p0, p, bits, 4, 6);
     else
-        qpanels(x, R, k, P, n, y, p0, p, bits, 2);
-    qpanels(x, R, k, P, n, y, p, p1, bits, 1);
+        qpanels(x, R, k, P, n, y, p0, p, bits, 2, 6);
+    qpanels(x, R, k, P, n, y, p, p1, bits, 1, 6);
 }
 
-/* x [R, k] (k a multiple of 64) as qtile reads it: per row G = k / 64 scales s_g = max|x_g| / 127
- * (1 for a group of zeros), G sums s_g sum(x8_g), then the k inputs x8 as s8. The bias then
- * multiplies the rounded inputs as the scale does: y is the dequantized w times the rounded x
- * (the exact sum of x would leave the scale's part, larger, uncancelled). */
+/* x [R, k] (k a multiple of 64) as qtile reads it: G = k / 64 scales per row s_g = max|x_g| / 127
+ * (1 for a group of zeros), [R, G]; the sums s_g sum(x8_g), [R, G]; then the inputs x8 as s8 in
+ * words of four, [G, 16, R]: a word's R rows side by side, so a tile's broadcasts of one word
+ * lie at fixed offsets from one pointer. The bias then multiplies the rounded inputs as the
+ * scale does: y is the dequantized w times the rounded x (the exact sum of x would leave the
+ * scale's part, larger, uncancelled). */
 static uint8_t *group_quads(const float *x, int R, int k) {
     int G = k / QGROUP;
-    size_t row = (size_t)8 * G + k;
-    uint8_t *out = malloc(row * R);
-    for (int r = 0; r < R; r++) {
-        float *scale = (float *)(out + row * r), *sum = scale + G;
-        int8_t *q = (int8_t *)(sum + G);
+    uint8_t *out = malloc(((size_t)8 * G + k) * R);
+    float *scale = (float *)out, *sum = scale + (size_t)R * G;
+    int32_t *words = (int32_t *)(sum + (size_t)R * G);
+    for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             const float *xg = x + (size_t)r * k + (size_t)QGROUP * g;
             __m512 v[4], m = _mm512_setzero_ps();
@@ -340,15 +359,16 @@ static uint8_t *group_quads(const float *x, int R, int k) {
             float mx = _mm512_reduce_max_ps(m), s = mx > 0.0f ? mx / 127.0f : 1.0f;
             __m512 inv = _mm512_set1_ps(1.0f / s);
             __m512i t = _mm512_setzero_si512();
+            int8_t q[QGROUP];
             for (int c = 0; c < 4; c++) { /* to nearest even; |x / s| <= 127 (saturated at the ends) */
                 __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
                 t = _mm512_add_epi32(t, qi);
-                _mm_storeu_si128((__m128i *)(q + (size_t)QGROUP * g + 16 * c), _mm512_cvtsepi32_epi8(qi));
+                _mm_storeu_si128((__m128i *)(q + 16 * c), _mm512_cvtsepi32_epi8(qi));
             }
-            scale[g] = s;
-            sum[g] = s * (float)_mm512_reduce_add_epi32(t);
+            for (int j = 0; j < QGROUP / 4; j++) memcpy(words + ((size_t)g * 16 + j) * R + r, q + 4 * j, 4);
+            scale[(size_t)r * G + g] = s;
+            sum[(size_t)r * G + g] = s * (float)_mm512_reduce_add_epi32(t);
         }
-    }
     return out;
 }
 #endif
@@ -490,94 +510,122 @@ static void mlp_block(const Layer *L, float *x, int R) {
  * u = (v - kv) * beta, then S += k u^T and out = q^T S in a second -- two walks instead of
  * four, the column sums in registers. Each element's operations, and their order, are
  * those of the four-loop form. */
-static inline __attribute__((always_inline)) void gdn_strip(float *S, int dk, int dv, int c, const float *qh,
-                                                            const float *kh, const float *vh, float decay,
-                                                            float b, float *oh, const int NV) {
-    v16 acc[4], u[4], o[4];
-    for (int a = 0; a < NV; a++) acc[a] = (v16){0}, o[a] = (v16){0};
-    for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv + c;
-        for (int a = 0; a < NV; a++) {
-            v16 s;
-            memcpy(&s, row + 16 * a, 64);
-            s = s * decay;
-            memcpy(row + 16 * a, &s, 64);
-            acc[a] += kh[i] * s;
-        }
-    }
-    for (int a = 0; a < NV; a++) {
-        v16 vv;
-        memcpy(&vv, vh + c + 16 * a, 64);
-        u[a] = (vv - acc[a]) * b;
-    }
-    for (int i = 0; i < dk; i++) {
-        float *row = S + (size_t)i * dv + c;
-        for (int a = 0; a < NV; a++) {
-            v16 s;
-            memcpy(&s, row + 16 * a, 64);
-            s += kh[i] * u[a];
-            memcpy(row + 16 * a, &s, 64);
-            o[a] += qh[i] * s;
-        }
-    }
-    if (oh)
-        for (int a = 0; a < NV; a++) memcpy(oh + c + 16 * a, &o[a], 64);
-}
-
-/* The same for a last column that is not part of a strip of 16. */
-static void gdn_column(float *S, int dk, int dv, int j, const float *qh, const float *kh, const float *vh,
-                       float decay, float b, float *oh) {
-    float kv = 0.0f, o = 0.0f;
-    for (int i = 0; i < dk; i++) {
-        S[(size_t)i * dv + j] *= decay;
-        kv += kh[i] * S[(size_t)i * dv + j];
-    }
-    float u = (vh[j] - kv) * b;
-    for (int i = 0; i < dk; i++) {
-        S[(size_t)i * dv + j] += kh[i] * u;
-        o += qh[i] * S[(size_t)i * dv + j];
-    }
-    if (oh) oh[j] = o;
-}
-
-/* dst [n] = src [n]: a row's checkpoint of the recurrent state (1 MB a layer at 0.8B, 160 MB
- * for a 9-row verify). Stored past the caches (streaming stores): nothing reads a checkpoint
- * until a rollback, and a plain copy first reads every destination line in -- twice the
- * memory traffic, measured twice the time. */
-static void keep_state(float *dst, const float *src, size_t n) {
-    size_t i = 0;
-#if defined(__AVX512F__)
-    if (((uintptr_t)dst & 63) == 0) {
-        for (; i + 16 <= n; i += 16) _mm512_stream_ps(dst + i, _mm512_loadu_ps(src + i));
-        _mm_sfence(); /* (streaming stores are weakly ordered: done before anyone reads them) */
-    }
-#endif
-    memcpy(dst + i, src + i, sizeof(float) * (n - i));
-}
-
-/* The gated delta rule over R rows, one after another, all heads; `state` [Hv, dk, dv] is
- * updated in place. q, k [R, Hv, dk]; v [R, Hv, dv]; g, beta [R, Hv]. out [R, Hv, dv] and
- * states [R, Hv, dk, dv] (the state after every row) are optional. The heads are
- * independent: each runs its rows whole on one thread, so the thread count changes nothing. */
-void gdn_recurrence(float *state, int R, int Hv, int dk, int dv, const float *q, const float *k,
-                    const float *v, const float *g, const float *beta, float *out, float *states) {
+/* Columns c..c+16NV-1 of one head's state through all R rows (a column of the state evolves on
+ * its own). Row r: the state decays, u = (v - k.S) beta, S += k u^T, the output is q.S. Row r's
+ * update and output and row r+1's decay and k.S share one pass over the strip, which stays in
+ * L1 for all the rows, and a row's checkpoint is stored from the registers in that pass (not
+ * copied after). Each element and each sum sees exactly a one-row step's operations in its
+ * order, so any row is bit for bit a decode step. Sin (the state before the rows) is read, S
+ * written (the same buffer or not); states [R, Hv, dk, dv] (optional) gets rows 0..R-2 (row
+ * R-1's is S). */
+static inline __attribute__((always_inline)) void gdn_strip_rows(const float *Sin, float *S, int dk, int dv, int c,
+                                                                 int R, int Hv, int h, const float *q,
+                                                                 const float *k, const float *v, const float *g,
+                                                                 const float *beta, float *out, float *states,
+                                                                 int streamed, const int NV) {
     size_t per = (size_t)dk * dv;
-    int parts = threads < Hv ? threads : Hv;
+    v16 acc[4], u[4], o[4];
+    const float *kr = k + (size_t)h * dk;
+    float decay = fast_exp(g[h]);
+    for (int a = 0; a < NV; a++) acc[a] = (v16){0};
+    for (int i = 0; i < dk; i++)
+        for (int a = 0; a < NV; a++) {
+            v16 x;
+            memcpy(&x, Sin + (size_t)i * dv + c + 16 * a, 64);
+            x = x * decay;
+            memcpy(S + (size_t)i * dv + c + 16 * a, &x, 64);
+            acc[a] += kr[i] * x;
+        }
+    for (int r = 0; r < R; r++) {
+        size_t rh = (size_t)r * Hv + h;
+        const float *qr = q + rh * dk, *vr = v + rh * dv, *kn = k + (rh + Hv) * dk;
+        float b = beta[rh], next = r + 1 < R ? fast_exp(g[rh + Hv]) : 0.0f;
+        kr = k + rh * dk;
+        for (int a = 0; a < NV; a++) {
+            v16 vv;
+            memcpy(&vv, vr + c + 16 * a, 64);
+            u[a] = (vv - acc[a]) * b;
+            o[a] = acc[a] = (v16){0};
+        }
+        float *keep = states && r + 1 < R ? states + rh * per + c : NULL;
+        for (int i = 0; i < dk; i++) {
+            float *row = S + (size_t)i * dv + c;
+            for (int a = 0; a < NV; a++) {
+                v16 x;
+                memcpy(&x, row + 16 * a, 64);
+                x += kr[i] * u[a];
+                o[a] += qr[i] * x;
+                if (keep) {
+#if defined(__AVX512F__) /* past the caches: nothing reads a checkpoint until a rollback, and a
+                          * plain store first reads the line in (twice the memory traffic) */
+                    if (streamed)
+                        _mm512_stream_ps(keep + (size_t)i * dv + 16 * a, (__m512)x);
+                    else
+#endif
+                        memcpy(keep + (size_t)i * dv + 16 * a, &x, 64);
+                }
+                if (r + 1 < R) {
+                    x = x * next;
+                    acc[a] += kn[i] * x;
+                }
+                memcpy(row + 16 * a, &x, 64);
+            }
+        }
+        if (out)
+            for (int a = 0; a < NV; a++) memcpy(out + rh * dv + c + 16 * a, &o[a], 64);
+    }
+}
+
+/* The same for a last column that is not part of a strip of 16, row after row (the fused
+ * multiply-adds written out: left to contraction they would differ between the loop's
+ * versions with and without the checkpoint stores). */
+static void gdn_column(const float *Sin, float *S, int dk, int dv, int j, int R, int Hv, int h, const float *q,
+                       const float *k, const float *v, const float *g, const float *beta, float *out,
+                       float *states) {
+    for (int i = 0; i < dk; i++) S[(size_t)i * dv + j] = Sin[(size_t)i * dv + j];
+    for (int r = 0; r < R; r++) {
+        size_t rh = (size_t)r * Hv + h;
+        const float *qh = q + rh * dk, *kh = k + rh * dk;
+        float decay = fast_exp(g[rh]), kv = 0.0f, o = 0.0f;
+        for (int i = 0; i < dk; i++) {
+            float x = S[(size_t)i * dv + j] * decay;
+            S[(size_t)i * dv + j] = x;
+            kv = fmaf(kh[i], x, kv);
+        }
+        float u = (v[rh * dv + j] - kv) * beta[rh];
+        for (int i = 0; i < dk; i++) {
+            float x = fmaf(kh[i], u, S[(size_t)i * dv + j]);
+            S[(size_t)i * dv + j] = x;
+            o = fmaf(qh[i], x, o);
+            if (states && r + 1 < R) states[rh * dk * dv + (size_t)i * dv + j] = x;
+        }
+        if (out) out[rh * dv + j] = o;
+    }
+}
+
+/* The gated delta rule over R rows, one after another, all heads: `state_in` [Hv, dk, dv]
+ * read, `state` written with the state after the rows (the same buffer or not). q, k [R, Hv,
+ * dk]; v [R, Hv, dv]; g, beta [R, Hv]. out [R, Hv, dv] and states [R, Hv, dk, dv] (the state
+ * after every row but the last, which is `state`; 64-byte aligned) are optional. The heads
+ * are independent: each runs its rows whole on one thread, so the thread count changes nothing. */
+void gdn_recurrence(const float *state_in, float *state, int R, int Hv, int dk, int dv, const float *q,
+                    const float *k, const float *v, const float *g, const float *beta, float *out, float *states) {
+    size_t per = (size_t)dk * dv;
+    int parts = threads < Hv ? threads : Hv, streamed = states && ((uintptr_t)states & 63) == 0 && dv % 16 == 0;
     if (R < 2 || (long)R * Hv * per < MIN_PARALLEL_MACS) parts = 1; /* a decode step's: less than a barrier */
 #pragma omp parallel for num_threads(parts) schedule(static)
     for (int h = 0; h < Hv; h++) {
+        const float *Sin = state_in + h * per;
         float *S = state + h * per;
-        for (int r = 0; r < R; r++) {
-            const float *qh = q + ((size_t)r * Hv + h) * dk, *kh = k + ((size_t)r * Hv + h) * dk;
-            const float *vh = v + ((size_t)r * Hv + h) * dv;
-            float *oh = out ? out + ((size_t)r * Hv + h) * dv : NULL;
-            float decay = fast_exp(g[(size_t)r * Hv + h]), b = beta[(size_t)r * Hv + h];
-            int c = 0;
-            for (; c + 64 <= dv; c += 64) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 4);
-            for (; c + 16 <= dv; c += 16) gdn_strip(S, dk, dv, c, qh, kh, vh, decay, b, oh, 1);
-            for (; c < dv; c++) gdn_column(S, dk, dv, c, qh, kh, vh, decay, b, oh);
-            if (states) keep_state(states + ((size_t)r * Hv + h) * per, S, per);
-        }
+        int c = 0;
+        for (; c + 64 <= dv; c += 64)
+            gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, q, k, v, g, beta, out, states, streamed, 4);
+        for (; c + 16 <= dv; c += 16)
+            gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, q, k, v, g, beta, out, states, streamed, 1);
+        for (; c < dv; c++) gdn_column(Sin, S, dk, dv, c, R, Hv, h, q, k, v, g, beta, out, states);
+#if defined(__AVX512F__)
+        if (streamed) _mm_sfence(); /* (streaming stores are weakly ordered: done before anyone reads them) */
+#endif
     }
 }
 
@@ -598,7 +646,6 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
     float *y = malloc(sizeof(float) * (size_t)R * H);
     float *q = inputs, *k = q + (size_t)R * Hv * dk, *v = k + (size_t)R * Hv * dk, *g = v + (size_t)R * vd;
     float *beta = g + (size_t)R * Hv;
-    memcpy(state, state_in, sizeof(float) * (size_t)Hv * dk * dv);
     memcpy(ext, window, sizeof(float) * (size_t)(K - 1) * C);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
     linear_packed(h, R, H, L->in_proj, L->wtype, P, proj);
@@ -629,7 +676,7 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
             g[(size_t)r * Hv + hv] = L->neg_a[hv] * softplusf(pr[C + vd + Hv + hv] + L->dt_bias[hv]);
         }
     }
-    gdn_recurrence(state, R, Hv, dk, dv, q, k, v, g, beta, o, states);
+    gdn_recurrence(state_in, state, R, Hv, dk, dv, q, k, v, g, beta, o, states);
     for (int r = 0; r < R; r++) /* per-head RMSNormGated: plain weight times silu(z) */
         for (int hv = 0; hv < Hv; hv++) {
             float *oh = o + ((size_t)r * Hv + hv) * dv;

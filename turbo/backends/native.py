@@ -103,7 +103,7 @@ SIGNATURES = {
     "copy_rows": "p i i p i",
     "attn_layer": "p p i i i p p i",
     "head": "p i i p f p i i p p",
-    "gdn_recurrence": "p i i i i p p p p p p p",
+    "gdn_recurrence": "p p i i i i p p p p p p p",
     "dflash_forward": "p i i i p p",
     "dflash_add_context": "p p i i",
     "dflash_select": "p p i i i p i p p i i p",
@@ -603,13 +603,14 @@ class NativeTrunkStep:
                 state, window = st.gdn[i]
                 new_state, ext = spare(st, ("state", i), 1, state)[0], torch.empty(taps - 1 + rows, conv_dim)
                 inputs = torch.empty(rows * hv * (2 * dk + dv + 2))  # q, k, v, g, beta (native.c)
-                states = spare(st, ("states", i), rows, state) if rollback == "checkpoint" else None
-                lib.gdn_layer(address, xp, rows, state.data_ptr(), new_state.data_ptr(),
-                              window.data_ptr(), ext.data_ptr(), inputs.data_ptr(), ptr(states))
+                # the states after rows 0..R-2 (after the last: new_state)
+                states = spare(st, ("states", i), rows - 1, state) if rollback == "checkpoint" else None
+                lib.gdn_layer(address, xp, rows, state.data_ptr(), new_state.data_ptr(), window.data_ptr(),
+                              ext.data_ptr(), inputs.data_ptr(), ptr(states) if rows > 1 else None)
                 st.gdn[i] = (new_state, ext[rows:])
                 if rollback is not None:
                     traces[i] = GdnTrace(state, ext, self._inputs(inputs, rows) if rollback == "replay" else None,
-                                         list(states.unbind(0)) if states is not None else None)
+                                         [*states.unbind(0), new_state] if states is not None else None)
             else:
                 kc, vc = st.kv[i]
                 lib.attn_layer(address, xp, rows, p0, 0, kc.data_ptr(), vc.data_ptr(), kc.shape[1])
@@ -627,8 +628,9 @@ class NativeTrunkStep:
 
     def replay(self, trace: GdnTrace, kept: int) -> torch.Tensor:
         a = self.trunk.arch
-        state = trace.snapshot.contiguous().clone()
-        _lib.gdn_recurrence(ptr(state), kept, a.lin_v_heads, a.lin_k_dim, a.lin_v_dim,
+        before = trace.snapshot.contiguous()
+        state = torch.empty_like(before)
+        _lib.gdn_recurrence(ptr(before), ptr(state), kept, a.lin_v_heads, a.lin_k_dim, a.lin_v_dim,
                             *(ptr(x) for x in trace.inputs), None, None)
         return state
 

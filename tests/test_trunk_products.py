@@ -48,8 +48,25 @@ def test_bf16_compute_keeps_the_exact_products(bf16_rt, spec_install):
     """bf16 weights widened exactly, fp32 multiply-adds: AVX512-BF16 pairs measured slower here."""
     trunk = bf16_rt.trunk
     assert trunk.step_name == "native"
-    assert all(m.layout == "panels" and m.dtype == torch.bfloat16
-               for m in (trunk.layers[0].gate_up, trunk.layers[0].down, trunk.lm_head))
+    mats = (trunk.layers[0].gate_up, trunk.layers[0].down, trunk.lm_head)
+    assert all(m.layout in ("panels", "panel_pairs") and m.dtype == torch.bfloat16 for m in mats)
+    x = torch.randn(3, trunk.arch.hidden)
+    for m in mats[:1] + mats[2:]:  # exactly the fp32 products of the widened weights
+        assert torch.equal(native.linear_packed(x, m), native.linear_packed(x, native.pack(m.dense().float())))
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("n, k", [(48, 64), (37, 23), (300, 130)])
+def test_panel_pairs_are_the_panels_products(threads, n, k):
+    """The bf16 layers' "panel_pairs" layout (two inputs' weights widened from one load) gives
+    the "panels" products bit for bit, partial panels and an odd k included, at every row count."""
+    w = torch.randn(n, k).to(torch.bfloat16)
+    pairs, panels = native.pack_rows(lambda a, b: w[a:b], n, torch.bfloat16, "panel_pairs"), native.pack(w)
+    assert pairs.wtype == 6 and torch.equal(pairs.dense(), w)
+    assert torch.equal(native.PackedRows(pairs)[torch.tensor([0, n - 1])], w[[0, n - 1]])
+    for rows in ROWS:
+        x = torch.randn(rows, k)
+        assert torch.equal(native.linear_packed(x, pairs), native.linear_packed(x, panels)), rows
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)

@@ -148,7 +148,8 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
             # (a slice across two parts: rare, the fused parts' sizes are mostly whole panels)
             return torch.cat([p.to(into) for p in pieces]) if len(pieces) > 1 else pieces[0]
 
-        return native.pack_rows(read, sum(e.dims[0] for e in entries), into)
+        layout = "panel_pairs" if into == torch.bfloat16 else "panels"  # (the same products, less widening)
+        return native.pack_rows(read, sum(e.dims[0] for e in entries), into, layout)
 
     def norm(name: str, n: int) -> torch.Tensor:
         return 1.0 + w(name, (n,), torch.float32)

@@ -172,6 +172,34 @@ static inline __attribute__((always_inline)) void ptile(const float *x, int k, c
         k = 0;
     }
 #endif
+    if (wtype == 6) { /* P [panels, ceil(k/2), 16 outputs, 2] bf16: one load, a shift and an AND
+                       * widen two inputs' weights (the "panels" walk: a load-widen and a shift
+                       * each); every chain still runs over i in order */
+        const uint32_t *W = (const uint32_t *)P;
+        size_t kp = (size_t)(k + 1) / 2;
+        for (int i = 0; i < k; i += 2) {
+            v16 we[4], wo[4];
+            for (int a = 0; a < NP; a++) {
+                const uint32_t *at = W + ((size_t)(p + a) * kp + i / 2) * 16;
+                __builtin_prefetch((const char *)at + 2048);
+                u32x16 v;
+                memcpy(&v, at, 64);
+                u32x16 e = v << 16, o = v & 0xffff0000u;
+                memcpy(&we[a], &e, 64);
+                memcpy(&wo[a], &o, 64);
+            }
+            for (int b = 0; b < NR; b++) {
+                float x0 = x[(size_t)(r + b) * k + i];
+                for (int a = 0; a < NP; a++) acc[a][b] += we[a] * x0;
+            }
+            if (i + 1 < k)
+                for (int b = 0; b < NR; b++) {
+                    float x1 = x[(size_t)(r + b) * k + i + 1];
+                    for (int a = 0; a < NP; a++) acc[a][b] += wo[a] * x1;
+                }
+        }
+        k = 0;
+    }
     for (int i = 0; i < k; i++) {
         v16 wv[4];
         for (int a = 0; a < NP; a++) {
@@ -376,6 +404,8 @@ static uint8_t *group_quads(const float *x, int R, int k) {
 static void packed_range(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
     if (wtype == 0)
         packed_as(x, R, k, P, n, y, p0, p1, 0);
+    else if (wtype == 6)
+        packed_as(x, R, k, P, n, y, p0, p1, 6);
 #if BF16_DOT
     else if (wtype == 2)
         packed_as(x, R, k, P, n, y, p0, p1, 2);

@@ -108,11 +108,15 @@ static inline void rms_norm_rows(const float *x, int R, int n, const float *scal
 }
 
 /* out [H] = row t of an embedding table, fp32 or bf16 (wtype 0, 1; widened exactly),
- * row-major or in a packed matrix's panels of 16 rows (element i of row t at
- * ((t / 16) * H + i) * 16 + t % 16). */
+ * row-major (panels 0), in a packed matrix's panels of 16 rows (1: element i of row t at
+ * ((t / 16) * H + i) * 16 + t % 16) or its panel pairs (2, bf16: at ((t / 16) * ceil(H / 2)
+ * + i / 2) * 32 + 2 (t % 16) + i % 2). */
 static inline void embed_row(const void *table, int wtype, int panels, int t, int H, float *out) {
-    size_t at = panels ? ((size_t)(t / 16) * H) * 16 + t % 16 : (size_t)t * H, step = panels ? 16 : 1;
-    for (int i = 0; i < H; i++, at += step) {
+    size_t pairs = ((size_t)H + 1) / 2;
+    for (int i = 0; i < H; i++) {
+        size_t at = panels == 0 ? (size_t)t * H + i
+                  : panels == 1 ? ((size_t)(t / 16) * H + i) * 16 + t % 16
+                                : ((size_t)(t / 16) * pairs + i / 2) * 32 + 2 * (t % 16) + i % 2;
         if (wtype == 0) {
             out[i] = ((const float *)table)[at];
         } else {

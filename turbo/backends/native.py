@@ -214,6 +214,9 @@ class Packed:
     """A matrix w [n, k] laid out as native.c's products read it (`layout`):
     - "panels": panels of 16 outputs, data[p, i, l] = w[16p + l, i] ([ceil(n/16), k, 16],
       the last panel zero-padded); fp32 or bf16 (widened exactly: the fp32 products);
+    - "panel_pairs" (bf16, wtype 6): the panels two inputs at a time, data[p, j, l, t] =
+      w[16p + l, 2j + t] ([ceil(n/16), ceil(k/2), 16, 2]): the same products bit for bit,
+      each load widening two inputs' weights (a verify's many rows are arithmetic-bound);
     - "pairs" (bf16): data[p, j, l, t] = w[16p + l, 2j + t], for bf16 dot products (wtype 2,
       inputs rounded to bf16);
     - "int8": per output a scale max|w| / 127 (fp32), 128 x the sum of its int8 values
@@ -231,7 +234,7 @@ class Packed:
 
     @property
     def wtype(self) -> int:
-        return {"pairs": 2, "int8": 3, "q4": 4, "q8": 5}.get(self.layout) or WTYPES[self.data.dtype]
+        return {"pairs": 2, "int8": 3, "q4": 4, "q8": 5, "panel_pairs": 6}.get(self.layout) or WTYPES[self.data.dtype]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -251,7 +254,7 @@ class Packed:
             q = self.data[8 * n_pad:].view(torch.int8).reshape(n_pad // PANEL, -1, PANEL, 4)
             w = q.permute(0, 2, 1, 3).reshape(n_pad, -1).float() * scale[:, None]
             return w[:self.n, :self.k].contiguous()
-        if self.layout == "pairs":
+        if self.layout in ("pairs", "panel_pairs"):
             return self.data.permute(0, 2, 1, 3).reshape(n_pad, -1)[:self.n, :self.k].contiguous()
         return self.data.transpose(1, 2).reshape(-1, self.k)[:self.n].contiguous()
 
@@ -273,13 +276,16 @@ class PackedRows:
 
     def __getitem__(self, ids) -> torch.Tensor:
         ids = torch.as_tensor(ids)
+        if self.packed.layout == "panel_pairs":
+            rows = self.packed.data[ids // PANEL, :, ids % PANEL]  # [..., ceil(k/2), 2]
+            return rows.reshape(*rows.shape[:-2], -1)[..., :self.packed.k]
         return self.packed.data[ids // PANEL, :, ids % PANEL]
 
 
 def table_of(embed: torch.Tensor | PackedRows) -> tuple[int, int, int]:
     """An embedding table as native code reads it: (pointer, wtype, 1 if panels else 0)."""
     if isinstance(embed, PackedRows):
-        return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 1
+        return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 2 if embed.packed.layout == "panel_pairs" else 1
     assert embed.is_contiguous() and embed.device.type == "cpu"
     return embed.data_ptr(), WTYPES[embed.dtype], 0
 
@@ -395,17 +401,34 @@ def draft_layout(products: str) -> str:
 PACK_SLICE_ROWS = 64 * PANEL
 
 
-def pack_rows(read: Callable[[int, int], torch.Tensor], n: int, storage: torch.dtype) -> Packed:
+def pack_rows(read: Callable[[int, int], torch.Tensor], n: int, storage: torch.dtype,
+              layout: str = "panels") -> Packed:
     """The matrix [n, k] whose rows r0..r1 `read(r0, r1)` returns, packed in panels of `storage`
-    a slice of rows at a time: the panels are panel-major, so rows 16a..16b pack to panels
-    a..b on their own, and only the packed matrix and one slice are ever resident."""
-    data = None
+    ("panels", or bf16 "panel_pairs") a slice of rows at a time: the panels are panel-major, so
+    rows 16a..16b pack to panels a..b on their own, and only the packed matrix and one slice
+    are ever resident."""
+    data, k = None, None
     for r0 in range(0, n, PACK_SLICE_ROWS):
         part = read(r0, min(n, r0 + PACK_SLICE_ROWS))
         if data is None:
-            data = torch.empty(-(-n // PANEL), part.shape[1], PANEL, dtype=storage)
-        panels_into(data[r0 // PANEL:], part)
-    return Packed(data, n, data.shape[1])
+            k = part.shape[1]
+            data = (torch.empty(-(-n // PANEL), k, PANEL, dtype=storage) if layout == "panels" else
+                    torch.empty(-(-n // PANEL), -(-k // 2), PANEL, 2, dtype=storage))
+        if layout == "panels":
+            panels_into(data[r0 // PANEL:], part)
+        else:
+            pairs_into(data[r0 // PANEL:], part)
+    return Packed(data, n, k, layout)
+
+
+def pairs_into(dst: torch.Tensor, w: torch.Tensor) -> None:
+    """w [m, k] into the first ceil(m/16) panels of dst [panels, ceil(k/2), 16, 2] (the
+    "panel_pairs" layout; a last partial panel and an odd k's last pair zero-padded)."""
+    m, k = w.shape
+    if k % 2 or m % PANEL:  # (a copy of the slice: the matrices of the family have neither)
+        w = torch.nn.functional.pad(w, (0, k % 2, 0, -m % PANEL))
+    panels = w.shape[0] // PANEL
+    dst[:panels].copy_(w.reshape(panels, PANEL, -1, 2).transpose(1, 2))
 
 
 def pack_as(w: torch.Tensor | quant.QuantizedWeight, storage: torch.dtype, layout: str) -> Packed:

@@ -349,21 +349,37 @@ static inline __attribute__((always_inline)) void qpanels(const float *x, int R,
         ROW_TILES(QTILE, MAXR)
 }
 
-static inline __attribute__((always_inline)) void qpacked_as(const float *x, int R, int k, const void *P, int n,
-                                                             float *y, int p0, int p1, const int bits) {
-    if (R > 6) {
-        int p = p0 + (p1 - p0) / 2 * 2;
-        qpanels(x, R, k, P, n, y, p0, p, bits, 2, 12);
-        qpanels(x, R, k, P, n, y, p, p1, bits, 1, 12);
-        return;
+/* Each (bits, panels, rows) shape of qpanels in a function of its own: inlined into one large
+ * function, GCC keeps a tile's integer sums in memory and rotates them through the stack on
+ * every pass (a store on every sum's chain); on its own, the tile's loop runs in registers. */
+#define QPANELS_AS(BITS, NP, MAXR)                                                                           \
+    static __attribute__((noinline)) void qpanels_##BITS##_##NP##_##MAXR(const float *x, int R, int k,       \
+                                                                          const void *P, int n, float *y,     \
+                                                                          int p0, int p1) {                   \
+        qpanels(x, R, k, P, n, y, p0, p1, BITS, NP, MAXR);                                                   \
     }
-    int wide = R <= 2 ? 4 : 2, p = p0 + (p1 - p0) / wide * wide;
-    if (wide == 4)
-        qpanels(x, R, k, P, n, y, p0, p, bits, 4, 6);
-    else
-        qpanels(x, R, k, P, n, y, p0, p, bits, 2, 6);
-    qpanels(x, R, k, P, n, y, p, p1, bits, 1, 6);
-}
+#define QPANELS_FOR(BITS) QPANELS_AS(BITS, 4, 6) QPANELS_AS(BITS, 2, 6) QPANELS_AS(BITS, 1, 6) \
+    QPANELS_AS(BITS, 2, 12) QPANELS_AS(BITS, 1, 12)
+QPANELS_FOR(4)
+QPANELS_FOR(8)
+
+#define QPACKED_AS(BITS)                                                                                     \
+    static void qpacked_##BITS(const float *x, int R, int k, const void *P, int n, float *y, int p0, int p1) { \
+        if (R > 6) {                                                                                         \
+            int p = p0 + (p1 - p0) / 2 * 2;                                                                  \
+            qpanels_##BITS##_2_12(x, R, k, P, n, y, p0, p);                                                  \
+            qpanels_##BITS##_1_12(x, R, k, P, n, y, p, p1);                                                  \
+            return;                                                                                          \
+        }                                                                                                    \
+        int wide = R <= 2 ? 4 : 2, p = p0 + (p1 - p0) / wide * wide;                                         \
+        if (wide == 4)                                                                                       \
+            qpanels_##BITS##_4_6(x, R, k, P, n, y, p0, p);                                                   \
+        else                                                                                                 \
+            qpanels_##BITS##_2_6(x, R, k, P, n, y, p0, p);                                                   \
+        qpanels_##BITS##_1_6(x, R, k, P, n, y, p, p1);                                                       \
+    }
+QPACKED_AS(4)
+QPACKED_AS(8)
 
 /* x [R, k] (k a multiple of 64) as qtile reads it: G = k / 64 scales per row s_g = max|x_g| / 127
  * (1 for a group of zeros), [R, G]; the sums s_g sum(x8_g), [R, G]; then the inputs x8 as s8 in
@@ -414,9 +430,9 @@ static void packed_range(const float *x, int R, int k, const void *P, int wtype,
     else if (wtype == 3)
         packed_as(x, R, k, P, n, y, p0, p1, 3);
     else if (wtype == 4)
-        qpacked_as(x, R, k, P, n, y, p0, p1, 4);
+        qpacked_4(x, R, k, P, n, y, p0, p1);
     else if (wtype == 5)
-        qpacked_as(x, R, k, P, n, y, p0, p1, 8);
+        qpacked_8(x, R, k, P, n, y, p0, p1);
 #endif
     else
         packed_as(x, R, k, P, n, y, p0, p1, 1);

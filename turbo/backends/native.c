@@ -338,10 +338,10 @@ static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int R,
 
 #define QTILE(NR) qtile((const uint8_t *)x, R, k, (const uint8_t *)P, bits, n, p, r, y, NP, NR)
 
-/* Panels [p0, p1) of a quantized matrix: an integer and a float accumulator per output and
- * row fill the registers at 2 panels x 6 rows or 1 panel x 12 rows; so a verify of up to 12
- * rows reads each panel once (one panel at a time), fewer rows take two panels (four for one
- * or two rows: independent chains hide the latency). */
+/* Panels [p0, p1) of a quantized matrix, NP at a time, rows in tiles of up to MAXR: the integer
+ * sums of 2 panels x 12 rows fill the registers (qtile keeps the float sums in memory), so a
+ * verify of up to 12 rows reads each panel once; one or two rows take four panels at a time
+ * (independent chains hide the latency). */
 static inline __attribute__((always_inline)) void qpanels(const float *x, int R, int k, const void *P, int n, float *y,
                                                           int p0, int p1, const int bits, const int NP,
                                                           const int MAXR) {

@@ -645,64 +645,91 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
     mlp_block(L, x, R);
 }
 
-/* a . b over n values in a fixed order: 16 lanes, the lanes in order, then the tail. */
-static inline float dot(const float *a, const float *b, int n) {
+/* The K/V caches hold fp32 (kv_type 0) or bf16 (kv_type 1) values: bf16 ones are written
+ * rounded to nearest (ties to even) and read widened exactly (load_w, kv_value), so every
+ * sum over them is the fp32 code's, in its order, over the rounded values. */
+static inline size_t kv_bytes(int kt) { return kt ? sizeof(uint16_t) : sizeof(float); }
+
+static inline float kv_value(const void *c, int kt, size_t at) {
+    if (kt == 0) return ((const float *)c)[at];
+    uint32_t u = (uint32_t)((const uint16_t *)c)[at] << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* x [n] into a cache row (dst, of the cache's type). */
+static void kv_store(void *dst, int kt, const float *x, int n) {
+    if (kt == 0) {
+        memcpy(dst, x, sizeof(float) * n);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, 4);
+        ((uint16_t *)dst)[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+}
+
+/* a . K[at..at+n) in a fixed order: 16 lanes, the lanes in order, then the tail. */
+static inline __attribute__((always_inline)) float dot(const float *a, const void *K, int kt, size_t at, int n) {
     int nv = n & ~15;
-    v16 acc = {0}, u, v;
+    v16 acc = {0}, u;
     for (int i = 0; i < nv; i += 16) {
         memcpy(&u, a + i, 64);
-        memcpy(&v, b + i, 64);
-        acc += u * v;
+        acc += u * load_w(K, kt, at + i);
     }
     float s = lanes_sum(acc);
-    for (int i = nv; i < n; i++) s += a[i] * b[i];
+    for (int i = nv; i < n; i++) s += a[i] * kv_value(K, kt, at + i);
     return s;
 }
 
-/* a . K[j] for the four rows of K [4, n]: four chains side by side (a read once for all),
- * each the operations of `dot` in its order, so each result is `dot`'s bit for bit. */
-static inline void dot4(const float *a, const float *K, int n, float *out) {
+/* a . K[j] for the four rows of K [4, n] from element `at`: four chains side by side (a read
+ * once for all), each the operations of `dot` in its order, so each result is `dot`'s bit for bit. */
+static inline __attribute__((always_inline)) void dot4(const float *a, const void *K, int kt, size_t at, int n,
+                                                       float *out) {
     int nv = n & ~15;
-    v16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, u, v;
+    v16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, u;
     for (int i = 0; i < nv; i += 16) {
         memcpy(&u, a + i, 64);
-        memcpy(&v, K + i, 64); acc0 += u * v;
-        memcpy(&v, K + n + i, 64); acc1 += u * v;
-        memcpy(&v, K + 2 * (size_t)n + i, 64); acc2 += u * v;
-        memcpy(&v, K + 3 * (size_t)n + i, 64); acc3 += u * v;
+        acc0 += u * load_w(K, kt, at + i);
+        acc1 += u * load_w(K, kt, at + n + i);
+        acc2 += u * load_w(K, kt, at + 2 * (size_t)n + i);
+        acc3 += u * load_w(K, kt, at + 3 * (size_t)n + i);
     }
     out[0] = lanes_sum(acc0), out[1] = lanes_sum(acc1), out[2] = lanes_sum(acc2), out[3] = lanes_sum(acc3);
     for (int j = 0; j < 4; j++)
-        for (int i = nv; i < n; i++) out[j] += a[i] * K[(size_t)j * n + i];
+        for (int i = nv; i < n; i++) out[j] += a[i] * kv_value(K, kt, at + (size_t)j * n + i);
 }
 
-/* out [d] = sum_t p[t] * V[t] (V [n, d], rows `stride` apart), each element summed over t in
- * order; 64 columns at a time in registers (an accumulator kept in memory would wait on its
- * own store). */
-static void weighted_sum(const float *p, const float *V, int n, int d, int stride, float *out) {
+/* out [d] = sum_t p[t] * V[t] (V's rows `stride` apart from element `at`), each element summed
+ * over t in order; 64 columns at a time in registers (an accumulator kept in memory would wait
+ * on its own store). */
+static inline __attribute__((always_inline)) void weighted_sum(const float *p, const void *V, int kt, size_t at,
+                                                               int n, int d, int stride, float *out) {
     int c = 0;
     for (; c + 64 <= d; c += 64) { /* even and odd t in separate sums (two chains), added at the end */
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, u;
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
         int t = 0;
         for (; t + 2 <= n; t += 2) {
-            const float *v = V + (size_t)t * stride + c, *w = v + stride;
+            size_t v = at + (size_t)t * stride + c, w = v + stride;
             float pt = p[t], pw = p[t + 1];
-            memcpy(&u, v, 64); a0 += pt * u;
-            memcpy(&u, v + 16, 64); a1 += pt * u;
-            memcpy(&u, v + 32, 64); a2 += pt * u;
-            memcpy(&u, v + 48, 64); a3 += pt * u;
-            memcpy(&u, w, 64); b0 += pw * u;
-            memcpy(&u, w + 16, 64); b1 += pw * u;
-            memcpy(&u, w + 32, 64); b2 += pw * u;
-            memcpy(&u, w + 48, 64); b3 += pw * u;
+            a0 += pt * load_w(V, kt, v);
+            a1 += pt * load_w(V, kt, v + 16);
+            a2 += pt * load_w(V, kt, v + 32);
+            a3 += pt * load_w(V, kt, v + 48);
+            b0 += pw * load_w(V, kt, w);
+            b1 += pw * load_w(V, kt, w + 16);
+            b2 += pw * load_w(V, kt, w + 32);
+            b3 += pw * load_w(V, kt, w + 48);
         }
         if (t < n) {
-            const float *v = V + (size_t)t * stride + c;
+            size_t v = at + (size_t)t * stride + c;
             float pt = p[t];
-            memcpy(&u, v, 64); a0 += pt * u;
-            memcpy(&u, v + 16, 64); a1 += pt * u;
-            memcpy(&u, v + 32, 64); a2 += pt * u;
-            memcpy(&u, v + 48, 64); a3 += pt * u;
+            a0 += pt * load_w(V, kt, v);
+            a1 += pt * load_w(V, kt, v + 16);
+            a2 += pt * load_w(V, kt, v + 32);
+            a3 += pt * load_w(V, kt, v + 48);
         }
         a0 += b0, a1 += b1, a2 += b2, a3 += b3;
         memcpy(out + c, &a0, 64); memcpy(out + c + 16, &a1, 64);
@@ -710,7 +737,7 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
     }
     for (int i = c; i < d; i++) {
         float acc = 0.0f;
-        for (int t = 0; t < n; t++) acc += p[t] * V[(size_t)t * stride + i];
+        for (int t = 0; t < n; t++) acc += p[t] * kv_value(V, kt, at + (size_t)t * stride + i);
         out[i] = acc;
     }
 }
@@ -720,21 +747,21 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
  * (even and odd t in two sums added at the end), so the bits are weighted_sum's. V [*, d] is read once, row after row (a long cache streams from memory
  * at full speed; weighted_sum's strips jump a row's length every 64 columns). acc [nq, 2, d]:
  * the sums, in memory (nq * d * 8 bytes: for the few rows of a decode step or a verify). */
-static void weighted_sums(const float *const *p, const int *n, int nq, const float *V, int d, float *acc,
-                          float *const *out) {
+static inline __attribute__((always_inline)) void weighted_sums(const float *const *p, const int *n, int nq,
+                                                                const void *V, int kt, int d, float *acc,
+                                                                float *const *out) {
     int most = 0;
     memset(acc, 0, sizeof(float) * (size_t)nq * 2 * d);
     for (int q = 0; q < nq; q++) most = n[q] > most ? n[q] : most;
     for (int t = 0; t < most; t++) {
-        const float *v = V + (size_t)t * d;
+        size_t v = (size_t)t * d;
         for (int q = 0; q < nq; q++) {
             if (t >= n[q]) continue;
             float pt = p[q][t], *a = acc + ((size_t)q * 2 + (t & 1)) * d;
-            v16 u, w;
+            v16 w;
             for (int c = 0; c < d; c += 16) {
-                memcpy(&u, v + c, 64);
                 memcpy(&w, a + c, 64);
-                w += pt * u;
+                w += pt * load_w(V, kt, v + c);
                 memcpy(a + c, &w, 64);
             }
         }
@@ -770,9 +797,12 @@ static void rope(float *x, int rot, const float *inv_freq, int pos) {
 #define FEW_QUERIES 64
 
 /* Kv head j of attn_layer: the scores of every row's queries on its keys K [N, hd], their
- * softmax, and the gated weighted sums of V [N, hd] into att. */
-static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int N, const float *K, const float *V,
-                           const float *proj, const float *qs, float *scores, float *att) {
+ * softmax, and the gated weighted sums of V [N, hd] into att; K and V of cache type kt (a
+ * constant where it is inlined, so the loads' branch folds away). */
+static inline __attribute__((always_inline)) void attend_kv_head(const Layer *L, const int kt, int j, int R, int p0,
+                                                                 int start, int N, const void *K, const void *V,
+                                                                 const float *proj, const float *qs, float *scores,
+                                                                 float *att) {
     int nh = L->heads, hd = L->head_dim, groups = nh / L->kv_heads, P = 2 * nh * hd + 2 * L->kv_heads * hd;
     float scale = 1.0f / sqrtf((float)hd);
     /* four keys at a time: they are read once for all the queries (each score is still one
@@ -783,14 +813,14 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
             for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                 size_t qi = (size_t)r * nh + hq;
                 float *sc = scores + qi * N + t;
-                dot4(qs + qi * hd, K + (size_t)t * hd, hd, sc);
+                dot4(qs + qi * hd, K, kt, (size_t)t * hd, hd, sc);
                 for (int e = 0; e < 4; e++) sc[e] *= scale;
             }
     for (; t < N; t++)
         for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                 size_t qi = (size_t)r * nh + hq;
-                scores[qi * N + t] = dot(qs + qi * hd, K + (size_t)t * hd, hd) * scale;
+                scores[qi * N + t] = dot(qs + qi * hd, K, kt, (size_t)t * hd, hd) * scale;
             }
     for (int r = 0; r < R; r++)
         for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
@@ -811,14 +841,14 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
                 out[nq] = att + ((size_t)r * nh + hq) * hd;
             }
         if (hd <= 256 && hd % 64 == 0) { /* (weighted_sum's one-chain columns would compile differently) */
-            weighted_sums(p, n, nq, V, hd, acc, out);
+            weighted_sums(p, n, nq, V, kt, hd, acc, out);
             goto gated;
         }
     }
     for (int c = 0; c < hd; c += V_STRIP)
         for (int r = 0; r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++)
-                weighted_sum(scores + ((size_t)r * nh + hq) * N, V + c, p0 + r + 1 - start,
+                weighted_sum(scores + ((size_t)r * nh + hq) * N, V, kt, c, p0 + r + 1 - start,
                              hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
 gated:
     for (int r = 0; r < R; r++)
@@ -829,15 +859,26 @@ gated:
         }
 }
 
+/* attend_kv_head compiled once per cache type. */
+static void attend_kv_head_of(const Layer *L, int j, int R, int p0, int start, int N, const void *K, const void *V,
+                              const float *proj, const float *qs, float *scores, float *att) {
+    if (L->kv_type)
+        attend_kv_head(L, 1, j, R, p0, start, N, K, V, proj, qs, scores, att);
+    else
+        attend_kv_head(L, 0, j, R, p0, start, N, K, V, proj, qs, scores, att);
+}
+
 /* One gated-attention layer over R rows at positions p0.., then its MLP. kc, vc
- * [kv_heads, cap, head_dim]: the rows' K and V are written at p0..p0+R-1; row r attends
- * to positions start..p0+r, exactly its own causal prefix (start: the first cached one). */
-void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, float *vc, int cap) {
-    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
+ * [kv_heads, cap, head_dim] of L->kv_type: the rows' K and V are written at p0..p0+R-1; row r
+ * attends to positions start..p0+r, exactly its own causal prefix (start: the first cached one). */
+void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, void *vc, int cap) {
+    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim, kt = L->kv_type;
     int P = 2 * nh * hd + 2 * nkv * hd;
+    size_t kb = kv_bytes(kt);
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
     float *att = malloc(sizeof(float) * (size_t)R * nh * hd);
+    float *krow = malloc(sizeof(float) * (size_t)hd); /* [hd]: a row's K, normed and rotated, before it is stored */
     int N = p0 + R - start; /* keys the last row sees; row r sees the first N - (R - 1 - r) */
     /* rows attend in blocks whose scores [rows, heads, N] fit SCORE_FLOATS: memory stays a
      * chunk's however long the cache (the rows are independent: blocks change no value) */
@@ -851,10 +892,11 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     for (int r = 0; r < R; r++) { /* K and V of every row into the cache first */
         const float *pr = proj + (size_t)r * P;
         for (int j = 0; j < nkv; j++) {
-            float *kd = kc + ((size_t)j * cap + p0 + r) * hd, *vd = vc + ((size_t)j * cap + p0 + r) * hd;
-            rms_norm(pr + 2 * nh * hd + j * hd, hd, L->k_norm, L->eps, kd);
-            rope(kd, L->rot, L->inv_freq, p0 + r);
-            memcpy(vd, pr + 2 * nh * hd + nkv * hd + j * hd, sizeof(float) * hd);
+            size_t at = ((size_t)j * cap + p0 + r) * hd;
+            rms_norm(pr + 2 * nh * hd + j * hd, hd, L->k_norm, L->eps, krow);
+            rope(krow, L->rot, L->inv_freq, p0 + r);
+            kv_store((char *)kc + at * kb, kt, krow, hd);
+            kv_store((char *)vc + at * kb, kt, pr + 2 * nh * hd + nkv * hd + j * hd, hd);
         }
     }
     for (int r = 0; r < R; r++) /* every row's queries, normed and rotated */
@@ -870,14 +912,15 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
         int parts = threads < nkv ? threads : nkv;
         if ((long)rows * nh * n * hd < MIN_PARALLEL_ATTENTION) parts = 1;
 #pragma omp parallel for num_threads(parts) schedule(static)
-        for (int j = 0; j < nkv; j++)
-            attend_kv_head(L, j, rows, p0 + r0, start, n, kc + ((size_t)j * cap + start) * hd,
-                           vc + ((size_t)j * cap + start) * hd, proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd,
-                           scores, att + (size_t)r0 * nh * hd);
+        for (int j = 0; j < nkv; j++) {
+            size_t at = ((size_t)j * cap + start) * hd;
+            attend_kv_head_of(L, j, rows, p0 + r0, start, n, (const char *)kc + at * kb, (const char *)vc + at * kb,
+                              proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd, scores, att + (size_t)r0 * nh * hd);
+        }
     }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
-    free(h); free(proj); free(att); free(qs); free(scores); free(y);
+    free(h); free(proj); free(att); free(krow); free(qs); free(scores); free(y);
     mlp_block(L, x, R);
 }
 

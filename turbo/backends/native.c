@@ -645,18 +645,11 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
     mlp_block(L, x, R);
 }
 
-/* The K/V caches hold fp32 (kv_type 0) or bf16 (kv_type 1) values: bf16 ones are written
- * rounded to nearest (ties to even) and read widened exactly (load_w, kv_value), so every
- * sum over them is the fp32 code's, in its order, over the rounded values. */
+/* The K/V caches hold fp32 (kv_type 0) or bf16 (kv_type 1) values. bf16 rows are written
+ * rounded to nearest (ties to even) and widened exactly to fp32 where attention reads them, a
+ * few rows at a time into a buffer, once for all the queries that read them: every sum below
+ * is the fp32 cache's code, in its order, over the rounded values. */
 static inline size_t kv_bytes(int kt) { return kt ? sizeof(uint16_t) : sizeof(float); }
-
-static inline float kv_value(const void *c, int kt, size_t at) {
-    if (kt == 0) return ((const float *)c)[at];
-    uint32_t u = (uint32_t)((const uint16_t *)c)[at] << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
 
 /* x [n] into a cache row (dst, of the cache's type). */
 static void kv_store(void *dst, int kt, const float *x, int n) {
@@ -671,65 +664,75 @@ static void kv_store(void *dst, int kt, const float *x, int n) {
     }
 }
 
-/* a . K[at..at+n) in a fixed order: 16 lanes, the lanes in order, then the tail. */
-static inline __attribute__((always_inline)) float dot(const float *a, const void *K, int kt, size_t at, int n) {
+/* Values [at, at + n) of a cache as fp32: the cache's own (fp32), or widened into buf (bf16). */
+static inline const float *kv_floats(const void *c, int kt, size_t at, size_t n, float *buf) {
+    if (kt == 0) return (const float *)c + at;
+    const uint16_t *h = (const uint16_t *)c + at;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)h[i] << 16;
+        memcpy(buf + i, &u, 4);
+    }
+    return buf;
+}
+
+/* a . b over n values in a fixed order: 16 lanes, the lanes in order, then the tail. */
+static inline float dot(const float *a, const float *b, int n) {
     int nv = n & ~15;
-    v16 acc = {0}, u;
+    v16 acc = {0}, u, v;
     for (int i = 0; i < nv; i += 16) {
         memcpy(&u, a + i, 64);
-        acc += u * load_w(K, kt, at + i);
+        memcpy(&v, b + i, 64);
+        acc += u * v;
     }
     float s = lanes_sum(acc);
-    for (int i = nv; i < n; i++) s += a[i] * kv_value(K, kt, at + i);
+    for (int i = nv; i < n; i++) s += a[i] * b[i];
     return s;
 }
 
-/* a . K[j] for the four rows of K [4, n] from element `at`: four chains side by side (a read
- * once for all), each the operations of `dot` in its order, so each result is `dot`'s bit for bit. */
-static inline __attribute__((always_inline)) void dot4(const float *a, const void *K, int kt, size_t at, int n,
-                                                       float *out) {
+/* a . K[j] for the four rows of K [4, n]: four chains side by side (a read once for all),
+ * each the operations of `dot` in its order, so each result is `dot`'s bit for bit. */
+static inline void dot4(const float *a, const float *K, int n, float *out) {
     int nv = n & ~15;
-    v16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, u;
+    v16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, u, v;
     for (int i = 0; i < nv; i += 16) {
         memcpy(&u, a + i, 64);
-        acc0 += u * load_w(K, kt, at + i);
-        acc1 += u * load_w(K, kt, at + n + i);
-        acc2 += u * load_w(K, kt, at + 2 * (size_t)n + i);
-        acc3 += u * load_w(K, kt, at + 3 * (size_t)n + i);
+        memcpy(&v, K + i, 64); acc0 += u * v;
+        memcpy(&v, K + n + i, 64); acc1 += u * v;
+        memcpy(&v, K + 2 * (size_t)n + i, 64); acc2 += u * v;
+        memcpy(&v, K + 3 * (size_t)n + i, 64); acc3 += u * v;
     }
     out[0] = lanes_sum(acc0), out[1] = lanes_sum(acc1), out[2] = lanes_sum(acc2), out[3] = lanes_sum(acc3);
     for (int j = 0; j < 4; j++)
-        for (int i = nv; i < n; i++) out[j] += a[i] * kv_value(K, kt, at + (size_t)j * n + i);
+        for (int i = nv; i < n; i++) out[j] += a[i] * K[(size_t)j * n + i];
 }
 
-/* out [d] = sum_t p[t] * V[t] (V's rows `stride` apart from element `at`), each element summed
- * over t in order; 64 columns at a time in registers (an accumulator kept in memory would wait
- * on its own store). */
-static inline __attribute__((always_inline)) void weighted_sum(const float *p, const void *V, int kt, size_t at,
-                                                               int n, int d, int stride, float *out) {
+/* out [d] = sum_t p[t] * V[t] (V [n, d], rows `stride` apart), each element summed over t in
+ * order; 64 columns at a time in registers (an accumulator kept in memory would wait on its
+ * own store). */
+static void weighted_sum(const float *p, const float *V, int n, int d, int stride, float *out) {
     int c = 0;
     for (; c + 64 <= d; c += 64) { /* even and odd t in separate sums (two chains), added at the end */
-        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0};
+        v16 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0}, b0 = {0}, b1 = {0}, b2 = {0}, b3 = {0}, u;
         int t = 0;
         for (; t + 2 <= n; t += 2) {
-            size_t v = at + (size_t)t * stride + c, w = v + stride;
+            const float *v = V + (size_t)t * stride + c, *w = v + stride;
             float pt = p[t], pw = p[t + 1];
-            a0 += pt * load_w(V, kt, v);
-            a1 += pt * load_w(V, kt, v + 16);
-            a2 += pt * load_w(V, kt, v + 32);
-            a3 += pt * load_w(V, kt, v + 48);
-            b0 += pw * load_w(V, kt, w);
-            b1 += pw * load_w(V, kt, w + 16);
-            b2 += pw * load_w(V, kt, w + 32);
-            b3 += pw * load_w(V, kt, w + 48);
+            memcpy(&u, v, 64); a0 += pt * u;
+            memcpy(&u, v + 16, 64); a1 += pt * u;
+            memcpy(&u, v + 32, 64); a2 += pt * u;
+            memcpy(&u, v + 48, 64); a3 += pt * u;
+            memcpy(&u, w, 64); b0 += pw * u;
+            memcpy(&u, w + 16, 64); b1 += pw * u;
+            memcpy(&u, w + 32, 64); b2 += pw * u;
+            memcpy(&u, w + 48, 64); b3 += pw * u;
         }
         if (t < n) {
-            size_t v = at + (size_t)t * stride + c;
+            const float *v = V + (size_t)t * stride + c;
             float pt = p[t];
-            a0 += pt * load_w(V, kt, v);
-            a1 += pt * load_w(V, kt, v + 16);
-            a2 += pt * load_w(V, kt, v + 32);
-            a3 += pt * load_w(V, kt, v + 48);
+            memcpy(&u, v, 64); a0 += pt * u;
+            memcpy(&u, v + 16, 64); a1 += pt * u;
+            memcpy(&u, v + 32, 64); a2 += pt * u;
+            memcpy(&u, v + 48, 64); a3 += pt * u;
         }
         a0 += b0, a1 += b1, a2 += b2, a3 += b3;
         memcpy(out + c, &a0, 64); memcpy(out + c + 16, &a1, 64);
@@ -737,7 +740,7 @@ static inline __attribute__((always_inline)) void weighted_sum(const float *p, c
     }
     for (int i = c; i < d; i++) {
         float acc = 0.0f;
-        for (int t = 0; t < n; t++) acc += p[t] * kv_value(V, kt, at + (size_t)t * stride + i);
+        for (int t = 0; t < n; t++) acc += p[t] * V[(size_t)t * stride + i];
         out[i] = acc;
     }
 }
@@ -746,22 +749,23 @@ static inline __attribute__((always_inline)) void weighted_sum(const float *p, c
  * n[q] rows, for d a multiple of 64: element for element the same chains as weighted_sum
  * (even and odd t in two sums added at the end), so the bits are weighted_sum's. V [*, d] is read once, row after row (a long cache streams from memory
  * at full speed; weighted_sum's strips jump a row's length every 64 columns). acc [nq, 2, d]:
- * the sums, in memory (nq * d * 8 bytes: for the few rows of a decode step or a verify). */
-static inline __attribute__((always_inline)) void weighted_sums(const float *const *p, const int *n, int nq,
-                                                                const void *V, int kt, int d, float *acc,
-                                                                float *const *out) {
+ * the sums, in memory (nq * d * 8 bytes: for the few rows of a decode step or a verify); row
+ * [d]: a bf16 V row widened. */
+static void weighted_sums(const float *const *p, const int *n, int nq, const void *V, int kt, int d, float *acc,
+                          float *row, float *const *out) {
     int most = 0;
     memset(acc, 0, sizeof(float) * (size_t)nq * 2 * d);
     for (int q = 0; q < nq; q++) most = n[q] > most ? n[q] : most;
     for (int t = 0; t < most; t++) {
-        size_t v = (size_t)t * d;
+        const float *v = kv_floats(V, kt, (size_t)t * d, d, row);
         for (int q = 0; q < nq; q++) {
             if (t >= n[q]) continue;
             float pt = p[q][t], *a = acc + ((size_t)q * 2 + (t & 1)) * d;
-            v16 w;
+            v16 u, w;
             for (int c = 0; c < d; c += 16) {
+                memcpy(&u, v + c, 64);
                 memcpy(&w, a + c, 64);
-                w += pt * load_w(V, kt, v + c);
+                w += pt * u;
                 memcpy(a + c, &w, 64);
             }
         }
@@ -797,31 +801,35 @@ static void rope(float *x, int rot, const float *inv_freq, int pos) {
 #define FEW_QUERIES 64
 
 /* Kv head j of attn_layer: the scores of every row's queries on its keys K [N, hd], their
- * softmax, and the gated weighted sums of V [N, hd] into att; K and V of cache type kt (a
- * constant where it is inlined, so the loads' branch folds away). */
-static inline __attribute__((always_inline)) void attend_kv_head(const Layer *L, const int kt, int j, int R, int p0,
-                                                                 int start, int N, const void *K, const void *V,
-                                                                 const float *proj, const float *qs, float *scores,
-                                                                 float *att) {
+ * softmax, and the gated weighted sums of V [N, hd] into att (K, V of L->kv_type). */
+static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int N, const void *K, const void *V,
+                           const float *proj, const float *qs, float *scores, float *att) {
     int nh = L->heads, hd = L->head_dim, groups = nh / L->kv_heads, P = 2 * nh * hd + 2 * L->kv_heads * hd;
+    int kt = L->kv_type;
     float scale = 1.0f / sqrtf((float)hd);
+    float *keys = kt ? malloc(sizeof(float) * 4 * hd) : NULL; /* [4, hd]: bf16 keys widened */
     /* four keys at a time: they are read once for all the queries (each score is still one
      * `dot`); a row also scores the block's keys past its own, never read */
     int t = 0;
-    for (; t + 4 <= N; t += 4)
+    for (; t + 4 <= N; t += 4) {
+        const float *k4 = kv_floats(K, kt, (size_t)t * hd, 4 * (size_t)hd, keys);
         for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                 size_t qi = (size_t)r * nh + hq;
                 float *sc = scores + qi * N + t;
-                dot4(qs + qi * hd, K, kt, (size_t)t * hd, hd, sc);
+                dot4(qs + qi * hd, k4, hd, sc);
                 for (int e = 0; e < 4; e++) sc[e] *= scale;
             }
-    for (; t < N; t++)
+    }
+    for (; t < N; t++) {
+        const float *k1 = kv_floats(K, kt, (size_t)t * hd, hd, keys);
         for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                 size_t qi = (size_t)r * nh + hq;
-                scores[qi * N + t] = dot(qs + qi * hd, K, kt, (size_t)t * hd, hd) * scale;
+                scores[qi * N + t] = dot(qs + qi * hd, k1, hd) * scale;
             }
+    }
+    free(keys);
     for (int r = 0; r < R; r++)
         for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
             int n = p0 + r + 1 - start;
@@ -833,7 +841,7 @@ static inline __attribute__((always_inline)) void attend_kv_head(const Layer *L,
         }
     if (R * groups <= FEW_QUERIES) { /* a decode step or a verify: V streamed once, row by row */
         const float *p[FEW_QUERIES];
-        float *out[FEW_QUERIES], acc[FEW_QUERIES * 2 * 256];
+        float *out[FEW_QUERIES], acc[FEW_QUERIES * 2 * 256], row[256];
         int n[FEW_QUERIES], nq = 0;
         for (int r = 0; r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++, nq++) {
@@ -841,15 +849,20 @@ static inline __attribute__((always_inline)) void attend_kv_head(const Layer *L,
                 out[nq] = att + ((size_t)r * nh + hq) * hd;
             }
         if (hd <= 256 && hd % 64 == 0) { /* (weighted_sum's one-chain columns would compile differently) */
-            weighted_sums(p, n, nq, V, kt, hd, acc, out);
+            weighted_sums(p, n, nq, V, kt, hd, acc, row, out);
             goto gated;
         }
     }
-    for (int c = 0; c < hd; c += V_STRIP)
-        for (int r = 0; r < R; r++)
-            for (int hq = j * groups; hq < (j + 1) * groups; hq++)
-                weighted_sum(scores + ((size_t)r * nh + hq) * N, V, kt, c, p0 + r + 1 - start,
-                             hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+    { /* a prefill chunk's many queries: a bf16 V widened whole first ([N, hd], a chunk's rows share it) */
+        float *wide = kt ? malloc(sizeof(float) * (size_t)N * hd) : NULL;
+        const float *vf = kv_floats(V, kt, 0, (size_t)N * hd, wide);
+        for (int c = 0; c < hd; c += V_STRIP)
+            for (int r = 0; r < R; r++)
+                for (int hq = j * groups; hq < (j + 1) * groups; hq++)
+                    weighted_sum(scores + ((size_t)r * nh + hq) * N, vf + c, p0 + r + 1 - start,
+                                 hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+        free(wide);
+    }
 gated:
     for (int r = 0; r < R; r++)
         for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
@@ -857,15 +870,6 @@ gated:
             const float *gate = proj + (size_t)r * P + hq * 2 * hd + hd;
             for (int i = 0; i < hd; i++) a[i] *= fast_sigmoid(gate[i]);
         }
-}
-
-/* attend_kv_head compiled once per cache type. */
-static void attend_kv_head_of(const Layer *L, int j, int R, int p0, int start, int N, const void *K, const void *V,
-                              const float *proj, const float *qs, float *scores, float *att) {
-    if (L->kv_type)
-        attend_kv_head(L, 1, j, R, p0, start, N, K, V, proj, qs, scores, att);
-    else
-        attend_kv_head(L, 0, j, R, p0, start, N, K, V, proj, qs, scores, att);
 }
 
 /* One gated-attention layer over R rows at positions p0.., then its MLP. kc, vc
@@ -914,8 +918,8 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, vo
 #pragma omp parallel for num_threads(parts) schedule(static)
         for (int j = 0; j < nkv; j++) {
             size_t at = ((size_t)j * cap + start) * hd;
-            attend_kv_head_of(L, j, rows, p0 + r0, start, n, (const char *)kc + at * kb, (const char *)vc + at * kb,
-                              proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd, scores, att + (size_t)r0 * nh * hd);
+            attend_kv_head(L, j, rows, p0 + r0, start, n, (const char *)kc + at * kb, (const char *)vc + at * kb,
+                           proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd, scores, att + (size_t)r0 * nh * hd);
         }
     }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);

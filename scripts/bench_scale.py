@@ -3,6 +3,8 @@ transformers (bf16) and, where `llama_cpp` imports, llama.cpp (bf16 GGUF), inter
 
     flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --prompts 512 --reps 3
     flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --prompts 4096 --reps 1 --out runs.jsonl
+    flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --kv-cache float32 bfloat16 \
+        --only "turbo kv=float32" "turbo kv=bfloat16" --reps 1
 
 The checkpoint and its install come from scripts/shapes.py (built once, cached); the GGUF
 is converted beside them with the converter llama-cpp-python vendors (docs/llamacpp.md).
@@ -34,6 +36,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import shapes  # noqa: E402
 
 VOCAB_IDS = 4096  # prompt ids below the shapes' tokenizer size (the GGUF's vocab is the tokenizer's)
+KV_TAG = " kv="  # a turbo system's name carries its kv_cache after this ("turbo kv=bfloat16")
 CONVERTER_ENV = "LLAMA_CONVERT_DIR"  # vendor/llama.cpp of llama-cpp-python's sdist (docs/llamacpp.md)
 
 
@@ -65,13 +68,14 @@ def top2_gap(logits) -> tuple[int, float]:
 
 
 class Turbo:
-    def __init__(self, shape: str, threads: int):
+    def __init__(self, shape: str, threads: int, kv_cache: str | None):
         import torch
 
         import turbo
 
         install = shapes.build(shape)
-        self.rt = turbo.open(install, threads=threads)
+        # (kv_cache only when asked: a --baseline checkout may predate the option)
+        self.rt = turbo.open(install, threads=threads, **({"kv_cache": kv_cache} if kv_cache else {}))
         self.trunk, self.torch = self.rt.trunk, torch
 
     def prefill(self, ids: list[int], new: int):
@@ -153,7 +157,8 @@ def worker(system: str, shape: str, threads: int, prompts: list[int], new: int) 
     if system == "llama.cpp":
         sut = LlamaCpp(shape, threads, max(prompts) + new + 8)
     else:
-        sut = Turbo(shape, threads) if system.startswith("turbo") else Transformers(shape, threads)
+        kv_cache = system.partition(KV_TAG)[2] or None
+        sut = Turbo(shape, threads, kv_cache) if system.startswith("turbo") else Transformers(shape, threads)
     rec = {"system": system, "load_s": time.perf_counter() - t0, "load_peak": status("VmHWM")}
     for n in prompts:
         ids = prompt_ids(n)
@@ -215,10 +220,10 @@ def convert_gguf(shape: str) -> Path | None:
     return out
 
 
-def systems(shape: str, baseline: Path | None) -> list[tuple[str, dict]]:
-    """(name, environment) of every system this machine can run."""
+def systems(shape: str, baseline: Path | None, kv_caches: list[str]) -> list[tuple[str, dict]]:
+    """(name, environment) of every system this machine can run: turbo once per kv_cache asked."""
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = [("turbo", env)]
+    out = [(f"turbo{KV_TAG}{kv}", env) for kv in kv_caches] or [("turbo", env)]
     if baseline is not None:
         out.append((f"turbo@{baseline.name}", dict(os.environ, PYTHONPATH=str(baseline))))
     out.append(("transformers", env))
@@ -299,6 +304,8 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path("bench_scale.jsonl"))
     ap.add_argument("--baseline", type=Path, help="another turbo checkout, run as one more system")
     ap.add_argument("--only", nargs="+", help="run only these systems")
+    ap.add_argument("--kv-cache", nargs="+", default=[], choices=("auto", "float32", "bfloat16"),
+                    help="turbo's K/V cache (OpenOptions.kv_cache), each value its own system 'turbo kv=VALUE'")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a system's worker may take")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -306,7 +313,7 @@ def main() -> None:
         print(json.dumps(worker(args.worker, args.shape, args.threads, args.prompts, args.new)))
         return
     shapes.build(args.shape)
-    chosen = [s for s in systems(args.shape, args.baseline) if not args.only or s[0] in args.only]
+    chosen = [s for s in systems(args.shape, args.baseline, args.kv_cache) if not args.only or s[0] in args.only]
     print(f"load: {os.getloadavg()}", file=sys.stderr)
     for rep in range(args.reps):
         for name, env in chosen:

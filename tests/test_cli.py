@@ -192,3 +192,7 @@ def test_ctrl_c_ends_with_the_stats_line_and_exit_130(plain_install, tmp_path):
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
     last = out.strip().splitlines()[-1]
     assert last.startswith("[stats] prompt") and "generated 2000 tok" not in last, out
+
+
+def test_unknown_kv_cache(tmp_path):
+    one_line_error(run(tmp_path, "prompt=hi", "kv_cache=float16"), "kv_cache 'float16'", "auto, float32, bfloat16")

@@ -11,10 +11,11 @@ from turbo.loader import load_trunk
 from turbo.options import OpenOptions
 
 
-def test_prefill_rows_equal_decode_steps(plain_install):
+@pytest.mark.parametrize("kv_cache", ["float32", "bfloat16"])
+def test_prefill_rows_equal_decode_steps(plain_install, kv_cache):
     if native.library() is None:
         pytest.skip(f"native step unavailable: {native.why_not()}")
-    trunk = load_trunk(open_install(plain_install[1]), OpenOptions(), "cpu")
+    trunk = load_trunk(open_install(plain_install[1]), OpenOptions(kv_cache=kv_cache), "cpu")
     n, rows = 4200, native.PREFILL_CHUNK  # tiny has 4 query heads: past 4096 keys a chunk's scores take two blocks
     tokens = [(13 * i) % 300 + 3 for i in range(n)]
     a, b = trunk.new_state(n), trunk.new_state(n)
@@ -26,12 +27,14 @@ def test_prefill_rows_equal_decode_steps(plain_install):
     assert torch.equal(chunk.logits, torch.cat([s.logits for s in steps]))
 
 
-def test_a_verify_sized_call_and_a_chunk_sum_v_the_same_way():
+@pytest.mark.parametrize("kv_cache", ["float32", "bfloat16"])
+def test_a_verify_sized_call_and_a_chunk_sum_v_the_same_way(kv_cache):
     """tiny (head_dim 64): a one-row step sums V row by row for its few queries (weighted_sums),
-    a prefill chunk of many rows strip by strip (weighted_sum); the bits are the same."""
+    a prefill chunk of many rows strip by strip (weighted_sum); the bits are the same, from an
+    fp32 cache or a bf16 one."""
     if native.library() is None:
         pytest.skip(f"native step unavailable: {native.why_not()}")
-    trunk = load_trunk(open_install("tiny"), OpenOptions(), "cpu")
+    trunk = load_trunk(open_install("tiny"), OpenOptions(kv_cache=kv_cache), "cpu")
     n, rows = 1200, native.PREFILL_CHUNK
     tokens = [(13 * i) % 300 + 3 for i in range(n)]
     a, b = trunk.new_state(n), trunk.new_state(n)

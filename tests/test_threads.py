@@ -10,11 +10,11 @@ from turbo.loader import load_trunk
 from turbo.options import OpenOptions
 
 
-def run(path, threads: int) -> list[torch.Tensor]:
+def run(path, threads: int, kv_cache: str) -> list[torch.Tensor]:
     """A prefill long enough that attention and the recurrence split, then a 5-row verify."""
     torch.set_num_threads(threads)
     try:
-        trunk = load_trunk(open_install(path), OpenOptions(), "cpu")
+        trunk = load_trunk(open_install(path), OpenOptions(kv_cache=kv_cache), "cpu")
         st = trunk.new_state(400)
         prompt = [(7 * i) % 200 + 3 for i in range(300)]
         first = trunk.prefill(st, prompt, want_logits=True)
@@ -24,8 +24,9 @@ def run(path, threads: int) -> list[torch.Tensor]:
         torch.set_num_threads(1)
 
 
-def test_one_and_two_threads_agree_bit_for_bit(plain_install):
+@pytest.mark.parametrize("kv_cache", ["float32", "bfloat16"])
+def test_one_and_two_threads_agree_bit_for_bit(plain_install, kv_cache):
     if native.library() is None:
         pytest.skip(f"native step unavailable: {native.why_not()}")
-    one, two = run(plain_install[1], 1), run(plain_install[1], 2)
+    one, two = run(plain_install[1], 1, kv_cache), run(plain_install[1], 2, kv_cache)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

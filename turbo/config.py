@@ -73,6 +73,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
     max_new = _opt_int(cfg, "max_new_tokens")
     opening = OpenOptions.from_env(backend=str(cfg.get("backend", "auto")), dtype=str(cfg.get("dtype", "float32")),
                                    draft_products=str(cfg.get("draft_products", "auto")),
+                                   kv_cache=str(cfg.get("kv_cache", "auto")),
                                    threads=_opt_int(cfg, "threads"))
     generation = GenerationOptions(
         max_new_tokens=max_new if max_new is not None else int(workload.max_new_tokens), policy=str(name),

@@ -219,7 +219,20 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
         final_norm, inv_freq = ops.to_device(final_norm, device), ops.to_device(inv_freq, device)
         layers = [ops.to_device(layer, device) for layer in layers]
     weights = TrunkWeights(embed, lm_head, final_norm, layers, inv_freq)
-    return Trunk(a, weights, dtype, device, TorchTrunkStep if why else native.NativeTrunkStep, why)
+    kv = kv_dtype(opts.kv_cache, device, dtype, {e.st_dtype for e in matrices.values()},
+                  any(e.bits for e in matrices.values()))
+    return Trunk(a, weights, dtype, device, kv, TorchTrunkStep if why else native.NativeTrunkStep, why)
+
+
+def kv_dtype(choice: str, device: torch.device, dtype: torch.dtype, stored: set[str], quantized: bool) -> torch.dtype:
+    """The attention layers' K/V cache dtype for OpenOptions.kv_cache. auto: on the CPU the
+    checkpoint's own precision -- bf16 for bf16 matrices, a quantized install or bf16
+    activations (transformers keeps its cache in the model's dtype, llama.cpp in f16), fp32
+    for an fp32 checkpoint; fp32 on cuda (its step has not run a bf16 cache on a GPU)."""
+    if choice != "auto":
+        return getattr(torch, choice)
+    own = torch.bfloat16 if dtype == torch.bfloat16 or quantized or stored == {"BF16"} else torch.float32
+    return own if device.type == "cpu" else torch.float32
 
 
 def moe_tensor_shapes(a: Arch, mlp: str) -> dict[str, tuple[int, ...]]:

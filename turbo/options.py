@@ -21,6 +21,7 @@ QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CP
 CACHE_ENV = "TURBO_CACHE"  # where native.c's build is cached
 COMPILER_ENV = "CC"  # the C compiler native.c is built with (the toolchain's own convention, as make reads it)
 PTX_DIR_ENV = "TURBO_PTX_DIR"  # where backend cuda reads its PTX (default: the checkout's kernels_ptx/)
+KV_CACHES = ("auto", "float32", "bfloat16")  # OpenOptions.kv_cache
 POLICY_ENVS = {"dflash": "TURBO_DFLASH_DRAFT", "mtp": "TURBO_MTP_DRAFT"}
 
 
@@ -34,12 +35,15 @@ class OpenOptions:
     threads: int | None = None  # torch's intra-op threads (None: leave as is)
     native: bool = True  # False: the torch step even where native.c builds (TURBO_NATIVE=0)
     quant_cpu: str = "auto"  # TURBO_QUANT_CPU: auto | kernel | packed | dequant | native (turbo.quant)
+    kv_cache: str = "auto"  # auto | float32 | bfloat16: the attention layers' K/V cache (auto: turbo.loader.kv_dtype)
     cache_dir: Path | None = None  # native.c's build cache (TURBO_CACHE; None: XDG / ~/.cache)
     compiler: str | None = None  # native.c's C compiler (CC; None: cc, gcc or clang on PATH)
     ptx_dir: Path | None = None  # backend cuda's PTX (TURBO_PTX_DIR; None: kernels_ptx/ of the checkout)
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
+        if self.kv_cache not in KV_CACHES:
+            raise TurboError(f"kv_cache {self.kv_cache!r} is not one of {', '.join(KV_CACHES)}")
 
     @classmethod
     def from_env(cls, **given) -> "OpenOptions":

@@ -120,8 +120,9 @@ def trunk_matrices(w: TrunkWeights | Trunk) -> list[torch.Tensor]:
 
 class Trunk:
     def __init__(self, arch: Arch, weights: TrunkWeights, dtype: torch.dtype, device: torch.device,
-                 make_step: Callable[[Trunk], TrunkStep], why_torch: str | None = None):
+                 kv_dtype: torch.dtype, make_step: Callable[[Trunk], TrunkStep], why_torch: str | None = None):
         self.arch, self.dtype, self.device = arch, dtype, device
+        self.kv_dtype = kv_dtype  # the attention layers' K/V caches (turbo.loader.kv_dtype)
         self.embed, self.lm_head, self.final_norm = weights.embed, weights.lm_head, weights.final_norm
         self.layers, self.inv_freq = weights.layers, weights.inv_freq
         self.stepper = make_step(self)  # (may repack the matrices for its own products)
@@ -138,9 +139,9 @@ class Trunk:
 
     def new_state(self, capacity: int = 256) -> TrunkState:
         a, dev = self.arch, self.device
-        kv = {i: (torch.zeros(a.num_kv_heads, capacity, a.head_dim, device=dev),
-                  torch.zeros(a.num_kv_heads, capacity, a.head_dim, device=dev))
-              for i in a.full_layers}
+        kv = {i: (torch.zeros(a.num_kv_heads, capacity, a.head_dim, dtype=self.kv_dtype, device=dev),
+                  torch.zeros(a.num_kv_heads, capacity, a.head_dim, dtype=self.kv_dtype, device=dev))
+              for i in a.full_layers}  # K, V [kv_heads, capacity, head_dim] per full-attention layer
         gdn = {i: (torch.zeros(a.lin_v_heads, a.lin_k_dim, a.lin_v_dim, device=dev),
                    torch.zeros(a.conv_kernel - 1, a.lin_conv_dim, device=dev))
                for i in range(a.num_layers) if a.is_gdn(i)}
@@ -251,9 +252,10 @@ class Trunk:
                 kc, vc = st.kv[i]
                 kc[:, :n], vc[:, :n] = k.transpose(0, 1), v.transpose(0, 1)
                 rep = a.num_heads // a.num_kv_heads
+                # the keys and values as cached (a bf16 cache's rounded), as the steps after read them
                 att = F.scaled_dot_product_attention(
-                    q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(rep, 0)[None],
-                    v.transpose(0, 1).repeat_interleave(rep, 0)[None], is_causal=True)
+                    q.transpose(0, 1)[None], kc[:, :n].float().repeat_interleave(rep, 0)[None],
+                    vc[:, :n].float().repeat_interleave(rep, 0)[None], is_causal=True)
                 y = ops.linear(att[0].transpose(0, 1).reshape(n, -1) * ops.sigmoid(gate), m.o)
             x = x + y
             x = x + self.mlp(layer, ops.rms_norm(x, layer.post_norm, a.rms_eps))

@@ -738,6 +738,36 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
     mlp_block(L, x, R);
 }
 
+/* The K/V caches hold fp32 (kv_type 0) or bf16 (kv_type 1) values. bf16 rows are written
+ * rounded to nearest (ties to even) and widened exactly to fp32 where attention reads them, a
+ * few rows at a time into a buffer, once for all the queries that read them: every sum below
+ * is the fp32 cache's code, in its order, over the rounded values. */
+static inline size_t kv_bytes(int kt) { return kt ? sizeof(uint16_t) : sizeof(float); }
+
+/* x [n] into a cache row (dst, of the cache's type). */
+static void kv_store(void *dst, int kt, const float *x, int n) {
+    if (kt == 0) {
+        memcpy(dst, x, sizeof(float) * n);
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        uint32_t bits;
+        memcpy(&bits, x + i, 4);
+        ((uint16_t *)dst)[i] = (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+}
+
+/* Values [at, at + n) of a cache as fp32: the cache's own (fp32), or widened into buf (bf16). */
+static inline const float *kv_floats(const void *c, int kt, size_t at, size_t n, float *buf) {
+    if (kt == 0) return (const float *)c + at;
+    const uint16_t *h = (const uint16_t *)c + at;
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = (uint32_t)h[i] << 16;
+        memcpy(buf + i, &u, 4);
+    }
+    return buf;
+}
+
 /* a . b over n values in a fixed order: 16 lanes, the lanes in order, then the tail. */
 static inline float dot(const float *a, const float *b, int n) {
     int nv = n & ~15;
@@ -812,14 +842,15 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
  * n[q] rows, for d a multiple of 64: element for element the same chains as weighted_sum
  * (even and odd t in two sums added at the end), so the bits are weighted_sum's. V [*, d] is read once, row after row (a long cache streams from memory
  * at full speed; weighted_sum's strips jump a row's length every 64 columns). acc [nq, 2, d]:
- * the sums, in memory (nq * d * 8 bytes: for the few rows of a decode step or a verify). */
-static void weighted_sums(const float *const *p, const int *n, int nq, const float *V, int d, float *acc,
-                          float *const *out) {
+ * the sums, in memory (nq * d * 8 bytes: for the few rows of a decode step or a verify); row
+ * [d]: a bf16 V row widened. */
+static void weighted_sums(const float *const *p, const int *n, int nq, const void *V, int kt, int d, float *acc,
+                          float *row, float *const *out) {
     int most = 0;
     memset(acc, 0, sizeof(float) * (size_t)nq * 2 * d);
     for (int q = 0; q < nq; q++) most = n[q] > most ? n[q] : most;
     for (int t = 0; t < most; t++) {
-        const float *v = V + (size_t)t * d;
+        const float *v = kv_floats(V, kt, (size_t)t * d, d, row);
         for (int q = 0; q < nq; q++) {
             if (t >= n[q]) continue;
             float pt = p[q][t], *a = acc + ((size_t)q * 2 + (t & 1)) * d;
@@ -863,28 +894,35 @@ static void rope(float *x, int rot, const float *inv_freq, int pos) {
 #define FEW_QUERIES 64
 
 /* Kv head j of attn_layer: the scores of every row's queries on its keys K [N, hd], their
- * softmax, and the gated weighted sums of V [N, hd] into att. */
-static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int N, const float *K, const float *V,
+ * softmax, and the gated weighted sums of V [N, hd] into att (K, V of L->kv_type). */
+static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int N, const void *K, const void *V,
                            const float *proj, const float *qs, float *scores, float *att) {
     int nh = L->heads, hd = L->head_dim, groups = nh / L->kv_heads, P = 2 * nh * hd + 2 * L->kv_heads * hd;
+    int kt = L->kv_type;
     float scale = 1.0f / sqrtf((float)hd);
+    float *keys = kt ? malloc(sizeof(float) * 4 * hd) : NULL; /* [4, hd]: bf16 keys widened */
     /* four keys at a time: they are read once for all the queries (each score is still one
      * `dot`); a row also scores the block's keys past its own, never read */
     int t = 0;
-    for (; t + 4 <= N; t += 4)
+    for (; t + 4 <= N; t += 4) {
+        const float *k4 = kv_floats(K, kt, (size_t)t * hd, 4 * (size_t)hd, keys);
         for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                 size_t qi = (size_t)r * nh + hq;
                 float *sc = scores + qi * N + t;
-                dot4(qs + qi * hd, K + (size_t)t * hd, hd, sc);
+                dot4(qs + qi * hd, k4, hd, sc);
                 for (int e = 0; e < 4; e++) sc[e] *= scale;
             }
-    for (; t < N; t++)
+    }
+    for (; t < N; t++) {
+        const float *k1 = kv_floats(K, kt, (size_t)t * hd, hd, keys);
         for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                 size_t qi = (size_t)r * nh + hq;
-                scores[qi * N + t] = dot(qs + qi * hd, K + (size_t)t * hd, hd) * scale;
+                scores[qi * N + t] = dot(qs + qi * hd, k1, hd) * scale;
             }
+    }
+    free(keys);
     for (int r = 0; r < R; r++)
         for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
             int n = p0 + r + 1 - start;
@@ -896,7 +934,7 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
         }
     if (R * groups <= FEW_QUERIES) { /* a decode step or a verify: V streamed once, row by row */
         const float *p[FEW_QUERIES];
-        float *out[FEW_QUERIES], acc[FEW_QUERIES * 2 * 256];
+        float *out[FEW_QUERIES], acc[FEW_QUERIES * 2 * 256], row[256];
         int n[FEW_QUERIES], nq = 0;
         for (int r = 0; r < R; r++)
             for (int hq = j * groups; hq < (j + 1) * groups; hq++, nq++) {
@@ -904,15 +942,20 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
                 out[nq] = att + ((size_t)r * nh + hq) * hd;
             }
         if (hd <= 256 && hd % 64 == 0) { /* (weighted_sum's one-chain columns would compile differently) */
-            weighted_sums(p, n, nq, V, hd, acc, out);
+            weighted_sums(p, n, nq, V, kt, hd, acc, row, out);
             goto gated;
         }
     }
-    for (int c = 0; c < hd; c += V_STRIP)
-        for (int r = 0; r < R; r++)
-            for (int hq = j * groups; hq < (j + 1) * groups; hq++)
-                weighted_sum(scores + ((size_t)r * nh + hq) * N, V + c, p0 + r + 1 - start,
-                             hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+    { /* a prefill chunk's many queries: a bf16 V widened whole first ([N, hd], a chunk's rows share it) */
+        float *wide = kt ? malloc(sizeof(float) * (size_t)N * hd) : NULL;
+        const float *vf = kv_floats(V, kt, 0, (size_t)N * hd, wide);
+        for (int c = 0; c < hd; c += V_STRIP)
+            for (int r = 0; r < R; r++)
+                for (int hq = j * groups; hq < (j + 1) * groups; hq++)
+                    weighted_sum(scores + ((size_t)r * nh + hq) * N, vf + c, p0 + r + 1 - start,
+                                 hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+        free(wide);
+    }
 gated:
     for (int r = 0; r < R; r++)
         for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
@@ -923,14 +966,16 @@ gated:
 }
 
 /* One gated-attention layer over R rows at positions p0.., then its MLP. kc, vc
- * [kv_heads, cap, head_dim]: the rows' K and V are written at p0..p0+R-1; row r attends
- * to positions start..p0+r, exactly its own causal prefix (start: the first cached one). */
-void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, float *vc, int cap) {
-    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim;
+ * [kv_heads, cap, head_dim] of L->kv_type: the rows' K and V are written at p0..p0+R-1; row r
+ * attends to positions start..p0+r, exactly its own causal prefix (start: the first cached one). */
+void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, void *vc, int cap) {
+    int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim, kt = L->kv_type;
     int P = 2 * nh * hd + 2 * nkv * hd;
+    size_t kb = kv_bytes(kt);
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
     float *att = malloc(sizeof(float) * (size_t)R * nh * hd);
+    float *krow = malloc(sizeof(float) * (size_t)hd); /* [hd]: a row's K, normed and rotated, before it is stored */
     int N = p0 + R - start; /* keys the last row sees; row r sees the first N - (R - 1 - r) */
     /* rows attend in blocks whose scores [rows, heads, N] fit SCORE_FLOATS: memory stays a
      * chunk's however long the cache (the rows are independent: blocks change no value) */
@@ -944,10 +989,11 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
     for (int r = 0; r < R; r++) { /* K and V of every row into the cache first */
         const float *pr = proj + (size_t)r * P;
         for (int j = 0; j < nkv; j++) {
-            float *kd = kc + ((size_t)j * cap + p0 + r) * hd, *vd = vc + ((size_t)j * cap + p0 + r) * hd;
-            rms_norm(pr + 2 * nh * hd + j * hd, hd, L->k_norm, L->eps, kd);
-            rope(kd, L->rot, L->inv_freq, p0 + r);
-            memcpy(vd, pr + 2 * nh * hd + nkv * hd + j * hd, sizeof(float) * hd);
+            size_t at = ((size_t)j * cap + p0 + r) * hd;
+            rms_norm(pr + 2 * nh * hd + j * hd, hd, L->k_norm, L->eps, krow);
+            rope(krow, L->rot, L->inv_freq, p0 + r);
+            kv_store((char *)kc + at * kb, kt, krow, hd);
+            kv_store((char *)vc + at * kb, kt, pr + 2 * nh * hd + nkv * hd + j * hd, hd);
         }
     }
     for (int r = 0; r < R; r++) /* every row's queries, normed and rotated */
@@ -963,14 +1009,15 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, float *kc, f
         int parts = threads < nkv ? threads : nkv;
         if ((long)rows * nh * n * hd < MIN_PARALLEL_ATTENTION) parts = 1;
 #pragma omp parallel for num_threads(parts) schedule(static)
-        for (int j = 0; j < nkv; j++)
-            attend_kv_head(L, j, rows, p0 + r0, start, n, kc + ((size_t)j * cap + start) * hd,
-                           vc + ((size_t)j * cap + start) * hd, proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd,
-                           scores, att + (size_t)r0 * nh * hd);
+        for (int j = 0; j < nkv; j++) {
+            size_t at = ((size_t)j * cap + start) * hd;
+            attend_kv_head(L, j, rows, p0 + r0, start, n, (const char *)kc + at * kb, (const char *)vc + at * kb,
+                           proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd, scores, att + (size_t)r0 * nh * hd);
+        }
     }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
-    free(h); free(proj); free(att); free(qs); free(scores); free(y);
+    free(h); free(proj); free(att); free(krow); free(qs); free(scores); free(y);
     mlp_block(L, x, R);
 }
 

@@ -35,6 +35,7 @@ typedef struct {
     const void *qkv, *o;
     const float *q_norm, *k_norm, *inv_freq;
     int heads, kv_heads, head_dim, rot;
+    int kv_type; /* the K/V cache attn_layer reads and writes: fp32 0, bf16 1 */
     const Moe *moe; /* the MLP half routes to experts (native_moe.c) in place of gate_up / down; NULL: dense */
 } Layer;
 

@@ -65,6 +65,7 @@ class Layer(ctypes.Structure):
         ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p), ("inv_freq", ctypes.c_void_p),
         ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("rot", ctypes.c_int),
+        ("kv_type", ctypes.c_int),
         ("moe", ctypes.POINTER(Moe)),
     ]
 
@@ -523,8 +524,9 @@ def quantized_copy(w: torch.Tensor, bits: int, rows: int = 16384) -> Packed:
     return Packed(torch.cat(parts), w.shape[0], w.shape[1], LAYOUT_OF_BITS[bits])
 
 
-def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
-    """native.c's struct for one packed layer (its tensors must outlive it: it holds pointers)."""
+def layer_struct(a, layer, inv_freq: torch.Tensor, kv_dtype: torch.dtype) -> Layer:
+    """native.c's struct for one packed layer, an attention layer's K/V cache in `kv_dtype`
+    (its tensors must outlive it: it holds pointers)."""
     m = layer.mixer
     s = Layer(hidden=a.hidden, inter=a.intermediate, wtype=(m.in_proj if layer.gdn else m.qkv).wtype, eps=a.rms_eps,
               in_norm=ptr(layer.in_norm), post_norm=ptr(layer.post_norm),
@@ -538,6 +540,7 @@ def layer_struct(a, layer, inv_freq: torch.Tensor) -> Layer:
     else:
         s.qkv, s.o, s.q_norm, s.k_norm, s.inv_freq = ptr(m.qkv), ptr(m.o), ptr(m.q_norm), ptr(m.k_norm), ptr(inv_freq)
         s.heads, s.kv_heads, s.head_dim, s.rot = a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim
+        s.kv_type = WTYPES[kv_dtype]
     return s
 
 
@@ -580,7 +583,7 @@ class NativeTrunkStep:
 
     def __init__(self, trunk):
         self.trunk = trunk
-        self.structs = [layer_struct(trunk.arch, layer, trunk.inv_freq) for layer in trunk.layers]
+        self.structs = [layer_struct(trunk.arch, layer, trunk.inv_freq, trunk.kv_dtype) for layer in trunk.layers]
         self.addresses = [ctypes.addressof(s) for s in self.structs]
 
     def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
@@ -668,7 +671,7 @@ class NativeMtpStep:
         self.head = head
         pack_layer(head.layer, storage, layout)
         head.fc = pack_as(head.fc, storage, layout)
-        self.struct = layer_struct(head.arch, head.layer, head.trunk.inv_freq)
+        self.struct = layer_struct(head.arch, head.layer, head.trunk.inv_freq, head.trunk.kv_dtype)
         self.address = ctypes.addressof(self.struct)
 
     def _layer(self, x: torch.Tensor, p0: int) -> torch.Tensor:

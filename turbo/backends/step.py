@@ -20,7 +20,7 @@ class TrunkState:
     """Everything one sequence has cached: `pos` positions are committed."""
 
     pos: int
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [Hkv, capacity, d]
+    kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [Hkv, capacity, d] in the trunk's kv_dtype
     gdn: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> state [Hv, dk, dv] fp32, conv window [K-1, C]
     # a step's buffers kept for this sequence (the native step's states: `NativeTrunkStep.spare`)
     scratch: dict = field(default_factory=dict, repr=False, compare=False)

@@ -59,8 +59,9 @@ class TorchTrunkStep:
     def _attend_rows(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p0: int) -> torch.Tensor:
         """Each row attends to exactly its own causal prefix, one call per row, so a row's
         arithmetic does not depend on how many rows were verified with it."""
-        a = self.trunk.arch
-        return torch.stack([attend(q[r], kc[:, :p0 + r + 1], vc[:, :p0 + r + 1], a) for r in range(q.shape[0])])
+        a, end = self.trunk.arch, p0 + q.shape[0]
+        keys, values = kc[:, :end].float(), vc[:, :end].float()  # (a bf16 cache widened once per layer)
+        return torch.stack([attend(q[r], keys[:, :p0 + r + 1], values[:, :p0 + r + 1], a) for r in range(q.shape[0])])
 
     def replay(self, trace: GdnTrace, kept: int) -> torch.Tensor:
         state = trace.snapshot
@@ -102,7 +103,7 @@ class TorchMtpStep:
         hd = self.head
         a = hd.arch
         q, gate = self._write_kv(x, pos)
-        att = attend(q[0], hd.k[:, hd.start:pos + 1], hd.v[:, hd.start:pos + 1], a)[None]
+        att = attend(q[0], hd.k[:, hd.start:pos + 1].float(), hd.v[:, hd.start:pos + 1].float(), a)[None]
         x = x + ops.linear(att * ops.sigmoid(gate), hd.layer.mixer.o)
         x = x + hd.trunk.mlp(hd.layer, ops.rms_norm(x, hd.layer.post_norm, hd.eps))
         out = ops.rms_norm(x, hd.final_norm, hd.eps)

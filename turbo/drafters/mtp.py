@@ -92,8 +92,9 @@ class MtpDrafter(DrafterBase):
 
     def reset(self, capacity: int = 256) -> None:
         a = self.arch
-        self.k = torch.zeros(a.num_kv_heads, capacity, a.head_dim, device=self.device)
-        self.v = torch.zeros(a.num_kv_heads, capacity, a.head_dim, device=self.device)
+        kv = dict(dtype=self.trunk.kv_dtype, device=self.device)  # the trunk's cache dtype
+        self.k = torch.zeros(a.num_kv_heads, capacity, a.head_dim, **kv)  # [kv_heads, capacity, head_dim]
+        self.v = torch.zeros(a.num_kv_heads, capacity, a.head_dim, **kv)
         self.start = 0  # first cached position (later than 0 only when begin had no prompt tokens)
         self.filled = 0  # cached positions are [start, filled): every one from committed data
         self.last_x: torch.Tensor | None = None  # layer input of row filled-1 (the next draft's first step)

@@ -426,10 +426,10 @@ def pairs_into(dst: torch.Tensor, w: torch.Tensor) -> None:
     """w [m, k] into the first ceil(m/16) panels of dst [panels, ceil(k/2), 16, 2] (the
     "panel_pairs" layout; a last partial panel and an odd k's last pair zero-padded)."""
     m, k = w.shape
-    if k % 2 or m % PANEL:  # (a copy of the slice: the matrices of the family have neither)
-        w = torch.nn.functional.pad(w, (0, k % 2, 0, -m % PANEL))
-    panels = w.shape[0] // PANEL
-    dst[:panels].copy_(w.reshape(panels, PANEL, -1, 2).transpose(1, 2))
+    if k % 2:  # (a copy of the slice: the matrices of the family have even widths)
+        w = torch.nn.functional.pad(w, (0, 1))
+    # a pair is one 32-bit word: the panels' transpose over words, as fast as panels_into's
+    panels_into(dst.view(torch.int32).view(dst.shape[0], dst.shape[1], PANEL), w.to(dst.dtype).view(torch.int32))
 
 
 def pack_as(w: torch.Tensor | quant.QuantizedWeight, storage: torch.dtype, layout: str) -> Packed:

@@ -284,7 +284,8 @@ class PackedRows:
 
 
 def table_of(embed: torch.Tensor | PackedRows) -> tuple[int, int, int]:
-    """An embedding table as native code reads it: (pointer, wtype, 1 if panels else 0)."""
+    """An embedding table as native code reads it: (pointer, wtype, layout: 0 row-major, 1 panels,
+    2 panel pairs)."""
     if isinstance(embed, PackedRows):
         return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 2 if embed.packed.layout == "panel_pairs" else 1
     assert embed.is_contiguous() and embed.device.type == "cpu"
@@ -561,7 +562,7 @@ def trunk_refusal(device: torch.device, dtype: torch.dtype, quantized_kept: bool
 def spare(st: TrunkState, key: tuple, rows: int, held: torch.Tensor) -> torch.Tensor:
     """`rows` GDN states [rows, Hv, dk, dv] for a step of sequence `st` to write, from two
     buffers it keeps per `key`: the one `held` (the state the step reads, which its trace keeps
-    as the snapshot) does not lie in. Fresh ones (1 MB a layer and row at 0.8B: ~160 MB per
+    as the snapshot) does not lie in. Fresh ones (1 MB a layer and row at 0.8B: ~140 MB per
     9-row verify) come back from the allocator as new pages the kernel zeroes first, a second
     write of every checkpoint; so a step's states and checkpoints live until this sequence's
     next step, as a trace is used."""

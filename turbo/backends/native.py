@@ -634,7 +634,10 @@ class NativeTrunkStep:
                 states = spare(st, ("states", i), rows - 1, state) if rollback == "checkpoint" else None
                 lib.gdn_layer(address, xp, rows, state.data_ptr(), new_state.data_ptr(), window.data_ptr(),
                               ext.data_ptr(), inputs.data_ptr(), ptr(states) if rows > 1 else None)
-                st.gdn[i] = (new_state, ext[rows:])
+                window = ext[rows:]  # [taps-1, C]: a view that keeps all of ext [taps-1+R, C] alive
+                if rollback is None and rows >= taps:  # (a prefill chunk's ext: 6 MB a layer at 0.8B)
+                    window = window.clone()
+                st.gdn[i] = (new_state, window)
                 if rollback is not None:
                     traces[i] = GdnTrace(state, ext, self._inputs(inputs, rows) if rollback == "replay" else None,
                                          [*states.unbind(0), new_state] if states is not None else None)

@@ -71,6 +71,26 @@ def test_native_verify_rows_equal_decode_steps_and_threads_agree():
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
 
+@pytest.mark.parametrize("kv_cache", ["float32", "bfloat16"])
+def test_verify_rows_equal_decode_steps_at_an_odd_head_shape(tmp_path, kv_cache):
+    """Three query heads a kv head (scores run four queries at a time: a head's row falls in a
+    quad or outside one depending on the row count) and head_dim 24 (a tail past the 16 lanes)."""
+    if native.library() is None:
+        pytest.skip(f"native step unavailable: {native.why_not()}")
+    from helpers import make_install
+
+    _, path = make_install(tmp_path, seed=3, num_attention_heads=6, num_key_value_heads=2, head_dim=24)
+    trunk = trunk_of(path, kv_cache=kv_cache, native=True)
+    st = trunk.new_state(200)
+    trunk.prefill(st, [(7 * i) % 300 + 3 for i in range(61)])
+    for rows in range(1, 13):
+        tokens = [(11 * rows + 5 * j) % 300 + 3 for j in range(rows)]
+        single = copy.deepcopy(st)
+        verify = trunk.step(st, tokens, (), "checkpoint")
+        steps = [trunk.step(single, [t], (), None) for t in tokens]
+        assert torch.equal(verify.logits, torch.cat([s.logits for s in steps])), rows
+
+
 @pytest.mark.parametrize("drafter", ["dflash", "mtp", "ngram"])
 def test_speculation_is_lossless_with_a_bf16_cache(drafter, step_path):
     rt = turbo.open("tiny", backend="cpu", kv_cache="bfloat16")

@@ -5,7 +5,8 @@
 A decode step's cost does not depend on the cached values, only on how many there are: each
 state's caches are filled with random rows and its position set (no prefill, which would take
 minutes at 4096), then the steps of every (kv_cache, context) pair run interleaved, one step
-each in turn, so a load change on a shared machine falls on all of them alike. Prints each
+each in turn, so a load change on a shared machine falls on all of them alike (--prefill: the
+states come from a real prefill of random ids instead, the recurrent states included). Prints each
 pair's median tok/s with the [min, max] step times, and the ratio long / short per cache.
 """
 
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40, help="timed decode steps per (kv_cache, context)")
     ap.add_argument("--contexts", type=int, nargs=2, default=[512, 4096], metavar=("SHORT", "LONG"))
     ap.add_argument("--kv-cache", nargs="+", default=["float32", "bfloat16"], choices=("float32", "bfloat16"))
+    ap.add_argument("--prefill", action="store_true",
+                    help="fill each state by prefilling random token ids (real states; ~35 s at 4096) instead of random rows")
     args = ap.parse_args()
     install = shapes.build(args.shape)
     runs = {}  # (kv_cache, context) -> (trunk, state, step times)
@@ -41,9 +44,12 @@ def main() -> None:
         for n in args.contexts:
             st = trunk.new_state(n + args.steps + 2)
             g = torch.Generator().manual_seed(n)
-            for k, v in st.kv.values():
-                k.copy_(torch.randn(k.shape, generator=g)), v.copy_(torch.randn(v.shape, generator=g))
-            st.pos = n
+            if args.prefill:
+                trunk.prefill(st, torch.randint(3, 4000, (n,), generator=g).tolist())
+            else:
+                for k, v in st.kv.values():
+                    k.copy_(torch.randn(k.shape, generator=g)), v.copy_(torch.randn(v.shape, generator=g))
+                st.pos = n
             trunk.step(st, [7])  # a warm-up step
             runs[(kv, n)] = (trunk, st, [])
     print(f"load: {os.getloadavg()}, threads {args.threads}", file=sys.stderr)

@@ -41,25 +41,32 @@ def test_a_bad_value_is_one_error_naming_the_choices():
         OpenOptions(kv_cache="float16")
 
 
+def verifies_equal_steps(trunk, st, max_rows: int = 12) -> list[torch.Tensor]:
+    """From `st`, a verify of R rows against R decode steps from a copy of the same state,
+    R = 1..max_rows (st advances by the verifies): hidden states, logits and caches equal bit for
+    bit. Returns each verify's logits and the first full layer's caches after it."""
+    out = []
+    for rows in range(1, max_rows + 1):
+        tokens = [(11 * rows + 5 * j) % 300 + 3 for j in range(rows)]
+        single = copy.deepcopy(st)
+        verify = trunk.step(st, tokens, (), "checkpoint")
+        steps = [trunk.step(single, [t], (), None) for t in tokens]
+        assert torch.equal(verify.hidden, torch.cat([s.hidden for s in steps])), rows
+        assert torch.equal(verify.logits, torch.cat([s.logits for s in steps])), rows
+        assert all(torch.equal(a, b) for i in st.kv for a, b in zip(st.kv[i], single.kv[i]))
+        out += [verify.logits, *st.kv[trunk.arch.full_layers[0]]]
+    return out
+
+
 def rows_and_steps(threads: int) -> list[torch.Tensor]:
-    """After a 1400-token prompt (a 12-row verify's attention splits over two threads), a
-    verify of R rows and R decode steps from the same state, R = 1..12."""
+    """After a 1400-token prompt (a 12-row verify's attention splits over two threads),
+    verifies_equal_steps."""
     torch.set_num_threads(threads)
     try:
         trunk = trunk_of("tiny", kv_cache="bfloat16", native=True)
         st = trunk.new_state(1500)
         prompt = [(7 * i) % 300 + 3 for i in range(1400)]
-        out = [trunk.prefill(st, prompt, want_logits=True).logits]
-        for rows in range(1, 13):
-            tokens = [(11 * rows + 5 * j) % 300 + 3 for j in range(rows)]
-            single = copy.deepcopy(st)
-            verify = trunk.step(st, tokens, (), "checkpoint")
-            steps = [trunk.step(single, [t], (), None) for t in tokens]
-            assert torch.equal(verify.hidden, torch.cat([s.hidden for s in steps])), rows
-            assert torch.equal(verify.logits, torch.cat([s.logits for s in steps])), rows
-            assert all(torch.equal(a, b) for i in st.kv for a, b in zip(st.kv[i], single.kv[i]))
-            out += [verify.logits, *st.kv[trunk.arch.full_layers[0]]]
-        return out
+        return [trunk.prefill(st, prompt, want_logits=True).logits, *verifies_equal_steps(trunk, st)]
     finally:
         torch.set_num_threads(1)
 
@@ -83,12 +90,7 @@ def test_verify_rows_equal_decode_steps_at_an_odd_head_shape(tmp_path, kv_cache)
     trunk = trunk_of(path, kv_cache=kv_cache, native=True)
     st = trunk.new_state(200)
     trunk.prefill(st, [(7 * i) % 300 + 3 for i in range(61)])
-    for rows in range(1, 13):
-        tokens = [(11 * rows + 5 * j) % 300 + 3 for j in range(rows)]
-        single = copy.deepcopy(st)
-        verify = trunk.step(st, tokens, (), "checkpoint")
-        steps = [trunk.step(single, [t], (), None) for t in tokens]
-        assert torch.equal(verify.logits, torch.cat([s.logits for s in steps])), rows
+    verifies_equal_steps(trunk, st)
 
 
 @pytest.mark.parametrize("drafter", ["dflash", "mtp", "ngram"])

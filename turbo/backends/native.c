@@ -920,8 +920,8 @@ static inline __attribute__((always_inline)) void strip_sums(const int NQ, const
     for (; t + 2 <= t1; t += 2) {
         if (ahead) /* the next block's same columns, while this one is summed */
             for (size_t b = 0; b < 2 * (size_t)d * kv_bytes(kt); b += (size_t)d * kv_bytes(kt))
-                for (size_t o = 0; o < 32 * kv_bytes(kt); o += 64)
-                    __builtin_prefetch((const char *)V + ((size_t)t * d + c) * kv_bytes(kt) + ahead + b + o, 0, 2);
+                for (size_t at = 0; at < 32 * kv_bytes(kt); at += 64)
+                    __builtin_prefetch((const char *)V + ((size_t)t * d + c) * kv_bytes(kt) + ahead + b + at, 0, 2);
         v16 u0 = load_w(V, kt, (size_t)t * d + c), u1 = load_w(V, kt, (size_t)t * d + c + 16);
         v16 w0 = load_w(V, kt, (size_t)(t + 1) * d + c), w1 = load_w(V, kt, (size_t)(t + 1) * d + c + 16);
         for (int a = 0; a < NQ; a++) {

@@ -894,10 +894,6 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
     }
 }
 
-/* Columns of V summed per strip, every query of a kv head over one strip before the next:
- * a strip of a long cache (n x 64 floats) stays in the cache while the queries reread it,
- * so each cached value comes from memory once per step. */
-#define V_STRIP 64
 /* Queries of a kv head (rows x its query heads) summed by weighted_sums, V read once for all. */
 #define FEW_QUERIES 64
 
@@ -1002,6 +998,10 @@ static void rope(float *x, int rot, const float *inv_freq, int pos) {
     }
 }
 
+/* Columns of V summed per strip, every query of a kv head over one strip before the next:
+ * a strip of a long cache (n x 64 floats) stays in the cache while the queries reread it,
+ * so each cached value comes from memory once per step. */
+#define V_STRIP 64
 /* How far ahead of the scores the keys are fetched (keys; a few KB). */
 #define KEYS_AHEAD 16
 
@@ -1053,7 +1053,7 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
             float z = sum_of(sr, n);
             for (int t = 0; t < n; t++) sr[t] /= z;
         }
-    if (R * groups <= FEW_QUERIES) { /* a decode step or a verify: V streamed once, row by row */
+    if (R * groups <= FEW_QUERIES) { /* a decode step or a verify: V streamed once, a block at a time */
         const float *p[FEW_QUERIES];
         float *out[FEW_QUERIES], acc[FEW_QUERIES * 2 * 256];
         int n[FEW_QUERIES], nq = 0;

@@ -144,3 +144,28 @@ def test_the_native_and_torch_steps_agree_on_a_bf16_cache():
     (a, ta), (b, tb) = (first_logits_and_greedy("tiny", "bfloat16", s, n=16) for s in (True, False))
     assert (a - b).abs().max() < 2e-3
     assert ta == tb
+
+
+def wide_rows_and_steps(path, threads: int) -> list[torch.Tensor]:
+    torch.set_num_threads(threads)
+    try:
+        trunk = trunk_of(path, native=True)
+        st = trunk.new_state(200)
+        trunk.prefill(st, [(7 * i) % 300 + 3 for i in range(70)])
+        return verifies_equal_steps(trunk, st)
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_rows_split_over_threads_at_a_wide_shape(tmp_path):
+    """Conv, norms and activations 2048 wide: from 8 rows a verify's row loops split over two
+    threads (native.c row_parts), and each row is still a decode step, whatever the split."""
+    if native.library() is None:
+        pytest.skip(f"native step unavailable: {native.why_not()}")
+    from helpers import make_install
+
+    _, path = make_install(tmp_path, seed=5, linear_num_key_heads=4, linear_key_head_dim=128,
+                           linear_num_value_heads=8, linear_value_head_dim=128, intermediate_size=2048,
+                           num_attention_heads=8, num_key_value_heads=2, head_dim=256)
+    one, two = wide_rows_and_steps(path, 1), wide_rows_and_steps(path, 2)
+    assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

@@ -91,8 +91,8 @@ static inline float lanes_sum(v16 a) {
 /* Matrix products of at least this many multiply-adds are split over the threads. */
 #define MIN_PARALLEL_MACS 65536
 /* Attention (scores) of at least this many: a one-row step over a short cache costs less than
- * the threads' barrier on a busy machine (decode over 2048+ cached positions splits). */
-#define MIN_PARALLEL_ATTENTION (1L << 22)
+ * the threads' barrier on a busy machine (a decode step over 512+ cached positions splits, a 9-row verify over 64+). */
+#define MIN_PARALLEL_ATTENTION (1L << 20)
 /* The attention scores one call holds at most (4M floats, 16 MB; at least one row's). */
 #define SCORE_FLOATS (1L << 22)
 static int threads = 1;
@@ -101,6 +101,14 @@ static int threads = 1;
  * library shares the process's libgomp -- the one torch loaded -- so its parallel regions
  * use torch's pool instead of a second pool competing for the same cores. */
 void set_threads(int n) { threads = n < 1 ? 1 : n; }
+
+/* Loops over a call's rows (norms, the conv, activations: each row computed whole by one thread,
+ * so no value depends on the split) use the threads from this many values on: a verify's rows
+ * at real scale, not a decode step's one row or the tiny model's (less than a barrier). */
+#define MIN_PARALLEL_ROWS (1L << 14)
+static inline int row_parts(int R, long per_row) {
+    return R > 1 && R * per_row >= MIN_PARALLEL_ROWS ? (threads < R ? threads : R) : 1;
+}
 
 /* Outputs o0..o0+15 of one row (those below n) from a tile's register. */
 static inline void store_outputs(float *row, int n, int o0, v16 v) {
@@ -543,6 +551,8 @@ static void mlp_block(const Layer *L, float *x, int R) {
     float *y = malloc(sizeof(float) * (size_t)R * H);
     rms_norm_rows(x, R, H, L->post_norm, L->eps, h);
     linear_packed(h, R, H, L->gate_up, L->wtype, 2 * I, gu);
+    int parts = row_parts(R, I);
+#pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
     for (int r = 0; r < R; r++)
         for (int i = 0; i < I; i++)
             act[(size_t)r * I + i] = fast_silu(gu[(size_t)r * 2 * I + i]) * gu[(size_t)r * 2 * I + I + i];
@@ -658,7 +668,7 @@ void gdn_recurrence(const float *state_in, float *state, int R, int Hv, int dk, 
                     const float *k, const float *v, const float *g, const float *beta, float *out, float *states) {
     size_t per = (size_t)dk * dv;
     int parts = threads < Hv ? threads : Hv, streamed = states && ((uintptr_t)states & 63) == 0 && dv % 16 == 0;
-    if (R < 2 || (long)R * Hv * per < MIN_PARALLEL_MACS) parts = 1; /* a decode step's: less than a barrier */
+    if ((long)R * Hv * per < MIN_PARALLEL_MACS) parts = 1; /* the tiny model's decode step: less than a barrier */
 #pragma omp parallel for num_threads(parts) schedule(static)
     for (int h = 0; h < Hv; h++) {
         const float *Sin = state_in + h * per;
@@ -687,7 +697,7 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
     int kd = Hk * dk, vd = Hv * dv, C = 2 * kd + vd, P = C + vd + 2 * Hv, rep = Hv / Hk;
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
-    float *mixed = malloc(sizeof(float) * (size_t)C);
+    float *mix = malloc(sizeof(float) * (size_t)R * C); /* [R, C]: each row's conv output */
     float *o = malloc(sizeof(float) * (size_t)R * vd);
     float *y = malloc(sizeof(float) * (size_t)R * H);
     float *q = inputs, *k = q + (size_t)R * Hv * dk, *v = k + (size_t)R * Hv * dk, *g = v + (size_t)R * vd;
@@ -700,8 +710,11 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
     float *taps = malloc(sizeof(float) * (size_t)K * C); /* conv [C, K] as [K, C]: the loops below vectorise */
     for (int c = 0; c < C; c++)
         for (int j = 0; j < K; j++) taps[(size_t)j * C + c] = L->conv[(size_t)c * K + j];
+    int parts = row_parts(R, C);
+#pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
     for (int r = 0; r < R; r++) {
         const float *pr = proj + (size_t)r * P;
+        float *mixed = mix + (size_t)r * C;
         for (int c = 0; c < C; c++) mixed[c] = ext[(size_t)r * C + c] * taps[c];
         for (int j = 1; j < K; j++)
             for (int c = 0; c < C; c++) mixed[c] = mixed[c] + ext[(size_t)(r + j) * C + c] * taps[(size_t)j * C + c];
@@ -723,6 +736,8 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
         }
     }
     gdn_recurrence(state_in, state, R, Hv, dk, dv, q, k, v, g, beta, o, states);
+    parts = row_parts(R, vd);
+#pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
     for (int r = 0; r < R; r++) /* per-head RMSNormGated: plain weight times silu(z) */
         for (int hv = 0; hv < Hv; hv++) {
             float *oh = o + ((size_t)r * Hv + hv) * dv;
@@ -734,7 +749,7 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
         }
     linear_packed(o, R, vd, L->out, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
-    free(h); free(proj); free(mixed); free(o); free(y); free(taps);
+    free(h); free(proj); free(mix); free(o); free(y); free(taps);
     mlp_block(L, x, R);
 }
 
@@ -1096,7 +1111,7 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, vo
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
     float *att = malloc(sizeof(float) * (size_t)R * nh * hd);
-    float *krow = malloc(sizeof(float) * (size_t)hd); /* [hd]: a row's K, normed and rotated, before it is stored */
+    float *kbuf = malloc(sizeof(float) * (size_t)R * hd); /* [R, hd] */
     int N = p0 + R - start; /* keys the last row sees; row r sees the first N - (R - 1 - r) */
     /* rows attend in blocks whose scores [rows, heads, N] fit SCORE_FLOATS: memory stays a
      * chunk's however long the cache (the rows are independent: blocks change no value) */
@@ -1107,16 +1122,20 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, vo
     float *y = malloc(sizeof(float) * (size_t)R * H);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
     linear_packed(h, R, H, L->qkv, L->wtype, P, proj);
+    int parts = row_parts(R, (long)nh * hd);
+#pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
     for (int r = 0; r < R; r++) { /* K and V of every row into the cache first */
         const float *pr = proj + (size_t)r * P;
         for (int j = 0; j < nkv; j++) {
             size_t at = ((size_t)j * cap + p0 + r) * hd;
+            float *krow = kbuf + (size_t)r * hd; /* the row's K, normed and rotated, before it is stored */
             rms_norm(pr + 2 * nh * hd + j * hd, hd, L->k_norm, L->eps, krow);
             rope(krow, L->rot, L->inv_freq, p0 + r);
             kv_store((char *)kc + at * kb, kt, krow, hd);
             kv_store((char *)vc + at * kb, kt, pr + 2 * nh * hd + nkv * hd + j * hd, hd);
         }
     }
+#pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
     for (int r = 0; r < R; r++) /* every row's queries, normed and rotated */
         for (int hq = 0; hq < nh; hq++) {
             float *q = qs + ((size_t)r * nh + hq) * hd;
@@ -1127,7 +1146,7 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, vo
      * whatever the thread count (and the row count: each score and sum is its own chain) */
     for (int r0 = 0; r0 < R; r0 += block) {
         int rows = R - r0 < block ? R - r0 : block, n = p0 + r0 + rows - start;
-        int parts = threads < nkv ? threads : nkv;
+        parts = threads < nkv ? threads : nkv;
         if ((long)rows * nh * n * hd < MIN_PARALLEL_ATTENTION) parts = 1;
 #pragma omp parallel for num_threads(parts) schedule(static)
         for (int j = 0; j < nkv; j++) {
@@ -1138,7 +1157,7 @@ void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, vo
     }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
-    free(h); free(proj); free(att); free(krow); free(qs); free(scores); free(y);
+    free(h); free(proj); free(att); free(kbuf); free(qs); free(scores); free(y);
     mlp_block(L, x, R);
 }
 

@@ -190,3 +190,30 @@ def test_matrices_take_the_layout_of_the_step(spec_install, step_path):
     else:
         for w in trunk.matrices():
             assert ops.calibrate_rows(w) in ops.ROW_BLOCK_CANDIDATES + (0,)
+
+
+def test_the_native_argmax_is_torchs():
+    """accept_greedy's row argmax (native.c): the first of equal maxima, a NaN over any number,
+    across the 16 lanes and in the tail, at widths below, at and past a vector."""
+    if native.library() is None:
+        pytest.skip(f"native step unavailable: {native.why_not()}")
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for n in (1, 7, 16, 17, 40, 4099, 248320):
+        x = torch.randn(n, generator=g)
+        rows.append(x)
+        rows.append(torch.randint(-3, 3, (n,), generator=g).float())  # ties everywhere
+        rows.append(torch.full((n,), float("-inf")))
+        for at in {0, n // 2, n - 1}:
+            y = x.clone()
+            y[at] = float("nan")
+            rows.append(y)
+            y = x.clone()
+            y[at] = y.max() + 1  # one peak, lane and tail alike
+            rows.append(y)
+            y = x.clone()
+            y[at] = float("inf")
+            y[-1] = float("inf")  # a tie at inf: the first
+            rows.append(y)
+    for row in rows:
+        assert ops.argmax(row) == int(row.argmax()), (row.shape, row[:4])

@@ -134,6 +134,15 @@ VECTOR_ALIGN = 64
 PARALLEL_GRAIN = 32768
 
 
+def argmax(row: torch.Tensor) -> int:
+    """The index of the largest value of a row [n], the first of equals (torch.argmax's answer):
+    native.c's pass where it can read the row (torch's is a fifth of an int4 decode step's
+    time at a 248K vocabulary)."""
+    if row.device.type == "cpu" and row.dtype == torch.float32 and row.is_contiguous() and native.library():
+        return native.argmax(row)
+    return int(row.argmax())
+
+
 def rowwise(fn, x: torch.Tensor) -> torch.Tensor:
     """fn applied to x [R, w] so that row i's result does not depend on R."""
     rows, width = x.shape

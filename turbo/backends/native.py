@@ -108,6 +108,7 @@ SIGNATURES = {
     "dflash_forward": "p i i i p p",
     "dflash_add_context": "p p i i",
     "dflash_select": "p p i i i p i p p i i p",
+    "argmax_rows": "p i i p",
 }
 RETURNS_INT = {"dot_products", "struct_size"}  # (the rest return nothing)
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
@@ -449,6 +450,13 @@ def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.n)
     threaded().linear_packed(x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), w.wtype, w.n, y.data_ptr())
     return y
+
+
+def argmax(row: torch.Tensor) -> int:
+    """torch.argmax of a contiguous fp32 row [n] on the CPU (the first of equals; a NaN wins)."""
+    out = ctypes.c_int()
+    _lib.argmax_rows(row.data_ptr(), 1, row.shape[0], ctypes.byref(out))
+    return out.value
 
 
 # ---- the steps ----------------------------------------------------------------------------

@@ -153,7 +153,7 @@ class MtpDrafter(DrafterBase):
         self._append(prompt_out.hidden, list(tokens[1:n + 1]))
 
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
-        return self._chain(anchor, anchor_pos, block, lambda logits: int(logits[0].argmax()))
+        return self._chain(anchor, anchor_pos, block, lambda logits: ops.argmax(logits[0]))
 
     def propose_sampled(self, anchor: int, anchor_pos: int, block: int,
                         sampler: Sampler) -> tuple[list[int], torch.Tensor | None]:

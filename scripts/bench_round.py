@@ -1,6 +1,7 @@
 """What a speculative round costs against a decode step, and what it buys, per block.
 
     python scripts/bench_round.py [--shape tiny|qwen3.5-0.8b] [--format bf16 int4 ...] [--accept 0.8]
+        [--rollback checkpoint replay]
 
 For each weight format (an install of the named shape, random weights: scripts/shapes.py for
 the published shapes, tests/helpers.py for tiny), interleaved format by format in every
@@ -8,7 +9,7 @@ repetition: the time of a verify of R rows over one decode step, plain and keepi
 state checkpoints (rollback checkpoint), then tokens/s of whole generations against plain
 decode with a scripted drafter (tests/helpers.py) landing each proposal with probability
 --accept, so the acceptance is fixed and only the engine's costs vary (the draft costs
-nothing). Medians over --reps, with the spread (min..max). A benchmark, not a test: time it
+nothing), once per --rollback strategy (default checkpoint). Medians over --reps, with the spread (min..max). A benchmark, not a test: time it
 under the machine's bench lock.
 """
 
@@ -101,6 +102,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5, help="steps per timing")
     ap.add_argument("--rows", type=int, nargs="+", default=[2, 3, 5, 9])
     ap.add_argument("--blocks", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--rollback", nargs="+", default=["checkpoint"], choices=("checkpoint", "replay"),
+                    help="rollback strategies of the tokens/s runs (each format x strategy a row)")
     ap.add_argument("--skip-tokens", action="store_true", help="the verify table only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -111,7 +114,7 @@ def main() -> None:
         prompt = torch.randint(0, min(vocab, 4000), (128,), generator=torch.Generator().manual_seed(0)).tolist()
         schedule = landed_schedule(args.accept, max(args.blocks))
         times = {f: [] for f in rts}
-        speed = {f: {} for f in rts}
+        speed = {(f, rb): {} for f in rts for rb in args.rollback}
         landed = {}  # block -> accepted per round (the same every run: the schedule is fixed)
         for _ in range(args.reps):
             for f, rt in rts.items():
@@ -120,14 +123,16 @@ def main() -> None:
                 continue
             for f, rt in rts.items():
                 off = rt.generate(prompt, max_new_tokens=args.new, policy="off", stop_at_eos=False)
-                speed[f].setdefault("plain", []).append(off.stats.decode_tokens_per_s)
+                for rb in args.rollback:
+                    speed[f, rb].setdefault("plain", []).append(off.stats.decode_tokens_per_s)
                 for block in args.blocks:
-                    scripted = ScriptedDrafter(prompt + off.tokens, [min(n, block) for n in schedule], vocab)
-                    res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block,
-                                      rollback="checkpoint", drafter=scripted, stop_at_eos=False)
-                    assert res.tokens == off.tokens, "speculation changed the output"
-                    speed[f].setdefault(block, []).append(res.stats.decode_tokens_per_s)
-                    landed[block] = res.stats.accepted / res.stats.rounds
+                    for rb in args.rollback:
+                        scripted = ScriptedDrafter(prompt + off.tokens, [min(n, block) for n in schedule], vocab)
+                        res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block,
+                                          rollback=rb, drafter=scripted, stop_at_eos=False)
+                        assert res.tokens == off.tokens, "speculation changed the output"
+                        speed[f, rb].setdefault(block, []).append(res.stats.decode_tokens_per_s)
+                        landed[block] = res.stats.accepted / res.stats.rounds
         print(f"shape {args.shape}, dtype {args.dtype}, {args.threads} thread(s), medians of {args.reps} "
               f"interleaved runs (min..max)")
         print("\n| format | decode step ms | " + " | ".join(f"verify {n} rows / step (plain; checkpoints)"
@@ -139,15 +144,16 @@ def main() -> None:
             print(f"| {f} | {med([r['decode'] * 1e3 for r in runs])} | " + " | ".join(cells) + " |")
         if args.skip_tokens:
             return
-        print(f"\ntok/s at acceptance {args.accept} (scripted drafter, rollback checkpoint; draft cost excluded)")
-        print("| format | plain | " + " | ".join(f"block {b}" for b in args.blocks) + " | best / plain |")
-        print("| --- | ---: |" + " ---: |" * (len(args.blocks) + 1))
+        print(f"\ntok/s at acceptance {args.accept} (scripted drafter; draft cost excluded)")
+        print("| format | rollback | plain | " + " | ".join(f"block {b}" for b in args.blocks) + " | best / plain |")
+        print("| --- | --- | ---: |" + " ---: |" * (len(args.blocks) + 1))
         expected = {b: sum(args.accept ** k for k in range(1, b + 1)) for b in args.blocks}
-        print("| accepted per round | - | " + " | ".join(f"{landed[b]:.2f} (expected {expected[b]:.2f})"
+        print("| accepted per round | | - | " + " | ".join(f"{landed[b]:.2f} (expected {expected[b]:.2f})"
                                                       for b in args.blocks) + " | |")
-        for f, s in speed.items():
+        for (f, rb), s in speed.items():
             best = max(statistics.median(s[b]) for b in args.blocks) / statistics.median(s["plain"])
-            print(f"| {f} | {med(s['plain'])} | " + " | ".join(med(s[b]) for b in args.blocks) + f" | {best:.2f}x |")
+            print(f"| {f} | {rb} | {med(s['plain'])} | " + " | ".join(med(s[b]) for b in args.blocks)
+                  + f" | {best:.2f}x |")
 
 
 if __name__ == "__main__":

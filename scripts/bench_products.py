@@ -1,0 +1,83 @@
+"""One matrix product of the native step, read from memory and from the caches, per row count.
+
+    python scripts/bench_products.py [--n 7168] [--k 1024] [--format bf16 int4 int8] [--rows 1 9]
+        [--threads 1 2]
+
+Why: a verify of R rows costs about one decode step only while its products stay bound by
+reading the weights. "memory": the product over copies of the matrix that together exceed the
+caches (--cold-mb), one after another, so that every byte comes from memory as in a step;
+"cached": one copy over and over, so that only the arithmetic is left. The two say how far a
+product of R rows is from each limit. Medians of --reps interleaved runs (min..max), ms per
+product, with the bytes/s and multiply-adds/s they mean. Default shape: the 0.8B MLP's
+gate_up (7168 x 1024). A benchmark, not a test: time it under the machine's bench lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from turbo import quant
+from turbo.backends import native
+
+BITS = {"int4": 4, "int8": 8}
+CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)
+
+
+def packed(fmt: str, n: int, k: int) -> native.Packed:
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
+    if fmt == "bf16":
+        return native.pack_rows(lambda r0, r1: w[r0:r1], n, torch.bfloat16, "panel_pairs")
+    q = quant.QuantizedWeight(*quant.quantize(w, quant.format_for(code=CODE[fmt])), bits=BITS[fmt], group=quant.GROUP)
+    return native.quantized_panels(q)
+
+
+def per_product(x: torch.Tensor, ws: list[native.Packed], calls: int) -> float:
+    """Seconds per product, over `calls` passes through ws."""
+    lib, y = native.threaded(), torch.empty(x.shape[0], ws[0].n)
+    t = time.perf_counter()
+    for _ in range(calls):
+        for w in ws:
+            lib.linear_packed(x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), w.wtype, w.n, y.data_ptr())
+    return (time.perf_counter() - t) / (calls * len(ws))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=7168)
+    ap.add_argument("--k", type=int, default=1024)
+    ap.add_argument("--format", nargs="+", default=["bf16", "int4"], choices=("bf16", *BITS))
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 9])
+    ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--cold-mb", type=int, default=600, help="the copies' total size (past the caches)")
+    ap.add_argument("--reps", type=int, default=5)
+    args = ap.parse_args()
+    if native.library() is None:
+        raise SystemExit(f"the native library is unavailable: {native.why_not()}")
+    one = {f: packed(f, args.n, args.k) for f in args.format}
+    copies = {f: [one[f]] + [native.Packed(w.data.clone(), w.n, w.k, w.layout)
+                             for _ in range(max(1, args.cold_mb * 2 ** 20 // w.data.nbytes) - 1)]
+              for f, w in one.items()}
+    xs = {r: torch.randn(r, args.k, generator=torch.Generator().manual_seed(1)) for r in args.rows}
+    cases = [(f, r, t) for f in args.format for r in args.rows for t in args.threads]
+    times = {c: {"memory": [], "cached": []} for c in cases}
+    for _ in range(args.reps):
+        for f, r, t in cases:
+            torch.set_num_threads(t)
+            times[f, r, t]["memory"].append(per_product(xs[r], copies[f], 1))
+            times[f, r, t]["cached"].append(per_product(xs[r], [one[f]], 200))
+    print(f"{args.n} x {args.k}, copies past the caches: {args.cold_mb} MB; medians of {args.reps} (min..max)")
+    print("| format | rows | threads | from memory, ms | GB/s | from the caches, ms | GMAC/s | memory / cached |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for (f, r, t), d in times.items():
+        mem, hot = statistics.median(d["memory"]), statistics.median(d["cached"])
+        spread = lambda xs: f"{statistics.median(xs) * 1e3:.3f} ({min(xs) * 1e3:.3f}..{max(xs) * 1e3:.3f})"  # noqa: E731
+        print(f"| {f} | {r} | {t} | {spread(d['memory'])} | {one[f].data.nbytes / mem / 1e9:.1f} | "
+              f"{spread(d['cached'])} | {r * args.n * args.k / hot / 1e9:.0f} | {mem / hot:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

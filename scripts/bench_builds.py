@@ -1,0 +1,118 @@
+"""The native step of two revisions of native*.c, interleaved in one process: a decode step and
+a verify of R rows (plain, keeping checkpoints) on a published shape, random weights.
+
+    python scripts/bench_builds.py e93c3d2 HEAD [--format int4 bf16] [--reps 7] [--rows 9]
+
+Each revision's C sources (git show REV:turbo/backends/native*.c) are built as turbo builds
+them and loaded side by side; each repetition times both on the same loaded install, one after
+the other, so the machine's drift falls on both. Only the C step differs (the Python around
+it is this checkout's), and the revisions' structs must match this checkout's. Medians
+(min..max) of --reps. A benchmark, not a test: time it under the machine's bench lock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import shapes  # noqa: E402
+
+import turbo  # noqa: E402
+from turbo.backends import native  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
+
+
+def build(rev: str, out: Path) -> ctypes.CDLL:
+    """native*.c and native.h at `rev`, compiled into out/REV.so and loaded with turbo's signatures."""
+    src = out / rev
+    src.mkdir()
+    names = subprocess.run(["git", "ls-tree", "--name-only", rev, "turbo/backends/"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    sources = []
+    for name in names:
+        if Path(name).name.startswith("native") and name.endswith((".c", ".h")):
+            text = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=ROOT, check=True, capture_output=True).stdout
+            (src / Path(name).name).write_bytes(text)
+            sources += [str(src / Path(name).name)] if name.endswith(".c") else []
+    lib_path = out / f"{rev}.so"
+    done = subprocess.run(["cc", *native.FLAGS[0], "-shared", "-fPIC", "-o", str(lib_path), *sources, "-lm"],
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{rev}: the build failed: {done.stderr.strip()[-500:]}")
+    lib = ctypes.CDLL(str(lib_path))
+    for name, args in native.SIGNATURES.items():
+        if hasattr(lib, name):
+            fn = getattr(lib, name)
+            fn.argtypes = [native._C[a] for a in args.split()]
+            fn.restype = ctypes.c_int if name in native.RETURNS_INT else None
+    if native._struct_mismatch(lib):
+        raise SystemExit(f"{rev}: its structs are not this checkout's ({native._struct_mismatch(lib)})")
+    return lib
+
+
+def times(rt, prompt: list[int], rows: int, calls: int) -> tuple[float, float, float]:
+    """Seconds of a decode step, a plain `rows`-row verify and one keeping checkpoints."""
+    trunk = rt.trunk
+    st = trunk.new_state(len(prompt) + 64)
+    trunk.prefill(st, prompt)
+    pos = st.pos
+
+    def timed(n: int, rollback: str | None) -> float:
+        trunk.step(st, prompt[:n], (), rollback)
+        st.pos = pos
+        t = time.perf_counter()
+        for _ in range(calls):
+            trunk.step(st, prompt[:n], (), rollback)
+            st.pos = pos
+        return (time.perf_counter() - t) / calls
+
+    return timed(1, None), timed(rows, None), timed(rows, "checkpoint")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("revs", nargs=2, help="two git revisions (the first is the baseline)")
+    ap.add_argument("--shape", default="qwen3.5-0.8b", choices=sorted(shapes.SHAPES))
+    ap.add_argument("--format", nargs="+", default=["int4", "bf16"], choices=tuple(QUANT))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rows", type=int, default=9)
+    ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--calls", type=int, default=6, help="steps per timing")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    if native.library() is None:
+        raise SystemExit(f"the native library is unavailable: {native.why_not()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        libs = {rev: build(rev, Path(tmp)) for rev in args.revs}
+        rts = {f: turbo.open(str(shapes.build(args.shape, quant=QUANT[f])), backend="cpu") for f in args.format}
+        prompt = torch.randint(0, 4000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+        got: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        for _ in range(args.reps):
+            for f, rt in rts.items():
+                for rev, lib in libs.items():
+                    native._lib, native._threads = lib, 0  # threaded() sets the count on this library
+                    got.setdefault((f, rev), []).append(times(rt, prompt, args.rows, args.calls))
+    print(f"{args.shape}, {args.threads} threads, medians of {args.reps} interleaved runs (min..max), ms")
+    print(f"| format | revision | decode step | verify {args.rows} rows | with checkpoints | "
+          f"verify / step | with checkpoints |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for (f, rev), runs in got.items():
+        cell = lambda i: f"{statistics.median(r[i] for r in runs) * 1e3:.1f} ({min(r[i] for r in runs) * 1e3:.1f}.." \
+                         f"{max(r[i] for r in runs) * 1e3:.1f})"  # noqa: E731
+        ratio = lambda i: f"{statistics.median(r[i] / r[0] for r in runs):.2f}"  # noqa: E731
+        print(f"| {f} | {rev} | {cell(0)} | {cell(1)} | {cell(2)} | {ratio(1)} | {ratio(2)} |")
+
+
+if __name__ == "__main__":
+    main()

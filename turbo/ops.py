@@ -136,8 +136,8 @@ PARALLEL_GRAIN = 32768
 
 def argmax(row: torch.Tensor) -> int:
     """The index of the largest value of a row [n], the first of equals (torch.argmax's answer):
-    native.c's pass where it can read the row (torch's is a fifth of an int4 decode step's
-    time at a 248K vocabulary)."""
+    native.c's pass where it can read the row (torch's takes ~0.5 ms a 248K row: 3 ms for a
+    9-row verify, an eighth of an int4 decode step at 0.8B)."""
     if row.device.type == "cpu" and row.dtype == torch.float32 and row.is_contiguous() and native.library():
         return native.argmax(row)
     return int(row.argmax())

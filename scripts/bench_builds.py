@@ -1,7 +1,8 @@
 """The native step of two revisions of native*.c, interleaved in one process: a decode step and
-a verify of R rows (plain, keeping checkpoints) on a published shape, random weights.
+a verify of R rows (plain, keeping checkpoints) and optionally a prefill, on a published shape,
+random weights.
 
-    python scripts/bench_builds.py e93c3d2 HEAD [--format int4 bf16] [--reps 7] [--rows 9]
+    python scripts/bench_builds.py e93c3d2 HEAD [--format int4 bf16] [--reps 7] [--rows 9] [--prefill 512]
 
 Each revision's C sources (git show REV:turbo/backends/native*.c) are built as turbo builds
 them and loaded side by side; each repetition times both on the same loaded install, one after
@@ -61,6 +62,15 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
     return lib
 
 
+def prefill_time(rt, tokens: int) -> float:
+    """Seconds of a prefill of `tokens` tokens (logits of the last row only)."""
+    st = rt.trunk.new_state(tokens + 1)
+    ids = torch.randint(0, 4000, (tokens,), generator=torch.Generator().manual_seed(2)).tolist()
+    t = time.perf_counter()
+    rt.trunk.prefill(st, ids)
+    return time.perf_counter() - t
+
+
 def times(rt, prompt: list[int], rows: int, calls: int) -> tuple[float, float, float]:
     """Seconds of a decode step, a plain `rows`-row verify and one keeping checkpoints."""
     trunk = rt.trunk
@@ -89,6 +99,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=9)
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--calls", type=int, default=6, help="steps per timing")
+    ap.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                    help="also time a prefill of this many tokens (tok/s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if native.library() is None:
@@ -98,11 +110,14 @@ def main() -> None:
         rts = {f: turbo.open(str(shapes.build(args.shape, quant=QUANT[f])), backend="cpu") for f in args.format}
         prompt = torch.randint(0, 4000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
         got: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
+        filled: dict[tuple[str, str], list[float]] = {}
         for _ in range(args.reps):
             for f, rt in rts.items():
                 for rev, lib in libs.items():
                     native._lib, native._threads = lib, 0  # threaded() sets the count on this library
                     got.setdefault((f, rev), []).append(times(rt, prompt, args.rows, args.calls))
+                    if args.prefill:
+                        filled.setdefault((f, rev), []).append(args.prefill / prefill_time(rt, args.prefill))
     print(f"{args.shape}, {args.threads} threads, medians of {args.reps} interleaved runs (min..max), ms")
     print(f"| format | revision | decode step | verify {args.rows} rows | with checkpoints | "
           f"verify / step | with checkpoints |")
@@ -112,6 +127,9 @@ def main() -> None:
                          f"{max(r[i] for r in runs) * 1e3:.1f})"  # noqa: E731
         ratio = lambda i: f"{statistics.median(r[i] / r[0] for r in runs):.2f}"  # noqa: E731
         print(f"| {f} | {rev} | {cell(0)} | {cell(1)} | {cell(2)} | {ratio(1)} | {ratio(2)} |")
+    for (f, rev), tps in filled.items():
+        print(f"{f} {rev}: prefill {args.prefill} tokens {statistics.median(tps):.1f} tok/s "
+              f"({min(tps):.1f}..{max(tps):.1f})")
 
 
 if __name__ == "__main__":

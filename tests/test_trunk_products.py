@@ -180,3 +180,68 @@ def test_a_layer_of_mixed_formats_runs_in_fp32(tmp_path):
     assert trunk.layers[0].gate_up.dtype == torch.float32
     ref = load_trunk(open_install(out), OpenOptions(quant_cpu="dequant"), "cpu")
     assert torch.equal(ops.dense(trunk.layers[0].gate_up), ops.dense(ref.layers[0].gate_up).float())
+
+
+def moe_int4_install(tmp, **over):
+    """An MoE install (a shared expert, every layer routed) repacked with --quant int4, at widths
+    the group of 64 divides."""
+    from helpers import make_moe_install
+
+    _, path = make_moe_install(tmp, 6, hidden_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+                               **over)
+    return repack(path, tmp / "q", quiet=True, quant="int4")
+
+
+@pytest.fixture(scope="module")
+def moe_int4(tmp_path_factory):
+    return moe_int4_install(tmp_path_factory.mktemp("moe_int4"))  # 8 experts, top-2
+
+
+def test_moe_experts_are_read_packed(tmp_path):
+    """The experts and the shared expert stay int4 (a fraction of their floats' bytes); the router
+    and the shared expert's gate are floats. Against the same install dequantized at load, the
+    difference is the inputs' rounding to 8 bits per group of 64 (~0.7% of a product's largest
+    output, over ~40 products: every expert picked, so no row's routing can flip)."""
+    vnni()
+    install = moe_int4_install(tmp_path, num_experts=4, num_experts_per_tok=4)
+    trunk = load_trunk(open_install(install), OpenOptions(), "cpu")
+    ref = load_trunk(open_install(install), OpenOptions(quant_cpu="dequant"), "cpu")
+    assert trunk.step_name == ref.step_name == "native"
+    blocks = [layer.moe for layer in trunk.layers if layer.moe is not None]
+    experts = [w for m in blocks for w in [*m.gate_up, *m.down, m.shared_gate_up, m.shared_down]]
+    assert blocks and {w.layout for w in experts} == {"q4"}
+    assert {m.router.layout for m in blocks} | {m.shared_gate.layout for m in blocks} <= {"panels", "panel_pairs"}
+    dense = [w for layer in ref.layers for w in [*layer.moe.gate_up, *layer.moe.down]]
+    assert sum(w.data.nbytes for w in experts) < 0.2 * sum(w.data.nbytes for w in dense)
+    prompt = list(range(3, 40))
+    got = trunk.prefill(trunk.new_state(64), prompt, want_logits=True).logits
+    want = ref.prefill(ref.new_state(64), prompt, want_logits=True).logits
+    assert (got - want).abs().max() < 0.1 * want.abs().max()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+def test_moe_int4_verify_rows_are_decode_steps(moe_int4, threads):
+    vnni()
+    trunk = load_trunk(open_install(moe_int4), OpenOptions(), "cpu")
+    g = torch.Generator().manual_seed(threads + 20)
+    prompt, tokens = torch.randint(0, trunk.arch.vocab, (9,), generator=g), torch.randint(0, trunk.arch.vocab, (12,))
+    assert_rows_are_steps(trunk, prompt.tolist(), tokens.tolist())
+
+
+def test_moe_int4_speculation_is_lossless_at_every_block(moe_int4):
+    """Rounds landing 0..block proposals (a scripted drafter) through the routed int4 verify."""
+    from helpers import ScriptedDrafter
+
+    vnni()
+    rt = turbo.open(str(moe_int4), backend="cpu")
+    prompt = list(range(7, 40))
+    plain = rt.generate(prompt, max_new_tokens=24, policy="off", stop_at_eos=False).tokens
+    for block in range(1, 9):
+        for rollback in ("checkpoint", "replay"):
+            scripted = ScriptedDrafter(prompt + plain, [r % (block + 1) for r in range(64)],
+                                       rt.trunk.arch.vocab)
+            res = rt.generate(prompt, max_new_tokens=24, policy="fixed", block=block, rollback=rollback,
+                              drafter=scripted, stop_at_eos=False)
+            assert res.tokens == plain, (block, rollback)
+            assert res.stats.accepted > 0 and res.stats.rollbacks > 0, (block, rollback)

@@ -54,8 +54,14 @@ def _norm(index, name: str, device: torch.device) -> torch.Tensor:
 
 
 def _in_moe_block(name: str) -> bool:
-    # native_moe.c reads a whole MoE block in one float wtype: its experts are never read packed
+    # (packed per block by load_moe, not per layer part with the layer's other products)
     return any(part in name for part in (".mlp.experts.", ".mlp.shared_expert", ".mlp.gate."))
+
+
+def _moe_gate(name: str) -> bool:
+    # the router and the shared expert's gate: [experts, hidden] and [1, hidden], read as floats
+    # (native_moe.c: one wtype for them, one for the experts)
+    return any(part in name for part in (".mlp.gate.", ".mlp.shared_expert_gate."))
 
 
 def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) -> Trunk:
@@ -76,7 +82,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     def read_packed(name: str, e) -> bool:
         """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
         return (native_here and bool(e.bits) and native.reads_packed(e.bits, e.group)
-                and quant.native_reads(mode, e.bits, dtype) and not _in_moe_block(name))
+                and quant.native_reads(mode, e.bits, dtype) and not _moe_gate(name))
 
     kept = on_cpu and any(e.bits and quant.keep_packed(mode, e.bits, dtype) and not read_packed(name, e)
                           for name, e in matrices.items() if name != PREFIX + EMBED)
@@ -95,15 +101,20 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
             part = rest[:cut + 1]
             parts.setdefault(part, []).append((name, e))
 
-    def fmt_of(part: str) -> torch.dtype | int | None:
-        """How the native step packs the matrices of `part` (one layer's products share one
-        wtype): the bits of the one packed format they are all read in, else fp32 if any is
-        quantized (dequantized exactly), else `storage`."""
-        es = parts.get(part, [])
+    def packed_format(es: list[tuple[str, object]]) -> torch.dtype | int | None:
+        """How the native step packs matrices that share one wtype (a layer's products; an MoE
+        block's experts): the bits of the one packed format they are all read in, else fp32 if
+        any is quantized (dequantized exactly), else `storage`."""
         kinds = {e.bits if read_packed(n, e) else None for n, e in es}
         if storage is None or not any(e.bits for _, e in es):
             return storage
         return kinds.pop() if len(kinds) == 1 and None not in kinds else torch.float32
+
+    def fmt_of(part: str) -> torch.dtype | int | None:
+        return packed_format(parts.get(part, []))
+
+    def expert_fmt(names: list[str]) -> torch.dtype | int | None:
+        return packed_format([(n, matrices[n]) for n in names if n in matrices])
 
     scratch: dict[int, dict[torch.dtype, torch.Tensor]] = {}  # the packing's read buffers per part (index.rows)
 
@@ -201,7 +212,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
                 q_norm=norm(m + "q_norm.weight", hd),
                 k_norm=norm(m + "k_norm.weight", hd),
             )
-        moe = load_moe(matrix, index, PREFIX, p + "mlp.", a) if a.is_moe(i) else None
+        moe = load_moe(matrix, index, PREFIX, p + "mlp.", a, expert_fmt) if a.is_moe(i) else None
         layers.append(LayerWeights(
             gdn=a.is_gdn(i),
             in_norm=norm(p + "input_layernorm.weight", a.hidden),
@@ -251,28 +262,32 @@ def moe_tensor_shapes(a: Arch, mlp: str) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_moe(matrix: Callable[[list[tuple[str, tuple[int, ...]]]], object], index, prefix: str, mlp: str,
-             a: Arch) -> MoeWeights:
-    """One MoE block through `matrix(parts)` (the named tensors of the part under `prefix`, with
-    their shapes, fused by rows into one matrix); an expert past num_experts in the install is
-    refused, as a missing one is by `matrix`."""
+def load_moe(matrix: Callable[..., object], index, prefix: str, mlp: str, a: Arch,
+             expert_fmt: Callable[[list[str]], object]) -> MoeWeights:
+    """One MoE block through `matrix(parts, fmt)` (the named tensors of the part under `prefix`,
+    with their shapes, fused by rows into one matrix), the experts and the shared expert in the
+    format `expert_fmt(names)` gives for all of them (int4 / int8 read packed where the native
+    step can), the router and the shared expert's gate as floats; an expert past num_experts in
+    the install is refused, as a missing one is by `matrix`."""
     extra = f"{prefix}{mlp}experts.{a.num_experts}.gate_proj.weight"
     if extra in index:
         raise TurboError(f"{extra}: the install has more experts than num_experts {a.num_experts} (config.json)")
     shapes = moe_tensor_shapes(a, mlp)
 
-    def m(*names: str):
-        return matrix([(mlp + n, shapes[mlp + n]) for n in names])
+    fmt = expert_fmt([prefix + name for name in shapes if not _moe_gate(name)])
+
+    def m(*names: str, gate: bool = False):
+        return matrix([(mlp + n, shapes[mlp + n]) for n in names], None if gate else fmt)
 
     experts = range(a.num_experts)
     shared = a.shared_intermediate > 0
     return MoeWeights(
-        router=m("gate.weight"),
+        router=m("gate.weight", gate=True),
         gate_up=[m(f"experts.{e}.gate_proj.weight", f"experts.{e}.up_proj.weight") for e in experts],
         down=[m(f"experts.{e}.down_proj.weight") for e in experts],
         shared_gate_up=m("shared_expert.gate_proj.weight", "shared_expert.up_proj.weight") if shared else None,
         shared_down=m("shared_expert.down_proj.weight") if shared else None,
-        shared_gate=m("shared_expert_gate.weight") if shared else None,
+        shared_gate=m("shared_expert_gate.weight", gate=True) if shared else None,
     )
 
 
@@ -433,8 +448,8 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
                               k_norm=norm(a + "k_norm.weight")),
             gate_up=None if arch.moe else torch.cat([w(p + "mlp.gate_proj.weight"), w(p + "mlp.up_proj.weight")]),
             down=None if arch.moe else w(p + "mlp.down_proj.weight"),
-            moe=load_moe(lambda parts: quant.fuse([w(name) for name, _ in parts]), index, MTP_PREFIX, p + "mlp.",
-                         arch) if arch.moe else None,
+            moe=load_moe(lambda parts, fmt: quant.fuse([w(name) for name, _ in parts]), index, MTP_PREFIX,
+                         p + "mlp.", arch, lambda names: None) if arch.moe else None,
         ),
     )
     if trunk.step_name == "native":  # so is the head's layer (native.c's attn_layer + head)

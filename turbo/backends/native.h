@@ -14,7 +14,9 @@
 
 /* native_moe.c: one layer's mixture of experts (pointers to packed matrices) and sizes. */
 typedef struct {
-    int experts, top_k, inter, shared_inter, norm_topk, wtype;
+    int experts, top_k, inter, shared_inter, norm_topk;
+    int wtype;                       /* the router's and the shared expert's gate */
+    int ewtype;                      /* the experts' and the shared expert's (int4 / int8: read packed) */
     const void *router;              /* packed [experts, hidden] */
     const void *const *gate_up;      /* experts x packed [2 * inter, hidden] (gate rows | up rows) */
     const void *const *down;         /* experts x packed [hidden, inter] */

@@ -45,7 +45,7 @@ class Moe(ctypes.Structure):
     """native.h's Moe: one layer's mixture of experts (pointers to packed matrices) and sizes."""
 
     _fields_ = [(name, ctypes.c_int) for name in (
-        "experts", "top_k", "inter", "shared_inter", "norm_topk", "wtype")] + [
+        "experts", "top_k", "inter", "shared_inter", "norm_topk", "wtype", "ewtype")] + [
         ("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
         ("down", ctypes.POINTER(ctypes.c_void_p)),
         ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p)]
@@ -502,7 +502,7 @@ def moe_struct(a, moe) -> Moe:
     down = (ctypes.c_void_p * len(moe.down))(*(ptr(w) for w in moe.down))
     s = Moe(experts=a.num_experts, top_k=a.experts_per_token, inter=a.moe_intermediate,
             shared_inter=a.shared_intermediate if moe.shared_gate_up is not None else 0,
-            norm_topk=a.norm_topk_prob, wtype=moe.router.wtype, router=ptr(moe.router),
+            norm_topk=a.norm_topk_prob, wtype=moe.router.wtype, ewtype=moe.gate_up[0].wtype, router=ptr(moe.router),
             gate_up=gate_up, down=down, shared_gate_up=ptr(moe.shared_gate_up), shared_down=ptr(moe.shared_down),
             shared_gate=ptr(moe.shared_gate))
     return s

@@ -76,7 +76,7 @@ void moe_block(const Layer *L, float *x, int R) {
                     memcpy(xe + (size_t)n++ * H, h + (size_t)r * H, sizeof(float) * H);
                 }
         if (!n) continue;
-        swiglu(xe, n, H, I, M->gate_up[e], M->down[e], M->wtype, ye);
+        swiglu(xe, n, H, I, M->gate_up[e], M->down[e], M->ewtype, ye);
         for (int i = 0; i < n; i++) {
             float *a = acc + (size_t)rows[i] * H;
             const float *y = ye + (size_t)i * H;
@@ -85,7 +85,7 @@ void moe_block(const Layer *L, float *x, int R) {
     }
     if (M->shared_gate_up) {
         float *gate = malloc(sizeof(float) * (size_t)R);
-        swiglu(h, R, H, S, M->shared_gate_up, M->shared_down, M->wtype, ye);
+        swiglu(h, R, H, S, M->shared_gate_up, M->shared_down, M->ewtype, ye);
         linear_packed(h, R, H, M->shared_gate, M->wtype, 1, gate);
         for (int r = 0; r < R; r++) {
             float g = fast_sigmoid(gate[r]);

@@ -1,6 +1,6 @@
 """What a speculative round costs against a decode step, and what it buys, per block.
 
-    python scripts/bench_round.py [--shape tiny|qwen3.5-0.8b] [--format bf16 int4 ...] [--accept 0.8]
+    python scripts/bench_round.py [--shape tiny|qwen3.5-0.8b|...] [--format bf16 int4 ...] [--accept 0.8]
         [--rollback checkpoint replay]
 
 For each weight format (an install of the named shape, random weights: scripts/shapes.py for
@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from helpers import ScriptedDrafter, make_install  # noqa: E402
+from shapes import SHAPES  # noqa: E402
 
 import turbo  # noqa: E402
 from turbo.repack import repack  # noqa: E402
@@ -92,7 +93,7 @@ def med(xs: list[float]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="tiny", choices=("tiny", "qwen3.5-0.8b"))
+    ap.add_argument("--shape", default="tiny", choices=("tiny", *SHAPES))
     ap.add_argument("--format", nargs="+", default=["bf16"], choices=tuple(QUANT))
     ap.add_argument("--dtype", default="float32", help="OpenOptions.dtype (the activations)")
     ap.add_argument("--accept", type=float, default=0.8, help="per-position acceptance of the scripted drafter")

@@ -245,3 +245,12 @@ def test_moe_int4_speculation_is_lossless_at_every_block(moe_int4):
                               drafter=scripted, stop_at_eos=False)
             assert res.tokens == plain, (block, rollback)
             assert res.stats.accepted > 0 and res.stats.rollbacks > 0, (block, rollback)
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_panels_packed_a_slice_at_a_time_are_the_whole_matrix(fmt):
+    """quantized_panels unpacks `rows` outputs at a time (a vocab-sized head at once held GBs):
+    the bytes are those of one pass, a last partial panel included."""
+    w = quantized(100, 128, fmt, 3)
+    whole, sliced = native.quantized_panels(w, rows=1 << 20), native.quantized_panels(w, rows=32)
+    assert torch.equal(whole.data, sliced.data) and whole.data.shape[0] == 7

@@ -316,21 +316,33 @@ QUANTIZED = {"q4": 4, "q8": 8}  # the affine layouts read packed, and their bits
 LAYOUT_OF_BITS = {bits: layout for layout, bits in QUANTIZED.items()}
 
 
-def quantized_panels(w: quant.QuantizedWeight) -> Packed:
+def quantized_panels(w: quant.QuantizedWeight, rows: int = 16384) -> Packed:
     """An affine int4 / int8 matrix (groups of 64) as native.c's qtile reads it: per panel of 16
     outputs and group, the scales and biases (bf16, 16 each), then the levels, words of 4 inputs
     x 16 outputs (int4: two words to a byte, inputs 4j + t low and 4j + 32 + t high). Padded
-    outputs have scale and bias 0."""
+    outputs have scale and bias 0. `rows` outputs at a time, whole panels: the unpacking holds
+    ~16 bytes a weight, several GB for a vocab-sized head at once."""
     n, k = w.shape
-    bits, groups, pad = w.bits, k // quant.GROUP, -n % PANEL
-    q = torch.nn.functional.pad(quant.unpack(w.packed, bits), (0, 0, 0, pad))
+    out = None
+    for r0 in range(0, n, rows):
+        part = _panels_of(w.packed[r0:r0 + rows], w.scales[r0:r0 + rows], w.biases[r0:r0 + rows], w.bits, k)
+        if out is None:
+            out = torch.empty(-(-n // PANEL), *part.shape[1:], dtype=torch.uint8)
+        out[r0 // PANEL:r0 // PANEL + part.shape[0]] = part
+    return Packed(out, n, k, LAYOUT_OF_BITS[w.bits])
+
+
+def _panels_of(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, k: int) -> torch.Tensor:
+    """quantized_panels' bytes [panels, groups, group bytes] of a slice of outputs."""
+    groups, pad = k // quant.GROUP, -packed.shape[0] % PANEL
+    q = torch.nn.functional.pad(quant.unpack(packed, bits), (0, 0, 0, pad))
     q = q.reshape(-1, PANEL, groups, quant.GROUP // 4, 4).permute(0, 2, 3, 1, 4)  # [panel, g, word, out, 4]
     if bits == 4:
         q = q[:, :, :8] | q[:, :, 8:] << 4
     sb = [torch.nn.functional.pad(t.to(torch.bfloat16), (0, 0, 0, pad)).reshape(-1, PANEL, groups).transpose(1, 2)
-          for t in (w.scales, w.biases)]  # [panel, g, out]
+          for t in (scales, biases)]  # [panel, g, out]
     parts = [t.contiguous().view(torch.uint8) for t in sb] + [q.reshape(*q.shape[:2], -1)]
-    return Packed(torch.cat(parts, dim=2).contiguous(), n, k, LAYOUT_OF_BITS[bits])
+    return torch.cat(parts, dim=2)
 
 
 def quantized_unpanel(p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -528,7 +540,7 @@ def quantized_copy(w: torch.Tensor, bits: int, rows: int = 16384) -> Packed:
     """w quantized to the native format of `bits` and packed, `rows` at a time (a vocab-sized
     lm_head in fp32 at once would be several times its size)."""
     fmt = quant.BY_BITS[bits]
-    parts = [quantized_panels(quant.QuantizedWeight(*quant.quantize(w[i:i + rows], fmt), bits, fmt.group)).data
+    parts = [_panels_of(*quant.quantize(w[i:i + rows], fmt), bits, w.shape[1])
              for i in range(0, w.shape[0], rows)]  # (rows a multiple of 16: whole panels)
     return Packed(torch.cat(parts), w.shape[0], w.shape[1], LAYOUT_OF_BITS[bits])
 

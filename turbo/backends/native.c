@@ -1181,44 +1181,35 @@ void head(const float *x, int R, int H, const float *norm, float eps, const void
     if (!normed) free(h);
 }
 
-/* out[r] = the index of row r's largest value in x [R, n], the first of equals; a NaN counts as
- * larger than any number (the first NaN): torch.argmax's answer, in a pass at memory speed
- * (torch's takes ~0.5 ms a row of a 248K vocabulary: 3 ms for a 9-row verify, an eighth of an
- * int4 decode step at 0.8B). */
-void argmax_rows(const float *x, int R, int n, int *out) {
-    for (int r = 0; r < R; r++) {
-        const float *row = x + (size_t)r * n;
-        int best = 0, i = 0;
+/* The index of the largest of x[0..n), the first of equals; a NaN counts as larger than any
+ * number (the first NaN): torch.argmax's answer, in a pass at memory speed (torch's takes ~0.5 ms
+ * a row of a 248K vocabulary: 3 ms for a 9-row verify, an eighth of an int4 decode step at 0.8B). */
+int argmax_row(const float *x, int n) {
+    int best = 0, i = 0;
 #if defined(__AVX512F__)
-        if (n >= 16) { /* lane l keeps the first maximum of indices l, l + 16, ...; then the lanes */
-            __m512 m = _mm512_loadu_ps(row);
-            __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = at;
-            int nan = _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q) ? 0 : -1;
-            for (i = 16; nan < 0 && i + 16 <= n; i += 16) {
-                __m512 v = _mm512_loadu_ps(row + i);
-                at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
-                if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) nan = i;
-                __mmask16 up = _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ);
-                m = _mm512_mask_mov_ps(m, up, v);
-                idx = _mm512_mask_mov_epi32(idx, up, at);
-            }
-            if (nan >= 0) { /* the first NaN, from the chunk that has it */
-                for (i = nan; row[i] == row[i]; i++) {}
-                out[r] = i;
-                continue;
-            }
-            float mv = _mm512_reduce_max_ps(m);
-            __mmask16 top = _mm512_cmp_ps_mask(m, _mm512_set1_ps(mv), _CMP_EQ_OQ);
-            best = _mm512_mask_reduce_min_epi32(top, idx);
+    if (n >= 16) { /* lane l keeps the first maximum of indices l, l + 16, ...; then the lanes */
+        __m512 m = _mm512_loadu_ps(x);
+        __m512i at = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), idx = at;
+        int nan = _mm512_cmp_ps_mask(m, m, _CMP_UNORD_Q) ? 0 : -1;
+        for (i = 16; nan < 0 && i + 16 <= n; i += 16) {
+            __m512 v = _mm512_loadu_ps(x + i);
+            at = _mm512_add_epi32(at, _mm512_set1_epi32(16));
+            if (_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q)) nan = i;
+            __mmask16 up = _mm512_cmp_ps_mask(v, m, _CMP_GT_OQ);
+            m = _mm512_mask_mov_ps(m, up, v);
+            idx = _mm512_mask_mov_epi32(idx, up, at);
         }
-#endif
-        for (; i < n; i++) {
-            if (row[i] != row[i]) {
-                best = i;
-                break;
-            }
-            if (row[i] > row[best]) best = i;
+        if (nan >= 0) { /* the first NaN, from the chunk that has it */
+            for (i = nan; x[i] == x[i]; i++) {}
+            return i;
         }
-        out[r] = best;
+        float mv = _mm512_reduce_max_ps(m);
+        best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(m, _mm512_set1_ps(mv), _CMP_EQ_OQ), idx);
     }
+#endif
+    for (; i < n; i++) {
+        if (x[i] != x[i]) return i;
+        if (x[i] > x[best]) best = i;
+    }
+    return best;
 }

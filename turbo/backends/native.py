@@ -108,9 +108,9 @@ SIGNATURES = {
     "dflash_forward": "p i i i p p",
     "dflash_add_context": "p p i i",
     "dflash_select": "p p i i i p i p p i i p",
-    "argmax_rows": "p i i p",
+    "argmax_row": "p i",
 }
-RETURNS_INT = {"dot_products", "struct_size"}  # (the rest return nothing)
+RETURNS_INT = {"dot_products", "struct_size", "argmax_row"}  # (the rest return nothing)
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 
 
@@ -323,13 +323,21 @@ def quantized_panels(w: quant.QuantizedWeight, rows: int = 16384) -> Packed:
     outputs have scale and bias 0. `rows` outputs at a time, whole panels: the unpacking holds
     ~16 bytes a weight, several GB for a vocab-sized head at once."""
     n, k = w.shape
+    return _panels_by_slices(n, k, w.bits, rows, lambda r0, r1: _panels_of(
+        w.packed[r0:r1], w.scales[r0:r1], w.biases[r0:r1], w.bits, k))
+
+
+def _panels_by_slices(n: int, k: int, bits: int, rows: int,
+                      slice_panels: Callable[[int, int], torch.Tensor]) -> Packed:
+    """The packed matrix of n outputs from `slice_panels(r0, r1)` (_panels_of's bytes of outputs
+    r0..r1), `rows` (a multiple of 16: whole panels) at a time, into one buffer."""
     out = None
     for r0 in range(0, n, rows):
-        part = _panels_of(w.packed[r0:r0 + rows], w.scales[r0:r0 + rows], w.biases[r0:r0 + rows], w.bits, k)
+        part = slice_panels(r0, min(n, r0 + rows))
         if out is None:
             out = torch.empty(-(-n // PANEL), *part.shape[1:], dtype=torch.uint8)
         out[r0 // PANEL:r0 // PANEL + part.shape[0]] = part
-    return Packed(out, n, k, LAYOUT_OF_BITS[w.bits])
+    return Packed(out, n, k, LAYOUT_OF_BITS[bits])
 
 
 def _panels_of(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, k: int) -> torch.Tensor:
@@ -466,9 +474,7 @@ def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
 
 def argmax(row: torch.Tensor) -> int:
     """torch.argmax of a contiguous fp32 row [n] on the CPU (the first of equals; a NaN wins)."""
-    out = ctypes.c_int()
-    _lib.argmax_rows(row.data_ptr(), 1, row.shape[0], ctypes.byref(out))
-    return out.value
+    return _lib.argmax_row(row.data_ptr(), row.shape[0])
 
 
 # ---- the steps ----------------------------------------------------------------------------
@@ -540,9 +546,8 @@ def quantized_copy(w: torch.Tensor, bits: int, rows: int = 16384) -> Packed:
     """w quantized to the native format of `bits` and packed, `rows` at a time (a vocab-sized
     lm_head in fp32 at once would be several times its size)."""
     fmt = quant.BY_BITS[bits]
-    parts = [_panels_of(*quant.quantize(w[i:i + rows], fmt), bits, w.shape[1])
-             for i in range(0, w.shape[0], rows)]  # (rows a multiple of 16: whole panels)
-    return Packed(torch.cat(parts), w.shape[0], w.shape[1], LAYOUT_OF_BITS[bits])
+    return _panels_by_slices(*w.shape, bits, rows, lambda r0, r1: _panels_of(*quant.quantize(w[r0:r1], fmt), bits,
+                                                                             w.shape[1]))
 
 
 def layer_struct(a, layer, inv_freq: torch.Tensor, kv_dtype: torch.dtype) -> Layer:

@@ -58,14 +58,14 @@ def verifies_equal_steps(trunk, st, max_rows: int = 12) -> list[torch.Tensor]:
     return out
 
 
-def rows_and_steps(threads: int) -> list[torch.Tensor]:
-    """After a 1400-token prompt (a 12-row verify's attention splits over two threads),
-    verifies_equal_steps."""
+def rows_and_steps(threads: int, path="tiny", prompt_len: int = 1400, **opts) -> list[torch.Tensor]:
+    """On `threads` threads, after a prompt (1400 tokens on tiny: a 12-row verify's attention
+    splits over two threads), the prefill's logits and verifies_equal_steps."""
     torch.set_num_threads(threads)
     try:
-        trunk = trunk_of("tiny", kv_cache="bfloat16", native=True)
-        st = trunk.new_state(1500)
-        prompt = [(7 * i) % 300 + 3 for i in range(1400)]
+        trunk = trunk_of(path, native=True, **opts)
+        st = trunk.new_state(prompt_len + 100)
+        prompt = [(7 * i) % 300 + 3 for i in range(prompt_len)]
         return [trunk.prefill(st, prompt, want_logits=True).logits, *verifies_equal_steps(trunk, st)]
     finally:
         torch.set_num_threads(1)
@@ -74,7 +74,7 @@ def rows_and_steps(threads: int) -> list[torch.Tensor]:
 def test_native_verify_rows_equal_decode_steps_and_threads_agree():
     if native.library() is None:
         pytest.skip(f"native step unavailable: {native.why_not()}")
-    one, two = rows_and_steps(1), rows_and_steps(2)
+    one, two = rows_and_steps(1, kv_cache="bfloat16"), rows_and_steps(2, kv_cache="bfloat16")
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
 
@@ -146,17 +146,6 @@ def test_the_native_and_torch_steps_agree_on_a_bf16_cache():
     assert ta == tb
 
 
-def wide_rows_and_steps(path, threads: int) -> list[torch.Tensor]:
-    torch.set_num_threads(threads)
-    try:
-        trunk = trunk_of(path, native=True)
-        st = trunk.new_state(200)
-        trunk.prefill(st, [(7 * i) % 300 + 3 for i in range(70)])
-        return verifies_equal_steps(trunk, st)
-    finally:
-        torch.set_num_threads(1)
-
-
 def test_rows_split_over_threads_at_a_wide_shape(tmp_path):
     """Conv, norms and activations 2048 wide: from 8 rows a verify's row loops split over two
     threads (native.c row_parts), and each row is still a decode step, whatever the split."""
@@ -167,5 +156,5 @@ def test_rows_split_over_threads_at_a_wide_shape(tmp_path):
     _, path = make_install(tmp_path, seed=5, linear_num_key_heads=4, linear_key_head_dim=128,
                            linear_num_value_heads=8, linear_value_head_dim=128, intermediate_size=2048,
                            num_attention_heads=8, num_key_value_heads=2, head_dim=256)
-    one, two = wide_rows_and_steps(path, 1), wide_rows_and_steps(path, 2)
+    one, two = rows_and_steps(1, path, 70), rows_and_steps(2, path, 70)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

@@ -4,7 +4,7 @@ row count and thread count; speculation on quantized installs stays lossless at 
 
 import pytest
 import torch
-from helpers import assert_lossless, make_install, make_spec_install
+from helpers import ScriptedDrafter, assert_lossless, make_install, make_moe_install, make_spec_install
 
 import turbo
 from turbo import ops, quant
@@ -185,8 +185,6 @@ def test_a_layer_of_mixed_formats_runs_in_fp32(tmp_path):
 def moe_int4_install(tmp, **over):
     """An MoE install (a shared expert, every layer routed) repacked with --quant int4, at widths
     the group of 64 divides."""
-    from helpers import make_moe_install
-
     _, path = make_moe_install(tmp, 6, hidden_size=128, moe_intermediate_size=64, shared_expert_intermediate_size=64,
                                **over)
     return repack(path, tmp / "q", quiet=True, quant="int4")
@@ -231,8 +229,6 @@ def test_moe_int4_verify_rows_are_decode_steps(moe_int4, threads):
 
 def test_moe_int4_speculation_is_lossless_at_every_block(moe_int4):
     """Rounds landing 0..block proposals (a scripted drafter) through the routed int4 verify."""
-    from helpers import ScriptedDrafter
-
     vnni()
     rt = turbo.open(str(moe_int4), backend="cpu")
     prompt = list(range(7, 40))

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import shapes  # noqa: E402
+from bench_round import step_times  # noqa: E402
 
 import turbo  # noqa: E402
 from turbo.backends import native  # noqa: E402
@@ -71,25 +72,6 @@ def prefill_time(rt, tokens: int) -> float:
     return time.perf_counter() - t
 
 
-def times(rt, prompt: list[int], rows: int, calls: int) -> tuple[float, float, float]:
-    """Seconds of a decode step, a plain `rows`-row verify and one keeping checkpoints."""
-    trunk = rt.trunk
-    st = trunk.new_state(len(prompt) + 64)
-    trunk.prefill(st, prompt)
-    pos = st.pos
-
-    def timed(n: int, rollback: str | None) -> float:
-        trunk.step(st, prompt[:n], (), rollback)
-        st.pos = pos
-        t = time.perf_counter()
-        for _ in range(calls):
-            trunk.step(st, prompt[:n], (), rollback)
-            st.pos = pos
-        return (time.perf_counter() - t) / calls
-
-    return timed(1, None), timed(rows, None), timed(rows, "checkpoint")
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("revs", nargs=2, help="two git revisions (the first is the baseline)")
@@ -115,7 +97,8 @@ def main() -> None:
             for f, rt in rts.items():
                 for rev, lib in libs.items():
                     native._lib, native._threads = lib, 0  # threaded() sets the count on this library
-                    got.setdefault((f, rev), []).append(times(rt, prompt, args.rows, args.calls))
+                    t = step_times(rt, prompt, [args.rows], args.calls)
+                    got.setdefault((f, rev), []).append((t["decode"], t[args.rows, None], t[args.rows, "checkpoint"]))
                     if args.prefill:
                         filled.setdefault((f, rev), []).append(args.prefill / prefill_time(rt, args.prefill))
     print(f"{args.shape}, {args.threads} threads, medians of {args.reps} interleaved runs (min..max), ms")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from turbo.shipped import CONF_DIR
 from turbo.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
 
 # The draft modes ctrl+n cycles through, between generations: (policy, block).
@@ -66,9 +67,7 @@ class Settings:
 
 
 def conf_dir() -> str:
-    from turbo.__main__ import CONF_DIR
-
-    return CONF_DIR
+    return str(CONF_DIR)
 
 
 def other_workload_prompts(current: str) -> list[tuple[str, str]]:

@@ -29,7 +29,9 @@ from typing import Callable  # noqa: E402
 import hydra  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
-CONF_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "conf")
+from . import shipped  # noqa: E402
+
+CONF_DIR = str(shipped.CONF_DIR)
 # hydra/launcher=NAME -> the Hydra plugin that runs it (conf/hydra/launcher: local is joblib, slurm submitit)
 LAUNCHER_PLUGINS = {"joblib": "hydra_joblib_launcher", "local": "hydra_joblib_launcher",
                     "submitit_local": "hydra_submitit_launcher", "submitit_slurm": "hydra_submitit_launcher",

@@ -59,6 +59,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
+from . import shipped
 from .config import RunConfig
 from .errors import TurboError
 from .sampling import sampling_label
@@ -70,7 +71,6 @@ if TYPE_CHECKING:
 SCHEMA = "turbo.probe/1"
 DEFAULT_BLOCKS = (1, 2, 4, 7, 8)
 TIMING_NOTE = "wall-clock figures (wall_s, tokens_per_s, speedup_vs_off) are read for ordering only"
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 
 @dataclass
@@ -122,9 +122,9 @@ def _list(node, what: str) -> list | None:
 
 
 def _workload_prompts(name: str) -> tuple[list[str], int]:
-    path = CONF_DIR / "workload" / f"{name}.yaml"
+    path = shipped.CONF_DIR / "workload" / f"{name}.yaml"
     if not path.is_file():
-        have = ", ".join(sorted(p.stem for p in (CONF_DIR / "workload").glob("*.yaml")))
+        have = ", ".join(sorted(p.stem for p in (shipped.CONF_DIR / "workload").glob("*.yaml")))
         raise TurboError(f"probe.workloads: no workload {name!r} (conf/workload has {have})")
     w = OmegaConf.load(path)
     return [str(p) for p in w.prompts], int(w.max_new_tokens)

@@ -16,6 +16,7 @@ import threading
 from pathlib import Path
 
 from ..errors import TurboError
+from ..shipped import PTX_DIR
 
 ARCHS = ("sm_80", "sm_90")  # what scripts/build_ptx.py builds; sm_90 PTX also JITs on newer GPUs
 MODULES = ("gdn", "conv", "norm", "dflash", "qgemv")
@@ -50,7 +51,7 @@ def use_ptx_dir(path: Path | None) -> None:
 
 
 def ptx_dir() -> Path:
-    return _ptx_dir if _ptx_dir is not None else Path(__file__).resolve().parents[2] / "kernels_ptx"
+    return _ptx_dir if _ptx_dir is not None else PTX_DIR
 
 
 def arch_for(major: int, minor: int) -> str | None:

@@ -28,7 +28,9 @@ import torch
 
 from ..errors import TurboError
 from .. import extras
-from . import Backend
+from .backend import Backend
+from . import cuda_kernels
+from .cuda_kernels import MODULES, arch_for, f32, i32, ptr, ptx_dir, result_name
 
 # the kernels cover fp weights and the three affine formats (turbo/quant.py codes 4, 16, 15)
 CUDA = Backend("cuda", (1, 2, 3, 4, 16, 15))
@@ -50,7 +52,6 @@ def cuda_unavailable_reason() -> str | None:
         result = driver.cuInit(0)
     except Exception as e:  # noqa: BLE001 - cuda-python raises when libcuda cannot be loaded
         return f"backend cuda needs an NVIDIA driver: cuda-python could not load libcuda ({type(e).__name__})"
-    from .cuda_kernels import MODULES, arch_for, ptx_dir, result_name
     err = result[0] if isinstance(result, tuple) else result
     if err == driver.CUresult.CUDA_ERROR_NO_DEVICE:
         return "backend cuda needs a CUDA device: the NVIDIA driver is loaded and reports none"
@@ -73,8 +74,7 @@ def cuda_unavailable_reason() -> str | None:
 
 
 def _k(t: torch.Tensor):
-    from .cuda_kernels import kernels
-    return kernels(t.device.index)
+    return cuda_kernels.kernels(t.device.index)
 
 
 def _need_cuda(t: torch.Tensor, name: str) -> None:
@@ -96,11 +96,6 @@ def _out_buffer(t: torch.Tensor, shape, name: str) -> torch.Tensor:
     return t
 
 
-def _args():
-    from .cuda_kernels import f32, i32, ptr
-    return ptr, i32, f32
-
-
 # ---- GDN recurrence ------------------------------------------------------------------------
 
 
@@ -109,7 +104,6 @@ def gdn_recurrence(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: tor
     """ops.gdn_recurrence on the GPU: state [H, dk, dv] fp32; q, k [R, H, dk]; v [R, H, dv];
     g, beta [R, H]. Returns (outputs [R, H, dv], final state, the state after every row when
     keep_states: views of one [R, H, dk, dv] tensor). `out_state` may be `state` (in place)."""
-    ptr, i32, _ = _args()
     state = _f32(state, "state")
     q, k, v, g, beta = (_f32(t, n) for t, n in ((q, "q"), (k, "k"), (v, "v"), (g, "g"), (beta, "beta")))
     rows, heads, dk = q.shape
@@ -132,7 +126,6 @@ def conv_window_update(window: torch.Tensor, x: torch.Tensor, w: torch.Tensor, k
                        new_window: torch.Tensor | None = None):
     """window [K-1, C], x [R, C], w [C, K] -> (silu(conv) [R, C], ext [K-1+R, C] or None,
     new window [K-1, C] = ext[R:]). `new_window` may be `window` (updated in place)."""
-    ptr, i32, _ = _args()
     window, x, w = _f32(window, "window"), _f32(x, "x"), _f32(w, "w")
     rows, channels = x.shape
     taps = w.shape[1]
@@ -158,7 +151,6 @@ def causal_conv_rows(ext: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """ops.gated_rms_norm on the GPU: o, z [..., d]; w [d]."""
-    ptr, i32, f32 = _args()
     shape = o.shape
     d = shape[-1]
     o2, z2, w = _f32(o, "o").reshape(-1, d), _f32(z, "z").reshape(-1, d), _f32(w, "w")
@@ -174,7 +166,6 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 
 def grouped_conv(h: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor, group: int) -> torch.Tensor:
     """dflash.grouped_conv on the GPU: h [rows, H]; base [taps, H]; dyn [rows, taps, H/group]."""
-    ptr, i32, _ = _args()
     h, base, dyn = _f32(h, "h"), _f32(base, "base"), _f32(dyn, "dyn")
     rows, hidden = h.shape
     taps = base.shape[0]
@@ -210,7 +201,6 @@ def select_candidates_ids(logits: torch.Tensor, proj: torch.Tensor, anchor: int,
                           succ_codebook: torch.Tensor, top_k: int) -> torch.Tensor:
     """The selector kernel: int32 [rows] drafted ids on the GPU (no host sync), given
     proj = final @ hidden_projection^T [rows, rank]."""
-    ptr, i32, _ = _args()
     logits, proj = _f32(logits, "logits"), _f32(proj, "proj")
     pred_codebook, succ_codebook = _f32(pred_codebook, "pred_codebook"), _f32(succ_codebook, "succ_codebook")
     rows, vocab = logits.shape
@@ -250,7 +240,6 @@ def affine_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, b
                   group: int) -> torch.Tensor:
     """x [R, in] @ w^T with w = scale * q + bias per group of `group` input columns, from the
     packed int32 [out, in*bits/32] (turbo/quant.py layout). Returns fp32 [R, out]."""
-    ptr, i32, _ = _args()
     if bits not in QUANT_KERNELS:
         raise TurboError(f"backend cuda: {bits}-bit weights have no kernel (expected 4, 2 or 1)")
     x = _f32(x, "x")

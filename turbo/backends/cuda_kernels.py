@@ -15,6 +15,8 @@ import re
 import threading
 from pathlib import Path
 
+import torch
+
 from ..errors import TurboError
 from ..shipped import PTX_DIR
 
@@ -186,7 +188,6 @@ class Kernels:
         fn = self.function(module, kernel)
         self._make_current(f"kernel {kernel}")
         if stream is None:
-            import torch
             stream = torch.cuda.current_stream(self.device_index).cuda_stream
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
@@ -205,7 +206,6 @@ _kernels_lock = threading.Lock()
 def kernels(device: int | None = None) -> Kernels:
     """The loader for `device` (torch's current device by default), created once."""
     if device is None:
-        import torch
         device = torch.cuda.current_device()
     with _kernels_lock:
         if device not in _kernels:

@@ -27,9 +27,13 @@ from pathlib import Path  # noqa: E402
 from typing import Callable  # noqa: E402
 
 import hydra  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
 from omegaconf import DictConfig  # noqa: E402
 
 from . import shipped  # noqa: E402
+from .config import run_config, unknown_key  # noqa: E402
+from .errors import TurboError  # noqa: E402
+from .extras import missing  # noqa: E402
 
 CONF_DIR = str(shipped.CONF_DIR)
 # hydra/launcher=NAME -> the Hydra plugin that runs it (conf/hydra/launcher: local is joblib, slurm submitit)
@@ -39,7 +43,7 @@ LAUNCHER_PLUGINS = {"joblib": "hydra_joblib_launcher", "local": "hydra_joblib_la
 
 
 def run(cfg: DictConfig) -> int:
-    from .config import run_config
+    # torch and the engine load only once the command line is known good: a refusal stays quick
     from .engine import open as open_runtime
 
     rc = run_config(cfg)
@@ -49,7 +53,7 @@ def run(cfg: DictConfig) -> int:
     # is open (modules, the model) lives as long as the process: moved out of reach.
     gc.freeze()
     if rc.task == "probe":
-        from .probe import run_probe
+        from .probe import run_probe  # (as the engine above)
         return run_probe(cfg, rc, runtime=rt)
     events = rt.stream(rc.prompt, rc.generation)
     if rt.backend.note:  # only once the request is known to be valid: a refusal stays one line
@@ -72,8 +76,6 @@ def run(cfg: DictConfig) -> int:
 
 def guarded(task: Callable[[], int]) -> int:
     """task()'s exit status, a user's error as one line and 2, Ctrl-C as `interrupted` and 130."""
-    from .errors import TurboError
-
     signal.signal(signal.SIGINT, signal.default_int_handler)  # from here on Ctrl-C is caught below
     try:
         return task()
@@ -95,8 +97,6 @@ def main(cfg: DictConfig) -> None:
 def cli(argv: list[str]) -> int:
     """Refuse a bad override in one line before Hydra (whose report is many), then run: generate
     from the config composed here, probe and sweeps (-m) and Hydra's flags under @hydra.main."""
-    from .config import unknown_key
-
     overrides = [a for a in argv if not a.startswith("-")]
     problem = launcher_missing(argv) or unknown_key(CONF_DIR, overrides)
     if problem is None and not any(a.startswith("-") for a in argv):
@@ -113,8 +113,6 @@ def cli(argv: list[str]) -> int:
 
 def composed(overrides: list[str], hydra_node: bool = False) -> tuple[DictConfig | None, str | None]:
     """(the config, None), or (None, why it cannot compose) in one line."""
-    from hydra import compose, initialize_config_dir
-
     try:
         with initialize_config_dir(version_base=None, config_dir=CONF_DIR, job_name="turbo"):
             return compose(config_name="config", overrides=overrides, return_hydra_config=hydra_node), None
@@ -140,8 +138,6 @@ def output_dir_problem(overrides: list[str]) -> str | None:
 def launcher_missing(argv: list[str]) -> str | None:
     """The sweep launcher an override selects, when its Hydra plugin is not installed (one line
     naming the extra, where Hydra would report a missing config group)."""
-    from .extras import missing
-
     for a in argv:
         name, _, value = a.lstrip("+").partition("=")
         plugin = LAUNCHER_PLUGINS.get(value) if name == "hydra/launcher" else None

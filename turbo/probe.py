@@ -55,18 +55,17 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from . import shipped
 from .config import RunConfig
+from .engine import Runtime
+from .engine import open as open_runtime
 from .errors import TurboError
+from .policy import POLICIES
 from .sampling import sampling_label
 from .stats import COUNT_FIELDS, Counts
-
-if TYPE_CHECKING:
-    from .engine import Runtime
 
 SCHEMA = "turbo.probe/1"
 DEFAULT_BLOCKS = (1, 2, 4, 7, 8)
@@ -218,9 +217,6 @@ def tables(workload: str, runs: list[dict], prompts: int, max_new: int, sampling
 def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None, quiet: bool = False,
               runtime: Runtime | None = None) -> int:
     """runtime: rc's install already open (the CLI's); None opens it here."""
-    from .engine import open as open_runtime
-    from .policy import POLICIES
-
     g = rc.generation
 
     pc = cfg.get("probe") or OmegaConf.create({})

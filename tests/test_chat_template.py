@@ -248,6 +248,7 @@ def test_plain_render_and_errors_are_one_line():
     assert render(CHATML, [user("hi")], add_generation_prompt=True) == \
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     assert render("{{ x | tojson }}", [user("a")], x={"k": "<é>"}) == '{"k": "<é>"}'
+    assert render("{% generation %}{{ messages[0].content }}{% endgeneration %}", [user("a")]) == "a"
     with pytest.raises(TurboError, match=r"^chat template: not a valid Jinja template \(line 2: ") as e:
         render("ok\n{% if %}\n", [user("a")])
     assert "\n" not in str(e.value)

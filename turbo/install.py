@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Mapping
 
 import torch
 
 from .arch import Arch, arch_from_config, read_config_json
+from .chat_template import TemplateFiles, generation_eos_ids, read_template
 from .errors import TurboError
 from .safetensors_format import Header, TensorInfo, read_header
 
@@ -261,6 +263,22 @@ class Install:
     @property
     def has_vision(self) -> bool:
         return install_has_vision(self.index)
+
+    # read on first use: opening an install (and raw completion) never depends on these files
+    @cached_property
+    def template_files(self) -> TemplateFiles:
+        return read_template(self.path)
+
+    @property
+    def chat_template(self) -> str | None:
+        """The checkpoint's chat template as repack kept it; None: it completes raw text only."""
+        return self.template_files.source
+
+    @cached_property
+    def eos_ids(self) -> tuple[int, ...]:
+        """config.json's eos ids, then generation_config.json's that are not among them."""
+        ids = self.arch.eos_token_ids + generation_eos_ids(self.path, self.arch.vocab)
+        return tuple(dict.fromkeys(ids))
 
 
 def bundled_names() -> list[str]:

@@ -45,6 +45,7 @@ from typing import Callable, Iterator
 from tqdm import tqdm
 
 from .arch import Arch, arch_from_config, read_config_json
+from .chat_template import check_checkpoint
 from .drafters import mtp
 from .drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from .errors import TurboError
@@ -56,6 +57,8 @@ COPY_CHUNK = 4 * 1024 * 1024
 # A repack writes into the hidden sibling `.OUT.repack-PID-RANDOM` and renames it when done.
 TMP_MARK = ".repack-"
 TMP_PATTERN = re.compile(r"\..+\.repack-(\d+)-[0-9a-f]{8}")
+# Copied as they are: the chat template (chat_template.jinja, or tokenizer_config.json's) and
+# generation_config.json's eos ids travel with the install (turbo/chat_template.py reads them).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt")
 # Checkpoint name prefix -> install prefix, most specific first. A Qwen3_5ForConditionalGeneration
@@ -437,6 +440,7 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         raise TurboError(f"{src / 'tokenizer.json'}: missing (the install needs the checkpoint's tokenizer)")
     if quant not in ("none", *q.FORMATS):
         raise TurboError(f"--quant {quant!r} is not one of none, {', '.join(q.FORMATS)}")
+    check_checkpoint(src, arch.vocab)  # a template that does not compile is refused now, not at the first chat
     fmt = q.FORMATS.get(quant)
     trunk_quant: dict[str, dict] = {}
     drafter_quant: dict[str, dict] = {}

@@ -1,0 +1,280 @@
+"""A checkpoint's chat template: found in its files, compiled and rendered as transformers does.
+
+`render` turns messages into the prompt text `tokenizer.apply_chat_template(..., tokenize=False)`
+gives for the same template and arguments (transformers' utils/chat_template_utils.py is the
+reference: the sandboxed environment, its helpers, how messages are prepared); `encode` turns that
+text into the ids `apply_chat_template(tokenize=True)` gives. `read_template` / `generation_eos_ids`
+read what an install (or a checkpoint, at repack) carries; `install_template` is what chat asks for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Mapping
+
+import jinja2
+import jinja2.ext
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .arch import _token_ids, read_config_json, show
+from .errors import TurboError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from .install import Install
+
+TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+GENERATION_CONFIG = "generation_config.json"
+# The named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+# Where transformers finds a message's reasoning; the first name is the one templates read.
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+# What a template may raise while rendering: a Jinja error, raise_exception's, or Python's own
+# errors from an operation on the wrong type (`'a' + 1`, a missing index).
+RENDER_ERRORS = (jinja2.TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError,
+                 ZeroDivisionError, OverflowError, RecursionError)
+
+
+@dataclasses.dataclass(frozen=True)
+class ChatTemplate:
+    """A template's text, where it came from (for messages) and the special tokens it is given."""
+
+    source: str
+    where: str = "chat template"
+    special_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def render(self, messages: list, *, add_generation_prompt: bool = False, tools: list | None = None,
+               documents: list | None = None, **template_kwargs: Any) -> str:
+        """The prompt text for `messages`; keyword arguments (enable_thinking=...) go to the
+        template and override a special token of the same name, as in transformers."""
+        template = compile_template(self.source, self.where)
+        if tools is not None and not all(isinstance(t, Mapping) for t in tools):
+            raise TurboError(f"{self.where}: tools must be JSON schemas (dicts), got {show(tools)}")
+        if documents is not None and not all(isinstance(d, Mapping) for d in documents):
+            raise TurboError(f"{self.where}: documents must be dicts (title, text), got {show(documents)}")
+        chat = _alias_reasoning(plain(_drop_none(messages, self.where)))
+        kwargs = plain({**self.special_tokens, **template_kwargs})
+        try:
+            return template.render(messages=chat, tools=plain(tools), documents=plain(documents),
+                                   add_generation_prompt=add_generation_prompt, **kwargs)
+        except RENDER_ERRORS as e:
+            raise TurboError(f"{self.where}: refused to render ({_one_line(e)})") from None
+
+
+def render(template: str | ChatTemplate, messages: list, *, add_generation_prompt: bool = False,
+           tools: list | None = None, documents: list | None = None, **template_kwargs: Any) -> str:
+    """`template` (its text, or a ChatTemplate with its special tokens) rendered over `messages`."""
+    chat = template if isinstance(template, ChatTemplate) else ChatTemplate(template)
+    return chat.render(messages, add_generation_prompt=add_generation_prompt, tools=tools, documents=documents,
+                       **template_kwargs)
+
+
+def encode(tokenizer: Tokenizer, text: str) -> list[int]:
+    """A rendered prompt's ids: the template wrote every special token itself, none is added."""
+    return tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def install_template(install: Install) -> ChatTemplate:
+    """The install's template, or a refusal naming the install (raw completion needs none)."""
+    files = install.template_files
+    if files.source is None:
+        raise TurboError(f"install {install.name}: no chat template (neither {TEMPLATE_FILE} nor a chat_template in "
+                         f"{TOKENIZER_CONFIG}); it completes raw text only")
+    return ChatTemplate(files.source, files.where, files.special_tokens)
+
+
+# ---- compiling -------------------------------------------------------------------------------
+
+
+def _raise_exception(message: str):
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # transformers' filter: Jinja's own escapes HTML characters, which a prompt must not get
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _Dict:
+    """`dict(...)` for templates without the type itself (its attributes are a way out of the sandbox)."""
+
+    def __call__(self, *args, **kwargs) -> dict:
+        return dict(*args, **kwargs)
+
+    def fromkeys(self, *args, **kwargs) -> dict:
+        return dict.fromkeys(*args, **kwargs)
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's namespace refusing underscore names, as transformers' (no way to CPython internals)."""
+
+    def __init__(*args, **kwargs):  # Jinja's signature trick, so that namespace(self=...) works
+        self, args = args[0], args[1:]
+        attrs = dict(*args, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name, value):
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(f"a namespace attribute may not start with '_' ({name!r})")
+
+
+class _Generation(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker) renders its body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller) -> str:
+        return caller()
+
+
+@lru_cache(maxsize=16)
+def _compiled(source: str) -> jinja2.Template:
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
+                       namespace=_Namespace)
+    return env.from_string(source)
+
+
+def compile_template(source: str, where: str = "chat template") -> jinja2.Template:
+    """The compiled template, or a refusal naming it with Jinja's message and line."""
+    if not isinstance(source, str):
+        raise TurboError(f"{where}: expected the template's text, got {show(source)}")
+    try:
+        return _compiled(source)
+    except jinja2.TemplateSyntaxError as e:
+        raise TurboError(f"{where}: not a valid Jinja template (line {e.lineno}: {_one_line(e)})") from None
+    except (jinja2.TemplateError, RecursionError) as e:
+        raise TurboError(f"{where}: not a valid Jinja template ({_one_line(e)})") from None
+
+
+def _one_line(e: BaseException) -> str:
+    text = " ".join((getattr(e, "message", None) or str(e) or type(e).__name__).split())
+    return text if len(text) <= 300 else text[:297] + "..."
+
+
+# ---- the data a template sees (as transformers prepares it) -----------------------------------
+
+
+def _drop_none(messages: list, where: str) -> list[dict]:
+    """Messages as dicts without their None values (`content=None` would render as "None")."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise TurboError(f"{where}: expected a non-empty list of messages, got {show(messages)}")
+    out = []
+    for m in messages:
+        if dataclasses.is_dataclass(m) and not isinstance(m, type):
+            m = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
+        if not isinstance(m, Mapping):
+            raise TurboError(f"{where}: a message must be a dict (role, content), got {show(m)}")
+        out.append({k: v for k, v in m.items() if v is not None})
+    return out
+
+
+def plain(value: Any) -> Any:
+    """`value` rebuilt from plain JSON types: the sandbox knows nothing of other objects' methods."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for base in (str, int, float):  # a subclass (an enum, a numpy float) back to its base type
+        if isinstance(value, base):
+            return {str: str.__str__, int: int.__int__, float: float.__float__}[base](value)
+    if isinstance(value, Mapping):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [plain(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(plain(v) for v in value)
+    if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+        return plain(value.item())  # a numpy scalar: np.bool_(False) must stay falsy
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    return f"<{type(value).__name__}>"
+
+
+def _alias_reasoning(chat: list[dict]) -> list[dict]:
+    """A message's reasoning under every name templates read it by (`thinking` first, as transformers)."""
+    out = []
+    for m in chat:
+        reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+        out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
+    return out
+
+
+# ---- what a checkpoint or an install carries --------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TemplateFiles:
+    """A directory's chat template (None: it has none), where it was found, its special tokens."""
+
+    source: str | None
+    where: str
+    special_tokens: dict[str, str]
+
+
+def read_template(directory: Path) -> TemplateFiles:
+    """`chat_template.jinja` if present, else tokenizer_config.json's `chat_template` (its text,
+    or Hugging Face's list of {name, template}: the one named "default"). Read, not compiled."""
+    config_path = directory / TOKENIZER_CONFIG
+    config = read_config_json(config_path) if config_path.is_file() else {}
+    special = {}
+    for name in SPECIAL_TOKEN_NAMES:  # a string, or an AddedToken written as {"content": ...}
+        token = config.get(name)
+        token = token.get("content") if isinstance(token, dict) else token
+        if isinstance(token, str):
+            special[name] = token
+    path = directory / TEMPLATE_FILE
+    if path.is_file():
+        try:
+            return TemplateFiles(path.read_text(encoding="utf-8"), str(path), special)
+        except (OSError, UnicodeDecodeError) as e:
+            raise TurboError(f"{path}: not readable UTF-8 text ({_one_line(e)})") from None
+    where = f"{config_path} (chat_template)"
+    value = config.get("chat_template")
+    if value is None or isinstance(value, str):
+        return TemplateFiles(value, where, special)
+    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in value):
+        named = {t["name"]: t.get("template") for t in value}
+        if isinstance(named.get("default"), str):
+            return TemplateFiles(named["default"], f"{config_path} (chat_template 'default')", special)
+        raise TurboError(f"{where}: named templates {', '.join(map(repr, named))} but no text named 'default'")
+    raise TurboError(f"{where}: expected the template's text or a list of {{name, template}}, got {show(value)}")
+
+
+def generation_eos_ids(directory: Path, vocab: int) -> tuple[int, ...]:
+    """generation_config.json's eos_token_id (one id or a list), each below `vocab`; () without one."""
+    path = directory / GENERATION_CONFIG
+    if not path.is_file():
+        return ()
+    return _token_ids(read_config_json(path).get("eos_token_id"), vocab, str(path))
+
+
+def check_checkpoint(directory: Path, vocab: int) -> None:
+    """What repack refuses before writing: a template that does not compile, eos ids out of range."""
+    files = read_template(directory)
+    if files.source is not None:
+        compile_template(files.source, files.where)
+    generation_eos_ids(directory, vocab)

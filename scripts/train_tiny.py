@@ -21,10 +21,11 @@ exists unless ``--force``):
     mtp           python -m turbo.train build/tiny_trunk --kind mtp -> build/tiny_mtp
     report        build/TRAINING.md (sizes, data, losses, held-out acceptance, samples)
 
-scripts/build_tiny_install.sh files the trunk and both into turbo/installs/tiny.
-``--resume`` continues a killed ``trunk``, ``dflash2`` or ``mtp`` run from its last
-checkpoint.  Learning-rate schedules follow the fraction of the *time budget*
-spent (the CPUs are shared, so step rates vary); pass ``--trunk-steps`` for a
+The trunk trains in turbo.train.loop (its schedule, optimizer, checkpoints and resume);
+the drafters are python -m turbo.train runs. scripts/build_tiny_install.sh files the trunk
+and both into turbo/installs/tiny. ``--resume`` continues a killed ``trunk``, ``dflash2`` or
+``mtp`` run from its last checkpoint. Learning-rate schedules follow the fraction of the
+*time budget* spent (the CPUs are shared, so step rates vary); pass ``--trunk-steps`` for a
 step-based schedule that is exactly reproducible.
 """
 from __future__ import annotations
@@ -35,7 +36,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import os
 import random
 import sys
 import sysconfig
@@ -47,6 +47,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from tqdm import tqdm
+
+import turbo
+from turbo.repack import repack
+from turbo.train.__main__ import main as train_main
+from turbo.train.loop import Schedule, train
 
 WORKLOADS = ("prose", "code", "math")
 EOS = "<|endoftext|>"
@@ -61,7 +66,7 @@ STAGES = ("corpus", "tokenizer", "workloads", "trunk", "install", "prompts", "df
 class HParams:
     seed: int = 1234
     vocab_size: int = 4096
-    # trunk
+    # trunk (its schedule and AdamW are turbo.train.loop's: 3% warmup, cosine to a tenth, decay 0.1)
     hidden: int = 256
     layers: int = 8
     heads: int = 4
@@ -76,19 +81,15 @@ class HParams:
     seq_len: int = 256
     batch: int = 16
     lr: float = 2e-3
-    min_lr_frac: float = 0.1
-    warmup_frac: float = 0.03
-    weight_decay: float = 0.1
     trunk_minutes: float = 55.0
     trunk_steps: int = 0  # 0 = time-budget schedule
+    checkpoint_every: int = 100  # trunk steps
+    eval_every: int = 500  # trunk steps between held-out losses
     # the drafters (python -m turbo.train; its defaults for the rest)
     drafter_examples: int = 600  # per workload
     target_layer_ids: tuple[int, ...] = (1, 3, 5, 6)
     drafter_minutes: float = 16.0
     mtp_minutes: float = 13.0
-    # bookkeeping
-    ckpt_minutes: float = 4.0
-    eval_minutes: float = 5.0
 
 
 def set_seed(seed: int) -> None:
@@ -99,13 +100,6 @@ def set_seed(seed: int) -> None:
 def stable_hash(s: str) -> int:
     """A process-independent hash (Python's hash() is salted)."""
     return int(hashlib.sha1(s.encode()).hexdigest()[:8], 16)
-
-
-def atomic_save(obj: Any, path: Path) -> None:
-    """Write then rename, so a kill mid-write never leaves a torn checkpoint."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
 
 
 class Logger:
@@ -462,9 +456,6 @@ def write_prompts(work: Path, hp: HParams, build: Path, log: Logger, n: int = 30
         log.log("prompts", workload=w, prompts=len(items))
 
 
-# --------------------------------------------------------------------------
-# Trunk
-# --------------------------------------------------------------------------
 def trunk_config(hp: HParams, eos_id: int):
     from transformers import Qwen3_5TextConfig
 
@@ -480,19 +471,19 @@ def trunk_config(hp: HParams, eos_id: int):
     )
 
 
-def sample_batch(streams: dict[str, torch.Tensor], hp: HParams, step: int, seed: int,
-                 length: int) -> tuple[torch.Tensor, list[str]]:
-    """A balanced batch (workloads rotate), deterministic in (seed, step) so a
-    resumed run sees the same data it would have seen."""
-    g = torch.Generator().manual_seed(seed * 1_000_003 + step)
+def sample_batch(streams: dict[str, torch.Tensor], hp: HParams, step: int,
+                 gen: torch.Generator) -> tuple[torch.Tensor, list[str]]:
+    """A balanced batch (workloads rotate), drawn with the loop's generator for the step
+    (seeded with (seed, step)), so a resumed run sees the same data it would have seen."""
     rows, names = [], []
     for b in range(hp.batch):
         w = WORKLOADS[(b + step) % len(WORKLOADS)]
         s = streams[w]
-        off = int(torch.randint(0, len(s) - length - 1, (1,), generator=g))
-        rows.append(s[off:off + length + 1])
+        off = int(torch.randint(0, len(s) - hp.seq_len - 1, (1,), generator=gen))
+        rows.append(s[off:off + hp.seq_len + 1])
         names.append(w)
     return torch.stack(rows), names
+
 
 
 def eval_windows(streams: dict[str, torch.Tensor], length: int, count: int) -> dict[str, torch.Tensor]:
@@ -520,86 +511,14 @@ def val_losses(model: nn.Module, windows: dict[str, torch.Tensor], bs: int = 8) 
     model.train()
     return res
 
-
-def lr_factor(progress: float, warmup: float, min_frac: float) -> float:
-    """Linear warmup then cosine to min_frac, over progress in [0, 1]."""
-    if progress < warmup:
-        return max(progress / warmup, 0.01)
-    p = min(1.0, (progress - warmup) / max(1e-9, 1 - warmup))
-    return min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * p))
-
-
-def resume_checkpoint(path: Path, model, opt, log, stage: str) -> tuple[int, float]:
-    """Load model + optimizer from a stage checkpoint if one exists; (step, elapsed seconds)."""
-    if not path.exists():
-        return 0, 0.0
-    ck = torch.load(path, weights_only=False)
-    model.load_state_dict(ck["model"])
-    opt.load_state_dict(ck["opt"])
-    log.log(stage, resumed_from_step=ck["step"], elapsed_s=round(ck["elapsed"]))
-    return ck["step"], ck["elapsed"]
-
-
-def make_optimizer(params: list[nn.Parameter], lr: float, wd: float) -> torch.optim.Optimizer:
-    # no weight decay on norms, biases and small vectors
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": rest, "weight_decay": 0.0}],
-                             lr=lr, betas=(0.9, 0.95), eps=1e-8)
-
-
-class Budget:
-    """Progress through a run: by steps when `steps` > 0, else by seconds of
-    training time (carried across resumes)."""
-
-    def __init__(self, steps: int, minutes: float, elapsed: float = 0.0) -> None:
-        self.steps, self.seconds, self.elapsed = steps, minutes * 60.0, elapsed
-        self.t0 = time.time() - elapsed
-
-    def now(self) -> float:
-        return time.time() - self.t0
-
-    def progress(self, step: int) -> float:
-        return step / self.steps if self.steps > 0 else self.now() / self.seconds
-
-    def done(self, step: int) -> bool:
-        return self.progress(step) >= 1.0
-
-
-class ThreadTuner:
-    """The two CPUs are shared with other jobs. When another process holds a
-    core, two intra-op threads are slower than one (every op waits for the
-    starved thread), so every `period_s` try the other thread count for a few
-    steps and keep whichever steps faster."""
-
-    def __init__(self, max_threads: int, period_s: float = 90.0, trial: int = 3) -> None:
-        self.max, self.period, self.trial = max_threads, period_s, trial
-        self.cur, self.recent = max_threads, []
-        self.trying: int | None = None
-        self.trial_times: list[float] = []
-        self.next_trial = time.time() + period_s
-        torch.set_num_threads(self.cur)
-
-    def record(self, dt: float) -> None:
-        if self.max <= 1:
-            return
-        if self.trying is None:
-            self.recent = (self.recent + [dt])[-5:]
-            if time.time() > self.next_trial and len(self.recent) >= 3:
-                self.trying = 1 if self.cur > 1 else self.max
-                self.trial_times = []
-                torch.set_num_threads(self.trying)
-            return
-        self.trial_times.append(dt)
-        if len(self.trial_times) >= self.trial:
-            mine = sorted(self.recent)[len(self.recent) // 2]
-            theirs = sorted(self.trial_times)[len(self.trial_times) // 2]
-            if theirs < mine:
-                tqdm.write(f"[threads] {self.trying} thread(s) step faster ({theirs:.2f}s vs {mine:.2f}s): switching")
-                self.cur, self.recent = self.trying, self.trial_times[-5:]
-            self.trying = None
-            torch.set_num_threads(self.cur)
-            self.next_trial = time.time() + self.period
+def running_losses(log_path: Path) -> dict[str, float]:
+    """Each workload's train loss as a running average (EMA 0.98) over the loop's log."""
+    run: dict[str, float] = {}
+    for line in log_path.read_text().splitlines():
+        for w, v in json.loads(line).items():
+            if w in WORKLOADS:
+                run[w] = v if w not in run else 0.98 * run[w] + 0.02 * v
+    return {w: round(v, 4) for w, v in run.items()}
 
 
 def save_trunk_hf(model: nn.Module, work: Path, out: Path) -> None:
@@ -617,109 +536,50 @@ def save_trunk_hf(model: nn.Module, work: Path, out: Path) -> None:
         gen.unlink()  # not part of the install format; greedy is the runtime's default
 
 
+
+
 def train_trunk(work: Path, hp: HParams, build: Path, log: Logger, resume: bool) -> None:
-    from tokenizers import Tokenizer
+    """turbo.train.loop over a fresh Qwen3_5ForCausalLM: next-token cross entropy on balanced
+    batches; its checkpoint and per-step log in <work>/trunk/, the held-out losses in metrics.jsonl."""
+    from tokenizers import Tokenizer  # (optional heavy deps: only this stage needs them)
     from transformers import Qwen3_5ForCausalLM
 
     tok = Tokenizer.from_file(str(work / "tokenizer.json"))
-    eos = tok.token_to_id(EOS)
     set_seed(hp.seed)
-    model = Qwen3_5ForCausalLM(trunk_config(hp, eos)).float()
-    opt = make_optimizer(list(model.parameters()), hp.lr, hp.weight_decay)
-    ckpt_path = work / "trunk_ckpt.pt"
-    step, elapsed = resume_checkpoint(ckpt_path, model, opt, log, "trunk") if resume else (0, 0.0)
-    n_params = sum(p.numel() for p in model.parameters())
-    log.log("trunk", params=n_params, seq_len=hp.seq_len, batch=hp.batch)
+    model = Qwen3_5ForCausalLM(trunk_config(hp, tok.token_to_id(EOS))).float()
+    log.log("trunk", params=sum(p.numel() for p in model.parameters()), seq_len=hp.seq_len, batch=hp.batch)
     streams = {w: load_tokens(work, w, "train") for w in WORKLOADS}
     ev = eval_windows({w: load_tokens(work, w, "eval") for w in WORKLOADS}, hp.seq_len, 16)
-    budget = Budget(hp.trunk_steps, hp.trunk_minutes, elapsed)
-    last_ckpt = last_eval = budget.now()
-    run_loss: dict[str, float] = {}
-    bar = tqdm(desc="trunk", unit="step", initial=step, dynamic_ncols=True, mininterval=10)
-    t_first, tok_first, start_step = time.time(), 0, step
-    tuner = ThreadTuner(torch.get_num_threads())
-    model.train()
-    while not budget.done(step):
-        t_step = time.time()
-        for g in opt.param_groups:
-            g["lr"] = hp.lr * lr_factor(budget.progress(step), hp.warmup_frac, hp.min_lr_frac)
-        x, names = sample_batch(streams, hp, step, hp.seed, hp.seq_len)
+
+    def step_loss(step: int, gen: torch.Generator) -> tuple[torch.Tensor, dict, int]:
+        if step and step % hp.eval_every == 0:
+            log.log("trunk", step=step, val_loss=val_losses(model, ev))
+        x, names = sample_batch(streams, hp, step, gen)
         logits = model(input_ids=x[:, :-1]).logits
         per_tok = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten(), reduction="none").view(len(x), -1)
-        loss = per_tok.mean()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        step += 1
-        tuner.record(time.time() - t_step)
         per_seq = per_tok.detach().mean(1)
-        for w in WORKLOADS:  # running (EMA) train loss per workload
-            sel = [i for i, n in enumerate(names) if n == w]
-            if sel:
-                v = per_seq[sel].mean().item()
-                run_loss[w] = v if w not in run_loss else 0.98 * run_loss[w] + 0.02 * v
-        bar.update(1)
-        bar.set_postfix(loss=f"{loss.item():.3f}", lr=f"{opt.param_groups[0]['lr']:.2e}")
-        if step == start_step + 1:  # the first step pays one-off set-up costs: time from its end
-            t_first = time.time()
-        elif tok_first >= 0:
-            tok_first += x[:, 1:].numel()
-            if time.time() - t_first > 60:
-                log.log("trunk", first_minute_tokens_per_s=round(tok_first / (time.time() - t_first)))
-                tok_first = -1
-        now = budget.now()
-        if now - last_eval > hp.eval_minutes * 60:
-            last_eval = now
-            log.log("trunk", step=step, elapsed_min=round(now / 60, 1), lr=opt.param_groups[0]["lr"],
-                    train_loss={w: round(v, 4) for w, v in run_loss.items()}, val_loss=val_losses(model, ev))
-        if now - last_ckpt > hp.ckpt_minutes * 60:
-            last_ckpt = now
-            atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                         "elapsed": now}, ckpt_path)
-    bar.close()
-    now = budget.now()
-    atomic_save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step, "elapsed": now}, ckpt_path)
-    log.log("trunk", final=True, step=step, elapsed_min=round(now / 60, 1),
-            train_loss={w: round(v, 4) for w, v in run_loss.items()}, val_loss=val_losses(model, ev))
+        parts = {w: per_seq[[i for i, n in enumerate(names) if n == w]].mean().item() for w in WORKLOADS if w in names}
+        loss = per_tok.mean()
+        return loss, {"loss": loss.item(), **parts}, x[:, 1:].numel()
+
+    loop_dir = work / "trunk"
+    loop_dir.mkdir(exist_ok=True)
+    by_steps = hp.trunk_steps > 0
+    sched = Schedule(hp.lr, hp.trunk_steps if by_steps else None, None if by_steps else hp.trunk_minutes,
+                     hp.checkpoint_every, hp.seed)
+    steps = train(model, step_loss, sched, loop_dir, resume)
+    elapsed = torch.load(loop_dir / "checkpoint.pt", weights_only=True)["elapsed"]
+    log.log("trunk", final=True, step=steps, elapsed_min=round(elapsed / 60, 1),
+            train_loss=running_losses(loop_dir / "log.jsonl"), val_loss=val_losses(model, ev))
     save_trunk_hf(model, work, build / "tiny_hf")
     log.log("trunk", saved=str(build / "tiny_hf"))
-
-
-def load_trunk_hf(path: Path) -> nn.Module:
-    """The shipped (bf16) trunk, computed in fp32 as the CPU runtime does."""
-    from transformers import Qwen3_5ForCausalLM
-
-    model = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.eval()
-    for p in model.parameters():
-        p.requires_grad_(False)
-    return model
 
 
 # --------------------------------------------------------------------------
 # The drafters: python -m turbo.train on the trunk's install
 # --------------------------------------------------------------------------
-@torch.no_grad()
-def greedy(model: nn.Module, prefix: torch.Tensor, n: int) -> torch.Tensor:
-    """Batched greedy decode with the HF cache (equal-length prefixes: no padding)."""
-    out = model(input_ids=prefix, use_cache=True)
-    past = out.past_key_values
-    tok = out.logits[:, -1].argmax(-1)
-    toks = [tok]
-    for _ in range(n - 1):
-        out = model(input_ids=tok[:, None], past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        tok = out.logits[:, -1].argmax(-1)
-        toks.append(tok)
-    return torch.stack(toks, 1)
-
-
-
 def build_trunk_install(build: Path) -> None:
     """build/tiny_trunk: the trunk alone, repacked as an install (what the drafters train for)."""
-    from turbo.repack import repack
-
     repack(build / "tiny_hf", build / "tiny_trunk", quiet=True)
 
 
@@ -737,8 +597,6 @@ def drafter_command(kind: str, hp: HParams, build: Path, repo: Path) -> list[str
 
 
 def train_drafter(kind: str, hp: HParams, build: Path, repo: Path, resume: bool) -> None:
-    from turbo.train.__main__ import main as train_main
-
     resumable = resume and (build / f"tiny_{kind}" / "train" / "run.json").is_file()
     code = train_main(drafter_command(kind, hp, build, repo) + (["--resume"] if resumable else []))
     if code:
@@ -763,7 +621,7 @@ nohup nice -n 10 sh -c 'python scripts/train_tiny.py --stage trunk --resume && \
 sh scripts/build_tiny_install.sh
 nice -n 10 python scripts/train_tiny.py --stage report
 # after a kill: the same commands; --resume continues the trunk from
-# build/tiny_work/trunk_ckpt.pt and the drafters from build/tiny_{dflash2,mtp}/train/.
+# build/tiny_work/trunk/checkpoint.pt and the drafters from build/tiny_{dflash2,mtp}/train/.
 """
 
 
@@ -787,7 +645,8 @@ def write_report(work: Path, hp: HParams, build: Path, repo: Path, log: Logger) 
     trunk = final_entry(work, "trunk")
     lines = ["# tiny: training record", "",
              "Written by `scripts/train_tiny.py --stage report`. Hyper-parameters: "
-             "`build/tiny_work/hparams.json`; every logged metric: `build/tiny_work/metrics.jsonl` (trunk), "
+             "`build/tiny_work/hparams.json`; every logged metric: `build/tiny_work/metrics.jsonl` and "
+             "`build/tiny_work/trunk/log.jsonl` (trunk), "
              "`build/tiny_{dflash2,mtp}/train/log.jsonl` (the drafters).", "",
              "## Sizes", "",
              f"- trunk `build/tiny_hf/` (Qwen3_5ForCausalLM, bf16): {n_params(build / 'tiny_hf' / 'model.safetensors'):,} "
@@ -816,11 +675,10 @@ def write_report(work: Path, hp: HParams, build: Path, repo: Path, log: Logger) 
             cells = " | ".join(f"{r['accepted_per_round']:.2f}" for r in g["blocks"].values())
             lines.append(f"| {w} | {cells} |")
     lines += ["", "## Commands", "", "```sh", COMMANDS.rstrip(), "```", "", "## Sample greedy continuations", ""]
-    model = load_trunk_hf(build / "tiny_hf")
+    rt = turbo.open(str(build / "tiny_trunk"), backend="cpu")
     for w in WORKLOADS:
         prompt = yaml.safe_load((repo / "conf" / "workload" / f"{w}.yaml").read_text())["prompts"][0]
-        ids = torch.tensor([tok.encode(prompt).ids])
-        out = tok.decode(greedy(model, ids, 96)[0].tolist())
+        out = tok.decode(rt.generate(prompt, max_new_tokens=96, policy="off", stop_at_eos=False).tokens)
         lines += [f"### {w}", "", "```", prompt + "\u2588" + out, "```", "",]
     lines.append("(\u2588 marks where the prompt ends.)")
     (build / "TRAINING.md").write_text("\n".join(lines) + "\n")

@@ -217,12 +217,13 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """NeoX rotate_half on the first cos.shape[-1] dims of x [R, heads, d]; cos [R, rot]."""
+    """NeoX rotate_half on the first cos.shape[-1] dims of x [..., heads, d]; cos [..., rot] (x's
+    leading dims). Differentiable: turbo/train's modules rotate with it too."""
     rot = cos.shape[-1]
     xr, xp = x[..., :rot], x[..., rot:]
     half = rot // 2
     rotated = torch.cat([-xr[..., half:], xr[..., :half]], dim=-1)
-    out = xr * cos[:, None, :] + rotated * sin[:, None, :]
+    out = xr * cos[..., None, :] + rotated * sin[..., None, :]
     return torch.cat([out, xp], dim=-1) if xp.shape[-1] else out
 
 

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from ..arch import Arch
 from ..drafters.dflash_config import DFLASH2_ARCH, DFLASH_GROUP_SIZE, DFLASH_LAYERS, DFLASH_TAPS
 from ..errors import TurboError
+from ..ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 
 # the published DFlash recipe's decay per block size (w_k = exp(-(k - 1) / gamma)); others: block / 2
 PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -100,7 +101,7 @@ def draft_shape(arch: Arch, mask_token: int, heads: int | None = None, kv_heads:
 
 
 class ZeroNorm(nn.Module):
-    """The zero-centred RMSNorm of trunk and drafter: x * rsqrt(mean(x^2) + eps) * (1 + w)."""
+    """The zero-centred RMSNorm of trunk and drafter (ops.rms_norm with scale 1 + w)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -108,21 +109,13 @@ class ZeroNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x.float()
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+        return rms_norm(x, 1.0 + self.weight, self.eps)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, -1)
-    return torch.cat((-b, a), -1)
-
-
-def rope_cos_sin(pos: torch.Tensor, dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Full-head RoPE tables for integer positions of any shape -> [..., dim]."""
-    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=pos.device) / dim))
-    f = pos.float()[..., None] * inv
-    emb = torch.cat((f, f), -1)
-    return emb.cos(), emb.sin()
+def rope_tables(pos: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """ops.rope_cos_sin for integer positions of any shape -> cos, sin [..., rot]."""
+    cos, sin = rope_cos_sin(pos.flatten(), inv_freq)
+    return cos.view(*pos.shape, -1), sin.view(*pos.shape, -1)
 
 
 class GroupedConv(nn.Module):
@@ -168,17 +161,16 @@ class Attention(nn.Module):
     def context_kv(self, ctx: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """ctx [N, T, H] (fused aux states) -> k, v [N, T, kvh, hd]; k rotated at its position."""
         k = self.k_norm(self.k_proj(ctx).unflatten(-1, (self.kvh, self.hd)))
-        k = k * cos[:, :, None] + rotate_half(k) * sin[:, :, None]
-        return k, self.v_proj(ctx).unflatten(-1, (self.kvh, self.hd))
+        return apply_rope(k, cos, sin), self.v_proj(ctx).unflatten(-1, (self.kvh, self.hd))
 
     def forward(self, u, ck, cv, cmask, cos, sin):
         """u [N, A, R, H] block rows; ck / cv [N, T, kvh, hd]; cmask [N, A, T] (visible context);
         cos / sin [N, A, R, hd] at the block's positions."""
         rep = self.h // self.kvh
         q = self.q_norm(self.q_proj(u).unflatten(-1, (self.h, self.hd)))
-        q = q * cos[..., None, :] + rotate_half(q) * sin[..., None, :]
+        q = apply_rope(q, cos, sin)
         kb = self.k_norm(self.k_proj(u).unflatten(-1, (self.kvh, self.hd)))
-        kb = kb * cos[..., None, :] + rotate_half(kb) * sin[..., None, :]
+        kb = apply_rope(kb, cos, sin)
         vb = self.v_proj(u).unflatten(-1, (self.kvh, self.hd))
         ck, cv = ck.repeat_interleave(rep, 2), cv.repeat_interleave(rep, 2)  # head h reads kv head h // rep
         kb, vb = kb.repeat_interleave(rep, 3), vb.repeat_interleave(rep, 3)
@@ -249,6 +241,7 @@ class DFlash2(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("lm_head", lm_head.float(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(s.head_dim, s.rope_theta), persistent=False)
 
     def forward(self, ids: torch.Tensor, aux: torch.Tensor, anchors: torch.Tensor):
         """ids [N, T]; aux [N, T, n_aux*H]; anchors [N, A] positions. Returns logits [N, A, B, V]
@@ -258,12 +251,12 @@ class DFlash2(nn.Module):
         dev = ids.device
         ctx = self.hidden_norm(self.fc(aux.float()))
         tpos = torch.arange(t, device=dev)
-        ccos, csin = rope_cos_sin(tpos.expand(n, t), s.head_dim, s.rope_theta)
+        ccos, csin = rope_tables(tpos.expand(n, t), self.inv_freq)
         cmask = (tpos[None, None] < anchors[..., None]) & (tpos[None, None] >= anchors[..., None] - s.window)
         rows = torch.full((n, anchors.shape[1], s.block + 1), s.mask_token, dtype=torch.long, device=dev)
         rows[..., 0] = ids.gather(1, anchors)
         x = F.embedding(rows, self.embed)
-        bcos, bsin = rope_cos_sin(anchors[..., None] + torch.arange(s.block + 1, device=dev), s.head_dim, s.rope_theta)
+        bcos, bsin = rope_tables(anchors[..., None] + torch.arange(s.block + 1, device=dev), self.inv_freq)
         for layer in self.layers:
             ck, cv = layer.self_attn.context_kv(ctx, ccos, csin)
             x = layer(x, ck, cv, cmask, bcos, bsin)

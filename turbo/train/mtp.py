@@ -19,14 +19,8 @@ import torch.nn.functional as F
 from ..arch import Arch
 from ..drafters.mtp import MTP_PREFIX
 from ..install import Install
+from ..ops import apply_rope, rope_cos_sin, rope_inv_freq
 from .dflash2 import Mlp, ZeroNorm
-
-
-def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rot: int) -> torch.Tensor:
-    """The trunk's partial rotation: the first `rot` dims of each head, halves rotated."""
-    xr, xp = x[..., :rot], x[..., rot:]
-    rotated = torch.cat([-xr[..., rot // 2:], xr[..., :rot // 2]], -1)
-    return torch.cat([xr * cos + rotated * sin, xp], -1)
 
 
 class GatedAttention(nn.Module):
@@ -42,15 +36,15 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroNorm(a.head_dim, a.rms_eps)
         self.k_norm = ZeroNorm(a.head_dim, a.rms_eps)
 
-    def project(self, x, cos, sin, rot):
+    def project(self, x, cos, sin):
         """x [B, T, H] -> q [B, nh, T, d], k, v [B, nkv, T, d], gate [B, T, nh*d]."""
         b, t, _ = x.shape
         qg = self.q_proj(x).view(b, t, self.nh, 2 * self.hd)
         q, gate = qg[..., :self.hd], qg[..., self.hd:].reshape(b, t, -1)
         k = self.k_proj(x).view(b, t, self.nkv, self.hd)
         v = self.v_proj(x).view(b, t, self.nkv, self.hd)
-        q = rope(self.q_norm(q), cos, sin, rot).transpose(1, 2)
-        k = rope(self.k_norm(k), cos, sin, rot).transpose(1, 2)
+        q = apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)
         return q, k, v.transpose(1, 2), gate
 
     def attend(self, q, k, v, gate, mask=None, causal=False):
@@ -82,14 +76,7 @@ class MtpHead(nn.Module):
         self.norm = ZeroNorm(a.hidden, a.rms_eps)
         self.register_buffer("embed", embed.float(), persistent=False)
         self.register_buffer("lm_head", lm_head.float(), persistent=False)
-        self.rot = a.rotary_dim
-        self.register_buffer("inv_freq", 1.0 / a.rope_theta ** (torch.arange(0, self.rot, 2).float() / self.rot),
-                             persistent=False)
-
-    def cos_sin(self, positions: torch.Tensor):
-        f = positions.float()[:, None] * self.inv_freq[None]
-        e = torch.cat([f, f], -1)
-        return e.cos()[:, None], e.sin()[:, None]  # [T, 1, rot]: broadcast over heads
+        self.register_buffer("inv_freq", rope_inv_freq(a.rotary_dim, a.rope_theta), persistent=False)
 
     def fuse(self, hidden, tokens):
         return self.fc(torch.cat([self.pre_fc_norm_embedding(self.embed[tokens]), self.pre_fc_norm_hidden(hidden)], -1))
@@ -110,12 +97,12 @@ class MtpHead(nn.Module):
         t, dev = ids.shape[1], ids.device
         n1, n2 = t - 1, t - 2
         x1 = self.fuse(hidden[:, :n1], ids[:, 1:])
-        cos, sin = self.cos_sin(torch.arange(n1, device=dev))
-        q1, k1, v1, g1 = attn.project(layer.input_layernorm(x1), cos, sin, self.rot)
+        cos, sin = rope_cos_sin(torch.arange(n1, device=dev), self.inv_freq)
+        q1, k1, v1, g1 = attn.project(layer.input_layernorm(x1), cos, sin)
         out1, logits1 = self.finish(x1, attn.attend(q1, k1, v1, g1, causal=True))
         x2 = self.fuse(out1[:, :n2], greedy[:, 1:n1])
-        cos, sin = self.cos_sin(torch.arange(1, n2 + 1, device=dev))
-        q2, k2, v2, g2 = attn.project(layer.input_layernorm(x2), cos, sin, self.rot)
+        cos, sin = rope_cos_sin(torch.arange(1, n2 + 1, device=dev), self.inv_freq)
+        q2, k2, v2, g2 = attn.project(layer.input_layernorm(x2), cos, sin)
         mask = torch.cat([torch.ones(n2, n1, dtype=torch.bool, device=dev).tril(),
                           torch.eye(n2, dtype=torch.bool, device=dev)], 1)
         _, logits2 = self.finish(x2, attn.attend(q2, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), g2, mask=mask))

@@ -14,7 +14,19 @@ import argparse
 import json
 import random
 import sys
+from dataclasses import asdict
 from pathlib import Path
+
+import torch
+
+import turbo
+
+from ..__main__ import guarded
+from ..drafters.mtp import MTP_PREFIX
+from ..errors import TurboError
+from . import dflash2, heldout, mtp
+from .data import Example, Group, batch, build, draw, read_groups
+from .loop import Schedule, train
 
 MODEL_FILES = ("config.json", "model.safetensors")
 # the settings a resumed run must share with the run it continues
@@ -77,7 +89,6 @@ def parser() -> argparse.ArgumentParser:
 
 
 def check(args: argparse.Namespace) -> None:
-    from ..errors import TurboError
 
     for name in ("examples", "prompt_tokens", "new_tokens", "eval_tokens", "batch", "anchors", "checkpoint_every",
                  "steps", "threads", "target_count"):
@@ -103,7 +114,6 @@ def settings(args: argparse.Namespace) -> dict:
 
 
 def check_resume(args: argparse.Namespace, work: Path) -> None:
-    from ..errors import TurboError
 
     had = json.loads((work / "run.json").read_text())["settings"]
     for k, v in settings(args).items():
@@ -113,8 +123,6 @@ def check_resume(args: argparse.Namespace, work: Path) -> None:
 
 def split_heldout(groups, count: int, seed: int):
     """(training groups, held-out groups): `count` documents of each group held out."""
-    from ..errors import TurboError
-    from .data import Group
 
     train, held = [], []
     for g in groups:
@@ -129,31 +137,25 @@ def split_heldout(groups, count: int, seed: int):
 
 
 def heldout_prompts(held, prompt_tokens: int, seed: int) -> dict[str, list[list[int]]]:
-    from .data import draw
 
     rng = random.Random(f"prompts/{seed}")
     return {g.name: [draw(doc, prompt_tokens, rng) for doc in g.documents] for g in held}
 
 
 def save_dataset(path: Path, sets: dict) -> None:
-    from dataclasses import asdict
 
-    import torch
 
     torch.save({name: [asdict(e) for e in ex] for name, ex in sets.items()}, path)
 
 
 def load_dataset(path: Path) -> dict:
-    import torch
 
-    from .data import Example
 
     return {name: [Example(**e) for e in ex] for name, ex in torch.load(path, weights_only=True).items()}
 
 
 def own_weights(install, prefix: str) -> dict:
     """The install's tensors under `prefix`, named as the trainable model names them."""
-    import torch
 
     index = install.index
     return {n[len(prefix):]: index.load(n, torch.float32) for n in index.entries if n.startswith(prefix)}
@@ -162,11 +164,7 @@ def own_weights(install, prefix: str) -> dict:
 def make_model(args: argparse.Namespace, install, tokenizer, drafter_config):
     """(the model to train, the trunk layers its data needs, its shape as recorded, the loss's gamma);
     --from-install: the install's own drafter of --kind (its parsed DFlash config: `drafter_config`)."""
-    import torch
 
-    from ..drafters.mtp import MTP_PREFIX
-    from ..errors import TurboError
-    from . import dflash2, mtp
 
     arch = install.arch
     embed = install.index.load("trunk.embed_tokens.weight", torch.float32)
@@ -206,10 +204,7 @@ def make_model(args: argparse.Namespace, install, tokenizer, drafter_config):
 def step_losses(args: argparse.Namespace, model, sets: dict, gamma: float | None, device):
     """step_loss(step, generator) for turbo.train.loop.train: one group per step, in turn (every
     group weighs alike), --batch examples of it, --anchors blocks in each (DFlash2)."""
-    import torch
 
-    from . import dflash2, mtp
-    from .data import batch
 
     names = [n for n, ex in sets.items() if ex]
 
@@ -229,13 +224,7 @@ def step_losses(args: argparse.Namespace, model, sets: dict, gamma: float | None
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
 
-    import turbo
-    from ..errors import TurboError
-    from . import dflash2, heldout, mtp
-    from .data import build, read_groups
-    from .loop import Schedule, train
 
     check(args)
     if args.threads is not None:
@@ -303,7 +292,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..__main__ import guarded
 
     args = parser().parse_args(argv)
     return guarded(lambda: run(args))

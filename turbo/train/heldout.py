@@ -12,7 +12,10 @@ import json
 import tempfile
 from pathlib import Path
 
+import turbo
+
 from ..errors import TurboError
+from ..repack import repack
 
 BLOCKS = (2, 4, 8)
 
@@ -27,7 +30,6 @@ def blocks_for(trained: int | None) -> list[int]:
 def measure(install_path: Path, drafter: str, prompts: dict[str, list[list[int]]], blocks: list[int],
             max_new_tokens: int, backend: str) -> dict:
     """Per group and block: accepted per round (and its parts), over every prompt."""
-    import turbo
 
     rt = turbo.open(install_path, backend=backend)
     result: dict = {"drafter": drafter, "max_new_tokens": max_new_tokens, "stop_at_eos": True, "groups": {}}
@@ -51,7 +53,6 @@ def measure(install_path: Path, drafter: str, prompts: dict[str, list[list[int]]
 def evaluate(install_path: Path, out: Path, kind: str, prompts: dict[str, list[list[int]]], blocks: list[int],
              max_new_tokens: int, backend: str, trained: Path | None) -> dict:
     """Measure the drafter in `trained` (None: the install's own) and write out/eval.json."""
-    from ..repack import repack
 
     drafter = "mtp" if kind == "mtp" else "dflash"
     if trained is None:

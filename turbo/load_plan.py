@@ -332,7 +332,7 @@ SELECTOR_TENSORS = ("hidden_projection.weight", "predecessor_codebook", "success
 
 
 def _drafter_rules(entries: Mapping[str, Entry], dtype: torch.dtype) -> _Rules:
-    # a drafter's matrices are read as tensors in its dtype, a quantized one dequantized
+    # a drafter's matrices are read as tensors in its dtype, a quantized one dequantized (nothing kept packed)
     return _Rules(entries, dtype, on_cpu=False, mode="auto", native_here=False, int8=False, keep_quantized=False)
 
 

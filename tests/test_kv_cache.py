@@ -12,7 +12,8 @@ import turbo
 from turbo.backends import native
 from turbo.errors import TurboError
 from turbo.install import open_install
-from turbo.loader import kv_dtype, load_trunk
+from turbo.load_plan import kv_dtype
+from turbo.loader import load_trunk
 from turbo.options import OpenOptions
 
 PROMPT = [(13 * i) % 300 + 3 for i in range(40)]

@@ -11,7 +11,7 @@ from test_mtp import add_mtp, mtp_tensors
 
 import turbo
 from turbo.arch import arch_from_config
-from turbo.loader import moe_tensor_shapes
+from turbo.load_plan import moe_tensor_shapes
 from turbo.policy import MOE_SPECULATION_BLOCKER_MARKER
 from turbo.repack import repack
 

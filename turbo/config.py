@@ -1,4 +1,5 @@
-"""The run configuration as Hydra composes it (conf/), read into the two option sets."""
+"""The run configuration as Hydra composes it (conf/), read into the two option sets, which
+check the values and hold the defaults (turbo/options.py)."""
 
 from __future__ import annotations
 
@@ -24,15 +25,6 @@ class RunConfig:
     task: str
 
 
-def _opt_int(cfg: DictConfig, key: str) -> int | None:
-    v = cfg.get(key)
-    if v is None:
-        return None
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise TurboError(f"config: {key}={v!r}, expected an integer or null")
-    return v
-
-
 NGRAM_KEYS = tuple(f.name for f in fields(NgramConfig))
 
 
@@ -49,13 +41,17 @@ def _ngram(cfg: DictConfig) -> NgramConfig:
     return NgramConfig(**{str(k): v for k, v in node.items()})
 
 
-def _opt_float(cfg: DictConfig, key: str, default: float) -> float:
-    v = cfg.get(key)
-    if v is None:
-        return default
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        raise TurboError(f"config: {key}={v!r}, expected a number")
-    return float(v)
+# the keys that set an option of the same name; null (or absent) leaves the option's default
+OPEN_KEYS = ("backend", "dtype", "draft_products", "kv_cache", "threads")
+GENERATION_KEYS = ("block", "window", "rollback", "drafter", "temperature", "top_k", "top_p", "min_p", "seed")
+# names, kept as text even where one reads as a number
+TEXT_KEYS = {"backend", "dtype", "draft_products", "kv_cache", "rollback", "drafter"}
+
+
+def _given(cfg: DictConfig, keys: tuple[str, ...]) -> dict[str, object]:
+    """The keys' values the config sets, for the options to check (their defaults live there)."""
+    values = ((key, cfg.get(key)) for key in keys)
+    return {key: str(v) if key in TEXT_KEYS else v for key, v in values if v is not None}
 
 
 def run_config(cfg: DictConfig) -> RunConfig:
@@ -70,17 +66,11 @@ def run_config(cfg: DictConfig) -> RunConfig:
         raise TurboError(f"config: workload {workload.get('name')!r} has no prompts and no prompt= was given")
     policy = cfg.get("policy")
     name = policy.get("name") if isinstance(policy, DictConfig) else policy
-    max_new = _opt_int(cfg, "max_new_tokens")
-    opening = OpenOptions.from_env(backend=str(cfg.get("backend", "auto")), dtype=str(cfg.get("dtype", "float32")),
-                                   draft_products=str(cfg.get("draft_products", "auto")),
-                                   kv_cache=str(cfg.get("kv_cache", "auto")),
-                                   threads=_opt_int(cfg, "threads"))
+    max_new = cfg.get("max_new_tokens")
+    opening = OpenOptions.from_env(**_given(cfg, OPEN_KEYS))
     generation = GenerationOptions(
-        max_new_tokens=max_new if max_new is not None else int(workload.max_new_tokens), policy=str(name),
-        block=_opt_int(cfg, "block"), rollback=str(cfg.get("rollback")), drafter=str(cfg.get("drafter")),
-        window=_opt_int(cfg, "window"), ngram=_ngram(cfg), temperature=_opt_float(cfg, "temperature", 0.0),
-        top_k=_opt_int(cfg, "top_k"), top_p=_opt_float(cfg, "top_p", 1.0), min_p=_opt_float(cfg, "min_p", 0.0),
-        seed=_opt_int(cfg, "seed"))
+        max_new_tokens=max_new if max_new is not None else workload.max_new_tokens, policy=str(name),
+        ngram=_ngram(cfg), **_given(cfg, GENERATION_KEYS))
     return RunConfig(install=str(install), opening=opening, generation=generation,
                      prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
                      workload=str(workload.get("name", "")), prompts=prompts, task=str(task))

@@ -23,14 +23,14 @@ from . import ops
 from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native, select_backend
 from .detokenizer import Detokenizer
-from .drafters import Drafter, is_drafter
+from .drafters import Drafter
 from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError
 from .install import Install, open_install
 from .install_check import check_install
 from .loader import load_drafter, load_trunk
-from .options import INTEGER_FIELDS, GenerationOptions, OpenOptions, as_integer, integer
-from .policy import OWN_DRAFTERS, ROLLBACKS, Plan, choose_drafter, plan, policy_from_env
+from .options import GenerationOptions, OpenOptions, integer
+from .policy import Plan, choose_drafter, plan, policy_from_env
 from .sampling import RejectionSampler, rejection_sampler
 from .stats import Stats
 from .trunk import Trunk, TrunkState
@@ -131,8 +131,6 @@ class Runtime:
     def __init__(self, install: Install, opts: OpenOptions):
         self.options = opts
         self.backend: Backend = select_backend(opts.backend, opts.ptx_dir)
-        if opts.dtype not in ("float32", "bfloat16"):
-            raise TurboError(f"dtype {opts.dtype!r} is not one of float32, bfloat16")
         self.install = install
         # backend cuda: weights, caches and the forward on the GPU (the hot ops as PTX kernels)
         self.device = torch.device("cuda" if self.backend.name == "cuda" else "cpu")
@@ -221,25 +219,14 @@ class Runtime:
     def _stream(self, prompt: Prompt, opts: GenerationOptions | None, **fields) -> Iterator[RoundEvent]:
         o = opts if opts is not None else DEFAULT_GENERATION
         if fields:
-            o = o.but(**fields)
-        o = o.but(**{name: as_integer(name, getattr(o, name)) for name in INTEGER_FIELDS})
+            o = o.but(**fields)  # GenerationOptions checks each field; what needs the install is here
         ids = self.encode(prompt)
-        if not isinstance(o.max_new_tokens, int) or o.max_new_tokens < 1:
-            raise TurboError(f"max_new_tokens is {o.max_new_tokens!r}, expected a positive integer")
         limit = self.install.arch.max_positions
         if len(ids) + o.max_new_tokens > limit:
             raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
                              f"max_position_embeddings {limit}")
-        if o.rollback not in ROLLBACKS:
-            raise TurboError(f"rollback {o.rollback!r} is not one of {', '.join(ROLLBACKS)}")
         own = not isinstance(o.drafter, str)  # the caller's drafter object
-        if own and not is_drafter(o.drafter):
-            raise TurboError(f"drafter {o.drafter!r} is not one of {', '.join(OWN_DRAFTERS)} nor a "
-                             "turbo.drafters.Drafter (turbo.drafters.DrafterBase has its defaults), "
-                             "nor ngram (the n-gram drafter, no weights)")
         p = self.plan(o.policy, o.block, o.drafter)
-        if not isinstance(o.ngram, NgramConfig):
-            raise TurboError(f"ngram {o.ngram!r} is not a turbo.drafters.ngram.NgramConfig")
         no_window = "object" if own else p.drafter
         if o.window is not None and no_window in NO_WINDOW:
             raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and "

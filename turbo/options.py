@@ -1,18 +1,22 @@
 """The two option sets: how a runtime is opened, and how one generation runs.
 
-They are the one place these fields are defined: the CLI builds them from the Hydra config
-(turbo.config), the TUI and the probe from the same, the API from keyword arguments.
-Environment variables are read here and nowhere else (`OpenOptions.from_env`,
-`policy_from_env`), at the edges that build the options.
+They are the one place these fields are defined, defaulted and checked (a value that needs
+the install or the drafter to judge is the engine's to check): the CLI builds them from the
+Hydra config (turbo.config; conf/config.yaml repeats these defaults for Hydra, and
+tests/test_options.py holds the two equal), the TUI and the probe from the same, the API from
+keyword arguments. Environment variables are read here and nowhere else
+(`OpenOptions.from_env`, `policy_from_env`), at the edges that build the options.
 """
 
 from __future__ import annotations
 
+import math
 import operator
 import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
+from .drafters import is_drafter
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
 
@@ -22,6 +26,9 @@ CACHE_ENV = "TURBO_CACHE"  # where native.c's build is cached
 COMPILER_ENV = "CC"  # the C compiler native.c is built with (the toolchain's own convention, as make reads it)
 PTX_DIR_ENV = "TURBO_PTX_DIR"  # where backend cuda reads its PTX (default: the checkout's kernels_ptx/)
 KV_CACHES = ("auto", "float32", "bfloat16")  # OpenOptions.kv_cache
+DTYPES = ("float32", "bfloat16")  # OpenOptions.dtype
+ROLLBACKS = ("checkpoint", "replay")  # GenerationOptions.rollback
+OWN_DRAFTERS = ("auto", "dflash", "mtp")  # served by the install's own weights (turbo.policy.DRAFTERS adds ngram)
 POLICY_ENVS = {"dflash": "TURBO_DFLASH_DRAFT", "mtp": "TURBO_MTP_DRAFT"}
 
 
@@ -42,6 +49,8 @@ class OpenOptions:
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
+        if self.dtype not in DTYPES:
+            raise TurboError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.kv_cache not in KV_CACHES:
             raise TurboError(f"kv_cache {self.kv_cache!r} is not one of {', '.join(KV_CACHES)}")
 
@@ -66,6 +75,10 @@ class OpenOptions:
         return replace(self, **changes)
 
 
+# as_integer's: the GenerationOptions fields that count
+INTEGER_FIELDS = ("max_new_tokens", "block", "window", "top_k", "seed")
+
+
 @dataclass(frozen=True)
 class GenerationOptions:
     """How one `generate` / `stream` call runs."""
@@ -85,13 +98,31 @@ class GenerationOptions:
     min_p: float = 0.0
     seed: int | None = None  # the generation's generator seed; None: a fresh one (reported in Stats.seed)
 
+    def __post_init__(self) -> None:
+        """Every check these fields allow on their own; numpy integers become ints and the
+        sampling numbers floats. The block's range needs the drafter: turbo.policy.check_block."""
+        for name in INTEGER_FIELDS:
+            object.__setattr__(self, name, as_integer(name, getattr(self, name)))
+        if self.max_new_tokens is None or self.max_new_tokens < 1:
+            raise TurboError(f"max_new_tokens is {self.max_new_tokens!r}, expected a positive integer")
+        if self.rollback not in ROLLBACKS:
+            raise TurboError(f"rollback {self.rollback!r} is not one of {', '.join(ROLLBACKS)}")
+        if not isinstance(self.drafter, str) and not is_drafter(self.drafter):
+            raise TurboError(f"drafter {self.drafter!r} is not one of {', '.join(OWN_DRAFTERS)} nor a "
+                             "turbo.drafters.Drafter (turbo.drafters.DrafterBase has its defaults), "
+                             "nor ngram (the n-gram drafter, no weights)")
+        if not isinstance(self.ngram, NgramConfig):
+            raise TurboError(f"ngram {self.ngram!r} is not a turbo.drafters.ngram.NgramConfig")
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
+        check_seed(self.seed)
+        for name in ("temperature", "top_p", "min_p"):
+            object.__setattr__(self, name, float(getattr(self, name)))
+
     def but(self, **changes) -> "GenerationOptions":
         return replace(self, **changes)
 
 
 GENERATION_FIELDS = tuple(f.name for f in fields(GenerationOptions))
-# as_integer's: the GenerationOptions fields that count
-INTEGER_FIELDS = ("max_new_tokens", "block", "window", "top_k", "seed")
 OPEN_FIELDS = tuple(f.name for f in fields(OpenOptions))
 
 
@@ -135,3 +166,24 @@ def check_threads(threads: object) -> None:
     cores = os.cpu_count() or 1
     if n is not None and not 1 <= n <= 4 * cores:
         raise TurboError(f"threads {n} is outside 1..{4 * cores} (up to 4x this machine's {cores} cores)")
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_sampling(temperature: object, top_k: object, top_p: object, min_p: object) -> None:
+    """The sampling fields (turbo.sampling.SamplingParams), checked at temperature 0 too."""
+    if not _number(temperature) or not 0 <= temperature < math.inf:
+        raise TurboError(f"temperature is {temperature!r}, expected a finite number >= 0")
+    if top_k is not None and (integer(top_k) is None or top_k < 0):
+        raise TurboError(f"top_k is {top_k!r}, expected a non-negative integer or null (0 and null: no cut)")
+    if not _number(top_p) or not 0 < top_p <= 1:
+        raise TurboError(f"top_p is {top_p!r}, expected a number in (0, 1]")
+    if not _number(min_p) or not 0 <= min_p < 1:
+        raise TurboError(f"min_p is {min_p!r}, expected a number in [0, 1)")
+
+
+def check_seed(seed: object) -> None:
+    if seed is not None and (integer(seed) is None or seed < 0):
+        raise TurboError(f"seed is {seed!r}, expected a non-negative integer or null (a fresh seed)")

@@ -8,6 +8,7 @@ from . import options
 from .drafters import Drafter, mtp
 from .errors import TurboError
 from .install import CODE_NAMES, Install
+from .options import OWN_DRAFTERS
 
 # DFlash2's trained block: the bound for a drafter that names none (the MTP head, ngram, a caller's own).
 DFLASH_BLOCK = 8
@@ -25,9 +26,7 @@ assert 0 < DFLASH_SERVING_BLOCK <= DFLASH_BLOCK <= WIDEST_BLOCK
 VISION_SPECULATION_BLOCKER_MARKER = "speculation blocked [vision]"
 MOE_SPECULATION_BLOCKER_MARKER = "speculation blocked [moe]"
 POLICIES = ("auto", "off", "fixed", "adaptive")
-OWN_DRAFTERS = ("auto", "dflash", "mtp")  # served by the install's own weights
 DRAFTERS = OWN_DRAFTERS + ("ngram",)  # ngram: prompt lookup (no weights); auto never picks it
-ROLLBACKS = ("checkpoint", "replay")
 
 
 @dataclass(frozen=True)
@@ -119,8 +118,6 @@ def plan(install: Install, policy: str, block: int | None, drafter: str | Drafte
     """drafter: auto | dflash | mtp | ngram, or a caller's Drafter object (its kind names it in the plan)."""
     if policy not in POLICIES:
         raise TurboError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
-    if block is not None and (not isinstance(block, int) or isinstance(block, bool)):
-        raise TurboError(f"block {block!r} is not an integer")
     if policy == "off":
         return Plan("off", None, 0, "policy is off")
     kind = choose_drafter(install, drafter) if isinstance(drafter, str) else None

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import TurboError
-from .options import GenerationOptions, integer
+from .options import GenerationOptions, check_sampling, check_seed
 
 
 @dataclass(frozen=True)
@@ -30,18 +29,7 @@ class SamplingParams:
     min_p: float = 0.0  # drop tokens below min_p times the most likely one's probability
 
     def __post_init__(self) -> None:
-        if not _number(self.temperature) or not 0 <= self.temperature < math.inf:
-            raise TurboError(f"temperature is {self.temperature!r}, expected a finite number >= 0")
-        if self.top_k is not None and (integer(self.top_k) is None or self.top_k < 0):
-            raise TurboError(f"top_k is {self.top_k!r}, expected a non-negative integer or null (0 and null: no cut)")
-        if not _number(self.top_p) or not 0 < self.top_p <= 1:
-            raise TurboError(f"top_p is {self.top_p!r}, expected a number in (0, 1]")
-        if not _number(self.min_p) or not 0 <= self.min_p < 1:
-            raise TurboError(f"min_p is {self.min_p!r}, expected a number in [0, 1)")
-
-
-def _number(x: object) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+        check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
 
 
 def probabilities(logits: torch.Tensor, s: SamplingParams) -> torch.Tensor:
@@ -125,8 +113,7 @@ def rejection_sampler(temperature: float, top_k: int | None, top_p: float, min_p
     unused); else a RejectionSampler with its generator seeded from `seed` (None: a fresh
     seed, reported in Stats.seed so the run can be repeated)."""
     params = SamplingParams(temperature, top_k, top_p, min_p)  # checked at temperature 0 too
-    if seed is not None and (integer(seed) is None or seed < 0):
-        raise TurboError(f"seed is {seed!r}, expected a non-negative integer or null (a fresh seed)")
+    check_seed(seed)
     if temperature == 0:
         return None
     return RejectionSampler(Sampler(params, secrets.randbits(63) if seed is None else seed))

@@ -1,60 +1,200 @@
-"""The torch step: the trunk's row-stable step, the MTP head's layer and the DFlash passes in
-torch ops. It is the CPU reference the native step and the CUDA kernels are tested against;
-on backend=cuda the same code runs the PTX kernels (turbo/ops.py dispatches on the tensors'
-device)."""
+"""The torch step: the trunk's forward (prefill, the row-stable step, replay), the MTP head's
+layer and the DFlash passes in torch ops. It is the CPU reference the native step and the CUDA
+kernels are tested against; on backend=cuda the same code runs the PTX kernels (turbo/ops.py
+dispatches on the tensors' device). The weights it reads are turbo/trunk.py's dataclasses."""
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 from .. import ops
+from ..arch import Arch
 from ..drafters.dflash import grouped_conv, select_candidates
+from ..trunk import AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk
 from .step import GdnTrace, StepOut, TrunkState
+
+
+def swiglu(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate h) * up h), gate_up the two matrices' rows stacked."""
+    gu = ops.linear(h, gate_up)
+    n = gu.shape[1] // 2
+    return ops.linear(ops.silu(gu[:, :n]) * gu[:, n:], down)
+
+
+def route_rows(logits: torch.Tensor, top_k: int, renormalise: bool) -> list[list[tuple[int, float]]]:
+    """Each row's experts and weights: softmax over the router logits [R, E] in fp32, the
+    top_k most probable (ties to the lower expert index: a stable sort), their probabilities
+    renormalised to sum to 1 when the config says so; a row at a time, so that a row's
+    routing is the same whatever rows are routed with it."""
+    picks = []
+    for row in logits.float():
+        probs, experts = torch.sort(torch.softmax(row, dim=-1), descending=True, stable=True)
+        top = probs[:top_k]
+        if renormalise:
+            top = top / top.sum()
+        picks.append(sorted(zip(experts[:top_k].tolist(), top.tolist())))
+    return picks
+
+
+def moe(a: Arch, m: MoeWeights, h: torch.Tensor) -> torch.Tensor:
+    """The MoE block of R rows, each routed on its own (route_rows); an expert runs once
+    over the rows that picked it, and each row adds its experts' outputs in ascending
+    expert order, so its sum does not depend on the rows routed with it."""
+    out = torch.zeros(h.shape[0], a.hidden, device=h.device)
+    picks = route_rows(ops.linear(h, m.router), a.experts_per_token, a.norm_topk_prob)
+    for e in sorted({e for row in picks for e, _ in row}):
+        rows = [r for r, row in enumerate(picks) for x, _ in row if x == e]
+        weights = torch.tensor([w for row in picks for x, w in row if x == e], device=h.device)
+        out[rows] += swiglu(h[rows], m.gate_up[e], m.down[e]) * weights[:, None]
+    if m.shared_gate_up is not None:
+        out = out + ops.sigmoid(ops.linear(h, m.shared_gate)) * swiglu(h, m.shared_gate_up, m.shared_down)
+    return out
+
+
+def mlp(a: Arch, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+    if layer.moe is not None:
+        return moe(a, layer.moe, h)
+    return swiglu(h, layer.gate_up, layer.down)
+
+
+def gdn_inputs(a: Arch, m: GdnWeights, h: torch.Tensor, window: torch.Tensor):
+    """Projections and conv of R rows: returns ext, (q, k, v, g, beta) per row, z."""
+    rows = h.shape[0]
+    kd, vd = a.lin_k_heads * a.lin_k_dim, a.lin_v_heads * a.lin_v_dim
+    proj = ops.linear(h, m.in_proj)
+    qkv = proj[:, :2 * kd + vd]
+    z = proj[:, 2 * kd + vd:2 * kd + 2 * vd]
+    b = proj[:, 2 * kd + 2 * vd:2 * kd + 2 * vd + a.lin_v_heads]
+    alpha = proj[:, 2 * kd + 2 * vd + a.lin_v_heads:]
+    ext = torch.cat([window, qkv])
+    mixed = ops.causal_conv_rows(ext, m.conv)
+    rep = a.lin_v_heads // a.lin_k_heads
+    q = ops.l2norm(mixed[:, :kd].reshape(rows, a.lin_k_heads, a.lin_k_dim)) * a.lin_k_dim ** -0.5
+    k = ops.l2norm(mixed[:, kd:2 * kd].reshape(rows, a.lin_k_heads, a.lin_k_dim))
+    if rep > 1:  # value head h reads key head h // rep (expand+reshape: a plain copy, no index math)
+        q = q[:, :, None].expand(rows, a.lin_k_heads, rep, a.lin_k_dim).reshape(rows, a.lin_v_heads, a.lin_k_dim)
+        k = k[:, :, None].expand(rows, a.lin_k_heads, rep, a.lin_k_dim).reshape(rows, a.lin_v_heads, a.lin_k_dim)
+    v = mixed[:, 2 * kd:].reshape(rows, a.lin_v_heads, a.lin_v_dim)
+    g = m.neg_a * ops.rowwise(F.softplus, alpha + m.dt_bias)
+    return ext, (q, k, v, g, ops.sigmoid(b)), z
+
+
+def gdn_out(a: Arch, m: GdnWeights, o: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
+    y = ops.gated_rms_norm(o, z.reshape(o.shape), m.norm, a.rms_eps)
+    return ops.linear(y.reshape(o.shape[0], -1), m.out)
+
+
+def qkv(a: Arch, inv_freq: torch.Tensor, m: AttnWeights, h: torch.Tensor, positions: torch.Tensor):
+    """A gated attention layer's q (normed, rotated), k (likewise), v and output gate of R rows."""
+    rows, hd, nh, nkv = h.shape[0], a.head_dim, a.num_heads, a.num_kv_heads
+    proj = ops.linear(h, m.qkv)
+    qg = proj[:, :2 * nh * hd].reshape(rows, nh, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:].reshape(rows, nh * hd)
+    k = proj[:, 2 * nh * hd:2 * nh * hd + nkv * hd].reshape(rows, nkv, hd)
+    v = proj[:, 2 * nh * hd + nkv * hd:].reshape(rows, nkv, hd)
+    cos, sin = ops.rope_cos_sin(positions, inv_freq)
+    q = ops.apply_rope(ops.rms_norm(q, m.q_norm, a.rms_eps), cos, sin)
+    k = ops.apply_rope(ops.rms_norm(k, m.k_norm, a.rms_eps), cos, sin)
+    return q, k, v, gate
+
+
+def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, a: Arch) -> torch.Tensor:
+    """One row's attention: q [heads, d] over keys / values [kv_heads, n, d], each kv head
+    serving its group of query heads; [heads * d]."""
+    qr = q.reshape(a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim)
+    scores = torch.bmm(qr, keys.transpose(1, 2)) * a.head_dim ** -0.5
+    return torch.bmm(torch.softmax(scores, dim=-1), values).reshape(-1)
+
+
+# one layer's mixer: (layer index, its weights, its normed input rows) -> its output rows
+Mixer = Callable[[int, LayerWeights, torch.Tensor], torch.Tensor]
 
 
 class TorchTrunkStep:
     name = "torch"
 
-    def __init__(self, trunk):
+    def __init__(self, trunk: Trunk):
         self.trunk = trunk
         for mat in trunk.matrices():  # the row blocks ops.linear pads to, once per matrix
             ops.calibrate_rows(mat)
 
+    def _layers(self, tokens: list[int], aux_layers: tuple[int, ...], mix: Mixer):
+        """The embedded rows through every layer (`mix` the mixers): (last hidden, aux)."""
+        t = self.trunk
+        a = t.arch
+        x = t.embed[torch.tensor(tokens, device=t.device)].float()
+        aux = []
+        for i, layer in enumerate(t.layers):
+            x = x + mix(i, layer, ops.rms_norm(x, layer.in_norm, a.rms_eps))
+            x = x + mlp(a, layer, ops.rms_norm(x, layer.post_norm, a.rms_eps))
+            if i in aux_layers:
+                aux.append(x)
+        return x, torch.cat(aux, dim=-1) if aux else None
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
+        t = self.trunk
+        return ops.linear(ops.rms_norm(x, t.final_norm, t.arch.rms_eps), t.lm_head)
+
     def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
-        return self.trunk.prefill_torch(st, tokens, aux_layers, want_logits)
+        """The whole prompt per op (chunked delta rule, causal SDPA)."""
+        t = self.trunk
+        a = t.arch
+        n = len(tokens)
+        positions = torch.arange(n, device=t.device)
+
+        def mix(i: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
+            m = layer.mixer
+            if isinstance(m, GdnWeights):
+                state, window = st.gdn[i]
+                ext, (q, k, v, g, beta), z = gdn_inputs(a, m, h, window)
+                o, state = ops.gdn_chunked(state, q, k, v, g, beta)
+                st.gdn[i] = (state.contiguous(), ext[ext.shape[0] - (a.conv_kernel - 1):])  # (native.c reads raw)
+                return gdn_out(a, m, o, z)
+            q, k, v, gate = qkv(a, t.inv_freq, m, h, positions)
+            kc, vc = st.kv[i]
+            kc[:, :n], vc[:, :n] = k.transpose(0, 1), v.transpose(0, 1)
+            rep = a.num_heads // a.num_kv_heads
+            # the keys and values as cached (a bf16 cache's rounded), as the steps after read them
+            att = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None], kc[:, :n].float().repeat_interleave(rep, 0)[None],
+                vc[:, :n].float().repeat_interleave(rep, 0)[None], is_causal=True)
+            return ops.linear(att[0].transpose(0, 1).reshape(n, -1) * ops.sigmoid(gate), m.o)
+
+        x, aux = self._layers(tokens, aux_layers, mix)
+        st.pos = n
+        logits = self._head(x) if want_logits else self._head(x[-1:])
+        return StepOut(logits, x, aux)
 
     def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
              rollback: str | None) -> StepOut:
         t = self.trunk
-        a, dev = t.arch, t.device
+        a = t.arch
         rows, p0 = len(tokens), st.pos
         t.reserve(st, p0 + rows)
-        x = t.embed[torch.tensor(tokens, device=dev)].float()
-        positions = torch.arange(p0, p0 + rows, device=dev)
-        aux, traces = [], {}
-        for i, layer in enumerate(t.layers):
-            h = ops.rms_norm(x, layer.in_norm, a.rms_eps)
+        positions = torch.arange(p0, p0 + rows, device=t.device)
+        traces = {}
+
+        def mix(i: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
             m = layer.mixer
             if layer.gdn:
                 state, window = st.gdn[i]
-                ext, inputs, z = t.gdn_inputs(m, h, window)
+                ext, inputs, z = gdn_inputs(a, m, h, window)
                 o, new_state, states = ops.gdn_recurrence(state, *inputs, keep_states=rollback == "checkpoint")
                 st.gdn[i] = (new_state, ext[rows:])
                 if rollback is not None:
                     traces[i] = GdnTrace(state, ext, inputs if rollback == "replay" else None, states)
-                y = t.gdn_out(m, o, z)
-            else:
-                q, k, v, gate = t.qkv(m, h, positions)
-                kc, vc = st.kv[i]
-                kc[:, p0:p0 + rows], vc[:, p0:p0 + rows] = k.transpose(0, 1), v.transpose(0, 1)
-                y = ops.linear(self._attend_rows(q, kc, vc, p0) * ops.sigmoid(gate), m.o)
-            x = x + y
-            x = x + t.mlp(layer, ops.rms_norm(x, layer.post_norm, a.rms_eps))
-            if i in aux_layers:
-                aux.append(x)
+                return gdn_out(a, m, o, z)
+            q, k, v, gate = qkv(a, t.inv_freq, m, h, positions)
+            kc, vc = st.kv[i]
+            kc[:, p0:p0 + rows], vc[:, p0:p0 + rows] = k.transpose(0, 1), v.transpose(0, 1)
+            return ops.linear(self._attend_rows(q, kc, vc, p0) * ops.sigmoid(gate), m.o)
+
+        x, aux = self._layers(tokens, aux_layers, mix)
         st.pos = p0 + rows
-        return StepOut(t.head(x), x, torch.cat(aux, dim=-1) if aux else None, traces)
+        return StepOut(self._head(x), x, aux, traces)
 
     def _attend_rows(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p0: int) -> torch.Tensor:
         """Each row attends to exactly its own causal prefix, one call per row, so a row's
@@ -70,16 +210,8 @@ class TorchTrunkStep:
         return state
 
 
-def attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, a) -> torch.Tensor:
-    """One row's attention: q [heads, d] over keys / values [kv_heads, n, d], each kv head
-    serving its group of query heads; [heads * d]."""
-    qr = q.reshape(a.num_kv_heads, a.num_heads // a.num_kv_heads, a.head_dim)
-    scores = torch.bmm(qr, keys.transpose(1, 2)) * a.head_dim ** -0.5
-    return torch.bmm(torch.softmax(scores, dim=-1), values).reshape(-1)
-
-
 class TorchMtpStep:
-    """The MTP head's layer with the trunk's torch pieces (turbo.trunk.qkv / mlp)."""
+    """The MTP head's layer with the trunk's torch pieces (qkv / mlp above)."""
 
     name = "torch"
 
@@ -95,7 +227,7 @@ class TorchMtpStep:
         rows = x.shape[0]
         hd.reserve(p0 + rows)
         h = ops.rms_norm(x, hd.layer.in_norm, hd.eps)
-        q, k, v, gate = hd.trunk.qkv(hd.layer.mixer, h, torch.arange(p0, p0 + rows, device=hd.device))
+        q, k, v, gate = qkv(hd.arch, hd.trunk.inv_freq, hd.layer.mixer, h, torch.arange(p0, p0 + rows, device=hd.device))
         hd.k[:, p0:p0 + rows], hd.v[:, p0:p0 + rows] = k.transpose(0, 1), v.transpose(0, 1)
         return q, gate
 
@@ -105,7 +237,7 @@ class TorchMtpStep:
         q, gate = self._write_kv(x, pos)
         att = attend(q[0], hd.k[:, hd.start:pos + 1].float(), hd.v[:, hd.start:pos + 1].float(), a)[None]
         x = x + ops.linear(att * ops.sigmoid(gate), hd.layer.mixer.o)
-        x = x + hd.trunk.mlp(hd.layer, ops.rms_norm(x, hd.layer.post_norm, hd.eps))
+        x = x + mlp(a, hd.layer, ops.rms_norm(x, hd.layer.post_norm, hd.eps))
         out = ops.rms_norm(x, hd.final_norm, hd.eps)
         return out, ops.linear(out, hd.trunk.lm_head)
 

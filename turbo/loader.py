@@ -15,7 +15,7 @@ import torch
 
 from . import ops, quant
 from .arch import Arch
-from .backends import native
+from .backends import native_dflash, native_lib, native_pack, native_trunk
 from .backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from .drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
 from .drafters.dflash_config import derive_published_shape, derive_shape, dflash_layer_tensor, parse_drafter_config
@@ -36,8 +36,8 @@ def _native_refusal(opts: OpenOptions, refusal: str | None) -> str | None:
         return NATIVE_OFF
     if refusal is not None:
         return refusal
-    native.library(opts.cache_dir, opts.compiler)
-    return native.why_not()
+    native_lib.library(opts.cache_dir, opts.compiler)
+    return native_lib.why_not()
 
 
 def _to(t, device: torch.device):
@@ -67,7 +67,7 @@ def _moe_gate(name: str) -> bool:
 def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) -> Trunk:
     """The trunk's weights in `opts.dtype` on `device` (prepared on the host exactly as for
     the CPU, then moved there once), on the native step where it can run. The native step's
-    matrices are packed as they are read, a slice at a time (native.pack_rows), so loading
+    matrices are packed as they are read, a slice at a time (native_pack.pack_rows), so loading
     holds about the packed weights and nothing twice; whether it runs is settled first, and so
     is every matrix's format (float panels, or int4 / int8 read packed)."""
     a, index = install.arch, install.index
@@ -81,14 +81,14 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
 
     def read_packed(name: str, e) -> bool:
         """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
-        return (native_here and bool(e.bits) and native.reads_packed(e.bits, e.group)
+        return (native_here and bool(e.bits) and native_pack.reads_packed(e.bits, e.group)
                 and quant.native_reads(mode, e.bits, dtype) and not _moe_gate(name))
 
     kept = on_cpu and any(e.bits and quant.keep_packed(mode, e.bits, dtype) and not read_packed(name, e)
                           for name, e in matrices.items() if name != PREFIX + EMBED)
-    why = _native_refusal(opts, native.trunk_refusal(device, dtype, kept))
+    why = _native_refusal(opts, native_trunk.trunk_refusal(device, dtype, kept))
     # the float matrices packed, the embedding kept, in it (None: the torch step's plain tensors)
-    storage = native.storage_dtype(dtype, {e.st_dtype for name, e in matrices.items() if not read_packed(name, e)}) \
+    storage = native_pack.storage_dtype(dtype, {e.st_dtype for name, e in matrices.items() if not read_packed(name, e)}) \
         if why is None else None
 
     # the matrices outside MoE blocks by part ("layers.3.", "lm_head."), grouped once: an MoE
@@ -144,7 +144,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
         if storage is None:
             return quant.fuse([plain(e) for e in entries])
         if isinstance(fmt, int):  # (quantized matrices are a fraction of the float size: fused whole)
-            return native.quantized_panels(quant.fuse([index.load_quantized(e.name, dtype) for e in entries]))
+            return native_pack.quantized_panels(quant.fuse([index.load_quantized(e.name, dtype) for e in entries]))
         into = fmt or storage
         dense = {e.name: index.load(e.name, dtype) for e in entries if e.bits}  # (dequantized once)
 
@@ -160,7 +160,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
             return torch.cat([p.to(into) for p in pieces]) if len(pieces) > 1 else pieces[0]
 
         layout = "panel_pairs" if into == torch.bfloat16 else "panels"  # (the same products, less widening)
-        return native.pack_rows(read, sum(e.dims[0] for e in entries), into, layout)
+        return native_pack.pack_rows(read, sum(e.dims[0] for e in entries), into, layout)
 
     def norm(name: str, n: int) -> torch.Tensor:
         return 1.0 + w(name, (n,), torch.float32)
@@ -173,11 +173,11 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
         # differ; at real scale the head is a third of a step's bytes); the table stays exact
         entry(EMBED, table)
         embed = index.load(PREFIX + EMBED)  # (as stored: quantized a slice at a time)
-        lm_head = native.quantized_copy(embed, max(packed_bits))
+        lm_head = native_pack.quantized_copy(embed, max(packed_bits))
         embed = embed.to(storage)
     elif a.tie_embeddings and storage is not None:  # the embedding rows read out of the packed lm_head: kept once
         lm_head = matrix([(EMBED, table)])
-        embed = native.PackedRows(lm_head)
+        embed = native_pack.PackedRows(lm_head)
     else:
         embed = w(EMBED, table)
         embed = embed.to(storage) if storage is not None else embed
@@ -232,7 +232,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     weights = TrunkWeights(embed, lm_head, final_norm, layers, inv_freq)
     kv = kv_dtype(opts.kv_cache, device, dtype, {e.st_dtype for e in matrices.values()},
                   any(e.bits for e in matrices.values()))
-    return Trunk(a, weights, dtype, device, kv, TorchTrunkStep if why else native.NativeTrunkStep, why)
+    return Trunk(a, weights, dtype, device, kv, TorchTrunkStep if why else native_trunk.NativeTrunkStep, why)
 
 
 def kv_dtype(choice: str, device: torch.device, dtype: torch.dtype, stored: set[str], quantized: bool) -> torch.dtype:
@@ -372,12 +372,12 @@ def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, wi
         succ_codebook=selector("successor_codebook"),
         layers=layers, inv_freq=_to(ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta), device), stored=stored)
     products = opts.draft_products
-    why = _native_refusal(opts, native.dflash_refusal(device, dtype, embed))
+    why = _native_refusal(opts, native_dflash.dflash_refusal(device, dtype, embed))
     if why is None:
-        layout = native.draft_layout(products)
+        layout = native_lib.draft_layout(products)
 
-        def make_step(d: DflashDrafter) -> native.NativeDflashStep:
-            return native.NativeDflashStep(d, layout)
+        def make_step(d: DflashDrafter) -> native_dflash.NativeDflashStep:
+            return native_dflash.NativeDflashStep(d, layout)
     else:
         _refuse_products(products, "the drafter's native CPU pass", why)
         make_step = TorchDflashStep
@@ -453,10 +453,10 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
         ),
     )
     if trunk.step_name == "native":  # so is the head's layer (native.c's attn_layer + head)
-        storage, layout = native.storage_dtype(dtype, stored), native.draft_layout(products)
+        storage, layout = native_pack.storage_dtype(dtype, stored), native_lib.draft_layout(products)
 
-        def make_step(head: MtpDrafter) -> native.NativeMtpStep:
-            return native.NativeMtpStep(head, storage, layout)
+        def make_step(head: MtpDrafter) -> native_trunk.NativeMtpStep:
+            return native_trunk.NativeMtpStep(head, storage, layout)
     else:
         _refuse_products(products, "the MTP head's native CPU step", trunk.why_torch)
         make_step = TorchMtpStep

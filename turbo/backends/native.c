@@ -15,7 +15,7 @@
  * element: each output is still computed whole by one thread with the same code, so the
  * results do not depend on the thread count either.
  *
- * Built by turbo/backends/native.py with the host's compiler (no -ffast-math: the
+ * Built by turbo/backends/native_lib.py with the host's compiler (no -ffast-math: the
  * compiler must not reassociate sums). Matrices are fp32 (wtype 0) or bf16 (wtype 1);
  * bf16 is widened exactly to fp32 before the multiply, so activations stay fp32.
  *

@@ -9,7 +9,7 @@
 #include <immintrin.h>
 #endif
 
-/* The structs Python fills (turbo/backends/native.py mirrors them with ctypes and checks
+/* The structs Python fills (turbo/backends/native_lib.py mirrors them with ctypes and checks
  * their sizes against struct_size at load). */
 
 /* native_moe.c: one layer's mixture of experts (pointers to packed matrices) and sizes. */

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Callable
 import torch
 import torch.nn.functional as F
 
-from ..backends.native import Packed
+from ..backends.native_pack import Packed
 from ..backends.step import DflashStep
 from . import DrafterBase
 from .dflash_config import DflashConfig, DflashShape
@@ -59,7 +59,7 @@ def select_candidates(logits: torch.Tensor, final: torch.Tensor, anchor: int, hi
 class DflashLayer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    q: torch.Tensor | Packed  # matrices: Packed on the native step (native.DFLASH_MATRICES)
+    q: torch.Tensor | Packed  # matrices: Packed on the native step (native_dflash.DFLASH_MATRICES)
     k: torch.Tensor | Packed
     v: torch.Tensor | Packed
     o: torch.Tensor | Packed
@@ -98,7 +98,7 @@ class DflashDrafter(DrafterBase):
     where the weights (moved once, at load), the ring and the draft pass live -- on cuda the
     grouped conv and the candidate selector run the PTX kernels. On the CPU in fp32 the pass
     and the context rows run in native_dflash.c where it is in use, with the matrix products
-    `draft_products` picks (native.draft_layout): "fp32" computes the torch pass's function
+    `draft_products` picks (native_lib.draft_layout): "fp32" computes the torch pass's function
     (to rounding); "int8" (weights per output, inputs per row) and "bf16" read fewer bytes
     and do more multiply-adds per instruction; "auto" the fastest the CPU has. The trunk
     checks every proposal: the drafter's precision moves acceptance, never the output.

@@ -1,6 +1,5 @@
-"""The native CPU library: native*.c (native.c: products, attention, Gated DeltaNet; native_moe.c;
-native_dflash.c) built once per machine with the host's C compiler, loaded, and the ctypes
-mirrors of native.h's structs.
+"""The native CPU library: native*.c (native.c says what each file holds) built once per machine
+with the host's C compiler, loaded, and the ctypes mirrors of native.h's structs.
 
 `library(cache_dir)` returns the loaded library, or None when it cannot be had (no compiler,
 a failed build); `why_not()` says why. Whether a part runs here is the loader's choice
@@ -26,9 +25,9 @@ import torch
 
 from ..errors import TurboError
 
-# native.c: the trunk's step; native_*.c: further parts (built into the same library)
+# the library's parts (native.c, native_products.c, ...), built into one library
 SOURCES = sorted(Path(__file__).parent.glob("native*.c"))
-HEADER = Path(__file__).with_name("native.h")  # what they share
+HEADERS = sorted(Path(__file__).parent.glob("native*.h"))  # what they share (native.h, native_internal.h)
 # No -ffast-math: the row-stability argument in native.c needs sums in program order.
 # -fopenmp: the library then shares the libgomp torch has loaded (native.c, set_threads).
 FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
@@ -113,7 +112,8 @@ _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 
 def _build(cc: str, cache_dir: Path | None) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, HEADER]) + " ".join(map(str, FLAGS)).encode()
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS])
+                         + " ".join(map(str, FLAGS)).encode()
                          + version.encode() + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
     errors = []
     for dest_dir in (cache_dir or Path.home() / ".cache" / "turbo", Path(tempfile.gettempdir()) / "turbo-native"):

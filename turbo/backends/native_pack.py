@@ -1,6 +1,7 @@
-"""Weights as native.c's products read them: `Packed` (a matrix in one of its layouts), `PackedRows`
-(an embedding table read out of a packed lm_head), packing from dense, quantized or streamed rows,
-and `linear_packed`, the product itself. The library: native_lib.py.
+"""Weights as the native products (native_products.c, native_qproducts.c) read them: `Packed` (a
+matrix in one of its layouts), `PackedRows` (an embedding table read out of a packed lm_head),
+packing from dense, quantized or streamed rows, and `linear_packed`, the product itself. The
+library: native_lib.py.
 """
 
 from __future__ import annotations
@@ -23,12 +24,12 @@ def ptr(t: torch.Tensor | Packed | None) -> int | None:
     return t.data_ptr()
 
 
-PANEL = 16  # outputs per panel of a packed matrix (native.c: one vector register)
+PANEL = 16  # outputs per panel of a packed matrix (native_products.c: one vector register)
 
 
 @dataclasses.dataclass
 class Packed:
-    """A matrix w [n, k] laid out as native.c's products read it (`layout`):
+    """A matrix w [n, k] laid out as native_products.c reads it (`layout`):
     - "panels": panels of 16 outputs, data[p, i, l] = w[16p + l, i] ([ceil(n/16), k, 16],
       the last panel zero-padded); fp32 or bf16 (widened exactly: the fp32 products);
     - "panel_pairs" (bf16, wtype 6): the panels two inputs at a time, data[p, j, l, t] =
@@ -132,7 +133,7 @@ LAYOUT_OF_BITS = {bits: layout for layout, bits in QUANTIZED.items()}
 
 
 def quantized_panels(w: quant.QuantizedWeight, rows: int = 16384) -> Packed:
-    """An affine int4 / int8 matrix (groups of 64) as native.c's qtile reads it: per panel of 16
+    """An affine int4 / int8 matrix (groups of 64) as native_qproducts.c's qtile reads it: per panel of 16
     outputs and group, the scales and biases (bf16, 16 each), then the levels, words of 4 inputs
     x 16 outputs (int4: two words to a byte, inputs 4j + t low and 4j + 32 + t high). Padded
     outputs have scale and bias 0. `rows` outputs at a time, whole panels: the unpacking holds

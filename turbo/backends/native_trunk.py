@@ -164,7 +164,7 @@ class NativeTrunkStep:
             if i in st.gdn:
                 state, window = st.gdn[i]
                 new_state, ext = spare(st, ("state", i), 1, state)[0], torch.empty(taps - 1 + rows, conv_dim)
-                inputs = torch.empty(rows * hv * (2 * dk + dv + 2))  # q, k, v, g, beta (native.c)
+                inputs = torch.empty(rows * hv * (2 * dk + dv + 2))  # q, k, v, g, beta (native_gdn.c)
                 # the states after rows 0..R-2 (after the last: new_state)
                 states = spare(st, ("states", i), rows - 1, state) if rollback == "checkpoint" else None
                 lib.gdn_layer(address, xp, rows, state.data_ptr(), new_state.data_ptr(), window.data_ptr(),
@@ -185,7 +185,7 @@ class NativeTrunkStep:
         return x, aux, traces
 
     def _inputs(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
-        """native.c's recurrence inputs of `rows` rows, as the trace's q, k, v, g, beta."""
+        """native_gdn.c's recurrence inputs of `rows` rows, as the trace's q, k, v, g, beta."""
         a = self.trunk.arch
         hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim
         q, k, v, g, beta = flat.split([rows * hv * dk, rows * hv * dk, rows * hv * dv, rows * hv, rows * hv])
@@ -201,7 +201,7 @@ class NativeTrunkStep:
 
 
 class NativeMtpStep:
-    """The MTP head's layer (native.c's attn_layer) and head, on the trunk's native step.
+    """The MTP head's layer (native_attn.c's attn_layer) and head, on the trunk's native step.
     Packs the head's matrices in `layout` (draft_layout) in place."""
 
     name = "native"

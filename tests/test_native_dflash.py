@@ -10,6 +10,7 @@ import turbo
 from turbo import ops
 from turbo.backends import native_lib
 from turbo.drafters.dflash import DflashDrafter
+from turbo.drafters.dflash_math import select_candidates
 from turbo.install import open_install
 from turbo.loader import load_dflash, load_trunk
 from turbo.options import OpenOptions
@@ -147,8 +148,6 @@ def test_drafter_only_products_mostly_propose_what_fp32_proposes(tiny, products)
 def test_native_selector_picks_what_the_torch_selector_picks():
     import ctypes
 
-    from turbo.drafters.dflash import select_candidates
-
     g = torch.Generator().manual_seed(0)
     B, V, H, rank, k = 8, 300, 32, 8, 16
     for trial in range(60):
@@ -160,7 +159,7 @@ def test_native_selector_picks_what_the_torch_selector_picks():
         anchor = int(torch.randint(0, V, (1,), generator=g))
         out = (ctypes.c_int * B)()
         native_lib.library().dflash_select(logits.data_ptr(), final.data_ptr(), B, V, H, hp.data_ptr(), rank,
-                                       pc.data_ptr(), sc.data_ptr(), k, anchor, out)
+                                           pc.data_ptr(), sc.data_ptr(), k, anchor, out)
         assert list(out) == select_candidates(logits, final, anchor, hp, pc, sc, k)
         if trial % 2:
             assert list(out) == [7] * B

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .backends import native_lib, native_pack
-from .quant import QuantizedWeight
+from .quant import QuantizedWeight, rows_stand_alone
 
 # BLAS GEMM kernels work in row blocks, and a row in a partial block (or in a 1-row
 # GEMV) is summed in a different order than a row in a full block. Padding every
@@ -76,13 +76,6 @@ def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
     rows = x.shape[0]
     target = max(block, -(-rows // block) * block)
     return x if target == rows else torch.cat([x, x.new_zeros(target - rows, x.shape[1])])
-
-
-def rows_stand_alone(mm, xs: torch.Tensor) -> bool:
-    """Whether every row of mm(xs[:m]), for m = 2..len(xs), equals mm of that row alone (the
-    row-stability probe `calibrate_rows` and `quant.Int4Kernel.row_stable` both run)."""
-    alone = [mm(xs[i:i + 1])[0] for i in range(xs.shape[0])]
-    return all(torch.equal(mm(xs[:m])[i], alone[i]) for m in range(2, xs.shape[0] + 1) for i in range(m))
 
 
 def calibrate_rows(w: torch.Tensor, max_rows: int = 9, seed: int = 0) -> int:

@@ -8,6 +8,7 @@ import ctypes
 
 import torch
 
+from ..drafters.dflash_math import select_candidates
 from .native_lib import WTYPES, DfLayer, Dflash, threaded
 from .native_pack import PackedRows, pack_as, ptr, storage_dtype, table_of
 
@@ -89,8 +90,7 @@ class NativeDflashStep:
 
     def select(self, logits: torch.Tensor, final: torch.Tensor, anchor: int, top_k: int) -> list[int]:
         d, block = self.d, logits.shape[0]
-        if top_k > SELECT_MAX_K:  # (imported here: turbo.drafters.dflash imports this module)
-            from ..drafters.dflash import select_candidates
+        if top_k > SELECT_MAX_K:
             return select_candidates(logits, final, anchor, d.hidden_projection, d.pred_codebook,
                                      d.succ_codebook, top_k)
         out = (ctypes.c_int * block)()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import ops
-from ..drafters.dflash import grouped_conv, select_candidates
+from ..drafters.dflash_math import grouped_conv, select_candidates
 from .step import GdnTrace, StepOut, TrunkState
 
 

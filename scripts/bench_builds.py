@@ -29,7 +29,7 @@ import shapes  # noqa: E402
 from bench_round import step_times  # noqa: E402
 
 import turbo  # noqa: E402
-from turbo.backends import native  # noqa: E402
+from turbo.backends import native_lib  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
@@ -48,18 +48,18 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
             (src / Path(name).name).write_bytes(text)
             sources += [str(src / Path(name).name)] if name.endswith(".c") else []
     lib_path = out / f"{rev}.so"
-    done = subprocess.run(["cc", *native.FLAGS[0], "-shared", "-fPIC", "-o", str(lib_path), *sources, "-lm"],
+    done = subprocess.run(["cc", *native_lib.FLAGS[0], "-shared", "-fPIC", "-o", str(lib_path), *sources, "-lm"],
                           capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{rev}: the build failed: {done.stderr.strip()[-500:]}")
     lib = ctypes.CDLL(str(lib_path))
-    for name, args in native.SIGNATURES.items():
+    for name, args in native_lib.SIGNATURES.items():
         if hasattr(lib, name):
             fn = getattr(lib, name)
-            fn.argtypes = [native._C[a] for a in args.split()]
-            fn.restype = ctypes.c_int if name in native.RETURNS_INT else None
-    if native._struct_mismatch(lib):
-        raise SystemExit(f"{rev}: its structs are not this checkout's ({native._struct_mismatch(lib)})")
+            fn.argtypes = [native_lib._C[a] for a in args.split()]
+            fn.restype = ctypes.c_int if name in native_lib.RETURNS_INT else None
+    if native_lib._struct_mismatch(lib):
+        raise SystemExit(f"{rev}: its structs are not this checkout's ({native_lib._struct_mismatch(lib)})")
     return lib
 
 
@@ -85,8 +85,8 @@ def main() -> None:
                     help="also time a prefill of this many tokens (tok/s)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    if native.library() is None:
-        raise SystemExit(f"the native library is unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        raise SystemExit(f"the native library is unavailable: {native_lib.why_not()}")
     with tempfile.TemporaryDirectory() as tmp:
         libs = {rev: build(rev, Path(tmp)) for rev in args.revs}
         rts = {f: turbo.open(str(shapes.build(args.shape, quant=QUANT[f])), backend="cpu") for f in args.format}
@@ -96,7 +96,7 @@ def main() -> None:
         for _ in range(args.reps):
             for f, rt in rts.items():
                 for rev, lib in libs.items():
-                    native._lib, native._threads = lib, 0  # threaded() sets the count on this library
+                    native_lib._lib, native_lib._threads = lib, 0  # threaded() sets the count on this library
                     t = step_times(rt, prompt, [args.rows], args.calls)
                     got.setdefault((f, rev), []).append((t["decode"], t[args.rows, None], t[args.rows, "checkpoint"]))
                     if args.prefill:

@@ -21,23 +21,23 @@ import time
 import torch
 
 from turbo import quant
-from turbo.backends import native
+from turbo.backends import native_lib, native_pack
 
 BITS = {"int4": 4, "int8": 8}
 CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)
 
 
-def packed(fmt: str, n: int, k: int) -> native.Packed:
+def packed(fmt: str, n: int, k: int) -> native_pack.Packed:
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
     if fmt == "bf16":
-        return native.pack_rows(lambda r0, r1: w[r0:r1], n, torch.bfloat16, "panel_pairs")
+        return native_pack.pack_rows(lambda r0, r1: w[r0:r1], n, torch.bfloat16, "panel_pairs")
     q = quant.QuantizedWeight(*quant.quantize(w, quant.format_for(code=CODE[fmt])), bits=BITS[fmt], group=quant.GROUP)
-    return native.quantized_panels(q)
+    return native_pack.quantized_panels(q)
 
 
-def per_product(x: torch.Tensor, ws: list[native.Packed], calls: int) -> float:
+def per_product(x: torch.Tensor, ws: list[native_pack.Packed], calls: int) -> float:
     """Seconds per product, over `calls` passes through ws."""
-    lib, y = native.threaded(), torch.empty(x.shape[0], ws[0].n)
+    lib, y = native_lib.threaded(), torch.empty(x.shape[0], ws[0].n)
     t = time.perf_counter()
     for _ in range(calls):
         for w in ws:
@@ -55,10 +55,10 @@ def main() -> None:
     ap.add_argument("--cold-mb", type=int, default=600, help="the copies' total size (past the caches)")
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    if native.library() is None:
-        raise SystemExit(f"the native library is unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        raise SystemExit(f"the native library is unavailable: {native_lib.why_not()}")
     one = {f: packed(f, args.n, args.k) for f in args.format}
-    copies = {f: [one[f]] + [native.Packed(w.data.clone(), w.n, w.k, w.layout)
+    copies = {f: [one[f]] + [native_pack.Packed(w.data.clone(), w.n, w.k, w.layout)
                              for _ in range(max(1, args.cold_mb * 2 ** 20 // w.data.nbytes) - 1)]
               for f, w in one.items()}
     xs = {r: torch.randn(r, args.k, generator=torch.Generator().manual_seed(1)) for r in args.rows}

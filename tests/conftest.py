@@ -32,11 +32,11 @@ def plain_install(tmp_path_factory):
 def step_path(request):
     """Runs a module's tests on both CPU steps: native.c (the default) and the torch ops
     (what runs where no C compiler is, and the reference the CUDA kernels follow)."""
-    from turbo.backends import native
+    from turbo.backends import native_lib
 
     with pytest.MonkeyPatch.context() as mp:
         if request.param == "torch":
             mp.setenv("TURBO_NATIVE", "0")
-        elif native.library() is None:
-            pytest.skip(f"native step unavailable: {native.why_not()}")
+        elif native_lib.library() is None:
+            pytest.skip(f"native step unavailable: {native_lib.why_not()}")
         yield request.param

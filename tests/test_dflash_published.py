@@ -11,7 +11,7 @@ from helpers import assert_lossless, hf_config, make_install, make_published_dfl
 
 import turbo
 from turbo import ops
-from turbo.backends import native
+from turbo.backends import native_lib
 from turbo.errors import TurboError
 from turbo.install import open_install
 from turbo.loader import load_dflash, load_trunk
@@ -93,7 +93,7 @@ def test_a_17_row_verify_equals_17_decode_steps(rt, rollback):
     assert torch.equal(out.aux, torch.cat([s.aux for s in steps]))
 
 
-@pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.why_not()}")
+@pytest.mark.skipif(native_lib.library() is None, reason=f"native library unavailable: {native_lib.why_not()}")
 @pytest.mark.parametrize("positions, window", [(40, None), (300, 6)])  # short context; a wrapped ring
 def test_native_pass_matches_torch(published, positions, window):
     inst = open_install(published)

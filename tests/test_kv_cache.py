@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import turbo
-from turbo.backends import native
+from turbo.backends import native_lib
 from turbo.errors import TurboError
 from turbo.install import open_install
 from turbo.load_plan import kv_dtype
@@ -73,8 +73,8 @@ def rows_and_steps(threads: int, path="tiny", prompt_len: int = 1400, **opts) ->
 
 
 def test_native_verify_rows_equal_decode_steps_and_threads_agree():
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     one, two = rows_and_steps(1, kv_cache="bfloat16"), rows_and_steps(2, kv_cache="bfloat16")
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))
 
@@ -83,8 +83,8 @@ def test_native_verify_rows_equal_decode_steps_and_threads_agree():
 def test_verify_rows_equal_decode_steps_at_an_odd_head_shape(tmp_path, kv_cache):
     """Three query heads a kv head (scores run four queries at a time: a head's row falls in a
     quad or outside one depending on the row count) and head_dim 24 (a tail past the 16 lanes)."""
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     from helpers import make_install
 
     _, path = make_install(tmp_path, seed=3, num_attention_heads=6, num_key_value_heads=2, head_dim=24)
@@ -128,8 +128,8 @@ def first_logits_and_greedy(path, kv_cache: str, native_step: bool, n: int = 48)
 def test_greedy_decoding_stays_close_to_the_fp32_cache(native_step):
     """tiny after 600 prompt tokens: measured 0.008 at most over every prompt row's logits
     (their largest is ~12) on both steps, and the same 48 greedy tokens."""
-    if native_step and native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_step and native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     a, ta = first_logits_and_greedy("tiny", "float32", native_step)
     b, tb = first_logits_and_greedy("tiny", "bfloat16", native_step)
     assert not torch.equal(a, b)  # (the cache is really bf16)
@@ -140,8 +140,8 @@ def test_greedy_decoding_stays_close_to_the_fp32_cache(native_step):
 def test_the_native_and_torch_steps_agree_on_a_bf16_cache():
     """Each step rounds its own K/V: where the two steps' fp32 values differ in the last ulp,
     a rounded value may land one bf16 step apart. Measured 4e-4 at most (fp32 cache: 1.5e-5)."""
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     (a, ta), (b, tb) = (first_logits_and_greedy("tiny", "bfloat16", s, n=16) for s in (True, False))
     assert (a - b).abs().max() < 2e-3
     assert ta == tb
@@ -150,8 +150,8 @@ def test_the_native_and_torch_steps_agree_on_a_bf16_cache():
 def test_rows_split_over_threads_at_a_wide_shape(tmp_path):
     """Conv, norms and activations 2048 wide: from 8 rows a verify's row loops split over two
     threads (native.c row_parts), and each row is still a decode step, whatever the split."""
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     from helpers import make_install
 
     _, path = make_install(tmp_path, seed=5, linear_num_key_heads=4, linear_key_head_dim=128,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from turbo.backends import native
+from turbo.backends import native_lib
 from turbo.repack import repack
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,8 +47,8 @@ def install(tmp_path_factory) -> Path:
 
 
 def test_open_holds_the_weights_once(install):
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     weights = sum(f.stat().st_size for f in install.glob("*.safetensors"))
     assert weights > 250 << 20  # (the bound below means something only at a real size)
     env = dict(os.environ, PYTHONPATH=str(ROOT), TURBO_NATIVE="1")

@@ -8,13 +8,15 @@ import torch
 
 import turbo
 from turbo import ops
-from turbo.backends import native
+from turbo.backends import native_lib
 from turbo.drafters.dflash import DflashDrafter
+from turbo.drafters.dflash_math import select_candidates
 from turbo.install import open_install
 from turbo.loader import load_dflash, load_trunk
 from turbo.options import OpenOptions
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.why_not()}")
+pytestmark = pytest.mark.skipif(native_lib.library() is None,
+                                reason=f"native library unavailable: {native_lib.why_not()}")
 
 TOLERANCE = 1e-4  # max abs difference, relative to the reference's largest magnitude
 # the same for the whole pass with the drafter-only products, on the trained tiny drafter
@@ -38,7 +40,7 @@ def assert_close(a: torch.Tensor, b: torch.Tensor, tolerance: float = TOLERANCE)
 
 
 def need(products: str) -> None:
-    if native.DRAFT_PRODUCTS[products] not in native.dot_layouts():
+    if native_lib.DRAFT_PRODUCTS[products] not in native_lib.dot_layouts():
         pytest.skip(f"this CPU has no {products} dot products")
 
 
@@ -146,8 +148,6 @@ def test_drafter_only_products_mostly_propose_what_fp32_proposes(tiny, products)
 def test_native_selector_picks_what_the_torch_selector_picks():
     import ctypes
 
-    from turbo.drafters.dflash import select_candidates
-
     g = torch.Generator().manual_seed(0)
     B, V, H, rank, k = 8, 300, 32, 8, 16
     for trial in range(60):
@@ -158,8 +158,8 @@ def test_native_selector_picks_what_the_torch_selector_picks():
             logits[:, 7] = logits[:, 201] = logits.max() + 1
         anchor = int(torch.randint(0, V, (1,), generator=g))
         out = (ctypes.c_int * B)()
-        native.library().dflash_select(logits.data_ptr(), final.data_ptr(), B, V, H, hp.data_ptr(), rank,
-                                       pc.data_ptr(), sc.data_ptr(), k, anchor, out)
+        native_lib.library().dflash_select(logits.data_ptr(), final.data_ptr(), B, V, H, hp.data_ptr(), rank,
+                                           pc.data_ptr(), sc.data_ptr(), k, anchor, out)
         assert list(out) == select_candidates(logits, final, anchor, hp, pc, sc, k)
         if trial % 2:
             assert list(out) == [7] * B
@@ -201,10 +201,10 @@ def test_a_vector_with_an_extra_empty_dim_is_refused_before_c_reads_it(spec_inst
 def test_the_ctypes_mirrors_match_the_compiled_structs(monkeypatch):
     import ctypes
 
-    assert native._struct_mismatch(native.library()) is None
+    assert native_lib._struct_mismatch(native_lib.library()) is None
 
     class Shorter(ctypes.Structure):
         _fields_ = [("hidden", ctypes.c_int)]
 
-    monkeypatch.setattr(native, "STRUCTS", (native.Layer, Shorter, native.DfLayer))
-    assert "Shorter is" in native._struct_mismatch(native.library())  # names the struct (Dflash's slot)
+    monkeypatch.setattr(native_lib, "STRUCTS", (native_lib.Layer, Shorter, native_lib.DfLayer))
+    assert "Shorter is" in native_lib._struct_mismatch(native_lib.library())  # names the struct (Dflash's slot)

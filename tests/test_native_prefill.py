@@ -5,7 +5,7 @@ attention takes a chunk's rows in blocks to bound its scores."""
 import pytest
 import torch
 
-from turbo.backends import native
+from turbo.backends import native_lib, native_trunk
 from turbo.install import open_install
 from turbo.loader import load_trunk
 from turbo.options import OpenOptions
@@ -13,10 +13,11 @@ from turbo.options import OpenOptions
 
 @pytest.mark.parametrize("kv_cache", ["float32", "bfloat16"])
 def test_prefill_rows_equal_decode_steps(plain_install, kv_cache):
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     trunk = load_trunk(open_install(plain_install[1]), OpenOptions(kv_cache=kv_cache), "cpu")
-    n, rows = 4200, native.PREFILL_CHUNK  # tiny has 4 query heads: past 4096 keys a chunk's scores take two blocks
+    # tiny has 4 query heads: past 4096 keys a chunk's scores take two blocks
+    n, rows = 4200, native_trunk.PREFILL_CHUNK
     tokens = [(13 * i) % 300 + 3 for i in range(n)]
     a, b = trunk.new_state(n), trunk.new_state(n)
     head = trunk.prefill(a, tokens[:n - rows])
@@ -32,10 +33,10 @@ def test_a_verify_sized_call_and_a_chunk_sum_v_the_same_way(kv_cache):
     """tiny (head_dim 64): a one-row step sums V row by row for its few queries (weighted_sums),
     a prefill chunk of many rows strip by strip (weighted_sum); the bits are the same, from an
     fp32 cache or a bf16 one."""
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     trunk = load_trunk(open_install("tiny"), OpenOptions(kv_cache=kv_cache), "cpu")
-    n, rows = 1200, native.PREFILL_CHUNK
+    n, rows = 1200, native_trunk.PREFILL_CHUNK
     tokens = [(13 * i) % 300 + 3 for i in range(n)]
     a, b = trunk.new_state(n), trunk.new_state(n)
     trunk.prefill(a, tokens[:n - rows]), trunk.prefill(b, tokens[:n - rows])

@@ -7,7 +7,7 @@ import turbo
 from helpers import ScriptedDrafter
 
 from turbo import ops
-from turbo.backends import native
+from turbo.backends import native_lib, native_pack
 from turbo.install import open_install
 from turbo.loader import load_dflash, load_trunk
 from turbo.options import OpenOptions
@@ -184,7 +184,7 @@ def test_matrices_take_the_layout_of_the_step(spec_install, step_path):
     inst = open_install(spec_install[1])
     trunk = Trunk(inst)
     if step_path == "native":  # panels of 16 outputs, holding exactly the checkpoint's matrix
-        assert all(isinstance(w, native.Packed) for w in trunk.matrices())
+        assert all(isinstance(w, native_pack.Packed) for w in trunk.matrices())
         down = inst.index.load("trunk.layers.0.mlp.down_proj.weight", torch.float32)
         assert torch.equal(trunk.layers[0].down.dense(), down)
     else:
@@ -195,8 +195,8 @@ def test_matrices_take_the_layout_of_the_step(spec_install, step_path):
 def test_the_native_argmax_is_torchs():
     """accept_greedy's row argmax (native.c): the first of equal maxima, a NaN over any number,
     across the 16 lanes and in the tail, at widths below, at and past a vector."""
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     g = torch.Generator().manual_seed(0)
     rows = []
     for n in (1, 7, 16, 17, 40, 4099, 248320):

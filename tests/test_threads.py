@@ -4,7 +4,7 @@ attention by kv head and the delta rule by value head, each computed whole by on
 import pytest
 import torch
 
-from turbo.backends import native
+from turbo.backends import native_lib
 from turbo.install import open_install
 from turbo.loader import load_trunk
 from turbo.options import OpenOptions
@@ -26,7 +26,7 @@ def run(path, threads: int, kv_cache: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("kv_cache", ["float32", "bfloat16"])
 def test_one_and_two_threads_agree_bit_for_bit(plain_install, kv_cache):
-    if native.library() is None:
-        pytest.skip(f"native step unavailable: {native.why_not()}")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     one, two = run(plain_install[1], 1, kv_cache), run(plain_install[1], 2, kv_cache)
     assert all(torch.equal(a, b) for a, b in zip(one, two, strict=True))

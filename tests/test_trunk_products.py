@@ -8,13 +8,14 @@ from helpers import ScriptedDrafter, assert_lossless, make_install, make_moe_ins
 
 import turbo
 from turbo import ops, quant
-from turbo.backends import native
+from turbo.backends import native_lib, native_pack
 from turbo.install import open_install
 from turbo.loader import load_trunk
 from turbo.options import OpenOptions
 from turbo.repack import repack
 
-pytestmark = pytest.mark.skipif(native.library() is None, reason=f"native library unavailable: {native.why_not()}")
+pytestmark = pytest.mark.skipif(native_lib.library() is None,
+                                reason=f"native library unavailable: {native_lib.why_not()}")
 
 ROWS = range(1, 13)
 
@@ -52,7 +53,8 @@ def test_bf16_compute_keeps_the_exact_products(bf16_rt, spec_install):
     assert all(m.layout in ("panels", "panel_pairs") and m.dtype == torch.bfloat16 for m in mats)
     x = torch.randn(3, trunk.arch.hidden)
     for m in mats[:1] + mats[2:]:  # exactly the fp32 products of the widened weights
-        assert torch.equal(native.linear_packed(x, m), native.linear_packed(x, native.pack(m.dense().float())))
+        assert torch.equal(native_pack.linear_packed(x, m),
+                           native_pack.linear_packed(x, native_pack.pack(m.dense().float())))
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -61,12 +63,12 @@ def test_panel_pairs_are_the_panels_products(threads, n, k):
     """The bf16 layers' "panel_pairs" layout (two inputs' weights widened from one load) gives
     the "panels" products bit for bit, partial panels and an odd k included, at every row count."""
     w = torch.randn(n, k).to(torch.bfloat16)
-    pairs, panels = native.pack_rows(lambda a, b: w[a:b], n, torch.bfloat16, "panel_pairs"), native.pack(w)
+    pairs, panels = native_pack.pack_rows(lambda a, b: w[a:b], n, torch.bfloat16, "panel_pairs"), native_pack.pack(w)
     assert pairs.wtype == 6 and torch.equal(pairs.dense(), w)
-    assert torch.equal(native.PackedRows(pairs)[torch.tensor([0, n - 1])], w[[0, n - 1]])
+    assert torch.equal(native_pack.PackedRows(pairs)[torch.tensor([0, n - 1])], w[[0, n - 1]])
     for rows in ROWS:
         x = torch.randn(rows, k)
-        assert torch.equal(native.linear_packed(x, pairs), native.linear_packed(x, panels)), rows
+        assert torch.equal(native_pack.linear_packed(x, pairs), native_pack.linear_packed(x, panels)), rows
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
@@ -85,7 +87,7 @@ WIDE = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head
 
 
 def vnni() -> None:
-    if "int8" not in native.dot_layouts():
+    if "int8" not in native_lib.dot_layouts():
         pytest.skip("this CPU has no AVX512-VNNI")
 
 
@@ -100,12 +102,12 @@ def quantized(n: int, k: int, fmt: str, seed: int) -> quant.QuantizedWeight:
 def test_quantized_products_hold_the_matrix_and_are_row_stable(fmt, n, k, threads):
     vnni()
     qw = quantized(n, k, fmt, n + k)
-    p = native.pack_as(qw, torch.float32, "panels")
+    p = native_pack.pack_as(qw, torch.float32, "panels")
     w = qw.dequantize()
     assert p.layout == {"int4": "q4", "int8": "q8"}[fmt] and torch.equal(p.dense(), w)
     x = torch.randn(12, k, generator=torch.Generator().manual_seed(1)) * 3
     x[0] = 0.0  # a row of zeros: all groups' scales 1, every output 0
-    y = native.linear_packed(x, p)
+    y = native_pack.linear_packed(x, p)
     # the one rounding: each input to the nearest of 255 levels of its group's max |x|, so each
     # output is within half a level times the group's sum |w| (plus fp32 slack) of w . x
     groups = x.abs().reshape(12, -1, quant.GROUP).amax(-1) / 127  # [rows, G]
@@ -114,8 +116,8 @@ def test_quantized_products_hold_the_matrix_and_are_row_stable(fmt, n, k, thread
     assert ((y - x @ w.T).abs() <= bound).all()
     assert torch.equal(y[0], torch.zeros(n))
     for rows in ROWS:  # a row's outputs do not depend on the rows computed with it
-        assert torch.equal(native.linear_packed(x[:rows], p), y[:rows]), rows
-        assert torch.equal(native.linear_packed(x[rows - 1:rows], p), y[rows - 1:rows]), rows
+        assert torch.equal(native_pack.linear_packed(x[:rows], p), y[:rows]), rows
+        assert torch.equal(native_pack.linear_packed(x[rows - 1:rows], p), y[rows - 1:rows]), rows
 
 
 @pytest.fixture(scope="module", params=[("int4", False), ("int8", True)], ids=["int4", "int8-tied"])
@@ -248,5 +250,5 @@ def test_panels_packed_a_slice_at_a_time_are_the_whole_matrix(fmt):
     """quantized_panels unpacks `rows` outputs at a time (a vocab-sized head at once held GBs):
     the bytes are those of one pass, a last partial panel included."""
     w = quantized(100, 128, fmt, 3)
-    whole, sliced = native.quantized_panels(w, rows=1 << 20), native.quantized_panels(w, rows=32)
+    whole, sliced = native_pack.quantized_panels(w, rows=1 << 20), native_pack.quantized_panels(w, rows=32)
     assert torch.equal(whole.data, sliced.data) and whole.data.shape[0] == 7

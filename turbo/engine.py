@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 
 from . import ops
 from .adaptive import AdaptiveChooser, LazyContext
-from .backends import Backend, native, select_backend
+from .backends import Backend, native_lib, select_backend
 from .detokenizer import Detokenizer
 from .drafters import Drafter
 from .drafters.ngram import NgramConfig, NgramDrafter
@@ -296,7 +296,7 @@ def open(path_or_name: str | Path = "tiny", opts: OpenOptions | None = None, **f
         opts = OpenOptions.from_env(**fields)
     elif fields:
         opts = opts.but(**fields)
-    native.check_draft_products(opts.draft_products)  # before the install loads
+    native_lib.check_draft_products(opts.draft_products)  # before the install loads
     if opts.threads is not None:  # checked in range by OpenOptions: torch crashes far past the cores
         torch.set_num_threads(opts.threads)
     return Runtime(open_install(path_or_name), opts)

@@ -15,9 +15,11 @@ from typing import Mapping
 
 import torch
 
+from . import quant
 from .arch import Arch, arch_from_config, read_config_json
 from .chat_template import TemplateFiles, generation_eos_ids, read_template
 from .errors import TurboError
+from .quant import QuantizedWeight
 from .safetensors_format import Header, TensorInfo, read_header
 
 # The dtype numbering of docs/DESIGN.md 4 (the Rust engine's, section 10).
@@ -114,8 +116,6 @@ class ResidentIndex:
         `__metadata__["turbo.quant"]` map lists ({name: {code, group, bits}}, written by
         python -m turbo.repack --quant): dtype 4 / 16 / 15, the logical shape, and the
         companions' offsets and sizes. Malformed entries are refused naming the tensor."""
-        from . import quant
-
         declared: dict[str, dict] = {}
         for header in self.headers:
             path = header.path
@@ -196,8 +196,6 @@ class ResidentIndex:
 
     def load_quantized(self, name: str, dtype: torch.dtype = torch.float32):
         """A quantized entry as a packed `quant.QuantizedWeight` (compute dtype `dtype`)."""
-        from .quant import QuantizedWeight
-
         e = self.need(name)
         if not e.bits:
             raise TurboError(f"{name}: dtype {e.dtype} is not a quantized format")

@@ -14,7 +14,7 @@ import torch
 
 from . import quant
 from .arch import Arch
-from .backends import native
+from .backends import native_dflash, native_lib, native_pack, native_trunk
 from .drafters.dflash_config import dflash_layer_tensor
 from .drafters.mtp import MTP_PREFIX
 from .install import Entry
@@ -27,15 +27,15 @@ EMBED = "embed_tokens.weight"
 # A matrix's form (Matrix.form):
 TENSOR = "tensor"  # torch step: a tensor in `dtype` (quantized sources dequantized, unless a Source keeps them)
 PANELS = "panels"  # native step: float panels of `dtype` ("panel_pairs" for bf16), packed a slice at a time
-PACKED = "packed"  # native step: int4 / int8 read as stored (`bits`), native.quantized_panels
-COPY = "copy"  # native step: a float table quantized at load to `bits` (a tied lm_head; native.quantized_copy)
+PACKED = "packed"  # native step: int4 / int8 read as stored (`bits`), native_pack.quantized_panels
+COPY = "copy"  # native step: a float table quantized at load to `bits` (a tied lm_head; native_pack.quantized_copy)
 
 
 @dataclass(frozen=True)
 class Host:
     """What the plan needs of the machine: why the native library is not to be had here
     (None: it is; "not asked": the trunk is not on the CPU or the options turn it off), and
-    its dot products (native.dot_layouts)."""
+    its dot products (native_lib.dot_layouts)."""
     library: str | None = "not asked"
     layouts: tuple[str, ...] = ()
 
@@ -111,9 +111,9 @@ class TrunkPlan:
 @dataclass(frozen=True)
 class DrafterPlan:
     """A drafter's matrices by name (MTP: "fc"; DFlash: "fc", "layers.{i}.q" ... as
-    native.DFLASH_MATRICES), the MTP head's layer, and the dtype its native step keeps float
+    native_dflash.DFLASH_MATRICES), the MTP head's layer, and the dtype its native step keeps float
     matrices in. For now every matrix is read as a TENSOR and the step constructors pack them
-    (native.NativeMtpStep / NativeDflashStep)."""
+    (native_trunk.NativeMtpStep / NativeDflashStep)."""
     matrices: dict[str, Matrix]
     layer: LayerPlan | None
     stored: frozenset[str]  # the stored dtypes of the tensors read in the drafter's dtype
@@ -190,13 +190,13 @@ class _Rules:
     on_cpu: bool
     mode: str  # quant.cpu_mode
     native_here: bool  # the native step can run on this host
-    int8: bool  # its products read int4 / int8 packed (native.reads_packed)
+    int8: bool  # its products read int4 / int8 packed (native_pack.reads_packed)
     storage: torch.dtype | None = None
     keep_quantized: bool = True  # the torch step may keep quantized sources packed (drafters: dequantized)
 
     def read_packed(self, name: str, e: Entry) -> bool:
         """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
-        return (self.native_here and bool(e.bits) and e.bits in native.QUANTIZED.values() and e.group == quant.GROUP
+        return (self.native_here and bool(e.bits) and e.bits in native_pack.QUANTIZED.values() and e.group == quant.GROUP
                 and self.int8 and quant.native_reads(self.mode, e.bits, self.dtype) and not moe_gate(name))
 
     def present(self, names: list[str]) -> list[tuple[str, Entry]]:
@@ -252,9 +252,9 @@ def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device:
                 if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}
     kept = on_cpu and any(e.bits and quant.keep_packed(mode, e.bits, dtype) and not rules.read_packed(name, e)
                           for name, e in matrices.items() if name != PREFIX + EMBED)
-    why = NATIVE_OFF if not opts.native else native.trunk_refusal(device, dtype, kept) or host.library
+    why = NATIVE_OFF if not opts.native else native_trunk.trunk_refusal(device, dtype, kept) or host.library
     # the float matrices packed, the embedding kept, in it (None: the torch step's plain tensors)
-    rules = replace(rules, storage=native.storage_dtype(
+    rules = replace(rules, storage=native_pack.storage_dtype(
         dtype, {e.st_dtype for name, e in matrices.items() if not rules.read_packed(name, e)}) if why is None else None)
     parts = _by_part(matrices)
     formats = [rules.packed_format(parts.get(f"layers.{i}.", [])) for i in range(a.num_layers)]
@@ -320,7 +320,7 @@ def _plan_moe(r: _Rules, a: Arch, mlp: str) -> MoePlan:
     )
 
 
-# The DFlash layer matrices (native.DFLASH_MATRICES) and their tensors; the conv's only with a conv.
+# The DFlash layer matrices (native_dflash.DFLASH_MATRICES) and their tensors; the conv's only with a conv.
 DFLASH_LAYER = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
                 "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
                 "down": "mlp.down_proj.weight"}
@@ -355,7 +355,7 @@ def plan_mtp(entries: Mapping[str, Entry], arch: Arch, dtype: torch.dtype) -> Dr
     layer = _plan_layer(r, arch, MTP_PREFIX + "layers.0.", False, arch.moe, None)
     fc = r.matrix([(MTP_PREFIX + "fc.weight", (arch.hidden, 2 * arch.hidden))], None)
     stored = _stored(entries, [s.name for m in (fc, *layer_matrices(layer)) for s in m.sources])
-    return DrafterPlan({"fc": fc}, layer, stored, native.storage_dtype(dtype, set(stored)))
+    return DrafterPlan({"fc": fc}, layer, stored, native_pack.storage_dtype(dtype, set(stored)))
 
 
 def plan_dflash(entries: Mapping[str, Entry], layers: int, conv: bool, selector: bool,
@@ -369,4 +369,4 @@ def plan_dflash(entries: Mapping[str, Entry], layers: int, conv: bool, selector:
     also += [DFLASH_SELECTOR + n for n in SELECTOR_TENSORS] if selector and dtype == torch.float32 else []
     stored = _stored(entries, [*names.values(), *also])
     return DrafterPlan({key: r.matrix([(name, None)], None) for key, name in names.items()}, None, stored,
-                       native.storage_dtype(dtype, set(stored)))
+                       native_pack.storage_dtype(dtype, set(stored)))

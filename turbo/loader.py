@@ -17,7 +17,7 @@ import torch
 
 from . import ops, quant
 from .arch import Arch
-from .backends import native
+from .backends import native_dflash, native_lib, native_pack, native_trunk
 from .backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from .drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
 from .drafters.dflash_config import (DflashConfig, DflashShape, derive_published_shape, derive_shape, dflash_layer_tensor,
@@ -39,8 +39,8 @@ def _native_refusal(opts: OpenOptions, refusal: str | None) -> str | None:
         return NATIVE_OFF
     if refusal is not None:
         return refusal
-    native.library(opts.cache_dir, opts.compiler)
-    return native.why_not()
+    native_lib.library(opts.cache_dir, opts.compiler)
+    return native_lib.why_not()
 
 
 def host(opts: OpenOptions, device: torch.device) -> Host:
@@ -48,7 +48,7 @@ def host(opts: OpenOptions, device: torch.device) -> Host:
     if device.type != "cpu" or not opts.native:
         return Host()
     why = _native_refusal(opts, None)
-    return Host(why, native.dot_layouts() if why is None else ())
+    return Host(why, native_lib.dot_layouts() if why is None else ())
 
 
 def _to(t, device: torch.device):
@@ -102,10 +102,10 @@ class Reader:
             parts = [self.plain(s, m) for s in m.sources]
             return parts[0] if len(parts) == 1 else quant.fuse(parts)
         if m.form == PACKED:  # (quantized matrices are a fraction of the float size: fused whole)
-            return native.quantized_panels(quant.fuse([self.index.load_quantized(e.name, self.dtype)
+            return native_pack.quantized_panels(quant.fuse([self.index.load_quantized(e.name, self.dtype)
                                                        for e in entries]))
         dense = {e.name: self.index.load(e.name, self.dtype) for e in entries if e.bits}  # (dequantized once)
-        return native.pack_rows(partial(self.rows, entries, dense, m.dtype), sum(e.dims[0] for e in entries),
+        return native_pack.pack_rows(partial(self.rows, entries, dense, m.dtype), sum(e.dims[0] for e in entries),
                                 m.dtype, m.layout)
 
     def rows(self, entries: list[Entry], dense: dict[str, torch.Tensor], into: torch.dtype,
@@ -125,9 +125,9 @@ class Reader:
         """The table and the lm_head, as planned (the table read once)."""
         if p.rows_of_head:
             head = self.matrix(p.head)
-            return native.PackedRows(head), head
+            return native_pack.PackedRows(head), head
         table = self.tensor(p.source.name, p.source.shape, p.read_as)
-        copy = native.quantized_copy(table, p.head.bits) if p.head is not None and p.head.form == COPY else None
+        copy = native_pack.quantized_copy(table, p.head.bits) if p.head is not None and p.head.form == COPY else None
         table = table.to(p.table) if p.table is not None else table
         if copy is not None:
             return table, copy
@@ -184,7 +184,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     """The trunk's weights in `opts.dtype` on `device` (prepared on the host exactly as for
     the CPU, then moved there once), on the native step where it can run. Planned first
     (load_plan.plan_trunk: the step, and every matrix's format), then read: the native step's
-    matrices are packed as they are read, a slice at a time (native.pack_rows), so loading
+    matrices are packed as they are read, a slice at a time (native_pack.pack_rows), so loading
     holds about the packed weights and nothing twice."""
     device = torch.device(device)
     quant.cpu_mode(opts.quant_cpu)  # (refused before the library is built)
@@ -206,7 +206,7 @@ def read_trunk(install: Install, plan: TrunkPlan, device: torch.device) -> Trunk
         final_norm, inv_freq = ops.to_device(final_norm, device), ops.to_device(inv_freq, device)
         layers = [ops.to_device(layer, device) for layer in layers]
     weights = TrunkWeights(embed, lm_head, final_norm, layers, inv_freq)
-    step = TorchTrunkStep if plan.why_torch else native.NativeTrunkStep
+    step = TorchTrunkStep if plan.why_torch else native_trunk.NativeTrunkStep
     return Trunk(a, weights, plan.dtype, device, plan.kv, step, plan.why_torch)
 
 
@@ -273,12 +273,12 @@ def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, wi
         succ_codebook=_selector(idx, cfg.has_selector, "successor_codebook", device),
         layers=layers, inv_freq=_to(ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta), device), stored=set(plan.stored))
     products = opts.draft_products
-    why = _native_refusal(opts, native.dflash_refusal(device, dtype, embed))
+    why = _native_refusal(opts, native_dflash.dflash_refusal(device, dtype, embed))
     if why is None:
-        layout = native.draft_layout(products)
+        layout = native_lib.draft_layout(products)
 
-        def make_step(d: DflashDrafter) -> native.NativeDflashStep:
-            return native.NativeDflashStep(d, layout)
+        def make_step(d: DflashDrafter) -> native_dflash.NativeDflashStep:
+            return native_dflash.NativeDflashStep(d, layout)
     else:
         _refuse_products(products, "the drafter's native CPU pass", why)
         make_step = TorchDflashStep
@@ -339,10 +339,10 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
         layer=_to(r.layer(plan.layer, arch), device),
     )
     if trunk.step_name == "native":  # so is the head's layer (native.c's attn_layer + head)
-        storage, layout = plan.storage, native.draft_layout(products)
+        storage, layout = plan.storage, native_lib.draft_layout(products)
 
-        def make_step(head: MtpDrafter) -> native.NativeMtpStep:
-            return native.NativeMtpStep(head, storage, layout)
+        def make_step(head: MtpDrafter) -> native_trunk.NativeMtpStep:
+            return native_trunk.NativeMtpStep(head, storage, layout)
     else:
         _refuse_products(products, "the MTP head's native CPU step", trunk.why_torch)
         make_step = TorchMtpStep

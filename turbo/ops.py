@@ -21,8 +21,8 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .backends import native
-from .quant import QuantizedWeight
+from .backends import native_lib, native_pack
+from .quant import QuantizedWeight, rows_stand_alone
 
 # BLAS GEMM kernels work in row blocks, and a row in a partial block (or in a 1-row
 # GEMV) is summed in a different order than a row in a full block. Padding every
@@ -69,20 +69,13 @@ def to_device(obj, device: torch.device):
 
 def dense(w):
     """A matrix as a plain [out, in] tensor, whatever form a product keeps it in."""
-    return w.dense() if isinstance(w, (native.Packed, QuantizedWeight)) else w
+    return w.dense() if isinstance(w, (native_pack.Packed, QuantizedWeight)) else w
 
 
 def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
     rows = x.shape[0]
     target = max(block, -(-rows // block) * block)
     return x if target == rows else torch.cat([x, x.new_zeros(target - rows, x.shape[1])])
-
-
-def rows_stand_alone(mm, xs: torch.Tensor) -> bool:
-    """Whether every row of mm(xs[:m]), for m = 2..len(xs), equals mm of that row alone (the
-    row-stability probe `calibrate_rows` and `quant.Int4Kernel.row_stable` both run)."""
-    alone = [mm(xs[i:i + 1])[0] for i in range(xs.shape[0])]
-    return all(torch.equal(mm(xs[:m])[i], alone[i]) for m in range(2, xs.shape[0] + 1) for i in range(m))
 
 
 def calibrate_rows(w: torch.Tensor, max_rows: int = 9, seed: int = 0) -> int:
@@ -106,8 +99,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, in] @ w[out, in]^T in w's dtype, returned as fp32; row-stable for the
     shapes `calibrate_rows` has seen (prefill-sized calls are not padded). A packed
     QuantizedWeight is dequantized first (deterministically), then takes the same path."""
-    if isinstance(w, native.Packed):  # the native step's layout: native.c at every size (prefill too)
-        return native.linear_packed(x, w)
+    if isinstance(w, native_pack.Packed):  # the native step's layout: native.c at every size (prefill too)
+        return native_pack.linear_packed(x, w)
     if isinstance(w, QuantizedWeight):
         cb = cuda_kernels(x)
         if cb is not None:  # qgemv.cu: one warp per output, every input row on its own
@@ -138,8 +131,8 @@ def argmax(row: torch.Tensor) -> int:
     """The index of the largest value of a row [n], the first of equals (torch.argmax's answer):
     native.c's pass where it can read the row (torch's takes ~0.5 ms a 248K row: 3 ms for a
     9-row verify, an eighth of an int4 decode step at 0.8B)."""
-    if row.device.type == "cpu" and row.dtype == torch.float32 and row.is_contiguous() and native.library():
-        return native.argmax(row)
+    if row.device.type == "cpu" and row.dtype == torch.float32 and row.is_contiguous() and native_lib.library():
+        return native_lib.argmax(row)
     return int(row.argmax())
 
 

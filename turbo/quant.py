@@ -273,6 +273,13 @@ def linear_dequant(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
     return torch.nn.functional.linear(x.to(w.dtype), w.dequantize()).float()
 
 
+def rows_stand_alone(mm, xs: torch.Tensor) -> bool:
+    """Whether every row of mm(xs[:m]), for m = 2..len(xs), equals mm of that row alone (the
+    row-stability probe `ops.calibrate_rows` and `Int4Kernel.row_stable` both run)."""
+    alone = [mm(xs[i:i + 1])[0] for i in range(xs.shape[0])]
+    return all(torch.equal(mm(xs[:m])[i], alone[i]) for m in range(2, xs.shape[0] + 1) for i in range(m))
+
+
 class Int4Kernel:
     """The integer path: torch's packed-int4 CPU GEMM (int4 only; w = (q - 8) * s + zero
     with zero = bias + 8 s), activations in the scales' dtype. Not row-stable by contract:
@@ -296,7 +303,5 @@ class Int4Kernel:
         """Every row of a 1..max_rows-row call equals the same row computed alone."""
         self.dtype = dtype
         self.sz = self.sz.to(dtype)
-        from .ops import rows_stand_alone  # ops imports this module
-
         g = torch.Generator().manual_seed(seed)
         return rows_stand_alone(self, torch.randn(max_rows, self.sz.shape[0] * self.group, generator=g))

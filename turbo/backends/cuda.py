@@ -9,8 +9,8 @@ replaces, and is tested against it (tests/test_cuda.py):
     conv_window_update  turbo.ops.causal_conv_rows (+ window) conv.cu
     causal_conv_rows    turbo.ops.causal_conv_rows           conv.cu
     gated_rms_norm      turbo.ops.gated_rms_norm             norm.cu
-    grouped_conv        turbo.drafters.dflash.grouped_conv   dflash.cu
-    select_candidates   turbo.drafters.dflash.select_candidates  dflash.cu
+    grouped_conv        turbo.drafters.dflash_math.grouped_conv   dflash.cu
+    select_candidates   turbo.drafters.dflash_math.select_candidates  dflash.cu
     affine_linear       x @ dequantize(...)^T (turbo.quant)  qgemv.cu
 
 All math is fp32. Everything else on the cuda backend may use torch ops on the GPU.
@@ -165,7 +165,7 @@ def gated_rms_norm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps: float
 
 
 def grouped_conv(h: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor, group: int) -> torch.Tensor:
-    """dflash.grouped_conv on the GPU: h [rows, H]; base [taps, H]; dyn [rows, taps, H/group]."""
+    """dflash_math.grouped_conv on the GPU: h [rows, H]; base [taps, H]; dyn [rows, taps, H/group]."""
     h, base, dyn = _f32(h, "h"), _f32(base, "base"), _f32(dyn, "dyn")
     rows, hidden = h.shape
     taps = base.shape[0]
@@ -219,7 +219,7 @@ def select_candidates_ids(logits: torch.Tensor, proj: torch.Tensor, anchor: int,
 
 def select_candidates(logits: torch.Tensor, final: torch.Tensor, anchor: int, hidden_projection: torch.Tensor,
                       pred_codebook: torch.Tensor, succ_codebook: torch.Tensor, top_k: int) -> list[int]:
-    """dflash.select_candidates on the GPU (the projection is one torch GEMM; top-k and the
+    """dflash_math.select_candidates on the GPU (the projection is one torch GEMM; top-k and the
     greedy bigram rescoring are one kernel launch). Ties go to the lower token id."""
     proj = final.float() @ hidden_projection.float().T
     return select_candidates_ids(logits, proj, anchor, pred_codebook, succ_codebook, top_k).tolist()

@@ -1,4 +1,6 @@
-/* What native.c and native_dflash.c share (built together into one library). */
+/* What the library's C files (native*.c, built together into one library) share: the structs
+ * Python fills, the entry points one file calls in another, small math helpers. What only
+ * the trunk's files share: native_internal.h. */
 #ifndef TURBO_NATIVE_H
 #define TURBO_NATIVE_H
 
@@ -9,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-/* The structs Python fills (turbo/backends/native.py mirrors them with ctypes and checks
+/* The structs Python fills (turbo/backends/native_lib.py mirrors them with ctypes and checks
  * their sizes against struct_size at load). */
 
 /* native_moe.c: one layer's mixture of experts (pointers to packed matrices) and sizes. */
@@ -23,7 +25,7 @@ typedef struct {
     const void *shared_gate_up, *shared_down, *shared_gate; /* [2 S, hidden], [hidden, S], [1, hidden]; NULL: none */
 } Moe;
 
-/* native.c: one trunk layer's weights (pointers) and sizes. */
+/* native_gdn.c, native_attn.c: one trunk layer's weights (pointers) and sizes. */
 typedef struct {
     int hidden, inter, wtype;
     float eps;
@@ -70,7 +72,7 @@ int struct_size(int which);
 /* x += the MoE block of rms_norm(x) (post_norm, eps, hidden of L), R rows (native_moe.c). */
 void moe_block(const Layer *L, float *x, int R);
 
-/* y [R, n] = x [R, k] @ w[n, k]^T for a packed w (panels of 16 outputs; native.c). */
+/* y [R, n] = x [R, k] @ w[n, k]^T for a packed w (panels of 16 outputs; native_products.c). */
 void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y);
 
 /* e^x in straight-line arithmetic, so loops over it vectorise (expf is a call per value):

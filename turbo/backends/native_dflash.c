@@ -1,10 +1,10 @@
 /* The DFlash drafters' CPU pass (docs/DESIGN.md 2.2): one call per draft pass and one per batch of
  * context rows. DFlash2 wraps every sublayer in its grouped conv; the published DFlash
  * (`conv` 0) runs the same layers without it. Activations fp32; the matrix products fp32, or the drafter-only bf16 or
- * int8 ones (native.c's wtype 2 and 3, `draft_products`).
+ * int8 ones (native_products.c's wtype 2 and 3, `draft_products`).
  *
  * Why C: a draft pass of a small drafter is ~1,400 tiny torch ops and Python calls, about
- * half its time; here it is one call, its matrix products native.c's `linear_packed`.
+ * half its time; here it is one call, its matrix products native_products.c's `linear_packed`.
  *
  * What it must match: DflashDrafter's torch pass (turbo/drafters/dflash.py), the same
  * function up to rounding with fp32 products (up to their quantisation with the others) --

@@ -1,5 +1,5 @@
 /* The MoE block of a Qwen3.5-MoE / Qwen3-Next layer (docs/DESIGN.md 2.1), the MLP half that
- * native.c's layers call in place of the dense SwiGLU when a layer routes (Layer.moe).
+ * the trunk's layers (mlp_block) call in place of the dense SwiGLU when a layer routes (Layer.moe).
  *
  * Per row: router logits, softmax, the top_k most probable experts (ties to the lower index),
  * their probabilities renormalised when the config says so. Then per expert, in ascending

@@ -1,9 +1,9 @@
 """What a step reads and leaves, and the three steps a backend provides.
 
 A Runtime picks one step per part when it loads (turbo/loader.py): the native CPU step
-(turbo/backends/native.py: native.c and native_dflash.c) where it can run, else the torch
-step (turbo/backends/torch_step.py: the CPU reference, whose ops run the CUDA kernels on
-backend=cuda). The trunk and the drafters hold the weights and call their step; they never
+(turbo/backends/native_trunk.py, native_dflash.py: native.c and native_dflash.c) where it can
+run, else the torch step (turbo/backends/torch_step.py: the CPU reference, whose ops run the
+CUDA kernels on backend=cuda). The trunk and the drafters hold the weights and call their step; they never
 ask which one it is.
 """
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from .. import ops
 from ..arch import Arch
-from ..drafters.dflash import grouped_conv, select_candidates
+from ..drafters.dflash_math import grouped_conv, select_candidates
 from ..trunk import AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk
 from .step import GdnTrace, StepOut, TrunkState
 

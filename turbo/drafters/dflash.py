@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
 import torch
-import torch.nn.functional as F
 
-from ..backends.native import Packed
+from ..backends.native_pack import Packed
 from ..backends.step import DflashStep
 from . import DrafterBase
 from .dflash_config import DflashConfig, DflashShape
@@ -26,40 +25,11 @@ DFLASH_RESIDUAL_SCALE = 8.0  # the draft pass divides its residual stream by thi
 DFLASH_RING_SLACK = 128
 
 
-# ---- the math (the CPU kernels; the CUDA ones are tested against these) -------------------
-
-
-def grouped_conv(h: torch.Tensor, base: torch.Tensor, dyn: torch.Tensor, group: int) -> torch.Tensor:
-    """out[t, c] = sum_o (base[o, c] + dyn[t, o, c // group]) * h[t - o, c], h[<0] = 0.
-    h [rows, H]; base [taps, H]; dyn [rows, taps, groups]."""
-    kernel = base[None] + dyn.repeat_interleave(group, dim=-1)
-    out = kernel[:, 0] * h
-    for o in range(1, base.shape[0]):
-        out = out + F.pad(kernel[o:, o] * h[:h.shape[0] - o], (0, 0, o, 0))
-    return out
-
-
-def select_candidates(logits: torch.Tensor, final: torch.Tensor, anchor: int, hidden_projection: torch.Tensor,
-                      pred_codebook: torch.Tensor, succ_codebook: torch.Tensor, top_k: int) -> list[int]:
-    """Greedy bigram rescoring of each row's top-k (fp32); ties go to the lower token id."""
-    logits, final = logits.float(), final.float()
-    cand = torch.topk(logits, top_k, dim=-1).indices
-    proj = final @ hidden_projection.float().T
-    pred, out = anchor, []
-    for i in range(logits.shape[0]):
-        c = cand[i]
-        score = logits[i, c] + (succ_codebook[c].float() @ (pred_codebook[pred].float() * proj[i]))
-        best = score.max()
-        pred = int(c[score == best].min())
-        out.append(pred)
-    return out
-
-
 @dataclass
 class DflashLayer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    q: torch.Tensor | Packed  # matrices: Packed on the native step (native.DFLASH_MATRICES)
+    q: torch.Tensor | Packed  # matrices: Packed on the native step (native_dflash.DFLASH_MATRICES)
     k: torch.Tensor | Packed
     v: torch.Tensor | Packed
     o: torch.Tensor | Packed
@@ -98,7 +68,7 @@ class DflashDrafter(DrafterBase):
     where the weights (moved once, at load), the ring and the draft pass live -- on cuda the
     grouped conv and the candidate selector run the PTX kernels. On the CPU in fp32 the pass
     and the context rows run in native_dflash.c where it is in use, with the matrix products
-    `draft_products` picks (native.draft_layout): "fp32" computes the torch pass's function
+    `draft_products` picks (native_lib.draft_layout): "fp32" computes the torch pass's function
     (to rounding); "int8" (weights per output, inputs per row) and "bf16" read fewer bytes
     and do more multiply-adds per instruction; "auto" the fastest the CPU has. The trunk
     checks every proposal: the drafter's precision moves acceptance, never the output.

@@ -1,0 +1,234 @@
+"""The native CPU library: native*.c (native.c says what each file holds) built once per machine
+with the host's C compiler, loaded, and the ctypes mirrors of native.h's structs.
+
+`library(cache_dir)` returns the loaded library, or None when it cannot be had (no compiler,
+a failed build); `why_not()` says why. Whether a part runs here is the loader's choice
+(turbo/loader.py); where it does not, the torch step (turbo/backends/torch_step.py) runs, just
+as lossless, only slower. The build goes to a per-user cache, keyed by the source, the
+compiler and the machine, and is renamed into place whole, so parallel jobs (a Hydra
+multirun) never load a half-written file. Packing weights: native_pack.py; the steps:
+native_trunk.py, native_dflash.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..errors import TurboError
+
+# the library's parts (native.c, native_products.c, ...), built into one library
+SOURCES = sorted(Path(__file__).parent.glob("native*.c"))
+HEADERS = sorted(Path(__file__).parent.glob("native*.h"))  # what they share (native.h, native_internal.h)
+# No -ffast-math: the row-stability argument in native.c needs sums in program order.
+# -fopenmp: the library then shares the libgomp torch has loaded (native.c, set_threads).
+FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
+
+_lib: ctypes.CDLL | None = None
+_why: str | None = None
+_tried = False
+
+
+class Moe(ctypes.Structure):
+    """native.h's Moe: one layer's mixture of experts (pointers to packed matrices) and sizes."""
+
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "experts", "top_k", "inter", "shared_inter", "norm_topk", "wtype", "ewtype")] + [
+        ("router", ctypes.c_void_p), ("gate_up", ctypes.POINTER(ctypes.c_void_p)),
+        ("down", ctypes.POINTER(ctypes.c_void_p)),
+        ("shared_gate_up", ctypes.c_void_p), ("shared_down", ctypes.c_void_p), ("shared_gate", ctypes.c_void_p)]
+
+
+class Layer(ctypes.Structure):
+    """native.h's Layer: one trunk layer's weights (pointers) and sizes."""
+
+    _fields_ = [
+        ("hidden", ctypes.c_int), ("inter", ctypes.c_int), ("wtype", ctypes.c_int), ("eps", ctypes.c_float),
+        ("in_norm", ctypes.c_void_p), ("post_norm", ctypes.c_void_p), ("gate_up", ctypes.c_void_p),
+        ("down", ctypes.c_void_p),
+        ("in_proj", ctypes.c_void_p), ("out", ctypes.c_void_p), ("conv", ctypes.c_void_p),
+        ("neg_a", ctypes.c_void_p), ("dt_bias", ctypes.c_void_p), ("gnorm", ctypes.c_void_p),
+        ("kheads", ctypes.c_int), ("kdim", ctypes.c_int), ("vheads", ctypes.c_int), ("vdim", ctypes.c_int),
+        ("taps", ctypes.c_int),
+        ("qkv", ctypes.c_void_p), ("o", ctypes.c_void_p), ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p), ("inv_freq", ctypes.c_void_p),
+        ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int), ("rot", ctypes.c_int),
+        ("kv_type", ctypes.c_int),
+        ("moe", ctypes.POINTER(Moe)),
+    ]
+
+
+class DfLayer(ctypes.Structure):
+    """native.h's DfLayer: one DFlash layer's weights and its context ring (pointers)."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in (
+        "in_norm", "post_norm", "q_norm", "k_norm", "q", "k", "v", "o", "gate", "up", "down",
+        "attn_proj", "mlp_proj", "attn_base", "mlp_base", "ring_k", "ring_v")]
+
+
+class Dflash(ctypes.Structure):
+    """native.h's Dflash: the drafter's sizes, scaling and weights (pointers)."""
+
+    _fields_ = [(name, ctypes.c_int) for name in (
+        "hidden", "heads", "kv_heads", "head_dim", "inter", "taps", "group", "aux_width", "vocab", "layers",
+        "window", "capacity", "causal", "mask_token", "embed_wtype", "embed_panels", "conv", "wtype", "lm_wtype")] + [
+        ("eps", ctypes.c_float), ("res_eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        (name, ctypes.c_void_p) for name in ("embed", "fc", "lm_head", "hidden_norm", "final_norm", "inv_freq")] + [
+        ("layer", ctypes.POINTER(DfLayer))]
+
+
+STRUCTS = (Layer, Dflash, DfLayer, Moe)  # native.c's struct_size(0, 1, 2, 3)
+
+WTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+# native.c's entry points: p a pointer (a Layer's address too), i an int, f a float
+SIGNATURES = {
+    "linear_packed": "p i i p i i p",
+    "dot_products": "",
+    "struct_size": "i",
+    "set_threads": "i",
+    "gdn_layer": "p p i p p p p p p",
+    "embed_rows": "p i i p i i p",
+    "copy_rows": "p i i p i",
+    "attn_layer": "p p i i i p p i",
+    "head": "p i i p f p i i p p",
+    "gdn_recurrence": "p p i i i i p p p p p p p",
+    "dflash_forward": "p i i i p p",
+    "dflash_add_context": "p p i i",
+    "dflash_select": "p p i i i p i p p i i p",
+    "argmax_row": "p i",
+}
+RETURNS_INT = {"dot_products", "struct_size", "argmax_row"}  # (the rest return nothing)
+_C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
+
+
+def _build(cc: str, cache_dir: Path | None) -> Path:
+    version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS])
+                         + " ".join(map(str, FLAGS)).encode()
+                         + version.encode() + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
+    errors = []
+    for dest_dir in (cache_dir or Path.home() / ".cache" / "turbo", Path(tempfile.gettempdir()) / "turbo-native"):
+        target = dest_dir / f"native-{key}.so"
+        if target.exists():
+            return target
+        try:
+            dest_dir.mkdir(parents=True, exist_ok=True)
+            for flags in FLAGS:
+                fd, tmp = tempfile.mkstemp(suffix=".so", dir=dest_dir)
+                os.close(fd)
+                done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", tmp, *map(str, SOURCES), "-lm"],
+                                      capture_output=True, text=True)
+                if done.returncode == 0:
+                    os.replace(tmp, target)
+                    return target
+                os.unlink(tmp)
+                errors.append(done.stderr.strip().splitlines()[-1:] or ["failed"])
+        except OSError as e:
+            errors.append([str(e)])
+    raise RuntimeError(f"{cc} could not build {' '.join(s.name for s in SOURCES)}: "
+                       f"{errors[-1][0] if errors else 'unknown'}")
+
+
+def _struct_mismatch(lib: ctypes.CDLL) -> str | None:
+    """ctypes' layouts against the compiler's: a mismatch means the Python mirror of native.h
+    went stale (a build bug), and every call would read fields at the wrong offsets."""
+    for which, struct in enumerate(STRUCTS):
+        c_size = lib.struct_size(which)
+        if c_size != ctypes.sizeof(struct):
+            return (f"native.h's {struct.__name__} is {c_size} bytes, its ctypes mirror in "
+                    f"turbo/backends/native_lib.py {ctypes.sizeof(struct)}: the two disagree")
+    return None
+
+
+def library(cache_dir: Path | None = None, compiler: str | None = None) -> ctypes.CDLL | None:
+    """The library, built (with `compiler`, default cc / gcc / clang on PATH, into `cache_dir`,
+    default ~/.cache/turbo) and loaded once per process: a later call's arguments are not looked at."""
+    global _lib, _why, _tried
+    if not _tried:
+        _tried = True
+        cc = compiler or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+        try:
+            if cc is None:
+                raise RuntimeError("no C compiler on PATH (set CC)")
+            lib = ctypes.CDLL(str(_build(cc, cache_dir)))
+            for name, args in SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes = [_C[a] for a in args.split()]
+                fn.restype = ctypes.c_int if name in RETURNS_INT else None
+        except (RuntimeError, OSError, subprocess.SubprocessError) as e:
+            _why = str(e)
+            return None
+        _why = _struct_mismatch(lib)
+        if _why is not None:  # a build bug, not a reason to fall back quietly
+            raise RuntimeError(_why)
+        _lib = lib
+    return _lib
+
+
+_threads = 0
+
+
+def threaded() -> ctypes.CDLL:
+    """library(), its matrix products split over torch's intra-op thread count (checked
+    on every call: `threads=` or torch.set_num_threads may change it)."""
+    global _threads
+    lib = _lib
+    n = torch.get_num_threads()
+    if n != _threads:
+        lib.set_threads(n)
+        _threads = n
+    return lib
+
+
+def why_not() -> str | None:
+    """Why the library cannot be had (None when it can)."""
+    library()
+    return _why
+
+
+def argmax(row: torch.Tensor) -> int:
+    """torch.argmax of a contiguous fp32 row [n] on the CPU (the first of equals; a NaN wins)."""
+    return _lib.argmax_row(row.data_ptr(), row.shape[0])
+
+
+# A drafter's products on the CPU (`draft_products`): the packed layout each names
+DRAFT_PRODUCTS = {"fp32": "panels", "bf16": "pairs", "int8": "int8"}
+_NEEDS = {"pairs": "AVX512-BF16", "int8": "AVX512-VNNI"}
+
+
+def dot_layouts() -> tuple[str, ...]:
+    """The drafters' layouts the library can multiply by ("pairs": AVX512-BF16; "int8":
+    AVX512-VNNI), empty without the library."""
+    lib = library()
+    bits = lib.dot_products() if lib is not None else 0
+    return tuple(name for bit, name in ((1, "pairs"), (2, "int8")) if bits & bit)
+
+
+def check_draft_products(products: str) -> None:
+    if products != "auto" and products not in DRAFT_PRODUCTS:
+        raise TurboError(f"draft_products {products!r} is not one of auto, {', '.join(DRAFT_PRODUCTS)}")
+
+
+def draft_layout(products: str) -> str:
+    """The layout a drafter's matrices take for `products`: "auto" is the fastest this CPU
+    has (int8, then bf16, then fp32: on the tiny install int8 lands as many proposals as
+    fp32 in about two thirds of its time, see README); a named one it lacks is refused."""
+    check_draft_products(products)
+    have = dot_layouts()
+    if products == "auto":
+        return next((lay for lay in ("int8", "pairs") if lay in have), "panels")
+    layout = DRAFT_PRODUCTS[products]
+    if layout != "panels" and layout not in have:
+        raise TurboError(f"draft_products {products}: "
+                         + (f"the native library is not in use ({why_not()})" if library() is None
+                            else f"this CPU has no {_NEEDS[layout]} (expected auto or fp32)"))
+    return layout

@@ -1,0 +1,457 @@
+/* The matrix products (native.c's comment says why they are row-stable): packed fp32 / bf16
+ * panels, the drafters' bf16-pair and int8 dot products, the affine int4 / int8 ones; the
+ * threads they split over. linear_packed is the one entry point. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "native_internal.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#define BF16_DOT 1
+#else
+#define BF16_DOT 0
+#endif
+#if defined(__AVX512VNNI__) && defined(__AVX512F__)
+#define INT8_DOT 1
+#else
+#define INT8_DOT 0
+#endif
+
+/* Which of the products are compiled in: bit 0 wtype 2 (bf16 pairs), bit 1 wtypes 3, 4 and 5
+ * (int8 quads, affine int4 and int8). */
+int dot_products(void) { return BF16_DOT | INT8_DOT << 1; }
+
+int threads = 1;
+
+/* Threads for the matrix products (1 = the caller only). OpenMP: built with -fopenmp this
+ * library shares the process's libgomp -- the one torch loaded -- so its parallel regions
+ * use torch's pool instead of a second pool competing for the same cores. */
+void set_threads(int n) { threads = n < 1 ? 1 : n; }
+
+/* Outputs o0..o0+15 of one row (those below n) from a tile's register. */
+static inline void store_outputs(float *row, int n, int o0, v16 v) {
+    if (n - o0 >= 16) /* a fixed-size store: a variable count compiles to a slow string copy */
+        memcpy(row + o0, &v, 64);
+    else
+        for (int l = 0; l < n - o0; l++) row[o0 + l] = v[l];
+}
+
+/* ---- packed matrices: the layout the trunk's products use ----
+ * A matrix w [n, k] is stored as panels of 16 outputs, P [ceil(n/16), k, 16] (the last
+ * panel zero-padded): P[p, i, l] = w[16p + l, i]. A tile keeps NP panels x NR rows of
+ * outputs in registers and walks i once: each output is a single chain over i in order,
+ * y = ((w_0 x_0 + w_1 x_1) + w_2 x_2) + ..., the same chain in every tile shape, and no
+ * horizontal sums (with k of a few hundred those cost as much as the products). */
+static inline __attribute__((always_inline)) void ptile(const float *x, int k, const void *P, int wtype, int n,
+                                                        int p, int r, float *y, const int NP, const int NR) {
+    v16 acc[4][12];
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
+#if BF16_DOT
+    if (wtype == 2) { /* x: bf16 pairs [R, k] (as uint32), P [panels, k, 16 outputs, 2] bf16 */
+        const uint32_t *xp = (const uint32_t *)x;
+        for (int i = 0; i < k; i++) {
+            __m512bh wv[4];
+            for (int a = 0; a < NP; a++) {
+                __builtin_prefetch((const uint16_t *)P + ((size_t)(p + a) * k + i) * 32 + 1024);
+                wv[a] = (__m512bh)_mm512_loadu_si512((const uint16_t *)P + ((size_t)(p + a) * k + i) * 32);
+            }
+            for (int b = 0; b < NR; b++) {
+                __m512bh xb = (__m512bh)_mm512_set1_epi32((int)xp[(size_t)(r + b) * k + i]);
+                for (int a = 0; a < NP; a++) acc[a][b] = (v16)_mm512_dpbf16_ps((__m512)acc[a][b], wv[a], xb);
+            }
+        }
+        k = 0; /* the fp32 walk below is skipped; the stores are shared */
+    }
+#endif
+#if INT8_DOT
+    if (wtype == 3) { /* x: per row its scale then k - 1 words of 4 inputs as u8 (+128); P: see int8_quads */
+        const uint32_t *xq = (const uint32_t *)x;
+        int panels = (n + 15) / 16, kq = k - 1;
+        const float *wscale = (const float *)P;
+        const int32_t *corr = (const int32_t *)(wscale + (size_t)panels * 16);
+        const int8_t *W = (const int8_t *)(corr + (size_t)panels * 16);
+        __m512i iacc[4][12];
+        for (int a = 0; a < NP; a++)
+            for (int b = 0; b < NR; b++) iacc[a][b] = _mm512_setzero_si512();
+        for (int i = 0; i < kq; i++) {
+            __m512i wv[4];
+            for (int a = 0; a < NP; a++) {
+                __builtin_prefetch(W + ((size_t)(p + a) * kq + i) * 64 + 2048);
+                wv[a] = _mm512_loadu_si512(W + ((size_t)(p + a) * kq + i) * 64);
+            }
+            for (int b = 0; b < NR; b++) {
+                __m512i xb = _mm512_set1_epi32((int)xq[(size_t)(r + b) * k + 1 + i]);
+                for (int a = 0; a < NP; a++) iacc[a][b] = _mm512_dpbusd_epi32(iacc[a][b], xb, wv[a]);
+            }
+        }
+        for (int a = 0; a < NP; a++) {
+            __m512 ws = _mm512_loadu_ps(wscale + (size_t)(p + a) * 16);
+            __m512i c = _mm512_loadu_si512(corr + (size_t)(p + a) * 16);
+            for (int b = 0; b < NR; b++) {
+                float rs;
+                memcpy(&rs, xq + (size_t)(r + b) * k, 4);
+                __m512 v = _mm512_cvtepi32_ps(_mm512_sub_epi32(iacc[a][b], c));
+                acc[a][b] = (v16)_mm512_mul_ps(_mm512_mul_ps(v, ws), _mm512_set1_ps(rs));
+            }
+        }
+        k = 0;
+    }
+#endif
+    if (wtype == 6) { /* P [panels, ceil(k/2), 16 outputs, 2] bf16: one load, a shift and an AND
+                       * widen two inputs' weights (the "panels" walk: a load-widen and a shift
+                       * each); every chain still runs over i in order */
+        const uint32_t *W = (const uint32_t *)P;
+        size_t kp = (size_t)(k + 1) / 2;
+        for (int i = 0; i < k; i += 2) {
+            v16 we[4], wo[4];
+            for (int a = 0; a < NP; a++) {
+                const uint32_t *at = W + ((size_t)(p + a) * kp + i / 2) * 16;
+                __builtin_prefetch((const char *)at + 2048);
+                u32x16 v;
+                memcpy(&v, at, 64);
+                u32x16 e = v << 16, o = v & 0xffff0000u;
+                memcpy(&we[a], &e, 64);
+                memcpy(&wo[a], &o, 64);
+            }
+            for (int b = 0; b < NR; b++) {
+                float x0 = x[(size_t)(r + b) * k + i];
+                for (int a = 0; a < NP; a++) acc[a][b] += we[a] * x0;
+            }
+            if (i + 1 < k)
+                for (int b = 0; b < NR; b++) {
+                    float x1 = x[(size_t)(r + b) * k + i + 1];
+                    for (int a = 0; a < NP; a++) acc[a][b] += wo[a] * x1;
+                }
+        }
+        k = 0;
+    }
+    for (int i = 0; i < k; i++) {
+        v16 wv[4];
+        for (int a = 0; a < NP; a++) {
+            /* a panel is one sequential stream; asking for it 1024 values ahead keeps a tile
+             * with many rows (arithmetic-bound) from waiting on memory (a prefetch never faults) */
+            __builtin_prefetch((const char *)P + (((size_t)(p + a) * k + i) * 16 + 1024) * (wtype ? 2 : 4));
+            wv[a] = load_w(P, wtype, ((size_t)(p + a) * k + i) * 16);
+        }
+        for (int b = 0; b < NR; b++) {
+            float xb = x[(size_t)(r + b) * k + i];
+            for (int a = 0; a < NP; a++) acc[a][b] += wv[a] * xb;
+        }
+    }
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) store_outputs(y + (size_t)(r + b) * n, n, (p + a) * 16, acc[a][b]);
+}
+
+/* All rows, in row tiles of up to MAXR (TILE(NR) computes rows r..r+NR-1; a verify of up to
+ * MAXR - 1 proposals reads each panel once; longer calls split near-evenly). */
+#define ROW_TILES(TILE, MAXR)                                                                 \
+    for (int r = 0; r < R;) {                                                                 \
+        int left = R - r, nr = left <= MAXR ? left : left <= 2 * MAXR ? (left + 1) / 2 : MAXR; \
+        switch (nr) {                                                                         \
+        case 12: if (MAXR >= 12) TILE(12); break;                                             \
+        case 11: if (MAXR >= 11) TILE(11); break;                                             \
+        case 10: if (MAXR >= 10) TILE(10); break;                                             \
+        case 9: if (MAXR >= 9) TILE(9); break;                                                \
+        case 8: if (MAXR >= 8) TILE(8); break;                                                \
+        case 7: if (MAXR >= 7) TILE(7); break;                                                \
+        case 6: TILE(6); break;                                                               \
+        case 5: TILE(5); break;                                                               \
+        case 4: TILE(4); break;                                                               \
+        case 3: TILE(3); break;                                                               \
+        case 2: TILE(2); break;                                                               \
+        default: TILE(1);                                                                     \
+        }                                                                                     \
+        r += nr;                                                                              \
+    }
+
+#define PTILE(NR) ptile(x, k, P, wtype, n, p, r, y, NP, NR)
+#define PANEL_ROWS(NP_)                                                                       \
+    {                                                                                         \
+        const int NP = NP_;                                                                   \
+        ROW_TILES(PTILE, 12)                                                                  \
+    }
+
+/* Panels [p0, p1): four at a time for few rows (four independent chains per row hide the
+ * multiply-add latency), two at a time for many (registers: up to 2 x 12 accumulators). */
+static inline __attribute__((always_inline)) void packed_as(const float *x, int R, int k, const void *P, int n,
+                                                            float *y, int p0, int p1, const int wtype) {
+    int p = p0;
+    if (R >= 5)
+        for (; p + 2 <= p1; p += 2) { PANEL_ROWS(2) }
+    else
+        for (; p + 4 <= p1; p += 4) { PANEL_ROWS(4) }
+    for (; p < p1; p++) { PANEL_ROWS(1) }
+}
+
+#if INT8_DOT
+/* ---- affine-quantized matrices: wtype 4 (int4) and 5 (int8), groups of 64 inputs ----
+ * P, per panel of 16 outputs and per group g: the outputs' scales, then their biases (bf16,
+ * 32 bytes each), then the levels q (u8) in words of 4 inputs x 16 outputs -- int8: 16 words,
+ * byte (j, l, t) = q[16p + l, 64g + 4j + t]; int4: 8 words of nibbles, the low one input
+ * 4j + t, the high one input 4j + 32 + t (one load gives two words, one AND and one shift).
+ * x (group_quads): per row and group its scale s_g, the inputs as s8 x8 = round(x / s_g) and
+ * the sum of the rounded inputs s_g sum(x8). Per output, w.x = sum over g, in order, of
+ *     (q . x8)_g * (scale_g s_g) + bias_g s_g sum_g(x8)
+ * where the integer dot (vpdpbusd) is exact in any order and the float part is one fixed
+ * chain of fused multiply-adds: row-stable, like the float products. */
+#define QGROUP 64
+
+static inline size_t qgroup_bytes(int bits) { return 64 + (size_t)QGROUP * 16 * bits / 8; }
+
+/* acc + the dot of u8 w with the s8 word at `in`, broadcast (vpdpbusd). As an asm with the sum
+ * tied to its register: GCC's builtin lets the register allocator rotate a tile's sums through
+ * the stack each pass of the loop (a store and a load on every sum's chain). */
+static inline __m512i dot_u8s8(__m512i acc, __m512i w, const int32_t *in) {
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*in));
+    return acc;
+}
+
+static inline __m512 widen_bf16(const uint8_t *at) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)at)), 16));
+}
+
+static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int R, int k, const uint8_t *P,
+                                                        const int bits, int n, int p, int r, float *y, const int NP,
+                                                        const int NR) {
+    int G = k / QGROUP;
+    size_t gb = qgroup_bytes(bits);
+    const float *scale = (const float *)x + r * G, *sum = (const float *)x + (size_t)(R + r) * G;
+    const int32_t *words = (const int32_t *)x + (size_t)2 * R * G + r;
+    /* the float sums, touched once a group, live in memory (the empty asm takes their address,
+     * so the compiler cannot keep them in registers): the registers are left to the integer
+     * sums of up to 2 panels x 12 rows (more live vectors and the compiler spills those) */
+    __m512 acc[4][12];
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) acc[a][b] = _mm512_setzero_ps();
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    for (int g = 0; g < G; g++) {
+        __asm__ volatile("" : : "r"(acc) : "memory");
+        const uint8_t *W[4];
+        __m512i ia[4][12];
+        for (int a = 0; a < NP; a++) {
+            W[a] = P + ((size_t)(p + a) * G + g) * gb;
+            for (int b = 0; b < NR; b++) ia[a][b] = _mm512_setzero_si512();
+        }
+        for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
+            /* the rows' words j (and j + 8: the high nibbles' inputs) side by side */
+            const int32_t *wj = words + ((size_t)g * 16 + j) * R, *wh = wj + (size_t)8 * R;
+            __m512i lo[4], hi[4];
+            for (int a = 0; a < NP; a++) {
+                __builtin_prefetch(W[a] + 2 * gb + 64 * j);
+                __m512i v = _mm512_loadu_si512(W[a] + 64 + 64 * j);
+                lo[a] = bits == 4 ? _mm512_and_si512(v, low) : v;
+                hi[a] = bits == 4 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low) : v;
+            }
+            for (int b = 0; b < NR; b++)
+                for (int a = 0; a < NP; a++) {
+                    ia[a][b] = dot_u8s8(ia[a][b], lo[a], wj + b);
+                    if (bits == 4) ia[a][b] = dot_u8s8(ia[a][b], hi[a], wh + b);
+                }
+        }
+        for (int a = 0; a < NP; a++) {
+            __m512 ws = widen_bf16(W[a]), wb = widen_bf16(W[a] + 32);
+            for (int b = 0; b < NR; b++) {
+                acc[a][b] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(ia[a][b]),
+                                            _mm512_mul_ps(ws, _mm512_set1_ps(scale[b * G + g])), acc[a][b]);
+                acc[a][b] = _mm512_fmadd_ps(wb, _mm512_set1_ps(sum[b * G + g]), acc[a][b]);
+            }
+        }
+    }
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) store_outputs(y + (size_t)(r + b) * n, n, (p + a) * 16, (v16)acc[a][b]);
+}
+
+#define QTILE(NR) qtile((const uint8_t *)x, R, k, (const uint8_t *)P, bits, n, p, r, y, NP, NR)
+
+/* Panels [p0, p1) of a quantized matrix, NP at a time, rows in tiles of up to MAXR: the integer
+ * sums of 2 panels x 12 rows fill the registers (qtile keeps the float sums in memory), so a
+ * verify of up to 12 rows reads each panel once; one or two rows take four panels at a time
+ * (independent chains hide the latency). */
+static inline __attribute__((always_inline)) void qpanels(const float *x, int R, int k, const void *P, int n, float *y,
+                                                          int p0, int p1, const int bits, const int NP,
+                                                          const int MAXR) {
+    for (int p = p0; p + NP <= p1; p += NP)
+        ROW_TILES(QTILE, MAXR)
+}
+
+/* Each (bits, panels, rows) shape of qpanels in a function of its own: inlined into one large
+ * function, GCC keeps a tile's integer sums in memory and rotates them through the stack on
+ * every pass (a store on every sum's chain); on its own, the tile's loop runs in registers. */
+#define QPANELS_AS(BITS, NP, MAXR)                                                                           \
+    static __attribute__((noinline)) void qpanels_##BITS##_##NP##_##MAXR(const float *x, int R, int k,       \
+                                                                          const void *P, int n, float *y,     \
+                                                                          int p0, int p1) {                   \
+        qpanels(x, R, k, P, n, y, p0, p1, BITS, NP, MAXR);                                                   \
+    }
+#define QPANELS_FOR(BITS) QPANELS_AS(BITS, 4, 6) QPANELS_AS(BITS, 2, 6) QPANELS_AS(BITS, 1, 6) \
+    QPANELS_AS(BITS, 2, 12) QPANELS_AS(BITS, 1, 12)
+QPANELS_FOR(4)
+QPANELS_FOR(8)
+
+#define QPACKED_AS(BITS)                                                                                     \
+    static void qpacked_##BITS(const float *x, int R, int k, const void *P, int n, float *y, int p0, int p1) { \
+        if (R > 6) {                                                                                         \
+            int p = p0 + (p1 - p0) / 2 * 2;                                                                  \
+            qpanels_##BITS##_2_12(x, R, k, P, n, y, p0, p);                                                  \
+            qpanels_##BITS##_1_12(x, R, k, P, n, y, p, p1);                                                  \
+            return;                                                                                          \
+        }                                                                                                    \
+        int wide = R <= 2 ? 4 : 2, p = p0 + (p1 - p0) / wide * wide;                                         \
+        if (wide == 4)                                                                                       \
+            qpanels_##BITS##_4_6(x, R, k, P, n, y, p0, p);                                                   \
+        else                                                                                                 \
+            qpanels_##BITS##_2_6(x, R, k, P, n, y, p0, p);                                                   \
+        qpanels_##BITS##_1_6(x, R, k, P, n, y, p, p1);                                                       \
+    }
+QPACKED_AS(4)
+QPACKED_AS(8)
+
+/* x [R, k] (k a multiple of 64) as qtile reads it: G = k / 64 scales per row s_g = max|x_g| / 127
+ * (1 for a group of zeros), [R, G]; the sums s_g sum(x8_g), [R, G]; then the inputs x8 as s8 in
+ * words of four, [G, 16, R]: a word's R rows side by side, so a tile's broadcasts of one word
+ * lie at fixed offsets from one pointer. The bias then multiplies the rounded inputs as the
+ * scale does: y is the dequantized w times the rounded x (the exact sum of x would leave the
+ * scale's part, larger, uncancelled). */
+static uint8_t *group_quads(const float *x, int R, int k) {
+    int G = k / QGROUP;
+    uint8_t *out = malloc(((size_t)8 * G + k) * R);
+    float *scale = (float *)out, *sum = scale + (size_t)R * G;
+    int32_t *words = (int32_t *)(sum + (size_t)R * G);
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) {
+            const float *xg = x + (size_t)r * k + (size_t)QGROUP * g;
+            __m512 v[4], m = _mm512_setzero_ps();
+            for (int c = 0; c < 4; c++) {
+                v[c] = _mm512_loadu_ps(xg + 16 * c);
+                m = _mm512_max_ps(m, _mm512_abs_ps(v[c]));
+            }
+            float mx = _mm512_reduce_max_ps(m), s = mx > 0.0f ? mx / 127.0f : 1.0f;
+            __m512 inv = _mm512_set1_ps(1.0f / s);
+            __m512i t = _mm512_setzero_si512();
+            int8_t q[QGROUP];
+            for (int c = 0; c < 4; c++) { /* to nearest even; |x / s| <= 127 (saturated at the ends) */
+                __m512i qi = _mm512_cvtps_epi32(_mm512_mul_ps(v[c], inv));
+                t = _mm512_add_epi32(t, qi);
+                _mm_storeu_si128((__m128i *)(q + 16 * c), _mm512_cvtsepi32_epi8(qi));
+            }
+            for (int j = 0; j < QGROUP / 4; j++) memcpy(words + ((size_t)g * 16 + j) * R + r, q + 4 * j, 4);
+            scale[(size_t)r * G + g] = s;
+            sum[(size_t)r * G + g] = s * (float)_mm512_reduce_add_epi32(t);
+        }
+    return out;
+}
+#endif
+
+static void packed_range(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
+    if (wtype == 0)
+        packed_as(x, R, k, P, n, y, p0, p1, 0);
+    else if (wtype == 6)
+        packed_as(x, R, k, P, n, y, p0, p1, 6);
+#if BF16_DOT
+    else if (wtype == 2)
+        packed_as(x, R, k, P, n, y, p0, p1, 2);
+#endif
+#if INT8_DOT
+    else if (wtype == 3)
+        packed_as(x, R, k, P, n, y, p0, p1, 3);
+    else if (wtype == 4)
+        qpacked_4(x, R, k, P, n, y, p0, p1);
+    else if (wtype == 5)
+        qpacked_8(x, R, k, P, n, y, p0, p1);
+#endif
+    else
+        packed_as(x, R, k, P, n, y, p0, p1, 1);
+}
+
+/* x [R, k] rounded to bf16 (to nearest, ties to even) in pairs: out [R, ceil(k/2)], the
+ * even input in the low half, an odd k's last pair padded with zero. */
+static uint32_t *bf16_pairs(const float *x, int R, int k) {
+    int kp = (k + 1) / 2;
+    uint32_t *out = malloc(sizeof(uint32_t) * (size_t)R * kp);
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < kp; j++) {
+            uint32_t h[2] = {0, 0};
+            for (int t = 0; t < 2 && 2 * j + t < k; t++) {
+                uint32_t bits;
+                memcpy(&bits, x + (size_t)r * k + 2 * j + t, 4);
+                h[t] = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+            }
+            out[(size_t)r * kp + j] = h[0] | h[1] << 16;
+        }
+    return out;
+}
+
+/* y [R, n] = x [R, k] @ w^T for a packed w; threads split the panels (in groups of four,
+ * the widest tile). */
+static void products(const float *x, int R, int k, const void *P, int wtype, int n, float *y) {
+    int panels = (n + 15) / 16, groups = (panels + 3) / 4;
+    int parts = threads < groups ? threads : 1;
+    if (parts < 2 || (long)R * n * k < MIN_PARALLEL_MACS) {
+        packed_range(x, R, k, P, wtype, n, y, 0, panels);
+        return;
+    }
+#pragma omp parallel for num_threads(parts) schedule(static, 1)
+    for (int t = 0; t < parts; t++) {
+        int lo = (int)((long)groups * t / parts) * 4, hi = (int)((long)groups * (t + 1) / parts) * 4;
+        packed_range(x, R, k, P, wtype, n, y, lo, hi < panels ? hi : panels);
+    }
+}
+
+/* x [R, k] quantised per row for the int8 products: out [R, 1 + ceil(k/4)], word 0 the
+ * row's scale s = max|x| / 127 (fp32 bits), then round(x / s) + 128 as u8, four to a word
+ * (an unfinished last word padded with 128, i.e. zero). */
+static uint32_t *int8_quads(const float *x, int R, int k) {
+    int kq = (k + 3) / 4;
+    uint32_t *out = malloc(sizeof(uint32_t) * (size_t)R * (1 + kq));
+    for (int r = 0; r < R; r++) {
+        const float *xr = x + (size_t)r * k;
+        uint32_t *o = out + (size_t)r * (1 + kq);
+        float m = 0.0f;
+        int i = 0;
+#if INT8_DOT /* the same values sixteen at a time (a maximum is exact in any order) */
+        __m512 vm = _mm512_setzero_ps();
+        for (; i + 16 <= k; i += 16) vm = _mm512_max_ps(vm, _mm512_abs_ps(_mm512_loadu_ps(xr + i)));
+        m = _mm512_reduce_max_ps(vm);
+#endif
+        for (; i < k; i++) m = fabsf(xr[i]) > m ? fabsf(xr[i]) : m;
+        float s = m > 0.0f ? m / 127.0f : 1.0f, inv = 1.0f / s;
+        memcpy(o, &s, 4);
+        uint8_t *q = (uint8_t *)(o + 1);
+        i = 0;
+#if INT8_DOT /* rounding to nearest even, as nearbyintf below */
+        for (; i + 16 <= k; i += 16) {
+            __m512i t = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + i), _mm512_set1_ps(inv)));
+            t = _mm512_min_epi32(_mm512_max_epi32(t, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *)(q + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(t, _mm512_set1_epi32(128))));
+        }
+#endif
+        for (; i < 4 * kq; i++) {
+            float v = i < k ? nearbyintf(xr[i] * inv) : 0.0f;
+            q[i] = (uint8_t)(int)(128.0f + (v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v));
+        }
+    }
+    return out;
+}
+
+void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y) {
+    if (wtype == 2) {
+        uint32_t *xp = bf16_pairs(x, R, k); /* then the same walk, over k / 2 pairs */
+        products((const float *)xp, R, (k + 1) / 2, P, 2, n, y);
+        free(xp);
+    } else if (wtype == 3) {
+        uint32_t *xq = int8_quads(x, R, k);
+        products((const float *)xq, R, 1 + (k + 3) / 4, P, 3, n, y);
+        free(xq);
+#if INT8_DOT
+    } else if (wtype == 4 || wtype == 5) {
+        uint8_t *xq = group_quads(x, R, k);
+        products((const float *)xq, R, k, P, wtype, n, y);
+        free(xq);
+#endif
+    } else {
+        products(x, R, k, P, wtype, n, y);
+    }
+}

@@ -21,7 +21,7 @@ import dataclasses
 import torch
 import torch.nn.functional as F
 
-from .backends import native_lib, native_pack
+from .backends import cuda, native_lib, native_pack
 from .quant import QuantizedWeight, rows_stand_alone
 
 # BLAS GEMM kernels work in row blocks, and a row in a partial block (or in a 1-row
@@ -39,7 +39,6 @@ CUDA_KERNELS = True
 def cuda_kernels(t: torch.Tensor):
     """turbo.backends.cuda when `t` is a CUDA tensor and CUDA_KERNELS is on, else None."""
     if t.is_cuda and CUDA_KERNELS:
-        from .backends import cuda
         return cuda
     return None
 

@@ -1,6 +1,6 @@
 """Helpers the tests and scripts/ share (as torch.testing is torch's): random checkpoints and
 installs (checkpoints.py), a scripted drafter and parity checks (checks.py), the published
-shapes for the real-scale benchmarks (shapes.py) and the benchmarks' common plumbing (bench.py).
+shapes for the real-scale benchmarks (shapes.py). The benchmarks' own plumbing is scripts/benchlib.py.
 transformers and safetensors, which making checkpoints needs, are imported only when used."""
 
 from turbo.testing.checkpoints import (MOE_BASE, hf_config, make_checkpoint, make_drafter, make_install,

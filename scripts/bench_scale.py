@@ -146,9 +146,10 @@ def report(records: list[dict], bw: list[dict]) -> str:
                      f"{b['threads']}")
     for s in names:
         if "moe_step_bytes" in by[s][-1]:
-            moe, dense = by[s][-1]["moe_step_bytes"]
+            moe, dense, stored = by[s][-1]["moe_step_bytes"]
             lines.append(f"{s}: weights read per decode step: MoE {moe / 2**20:.1f} MiB, a dense trunk of the same "
-                         f"active size {dense / 2**20:.1f} MiB ({moe / dense:.3f}x)")
+                         f"active size {dense / 2**20:.1f} MiB ({moe / dense:.3f}x; the stored experts: "
+                         f"{stored / 2**30:.2f} GiB)")
     ref = by[names[0]][-1]
     for n in lengths:
         k = str(n)

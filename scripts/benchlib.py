@@ -47,10 +47,11 @@ def top2_gap(logits) -> tuple[int, float]:
     return int(top.indices[0]), float(top.values[0] - top.values[1])
 
 
-def moe_step_bytes(a, elem: int = 2) -> tuple[int, int]:
+def moe_step_bytes(a, elem: int = 2) -> tuple[int, int, int]:
     """Weight bytes one decode step reads (`elem` bytes a weight): (the MoE trunk's -- the
     router, top_k experts and the shared expert per routed layer -- and a dense trunk's of the
-    same active size). The mixers, the head and one embedding row are common to both."""
+    same active size; then the bytes of all the stored experts). The mixers, the head and one
+    embedding row are common to both."""
     h, kd, vd = a.hidden, a.lin_k_heads * a.lin_k_dim, a.lin_v_heads * a.lin_v_dim
     gdn = (2 * kd + 2 * vd + 2 * a.lin_v_heads) * h + h * vd
     attn = (2 * a.num_heads + 2 * a.num_kv_heads) * a.head_dim * h + h * a.num_heads * a.head_dim
@@ -59,7 +60,8 @@ def moe_step_bytes(a, elem: int = 2) -> tuple[int, int]:
     routed = a.num_experts * h + 3 * h * active + (h if a.shared_intermediate else 0)
     moe = common + len(a.moe_layers) * routed
     dense = common + len(a.moe_layers) * 3 * h * active
-    return moe * elem, dense * elem
+    stored = len(a.moe_layers) * a.num_experts * 3 * h * a.moe_intermediate
+    return moe * elem, dense * elem, stored * elem
 
 
 class Turbo:

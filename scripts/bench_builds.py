@@ -17,19 +17,17 @@ import argparse
 import ctypes
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import shapes  # noqa: E402
-from bench_round import step_times  # noqa: E402
+import turbo
+from turbo.backends import native_lib
+from turbo.testing import shapes
 
-import turbo  # noqa: E402
-from turbo.backends import native_lib  # noqa: E402
+from benchlib import step_times  # scripts/benchlib.py, beside this file
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}

@@ -1,8 +1,9 @@
 """Quantized installs on the CPU (docs/DESIGN.md 4): the three matmul paths, tokens/s int4 vs bf16,
-and the size on disk per format.
+the size on disk per format, agreement with bf16, and int4 decode against llama.cpp's Q4_0.
 
     python scripts/bench_quant.py [--threads 1] [--tokens 48] [--src HF_CHECKPOINT_OR_INSTALL]
     python scripts/bench_quant.py --agreement tiny [--fmt int4] [--prompts N]
+    python scripts/bench_quant.py --llamacpp qwen3.5-0.8b [--threads 2] [--reps 3] [--tokens 64]
 
 1. matmul: one projection [out, in] at decode (1 row) and verify (3 rows) sizes:
    float weights cached (the dequantized-at-load path), dequantize per call (the packed
@@ -15,12 +16,18 @@ and the size on disk per format.
    tokens (position by position), where the first divergence falls, the same-prefix top-1
    agreement (teacher-forced on the bf16 continuation), and the perplexity of the bf16
    continuation under each.
+4. --llamacpp SHAPE: turbo on the shape's `--quant int4` install (turbo.testing.shapes) against
+   llama.cpp on its Q4_0 GGUF (shapes.gguf: the bf16 conversion quantized by llama.cpp's own
+   llama_model_quantize; docs/llamacpp.md). Both decode --tokens greedy tokens after the same
+   32-token prompt; each of --reps repetitions runs the two in fresh processes, one after the
+   other (scripts/benchlib.py), and the medians and spreads are printed.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import statistics
 import sys
 import tempfile
 import time
@@ -28,23 +35,21 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+import yaml
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from turbo import engine, quant
+from turbo.install import resolve
+from turbo.repack import repack
+from turbo.testing import make_checkpoint, shapes
 
-from turbo import engine, quant  # noqa: E402
-from turbo.repack import repack  # noqa: E402
+import benchlib  # scripts/benchlib.py, beside this file
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def best_of(fn, reps: int = 5, inner: int = 20) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t0) / inner)
-    return min(times)
+    """The best of `reps` per-call times, each over `inner` calls."""
+    return min(benchlib.timed(fn, inner) for _ in range(reps))
 
 
 def bench_matmul(out: int, cols: int) -> None:
@@ -93,11 +98,6 @@ def decode_tps(rts: list, tokens: int, rounds: int) -> list[float]:
 
 
 def agreement(install: str, fmt: str, limit: int | None, tokens: int | None, spec_block: int = 0) -> None:
-    import yaml
-
-    from turbo.install import resolve
-
-    root = Path(__file__).resolve().parent.parent
     base = resolve(install)
     with tempfile.TemporaryDirectory() as tmp:
         drafter = base / "dflash" if spec_block and (base / "dflash").is_dir() else None
@@ -108,7 +108,7 @@ def agreement(install: str, fmt: str, limit: int | None, tokens: int | None, spe
         total_same = total = total_top1 = 0
         firsts: list[int] = []
         nll = {"bf16": 0.0, fmt: 0.0}
-        for wl in sorted((root / "conf" / "workload").glob("*.yaml")):
+        for wl in sorted((ROOT / "conf" / "workload").glob("*.yaml")):
             cfg = yaml.safe_load(wl.read_text())
             n_new = tokens or int(cfg.get("max_new_tokens", 256))
             same = count = top1 = 0
@@ -152,6 +152,22 @@ def agreement(install: str, fmt: str, limit: int | None, tokens: int | None, spe
               f"({100 * (math.exp((nll[fmt] - nll['bf16']) / total) - 1):+.2f}%)")
 
 
+def against_llamacpp(shape: str, threads: int, reps: int, tokens: int) -> None:
+    """Mode 4 (module docstring)."""
+    gguf = shapes.gguf(shape, "q4_0")
+    if gguf is None:
+        raise SystemExit(f"{shape}: no GGUF and no converter (set {shapes.CONVERTER_ENV}; docs/llamacpp.md)")
+    int4 = str(shapes.build(shape, quant="int4"))
+    specs = {"turbo": benchlib.Spec("turbo", int4, threads, [32], tokens, env={"PYTHONPATH": str(ROOT)}),
+             "llama.cpp": benchlib.Spec("llama.cpp", str(gguf), threads, [32], tokens)}
+    records = benchlib.run(specs, reps, timeout=600)
+    seen = {name: [r["32"]["decode_tps"] for r in records if r["system"] == name] for name in specs}
+    for system, v in seen.items():
+        print(f"{system:10s} int4 / Q4_0 decode tok/s: median {statistics.median(v):.1f} "
+              f"[{min(v):.1f}, {max(v):.1f}] over {len(v)}")
+    print(f"turbo / llama.cpp: {statistics.median(seen['turbo']) / statistics.median(seen['llama.cpp']):.2f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=1)
@@ -166,7 +182,13 @@ def main() -> int:
     ap.add_argument("--new-tokens", type=int, help="override the workloads' max_new_tokens")
     ap.add_argument("--spec-block", type=int, default=0,
                     help="also compare DFlash acceptance at this block (the install's drafter, quantized too)")
+    ap.add_argument("--llamacpp", metavar="SHAPE", choices=sorted(shapes.SHAPES),
+                    help="int4 decode of SHAPE against llama.cpp's Q4_0 (--tokens after a 32-token prompt)")
+    ap.add_argument("--reps", type=int, default=3, help="--llamacpp: repetitions, each system in a fresh process")
     args = ap.parse_args()
+    if args.llamacpp:
+        against_llamacpp(args.llamacpp, args.threads, args.reps, args.tokens)
+        return 0
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {args.threads} thread(s)")
     if args.agreement:
@@ -175,13 +197,9 @@ def main() -> int:
     bench_matmul(4 * args.hidden, args.hidden)
     bench_matmul(args.hidden, 4 * args.hidden)
 
-    from helpers import make_checkpoint
-
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         if args.src:
-            from turbo.install import resolve
-
             src = resolve(args.src)
         else:
             src = tmp / "hf"

@@ -3,14 +3,14 @@
     python scripts/bench_round.py [--shape tiny|qwen3.5-0.8b|...] [--format bf16 int4 ...] [--accept 0.8]
         [--rollback checkpoint replay]
 
-For each weight format (an install of the named shape, random weights: scripts/shapes.py for
-the published shapes, tests/helpers.py for tiny), interleaved format by format in every
-repetition: the time of a verify of R rows over one decode step, plain and keeping per-row
-state checkpoints (rollback checkpoint), then tokens/s of whole generations against plain
-decode with a scripted drafter (tests/helpers.py) landing each proposal with probability
---accept, so the acceptance is fixed and only the engine's costs vary (the draft costs
-nothing), once per --rollback strategy (default checkpoint). Medians over --reps, with the spread (min..max). A benchmark, not a test: time it
-under the machine's bench lock.
+For each weight format (an install of the named shape, random weights, built once and cached:
+turbo.testing.shapes), interleaved format by format in every repetition: the time of a verify
+of R rows over one decode step, plain and keeping per-row state checkpoints (rollback
+checkpoint), then tokens/s of whole generations against plain decode with a scripted drafter
+(turbo.testing.ScriptedDrafter) landing each proposal with probability --accept, so the
+acceptance is fixed and only the engine's costs vary (the draft costs nothing), once per
+--rollback strategy (default checkpoint). Medians over --reps, with the spread (min..max). A
+benchmark, not a test: time it under the machine's bench lock.
 """
 
 from __future__ import annotations
@@ -18,37 +18,15 @@ from __future__ import annotations
 import argparse
 import math
 import statistics
-import sys
-import tempfile
-import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from helpers import ScriptedDrafter, make_install  # noqa: E402
-from shapes import SHAPES  # noqa: E402
+import turbo
+from turbo.testing import ScriptedDrafter, shapes
 
-import turbo  # noqa: E402
-from turbo.repack import repack  # noqa: E402
+from benchlib import step_times  # scripts/benchlib.py, beside this file
 
-# a random trunk of the tiny install's kind: hidden 256, 8 layers, vocab 4096
-TINY = dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
-            linear_key_head_dim=64, linear_value_head_dim=64)
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
-
-
-def install(shape: str, fmt: str, tmp: Path) -> Path:
-    if shape == "tiny":
-        path = tmp / "install0"
-        if not path.is_dir():
-            make_install(tmp, 0, **TINY)
-        return path if fmt == "bf16" else repack(path, tmp / fmt, quiet=True, quant=QUANT[fmt])
-    from shapes import build
-
-    return build(shape, quant=QUANT[fmt])
 
 
 def landed_schedule(accept: float, widest: int, rounds: int = 4096) -> list[int]:
@@ -61,39 +39,13 @@ def landed_schedule(accept: float, widest: int, rounds: int = 4096) -> list[int]
     return [min(int(math.log(((0.5 + i * phi) % 1.0) or 1.0) / math.log(accept)), widest) for i in range(rounds)]
 
 
-def timed(fn, reps: int) -> float:
-    fn()
-    t = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    return (time.perf_counter() - t) / reps
-
-
-def step_times(rt, prompt: list[int], rows: list[int], calls: int) -> dict:
-    """Seconds of a one-row decode step, and of R-row verifies (plain, keeping checkpoints)."""
-    trunk = rt.trunk
-    st = trunk.new_state(len(prompt) + 64)
-    trunk.prefill(st, prompt)
-    pos = st.pos
-
-    def step(n: int, rollback: str | None):
-        trunk.step(st, prompt[:n], (), rollback)
-        st.pos = pos  # back to the anchor (attention positions are overwritten next time)
-
-    out = {"decode": timed(lambda: step(1, None), calls)}
-    for n in rows:
-        out[n, None] = timed(lambda: step(n, None), calls)
-        out[n, "checkpoint"] = timed(lambda: step(n, "checkpoint"), calls)
-    return out
-
-
 def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.2f} ({min(xs):.2f}..{max(xs):.2f})"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="tiny", choices=("tiny", *SHAPES))
+    ap.add_argument("--shape", default="tiny", choices=sorted(shapes.SHAPES))
     ap.add_argument("--format", nargs="+", default=["bf16"], choices=tuple(QUANT))
     ap.add_argument("--dtype", default="float32", help="OpenOptions.dtype (the activations)")
     ap.add_argument("--accept", type=float, default=0.8, help="per-position acceptance of the scripted drafter")
@@ -108,53 +60,52 @@ def main() -> None:
     ap.add_argument("--skip-tokens", action="store_true", help="the verify table only")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    with tempfile.TemporaryDirectory() as tmp:
-        rts = {f: turbo.open(str(install(args.shape, f, Path(tmp))), backend="cpu", dtype=args.dtype)
-               for f in args.format}
-        vocab = min(rt.trunk.arch.vocab for rt in rts.values())
-        prompt = torch.randint(0, min(vocab, 4000), (128,), generator=torch.Generator().manual_seed(0)).tolist()
-        schedule = landed_schedule(args.accept, max(args.blocks))
-        times = {f: [] for f in rts}
-        speed = {(f, rb): {} for f in rts for rb in args.rollback}
-        landed = {}  # block -> accepted per round (the same every run: the schedule is fixed)
-        for _ in range(args.reps):
-            for f, rt in rts.items():
-                times[f].append(step_times(rt, prompt, args.rows, args.calls))
-            if args.skip_tokens:
-                continue
-            for f, rt in rts.items():
-                off = rt.generate(prompt, max_new_tokens=args.new, policy="off", stop_at_eos=False)
-                for rb in args.rollback:
-                    speed[f, rb].setdefault("plain", []).append(off.stats.decode_tokens_per_s)
-                for block in args.blocks:
-                    for rb in args.rollback:
-                        scripted = ScriptedDrafter(prompt + off.tokens, [min(n, block) for n in schedule], vocab)
-                        res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block,
-                                          rollback=rb, drafter=scripted, stop_at_eos=False)
-                        assert res.tokens == off.tokens, "speculation changed the output"
-                        speed[f, rb].setdefault(block, []).append(res.stats.decode_tokens_per_s)
-                        landed[block] = res.stats.accepted / res.stats.rounds
-        print(f"shape {args.shape}, dtype {args.dtype}, {args.threads} thread(s), medians of {args.reps} "
-              f"interleaved runs (min..max)")
-        print("\n| format | decode step ms | " + " | ".join(f"verify {n} rows / step (plain; checkpoints)"
-                                                        for n in args.rows) + " |")
-        print("| --- | ---: |" + " ---: |" * len(args.rows))
-        for f, runs in times.items():
-            cells = [med([r[n, None] / r["decode"] for r in runs]) + "; " +
-                     med([r[n, "checkpoint"] / r["decode"] for r in runs]) for n in args.rows]
-            print(f"| {f} | {med([r['decode'] * 1e3 for r in runs])} | " + " | ".join(cells) + " |")
+    rts = {f: turbo.open(str(shapes.build(args.shape, quant=QUANT[f])), backend="cpu", dtype=args.dtype)
+           for f in args.format}
+    vocab = min(rt.trunk.arch.vocab for rt in rts.values())
+    prompt = torch.randint(0, min(vocab, 4000), (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    schedule = landed_schedule(args.accept, max(args.blocks))
+    times = {f: [] for f in rts}
+    speed = {(f, rb): {} for f in rts for rb in args.rollback}
+    landed = {}  # block -> accepted per round (the same every run: the schedule is fixed)
+    for _ in range(args.reps):
+        for f, rt in rts.items():
+            times[f].append(step_times(rt, prompt, args.rows, args.calls))
         if args.skip_tokens:
-            return
-        print(f"\ntok/s at acceptance {args.accept} (scripted drafter; draft cost excluded)")
-        print("| format | rollback | plain | " + " | ".join(f"block {b}" for b in args.blocks) + " | best / plain |")
-        print("| --- | --- | ---: |" + " ---: |" * (len(args.blocks) + 1))
-        expected = {b: sum(args.accept ** k for k in range(1, b + 1)) for b in args.blocks}
-        print("| accepted per round | | - | " + " | ".join(f"{landed[b]:.2f} (expected {expected[b]:.2f})"
-                                                      for b in args.blocks) + " | |")
-        for (f, rb), s in speed.items():
-            best = max(statistics.median(s[b]) for b in args.blocks) / statistics.median(s["plain"])
-            print(f"| {f} | {rb} | {med(s['plain'])} | " + " | ".join(med(s[b]) for b in args.blocks)
-                  + f" | {best:.2f}x |")
+            continue
+        for f, rt in rts.items():
+            off = rt.generate(prompt, max_new_tokens=args.new, policy="off", stop_at_eos=False)
+            for rb in args.rollback:
+                speed[f, rb].setdefault("plain", []).append(off.stats.decode_tokens_per_s)
+            for block in args.blocks:
+                for rb in args.rollback:
+                    scripted = ScriptedDrafter(prompt + off.tokens, [min(n, block) for n in schedule], vocab)
+                    res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block,
+                                      rollback=rb, drafter=scripted, stop_at_eos=False)
+                    assert res.tokens == off.tokens, "speculation changed the output"
+                    speed[f, rb].setdefault(block, []).append(res.stats.decode_tokens_per_s)
+                    landed[block] = res.stats.accepted / res.stats.rounds
+    print(f"shape {args.shape}, dtype {args.dtype}, {args.threads} thread(s), medians of {args.reps} "
+          f"interleaved runs (min..max)")
+    print("\n| format | decode step ms | " + " | ".join(f"verify {n} rows / step (plain; checkpoints)"
+                                                    for n in args.rows) + " |")
+    print("| --- | ---: |" + " ---: |" * len(args.rows))
+    for f, runs in times.items():
+        cells = [med([r[n, None] / r["decode"] for r in runs]) + "; " +
+                 med([r[n, "checkpoint"] / r["decode"] for r in runs]) for n in args.rows]
+        print(f"| {f} | {med([r['decode'] * 1e3 for r in runs])} | " + " | ".join(cells) + " |")
+    if args.skip_tokens:
+        return
+    print(f"\ntok/s at acceptance {args.accept} (scripted drafter; draft cost excluded)")
+    print("| format | rollback | plain | " + " | ".join(f"block {b}" for b in args.blocks) + " | best / plain |")
+    print("| --- | --- | ---: |" + " ---: |" * (len(args.blocks) + 1))
+    expected = {b: sum(args.accept ** k for k in range(1, b + 1)) for b in args.blocks}
+    print("| accepted per round | | - | " + " | ".join(f"{landed[b]:.2f} (expected {expected[b]:.2f})"
+                                                  for b in args.blocks) + " | |")
+    for (f, rb), s in speed.items():
+        best = max(statistics.median(s[b]) for b in args.blocks) / statistics.median(s["plain"])
+        print(f"| {f} | {rb} | {med(s['plain'])} | " + " | ".join(med(s[b]) for b in args.blocks)
+              + f" | {best:.2f}x |")
 
 
 if __name__ == "__main__":

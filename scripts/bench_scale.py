@@ -1,23 +1,33 @@
-"""Real-scale CPU benchmark: a random checkpoint of a published shape through turbo,
-transformers (bf16) and, where `llama_cpp` imports, llama.cpp (bf16 GGUF), interleaved.
+"""Real-scale CPU benchmark of load, prefill, decode and memory: a random checkpoint of a
+published shape (turbo.testing.shapes; `tiny` for quick runs) through turbo, transformers (the
+checkpoint's dtype) and, where `llama_cpp` imports, llama.cpp (bf16 GGUF), interleaved.
 
     flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --prompts 512 --reps 3
     flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --prompts 4096 --reps 1 --out runs.jsonl
     flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --kv-cache float32 bfloat16 \
         --only "turbo kv=float32" "turbo kv=bfloat16" --reps 1
+    python scripts/bench_scale.py qwen3.5-35b-a3b-2l --quant int4 --only turbo --prompts 32   # load, RSS, decode
+    python scripts/bench_scale.py qwen3.5-0.8b --context --prompts 512 4096 --new 40   # decode vs context
 
-The checkpoint and its install come from scripts/shapes.py (built once, cached); the GGUF
-is converted beside them with the converter llama-cpp-python vendors (docs/llamacpp.md).
-Every repetition runs each system in a fresh process, one after another (A, B, C, A, B,
-C, ...), so load time and peak memory are that process's own. A worker reports: load time
-and peak RSS while loading; per prompt length n: prefill tok/s and the peak RSS during it,
-then plain greedy decode tok/s at context n (--new steps) with its tokens and each step's
-top-2 logit gap. Peak RSS is VmHWM, reset (/proc/self/clear_refs 5) as each phase starts.
-The machine's read bandwidth (a GEMV over 1 GB, 1 and all threads) is measured in the run.
+Systems mode (the default): every repetition runs each system in a fresh process, one after
+another (A, B, C, A, B, C, ...; scripts/benchlib.py), so load time and memory are that process's
+own: load time, RSS after it and its peak; per prompt length n: prefill tok/s and the peak RSS
+during it, then plain greedy decode tok/s at context n (--new steps) with its tokens and each
+step's top-2 logit gap, the ratios of the first system's medians to each other's, and for a
+MoE trunk the weight bytes a decode step reads against a dense trunk of the same active size.
+--quant and --dtype pick turbo's install and activations; --baseline adds another checkout's
+turbo. The machine's read bandwidth (a GEMV over 1 GB, 1 and all threads) is measured in the
+run. Records are appended to --out (JSON lines), and the table is printed over every record
+there: medians with [min, max], so runs split over several invocations (each under the bench
+lock, each short) still make one table.
 
-Records are appended to --out (JSON lines), and the table is printed over every record
-there: medians with [min, max], so runs split over several invocations (each under the
-bench lock, each short) still make one table.
+--context: decode at a short and a long context (the two --prompts) per K/V cache dtype, in
+one process. A step's cost does not depend on the cached values, only on how many there are:
+each state's caches are filled with random rows and its position set (no prefill, which takes
+minutes at 4096; --prefill-states: a real prefill of random ids, recurrent states included),
+then the steps of every (kv_cache, context) pair run interleaved, one step each in turn, so a
+load change falls on all alike. Prints each pair's median tok/s with the [min, max] step
+times, and the ratio long / short per cache.
 """
 
 from __future__ import annotations
@@ -26,226 +36,78 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import torch
+
+import turbo
+from turbo.testing import shapes
+
+import benchlib  # scripts/benchlib.py, beside this file
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-import shapes  # noqa: E402
-
-VOCAB_IDS = 4096  # prompt ids below the shapes' tokenizer size (the GGUF's vocab is the tokenizer's)
 KV_TAG = " kv="  # a turbo system's name carries its kv_cache after this ("turbo kv=bfloat16")
-CONVERTER_ENV = "LLAMA_CONVERT_DIR"  # vendor/llama.cpp of llama-cpp-python's sdist (docs/llamacpp.md)
 
 
-# ---- measurements inside a worker -----------------------------------------------------------
-
-
-def status(key: str) -> int:
-    """A /proc/self/status field in bytes."""
-    with open("/proc/self/status") as f:
-        return 1024 * int(next(line for line in f if line.startswith(key)).split()[1])
-
-
-def reset_peak() -> None:
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-
-
-def prompt_ids(n: int) -> list[int]:
-    import torch
-
-    return torch.randint(3, VOCAB_IDS, (n,), generator=torch.Generator().manual_seed(n)).tolist()
-
-
-def top2_gap(logits) -> tuple[int, float]:
-    import torch
-
-    top = torch.as_tensor(logits).float().topk(2)
-    return int(top.indices[0]), float(top.values[0] - top.values[1])
-
-
-class Turbo:
-    def __init__(self, shape: str, threads: int, kv_cache: str | None):
-        import torch
-
-        import turbo
-
-        install = shapes.build(shape)
-        # (kv_cache only when asked: a --baseline checkout may predate the option)
-        self.rt = turbo.open(install, threads=threads, **({"kv_cache": kv_cache} if kv_cache else {}))
-        self.trunk, self.torch = self.rt.trunk, torch
-
-    def prefill(self, ids: list[int], new: int):
-        self.st = self.trunk.new_state(len(ids) + new + 1)
-        return self.trunk.prefill(self.st, ids).logits[-1]
-
-    def decode(self, token: int):
-        return self.trunk.step(self.st, [token], (), None).logits[-1]
-
-    def bytes_per_token(self, context: int) -> int:
-        """What one decode step reads: every matrix once (the lm_head too), the cached K/V of
-        `context` positions, and each GDN state (read and written)."""
-        mats = sum(m.data.nbytes for m in self.trunk.matrices())
-        kv = sum(2 * k[:, :context].nbytes for k, _ in self.st.kv.values())
-        gdn = sum(2 * s.nbytes for s, _ in self.st.gdn.values())
-        return mats + kv + gdn
-
-    def release(self) -> None:
-        del self.st
-
-
-class Transformers:
-    def __init__(self, shape: str, threads: int):
-        import torch
-        from transformers import Qwen3_5ForCausalLM
-
-        torch.set_num_threads(threads)
-        self.torch = torch
-        self.model = Qwen3_5ForCausalLM.from_pretrained(shapes.checkpoint(shape), dtype=torch.bfloat16).eval()
-
-    def prefill(self, ids: list[int], new: int):
-        with self.torch.no_grad():
-            out = self.model(input_ids=self.torch.tensor([ids]), use_cache=True, logits_to_keep=1)  # as generate
-        self.past = out.past_key_values
-        return out.logits[0, -1]
-
-    def decode(self, token: int):
-        with self.torch.no_grad():
-            out = self.model(input_ids=self.torch.tensor([[token]]), past_key_values=self.past, use_cache=True)
-        self.past = out.past_key_values
-        return out.logits[0, -1]
-
-    def release(self) -> None:
-        del self.past
-
-
-def gguf_path(shape: str) -> Path:
-    return shapes.DEFAULT_CACHE / shape / "model-bf16.gguf"
-
-
-class LlamaCpp:
-    def __init__(self, shape: str, threads: int, n_ctx: int):
-        import numpy as np
-        from llama_cpp import Llama
-
-        self.np = np
-        self.llm = Llama(model_path=str(gguf_path(shape)), n_ctx=n_ctx, n_batch=512, n_ubatch=512,
-                         n_threads=threads, n_threads_batch=threads, verbose=False)
-
-    def _logits(self):
-        return self.np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),)).copy()
-
-    def prefill(self, ids: list[int], new: int):
-        self.llm.reset()
-        self.llm.eval(ids)
-        return self._logits()
-
-    def decode(self, token: int):
-        self.llm.eval([token])
-        return self._logits()
-
-    def release(self) -> None:
-        self.llm.reset()
-
-
-def worker(system: str, shape: str, threads: int, prompts: list[int], new: int) -> dict:
-    reset_peak()
-    t0 = time.perf_counter()
-    if system == "llama.cpp":
-        sut = LlamaCpp(shape, threads, max(prompts) + new + 8)
-    else:
-        kv_cache = system.partition(KV_TAG)[2] or None
-        sut = Turbo(shape, threads, kv_cache) if system.startswith("turbo") else Transformers(shape, threads)
-    rec = {"system": system, "load_s": time.perf_counter() - t0, "load_peak": status("VmHWM")}
-    for n in prompts:
-        ids = prompt_ids(n)
-        reset_peak()
-        t0 = time.perf_counter()
-        logits = sut.prefill(ids, new)
-        prefill_s = time.perf_counter() - t0
-        prefill_peak = status("VmHWM")
-        tokens, gaps = [], []
-        t0 = time.perf_counter()
-        for _ in range(new):
-            token, gap = top2_gap(logits)
-            tokens.append(token)
-            gaps.append(gap)
-            logits = sut.decode(token)
-        decode_s = time.perf_counter() - t0
-        rec[str(n)] = {"prefill_tps": n / prefill_s, "prefill_peak": prefill_peak, "decode_tps": new / decode_s,
-                       "decode_peak": status("VmHWM"), "tokens": tokens, "gaps": gaps}
-        if isinstance(sut, Turbo):
-            rec[str(n)]["bytes_per_token"] = sut.bytes_per_token(n + new // 2)
-        sut.release()
-    return rec
-
-
-def bandwidth(threads: int) -> float:
-    """GB/s of a matrix-vector product over 1 GB of fp32 (torch's BLAS GEMV, which streams
-    the matrix once: a plain sum is slower than memory here), the median of 5 after a warm-up."""
-    import torch
-
-    torch.set_num_threads(threads)
-    w, x = torch.ones(1 << 18, 1024), torch.ones(1024)
-    torch.mv(w, x)
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        torch.mv(w, x)
-        times.append(time.perf_counter() - t0)
-    return w.nbytes / statistics.median(times) / 1e9
-
-
-# ---- the driver -----------------------------------------------------------------------------
-
-
-def convert_gguf(shape: str) -> Path | None:
-    """The checkpoint as a bf16 GGUF (converted once), or None without the converter. The
-    shapes' tokenizer is a small BPE the converter does not know by hash: the prompts are
-    ids, so its pre-tokenizer is named as Qwen's."""
-    out = gguf_path(shape)
-    conv = os.environ.get(CONVERTER_ENV)
-    if out.is_file() or not conv:
-        return out if out.is_file() else None
-    code = (f"import sys, runpy; sys.path[:0] = [{conv!r}, {conv + '/gguf-py'!r}]\n"
-            "import conversion.base as b\n"
-            "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
-            f"sys.argv = ['convert_hf_to_gguf.py', {str(shapes.checkpoint(shape))!r}, '--no-mtp', "
-            f"'--outtype', 'bf16', '--outfile', {str(out)!r}]\n"
-            f"runpy.run_path({conv + '/convert_hf_to_gguf.py'!r}, run_name='__main__')\n")
-    subprocess.run([sys.executable, "-c", code], check=True)
-    return out
-
-
-def systems(shape: str, baseline: Path | None, kv_caches: list[str]) -> list[tuple[str, dict]]:
-    """(name, environment) of every system this machine can run: turbo once per kv_cache asked."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    out = [(f"turbo{KV_TAG}{kv}", env) for kv in kv_caches] or [("turbo", env)]
-    if baseline is not None:
-        out.append((f"turbo@{baseline.name}", dict(os.environ, PYTHONPATH=str(baseline))))
-    out.append(("transformers", env))
+def systems(args) -> dict[str, benchlib.Spec]:
+    """Every system this machine can run, by name: turbo once per kv_cache asked."""
+    install = str(shapes.build(args.shape, quant=args.quant))
+    tag = "".join(f" {v}" for v in (args.quant if args.quant != "none" else None, args.dtype) if v)
+    spec = lambda system, path, **kw: benchlib.Spec(system, str(path), args.threads, args.prompts,  # noqa: E731
+                                                    args.new, **({"env": {"PYTHONPATH": str(ROOT)}} | kw))
+    out = {f"turbo{tag}{KV_TAG}{kv}": spec("turbo", install, kv_cache=kv, dtype=args.dtype) for kv in args.kv_cache}
+    out = out or {f"turbo{tag}": spec("turbo", install, dtype=args.dtype)}
+    if args.baseline is not None:
+        out[f"turbo@{args.baseline.name}"] = spec("turbo", install, dtype=args.dtype,
+                                                  env={"PYTHONPATH": str(args.baseline)})
+    out["transformers"] = spec("transformers", shapes.checkpoint(args.shape))
     try:
-        import llama_cpp  # noqa: F401
+        import llama_cpp  # noqa: F401  (optional: pip install llama-cpp-python)
 
-        if convert_gguf(shape) is not None:
-            out.append(("llama.cpp", env))
+        gguf = shapes.gguf(args.shape)
+        if gguf is not None:
+            out["llama.cpp"] = spec("llama.cpp", gguf)
         else:
-            print(f"llama.cpp: no GGUF and no converter (set {CONVERTER_ENV}; docs/llamacpp.md)", file=sys.stderr)
+            print(f"llama.cpp: no GGUF and no converter (set {shapes.CONVERTER_ENV}; docs/llamacpp.md)",
+                  file=sys.stderr)
     except ImportError:
         print("llama.cpp: llama_cpp does not import (pip install llama-cpp-python)", file=sys.stderr)
-    return out
+    return {name: s for name, s in out.items() if not args.only or name in args.only}
 
 
-def med(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
-    v = [x / scale for x in values]
-    return f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
-
-
-def first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+def decode_vs_context(args) -> None:
+    """The --context mode (module docstring)."""
+    install = shapes.build(args.shape, quant=args.quant)
+    runs = {}  # (kv_cache, context) -> (trunk, state, step times)
+    for kv in args.kv_cache or ["float32", "bfloat16"]:
+        trunk = turbo.open(install, threads=args.threads, kv_cache=kv).trunk
+        for n in args.prompts:
+            st = trunk.new_state(n + args.new + 2)
+            g = torch.Generator().manual_seed(n)
+            if args.prefill_states:
+                trunk.prefill(st, torch.randint(3, 4000, (n,), generator=g).tolist())
+            else:
+                for k, v in st.kv.values():
+                    k.copy_(torch.randn(k.shape, generator=g)), v.copy_(torch.randn(v.shape, generator=g))
+                st.pos = n
+            trunk.step(st, [7])  # a warm-up step
+            runs[(kv, n)] = (trunk, st, [])
+    print(f"load: {os.getloadavg()}, threads {args.threads}", file=sys.stderr)
+    for i in range(args.new):
+        for trunk, st, times in runs.values():
+            t0 = time.perf_counter()
+            trunk.step(st, [(31 * i) % 4000 + 3])
+            times.append(time.perf_counter() - t0)
+    short, long = args.prompts
+    for kv in dict.fromkeys(kv for kv, _ in runs):
+        median = {n: statistics.median(runs[(kv, n)][2]) for n in args.prompts}
+        for n in args.prompts:
+            t = runs[(kv, n)][2]
+            print(f"kv_cache {kv}, context {n}: {1 / median[n]:.2f} tok/s "
+                  f"(step {1e3 * median[n]:.1f} ms [{1e3 * min(t):.1f}, {1e3 * max(t):.1f}])")
+        print(f"kv_cache {kv}: decode at {long} / at {short} = {median[short] / median[long]:.3f}")
 
 
 def report(records: list[dict], bw: list[dict]) -> str:
@@ -258,11 +120,15 @@ def report(records: list[dict], bw: list[dict]) -> str:
         cells = []
         for s in names:
             vals = [v for v in (get(r) for r in by[s]) if v is not None]
-            cells.append(med(vals, **kw) if vals else "-")
+            cells.append(benchlib.med(vals, **kw) if vals else "-")
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
     row("load s", lambda r: r["load_s"], fmt="{:.2f}")
     row("peak RSS while loading, GB", lambda r: r["load_peak"], scale=gb, fmt="{:.2f}")
+    row("RSS after loading, GB", lambda r: r.get("load_rss"), scale=gb, fmt="{:.2f}")
+    row("peak RSS, whole process, GB", lambda r: max([r["load_peak"]] + [r[k][p] for k in r if k.isdigit()
+                                                                         for p in ("prefill_peak", "decode_peak")]),
+        scale=gb, fmt="{:.2f}")
     lengths = sorted({int(k) for r in records for k in r if k.isdigit()})
     for n in lengths:
         k = str(n)
@@ -278,14 +144,25 @@ def report(records: list[dict], bw: list[dict]) -> str:
     for b in bw:
         lines.append(f"read bandwidth (GEMV over 1 GB): {b['one']:.1f} GB/s on 1 thread, {b['all']:.1f} GB/s on "
                      f"{b['threads']}")
+    for s in names:
+        if "moe_step_bytes" in by[s][-1]:
+            moe, dense, stored = by[s][-1]["moe_step_bytes"]
+            lines.append(f"{s}: weights read per decode step: MoE {moe / 2**20:.1f} MiB, a dense trunk of the same "
+                         f"active size {dense / 2**20:.1f} MiB ({moe / dense:.3f}x; the stored experts: "
+                         f"{stored / 2**30:.2f} GiB)")
     ref = by[names[0]][-1]
     for n in lengths:
+        k = str(n)
         for s in names[1:]:
             other = by[s][-1]
-            if str(n) not in other or str(n) not in ref:
+            if k not in other or k not in ref:
                 continue
-            a, b = ref[str(n)], other[str(n)]
-            i = first_divergence(a["tokens"], b["tokens"])
+            ratio = {m: statistics.median(r[k][m] for r in by[names[0]] if k in r)
+                     / statistics.median(r[k][m] for r in by[s] if k in r) for m in ("prefill_tps", "decode_tps")}
+            lines.append(f"{names[0]} / {s} at {n}: prefill {ratio['prefill_tps']:.2f}x, "
+                         f"decode {ratio['decode_tps']:.2f}x (medians)")
+            a, b = ref[k], other[k]
+            i = benchlib.first_divergence(a["tokens"], b["tokens"])
             where = ("identical" if i is None else
                      f"first divergence at step {i} (top-2 gap there: {names[0]} {a['gaps'][i]:.3f}, "
                      f"{s} {b['gaps'][i]:.3f})")
@@ -299,42 +176,31 @@ def main() -> None:
     ap.add_argument("shape", choices=sorted(shapes.SHAPES))
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 4096])
-    ap.add_argument("--new", type=int, default=32, help="decode steps timed after each prompt")
+    ap.add_argument("--prompts", type=int, nargs="+", default=[512, 4096],
+                    help="prompt lengths (--context: the short and the long context)")
+    ap.add_argument("--new", type=int, default=32, help="decode steps timed after each prompt (--context: per pair)")
     ap.add_argument("--out", type=Path, default=Path("bench_scale.jsonl"))
     ap.add_argument("--baseline", type=Path, help="another turbo checkout, run as one more system")
     ap.add_argument("--only", nargs="+", help="run only these systems")
     ap.add_argument("--kv-cache", nargs="+", default=[], choices=("auto", "float32", "bfloat16"),
-                    help="turbo's K/V cache (OpenOptions.kv_cache), each value its own system 'turbo kv=VALUE'")
+                    help="turbo's K/V cache (OpenOptions.kv_cache), each value its own system 'turbo kv=VALUE' "
+                         "(--context: default float32 bfloat16)")
+    ap.add_argument("--quant", default="none", help="turbo's install: the repack's --quant (none, int4, int8, ...)")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="turbo's OpenOptions.dtype (default: its own)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a system's worker may take")
-    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--context", action="store_true", help="decode vs context in one process (module docstring)")
+    ap.add_argument("--prefill-states", action="store_true",
+                    help="--context: fill each state by a prefill of random ids (~35 s at 4096), not random rows")
     args = ap.parse_args()
-    if args.worker:
-        print(json.dumps(worker(args.worker, args.shape, args.threads, args.prompts, args.new)))
-        return
-    shapes.build(args.shape)
-    chosen = [s for s in systems(args.shape, args.baseline, args.kv_cache) if not args.only or s[0] in args.only]
+    if args.context:
+        if len(args.prompts) != 2:
+            ap.error("--context takes two --prompts: the short and the long context")
+        return decode_vs_context(args)
+    chosen = systems(args)
     print(f"load: {os.getloadavg()}", file=sys.stderr)
-    for rep in range(args.reps):
-        for name, env in chosen:
-            cmd = [sys.executable, __file__, args.shape, "--worker", name, "--threads", str(args.threads),
-                   "--new", str(args.new), "--prompts", *map(str, args.prompts)]
-            try:
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=args.timeout)
-            except subprocess.TimeoutExpired:
-                print(f"rep {rep} {name}: over {args.timeout} s, left out", file=sys.stderr)
-                continue
-            if done.returncode != 0:
-                raise SystemExit(f"{name}: {done.stderr.strip()[-2000:]}")
-            rec = json.loads(done.stdout.strip().splitlines()[-1])
-            rec["rep"], rec["threads"] = rep, args.threads
-            with args.out.open("a") as f:
-                f.write(json.dumps(rec) + "\n")
-            print(f"rep {rep} {name}: load {rec['load_s']:.2f} s, "
-                  + ", ".join(f"{n}: prefill {rec[str(n)]['prefill_tps']:.1f}, decode {rec[str(n)]['decode_tps']:.1f}"
-                              for n in args.prompts), file=sys.stderr)
+    benchlib.run(chosen, args.reps, args.timeout, args.out)
     with args.out.open("a") as f:
-        f.write(json.dumps({"bandwidth": True, "one": bandwidth(1), "all": bandwidth(args.threads),
+        f.write(json.dumps({"bandwidth": True, "one": benchlib.bandwidth(1), "all": benchlib.bandwidth(args.threads),
                             "threads": args.threads}) + "\n")
     records = [json.loads(line) for line in args.out.read_text().splitlines()]
     print(report([r for r in records if "system" in r and r["threads"] == args.threads],

@@ -37,6 +37,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from turbo.install import resolve
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
 NEW_TOKENS = 4
@@ -643,9 +645,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.worker:
         worker()
         return 0
-    sys.path.insert(0, str(ROOT))
-    from turbo.install import resolve
-
     base = resolve(args.install).resolve()
     if not any(getattr(args, t) for t in TARGETS):
         parser.error(f"nothing to do: give one of {', '.join('--' + t for t in TARGETS)} N")

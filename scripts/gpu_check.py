@@ -1,6 +1,6 @@
 """The GPU checks of the cuda backend in one short run (< 5 minutes on an H200).
 
-    OUT=/some/dir python scripts/gpu_check.py      # results go to $OUT (default build/gpu_check)
+    OUT=/some/dir PYTHONPATH=. python scripts/gpu_check.py   # results go to $OUT (default build/gpu_check)
 
 Writes to $OUT:
     env.txt         nvidia-smi, driver / torch / cuda-python versions, cuda_unavailable_reason()
@@ -38,7 +38,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
 
 
 def sh(cmd: list[str], timeout: int = 60) -> str:
@@ -198,8 +197,7 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
     from turbo import ops
     from turbo.install import BUNDLED_DIR
 
-    sys.path.insert(0, str(ROOT / "tests"))
-    from helpers import ScriptedDrafter, make_spec_install
+    from turbo.testing import ScriptedDrafter, make_spec_install
 
     t_end = time.time() + budget_s
     tmp = Path(tempfile.mkdtemp(prefix="gpu_check_"))

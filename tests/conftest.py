@@ -1,20 +1,16 @@
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+
+from turbo.testing import make_install, make_spec_install
 
 # Tiny models: intra-op threads only add barrier waits, and on a shared machine they can
 # stall badly. One thread also keeps the timing-free tests fast and steady.
 torch.set_num_threads(1)
-sys.path.insert(0, str(Path(__file__).parent))
 
 
 @pytest.fixture(scope="session")
 def spec_install(tmp_path_factory):
     """A random trunk (4 layers, 3 linear : 1 full) with a random DFlash2 drafter."""
-    from helpers import make_spec_install
-
     model, path = make_spec_install(tmp_path_factory.mktemp("spec"), 0)
     return model, path
 
@@ -22,8 +18,6 @@ def spec_install(tmp_path_factory):
 @pytest.fixture(scope="session")
 def plain_install(tmp_path_factory):
     """A random trunk without a drafter."""
-    from helpers import make_install
-
     model, path = make_install(tmp_path_factory.mktemp("plain"), 1)
     return model, path
 

@@ -5,7 +5,7 @@ generation config's eos ids, and refuses a template that does not compile."""
 import json
 
 import pytest
-from helpers import make_checkpoint, tiny_tokenizer
+from turbo.testing import make_checkpoint, tiny_tokenizer
 from tokenizers import Tokenizer
 
 import turbo

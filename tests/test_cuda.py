@@ -119,7 +119,7 @@ no_cuda_here = pytest.mark.skipif(cb.cuda_unavailable_reason() is None, reason="
 
 @pytest.fixture(scope="module")
 def tiny_install(tmp_path_factory):
-    from helpers import make_install
+    from turbo.testing import make_install
 
     return make_install(tmp_path_factory.mktemp("cuda"), 0)[1]
 

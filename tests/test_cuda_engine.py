@@ -75,7 +75,7 @@ def test_gpu_spec_install_commits_the_cpu_tokens(spec_install):
 
 @gpu
 def test_gpu_int4_install_commits_the_cpu_tokens(tmp_path_factory):
-    from helpers import hf_config, make_checkpoint, make_drafter
+    from turbo.testing import hf_config, make_checkpoint, make_drafter
 
     from turbo.repack import repack
 
@@ -91,7 +91,7 @@ def test_gpu_int4_install_commits_the_cpu_tokens(tmp_path_factory):
 
 @gpu
 def test_gpu_mtp_install_commits_the_cpu_tokens(tmp_path_factory):
-    from helpers import make_checkpoint
+    from turbo.testing import make_checkpoint
     from test_mtp import add_mtp, mtp_tensors
 
     from turbo.repack import repack
@@ -187,7 +187,7 @@ def test_forward_and_rollback_stay_on_the_device(spec_install, monkeypatch):
 
 
 def test_mtp_head_stays_on_the_device(tmp_path, monkeypatch):
-    from helpers import make_checkpoint
+    from turbo.testing import make_checkpoint
     from test_mtp import add_mtp, mtp_tensors
 
     from turbo.loader import load_mtp, load_trunk

@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import assert_lossless, hf_config, make_install, make_published_dflash
+from turbo.testing import assert_lossless, hf_config, make_install, make_published_dflash
 
 import turbo
 from turbo import ops

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from turbo.testing import make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -313,7 +313,7 @@ def test_install_permissions_follow_the_umask(tmp_path, checkpoint, umask):
 
 
 def test_a_drafter_of_another_width_is_refused_before_writing(tmp_path, checkpoint):
-    from helpers import make_drafter
+    from turbo.testing import make_drafter
 
     drafter = make_drafter(tmp_path / "drafter", 32, 320, [0, 2])
     with pytest.raises(TurboError, match="hidden_size is 32, expected the trunk's 64"):

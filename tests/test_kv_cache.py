@@ -85,7 +85,7 @@ def test_verify_rows_equal_decode_steps_at_an_odd_head_shape(tmp_path, kv_cache)
     quad or outside one depending on the row count) and head_dim 24 (a tail past the 16 lanes)."""
     if native_lib.library() is None:
         pytest.skip(f"native step unavailable: {native_lib.why_not()}")
-    from helpers import make_install
+    from turbo.testing import make_install
 
     _, path = make_install(tmp_path, seed=3, num_attention_heads=6, num_key_value_heads=2, head_dim=24)
     trunk = trunk_of(path, kv_cache=kv_cache, native=True)
@@ -152,7 +152,7 @@ def test_rows_split_over_threads_at_a_wide_shape(tmp_path):
     threads (native.c row_parts), and each row is still a decode step, whatever the split."""
     if native_lib.library() is None:
         pytest.skip(f"native step unavailable: {native_lib.why_not()}")
-    from helpers import make_install
+    from turbo.testing import make_install
 
     _, path = make_install(tmp_path, seed=5, linear_num_key_heads=4, linear_key_head_dim=128,
                            linear_num_value_heads=8, linear_value_head_dim=128, intermediate_size=2048,

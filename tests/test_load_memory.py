@@ -15,10 +15,9 @@ import pytest
 
 from turbo.backends import native_lib
 from turbo.repack import repack
+from turbo.testing.shapes import FULL_EVERY_4, SHAPES, write_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "scripts"))
-from shapes import FULL_EVERY_4, SHAPES, write_checkpoint  # noqa: E402
 
 SHAPE = dict(SHAPES["qwen3.5-0.8b"], vocab_size=65536, num_hidden_layers=4, layer_types=FULL_EVERY_4(4))
 # What opening may add to the process beyond the weights: one slice of rows being packed,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import hf_config, make_checkpoint, make_drafter, make_moe_checkpoint
+from turbo.testing import hf_config, make_checkpoint, make_drafter, make_moe_checkpoint
 from test_mtp import add_mtp, mtp_tensors
 
 from turbo.install import open_install

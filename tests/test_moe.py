@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from helpers import (assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_moe_checkpoint,
+from turbo.testing import (assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_moe_checkpoint,
                      make_moe_install)
 from safetensors import safe_open
 

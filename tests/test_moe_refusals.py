@@ -4,7 +4,7 @@ from the command line."""
 import json
 
 import pytest
-from helpers import make_moe_checkpoint
+from turbo.testing import make_moe_checkpoint
 from safetensors.torch import load_file, save_file
 from test_cli import one_line_error, run
 

@@ -6,7 +6,7 @@ import types
 
 import pytest
 import torch
-from helpers import ScriptedDrafter, assert_lossless, make_drafter, make_moe_checkpoint, make_moe_install
+from turbo.testing import ScriptedDrafter, assert_lossless, make_drafter, make_moe_checkpoint, make_moe_install
 from test_mtp import add_mtp, mtp_tensors
 
 import turbo

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import make_checkpoint
+from turbo.testing import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 import turbo

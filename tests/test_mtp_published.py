@@ -6,7 +6,7 @@ a config that declares the head while its tensors are missing says so in one lin
 import json
 
 import pytest
-from helpers import assert_lossless, make_checkpoint
+from turbo.testing import assert_lossless, make_checkpoint
 from safetensors.torch import load_file, save_file
 from test_mtp import mtp_tensors
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import make_spec_install
+from turbo.testing import make_spec_install
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parent.parent

@@ -6,7 +6,7 @@ import tracemalloc
 
 import pytest
 import torch
-from helpers import hf_config, make_checkpoint, make_drafter
+from turbo.testing import hf_config, make_checkpoint, make_drafter
 from safetensors import safe_open
 from safetensors.torch import save_file
 

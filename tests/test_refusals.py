@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 import torch
-from helpers import tiny_tokenizer
+from turbo.testing import tiny_tokenizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 

@@ -5,7 +5,7 @@ import tracemalloc
 
 import pytest
 import torch
-from helpers import make_checkpoint
+from turbo.testing import make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 

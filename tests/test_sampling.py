@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import turbo
-from helpers import ScriptedDrafter, hf_config, make_drafter, make_published_dflash, randomize_
+from turbo.testing import ScriptedDrafter, hf_config, make_drafter, make_published_dflash, randomize_
 from test_mtp import add_mtp, mtp_tensors
 
 from turbo import engine

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import turbo
-from helpers import ScriptedDrafter
+from turbo.testing import ScriptedDrafter
 
 from turbo import ops
 from turbo.backends import native_lib, native_pack

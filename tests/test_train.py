@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 import turbo
-from helpers import assert_lossless
+from turbo.testing import assert_lossless
 from turbo.repack import repack
 from turbo.train.__main__ import main
 from turbo.train.dflash2 import spread_target_layers

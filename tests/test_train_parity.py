@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers import make_install
+from turbo.testing import make_install
 from turbo import ops
 from turbo.install import open_install
 from turbo.loader import load_dflash, load_mtp, load_trunk

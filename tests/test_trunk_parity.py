@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from helpers import assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_install
+from turbo.testing import assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_install
 
 from turbo.install import open_install
 from turbo.loader import load_trunk

@@ -4,7 +4,7 @@ row count and thread count; speculation on quantized installs stays lossless at 
 
 import pytest
 import torch
-from helpers import ScriptedDrafter, assert_lossless, make_install, make_moe_install, make_spec_install
+from turbo.testing import ScriptedDrafter, assert_lossless, make_install, make_moe_install, make_spec_install
 
 import turbo
 from turbo import ops, quant

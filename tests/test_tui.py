@@ -20,14 +20,13 @@ torch.set_num_threads(1)
 import turbo  # noqa: E402
 from turbo import RoundEvent, Stats  # noqa: E402
 from turbo.options import OpenOptions  # noqa: E402
+from turbo.testing import make_install, make_spec_install  # noqa: E402
 from tui import MODES, Settings, TurboApp, compose_settings  # noqa: E402
 from tui.__main__ import main as tui_main  # noqa: E402
 from tui.app import from_input, to_input  # noqa: E402
 from tui.settings import next_mode  # noqa: E402
 from tui.view import (ACCEPTED_STYLE, BONUS_STYLE, PROMPT_STYLE, TIMING_FIELDS, Transcript, bar,  # noqa: E402
                       counter_values, visible)  # noqa: E402
-
-from helpers import make_install, make_spec_install  # noqa: E402
 
 SIZE = (110, 32)
 COUNTS = ("prompt_tokens", "generated_tokens", "rounds", "drafted", "accepted", "accepted_per_round",

@@ -1,4 +1,6 @@
-"""Tiny random checkpoints built with transformers and turned into installs by the real repack."""
+"""Small random checkpoints (trunks, MoE trunks, DFlash drafters) in the HF layout, and installs
+made from them by the real repack. transformers and safetensors are optional test dependencies:
+imported inside the functions that need them."""
 
 from __future__ import annotations
 
@@ -6,15 +8,13 @@ import json
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from turbo.drafters import DrafterBase
 from turbo.repack import repack
 
 
 def tiny_tokenizer(vocab: int):
     """A byte-level BPE of exactly `vocab` ids (merges of a fixed text fill the rest)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -27,7 +27,7 @@ def tiny_tokenizer(vocab: int):
 
 
 def hf_config(**over):
-    from transformers import Qwen3_5TextConfig
+    from transformers import Qwen3_5TextConfig  # optional test dependency
 
     base = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4,
@@ -54,7 +54,7 @@ def randomize_(model, seed: int) -> None:
 
 def make_checkpoint(directory: Path, seed: int = 0, **over):
     """A Qwen3_5ForCausalLM with random weights saved as an HF checkpoint; returns the model."""
-    from transformers import Qwen3_5ForCausalLM
+    from transformers import Qwen3_5ForCausalLM  # optional test dependency
 
     torch.manual_seed(seed)
     cfg = hf_config(**over)
@@ -77,7 +77,7 @@ def make_drafter(directory: Path, hidden: int, vocab: int, target_layers: list[i
                  block_size: int = 8, window: int = 64, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                  intermediate: int = 96, rank: int = 8, top_k: int = 16, **config_over) -> Path:
     """A random DFlash2 drafter in the published layout (unprefixed names)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # optional test dependency
 
     g = torch.Generator().manual_seed(seed)
     taps, group = 2, 16
@@ -134,7 +134,7 @@ def make_published_dflash(directory: Path, hidden: int, vocab: int, target_layer
                           seed: int = 0, block_size: int = 16, window: int = 64, **config_over) -> Path:
     """A random DFlash drafter in the published layout (`DFlashDraftModel`: unprefixed names,
     no conv, no candidate selector): make_drafter's five layers without those tensors."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # optional test dependency
 
     make_drafter(directory, hidden, vocab, target_layers, seed, block_size, window)
     path = directory / "model.safetensors"
@@ -154,36 +154,6 @@ def make_spec_install(tmp: Path, seed: int = 0, **over):
     return make_install(tmp, seed, drafter=drafter, **over)
 
 
-class ScriptedDrafter(DrafterBase):
-    """Proposes the trunk's own greedy continuation, wrong at chosen positions, so the
-    round's accepted count follows `schedule` exactly (under sampling: a point mass)."""
-
-    kind = "dflash"
-    aux_layers = ()
-    window = None
-
-    def __init__(self, reference: list[int], schedule: list[int], vocab: int):
-        self.reference, self.schedule, self.vocab, self.round = reference, schedule, vocab, 0
-
-    def begin(self, prompt_out, tokens=None):
-        self.round = 0
-
-    def propose(self, anchor, anchor_pos, block):
-        truth = self.reference[anchor_pos + 1:anchor_pos + 1 + block]
-        n = self.schedule[self.round % len(self.schedule)]
-        self.round += 1
-        return [t if i != n else (t + 1) % self.vocab for i, t in enumerate(truth)]
-
-
-def assert_lossless(rt, prompt, reference: list[int], block: int, **kw):
-    """A fixed-block generation commits exactly plain decode's `reference` tokens, drafting the
-    full block every round; returns it."""
-    res = rt.generate(prompt, policy="fixed", block=block, **kw)
-    assert res.tokens == reference, (prompt, block)
-    assert res.stats.block == block and res.stats.drafted == block * res.stats.rounds
-    return res
-
-
 MOE_BASE = dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)
 
 
@@ -192,6 +162,7 @@ def make_moe_checkpoint(directory: Path, model_type: str = "qwen3_5_moe", seed: 
     """A Qwen3_5MoeForCausalLM or Qwen3NextForCausalLM with random weights saved as an HF
     checkpoint: its experts one by one as save_pretrained writes them, or (`fused`) stacked
     as transformers holds them (gate_up_proj [E, 2I, H], down_proj [E, H, I]); returns the model."""
+    # optional test dependencies
     from safetensors.torch import save_file
     from transformers import Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3NextConfig, Qwen3NextForCausalLM
 
@@ -220,29 +191,3 @@ def make_moe_install(tmp: Path, seed: int = 0, model_type: str = "qwen3_5_moe", 
     src = tmp / f"hf{seed}"
     model = make_moe_checkpoint(src, model_type, seed, fused, **over)
     return model, repack(src, tmp / f"install{seed}", quiet=True)
-
-
-def assert_prefill_and_64_steps_match(model, trunk) -> None:
-    """Prefill logits of 40 tokens and 64 decode steps after them within 1e-4 of transformers' `model`."""
-    ids = torch.randint(0, model.config.vocab_size, (1, 40 + 64), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        ref = model(ids).logits[0].float()
-    st = trunk.new_state()
-    prefill = trunk.prefill(st, ids[0, :40].tolist(), want_logits=True)
-    assert (prefill.logits - ref[:40]).abs().max().item() < 1e-4
-    worst = 0.0
-    for t in range(40, 104):
-        out = trunk.step(st, [int(ids[0, t])])
-        worst = max(worst, (out.logits[0] - ref[t]).abs().max().item())
-    assert worst < 1e-4
-
-
-def assert_64_greedy_tokens_match(model, install: Path) -> None:
-    """64 greedy tokens from the install equal transformers' generate."""
-    import turbo
-
-    prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        hf = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 24:].tolist()
-    ours = turbo.open(install, backend="cpu").generate(prompt[0].tolist(), max_new_tokens=64, policy="off")
-    assert ours.tokens == hf

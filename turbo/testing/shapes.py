@@ -1,6 +1,6 @@
 """Random checkpoints of published shapes, built once and cached, for the real-scale benchmarks.
 
-    python scripts/shapes.py qwen3.5-0.8b [--cache DIR]     # prints the install's path
+    python -m turbo.testing.shapes qwen3.5-0.8b [--cache DIR]     # prints the install's path
 
 `build(name)` writes an HF checkpoint (Qwen3_5ForCausalLM layout, bf16, random weights) of
 the named shape and repacks it with the real repack; both are kept under the cache
@@ -12,24 +12,33 @@ The shapes are the published configs' text-model fields (Qwen/Qwen3.5-0.8B confi
 text_config; qwen3.5-35b-a3b-2l: Qwen/Qwen3.5-35B-A3B's layer, two of its 40 layers -- one
 Gated DeltaNet, one attention -- so that it and transformers' copy fit a 24 GB machine together;
 its experts stacked as transformers holds them, so the repack cuts the stacks); the tokenizer
-is a small byte-level BPE (tests/helpers.py), which real
-checkpoints also pad past (ids stay below the model's vocab).
+is a small byte-level BPE (checkpoints.tiny_tokenizer), which real
+checkpoints also pad past (ids stay below the model's vocab). `tiny` is no published shape but
+a small trunk of the shipped tiny install's kind (hidden 256, 8 layers, vocab 4096, fp32, made
+by checkpoints.make_checkpoint), for quick runs. `gguf` converts a shape for llama.cpp.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from turbo.repack import repack
+from turbo.testing.checkpoints import make_checkpoint, tiny_tokenizer
 
 FULL_EVERY_4 = lambda n: ["full_attention" if i % 4 == 3 else "linear_attention" for i in range(n)]  # noqa: E731
 
 SHAPES: dict[str, dict] = {
+    # a random trunk of the tiny install's kind (checkpoints.hf_config's fields, fp32)
+    "tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=64, linear_num_key_heads=2, linear_num_value_heads=4,
+                 linear_key_head_dim=64, linear_value_head_dim=64),
     # 752M parameters, 1.5 GB in bf16
     "qwen3.5-0.8b": dict(vocab_size=248320, hidden_size=1024, intermediate_size=3584, num_hidden_layers=24,
                          layer_types=FULL_EVERY_4(24), num_attention_heads=8, num_key_value_heads=2, head_dim=256,
@@ -50,12 +59,14 @@ SHAPES: dict[str, dict] = {
                                                     partial_rotary_factor=0.25)),
 }
 MOE = {"qwen3.5-35b-a3b-2l"}  # built as Qwen3_5MoeForCausalLM (the rest: Qwen3_5ForCausalLM)
+SMALL = {"tiny"}  # built by checkpoints.make_checkpoint (fp32, its initialisation)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "turbo" / "shapes"
+CONVERTER_ENV = "LLAMA_CONVERT_DIR"  # vendor/llama.cpp of llama-cpp-python's sdist (docs/llamacpp.md)
 
 
 def _random(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tensor:
-    """Weights scaled so activations stay O(1) through the depth (as tests/helpers.randomize_)."""
+    """Weights scaled so activations stay O(1) through the depth (as checkpoints.randomize_)."""
     if name.endswith("norm.weight") or "layernorm" in name:
         t = torch.randn(shape, generator=g) * 0.1 + (1.0 if "linear_attn.norm" in name else 0.0)
     elif name.endswith("A_log"):
@@ -70,10 +81,9 @@ def _random(name: str, shape: tuple[int, ...], g: torch.Generator) -> torch.Tens
 
 
 def write_checkpoint(directory: Path, shape: dict, seed: int = 0, moe: bool = False) -> None:
+    # optional test dependencies
     from safetensors.torch import save_file
     from transformers import Qwen3_5ForCausalLM, Qwen3_5MoeForCausalLM, Qwen3_5MoeTextConfig, Qwen3_5TextConfig
-
-    from helpers import tiny_tokenizer
 
     config_class, model_class = (Qwen3_5MoeTextConfig, Qwen3_5MoeForCausalLM) if moe else \
         (Qwen3_5TextConfig, Qwen3_5ForCausalLM)
@@ -97,12 +107,12 @@ def write_checkpoint(directory: Path, shape: dict, seed: int = 0, moe: bool = Fa
 
 def build(name: str, cache: Path = DEFAULT_CACHE, quant: str = "none") -> Path:
     """The install of shape `name` (repacked with --quant `quant`), built on first use."""
-    from turbo.repack import repack
-
     if name not in SHAPES:
         raise SystemExit(f"shape {name!r}: expected one of {', '.join(SHAPES)}")
     hf = cache / name / "hf"
-    if not (hf / "config.json").is_file():
+    if not (hf / "config.json").is_file() and name in SMALL:
+        make_checkpoint(hf, 0, **SHAPES[name])
+    elif not (hf / "config.json").is_file():
         write_checkpoint(hf, SHAPES[name], moe=name in MOE)
     install = cache / name / ("install" if quant == "none" else f"install-{quant}")
     if not (install / "model.safetensors").is_file():
@@ -114,6 +124,41 @@ def checkpoint(name: str, cache: Path = DEFAULT_CACHE) -> Path:
     """The HF checkpoint directory of shape `name` (for transformers and llama.cpp's converter)."""
     build(name, cache)
     return cache / name / "hf"
+
+
+def gguf(name: str, kind: str = "bf16", cache: Path = DEFAULT_CACHE) -> Path | None:
+    """Shape `name` as a GGUF for llama.cpp, made once: "bf16" converted with the converter
+    llama-cpp-python vendors ($LLAMA_CONVERT_DIR; None without it), "q4_0" quantized from the
+    bf16 one by llama.cpp's own llama_model_quantize. The shapes' tokenizer is a small BPE the
+    converter does not know by hash: the benchmarks' prompts are ids, so its pre-tokenizer is
+    named as Qwen's."""
+    out = cache / name / f"model-{kind}.gguf"
+    if out.is_file():
+        return out
+    if kind == "q4_0":
+        import llama_cpp  # optional benchmark dependency (pip install llama-cpp-python)
+
+        bf16 = gguf(name, "bf16", cache)
+        if bf16 is None:
+            return None
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+        tmp = out.with_suffix(".tmp")
+        if llama_cpp.llama_model_quantize(str(bf16).encode(), str(tmp).encode(), params) != 0:
+            raise SystemExit("llama_model_quantize failed")
+        tmp.rename(out)
+        return out
+    conv = os.environ.get(CONVERTER_ENV)
+    if not conv:
+        return None
+    code = (f"import sys, runpy; sys.path[:0] = [{conv!r}, {conv + '/gguf-py'!r}]\n"
+            "import conversion.base as b\n"
+            "b.TextModel.get_vocab_base_pre = lambda self, tokenizer: 'qwen2'\n"
+            f"sys.argv = ['convert_hf_to_gguf.py', {str(checkpoint(name, cache))!r}, '--no-mtp', "
+            f"'--outtype', 'bf16', '--outfile', {str(out)!r}]\n"
+            f"runpy.run_path({conv + '/convert_hf_to_gguf.py'!r}, run_name='__main__')\n")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    return out
 
 
 def main() -> None:

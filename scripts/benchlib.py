@@ -1,0 +1,285 @@
+"""What the benchmarks in scripts/ share: a worker that opens one system (turbo, transformers,
+llama.cpp) in a fresh process and times its load, prefill and greedy decode; the driver that
+runs workers rep after rep, interleaved; and small timing and formatting helpers.
+
+    python scripts/benchlib.py '{"system": "turbo", "path": "...", ...}'   # one worker (a Spec as JSON)
+
+The worker takes paths, not shape names, and imports only torch and the system it runs, so a
+turbo from another checkout (PYTHONPATH=/that/checkout) runs in it as well as this one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+VOCAB_IDS = 4096  # prompt ids below the shapes' tokenizer size (the GGUF's vocab is the tokenizer's)
+
+
+# ---- measurements inside a worker -----------------------------------------------------------
+
+
+def status(key: str) -> int:
+    """A /proc/self/status field in bytes."""
+    with open("/proc/self/status") as f:
+        return 1024 * int(next(line for line in f if line.startswith(key)).split()[1])
+
+
+def reset_peak() -> None:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def prompt_ids(n: int) -> list[int]:
+    return torch.randint(3, VOCAB_IDS, (n,), generator=torch.Generator().manual_seed(n)).tolist()
+
+
+def top2_gap(logits) -> tuple[int, float]:
+    top = torch.as_tensor(logits).float().topk(2)
+    return int(top.indices[0]), float(top.values[0] - top.values[1])
+
+
+def moe_step_bytes(a, elem: int = 2) -> tuple[int, int, int]:
+    """Weight bytes one decode step reads (`elem` bytes a weight): (the MoE trunk's -- the
+    router, top_k experts and the shared expert per routed layer -- and a dense trunk's of the
+    same active size; then the bytes of all the stored experts). The mixers, the head and one
+    embedding row are common to both."""
+    h, kd, vd = a.hidden, a.lin_k_heads * a.lin_k_dim, a.lin_v_heads * a.lin_v_dim
+    gdn = (2 * kd + 2 * vd + 2 * a.lin_v_heads) * h + h * vd
+    attn = (2 * a.num_heads + 2 * a.num_kv_heads) * a.head_dim * h + h * a.num_heads * a.head_dim
+    common = sum(gdn if a.is_gdn(i) else attn for i in range(a.num_layers)) + a.vocab * h + h
+    active = a.experts_per_token * a.moe_intermediate + a.shared_intermediate
+    routed = a.num_experts * h + 3 * h * active + (h if a.shared_intermediate else 0)
+    moe = common + len(a.moe_layers) * routed
+    dense = common + len(a.moe_layers) * 3 * h * active
+    stored = len(a.moe_layers) * a.num_experts * 3 * h * a.moe_intermediate
+    return moe * elem, dense * elem, stored * elem
+
+
+class Turbo:
+    def __init__(self, install: str, threads: int, kv_cache: str | None, dtype: str | None):
+        import turbo
+
+        # (options only when asked: a baseline checkout may predate them)
+        opts = {k: v for k, v in (("kv_cache", kv_cache), ("dtype", dtype)) if v}
+        self.rt = turbo.open(install, threads=threads, **opts)
+        self.trunk = self.rt.trunk
+
+    def prefill(self, ids: list[int], new: int):
+        self.st = self.trunk.new_state(len(ids) + new + 1)
+        return self.trunk.prefill(self.st, ids).logits[-1]
+
+    def decode(self, token: int):
+        return self.trunk.step(self.st, [token], (), None).logits[-1]
+
+    def bytes_per_token(self, context: int) -> int:
+        """What one decode step reads: every matrix once (the lm_head too), the cached K/V of
+        `context` positions, and each GDN state (read and written)."""
+        mats = sum(getattr(m, "data", m).nbytes for m in self.trunk.matrices())  # (QuantizedWeight: no .data)
+        kv = sum(2 * k[:, :context].nbytes for k, _ in self.st.kv.values())
+        gdn = sum(2 * s.nbytes for s, _ in self.st.gdn.values())
+        return mats + kv + gdn
+
+    def release(self) -> None:
+        del self.st
+
+
+class Transformers:
+    def __init__(self, checkpoint: str, threads: int):
+        from transformers import AutoModelForCausalLM  # optional benchmark dependency
+
+        torch.set_num_threads(threads)
+        # the checkpoint's own dtype: bf16 for the published shapes, fp32 for tiny
+        self.model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype="auto").eval()
+
+    def prefill(self, ids: list[int], new: int):
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1)  # as generate
+        self.past = out.past_key_values
+        return out.logits[0, -1]
+
+    def decode(self, token: int):
+        with torch.no_grad():
+            out = self.model(input_ids=torch.tensor([[token]]), past_key_values=self.past, use_cache=True)
+        self.past = out.past_key_values
+        return out.logits[0, -1]
+
+    def release(self) -> None:
+        del self.past
+
+
+class LlamaCpp:
+    def __init__(self, gguf: str, threads: int, n_ctx: int):
+        from llama_cpp import Llama  # optional benchmark dependency (pip install llama-cpp-python)
+
+        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                         n_threads_batch=threads, verbose=False)
+
+    def _logits(self):
+        import numpy as np  # (llama_cpp's own dependency)
+
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),)).copy()
+
+    def prefill(self, ids: list[int], new: int):
+        self.llm.reset()
+        self.llm.eval(ids)
+        return self._logits()
+
+    def decode(self, token: int):
+        self.llm.eval([token])
+        return self._logits()
+
+    def release(self) -> None:
+        self.llm.reset()
+
+
+@dataclass
+class Spec:
+    """One worker's task: `system` (turbo, transformers or llama.cpp) opened from `path` (an
+    install, an HF checkpoint, a GGUF), then per prompt length a prefill and `new` decode steps."""
+
+    system: str
+    path: str
+    threads: int
+    prompts: list[int]
+    new: int
+    kv_cache: str | None = None
+    dtype: str | None = None
+    env: dict = field(default_factory=dict)  # extra environment (PYTHONPATH of a baseline checkout)
+
+
+def work(spec: Spec) -> dict:
+    """Load time and peak RSS while loading, RSS after it; per prompt length n: prefill tok/s and
+    the peak RSS during it, then greedy decode tok/s at context n with its tokens and each step's
+    top-2 logit gap. Peak RSS is VmHWM, reset (/proc/self/clear_refs 5) as each phase starts."""
+    reset_peak()
+    t0 = time.perf_counter()
+    if spec.system == "llama.cpp":
+        sut = LlamaCpp(spec.path, spec.threads, max(spec.prompts) + spec.new + 8)
+    elif spec.system == "transformers":
+        sut = Transformers(spec.path, spec.threads)
+    else:
+        sut = Turbo(spec.path, spec.threads, spec.kv_cache, spec.dtype)
+    rec = {"load_s": time.perf_counter() - t0, "load_peak": status("VmHWM"), "load_rss": status("VmRSS")}
+    if isinstance(sut, Turbo):
+        rec["step"] = sut.trunk.step_name
+        if getattr(sut.trunk.arch, "moe_layers", None):
+            rec["moe_step_bytes"] = moe_step_bytes(sut.trunk.arch)
+    for n in spec.prompts:
+        ids = prompt_ids(n)
+        reset_peak()
+        t0 = time.perf_counter()
+        logits = sut.prefill(ids, spec.new)
+        prefill_s = time.perf_counter() - t0
+        prefill_peak = status("VmHWM")
+        tokens, gaps = [], []
+        t0 = time.perf_counter()
+        for _ in range(spec.new):
+            token, gap = top2_gap(logits)
+            tokens.append(token)
+            gaps.append(gap)
+            logits = sut.decode(token)
+        decode_s = time.perf_counter() - t0
+        rec[str(n)] = {"prefill_tps": n / prefill_s, "prefill_peak": prefill_peak, "decode_tps": spec.new / decode_s,
+                       "decode_peak": status("VmHWM"), "tokens": tokens, "gaps": gaps}
+        if isinstance(sut, Turbo):
+            rec[str(n)]["bytes_per_token"] = sut.bytes_per_token(n + spec.new // 2)
+        sut.release()
+    return rec
+
+
+# ---- the driver -----------------------------------------------------------------------------
+
+
+def run(specs: dict[str, Spec], reps: int, timeout: float, out: Path | None = None) -> list[dict]:
+    """Every system's worker once per repetition, each in a fresh process, one after another
+    (A, B, C, A, B, C, ...): its record, with `system` and `rep`, appended to `out` (JSON lines)
+    and returned. A worker over `timeout` seconds is left out; one that fails ends the run."""
+    records = []
+    for rep in range(reps):
+        for name, spec in specs.items():
+            cmd = [sys.executable, __file__, json.dumps(asdict(spec))]
+            try:
+                done = subprocess.run(cmd, env=dict(os.environ, **spec.env), capture_output=True, text=True,
+                                      timeout=timeout)
+            except subprocess.TimeoutExpired:
+                print(f"rep {rep} {name}: over {timeout} s, left out", file=sys.stderr)
+                continue
+            if done.returncode != 0:
+                raise SystemExit(f"{name}: {done.stderr.strip()[-2000:]}")
+            rec = json.loads(done.stdout.strip().splitlines()[-1])
+            rec |= {"system": name, "rep": rep, "threads": spec.threads}
+            if out is not None:
+                with out.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+            print(f"rep {rep} {name}: load {rec['load_s']:.2f} s, "
+                  + ", ".join(f"{n}: prefill {rec[str(n)]['prefill_tps']:.1f}, decode {rec[str(n)]['decode_tps']:.1f}"
+                              for n in spec.prompts), file=sys.stderr)
+            records.append(rec)
+    return records
+
+
+def bandwidth(threads: int) -> float:
+    """GB/s of a matrix-vector product over 1 GB of fp32 (torch's BLAS GEMV, which streams
+    the matrix once: a plain sum is slower than memory here), the median of 5 after a warm-up."""
+    torch.set_num_threads(threads)
+    w, x = torch.ones(1 << 18, 1024), torch.ones(1024)
+    torch.mv(w, x)
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        torch.mv(w, x)
+        times.append(time.perf_counter() - t0)
+    return w.nbytes / statistics.median(times) / 1e9
+
+
+# ---- timing and formatting ------------------------------------------------------------------
+
+
+def med(values: list[float], scale: float = 1.0, fmt: str = "{:.1f}") -> str:
+    """The median with [min, max]."""
+    v = [x / scale for x in values]
+    return f"{fmt.format(statistics.median(v))} [{fmt.format(min(v))}, {fmt.format(max(v))}]"
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def timed(fn, reps: int) -> float:
+    """Seconds per call of `fn`, over `reps` calls after a warm-up call."""
+    fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps
+
+
+def step_times(rt, prompt: list[int], rows: list[int], calls: int) -> dict:
+    """Seconds of a one-row decode step, and of R-row verifies (plain, keeping checkpoints)."""
+    trunk = rt.trunk
+    st = trunk.new_state(len(prompt) + 64)
+    trunk.prefill(st, prompt)
+    pos = st.pos
+
+    def step(n: int, rollback: str | None):
+        trunk.step(st, prompt[:n], (), rollback)
+        st.pos = pos  # back to the anchor (attention positions are overwritten next time)
+
+    out = {"decode": timed(lambda: step(1, None), calls)}
+    for n in rows:
+        out[n, None] = timed(lambda: step(n, None), calls)
+        out[n, "checkpoint"] = timed(lambda: step(n, "checkpoint"), calls)
+    return out
+
+
+if __name__ == "__main__":
+    print(json.dumps(work(Spec(**json.loads(sys.argv[1])))))

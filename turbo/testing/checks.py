@@ -1,0 +1,65 @@
+"""Checks the tests and benchmarks share: a scripted drafter with a chosen acceptance, and
+assertions of losslessness and of parity with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+import turbo
+from turbo.drafters import DrafterBase
+
+
+class ScriptedDrafter(DrafterBase):
+    """Proposes the trunk's own greedy continuation, wrong at chosen positions, so the
+    round's accepted count follows `schedule` exactly (under sampling: a point mass)."""
+
+    kind = "dflash"
+    aux_layers = ()
+    window = None
+
+    def __init__(self, reference: list[int], schedule: list[int], vocab: int):
+        self.reference, self.schedule, self.vocab, self.round = reference, schedule, vocab, 0
+
+    def begin(self, prompt_out, tokens=None):
+        self.round = 0
+
+    def propose(self, anchor, anchor_pos, block):
+        truth = self.reference[anchor_pos + 1:anchor_pos + 1 + block]
+        n = self.schedule[self.round % len(self.schedule)]
+        self.round += 1
+        return [t if i != n else (t + 1) % self.vocab for i, t in enumerate(truth)]
+
+
+def assert_lossless(rt, prompt, reference: list[int], block: int, **kw):
+    """A fixed-block generation commits exactly plain decode's `reference` tokens, drafting the
+    full block every round; returns it."""
+    res = rt.generate(prompt, policy="fixed", block=block, **kw)
+    assert res.tokens == reference, (prompt, block)
+    assert res.stats.block == block and res.stats.drafted == block * res.stats.rounds
+    return res
+
+
+def assert_prefill_and_64_steps_match(model, trunk) -> None:
+    """Prefill logits of 40 tokens and 64 decode steps after them within 1e-4 of transformers' `model`."""
+    ids = torch.randint(0, model.config.vocab_size, (1, 40 + 64), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits[0].float()
+    st = trunk.new_state()
+    prefill = trunk.prefill(st, ids[0, :40].tolist(), want_logits=True)
+    assert (prefill.logits - ref[:40]).abs().max().item() < 1e-4
+    worst = 0.0
+    for t in range(40, 104):
+        out = trunk.step(st, [int(ids[0, t])])
+        worst = max(worst, (out.logits[0] - ref[t]).abs().max().item())
+    assert worst < 1e-4
+
+
+def assert_64_greedy_tokens_match(model, install: Path) -> None:
+    """64 greedy tokens from the install equal transformers' generate."""
+    prompt = torch.randint(0, model.config.vocab_size, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        hf = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 24:].tolist()
+    ours = turbo.open(install, backend="cpu").generate(prompt[0].tolist(), max_new_tokens=64, policy="off")
+    assert ours.tokens == hf

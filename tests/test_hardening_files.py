@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import turbo
-from turbo import repack as repack_mod
+from turbo import repack_tensors as repack_mod
 from turbo.errors import TurboError
 from turbo.install import open_install
 from turbo.repack import repack
@@ -221,7 +221,8 @@ def checkpoint(tmp_path_factory):
 STALLED = """
 import sys, time
 import turbo.repack as r
-copier = r._copier
+import turbo.repack_tensors as t
+copier = t._copier
 def stalled(*a):
     write = copier(*a)
     def slow(out):
@@ -229,7 +230,7 @@ def stalled(*a):
         print("writing", flush=True)
         time.sleep(60)
     return slow
-r._copier = stalled
+t._copier = stalled
 sys.exit(r.main([sys.argv[1], sys.argv[2], "--quiet"]))
 """
 

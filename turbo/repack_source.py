@@ -1,0 +1,108 @@
+"""The source checkpoints of a repack read and named for the install: `source_tensors` lists a
+directory's tensors from their headers, `install_name` maps checkpoint names (RENAMES), and
+`plan_trunk` / `plan_mtp` / `plan_drafter` plan each part (docs/DESIGN.md 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+from .arch import arch_from_config, read_config_json
+from .drafters import mtp
+from .drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
+from .errors import TurboError
+from .install import safetensors_files
+from .repack_moe import moe_sources
+from .repack_tensors import Planned, plan_tensors
+from .safetensors_format import read_header
+from . import quant as q
+
+# Checkpoint name prefix -> install prefix, most specific first. A Qwen3_5ForConditionalGeneration
+# checkpoint's MTP head sits at the top level beside model.language_model.* and keeps its names
+# (vLLM's vllm/model_executor/models/qwen3_5_mtp.py loads `mtp.*` as they are published).
+RENAMES = (
+    ("model.language_model.", "trunk."),
+    ("model.visual.", "vision."),
+    ("model.vision_tower.", "vision."),
+    ("visual.", "vision."),
+    ("model.", "trunk."),
+    ("lm_head.", "trunk.lm_head."),
+    ("mtp.", "mtp."),
+    # an install as the source (e.g. quantizing one: python -m turbo.repack INSTALL OUT --quant int4)
+    ("trunk.", "trunk."),
+    ("vision.", "vision."),
+)
+
+
+def install_name(name: str) -> str | None:
+    for src, dst in RENAMES:
+        if name.startswith(src):
+            return dst + name[len(src):]
+    return None
+
+
+def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
+    files = safetensors_files(directory)
+    if not files:
+        raise TurboError(f"{directory}: no *.safetensors files (expected an HF checkpoint)")
+    seen: dict[str, Path] = {}
+    for path in files:
+        if not path.is_file():
+            raise TurboError(f"{path}: missing (listed by model.safetensors.index.json)")
+        header = read_header(path)
+        for name, t in header.tensors.items():
+            if name in seen:
+                raise TurboError(f"{path}: tensor {name} is also in {seen[name]}")
+            seen[name] = path
+            yield name, {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}, path, \
+                header.data_start
+
+
+def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
+               quantized: dict[str, dict] | None = None) -> list[Planned]:
+    config = read_config_json(src / "config.json")
+    arch = arch_from_config(config, str(src / "config.json"))
+    tensors = []
+    for name, meta, path, data_start in source_tensors(src):
+        new = install_name(name)
+        if new is None:
+            raise TurboError(f"{name}: unexpected tensor in {path.name} (expected model.*, lm_head.*, mtp.* or a vision tower)")
+        if text_only and new.startswith("vision."):
+            continue
+        source = (name, new, meta, path, data_start)
+        tensors += moe_sources(*source, arch) if arch.moe else [source]
+    return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
+
+
+def plan_mtp(head: Path, fmt: q.QFormat | None = None, quantized: dict[str, dict] | None = None) -> list[Planned]:
+    """An MTP head's `mtp.*` tensors (as python -m turbo.train --kind mtp writes them), filed
+    beside the trunk in place of any head the source carries; the loader checks their shapes
+    against the trunk's."""
+    tensors = []
+    for name, meta, path, data_start in source_tensors(head):
+        if not name.startswith(mtp.MTP_PREFIX):
+            raise TurboError(f"{path}: tensor {name} is not an MTP head's (expected mtp.* names)")
+        tensors.append((name, name, meta, path, data_start))
+    return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, {})
+
+
+def plan_drafter(drafter: Path, hidden: int, fmt: q.QFormat | None = None,
+                 quantized: dict[str, dict] | None = None) -> list[Planned]:
+    """The drafter's tensors (DFlash2 or the published DFlash, both published unprefixed)
+    under dflash.*; refused before anything is written unless it fuses into a trunk of width
+    `hidden`. The runtime tells the two apart by the config's `architectures`."""
+    config = read_config_json(drafter / "config.json")
+    where = drafter / "config.json"
+    if config.get("architectures") not in [[a] for a in DRAFTER_ARCHITECTURES]:
+        raise TurboError(f"{where}: architectures is {config.get('architectures')!r}, expected one of "
+                         f"{', '.join(repr([a]) for a in DRAFTER_ARCHITECTURES)}")
+    if config.get("hidden_size") != hidden:
+        raise TurboError(f"{where}: hidden_size is {config.get('hidden_size')!r}, expected the trunk's {hidden}")
+    tensors = [(name, name if name.startswith("dflash.") else "dflash." + name, meta, path, data_start)
+               for name, meta, path, data_start in source_tensors(drafter)]
+    fc = next((t for t in tensors if t[1] == "dflash.fc.weight"), None)
+    if fc is None:
+        raise TurboError(f"{drafter}: no fc.weight (expected the drafter's [{hidden}, k*{hidden}] fusion)")
+    if not fc[2]["shape"] or fc[2]["shape"][0] != hidden:
+        raise TurboError(f"{fc[3]}: {fc[0]} has shape {fc[2]['shape']}, expected {hidden} rows (the trunk's hidden size)")
+    return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)

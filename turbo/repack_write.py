@@ -1,0 +1,99 @@
+"""Writing a repack's output: `write_safetensors` streams planned tensors into one file, and
+`building(out)` gives the temporary sibling directory the install is written into, renamed to
+`out` at the end and removed on any failure (`remove_stale_temporaries`: those of a killed repack)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import struct
+import sys
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+from tqdm import tqdm
+
+from .errors import TurboError
+from .repack_tensors import Planned
+from . import quant as q
+
+# A repack writes into the hidden sibling `.OUT.repack-PID-RANDOM` and renames it when done.
+TMP_MARK = ".repack-"
+TMP_PATTERN = re.compile(r"\..+\.repack-(\d+)-[0-9a-f]{8}")
+
+
+def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None = None,
+                      quantized: dict[str, dict] | None = None) -> None:
+    header: dict = {"__metadata__": {"format": "pt", "writer": "turbo.repack"}}
+    if quantized:
+        header["__metadata__"][q.METADATA_KEY] = json.dumps(quantized, separators=(",", ":"))
+    offset = 0
+    for p in planned:
+        header[p.name] = {"dtype": p.dtype, "shape": p.shape, "data_offsets": [offset, offset + p.size]}
+        offset += p.size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # data section 8-byte aligned
+    with path.open("wb") as out:
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
+        for p in planned:
+            start = out.tell()
+            p.write(out)
+            if out.tell() - start != p.size:
+                raise TurboError(f"{p.name}: wrote {out.tell() - start} bytes, expected {p.size}")
+            if progress is not None:
+                progress.update(p.size)
+
+
+@contextmanager
+def building(out: Path) -> Iterator[Path]:
+    """A new temporary sibling of `out` to write the install into; renamed to `out` when the block
+    ends, removed when it raises (an OSError becomes one TurboError line)."""
+    for parent in (out.parent, *out.parent.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise TurboError(f"{parent}: not a directory (expected one to write the install {out.name} into)")
+            break
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(out.parent)
+        # os.mkdir applies the umask: the install gets an ordinary directory's permissions
+        tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
+        tmp.mkdir()
+    except OSError as e:
+        raise TurboError(f"{e.filename or out.parent}: cannot create the install there ({e.strerror})") from None
+    try:
+        yield tmp
+        os.rename(tmp, out)
+    except OSError as e:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise TurboError(f"{out}: cannot write the install ({e.strerror}{f': {e.filename}' if e.filename else ''})") \
+            from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def remove_stale_temporaries(parent: Path) -> None:
+    """Remove what a repack killed outright (kill -9, power loss) left in `parent`: its temporary
+    sibling is named after its pid, and a pid that no longer runs will not finish it."""
+    for path in parent.iterdir():
+        m = TMP_PATTERN.fullmatch(path.name)
+        if m is None or not path.is_dir() or _running(int(m.group(1))):
+            continue
+        shutil.rmtree(path)
+        print(f"removed {path}, left by an interrupted repack", file=sys.stderr)
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's live process
+    return True

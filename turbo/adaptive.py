@@ -1,46 +1,8 @@
 """`policy="adaptive"`: choose the block of every round from what this generation has measured.
 
-Tokens per round at block b are 1 + E[accepted | b], and with the per-position (conditional)
-acceptance p_i measured so far, E[accepted | b] = sum_{k<=b} p_1 * ... * p_k. A round at b costs
-draft(b) + verify(b + 1 rows) + rollback(b), timed by the round loop (time.perf_counter). Every
-round the chooser plays the b in 0..max_block with the most estimated tokens per second, where
-b = 0 is a plain decode round (one trunk row through `trunk.step`, no draft): when speculation
-does not pay it decodes as `off` does, plus a rare probe round at the widest block (after 8,
-16, 32, 64, then every 128 plain rounds; the widest reads acceptance at every position) to notice
-if it starts to, and soon again after a probe that landed -- a generation whose first rounds
-land little is not held to plain decode by them.
-
-Costs. A block already played: the median of its recent rounds (the fastest while it has fewer
-than `min_samples`: interference on a shared machine only slows a round down) for draft and
-verify, the mean for rollback (0 in rounds that keep every row). A block not yet played: the
-round's structure, draft = d0 + d1*b, verify = v0 + v1*(b + 1 rows), rollback = r0 + r1*b,
-fitted over the blocks played. Bootstrap: the widest block first (it reads acceptance at every
-position it reaches), then a second block (max/4) so the lines have two points, and the plain
-round twice when the first round landed under half its proposals (else the widest once more).
-A block whose estimate comes within `explore_within` of the best (the plain round: within half)
-is played until it has `min_samples` readings, and again when its last reading is more than
-`refresh` rounds old, so one stalled round cannot rule it out for good.
-
-Cost samples are kept across generations per drafter and rollback strategy (`memory`): a later
-generation only reads the acceptance (one round at the widest block) before choosing. A round at
-the widest block that landed every proposal keeps that block without the
-estimates being recomputed (every position's acceptance rose: the widest gains most).
-
-The choice reads acceptance optimistically (`optimism` standard deviations above the estimate),
-so while few rounds have reached a position a wider block is still tried, and the bound closes
-on the estimate as readings accumulate. Acceptance is shrunk towards the previous position's estimate (positions not yet reached
-inherit it; the first starts at 0.5, weight `prior`), and old rounds fade by `decay` per round so
-a generation whose text changes character is followed.
-
-While it decodes plainly the drafter's context is fed lazily (`LazyContext`): what each round
-commits is kept (the drafter's `defer`) and handed over in one batch before the next draft
-(`commit_deferred`), so a plain round does no drafter work.
-Feeding the previous spec round's rows counts in the draft cost (speculating pays it every
-round); the batch a stretch of plain rounds left is timed apart and left out (a switch, not a
-cost of the block).
-Adaptive's counts follow its timing-driven choices, so unlike fixed blocks they are not
-reproducible run to run; its output is lossless all the same (greedy: the trunk's tokens; sampling:
-the trunk's distribution, turbo.sampling).
+`AdaptiveChooser` estimates tokens per second for every block 0..max_block (0: a plain round) from
+the acceptance and round costs it `observe`s and plays the best (`next_block`); `LazyContext` feeds
+the drafter in one batch after plain rounds. The algorithm: docs/DESIGN.md 3.1.
 """
 
 from __future__ import annotations

@@ -1,50 +1,9 @@
-"""task=probe: the accept-length probe (docs/DESIGN.md 8; the DFLASH_SERVING_BLOCK table of docs/DESIGN.md 10).
+"""task=probe: the accept-length probe (docs/probe.md; docs/DESIGN.md 8).
 
-    python -m turbo task=probe                                  # the composed workload, blocks 1 2 4 7 8 + adaptive
-    python -m turbo task=probe probe.workloads=[prose,code,math] probe.rollbacks=[replay,checkpoint]
-    python -m turbo task=probe +policy=fixed block=4            # off + that one block (what a sweep job runs)
-    python -m turbo -m task=probe +policy=fixed block=1,2,4,8 workload=prose,code,math rollback=replay,checkpoint
+    python -m turbo task=probe [probe.workloads=[prose,code,math]] [+policy=fixed block=4]
 
-For every workload it decodes `max_new_tokens` tokens per prompt with `off` (the baseline),
-then with every block at `policy=fixed` (and `policy=adaptive`), for every rollback strategy. The
-configurations run round-robin per prompt, so a change of machine load hits all of them alike.
-It prints per workload the two tables of docs/DESIGN.md 10 (accepted per round; rollback rate) and a third
-(per-position acceptance, mean acceptance length, tokens/s, speedup over off), checks every
-configuration produced `off`'s tokens on every prompt (greedy only: at temperature > 0 a
-speculative and a plain run sample the same distribution, not the same tokens, and nothing
-is compared), and writes `metrics.json` (schema below) in
-the Hydra output directory. Counts are deterministic; wall-clock figures are for ordering only.
-Exit status 1 when any configuration's text differs from off's (metrics.json is written first).
-
-Which blocks: `+policy=fixed block=B` measures B alone, `+policy=adaptive` adaptive alone,
-`+policy=off` the baseline alone; otherwise (`auto`, the default) `probe.blocks`, plus adaptive
-when `probe.adaptive` is true. Keys (conf/task/probe.yaml; `probe.*` is a top-level node):
-  probe.blocks                [1, 2, 4, 7, 8]
-  probe.adaptive              true
-  probe.workloads             null = the composed `workload`; or a list of conf/workload names
-  probe.rollbacks             null = the top-level `rollback`; or a list
-  probe.prompts_per_workload  null = every prompt of the workload; N = the first N
-  probe.past_eos              false: a prompt's generation stops at end of text, as a user's does;
-                              true: every prompt decodes exactly max_new_tokens past it (a fixed N, as
-                              the Rust engine's probe counted, for comparison with its tables)
-`max_new_tokens` (top level) overrides every workload's own; `prompt=` replaces the workload's prompts.
-
-metrics.json (schema "turbo.probe/1"):
-  schema, install, backend, drafter, ngram (drafter=ngram's config; null for the others), draft_products
-  (as configured), window, max_new_tokens (null: per workload),
-  blocks, adaptive, rollbacks, workloads, prompts_per_workload, stop_at_eos (not probe.past_eos), overrides (the
-  job's Hydra overrides),
-  temperature, top_k, top_p, min_p, seed (the sampling; temperature 0: greedy), lossless (bool; null when sampling),
-  timing_note, and `runs`: one object per (workload, rollback, policy, block):
-    workload, policy ("off" | "fixed" | "adaptive"), block (0 for off; the widest block for adaptive),
-    rollback (null for off), prompts, max_new_tokens,
-    deterministic counts: prompt_tokens, generated_tokens, rounds, drafted, accepted, rollbacks,
-      replayed_rows, accepted_per_round, mean_acceptance_length, rollback_rate,
-      per_position_acceptance (list), mean_block (drafted / rounds: adaptive's average choice),
-      same_text_as_off (bool), mismatched_prompts (prompt indices) -- both absent when sampling;
-    times (ordering only): wall_s (sum over prompts of the generate call, prefill included),
-      tokens_per_s (generated_tokens / wall_s), speedup_vs_off (tokens_per_s / off's, same workload).
-  (adaptive's counts follow its timing-driven choices, so they are not reproducible like fixed's.)
+`run_probe` decodes every workload with `off` and each configured block / adaptive, round-robin per
+prompt, prints `tables` and writes metrics.json (schema SCHEMA, described in docs/probe.md).
 """
 
 from __future__ import annotations

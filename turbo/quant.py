@@ -1,38 +1,7 @@
-"""Affine group quantization of projection matrices (docs/DESIGN.md 4).
-
-    w[o, i] = scale[o, i // group] * q[o, i] + bias[o, i // group],  q in 0 .. 2**bits - 1
-
-Groups run along the input dimension. scale = (max - min) / (2**bits - 1) and bias = min
-per group, both rounded to the format's storage dtype *before* q is chosen, so q is the
-nearest level of the affine map that is actually stored.
-
-Formats (the dtype codes of docs/DESIGN.md 4):
-    code 4   int4  group 64   bf16 scales / biases
-    code 5   int8  group 64   bf16
-    code 16  int2  group 128  f16
-    code 15  int1  group 128  f16
-
-Packing is the MLX community layout: q is packed little-endian into uint32 words, element j
-of a row at bits (j % (32 // bits)) * bits of word j // (32 // bits); the packed weight is
-[out, in * bits / 32] (stored as safetensors U32), `scales` and `biases` are [out, in / group].
-
-On the CPU (OpenOptions.quant_cpu, TURBO_QUANT_CPU; default auto; figures from scripts/bench_quant.py):
-- dequant: dequantized once when the trunk loads. Dequantization is deterministic elementwise
-  math, and `ops.linear`'s row-stable padding applies unchanged to the float matrix.
-- packed: kept as a `QuantizedWeight` that `ops.linear` dequantizes per call (the same
-  matrix, so the same numbers as dequant; a quarter of the resident bytes for int4, but the
-  dequantization costs far more than the GEMV: ~3x slower decode).
-- kernel: int4 through torch's packed-int4 CPU GEMM (the integer path) with activations in
-  the trunk's dtype. It computes every row on its own (probed per weight before it is
-  trusted; a weight it refuses or that probes unstable is dequantized once instead), so a
-  verify row stays bit-identical to the decode step it stands for. With bf16 activations it
-  is the fastest CPU path by far; with fp32 activations it is slower than a cached fp32 GEMV.
-- native: int4 and int8 read packed by the native step's own products (native.c, AVX512-VNNI:
-  the inputs rounded to 8 bits per group of 64, an exact integer dot per group, so verify rows
-  stay decode steps bit for bit); a tied lm_head is quantized at load to the layers' format
-  (the embedding lookup stays exact). Other formats, and a layer whose matrices are not all of
-  one such format, are dequantized at load. Decode reads ~0.3x (int4) of bf16's bytes.
-- auto: native where the native step runs (int4 on a bf16 trunk: kernel), dequant otherwise.
+"""Affine group quantization of projection matrices: the formats (`FORMATS`, `QFormat`), MLX-layout
+packing (`pack` / `unpack`), `quantize` / `dequantize`, and the CPU paths a quantized matrix takes
+(`QuantizedWeight`, `Int4Kernel`, `keep_packed`). Formats and packing: docs/DESIGN.md 4; the CPU
+paths (dequant, packed, kernel, native, auto): docs/DESIGN.md 7.
 """
 
 from __future__ import annotations
@@ -70,7 +39,7 @@ QUANT_CODES = tuple(sorted(BY_CODE))
 BITS_NAMED = (4, 2, 1)
 METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
 
-# The CPU representation of a quantized matrix in the trunk (module docstring): auto,
+# The CPU representation of a quantized matrix in the trunk (docs/DESIGN.md 7): auto,
 # dequant, packed, kernel or native (OpenOptions.quant_cpu, read from this variable at the edges).
 CPU_MODE_ENV = QUANT_CPU_ENV
 

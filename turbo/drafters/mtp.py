@@ -1,34 +1,8 @@
-"""The MTP head as a drafter (docs/DESIGN.md 2.3): Qwen3.5's own multi-token-prediction layer.
+"""The MTP head as a drafter: Qwen3.5's own multi-token-prediction layer (docs/DESIGN.md 2.3).
 
-Tensors (prefix `mtp.`, shapes derived from the trunk's arch): `pre_fc_norm_embedding`,
-`pre_fc_norm_hidden`, `norm` [H]; `fc` [H, 2H]; `layers.0.*`, one full-attention decoder
-layer shaped like the trunk's (gated q_proj, q_norm/k_norm, partial RoPE, GQA, SwiGLU).
-The embedding and lm_head are the trunk's. The tensors are read and checked in
-turbo/loader.py; the layer runs on the step the loader chose (turbo/backends/step.py).
-
-A `Qwen3_5ForConditionalGeneration` checkpoint ships the head under these same names,
-top level beside `model.language_model.*`, and its text config says `mtp_num_hidden_layers: 1`
-(vLLM's `vllm/model_executor/models/qwen3_5_mtp.py` loads `mtp.*` by these names);
-python -m turbo.repack keeps them as they are.
-
-The input convention is vLLM's (`vllm/model_executor/models/qwen3_next_mtp.py`, driven by
-`vllm/v1/spec_decode/eagle.py`):
-- one row at position p reads the trunk's hidden state at p AFTER the trunk's final norm
-  (vLLM's `Qwen3NextModel.forward` returns `norm(hidden)`, and that is what the proposer
-  hands the MTP) and the embedding of the token at p+1, and predicts the token at p+2;
-- `x = fc(concat([pre_fc_norm_embedding(embed(tok_{p+1})), pre_fc_norm_hidden(h_p)]))`,
-  embedding first; the layer rotates at p (the hidden's position, not the token's);
-- `out = norm(layer(x))`, logits = trunk lm_head(out); a chained step feeds `out` back as
-  the next row's hidden, one position further, with the token it just proposed.
-
-In this engine the anchor (the last committed token, at position a) has not been through
-the trunk when a round is drafted, so draft step 1 is the row at a-1: (trunk hidden at
-a-1, embed(anchor)) -> d_1 at a+1. Every cached position is built from committed data: a
-trunk step's kept rows at a..a+k-1 are paired with the tokens committed after them (the
-accepted proposals, and last the bonus: the next anchor), so the cache is exactly the
-prefix [0, a+k) after each commit, rollbacks included. Draft steps
-2..B (rows a..a+B-2, from the head's own outputs) write scratch K/V past the prefix, which
-the next commit overwrites before anything reads it.
+`MtpDrafter` proposes by chaining one head step per token and keeps the head's KV cache equal to
+the committed prefix; its tensors are read and checked by turbo/loader.py, and the layer runs on
+the step the loader chose (turbo/backends/step.py).
 """
 
 from __future__ import annotations

@@ -1,17 +1,7 @@
-"""The trunk's and drafter's math as plain torch functions (docs/DESIGN.md 2.1, 2.2).
-
-These are the CPU backend's kernels and the references the CUDA kernels are tested
-against. Functions used on the decode/verify path are *row-stable*: a row's result
-depends only on that row (and the state it reads), never on how many rows share the
-call. That is what makes speculation lossless bit for bit: the verify's B+1 rows
-compute exactly what B+1 one-token decode steps would.
-
-Device: every function runs on its inputs' device. On CUDA tensors the hot ops
-(`linear` of a packed QuantizedWeight, `causal_conv_rows`, `gated_rms_norm`,
-`gdn_step` / `gdn_recurrence`) run the PTX kernels of turbo/backends/cuda.py -- each
-computes every row on its own -- and the rest are torch ops on the GPU. `CUDA_KERNELS =
-False` runs the torch versions on the GPU instead (for comparisons). CPU tensors never
-leave the torch code below.
+"""The trunk's and drafter's math as plain torch functions (docs/DESIGN.md 2.1, 2.2): the CPU
+torch step's kernels and the references the CUDA kernels are tested against.
+Functions on the decode/verify path are row-stable (`calibrate_rows`, `rowwise`; docs/DESIGN.md
+2.1, "Row stability"); on CUDA tensors the hot ops run turbo/backends/cuda.py (docs/DESIGN.md 7).
 """
 
 from __future__ import annotations
@@ -32,7 +22,7 @@ from .quant import QuantizedWeight, rows_stand_alone
 ROW_BLOCK_CANDIDATES = (1, 2, 4, 8, 16, 32)
 _row_block: dict[tuple[int, int, torch.dtype, int, str], int] = {}
 
-# On CUDA tensors the hot ops run turbo/backends/cuda.py's PTX kernels (module docstring).
+# On CUDA tensors the hot ops run turbo/backends/cuda.py's PTX kernels (docs/DESIGN.md 7).
 CUDA_KERNELS = True
 
 

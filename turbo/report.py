@@ -1,17 +1,9 @@
 """python -m turbo.report DIR: merge the probe's metrics.json files under DIR into one report.
 
-    python -m turbo -m task=probe +policy=fixed block=1,2,4,8 workload=prose,code,math rollback=replay,checkpoint
     python -m turbo.report multirun/2026-11-29/12-00-00
 
-Reads every metrics.json below DIR (one per sweep job, or a single probe run's), prints one
-markdown table (a row per workload x rollback x policy x block, off first) and writes it to
-DIR/report.md, with the fastest fixed block per workload and strategy and per workload overall,
-and adaptive against the best fixed block. DIR/report.png plots tokens/s and accepted per round
-against the block, a line per workload, a column of panels per rollback strategy (off dashed,
-adaptive dotted, in the tokens/s panels). Counts are deterministic; tokens/s is read for
-ordering only, and jobs that ran at the same time shared the machine. When several files
-measured the same configuration (every sweep job measures its own off), times are averaged and
-the speedup is each job's own over its own off, averaged. Errors: one line on stderr, exit 2.
+`load` reads every metrics.json below DIR, `merge` joins configurations measured more than once,
+`markdown` writes DIR/report.md and `plot` DIR/report.png; what they hold: docs/probe.md.
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""Safetensors headers, read exactly as strictly as the safetensors library reads them.
-
-A file is: an 8-byte little-endian header length n, n bytes of UTF-8 JSON, then the data
-section. The JSON object maps tensor names to {dtype, shape, data_offsets} (offsets relative to
-the data section) plus an optional `__metadata__` object of strings. The library refuses a file
-unless the offsets, sorted, tile the data section exactly: no gap, no overlap, nothing after the
-last tensor, and every tensor's byte count equals its element count times its dtype's width.
-
-We accept what the library accepts (tests/test_hardening_files.py cross-checks both ways), with
-one deliberate difference: a name listed twice (a tensor, or a `__metadata__` key) is refused
-here, where the library silently keeps the last one. Only headers are read, never tensor data.
+"""Safetensors headers, read exactly as strictly as the safetensors library reads them
+(`read_header` -> `Header` of `TensorInfo`s), only headers, never tensor data. The format, what
+the library accepts, and the one deliberate difference (a name given twice is refused):
+docs/hardening.md, "Safetensors headers".
 """
 
 from __future__ import annotations

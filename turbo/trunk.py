@@ -1,12 +1,9 @@
 """The Qwen3.5 trunk: embedding, hybrid layers, head (docs/DESIGN.md 2.1), on the CPU or a GPU.
 
-`Trunk` holds the weights (read and checked by turbo/loader.py), makes and grows a sequence's
-state, and hands the math to the step object the loader chose (turbo/backends/step.py: native.c,
-or torch ops in turbo/backends/torch_step.py, which also run the PTX kernels on cuda):
-- `prefill` runs a whole prompt at once, the step's own way;
-- `step` runs R rows one after another's state -- R = 1 is a decode step, R = B + 1 a
-  speculative verify -- with row-stable ops, so a verify row equals the decode step it
-  stands for, bit for bit. It can leave what a rollback needs (`rollback`).
+`Trunk` holds the weights (read and checked by turbo/loader.py) and a sequence's state, and hands
+the math to the step the loader chose (turbo/backends/step.py: native*.c, or torch_step.py, which
+also runs the PTX kernels on cuda): `prefill` a whole prompt; `step` R rows (1: a decode step,
+B + 1: a verify, each row equal to its decode step bit for bit), leaving what `rollback` needs.
 """
 
 from __future__ import annotations

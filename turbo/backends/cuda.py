@@ -1,25 +1,8 @@
-"""The cuda backend (docs/DESIGN.md 7): torch CUDA tensors for storage, the hot kernels as CUDA C
-compiled ahead of time to PTX (kernels_ptx/, scripts/build_ptx.py) and launched through
-cuda-python's driver API (cuda_kernels.py).
-
-Each wrapper below takes torch CUDA tensors, has the signature of the CPU function it
-replaces, and is tested against it (tests/test_cuda.py):
-
-    gdn_recurrence      turbo.ops.gdn_recurrence             gdn.cu
-    conv_window_update  turbo.ops.causal_conv_rows (+ window) conv.cu
-    causal_conv_rows    turbo.ops.causal_conv_rows           conv.cu
-    gated_rms_norm      turbo.ops.gated_rms_norm             norm.cu
-    grouped_conv        turbo.drafters.dflash_math.grouped_conv   dflash.cu
-    select_candidates   turbo.drafters.dflash_math.select_candidates  dflash.cu
-    affine_linear       x @ dequantize(...)^T (turbo.quant)  qgemv.cu
-
-All math is fp32. Everything else on the cuda backend may use torch ops on the GPU.
-
-Wiring: with backend=cuda the Runtime builds the trunk and drafters on the GPU; turbo.ops
-sends CUDA tensors to gdn_recurrence (also gdn_step's replay, as one row), causal_conv_rows,
-gated_rms_norm and affine_linear (packed QuantizedWeight), and the DFlash2 drafter sends them
-to grouped_conv and select_candidates (`ops.cuda_kernels`; `ops.CUDA_KERNELS = False` keeps
-torch ops on the GPU instead).
+"""The cuda backend: torch CUDA tensors for storage, the hot kernels as CUDA C compiled ahead of
+time to PTX (kernels_ptx/, scripts/build_ptx.py) and launched through cuda-python
+(cuda_kernels.py). Each wrapper here has the signature of the CPU function it replaces
+(`gdn_recurrence`, `causal_conv_rows`, `gated_rms_norm`, `grouped_conv`, `select_candidates`,
+`affine_linear`, ...); the table and the wiring: docs/DESIGN.md 7.
 """
 
 from __future__ import annotations

@@ -1,21 +1,9 @@
-"""Drafters propose a block of tokens for the trunk to verify.
-
-The engine talks to a drafter only through `Drafter` below. The shipped ones are the
-DFlash block drafter (`dflash.py`: DFlash2 or the published DFlash), the model's MTP head
-(`mtp.py`) and the n-gram drafter (`ngram.py`, no weights); a caller can hand
-`Runtime.generate` / `stream` a drafter object of its own (`drafter=obj`): the trunk
-verifies every proposal, so any object honouring this protocol is lossless.
-
-One generation calls, in order:
-    begin(prompt_out, prompt)            once, after prefill
-    propose(anchor, anchor_pos, block)   each speculative round -> up to `block` token ids
-      (under sampling: propose_sampled(anchor, anchor_pos, block, sampler) -> (ids, q))
-    commit(out, kept, tokens)            after each round's verify (plain rounds too)
-The adaptive policy decodes plainly for stretches and feeds the drafter lazily: for a plain
-round it calls `defer(out, kept, tokens)` instead of `commit` and keeps what it returns;
-before the next proposal it hands the kept items to `commit_deferred` in one batch. The
-default (`DrafterBase`) keeps the whole step output and commits each in turn, and proposes
-under sampling what `propose` does, as a point mass.
+"""Drafters propose a block of tokens for the trunk to verify: the `Drafter` protocol (all the
+engine calls), `DrafterBase` (its defaults), and the shipped ones: `dflash` (DFlash2 or the
+published DFlash), `mtp` (the model's MTP head), `ngram` (no weights). A caller's own object works
+too: the trunk verifies every proposal. A generation calls begin, then per round propose
+(propose_sampled under sampling) and commit, or defer / commit_deferred through the adaptive
+policy's plain rounds (docs/DESIGN.md 5).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""The n-gram drafter: prompt lookup / suffix matching, no weights.
+"""The n-gram drafter: prompt lookup / suffix matching, no weights (docs/DESIGN.md 2.4).
 
-It proposes what followed the most recent earlier occurrence of the history's last tokens
-(history = the prompt and every committed token, ending with the anchor). Nothing is
-computed from the model, so a round's draft costs a few dict lookups; the trunk verifies
-every proposal, so it is as lossless as any drafter (under sampling its proposals are a
-point mass, DrafterBase.propose_sampled: each lands with the trunk's probability of it).
-It pays on input-grounded work (code edits, summaries, retrieval answers) and on
-repetitive output, where the continuation is a copy of something already seen.
-
-The longest matching suffix wins (more context, likelier the same continuation); among its
-occurrences the most recent, since the nearest copy is the likeliest to go on the same way
-(the function being rewritten, the last turn of a loop in the output), and keeping it is
-free: an index maps each n-gram (min_match <= n <= max_match, as a tuple) to the position
-right after its latest occurrence, each new occurrence overwriting the last. Commits index
-the new end positions only, so a proposal never scans the history.
+`NgramDrafter` proposes what followed the most recent earlier occurrence of the history's longest
+matching suffix, from an index of n-gram -> end of its latest occurrence; `NgramConfig` holds the
+`ngram.*` settings (docs/probe.md).
 """
 
 from __future__ import annotations

@@ -2,20 +2,9 @@
 
     python -m turbo.testing.shapes qwen3.5-0.8b [--cache DIR]     # prints the install's path
 
-`build(name)` writes an HF checkpoint (Qwen3_5ForCausalLM layout, bf16, random weights) of
-the named shape and repacks it with the real repack; both are kept under the cache
-(default ~/.cache/turbo/shapes) and reused. Tensors are made one at a time straight in
-bf16 from a model built on the meta device, so building a 1.5 GB checkpoint needs about
-its own size in memory, not a float32 model.
-
-The shapes are the published configs' text-model fields (Qwen/Qwen3.5-0.8B config.json,
-text_config; qwen3.5-35b-a3b-2l: Qwen/Qwen3.5-35B-A3B's layer, two of its 40 layers -- one
-Gated DeltaNet, one attention -- so that it and transformers' copy fit a 24 GB machine together;
-its experts stacked as transformers holds them, so the repack cuts the stacks); the tokenizer
-is a small byte-level BPE (checkpoints.tiny_tokenizer), which real
-checkpoints also pad past (ids stay below the model's vocab). `tiny` is no published shape but
-a small trunk of the shipped tiny install's kind (hidden 256, 8 layers, vocab 4096, fp32, made
-by checkpoints.make_checkpoint), for quick runs. `gguf` converts a shape for llama.cpp.
+`build(name)` gives the install (the HF checkpoint by `write_checkpoint`, then repacked),
+`checkpoint(name)` the HF directory, `gguf` a llama.cpp conversion; the shapes: docs/benchmarks.md,
+"Shapes" (`SHAPES`).
 """
 
 from __future__ import annotations

@@ -1,19 +1,6 @@
-"""The training set: the user's text read into documents, prompts drawn from them, and the
-install's trunk run over them (self-distillation).
-
---data takes files and directories; each given path is one group (drawn in turn, so every
-group weighs alike, and reported apart by the held-out evaluation). A directory is every file
-under it; a `.jsonl` file is one document per line (a JSON string, or an object with a "text"
-field); any other file is one UTF-8 document. A document of at most --prompt-tokens tokens is a
-prompt as it is (a prompt list: "Q: ... A:" lines); a longer one gives windows of that many
-tokens at random offsets.
-
-An example is one token sequence with what the trunk computed over it, on the host:
-- targets "greedy": a prompt and the trunk's greedy continuation of it (stopped at end of
-  text, as a user's generation stops), the drafter learning to propose what the trunk says;
-- targets "text": a window of the text itself.
-Per position the trunk's prefill gives the aux layers' outputs (what a DFlash drafter reads),
-the last hidden state after the final norm and its argmax (what an MTP head reads and predicts).
+"""The training set: the user's text read into documents (`read_groups`), prompts drawn from them
+(`draw`), and the install's trunk run over them (`build`, self-distillation) into `Example`s that
+`batch` stacks. --data, --targets and what an example holds: README, "Training a drafter".
 """
 
 from __future__ import annotations

@@ -49,7 +49,7 @@ NO_WINDOW = {"object": "a drafter object keeps its own (drop window=)",
 class RoundEvent:
     tokens: list[int]  # committed this round
     from_draft: list[bool]  # per token: True = an accepted proposal, False = the trunk's bonus token
-    text: str  # the text these tokens added
+    text: str  # the text released this round (what may begin a stop string waits: turbo.stops)
     stats: Stats  # the counters so far (a copy)
     done: bool = False
     finish: Finish | None = None  # on the last event: why it ended (turbo.stops)

@@ -7,7 +7,7 @@ import difflib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
@@ -43,7 +43,8 @@ def _ngram(cfg: DictConfig) -> NgramConfig:
 
 # the keys that set an option of the same name; null (or absent) leaves the option's default
 OPEN_KEYS = ("backend", "dtype", "draft_products", "kv_cache", "threads")
-GENERATION_KEYS = ("block", "window", "rollback", "drafter", "temperature", "top_k", "top_p", "min_p", "seed")
+GENERATION_KEYS = ("block", "window", "rollback", "drafter", "temperature", "top_k", "top_p", "min_p", "seed",
+                   "stop", "stop_token_ids")
 # names, kept as text even where one reads as a number
 TEXT_KEYS = {"backend", "dtype", "draft_products", "kv_cache", "rollback", "drafter"}
 
@@ -51,6 +52,7 @@ TEXT_KEYS = {"backend", "dtype", "draft_products", "kv_cache", "rollback", "draf
 def _given(cfg: DictConfig, keys: tuple[str, ...]) -> dict[str, object]:
     """The keys' values the config sets, for the options to check (their defaults live there)."""
     values = ((key, cfg.get(key)) for key in keys)
+    values = ((key, list(v) if isinstance(v, ListConfig) else v) for key, v in values)  # stop=[a,b]
     return {key: str(v) if key in TEXT_KEYS else v for key, v in values if v is not None}
 
 

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,7 +22,6 @@ from tokenizers import Tokenizer
 from . import ops
 from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native_lib, select_backend
-from .detokenizer import Detokenizer
 from .drafters import Drafter
 from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError
@@ -33,6 +32,7 @@ from .options import GenerationOptions, OpenOptions, integer
 from .policy import Plan, choose_drafter, plan, policy_from_env
 from .sampling import RejectionSampler, rejection_sampler
 from .stats import Stats
+from .stops import Finish, Stopper
 from .trunk import Trunk, TrunkState
 
 DEFAULT_GENERATION = GenerationOptions()
@@ -49,9 +49,10 @@ NO_WINDOW = {"object": "a drafter object keeps its own (drop window=)",
 class RoundEvent:
     tokens: list[int]  # committed this round
     from_draft: list[bool]  # per token: True = an accepted proposal, False = the trunk's bonus token
-    text: str  # the text these tokens added
+    text: str  # the text released this round (what may begin a stop string waits: turbo.stops)
     stats: Stats  # the counters so far (a copy)
     done: bool = False
+    finish: Finish | None = None  # on the last event: why it ended (turbo.stops)
 
 
 @dataclass
@@ -60,6 +61,7 @@ class GenerateResult:
     text: str
     stats: Stats
     from_draft: list[bool] = field(default_factory=list)
+    finish: Finish | None = None  # why it ended: reason "stop" or "length", and the stop matched
 
 
 # ---- the round -----------------------------------------------------------------------------
@@ -96,12 +98,16 @@ def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]
 
 
 def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: int, block: int, rollback: str,
-               sampler: RejectionSampler | None = None) -> RoundResult:
+               sampler: RejectionSampler | None = None,
+               cut: Callable[[list[int]], int | None] | None = None) -> RoundResult:
     """Draft `block` proposals after `anchor` (none at block 0), verify them with the anchor in
     one trunk step, accept a prefix, roll the state back to it and tell the drafter what was kept.
     The acceptance rule is the only thing sampling changes: sampler None is greedy
     (`accept_greedy`); else the drafter proposes with its distributions and the sampler's
-    accept/resample rule keeps the trunk's distribution (turbo.sampling)."""
+    accept/resample rule keeps the trunk's distribution (turbo.sampling). `cut` (turbo.stops)
+    may keep fewer of the tokens the round would commit: the round is then played as if only
+    the proposals before the last kept one had landed, and that one were the trunk's bonus
+    (it is the trunk's own token there), so the state and the drafter end exactly at it."""
     t0 = time.perf_counter()
     q = None
     if not block:
@@ -114,6 +120,9 @@ def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: in
     rows = [anchor] + proposals
     out = trunk.step(st, rows, drafter.aux_layers if drafter is not None else (), rollback if proposals else None)
     accepted, bonus = accept_greedy(proposals, out.logits) if sampler is None else sampler(proposals, q, out.logits)
+    keep = cut(proposals[:accepted] + [bonus]) if cut is not None else None
+    if keep is not None and keep <= accepted:
+        accepted, bonus = keep - 1, proposals[keep - 1]
     t2 = time.perf_counter()
     replayed = trunk.rollback(st, out, len(rows), accepted + 1, rollback)
     t3 = time.perf_counter()
@@ -200,13 +209,13 @@ class Runtime:
     def generate(self, prompt: Prompt, opts: GenerationOptions | None = None, **fields) -> GenerateResult:
         """The whole generation at once; the same options as `stream`. Calls from several threads
         run one after another."""
-        tokens, flags, stats = [], [], None
+        tokens, flags, text, event = [], [], [], None
         with self._serial:
             for event in self.stream(prompt, opts, **fields):
                 tokens += event.tokens
                 flags += event.from_draft
-                stats = event.stats
-        return GenerateResult(tokens, self.decode(tokens), stats, flags)
+                text.append(event.text)
+        return GenerateResult(tokens, "".join(text), event.stats, flags, event.finish)
 
     def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
         """Yields one event per committed round. `opts` (turbo.options.GenerationOptions), or its
@@ -225,6 +234,10 @@ class Runtime:
         if len(ids) + o.max_new_tokens > limit:
             raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
                              f"max_position_embeddings {limit}")
+        vocab = self.install.arch.vocab
+        bad = next((t for t in o.stop_token_ids or () if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise TurboError(f"stop_token_ids: {bad} is not an id in 0..{vocab - 1}")
         own = not isinstance(o.drafter, str)  # the caller's drafter object
         p = self.plan(o.policy, o.block, o.drafter)
         no_window = "object" if own else p.drafter
@@ -244,6 +257,7 @@ class Runtime:
         """The loop around the round: limits, end of text, timing, detokenization, events."""
         trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
         eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
+        stops = Stopper(self.decode, o.stop or (), eos | set(o.stop_token_ids or ()), max_new)
         start = time.perf_counter()
         with self._serial, self._step:  # this generation takes the runtime over
             self._generation += 1
@@ -257,21 +271,18 @@ class Runtime:
         if p.policy == "adaptive" and draft is not None:
             chooser = AdaptiveChooser(p.block, memory=(draft, rollback))
             draft = LazyContext(draft, chooser)  # plain rounds skip the drafter's work
-        anchor, generated, text, first_done = ids[-1], [], Detokenizer(self.decode), None
+        anchor, generated, first_done = ids[-1], [], None
         while len(generated) < max_new:
             with self._step:
                 if self._generation != me:
                     raise TurboError(ABANDONED)
                 block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
-                r = play_round(trunk, st, draft, anchor, block, rollback, sampler)
+                r = play_round(trunk, st, draft, anchor, block, rollback, sampler, stops.cut)
                 if chooser is not None:
                     chooser.observe(block, r.accepted, r.draft_s, r.verify_s, r.rollback_s)
             stats.record_round(len(r.proposals), r.accepted, r.replayed)
             n, room = r.accepted, max_new - len(generated)
             committed, flags = (r.proposals[:n] + [r.bonus])[:room], ([True] * n + [False])[:room]
-            hit_eos = next((i for i, t in enumerate(committed) if t in eos), None)
-            if hit_eos is not None:
-                committed, flags = committed[:hit_eos + 1], flags[:hit_eos + 1]
             generated += committed
             now = time.perf_counter()
             if first_done is None:
@@ -281,8 +292,8 @@ class Runtime:
             elif now > first_done:
                 stats.decode_tokens_per_s = (len(generated) - first_count) / (now - first_done)
             stats.generated_tokens = len(generated)
-            done = hit_eos is not None or len(generated) >= max_new
-            yield RoundEvent(committed, flags, text.push(committed, final=done), stats.snapshot(), done)
+            done = stops.finish is not None
+            yield RoundEvent(committed, flags, stops.text(done), stats.snapshot(), done, stops.finish)
             if done:
                 return
             anchor = r.bonus

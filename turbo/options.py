@@ -90,6 +90,9 @@ class GenerationOptions:
     drafter: object = "auto"  # auto | dflash | mtp | ngram, or a Drafter object of the caller's (turbo.drafters)
     window: int | None = None  # the DFlash drafter's context window (None: its trained sliding_window)
     stop_at_eos: bool = True  # stop at the model's end-of-text token
+    # turbo.stops: text that ends the generation (not emitted), and token ids that do as eos does
+    stop: tuple[str, ...] | None = None  # a str or a list/tuple of non-empty strings
+    stop_token_ids: tuple[int, ...] | None = None  # ids in the vocabulary (checked when a stream starts)
     ngram: NgramConfig = NgramConfig()  # drafter=ngram's matching (turbo/drafters/ngram.py)
     # sampling (turbo.sampling): temperature 0 is greedy and ignores the rest
     temperature: float = 0.0
@@ -113,6 +116,8 @@ class GenerationOptions:
                              "nor ngram (the n-gram drafter, no weights)")
         if not isinstance(self.ngram, NgramConfig):
             raise TurboError(f"ngram {self.ngram!r} is not a turbo.drafters.ngram.NgramConfig")
+        object.__setattr__(self, "stop", stop_strings(self.stop))
+        object.__setattr__(self, "stop_token_ids", stop_ids(self.stop_token_ids))
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         check_seed(self.seed)
         for name in ("temperature", "top_p", "min_p"):
@@ -182,6 +187,26 @@ def check_sampling(temperature: object, top_k: object, top_p: object, min_p: obj
         raise TurboError(f"top_p is {top_p!r}, expected a number in (0, 1]")
     if not _number(min_p) or not 0 <= min_p < 1:
         raise TurboError(f"min_p is {min_p!r}, expected a number in [0, 1)")
+
+
+def stop_strings(stop: object) -> tuple[str, ...] | None:
+    """`stop` (None, a str, or a list/tuple of them) as a tuple of non-empty strings or None."""
+    if stop is None:
+        return None
+    given = (stop,) if isinstance(stop, str) else stop
+    if not isinstance(given, (list, tuple)) or not all(isinstance(s, str) and s for s in given):
+        raise TurboError(f"stop is {stop!r}, expected a non-empty string or a list of them")
+    return tuple(given) or None
+
+
+def stop_ids(ids: object) -> tuple[int, ...] | None:
+    """`ids` (None, or a list/tuple of integers as `integer` takes them) as a tuple of ints or None."""
+    if ids is None:
+        return None
+    given = [integer(t) for t in ids] if isinstance(ids, (list, tuple)) else [None]
+    if None in given or any(t < 0 for t in given):
+        raise TurboError(f"stop_token_ids is {ids!r}, expected a list of token ids (non-negative integers)")
+    return tuple(given) or None
 
 
 def check_seed(seed: object) -> None:

@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from tokenizers import Tokenizer
 from . import ops
 from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native, select_backend
+from .chat import ChatResult, run_chat, template_for
+from .chat_template import ChatTemplate
 from .detokenizer import Detokenizer
 from .drafters import Drafter
 from .drafters.ngram import NgramConfig, NgramDrafter
@@ -32,6 +34,7 @@ from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions, integer
 from .policy import Plan, choose_drafter, plan, policy_from_env
 from .sampling import RejectionSampler, rejection_sampler
+from .session import DEFAULT_SNAPSHOTS, FRESH, Session, Start
 from .stats import Stats
 from .trunk import Trunk, TrunkState
 
@@ -208,15 +211,32 @@ class Runtime:
                 stats = event.stats
         return GenerateResult(tokens, self.decode(tokens), stats, flags)
 
-    def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+    def chat(self, messages: list, opts: GenerationOptions | None = None, *, tools: list | None = None,
+             documents: list | None = None, template: str | ChatTemplate | None = None, **kw: Any) -> ChatResult:
+        """The assistant's answer to `messages`, rendered by the install's chat template (or
+        `template`). Keywords that are GenerationOptions fields are generation options, the
+        others go to the template (enable_thinking=False). turbo/chat.py."""
+        return run_chat(self, messages, opts, tools, documents, template, kw)
+
+    def session(self, system: str | None = None, *, tools: list | None = None,
+                template: str | ChatTemplate | None = None, snapshots: int = DEFAULT_SNAPSHOTS,
+                **template_kwargs: Any) -> Session:
+        """A conversation that keeps its state between turns (turbo/session.py); keywords go to
+        the template. `snapshots`: how many assistant turns' starting states it keeps."""
+        return Session(self, template_for(self.install, template), system, tools, template_kwargs, snapshots)
+
+    def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
+               **fields) -> Iterator[RoundEvent]:
         """Yields one event per committed round. `opts` (turbo.options.GenerationOptions), or its
         fields as keywords (over `opts` when both). Validation happens before the first yield.
         Another generation started before this stream ends takes the runtime over: this stream's
-        next round then raises TurboError."""
+        next round then raises TurboError. `start`: how the state comes to hold the prompt
+        (a chat session's resumes its conversation; turbo/session.py)."""
         with self._serial:  # waits for a `generate` running on another thread
-            return self._stream(prompt, opts, **fields)
+            return self._stream(prompt, opts, start, **fields)
 
-    def _stream(self, prompt: Prompt, opts: GenerationOptions | None, **fields) -> Iterator[RoundEvent]:
+    def _stream(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH,
+                **fields) -> Iterator[RoundEvent]:
         o = opts if opts is not None else DEFAULT_GENERATION
         if fields:
             o = o.but(**fields)  # GenerationOptions checks each field; what needs the install is here
@@ -237,10 +257,10 @@ class Runtime:
                       window=draft.window if draft is not None else None, rollback=o.rollback,
                       backend=self.backend.name, speculation_off_reason=p.off_reason,
                       seed=sampler.sampler.seed if sampler is not None else None)
-        return self._rounds(ids, o, p, draft, stats, sampler)
+        return self._rounds(ids, o, p, draft, stats, sampler, start)
 
     def _rounds(self, ids: list[int], o: GenerationOptions, p: Plan, draft: Drafter | None,
-                stats: Stats, sampler: RejectionSampler | None) -> Iterator[RoundEvent]:
+                stats: Stats, sampler: RejectionSampler | None, origin: Start) -> Iterator[RoundEvent]:
         """The loop around the round: limits, end of text, timing, detokenization, events."""
         trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
         eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
@@ -248,11 +268,7 @@ class Runtime:
         with self._serial, self._step:  # this generation takes the runtime over
             self._generation += 1
             me = self._generation
-            st = trunk.new_state(len(ids) + max_new + 16)
-            aux_layers = draft.aux_layers if draft is not None else ()
-            prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
-            if draft is not None:
-                draft.begin(prompt_out, ids)
+            st = origin.prime(trunk, draft, ids, len(ids) + max_new + 16)
         chooser = None
         if p.policy == "adaptive" and draft is not None:
             chooser = AdaptiveChooser(p.block, memory=(draft, rollback))
@@ -282,6 +298,8 @@ class Runtime:
                 stats.decode_tokens_per_s = (len(generated) - first_count) / (now - first_done)
             stats.generated_tokens = len(generated)
             done = hit_eos is not None or len(generated) >= max_new
+            if done:
+                origin.finish(draft)
             yield RoundEvent(committed, flags, text.push(committed, final=done), stats.snapshot(), done)
             if done:
                 return

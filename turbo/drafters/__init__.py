@@ -16,6 +16,10 @@ round it calls `defer(out, kept, tokens)` instead of `commit` and keeps what it 
 before the next proposal it hands the kept items to `commit_deferred` in one batch. The
 default (`DrafterBase`) keeps the whole step output and commits each in turn, and proposes
 under sampling what `propose` does, as a point mass.
+A chat session (turbo/session.py) goes on from an earlier state: `snapshot()` copies the
+context, `restore(snap)` puts it back, `resume(out, prompt, start)` continues it over the
+prompt's rows past `start` as `begin` over the whole prompt would have built it. A drafter
+without them (snapshot() None) makes a session prefill every turn afresh.
 """
 
 from __future__ import annotations
@@ -84,6 +88,20 @@ class DrafterBase:
     def commit_deferred(self, items: list[Any]) -> None:
         for out, kept, tokens in items:
             self.commit(out, kept, tokens)
+
+    def snapshot(self) -> Any:
+        """The context, detached (None: this drafter cannot be snapshotted)."""
+        return None
+
+    def restore(self, snap: Any) -> None:
+        raise NotImplementedError(f"{self.kind} drafter keeps no snapshots")
+
+    def resume(self, out: Any, prompt: list[int], start: int) -> None:
+        """The context holds prompt[:start + 1] (the trunk rows before `start`, and prompt[start]
+        as the anchor); out: the trunk's rows over prompt[start:-1]. Leaves what
+        begin(prefill over prompt[:-1], prompt) leaves: those rows committed, each followed by
+        the next prompt token."""
+        self.commit(out, out.hidden.shape[0], list(prompt[start + 1:]))
 
 
 def is_drafter(obj: object) -> bool:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from .engine import RoundEvent, Runtime
 
 # Snapshots a session keeps: one per assistant turn (the newest). At the 0.8B shape one is the
-# 18 GDN layers' state and conv window, 18 x (16*128*128 + 3*6144) x 4 bytes = 19.2 MiB,
+# 18 GDN layers' state and conv window, 18 x (16*128*128 + 3*6144) x 4 bytes = 19.3 MiB,
 # plus the drafter's context (turbo.drafters: snapshot).
 DEFAULT_SNAPSHOTS = 4
 

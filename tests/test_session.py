@@ -10,6 +10,7 @@ from helpers import make_checkpoint, make_drafter
 from test_mtp import add_mtp, mtp_tensors
 
 import turbo
+from turbo.drafters import DrafterBase
 from turbo.chat import split_reasoning
 from turbo.chat_template import encode, render
 from turbo.errors import TurboError
@@ -147,11 +148,36 @@ def test_other_generations_between_turns_change_nothing(tiny):
         assert a == b and quiet.last_turn.stats.accepted == busy.last_turn.stats.accepted
 
 
+def test_a_turn_left_half_way_is_retried_exactly(tiny):
+    s = tiny.session(template=CHATML)
+    opts = dict(max_new_tokens=10, policy="fixed", block=3, drafter="dflash")
+    turn(s, s.send(USER[0], **opts), **opts)
+    events = s.send(USER[1], **opts)
+    next(events)
+    events.close()  # the state ran past the turn's start: only its snapshot serves now
+    assert s.history[-1]["role"] == "user"
+    assert turn(s, s.retry(**opts), **opts).resumed_from == "snapshot"
+
+
 def test_sampled_turns_repeat_generate_with_the_seed(tiny):
     s = tiny.session(template=CHATML)
     opts = dict(max_new_tokens=10, policy="fixed", block=3, drafter="dflash", temperature=0.8, top_p=0.9)
     for i, text in enumerate(USER[:3]):
         turn(s, s.send(text, seed=i, **opts), seed=i, **opts)
+
+
+class Echo(DrafterBase):
+    """A caller's drafter object: it keeps no snapshots, so each turn is prefilled afresh."""
+
+    def propose(self, anchor, anchor_pos, block):
+        return [anchor] * block
+
+
+def test_a_drafter_object_without_snapshots_runs_every_turn_afresh(qwen):
+    s = qwen.session(template=CHATML)
+    opts = dict(max_new_tokens=6, policy="fixed", block=2, drafter=Echo())
+    for text in USER[:3]:
+        assert turn(s, s.send(text, **opts), **opts).resumed_from == "fresh"
 
 
 def test_snapshots_are_bounded(qwen):

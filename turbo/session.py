@@ -19,7 +19,7 @@ import torch
 
 from .chat import assistant_message, turn_stop_ids
 from .chat_template import ChatTemplate, encode
-from .drafters import Drafter
+from .drafters import Drafter, DrafterBase
 from .errors import TurboError
 from .options import GenerationOptions
 from .stats import Stats
@@ -69,6 +69,12 @@ def tensor_bytes(obj: Any) -> int:
     if isinstance(obj, dict):
         return sum(tensor_bytes(x) for x in obj.values())
     return 0
+
+
+def keeps_snapshots(draft: Drafter) -> bool:
+    """The drafter can snapshot, restore and resume its context (turbo.drafters)."""
+    snapshot = getattr(type(draft), "snapshot", DrafterBase.snapshot)
+    return snapshot is not DrafterBase.snapshot and callable(getattr(draft, "resume", None))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -126,6 +132,11 @@ class Keeper:
         self._end_draft: Any = None
 
     def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
+        if draft is not None and not keeps_snapshots(draft):  # a caller's drafter object: every turn afresh
+            self.snaps, self.live, self._draft = [], None, None
+            self.st = FRESH.prime(trunk, draft, ids, capacity)
+            self.report = TurnReport(len(ids), 0, len(ids) - 1, "fresh", 0, 0)
+            return self.st
         held = [h for h in ([self.live] if self.live is not None else []) + self.snaps if h.serves(ids, draft)]
         base = max(held, key=lambda h: h.pos, default=None)  # the live state first among equals
         self._draft, self._end_draft, self.live = draft, None, None

@@ -240,15 +240,16 @@ class LazyContext:
         self.pending.append(self.inner.defer(out, kept, tokens))
 
     def propose(self, anchor: int, anchor_pos: int, block: int) -> list[int]:
-        self._flush()
+        self.flush()
         return self.inner.propose(anchor, anchor_pos, block)
 
     def propose_sampled(self, anchor: int, anchor_pos: int, block: int,
                         sampler: Sampler) -> tuple[list[int], torch.Tensor | None]:
-        self._flush()
+        self.flush()
         return self.inner.propose_sampled(anchor, anchor_pos, block, sampler)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Commit what is pending (also at a generation's end, for a session that keeps the context)."""
         if self.pending:
             t = time.perf_counter()
             self.inner.commit_deferred(self.pending)

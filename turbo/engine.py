@@ -13,7 +13,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import torch
@@ -22,6 +22,8 @@ from tokenizers import Tokenizer
 from . import ops
 from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native_lib, select_backend
+from .chat import ChatResult, run_chat, template_for
+from .chat_template import ChatTemplate
 from .drafters import Drafter
 from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError
@@ -31,6 +33,7 @@ from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions, integer
 from .policy import Plan, choose_drafter, plan, policy_from_env
 from .sampling import RejectionSampler, rejection_sampler
+from .session import DEFAULT_SNAPSHOTS, FRESH, Session, Start
 from .stats import Stats
 from .stops import Finish, Stopper
 from .trunk import Trunk, TrunkState
@@ -72,12 +75,13 @@ class RoundResult:
     """What one round committed (proposals[:accepted] + [bonus]) and what its parts took."""
 
     proposals: list[int]  # the drafter's block (empty in a plain round)
-    accepted: int  # how many of them the trunk confirmed
+    accepted: int  # how many of them are committed (the trunk confirmed them; a stop may keep fewer)
     bonus: int  # the trunk's own token after them: committed too, and the next anchor
     replayed: int  # rows the rollback ran again
     draft_s: float
     verify_s: float
     rollback_s: float
+    landed: int  # how many proposals the trunk confirmed (the counters' acceptance)
 
 
 def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]:
@@ -120,7 +124,7 @@ def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: in
     rows = [anchor] + proposals
     out = trunk.step(st, rows, drafter.aux_layers if drafter is not None else (), rollback if proposals else None)
     accepted, bonus = accept_greedy(proposals, out.logits) if sampler is None else sampler(proposals, q, out.logits)
-    keep = cut(proposals[:accepted] + [bonus]) if cut is not None else None
+    landed, keep = accepted, cut(proposals[:accepted] + [bonus]) if cut is not None else None
     if keep is not None and keep <= accepted:
         accepted, bonus = keep - 1, proposals[keep - 1]
     t2 = time.perf_counter()
@@ -128,7 +132,7 @@ def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: in
     t3 = time.perf_counter()
     if drafter is not None:
         drafter.commit(out, accepted + 1, proposals[:accepted] + [bonus])
-    return RoundResult(proposals, accepted, bonus, replayed, t1 - t0, t2 - t1, t3 - t2)
+    return RoundResult(proposals, accepted, bonus, replayed, t1 - t0, t2 - t1, t3 - t2, landed)
 
 
 # ---- the runtime ---------------------------------------------------------------------------
@@ -217,15 +221,32 @@ class Runtime:
                 text.append(event.text)
         return GenerateResult(tokens, "".join(text), event.stats, flags, event.finish)
 
-    def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+    def chat(self, messages: list, opts: GenerationOptions | None = None, *, tools: list | None = None,
+             documents: list | None = None, template: str | ChatTemplate | None = None, **kw: Any) -> ChatResult:
+        """The assistant's answer to `messages`, rendered by the install's chat template (or
+        `template`). Keywords that are GenerationOptions fields are generation options, the
+        others go to the template (enable_thinking=False). turbo/chat.py."""
+        return run_chat(self, messages, opts, tools, documents, template, kw)
+
+    def session(self, system: str | None = None, *, tools: list | None = None,
+                template: str | ChatTemplate | None = None, snapshots: int = DEFAULT_SNAPSHOTS,
+                **template_kwargs: Any) -> Session:
+        """A conversation that keeps its state between turns (turbo/session.py); keywords go to
+        the template. `snapshots`: how many assistant turns' starting states it keeps."""
+        return Session(self, template_for(self.install, template), system, tools, template_kwargs, snapshots)
+
+    def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
+               **fields) -> Iterator[RoundEvent]:
         """Yields one event per committed round. `opts` (turbo.options.GenerationOptions), or its
         fields as keywords (over `opts` when both). Validation happens before the first yield.
         Another generation started before this stream ends takes the runtime over: this stream's
-        next round then raises TurboError."""
+        next round then raises TurboError. `start`: how the state comes to hold the prompt
+        (a chat session's resumes its conversation; turbo/session.py)."""
         with self._serial:  # waits for a `generate` running on another thread
-            return self._stream(prompt, opts, **fields)
+            return self._stream(prompt, opts, start, **fields)
 
-    def _stream(self, prompt: Prompt, opts: GenerationOptions | None, **fields) -> Iterator[RoundEvent]:
+    def _stream(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH,
+                **fields) -> Iterator[RoundEvent]:
         o = opts if opts is not None else DEFAULT_GENERATION
         if fields:
             o = o.but(**fields)  # GenerationOptions checks each field; what needs the install is here
@@ -250,10 +271,10 @@ class Runtime:
                       window=draft.window if draft is not None else None, rollback=o.rollback,
                       backend=self.backend.name, speculation_off_reason=p.off_reason,
                       seed=sampler.sampler.seed if sampler is not None else None)
-        return self._rounds(ids, o, p, draft, stats, sampler)
+        return self._rounds(ids, o, p, draft, stats, sampler, start)
 
     def _rounds(self, ids: list[int], o: GenerationOptions, p: Plan, draft: Drafter | None,
-                stats: Stats, sampler: RejectionSampler | None) -> Iterator[RoundEvent]:
+                stats: Stats, sampler: RejectionSampler | None, origin: Start) -> Iterator[RoundEvent]:
         """The loop around the round: limits, end of text, timing, detokenization, events."""
         trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
         eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
@@ -262,11 +283,7 @@ class Runtime:
         with self._serial, self._step:  # this generation takes the runtime over
             self._generation += 1
             me = self._generation
-            st = trunk.new_state(len(ids) + max_new + 16)
-            aux_layers = draft.aux_layers if draft is not None else ()
-            prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
-            if draft is not None:
-                draft.begin(prompt_out, ids)
+            st = origin.prime(trunk, draft, ids, len(ids) + max_new + 16)
         chooser = None
         if p.policy == "adaptive" and draft is not None:
             chooser = AdaptiveChooser(p.block, memory=(draft, rollback))
@@ -279,10 +296,13 @@ class Runtime:
                 block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
                 r = play_round(trunk, st, draft, anchor, block, rollback, sampler, stops.cut)
                 if chooser is not None:
-                    chooser.observe(block, r.accepted, r.draft_s, r.verify_s, r.rollback_s)
-            stats.record_round(len(r.proposals), r.accepted, r.replayed)
+                    chooser.observe(block, r.landed, r.draft_s, r.verify_s, r.rollback_s)
+            # the counters keep the trunk's verdict on the proposals: a stop decides what is
+            # committed, not how well the drafter guessed
+            stats.record_round(len(r.proposals), r.landed, r.replayed)
             n, room = r.accepted, max_new - len(generated)
-            committed, flags = (r.proposals[:n] + [r.bonus])[:room], ([True] * n + [False])[:room]
+            committed = (r.proposals[:n] + [r.bonus])[:room]
+            flags = [i < r.landed for i in range(len(committed))]
             generated += committed
             now = time.perf_counter()
             if first_done is None:
@@ -293,6 +313,8 @@ class Runtime:
                 stats.decode_tokens_per_s = (len(generated) - first_count) / (now - first_done)
             stats.generated_tokens = len(generated)
             done = stops.finish is not None
+            if done:
+                origin.finish(draft)
             yield RoundEvent(committed, flags, stops.text(done), stats.snapshot(), done, stops.finish)
             if done:
                 return

@@ -4,6 +4,8 @@
 the math to the step the loader chose (turbo/backends/step.py: native*.c, or torch_step.py, which
 also runs the PTX kernels on cuda): `prefill` a whole prompt; `step` R rows (1: a decode step,
 B + 1: a verify, each row equal to its decode step bit for bit), leaving what `rollback` needs.
+`extend` runs more prompt rows on a state that holds some (a chat session's next turn);
+`snapshot` / `restore` keep and put back a state's position and recurrent state.
 """
 
 from __future__ import annotations
@@ -17,6 +19,18 @@ from .arch import Arch
 from .backends.step import StepOut, TrunkState, TrunkStep
 
 PREFIX = "trunk."
+# rows a step of `extend`: a step's logits cover every row ([64, vocab] fp32: 64 MB at a 248K vocabulary)
+EXTEND_CHUNK = 64
+
+
+@dataclass
+class RecurrentSnapshot:
+    pos: int
+    gdn: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> GDN state, conv window (copies)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes + w.nbytes for s, w in self.gdn.values())
 
 
 @dataclass
@@ -123,6 +137,16 @@ class Trunk:
                 k2[:, :st.pos], v2[:, :st.pos] = k[:, :st.pos], v[:, :st.pos]
                 st.kv[i] = (k2, v2)
 
+    def snapshot(self, st: TrunkState) -> RecurrentSnapshot:
+        """What cannot be cut back: the GDN and conv states (K/V needs only its length)."""
+        return RecurrentSnapshot(st.pos, {i: (s.clone(), w.clone()) for i, (s, w) in st.gdn.items()})
+
+    def restore(self, st: TrunkState, snap: RecurrentSnapshot) -> None:
+        """Back to the snapshot's position. Its K/V rows below that position must still be the
+        ones written then (the caller's to keep: later rows only ever overwrite later positions)."""
+        st.pos = snap.pos
+        st.gdn = {i: (s.clone(), w.clone()) for i, (s, w) in snap.gdn.items()}
+
     # ---- prefill -----------------------------------------------------------------------
 
     def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...] = (),
@@ -132,6 +156,16 @@ class Trunk:
             raise ValueError("prefill starts from an empty state")
         self.reserve(st, len(tokens))
         return self.stepper.prefill(st, tokens, aux_layers, want_logits)
+
+    def extend(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...] = ()) -> StepOut:
+        """Prompt rows after the `st.pos` the state holds, in steps of EXTEND_CHUNK rows. Every
+        step row equals the decode step it stands for, as every native prefill row does
+        (tests/test_native_prefill.py), so two pieces give the bits one prefill gives there;
+        the torch prefill computes its own way (within the parity tolerance) and does not."""
+        parts = [self.step(st, tokens[c:c + EXTEND_CHUNK], aux_layers)
+                 for c in range(0, len(tokens), EXTEND_CHUNK)]
+        aux = torch.cat([p.aux for p in parts]) if parts[0].aux is not None else None
+        return StepOut(parts[-1].logits[-1:], torch.cat([p.hidden for p in parts]), aux)
 
     # ---- decode / verify ---------------------------------------------------------------
 

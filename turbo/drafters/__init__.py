@@ -4,6 +4,8 @@ published DFlash), `mtp` (the model's MTP head), `ngram` (no weights). A caller'
 too: the trunk verifies every proposal. A generation calls begin, then per round propose
 (propose_sampled under sampling) and commit, or defer / commit_deferred through the adaptive
 policy's plain rounds (docs/DESIGN.md 5).
+A chat session (turbo/session.py) goes on from an earlier state through snapshot / restore / resume
+(snapshot() None: the session prefills every turn afresh).
 """
 
 from __future__ import annotations
@@ -72,6 +74,20 @@ class DrafterBase:
     def commit_deferred(self, items: list[Any]) -> None:
         for out, kept, tokens in items:
             self.commit(out, kept, tokens)
+
+    def snapshot(self) -> Any:
+        """The context, detached (None: this drafter cannot be snapshotted)."""
+        return None
+
+    def restore(self, snap: Any) -> None:
+        raise NotImplementedError(f"{self.kind} drafter keeps no snapshots")
+
+    def resume(self, out: Any, prompt: list[int], start: int) -> None:
+        """The context holds prompt[:start + 1] (the trunk rows before `start`, and prompt[start]
+        as the anchor); out: the trunk's rows over prompt[start:-1]. Leaves what
+        begin(prefill over prompt[:-1], prompt) leaves: those rows committed, each followed by
+        the next prompt token."""
+        self.commit(out, out.hidden.shape[0], list(prompt[start + 1:]))
 
 
 def is_drafter(obj: object) -> bool:

@@ -181,3 +181,15 @@ class DflashDrafter(DrafterBase):
     def commit_deferred(self, items: list[torch.Tensor]) -> None:
         if items:
             self.add_context(torch.cat(items))
+
+    def snapshot(self) -> tuple[int, list[torch.Tensor], list[torch.Tensor]]:
+        """The ring as it is (window + slack rows a layer): its context rows are all a pass reads."""
+        return self.context, [k.clone() for k in self.ring_k], [v.clone() for v in self.ring_v]
+
+    def restore(self, snap: tuple[int, list[torch.Tensor], list[torch.Tensor]]) -> None:
+        context, ks, vs = snap
+        if ks[0].shape[0] != self.capacity:
+            self.reset(ks[0].shape[0])
+        for ring, saved in zip(self.ring_k + self.ring_v, ks + vs):
+            ring.copy_(saved)  # in place: the step holds the rings' addresses (bind)
+        self.context = context

@@ -164,6 +164,17 @@ class MtpDrafter(DrafterBase):
                 x = self.fuse(out, [token])
         return proposals
 
+    def snapshot(self) -> tuple:
+        """The cache's committed rows [0, filled) and what the next draft starts from."""
+        f = self.filled
+        last_x = self.last_x.clone() if self.last_x is not None else None
+        return self.k[:, :f].clone(), self.v[:, :f].clone(), self.start, f, last_x, self.last_token
+
+    def restore(self, snap: tuple) -> None:
+        k, v, self.start, self.filled, self.last_x, self.last_token = snap
+        self.reserve(self.filled + 256)
+        self.k[:, :self.filled], self.v[:, :self.filled] = k, v
+
     def commit(self, out, kept: int, tokens: list[int]) -> None:
         """out: a trunk step over rows [anchor, d_1..] at positions filled..; its first `kept`
         rows are committed, tokens[j] the token committed after kept row j (tokens[-1] the

@@ -106,3 +106,13 @@ class NgramDrafter(DrafterBase):
 
     def commit_deferred(self, items: list[list[int]]) -> None:
         self.extend([t for tokens in items for t in tokens])
+
+    def snapshot(self) -> tuple:
+        return ()  # the history is the prompt: resume rebuilds it
+
+    def restore(self, snap: tuple) -> None:
+        pass
+
+    def resume(self, out, prompt: list[int], start: int) -> None:
+        # begin afresh: where the prompt ends bounds search=prompt|generated, and indexing is cheap
+        self.begin(None, prompt)

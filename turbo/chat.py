@@ -1,0 +1,101 @@
+"""Messages in, an assistant message out: `Runtime.chat` and what a chat session shares with it.
+
+The prompt is the conversation rendered by the install's chat template (turbo/chat_template.py)
+or one given as `template=`; the answer's `<think>...</think>` reasoning is split from its content
+the way vLLM's Qwen3 reasoning parser splits it (`split_reasoning`). `turn_stop_ids` is the one
+place that says which tokens end a turn. Sessions that keep their state: turbo/session.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tokenizers import Tokenizer
+
+from .chat_template import ChatTemplate, encode, install_template
+from .install import Install
+from .options import GENERATION_FIELDS, GenerationOptions
+from .stats import Stats
+
+if TYPE_CHECKING:
+    from .engine import Runtime
+
+THINK, END_THINK = "<think>", "</think>"
+END_OF_TURN = "<|im_end|>"  # the Qwen / ChatML end-of-turn token
+
+
+@dataclass
+class ChatResult:
+    message: dict[str, Any]  # {"role": "assistant", "content": ..., "reasoning_content": ...}
+    tokens: list[int]
+    text: str  # the generated text as is (reasoning and all)
+    stats: Stats
+    prompt_tokens: list[int] = field(default_factory=list)  # the rendered conversation's ids
+
+
+def template_for(install: Install, template: str | ChatTemplate | None) -> ChatTemplate:
+    """The template a chat renders with: the caller's (its text or a ChatTemplate), else the
+    install's (an install without one is refused by name)."""
+    if isinstance(template, ChatTemplate):
+        return template
+    if template is None:
+        return install_template(install)
+    return ChatTemplate(template, "template argument", install.template_files.special_tokens)
+
+
+def split_keywords(kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(generation options, template keyword arguments): a GenerationOptions field is an option."""
+    return ({k: v for k, v in kw.items() if k in GENERATION_FIELDS},
+            {k: v for k, v in kw.items() if k not in GENERATION_FIELDS})
+
+
+def turn_stop_ids(install: Install, tokenizer: Tokenizer) -> tuple[int, ...]:
+    """The tokens that end an assistant turn: the install's eos ids, and the template's
+    end-of-turn token where the vocabulary has it."""
+    end = tokenizer.token_to_id(END_OF_TURN)
+    return tuple(dict.fromkeys(install.eos_ids + ((end,) if end is not None else ())))
+
+
+def opens_think(prompt: str) -> bool:
+    """The generation prompt left a `<think>` open (thinking templates): the answer starts inside it."""
+    return prompt.rfind(THINK) > prompt.rfind(END_THINK)
+
+
+def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
+    """(reasoning, content) as vLLM's Qwen3 reasoning parser: a `<think>` the model wrote is
+    dropped, what comes before the first `</think>` is the reasoning, the rest the content;
+    without a `</think>` there is no reasoning -- unless the prompt opened the `<think>`
+    (`opened`): then an answer cut before its `</think>` is all reasoning."""
+    before, think, after = text.partition(THINK)
+    text = after if think else before
+    reasoning, end, content = text.partition(END_THINK)
+    if end:
+        return reasoning, content
+    return (text, "") if opened else (None, text)
+
+
+def assistant_message(tokenizer: Tokenizer, tokens: list[int], stop_ids: tuple[int, ...],
+                      prompt: str) -> dict[str, Any]:
+    """The turn's message: the tokens up to a trailing end-of-turn token, decoded and split."""
+    n = len(tokens)
+    while n and tokens[n - 1] in stop_ids:
+        n -= 1
+    reasoning, content = split_reasoning(tokenizer.decode(tokens[:n], skip_special_tokens=False),
+                                         opens_think(prompt))
+    message = {"role": "assistant", "content": content}
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
+
+
+def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools: list | None,
+             documents: list | None, template: str | ChatTemplate | None, kw: dict[str, Any]) -> ChatResult:
+    """`Runtime.chat`: render with the generation prompt, generate, split the answer."""
+    chat = template_for(rt.install, template)
+    fields, template_kwargs = split_keywords(kw)
+    prompt = chat.render(messages, add_generation_prompt=True, tools=tools, documents=documents, **template_kwargs)
+    ids = encode(rt.tokenizer, prompt)
+    result = rt.generate(ids, opts, **fields)
+    message = assistant_message(rt.tokenizer, result.tokens, turn_stop_ids(rt.install, rt.tokenizer), prompt)
+    return ChatResult(message, result.tokens, result.text, result.stats, ids)

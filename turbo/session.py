@@ -1,0 +1,266 @@
+"""Chat sessions that keep their state: each turn prefills only what the conversation adds.
+
+Every turn renders the whole conversation (turbo/chat.py) and generates over it, with the tokens
+a fresh generation over that render gives. `Keeper` is how the stream's state comes to hold the
+prompt (the engine's `Start`): it goes on from the longest kept state whose tokens begin the
+render -- the state the last turn left, or a snapshot taken at the start of an assistant turn's
+generation prompt, where a re-render can diverge (a template that drops earlier reasoning, an
+edited system prompt, a retried or edited turn) -- and prefills the rest. K/V only needs its
+length cut back; the GDN and conv states and the drafter's context come from the snapshot.
+`FreshStart` is the plain prefill every other generation uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterator, Protocol
+
+import torch
+
+from .chat import assistant_message, turn_stop_ids
+from .chat_template import ChatTemplate, encode
+from .drafters import Drafter, DrafterBase
+from .errors import TurboError
+from .options import GenerationOptions
+from .stats import Stats
+from .trunk import RecurrentSnapshot, Trunk, TrunkState
+
+if TYPE_CHECKING:
+    from .engine import RoundEvent, Runtime
+
+# Snapshots a session keeps: one per assistant turn (the newest). At the 0.8B shape one is the
+# 18 GDN layers' state and conv window, 18 x (16*128*128 + 3*6144) x 4 bytes = 19.3 MiB,
+# plus the drafter's context (turbo.drafters: snapshot).
+DEFAULT_SNAPSHOTS = 4
+
+
+class Start(Protocol):
+    """How a stream's state comes to hold its prompt (Runtime.stream's `start`)."""
+
+    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
+        """A state holding ids[:-1] (ids[-1] is the first anchor), the drafter begun on it."""
+
+    def finish(self, draft: Any) -> None:
+        """The generation is done: `draft` (the drafter, or the adaptive loop's wrapper of it)
+        as the last round left it."""
+
+
+class FreshStart:
+    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
+        st = trunk.new_state(capacity)
+        aux_layers = draft.aux_layers if draft is not None else ()
+        prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
+        if draft is not None:
+            draft.begin(prompt_out, ids)
+        return st
+
+    def finish(self, draft: Any) -> None:
+        pass
+
+
+FRESH = FreshStart()
+
+
+def tensor_bytes(obj: Any) -> int:
+    if isinstance(obj, torch.Tensor):
+        return obj.nbytes
+    if isinstance(obj, (tuple, list)):
+        return sum(tensor_bytes(x) for x in obj)
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(x) for x in obj.values())
+    return 0
+
+
+def keeps_snapshots(draft: Drafter) -> bool:
+    """The drafter can snapshot, restore and resume its context (turbo.drafters)."""
+    snapshot = getattr(type(draft), "snapshot", DrafterBase.snapshot)
+    return snapshot is not DrafterBase.snapshot and callable(getattr(draft, "resume", None))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    return next((i for i in range(n) if a[i] != b[i]), n)
+
+
+@dataclass
+class Held:
+    """A state to go on from: tokens[:-1] through the trunk, tokens[-1] the anchor after them."""
+
+    tokens: list[int]
+    trunk: RecurrentSnapshot | None  # None: the session's state as the last turn left it
+    draft: Any  # the drafter's snapshot (None: none, or no drafter)
+    drafter: Drafter | None  # whose context `draft` is
+
+    @property
+    def pos(self) -> int:
+        return len(self.tokens) - 1
+
+    @property
+    def nbytes(self) -> int:
+        return (self.trunk.nbytes if self.trunk is not None else 0) + tensor_bytes(self.draft)
+
+    def serves(self, ids: list[int], draft: Drafter | None) -> bool:
+        fits = len(self.tokens) <= len(ids) and ids[:len(self.tokens)] == self.tokens
+        return fits and (draft is None or (self.drafter is draft and self.draft is not None))
+
+
+@dataclass
+class TurnReport:
+    prompt_tokens: int  # the rendered conversation's
+    reused_tokens: int  # of them, held by the state the turn went on from
+    prefilled_tokens: int  # run through the trunk before the first round
+    resumed_from: str  # "last turn" | "snapshot" | "fresh"
+    snapshots: int  # kept after the turn started
+    snapshot_bytes: int  # what they and the last turn's drafter context hold
+    tokens: list[int] = field(default_factory=list)  # generated
+    stats: Stats | None = None
+
+
+class Keeper:
+    """A session's trunk state, its snapshots and the state the last turn left (a `Start`)."""
+
+    def __init__(self, limit: int = DEFAULT_SNAPSHOTS):
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise TurboError(f"snapshots {limit!r}: expected a non-negative integer")
+        self.limit = limit
+        self.st: TrunkState | None = None
+        self.snaps: list[Held] = []  # oldest first; each one's tokens begin the state's
+        self.live: Held | None = None  # the state as the last complete turn left it
+        self.mark = 0  # where this turn's snapshot goes: the start of its generation prompt
+        self.report = TurnReport(0, 0, 0, "fresh", 0, 0)
+        self._draft: Drafter | None = None
+        self._end_draft: Any = None
+
+    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
+        if draft is not None and not keeps_snapshots(draft):  # a caller's drafter object: every turn afresh
+            self.snaps, self.live, self._draft = [], None, None
+            self.st = FRESH.prime(trunk, draft, ids, capacity)
+            self.report = TurnReport(len(ids), 0, len(ids) - 1, "fresh", 0, 0)
+            return self.st
+        held = [h for h in ([self.live] if self.live is not None else []) + self.snaps if h.serves(ids, draft)]
+        base = max(held, key=lambda h: h.pos, default=None)  # the live state first among equals
+        self._draft, self._end_draft, self.live = draft, None, None
+        if base is None:
+            st = self.st = trunk.new_state(capacity)
+            self.snaps, p, how = [], 0, "fresh"
+            if draft is not None:
+                draft.begin(None, ids[:1])
+        else:
+            st, p, how = self.st, base.pos, "last turn" if base.trunk is None else "snapshot"
+            if base.trunk is not None:
+                trunk.restore(st, base.trunk)
+                self.snaps = [h for h in self.snaps if h.pos <= p]  # later ones hold K/V this turn overwrites
+            if draft is not None:
+                draft.restore(base.draft)
+        trunk.reserve(st, capacity)
+        mark = min(self.mark, len(ids) - 1)
+        if p <= mark and not any(h.pos == mark and h.tokens == ids[:mark + 1] for h in self.snaps):
+            self._run(trunk, st, draft, ids, p, mark)
+            p = mark
+            self.snaps = (self.snaps + [Held(ids[:mark + 1], trunk.snapshot(st),
+                                             draft.snapshot() if draft is not None else None, draft)])
+            self.snaps = self.snaps[-self.limit:] if self.limit else []
+        self._run(trunk, st, draft, ids, p, len(ids) - 1)
+        self.report = TurnReport(len(ids), base.pos if base is not None else 0,
+                                 len(ids) - 1 - (base.pos if base is not None else 0), how, len(self.snaps),
+                                 sum(h.nbytes for h in self.snaps))
+        return st
+
+    @staticmethod
+    def _run(trunk: Trunk, st: TrunkState, draft: Drafter | None, ids: list[int], p: int, end: int) -> None:
+        """The state holds ids[:p] (the drafter ids[:p + 1]): run ids[p:end] through both."""
+        if end <= p:
+            return
+        aux = draft.aux_layers if draft is not None else ()
+        out = trunk.prefill(st, ids[p:end], aux) if st.pos == 0 else trunk.extend(st, ids[p:end], aux)
+        if draft is not None:
+            draft.resume(out, ids[:end + 1], p)
+
+    def finish(self, draft: Any) -> None:
+        flush = getattr(draft, "flush", None)  # the adaptive loop's wrapper keeps commits pending
+        if flush is not None:
+            flush()
+        self._end_draft = self._draft.snapshot() if self._draft is not None else None
+
+    def settle(self, ids: list[int], generated: list[int]) -> None:
+        """The turn ended: the state goes on from here if it holds exactly ids + generated (a
+        last round cut short by max_new_tokens or a stop ran the trunk past the answer)."""
+        st = self.st
+        if st is not None and st.pos == len(ids) - 1 + len(generated):
+            self.live = Held(list(ids) + list(generated), None, self._end_draft, self._draft)
+        self.report.snapshot_bytes += tensor_bytes(self._end_draft)
+
+
+class Session:
+    """A conversation with the runtime (Runtime.session): `send`, `retry` and `edit` stream a
+    turn's round events and append the assistant's message to `history` when it completes."""
+
+    def __init__(self, rt: Runtime, template: ChatTemplate, system: str | None = None, tools: list | None = None,
+                 template_kwargs: dict[str, Any] | None = None, snapshots: int = DEFAULT_SNAPSHOTS):
+        self.rt, self.template, self.tools = rt, template, tools
+        self.template_kwargs = dict(template_kwargs or {})
+        self.keeper = Keeper(snapshots)
+        # one place decides a turn's stop tokens (the engine's stop_token_ids, once wired)
+        self.stop_ids = turn_stop_ids(rt.install, rt.tokenizer)
+        self.history: list[dict[str, Any]] = []
+        self.last_turn: TurnReport | None = None
+        self.system = system
+
+    @property
+    def system(self) -> str | None:
+        return self.history[0]["content"] if self.history and self.history[0]["role"] == "system" else None
+
+    @system.setter
+    def system(self, text: str | None) -> None:
+        if self.system is not None:
+            self.history.pop(0)
+        if text is not None:
+            self.history.insert(0, {"role": "system", "content": text})
+
+    def reset(self) -> None:
+        """A new conversation with the same system prompt; the kept states are dropped."""
+        system = self.system
+        self.history, self.last_turn = [], None
+        self.keeper = Keeper(self.keeper.limit)
+        self.system = system
+
+    def send(self, text: str, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+        self.history.append({"role": "user", "content": text})
+        return self._turn(opts, fields)
+
+    def retry(self, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+        """The last assistant turn again (a sampled one draws anew, with a fresh or given seed)."""
+        if self.history and self.history[-1]["role"] == "assistant":
+            self.history.pop()
+        if not self.history or self.history[-1]["role"] != "user":
+            raise TurboError("nothing to retry: the conversation does not end with a user message")
+        return self._turn(opts, fields)
+
+    def edit(self, index: int, text: str, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+        """history[index] (a user message) becomes `text`; the turns after it are dropped."""
+        if not -len(self.history) <= index < len(self.history) or self.history[index]["role"] != "user":
+            raise TurboError(f"history[{index}] is not a user message of this session")
+        del self.history[index:]
+        return self.send(text, opts, **fields)
+
+    def render(self, add_generation_prompt: bool = True) -> str:
+        return self.template.render(self.history, add_generation_prompt=add_generation_prompt, tools=self.tools,
+                                    **self.template_kwargs)
+
+    def _turn(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator[RoundEvent]:
+        prompt = self.render()
+        ids = encode(self.rt.tokenizer, prompt)
+        self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
+        events = self.rt.stream(ids, opts, start=self.keeper, **fields)  # refuses here, before a turn starts
+        return self._follow(ids, prompt, events)
+
+    def _follow(self, ids: list[int], prompt: str, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
+        generated: list[int] = []
+        for event in events:
+            generated += event.tokens
+            if event.done:
+                self.keeper.settle(ids, generated)
+                self.history.append(assistant_message(self.rt.tokenizer, generated, self.stop_ids, prompt))
+                self.last_turn = self.keeper.report
+                self.last_turn.tokens, self.last_turn.stats = generated, event.stats
+            yield event

@@ -6,7 +6,7 @@ drafter, block and rollback, after edits, and with other generations run between
 from __future__ import annotations
 
 import pytest
-from helpers import make_checkpoint, make_drafter
+from turbo.testing import make_checkpoint, make_drafter
 from test_mtp import add_mtp, mtp_tensors
 
 import turbo

@@ -180,6 +180,17 @@ def test_a_drafter_object_without_snapshots_runs_every_turn_afresh(qwen):
         assert turn(s, s.send(text, **opts), **opts).resumed_from == "fresh"
 
 
+def test_the_torch_step_runs_every_turn_afresh(tmp_path):
+    """The torch prefill is not row-equal to its steps: a session there prefills each turn whole,
+    and so still gives exactly a fresh generation's tokens."""
+    make_checkpoint(tmp_path / "hf", 4)
+    rt = turbo.open(repack(tmp_path / "hf", tmp_path / "install", quiet=True), backend="cpu", native=False)
+    assert rt.trunk.stepper.name == "torch"
+    s = rt.session(template=CHATML)
+    opts = dict(max_new_tokens=6, policy="fixed", drafter="ngram", block=3)
+    assert [turn(s, s.send(text, **opts), **opts).resumed_from for text in USER[:3]] == ["fresh"] * 3
+
+
 def test_snapshots_are_bounded(qwen):
     s = qwen.session(template=QWEN35, snapshots=2)
     opts = dict(max_new_tokens=6, policy="fixed", block=3, drafter="mtp")

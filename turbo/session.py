@@ -132,7 +132,9 @@ class Keeper:
         self._end_draft: Any = None
 
     def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
-        if draft is not None and not keeps_snapshots(draft):  # a caller's drafter object: every turn afresh
+        # every turn afresh where a state prefilled in pieces would not be the one prefill gives (the
+        # torch step), or where the drafter cannot snapshot its context (a caller's object)
+        if not trunk.stepper.prefill_rows_are_steps or (draft is not None and not keeps_snapshots(draft)):
             self.snaps, self.live, self._draft = [], None, None
             self.st = FRESH.prime(trunk, draft, ids, capacity)
             self.report = TurnReport(len(ids), 0, len(ids) - 1, "fresh", 0, 0)

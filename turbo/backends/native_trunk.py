@@ -116,6 +116,7 @@ class NativeTrunkStep:
     The trunk arrives packed (turbo/loader.py packs each matrix as it reads it)."""
 
     name = "native"
+    prefill_rows_are_steps = True  # tests/test_native_prefill.py
 
     def __init__(self, trunk):
         self.trunk = trunk

@@ -49,6 +49,9 @@ class TrunkStep(Protocol):
     verify), row-stable: a verify row equals the decode step it stands for, bit for bit."""
 
     name: str  # "native" | "torch"
+    # every prefill row equals the decode step it stands for, bit for bit (so a state prefilled in
+    # two pieces is the one prefill would give: a chat session may go on from it)
+    prefill_rows_are_steps: bool
 
     def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
              rollback: str | None) -> StepOut:

@@ -115,6 +115,7 @@ Mixer = Callable[[int, LayerWeights, torch.Tensor], torch.Tensor]
 
 class TorchTrunkStep:
     name = "torch"
+    prefill_rows_are_steps = False  # a chunked delta rule and one attention call: within tolerance, not bits
 
     def __init__(self, trunk: Trunk):
         self.trunk = trunk

@@ -50,7 +50,8 @@ def turn(s, events, **opts):
     """Runs a turn and checks it against a fresh generation over the rendered conversation."""
     tokens = [t for e in events for t in e.tokens]
     prompt = s.template.render(s.history[:-1], add_generation_prompt=True, tools=s.tools, **s.template_kwargs)
-    fresh = s.rt.generate(encode(s.rt.tokenizer, prompt), **opts)
+    stop_ids = tuple(opts.pop("stop_token_ids", ())) + s.stop_ids  # the caller's and the turn's
+    fresh = s.rt.generate(encode(s.rt.tokenizer, prompt), stop_token_ids=stop_ids, **opts)
     assert tokens == fresh.tokens == s.last_turn.tokens
     if opts.get("policy") != "adaptive":  # adaptive picks its blocks from measured costs (timing)
         assert [getattr(s.last_turn.stats, c) for c in COUNTERS] == [getattr(fresh.stats, c) for c in COUNTERS]
@@ -178,6 +179,21 @@ def test_a_drafter_object_without_snapshots_runs_every_turn_afresh(qwen):
     opts = dict(max_new_tokens=6, policy="fixed", block=2, drafter=Echo())
     for text in USER[:3]:
         assert turn(s, s.send(text, **opts), **opts).resumed_from == "fresh"
+
+
+def test_a_turn_ended_by_a_stop_token_goes_on_exactly(tiny):
+    """A stop token ends a turn inside a speculative block; the next turns are still exactly a
+    fresh generation's, and go on from the kept state."""
+    s = tiny.session(template=CHATML)
+    opts = dict(max_new_tokens=12, policy="fixed", drafter="dflash", block=4)
+    prompt = encode(tiny.tokenizer, render(CHATML, [{"role": "user", "content": USER[0]}],
+                                           add_generation_prompt=True))
+    stop = tiny.generate(prompt, **opts).tokens[5]  # the answer's sixth token ends it
+    events = list(s.send(USER[0], stop_token_ids=[stop], **opts))
+    assert events[-1].finish.reason == "stop" and events[-1].finish.matched == stop
+    assert turn(s, iter(events), stop_token_ids=[stop], **opts).tokens[-1] == stop
+    for text in USER[1:3]:
+        assert turn(s, s.send(text, **opts), **opts).resumed_from in ("last turn", "snapshot")
 
 
 def test_the_torch_step_runs_every_turn_afresh(tmp_path):

@@ -57,6 +57,12 @@ def turn_stop_ids(install: Install, tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(install.eos_ids + ((end,) if end is not None else ())))
 
 
+def turn_options(opts: GenerationOptions | None, fields: dict[str, Any], stop_ids: tuple[int, ...]) -> GenerationOptions:
+    """The caller's options with the turn's stop tokens added to any they gave."""
+    o = (opts if opts is not None else GenerationOptions()).but(**fields)
+    return o.but(stop_token_ids=tuple(dict.fromkeys((o.stop_token_ids or ()) + stop_ids)))
+
+
 def opens_think(prompt: str) -> bool:
     """The generation prompt left a `<think>` open (thinking templates): the answer starts inside it."""
     return prompt.rfind(THINK) > prompt.rfind(END_THINK)
@@ -95,7 +101,7 @@ def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools:
     chat = template_for(rt.install, template)
     fields, template_kwargs = split_keywords(kw)
     prompt = chat.render(messages, add_generation_prompt=True, tools=tools, documents=documents, **template_kwargs)
-    ids = encode(rt.tokenizer, prompt)
-    result = rt.generate(ids, opts, **fields)
-    message = assistant_message(rt.tokenizer, result.tokens, turn_stop_ids(rt.install, rt.tokenizer), prompt)
+    ids, stop_ids = encode(rt.tokenizer, prompt), turn_stop_ids(rt.install, rt.tokenizer)
+    result = rt.generate(ids, turn_options(opts, fields, stop_ids))
+    message = assistant_message(rt.tokenizer, result.tokens, stop_ids, prompt)
     return ChatResult(message, result.tokens, result.text, result.stats, ids)

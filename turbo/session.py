@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Protocol
 
 import torch
 
-from .chat import assistant_message, turn_stop_ids
+from .chat import assistant_message, turn_options, turn_stop_ids
 from .chat_template import ChatTemplate, encode
 from .drafters import Drafter, DrafterBase
 from .errors import TurboError
@@ -202,7 +202,7 @@ class Session:
         self.rt, self.template, self.tools = rt, template, tools
         self.template_kwargs = dict(template_kwargs or {})
         self.keeper = Keeper(snapshots)
-        # one place decides a turn's stop tokens (the engine's stop_token_ids, once wired)
+        # what ends a turn, besides the caller's stop_token_ids (turbo.chat.turn_stop_ids)
         self.stop_ids = turn_stop_ids(rt.install, rt.tokenizer)
         self.history: list[dict[str, Any]] = []
         self.last_turn: TurnReport | None = None
@@ -253,7 +253,8 @@ class Session:
         prompt = self.render()
         ids = encode(self.rt.tokenizer, prompt)
         self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
-        events = self.rt.stream(ids, opts, start=self.keeper, **fields)  # refuses here, before a turn starts
+        # refuses here, before a turn starts
+        events = self.rt.stream(ids, turn_options(opts, fields, self.stop_ids), start=self.keeper)
         return self._follow(ids, prompt, events)
 
     def _follow(self, ids: list[int], prompt: str, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:

@@ -11,7 +11,7 @@ import pytest
 import turbo
 from turbo import engine
 from turbo.errors import TurboError
-from turbo.stops import Finish
+from turbo.stops import Finish, Stopper
 
 CODE = "def fib(n):"  # the DFlash drafter lands here
 REPEAT = "import os\nimport sys\nimport os\nimport sys\nimport os\n"  # and the n-gram drafter here
@@ -33,16 +33,14 @@ def greedy(rt):
 @pytest.fixture
 def cuts(monkeypatch):
     """(tokens the round would commit, how many the stop kept) for every round the engine plays."""
-    seen, real = [], engine.play_round
+    seen, real = [], Stopper.cut
 
-    def spy(trunk, st, drafter, anchor, block, rollback, sampler=None, cut=None):
-        def watched(tokens):
-            keep = cut(tokens)
-            seen.append((len(tokens), keep))
-            return keep
-        return real(trunk, st, drafter, anchor, block, rollback, sampler, watched)
+    def watched(self, tokens):
+        keep = real(self, tokens)
+        seen.append((len(tokens), keep))
+        return keep
 
-    monkeypatch.setattr(engine, "play_round", spy)
+    monkeypatch.setattr(Stopper, "cut", watched)
     return seen
 
 

@@ -294,14 +294,18 @@ class Runtime:
                 if self._generation != me:
                     raise TurboError(ABANDONED)
                 block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
-                r = play_round(trunk, st, draft, anchor, block, rollback, sampler, stops.cut)
+                r = play_round(trunk, st, draft, anchor, block, rollback, sampler,
+                               stops.cut if origin.keeps_state else None)
                 if chooser is not None:
                     chooser.observe(block, r.landed, r.draft_s, r.verify_s, r.rollback_s)
             # the counters keep the trunk's verdict on the proposals: a stop decides what is
             # committed, not how well the drafter guessed
             stats.record_round(len(r.proposals), r.landed, r.replayed)
-            n, room = r.accepted, max_new - len(generated)
-            committed = (r.proposals[:n] + [r.bonus])[:room]
+            committed = r.proposals[:r.accepted] + [r.bonus]
+            if not origin.keeps_state:  # (else play_round cut the round at the stop already)
+                keep = stops.cut(committed)
+                committed = committed[:keep] if keep is not None else committed
+            committed = committed[:max_new - len(generated)]
             flags = [i < r.landed for i in range(len(committed))]
             generated += committed
             now = time.perf_counter()

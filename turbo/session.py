@@ -37,6 +37,10 @@ DEFAULT_SNAPSHOTS = 4
 class Start(Protocol):
     """How a stream's state comes to hold its prompt (Runtime.stream's `start`)."""
 
+    # the state goes on after the generation (a session's): a stop inside a round then cuts the
+    # state back to it; otherwise the state is dropped and the round is played whole
+    keeps_state: bool
+
     def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
         """A state holding ids[:-1] (ids[-1] is the first anchor), the drafter begun on it."""
 
@@ -46,6 +50,8 @@ class Start(Protocol):
 
 
 class FreshStart:
+    keeps_state = False
+
     def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
         st = trunk.new_state(capacity)
         aux_layers = draft.aux_layers if draft is not None else ()
@@ -118,6 +124,8 @@ class TurnReport:
 
 class Keeper:
     """A session's trunk state, its snapshots and the state the last turn left (a `Start`)."""
+
+    keeps_state = True
 
     def __init__(self, limit: int = DEFAULT_SNAPSHOTS):
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:

@@ -10,9 +10,10 @@ import torch
 from turbo.testing import hf_config, make_checkpoint, make_drafter, make_moe_checkpoint
 from test_mtp import add_mtp, mtp_tensors
 
+from turbo.errors import TurboError
 from turbo.install import open_install
-from turbo.load_plan import (COPY, NATIVE_OFF, PACKED, PANELS, TENSOR, Host, layer_matrices, plan_dflash, plan_mtp,
-                             plan_trunk)
+from turbo.load_plan import (COPY, DRAFT, DRAFT_HEAD, NATIVE_OFF, PACKED, PANELS, TENSOR, Host, layer_matrices,
+                             plan_dflash, plan_mtp, plan_trunk)
 from turbo.options import OpenOptions
 from turbo.repack import repack
 
@@ -90,19 +91,64 @@ def test_int4_is_read_packed_where_the_host_can(int4):
     assert not any(s.keep for m in matrices(plan(int4, native=False, quant_cpu="dequant")) for s in m.sources)
 
 
+def dflash_layers(install) -> int:
+    return sum(n.startswith("dflash.layers.") and n.endswith(".input_layernorm.weight") for n in install.index.entries)
+
+
+def plan_dflash_on(install, host=VNNI, head=torch.float32, dtype=torch.float32, device=CPU, **opts):
+    embed = torch.empty(install.arch.vocab, install.arch.hidden, device="meta")  # (the trunk's table: its kind only)
+    return plan_dflash(headers_only(install), dflash_layers(install), True, True, dtype, opts=OpenOptions(**opts),
+                       device=device, host=host, embed=embed, head=head)
+
+
 def test_drafters_have_their_matrices_planned(int4):
-    mtp = plan_mtp(headers_only(int4), int4.arch, torch.float32)
+    mtp = plan_mtp(headers_only(int4), int4.arch, torch.float32, NATIVE_OFF, "auto", Host())
     assert set(mtp.matrices) == {"fc"} and [s.name for s in mtp.layer.mixer["qkv"].sources] == [
         "mtp.layers.0.self_attn.q_proj.weight", "mtp.layers.0.self_attn.k_proj.weight",
         "mtp.layers.0.self_attn.v_proj.weight"]
     assert mtp.storage == torch.float32 and mtp.stored == {"U32"}  # (the MTP head is quantized too)
-    layers = sum(n.startswith("dflash.layers.") and n.endswith(".input_layernorm.weight") for n in int4.index.entries)
-    dflash = plan_dflash(headers_only(int4), layers, True, True, torch.float32)
+    assert (mtp.why_torch, mtp.layout, mtp.head) == (NATIVE_OFF, None, None)
+    layers = dflash_layers(int4)
+    dflash = plan_dflash_on(int4, native=False)
     assert {"fc", "layers.0.q", "layers.1.down", "layers.1.attn_proj", "layers.1.mlp_proj"} <= set(dflash.matrices)
     assert len(dflash.matrices) == 1 + layers * 9
-    for m in (*mtp.matrices.values(), *layer_matrices(mtp.layer), *dflash.matrices.values()):
+    assert dflash.why_torch == NATIVE_OFF and [s.name for s in dflash.head.sources] == [DRAFT_HEAD]
+    for m in (*mtp.matrices.values(), *layer_matrices(mtp.layer), *dflash.matrices.values(), dflash.head):
         assert m.form == TENSOR and m.dtype == torch.float32 and not any(s.keep for s in m.sources)
-    assert "layers.0.attn_proj" not in plan_dflash(headers_only(int4), 2, False, False, torch.float32).matrices
+    no_conv = plan_dflash(headers_only(int4), 2, False, False, torch.float32, opts=OpenOptions(native=False),
+                          device=CPU, host=Host(), embed=None, head=torch.float32)
+    assert "layers.0.attn_proj" not in no_conv.matrices
+
+
+@pytest.mark.parametrize("products, layout", [("auto", "int8"), ("fp32", "panels"), ("bf16", "pairs"),
+                                              ("int8", "int8")])
+def test_native_drafters_are_packed_for_their_products(int4, products, layout):
+    """On the native step every drafter matrix is read packed for the draft products (DRAFT), so
+    the step constructors bind them as given; the DFlash lm_head keeps a bf16 trunk head bf16."""
+    mtp = plan_mtp(headers_only(int4), int4.arch, torch.float32, None, products, VNNI)
+    assert mtp.why_torch is None and mtp.layout == layout
+    for m in (*mtp.matrices.values(), *layer_matrices(mtp.layer)):
+        assert (m.form, m.dtype, m.layout) == (DRAFT, mtp.storage, layout)
+    for head in (torch.float32, torch.bfloat16):
+        dflash = plan_dflash_on(int4, head=head, draft_products=products)
+        assert dflash.why_torch is None and dflash.layout == layout
+        assert {(m.form, m.dtype, m.layout) for m in dflash.matrices.values()} == {(DRAFT, dflash.storage, layout)}
+        assert (dflash.head.form, dflash.head.dtype, dflash.head.layout) == (DRAFT, head, layout)
+
+
+def test_drafter_products_follow_the_host_and_the_step(int4):
+    assert plan_dflash_on(int4, PLAIN).layout == "panels"  # auto: the fastest the host has
+    with pytest.raises(TurboError, match="draft_products int8"):
+        plan_dflash_on(int4, PLAIN, draft_products="int8")
+    torch_step = plan_dflash_on(int4, dtype=torch.bfloat16)
+    assert torch_step.why_torch == "activations are bfloat16" and torch_step.head.form == TENSOR
+    assert plan_dflash_on(int4, Host("no C compiler on PATH (set CC)")).why_torch == "no C compiler on PATH (set CC)"
+    with pytest.raises(TurboError, match=r"draft_products bf16: the drafter's native CPU pass is not in use "
+                                         r"\(the drafter runs on cuda\)"):
+        plan_dflash_on(int4, Host(), device=torch.device("cuda"), draft_products="bf16")
+    with pytest.raises(TurboError, match=r"draft_products int8: the MTP head's native CPU step is not in use "
+                                         r"\(TURBO_NATIVE=0\)"):
+        plan_mtp(headers_only(int4), int4.arch, torch.float32, NATIVE_OFF, "int8", Host())
 
 
 def test_int8_tied_head_is_a_copy_in_the_layers_format(tmp_path):

@@ -17,6 +17,7 @@ from .arch import Arch
 from .backends import native_dflash, native_lib, native_pack, native_trunk
 from .drafters.dflash_config import dflash_layer_tensor
 from .drafters.mtp import MTP_PREFIX
+from .errors import TurboError
 from .install import Entry
 from .options import OpenOptions
 from .trunk import PREFIX
@@ -29,6 +30,9 @@ TENSOR = "tensor"  # torch step: a tensor in `dtype` (quantized sources dequanti
 PANELS = "panels"  # native step: float panels of `dtype` ("panel_pairs" for bf16), packed a slice at a time
 PACKED = "packed"  # native step: int4 / int8 read as stored (`bits`), native_pack.quantized_panels
 COPY = "copy"  # native step: a float table quantized at load to `bits` (a tied lm_head; native_pack.quantized_copy)
+DRAFT = "draft"  # a drafter's native step: read as a TENSOR in its dtype, packed for its products (`dtype`, `draft`)
+
+DRAFT_HEAD = "the trunk's lm_head"  # a DFlash drafter's lm_head source: the dense head the loader is given
 
 
 @dataclass(frozen=True)
@@ -57,9 +61,12 @@ class Matrix:
     dtype: torch.dtype | None = None  # TENSOR: the tensors'; PANELS: the panels'
     bits: int = 0  # PACKED, COPY
     kernel: bool = False  # TENSOR: kept sources run quant's CPU kernel (QuantizedWeight.use_kernel)
+    draft: str | None = None  # DRAFT: the drafter's products' layout (native_lib.draft_layout)
 
     @property
     def layout(self) -> str:  # PANELS: bf16 in pairs (the same products, less widening)
+        if self.draft is not None:
+            return self.draft
         return "panel_pairs" if self.dtype == torch.bfloat16 else "panels"
 
 
@@ -111,13 +118,17 @@ class TrunkPlan:
 @dataclass(frozen=True)
 class DrafterPlan:
     """A drafter's matrices by name (MTP: "fc"; DFlash: "fc", "layers.{i}.q" ... as
-    native_dflash.DFLASH_MATRICES), the MTP head's layer, and the dtype its native step keeps float
-    matrices in. For now every matrix is read as a TENSOR and the step constructors pack them
-    (native_trunk.NativeMtpStep / NativeDflashStep)."""
+    DFLASH_LAYER and DFLASH_CONV), the MTP head's layer, the DFlash lm_head (`head`, from the
+    trunk's: DRAFT_HEAD), and which step runs it: on the native step (`why_torch` None) every
+    matrix is DRAFT, packed in `storage` and `layout` as read, so the step binds them as given;
+    on the torch step they are TENSORs in the drafter's dtype."""
     matrices: dict[str, Matrix]
     layer: LayerPlan | None
+    head: Matrix | None
     stored: frozenset[str]  # the stored dtypes of the tensors read in the drafter's dtype
     storage: torch.dtype
+    why_torch: str | None
+    layout: str | None  # the native step's products' (native_lib.draft_layout)
 
 
 def in_moe_block(name: str) -> bool:
@@ -193,6 +204,7 @@ class _Rules:
     int8: bool  # its products read int4 / int8 packed (native_pack.reads_packed)
     storage: torch.dtype | None = None
     keep_quantized: bool = True  # the torch step may keep quantized sources packed (drafters: dequantized)
+    draft: str | None = None  # a drafter's native step: every matrix DRAFT in `storage`, this layout
 
     def read_packed(self, name: str, e: Entry) -> bool:
         """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
@@ -219,7 +231,9 @@ class _Rules:
 
     def matrix(self, sources: list[tuple[str, tuple[int, ...] | None]], fmt: torch.dtype | int | None) -> Matrix:
         """The sources fused by rows, in `fmt` on the native step (bits: read packed; a dtype:
-        float panels; None: `storage`), else a tensor in `dtype`."""
+        float panels; None: `storage`), else a tensor in `dtype` (a drafter's native step: DRAFT)."""
+        if self.draft is not None:
+            return Matrix(tuple(Source(n, s) for n, s in sources), DRAFT, self.storage, draft=self.draft)
         if self.storage is None:
             return Matrix(tuple(Source(n, s, self.keeps(n)) for n, s in sources), TENSOR, self.dtype,
                           kernel=self.mode != "packed" and self.on_cpu)  # (on cuda: the quantized GEMV kernel)
@@ -320,7 +334,7 @@ def _plan_moe(r: _Rules, a: Arch, mlp: str) -> MoePlan:
     )
 
 
-# The DFlash layer matrices (native_dflash.DFLASH_MATRICES) and their tensors; the conv's only with a conv.
+# The DFlash layer matrices native_dflash.c reads packed, and their tensors; the conv's only with a conv.
 DFLASH_LAYER = {"q": "self_attn.q_proj.weight", "k": "self_attn.k_proj.weight", "v": "self_attn.v_proj.weight",
                 "o": "self_attn.o_proj.weight", "gate": "mlp.gate_proj.weight", "up": "mlp.up_proj.weight",
                 "down": "mlp.down_proj.weight"}
@@ -349,24 +363,54 @@ def _stored(entries: Mapping[str, Entry], names: list[str]) -> frozenset[str]:
     return frozenset(entries[n].st_dtype for n in names if n in entries)
 
 
-def plan_mtp(entries: Mapping[str, Entry], arch: Arch, dtype: torch.dtype) -> DrafterPlan:
-    """The MTP head's matrices (its layer is trunk-shaped, attention), in the trunk's `dtype`."""
+def _draft_step(why: str | None, products: str, host: Host, part: str) -> str | None:
+    """The native step's layout for `products` (why None), else None: drafter-only products are
+    the native step's, the torch step computes in fp32."""
+    if why is None:
+        return native_lib.draft_layout(products, host.layouts)
+    if products not in ("auto", "fp32"):
+        raise TurboError(f"draft_products {products}: {part} is not in use ({why}); expected auto or fp32")
+    return None
+
+
+def plan_mtp(entries: Mapping[str, Entry], arch: Arch, dtype: torch.dtype, why_torch: str | None,
+             products: str, host: Host) -> DrafterPlan:
+    """The MTP head's matrices (its layer is trunk-shaped, attention), in the trunk's `dtype`, on
+    the trunk's step (`why_torch` the trunk's: native.c's attn_layer and head on the native one)."""
+    layout = _draft_step(why_torch, products, host, "the MTP head's native CPU step")
+
+    def planned(r: _Rules) -> tuple[LayerPlan, Matrix]:
+        return (_plan_layer(r, arch, MTP_PREFIX + "layers.0.", False, arch.moe, None),
+                r.matrix([(MTP_PREFIX + "fc.weight", (arch.hidden, 2 * arch.hidden))], None))
+
     r = _drafter_rules(entries, dtype)
-    layer = _plan_layer(r, arch, MTP_PREFIX + "layers.0.", False, arch.moe, None)
-    fc = r.matrix([(MTP_PREFIX + "fc.weight", (arch.hidden, 2 * arch.hidden))], None)
+    layer, fc = planned(r)
     stored = _stored(entries, [s.name for m in (fc, *layer_matrices(layer)) for s in m.sources])
-    return DrafterPlan({"fc": fc}, layer, stored, native_pack.storage_dtype(dtype, set(stored)))
+    storage = native_pack.storage_dtype(dtype, set(stored))
+    if layout is not None:
+        layer, fc = planned(replace(r, storage=storage, draft=layout))
+    return DrafterPlan({"fc": fc}, layer, None, stored, storage, why_torch, layout)
 
 
-def plan_dflash(entries: Mapping[str, Entry], layers: int, conv: bool, selector: bool,
-                dtype: torch.dtype) -> DrafterPlan:
-    """The DFlash drafter's matrices (shapes derived and checked by dflash_config), in `dtype`."""
-    r = _drafter_rules(entries, dtype)
+def plan_dflash(entries: Mapping[str, Entry], layers: int, conv: bool, selector: bool, dtype: torch.dtype, *,
+                opts: OpenOptions, device: torch.device, host: Host, embed, head: torch.dtype) -> DrafterPlan:
+    """The DFlash drafter's matrices (shapes derived and checked by dflash_config), in `dtype`,
+    over the trunk's `embed` table and its lm_head (dense, in `head`): on native_dflash.c where it
+    can run (dflash_refusal), else the torch step. A bf16 head stays bf16 on the native step."""
+    why = NATIVE_OFF if not opts.native else native_dflash.dflash_refusal(device, dtype, embed) or host.library
+    layout = _draft_step(why, opts.draft_products, host, "the drafter's native CPU pass")
     names = {"fc": "dflash.fc.weight"} | {f"layers.{i}.{key}": dflash_layer_tensor(i, tensor) for i in range(layers)
                                           for key, tensor in (DFLASH_LAYER | (DFLASH_CONV if conv else {})).items()}
     # the drafter's `stored`: every tensor read in its dtype (its conv's bases; the selector's under fp32)
     also = [dflash_layer_tensor(i, b) for i in range(layers) for b in DFLASH_BASES] if conv else []
     also += [DFLASH_SELECTOR + n for n in SELECTOR_TENSORS] if selector and dtype == torch.float32 else []
     stored = _stored(entries, [*names.values(), *also])
-    return DrafterPlan({key: r.matrix([(name, None)], None) for key, name in names.items()}, None, stored,
-                       native_pack.storage_dtype(dtype, set(stored)))
+    storage = native_pack.storage_dtype(dtype, set(stored))
+    r = _drafter_rules(entries, dtype)
+    if layout is not None:
+        r = replace(r, storage=storage, draft=layout)
+    lm_head = r.matrix([(DRAFT_HEAD, None)], None)
+    if layout is not None:
+        lm_head = replace(lm_head, dtype=torch.bfloat16 if head == torch.bfloat16 else torch.float32)
+    return DrafterPlan({key: r.matrix([(name, None)], None) for key, name in names.items()}, None, lm_head, stored,
+                       storage, why, layout)

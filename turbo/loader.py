@@ -25,9 +25,9 @@ from .drafters.dflash_config import (DflashConfig, DflashShape, derive_published
 from .drafters.mtp import MTP_PREFIX, MtpDrafter, MtpWeights
 from .errors import TurboError
 from .install import Entry, Install, ResidentIndex
-from .load_plan import (COPY, DFLASH_BASES, DFLASH_SELECTOR, NATIVE_OFF, PACKED, TENSOR, DrafterPlan, EmbedPlan, Host,
-                        LayerPlan, Matrix, MoePlan, Source, TrunkPlan, mtp_tensor_shapes, plan_dflash, plan_mtp,
-                        plan_trunk)
+from .load_plan import (COPY, DFLASH_BASES, DFLASH_SELECTOR, DRAFT, DRAFT_HEAD, NATIVE_OFF, PACKED, TENSOR,
+                        DrafterPlan, EmbedPlan, Host, LayerPlan, Matrix, MoePlan, Source, TrunkPlan, mtp_tensor_shapes,
+                        plan_dflash, plan_mtp, plan_trunk)
 from .options import OpenOptions
 from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk, TrunkWeights
 
@@ -69,10 +69,12 @@ def _norm(index, name: str, device: torch.device) -> torch.Tensor:
 class Reader:
     """An install's tensors read as a plan has them, on the host; `dtype` the part's compute
     dtype (quantized matrices dequantized into it). `scratch`: the packing's read buffers
-    (ResidentIndex.rows), one set per fused part, reused for every matrix of a load."""
+    (ResidentIndex.rows), one set per fused part, reused for every matrix of a load. `given`:
+    sources already loaded, by their plan's name (a DFlash drafter's DRAFT_HEAD)."""
     index: ResidentIndex
     dtype: torch.dtype
     scratch: dict[int, dict[torch.dtype, torch.Tensor]] = field(default_factory=dict)
+    given: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def entry(self, s: Source) -> Entry:
         e = self.index.need(s.name)
@@ -87,20 +89,24 @@ class Reader:
     def norm(self, name: str, n: int) -> torch.Tensor:
         return 1.0 + self.tensor(name, (n,), torch.float32)
 
-    def plain(self, s: Source, m: Matrix):
-        """A source as ops.linear takes it: a tensor in m.dtype, or kept a packed QuantizedWeight."""
+    def plain(self, s: Source, dtype: torch.dtype, kernel: bool):
+        """A source as ops.linear takes it: a tensor in `dtype`, or kept a packed QuantizedWeight."""
+        if s.name in self.given:
+            return self.given[s.name].to(dtype)
+        self.entry(s)
         if not s.keep:
-            return self.index.load(s.name, m.dtype)
-        qw = self.index.load_quantized(s.name, m.dtype)
-        qw.use_kernel = m.kernel
+            return self.index.load(s.name, dtype)
+        qw = self.index.load_quantized(s.name, dtype)
+        qw.use_kernel = kernel
         return qw
 
     def matrix(self, m: Matrix):
         """The planned matrix: its sources fused by rows, then (native) packed as read."""
+        if m.form in (TENSOR, DRAFT):  # (DRAFT: read in the part's dtype, then packed for the drafter's products)
+            parts = [self.plain(s, m.dtype if m.form == TENSOR else self.dtype, m.kernel) for s in m.sources]
+            w = parts[0] if len(parts) == 1 else quant.fuse(parts)
+            return w if m.form == TENSOR else native_pack.pack_as(w, m.dtype, m.layout)
         entries = [self.entry(s) for s in m.sources]
-        if m.form == TENSOR:
-            parts = [self.plain(s, m) for s in m.sources]
-            return parts[0] if len(parts) == 1 else quant.fuse(parts)
         if m.form == PACKED:  # (quantized matrices are a fraction of the float size: fused whole)
             return native_pack.quantized_panels(quant.fuse([self.index.load_quantized(e.name, self.dtype)
                                                        for e in entries]))
@@ -220,12 +226,6 @@ def load_drafter(kind: str, install: Install, trunk: Trunk, window: int | None, 
     return load_mtp(install, trunk, opts.draft_products)
 
 
-def _refuse_products(products: str, part: str, why: str) -> None:
-    """Drafter-only products are the native pass's; the torch pass computes in fp32."""
-    if products not in ("auto", "fp32"):
-        raise TurboError(f"draft_products {products}: {part} is not in use ({why}); expected auto or fp32")
-
-
 def _dflash_shape(install: Install, cfg: DflashConfig, window: int | None) -> DflashShape:
     """The drafter's shape, derived from its tensors and checked against its config and `window`."""
     idx = install.index
@@ -261,28 +261,20 @@ def load_dflash(install: Install, embed: torch.Tensor, lm_head: torch.Tensor, wi
     shape = _dflash_shape(install, cfg, window)
     idx = install.index
     device = torch.device(device)
-    plan = plan_dflash(idx.entries, shape.layers, cfg.has_conv, cfg.has_selector, dtype)
-    r = Reader(idx, dtype)
+    plan = plan_dflash(idx.entries, shape.layers, cfg.has_conv, cfg.has_selector, dtype, opts=opts, device=device,
+                       host=host(opts, device), embed=embed, head=lm_head.dtype)
+    r = Reader(idx, dtype, given={DRAFT_HEAD: lm_head})
     layers = [_dflash_layer(r, plan, i, cfg.has_conv, device) for i in range(shape.layers)]
     weights = DflashWeights(
-        embed=embed, lm_head=lm_head.to(dtype), lm_head_bf16=lm_head.dtype == torch.bfloat16,
+        embed=embed, lm_head=r.matrix(plan.head),
         fc=_to(r.matrix(plan.matrices["fc"]), device), hidden_norm=_norm(idx, "dflash.hidden_norm.weight", device),
         final_norm=_norm(idx, "dflash.norm.weight", device),
         hidden_projection=_selector(idx, cfg.has_selector, "hidden_projection.weight", device),
         pred_codebook=_selector(idx, cfg.has_selector, "predecessor_codebook", device),
         succ_codebook=_selector(idx, cfg.has_selector, "successor_codebook", device),
-        layers=layers, inv_freq=_to(ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta), device), stored=set(plan.stored))
-    products = opts.draft_products
-    why = _native_refusal(opts, native_dflash.dflash_refusal(device, dtype, embed))
-    if why is None:
-        layout = native_lib.draft_layout(products)
-
-        def make_step(d: DflashDrafter) -> native_dflash.NativeDflashStep:
-            return native_dflash.NativeDflashStep(d, layout)
-    else:
-        _refuse_products(products, "the drafter's native CPU pass", why)
-        make_step = TorchDflashStep
-    return DflashDrafter(cfg, shape, weights, window or cfg.window, dtype, scale, device, make_step, why)
+        layers=layers, inv_freq=_to(ops.rope_inv_freq(cfg.head_dim, cfg.rope_theta), device))
+    make_step = TorchDflashStep if plan.why_torch else native_dflash.NativeDflashStep
+    return DflashDrafter(cfg, shape, weights, window or cfg.window, dtype, scale, device, make_step, plan.why_torch)
 
 
 def _dflash_layer(r: Reader, plan: DrafterPlan, i: int, conv: bool, device: torch.device) -> DflashLayer:
@@ -325,7 +317,10 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
         if tuple(dims) != shape:
             raise TurboError(f"{name} has shape {list(dims)}, expected {list(shape)} (from the trunk's config)")
     dtype, device = trunk.dtype, trunk.device  # the trunk's: weights moved once at load, the cache there too
-    plan = plan_mtp(index.entries, arch, dtype)
+    # the head runs on the trunk's step: the library is built where that is the native one
+    why = None if trunk.step_name == "native" else trunk.why_torch or "the trunk runs its torch step"
+    here = Host(None, native_lib.dot_layouts()) if why is None else Host()
+    plan = plan_mtp(index.entries, arch, dtype, why, products, here)
     r = Reader(index, dtype)
 
     def norm(name: str) -> torch.Tensor:
@@ -338,12 +333,4 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
         final_norm=norm("norm.weight"),
         layer=_to(r.layer(plan.layer, arch), device),
     )
-    if trunk.step_name == "native":  # so is the head's layer (native.c's attn_layer + head)
-        storage, layout = plan.storage, native_lib.draft_layout(products)
-
-        def make_step(head: MtpDrafter) -> native_trunk.NativeMtpStep:
-            return native_trunk.NativeMtpStep(head, storage, layout)
-    else:
-        _refuse_products(products, "the MTP head's native CPU step", trunk.why_torch)
-        make_step = TorchMtpStep
-    return MtpDrafter(trunk, weights, make_step)
+    return MtpDrafter(trunk, weights, TorchMtpStep if plan.why_torch else native_trunk.NativeMtpStep)

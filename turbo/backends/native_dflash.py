@@ -10,13 +10,10 @@ import torch
 
 from ..drafters.dflash_math import select_candidates
 from .native_lib import WTYPES, DfLayer, Dflash, threaded
-from .native_pack import PackedRows, pack_as, ptr, storage_dtype, table_of
+from .native_pack import PackedRows, ptr, table_of
 
 # native_dflash.c's dflash_select keeps at most this many candidates per row.
 SELECT_MAX_K = 64
-
-# The DFlash layer matrices native_dflash.c reads packed.
-DFLASH_MATRICES = ("q", "k", "v", "o", "gate", "up", "down", "attn_proj", "mlp_proj")
 
 
 def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | None:
@@ -33,22 +30,14 @@ def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | Non
 
 
 class NativeDflashStep:
-    """The DFlash pass and context rows in native_dflash.c (one call each). Packs the
-    drafter's matrices in `layout` (draft_layout) in place, as the trunk's are: from here on
-    the torch pass is not used, and memory is not doubled. A bf16 drafter's stay bf16
-    (widened exactly in the product: the same values, half the bytes)."""
+    """The DFlash pass and context rows in native_dflash.c (one call each). The drafter's
+    matrices and lm_head arrive packed for its products (turbo/loader.py, load_plan.plan_dflash;
+    a bf16 drafter's stay bf16, widened exactly in the product)."""
 
     name = "native"
 
-    def __init__(self, d, layout: str):
+    def __init__(self, d):
         self.d = d
-        storage = storage_dtype(d.dtype, d.stored)
-        for layer in d.layers:
-            for name in DFLASH_MATRICES:
-                if getattr(layer, name) is not None:  # (the conv's projections: absent without a conv)
-                    setattr(layer, name, pack_as(getattr(layer, name), storage, layout))
-        d.fc = pack_as(d.fc, storage, layout)
-        d.lm_head = pack_as(d.lm_head, torch.bfloat16 if d.lm_head_bf16 else torch.float32, layout)
         cfg, shape = d.cfg, d.shape
         embed, embed_wtype, embed_panels = table_of(d.embed)
         self.layers = (DfLayer * len(d.layers))(*(DfLayer(

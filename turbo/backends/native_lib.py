@@ -218,12 +218,13 @@ def check_draft_products(products: str) -> None:
         raise TurboError(f"draft_products {products!r} is not one of auto, {', '.join(DRAFT_PRODUCTS)}")
 
 
-def draft_layout(products: str) -> str:
+def draft_layout(products: str, have: tuple[str, ...] | None = None) -> str:
     """The layout a drafter's matrices take for `products`: "auto" is the fastest this CPU
-    has (int8, then bf16, then fp32: on the tiny install int8 lands as many proposals as
-    fp32 in about two thirds of its time, see README); a named one it lacks is refused."""
+    has (`have`, None: dot_layouts(); int8, then bf16, then fp32: on the tiny install int8
+    lands as many proposals as fp32 in about two thirds of its time, see README); a named one
+    it lacks is refused."""
     check_draft_products(products)
-    have = dot_layouts()
+    have = dot_layouts() if have is None else have
     if products == "auto":
         return next((lay for lay in ("int8", "pairs") if lay in have), "panels")
     layout = DRAFT_PRODUCTS[products]

@@ -8,44 +8,13 @@ import ctypes
 
 import torch
 
-from .. import quant
 from .native_lib import WTYPES, Layer, Moe, library, threaded
-from .native_pack import fp32_matrix, native_bits, pack_as, ptr, table_of
+from .native_pack import ptr, table_of
 from .step import GdnTrace, StepOut, TrunkState
 
 # Rows per call of the native prefill: its working set (activations [chunk, ...], attention
 # scores [chunk, heads, prompt]) is bounded by it, and every matrix is read once per chunk.
 PREFILL_CHUNK = 256
-
-
-def pack_layer(layer, dtype: torch.dtype, layout: str = "panels") -> None:
-    """A trunk-shaped layer's (turbo.trunk.LayerWeights) matrices into `layout` (panels: in
-    `dtype`), in place (ops.linear takes them too). The layer's products share one wtype: a
-    layer of one native quantized format is read packed; any other mix of quantized matrices
-    runs all of them in fp32 (bf16 widened exactly, the quantized ones dequantized at load)."""
-    m = layer.mixer
-    slots = [(m, "in_proj"), (m, "out")] if layer.gdn else [(m, "qkv"), (m, "o")]
-    if layer.moe is None:
-        slots += [(layer, "gate_up"), (layer, "down")]
-    kinds = {native_bits(getattr(owner, name)) for owner, name in slots}
-    mixed = any(isinstance(getattr(owner, name), quant.QuantizedWeight) for owner, name in slots) and (
-        len(kinds) > 1 or None in kinds)
-    for owner, name in slots:
-        w = getattr(owner, name)
-        if mixed:
-            w, dtype, layout = fp32_matrix(w), torch.float32, "panels"
-        setattr(owner, name, pack_as(w, dtype, layout))
-    if layer.moe is None:
-        return
-    e = layer.moe  # native_moe.c reads the whole block in one wtype (the router's): float matrices
-
-    def one(w):
-        return pack_as(fp32_matrix(w) if isinstance(w, quant.QuantizedWeight) else w, dtype, layout)
-
-    e.router, e.gate_up, e.down = one(e.router), [one(w) for w in e.gate_up], [one(w) for w in e.down]
-    if e.shared_gate_up is not None:
-        e.shared_gate_up, e.shared_down, e.shared_gate = (one(w) for w in (e.shared_gate_up, e.shared_down,
-                                                                             e.shared_gate))
 
 
 def moe_struct(a, moe) -> Moe:
@@ -203,14 +172,12 @@ class NativeTrunkStep:
 
 class NativeMtpStep:
     """The MTP head's layer (native_attn.c's attn_layer) and head, on the trunk's native step.
-    Packs the head's matrices in `layout` (draft_layout) in place."""
+    The head's matrices arrive packed for its products (turbo/loader.py, load_plan.plan_mtp)."""
 
     name = "native"
 
-    def __init__(self, head, storage: torch.dtype, layout: str):
+    def __init__(self, head):
         self.head = head
-        pack_layer(head.layer, storage, layout)
-        head.fc = pack_as(head.fc, storage, layout)
         self.struct = layer_struct(head.arch, head.layer, head.trunk.inv_freq, head.trunk.kv_dtype)
         self.address = ctypes.addressof(self.struct)
 

@@ -29,7 +29,7 @@ DFLASH_RING_SLACK = 128
 class DflashLayer:
     in_norm: torch.Tensor
     post_norm: torch.Tensor
-    q: torch.Tensor | Packed  # matrices: Packed on the native step (native_dflash.DFLASH_MATRICES)
+    q: torch.Tensor | Packed  # matrices: Packed on the native step (load_plan.DFLASH_LAYER, DFLASH_CONV)
     k: torch.Tensor | Packed
     v: torch.Tensor | Packed
     o: torch.Tensor | Packed
@@ -47,9 +47,8 @@ class DflashLayer:
 @dataclass
 class DflashWeights:
     embed: torch.Tensor  # [vocab, H]: the trunk's table
-    lm_head: torch.Tensor  # [vocab, H]: the trunk's, in the drafter's dtype
-    lm_head_bf16: bool  # the trunk keeps a bf16 checkpoint's lm_head bf16
-    fc: torch.Tensor  # [H, aux_count * H]
+    lm_head: torch.Tensor | Packed  # [vocab, H]: the trunk's, in the drafter's dtype (native: packed, a bf16 one bf16)
+    fc: torch.Tensor | Packed  # [H, aux_count * H]
     hidden_norm: torch.Tensor  # 1 + w, fp32
     final_norm: torch.Tensor
     hidden_projection: torch.Tensor | None  # [rank, H] fp32 (None: no candidate selector)
@@ -57,7 +56,6 @@ class DflashWeights:
     succ_codebook: torch.Tensor | None
     layers: list[DflashLayer]
     inv_freq: torch.Tensor  # [head_dim / 2]
-    stored: set[str]  # the safetensors dtypes of the weights loaded in the drafter's dtype
 
 
 class DflashDrafter(DrafterBase):
@@ -86,12 +84,12 @@ class DflashDrafter(DrafterBase):
         self.aux_layers = tuple(cfg.target_layers)
         self.dtype, self.scale, self.device = dtype, scale, device
         w = weights
-        self.embed, self.lm_head, self.lm_head_bf16, self.fc = w.embed, w.lm_head, w.lm_head_bf16, w.fc
+        self.embed, self.lm_head, self.fc = w.embed, w.lm_head, w.fc
         self.hidden_norm, self.final_norm = w.hidden_norm, w.final_norm
         self.hidden_projection, self.pred_codebook, self.succ_codebook = (w.hidden_projection, w.pred_codebook,
                                                                           w.succ_codebook)
-        self.layers, self.inv_freq, self.stored = w.layers, w.inv_freq, w.stored
-        self.stepper = make_step(self)  # (may repack the matrices for its own products)
+        self.layers, self.inv_freq = w.layers, w.inv_freq
+        self.stepper = make_step(self)  # (binds the weights as loaded: turbo/loader.py packs them)
         self.why_torch = why_torch  # why the native pass is not the one in use (None: it is)
         self.reset()
 

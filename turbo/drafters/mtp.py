@@ -59,7 +59,7 @@ class MtpDrafter(DrafterBase):
         self.device = trunk.device
         self.fc, self.norm_embedding, self.norm_hidden = weights.fc, weights.norm_embedding, weights.norm_hidden
         self.final_norm, self.layer = weights.final_norm, weights.layer
-        self.stepper = make_step(self)  # (may repack the matrices for its own products)
+        self.stepper = make_step(self)  # (binds the weights as loaded: turbo/loader.py packs them)
         self.reset()
 
     # ---- state -------------------------------------------------------------------------

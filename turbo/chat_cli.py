@@ -169,7 +169,8 @@ class Repl:
 
 
 def read_lines(stdin: TextIO, tty: bool) -> Iterator[str]:
-    """The lines typed: with a `> ` prompt (and line editing) on a terminal only."""
+    """The lines typed: with a `> ` prompt (and line editing) only where stdin and stdout are a
+    terminal, so that piped output holds the answers and stats lines alone."""
     if not tty:
         yield from stdin
         return
@@ -184,4 +185,4 @@ def read_lines(stdin: TextIO, tty: bool) -> Iterator[str]:
 def run_chat_cli(rc: RunConfig, rt: Runtime) -> int:
     session = open_session(rt, rc.chat)
     repl = Repl(rt, session, rc.generation, tty=sys.stdout.isatty())
-    return repl.run(read_lines(sys.stdin, sys.stdin.isatty()))
+    return repl.run(read_lines(sys.stdin, sys.stdin.isatty() and sys.stdout.isatty()))

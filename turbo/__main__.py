@@ -1,8 +1,9 @@
 """python -m turbo [Hydra overrides]: task=generate streams text and a stats line;
-task=probe measures acceptance per block (turbo.probe).
+task=chat reads a conversation from standard input (turbo.chat_cli); task=probe measures
+acceptance per block (turbo.probe).
 
 A user's error (TurboError, an OS error, a bad override) ends it in one stderr line, exit 2;
-Ctrl-C in `interrupted`, exit 130. task=generate runs outside @hydra.main: it writes nothing,
+Ctrl-C in `interrupted`, exit 130. task=generate and task=chat run outside @hydra.main: they write nothing,
 so it needs no Hydra output directory (a read-only working directory is fine).
 """
 
@@ -55,6 +56,9 @@ def run(cfg: DictConfig) -> int:
     if rc.task == "probe":
         from .probe import run_probe  # (as the engine above)
         return run_probe(cfg, rc, runtime=rt)
+    if rc.task == "chat":
+        from .chat_cli import run_chat_cli  # (as the engine above)
+        return run_chat_cli(rc, rt)
     events = rt.stream(rc.prompt, rc.generation)
     if rt.backend.note:  # only once the request is known to be valid: a refusal stays one line
         print(rt.backend.note, file=sys.stderr)
@@ -96,12 +100,12 @@ def main(cfg: DictConfig) -> None:
 
 def cli(argv: list[str]) -> int:
     """Refuse a bad override in one line before Hydra (whose report is many), then run: generate
-    from the config composed here, probe and sweeps (-m) and Hydra's flags under @hydra.main."""
+    and chat from the config composed here, probe and sweeps (-m) and Hydra's flags under @hydra.main."""
     overrides = [a for a in argv if not a.startswith("-")]
     problem = launcher_missing(argv) or unknown_key(CONF_DIR, overrides)
     if problem is None and not any(a.startswith("-") for a in argv):
         cfg, problem = composed([a for a in overrides if not a.startswith(("hydra.", "hydra/"))])
-        if cfg is not None and cfg.task.get("name") == "generate":
+        if cfg is not None and cfg.task.get("name") in ("generate", "chat"):
             return guarded(lambda: run(cfg))
         problem = problem or output_dir_problem(overrides)
     if problem:

@@ -15,6 +15,15 @@ from .options import GenerationOptions, OpenOptions
 
 
 @dataclass(frozen=True)
+class ChatConfig:
+    """task=chat's settings (turbo/chat_cli.py); null keys leave the template's defaults."""
+
+    system: str | None = None  # the system prompt
+    think: bool | None = None  # the template's enable_thinking; None: not passed
+    template: str | None = None  # a .jinja file for an install without a template (or over its own)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     install: str
     opening: OpenOptions  # environment resolved (OpenOptions.from_env)
@@ -23,6 +32,7 @@ class RunConfig:
     workload: str
     prompts: tuple[str, ...]
     task: str
+    chat: ChatConfig = ChatConfig()
 
 
 NGRAM_KEYS = tuple(f.name for f in fields(NgramConfig))
@@ -56,6 +66,20 @@ def _given(cfg: DictConfig, keys: tuple[str, ...]) -> dict[str, object]:
     return {key: str(v) if key in TEXT_KEYS else v for key, v in values if v is not None}
 
 
+THINK_VALUES = {True: True, False: False, "on": True, "off": False}
+
+
+def _chat(cfg: DictConfig) -> ChatConfig:
+    """The `system`, `think` and `chat_template` keys (task=chat)."""
+    system, think, template = cfg.get("system"), cfg.get("think"), cfg.get("chat_template")
+    if think is not None and (isinstance(think, (int, float)) and not isinstance(think, bool)
+                              or think not in THINK_VALUES):
+        raise TurboError(f"config: think={think!r}, expected true, false, on, off or null")
+    return ChatConfig(system=str(system) if system is not None else None,
+                      think=THINK_VALUES[think] if think is not None else None,
+                      template=str(template) if template is not None else None)
+
+
 def run_config(cfg: DictConfig) -> RunConfig:
     try:
         install = cfg.install.path
@@ -75,7 +99,7 @@ def run_config(cfg: DictConfig) -> RunConfig:
         ngram=_ngram(cfg), **_given(cfg, GENERATION_KEYS))
     return RunConfig(install=str(install), opening=opening, generation=generation,
                      prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
-                     workload=str(workload.get("name", "")), prompts=prompts, task=str(task))
+                     workload=str(workload.get("name", "")), prompts=prompts, task=str(task), chat=_chat(cfg))
 
 
 def known_keys(conf_dir: str) -> set[str]:

@@ -1,0 +1,188 @@
+"""python -m turbo task=chat: a conversation read from standard input, one turn per line, over
+`Runtime.session` (turbo/session.py), which keeps the state between turns.
+
+Each line is a user turn, or a command: /reset, /system [TEXT], /think on|off, /retry. The
+answer streams to stdout -- reasoning marked (dim on a terminal, `[thinking] ` before it
+otherwise) -- then one `[stats]` line (as task=generate's, plus what the turn prefilled and the
+state it went on from). EOF ends it (0). Ctrl-C in a turn stops that turn and keeps its partial
+answer as the assistant's message (/retry redoes it); Ctrl-C at the prompt ends it (130, the
+CLI's). A template that is missing, not Jinja or raises, and any refused turn, end it: one line, 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TextIO
+
+from .chat import END_THINK, THINK, assistant_message, opens_think
+from .chat_template import ChatTemplate, compile_template
+from .config import ChatConfig, RunConfig
+from .errors import TurboError
+from .options import GenerationOptions
+from .session import Session, TurnReport
+from .stats import Stats
+from .stops import held_back
+
+if TYPE_CHECKING:
+    from .engine import RoundEvent, Runtime
+
+DIM, PLAIN = "\x1b[2m", "\x1b[0m"
+THINKING = "[thinking] "  # what marks reasoning where stdout is not a terminal
+COMMANDS = "/reset, /system [TEXT], /think on|off, /retry"
+
+
+def chat_template(rt: Runtime, chat: ChatConfig) -> ChatTemplate | None:
+    """The chat_template= file as a template (None: the install's own), checked to compile."""
+    if chat.template is None:
+        return None
+    path = Path(chat.template).expanduser()
+    where = f"chat template {path}"
+    try:
+        source = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TurboError(f"{where}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    compile_template(source, where)
+    return ChatTemplate(source, where, rt.install.template_files.special_tokens)
+
+
+def open_session(rt: Runtime, chat: ChatConfig) -> Session:
+    """The session, its template checked by rendering a first turn (a refusal comes before any
+    output, not at the first answer)."""
+    kwargs = {"enable_thinking": chat.think} if chat.think is not None else {}
+    try:
+        s = rt.session(chat.system, template=chat_template(rt, chat), **kwargs)
+    except TurboError as e:
+        if chat.template is None:  # the install has none: say how to give one
+            raise TurboError(f"{e}; give one with chat_template=FILE.jinja") from None
+        raise
+    s.template.render(s.history + [{"role": "user", "content": "Hello."}], add_generation_prompt=True,
+                      tools=s.tools, **s.template_kwargs)
+    return s
+
+
+class Display:
+    """A turn's text as it streams: what follows `<think>` (the prompt's or the model's) up to
+    `</think>` is reasoning, written marked; the tags themselves are not written."""
+
+    def __init__(self, out: TextIO, tty: bool, thinking: bool):
+        self.out, self.tty, self.thinking = out, tty, False
+        self.pending = ""  # may be the start of a tag
+        if thinking:
+            self._switch()
+
+    def push(self, text: str, final: bool = False) -> None:
+        self.pending += text
+        while (at := self.pending.find(tag := END_THINK if self.thinking else THINK)) >= 0:
+            self.out.write(self.pending[:at])
+            self.pending = self.pending[at + len(tag):]
+            self._switch()
+        keep = 0 if final else held_back(self.pending, (THINK, END_THINK))
+        self.out.write(self.pending[:len(self.pending) - keep])
+        self.pending = self.pending[len(self.pending) - keep:]
+        if final and self.thinking and self.tty:
+            self.out.write(PLAIN)
+        self.out.flush()
+
+    def _switch(self) -> None:
+        self.thinking = not self.thinking
+        if self.tty:
+            self.out.write(DIM if self.thinking else PLAIN)
+        else:
+            self.out.write(THINKING if self.thinking else "\n")
+
+
+def stats_line(stats: Stats, report: TurnReport, interrupted: bool = False) -> str:
+    """task=generate's stats line, with what the turn prefilled and the state it went on from."""
+    line = (f"{stats.line()} | prefilled {report.prefilled_tokens} tok ({report.resumed_from}, "
+            f"{report.reused_tokens} reused) | snapshots {report.snapshots} "
+            f"({report.snapshot_bytes / 2**20:.1f} MiB)")
+    return line + (" | interrupted" if interrupted else "")
+
+
+@dataclass
+class Repl:
+    rt: Runtime
+    session: Session
+    opts: GenerationOptions  # every turn's
+    out: TextIO = sys.stdout
+    err: TextIO = sys.stderr
+    tty: bool = False  # stdout is a terminal: dim reasoning
+    noted: bool = False  # the backend's note and why speculation is off, said once
+
+    def run(self, lines: Iterable[str]) -> int:
+        for line in lines:
+            text = line.rstrip("\n")
+            if text.startswith("/"):
+                self.command(*text.partition(" ")[::2])
+            elif text.strip():
+                self.turn(lambda: self.session.send(text, self.opts))
+        return 0
+
+    def command(self, name: str, arg: str) -> None:
+        s, arg = self.session, arg.strip()
+        if name == "/reset":
+            s.reset()
+        elif name == "/system":
+            s.system = arg or None
+        elif name == "/think" and arg in ("on", "off"):
+            s.template_kwargs["enable_thinking"] = arg == "on"
+        elif name == "/retry" and any(m["role"] == "user" for m in s.history[-2:]):
+            self.turn(lambda: s.retry(self.opts))
+        else:
+            print(f"{name} {arg}".strip() + f": not a command here ({COMMANDS})", file=self.err, flush=True)
+
+    def turn(self, start: Callable[[], Iterator[RoundEvent]]) -> None:
+        """One turn: its answer streamed, then its stats line. Ctrl-C stops it; what it had
+        generated stays in the history as the assistant's message."""
+        s = self.session
+        generated: list[int] = []
+        stats, events, display, interrupted = None, None, None, False
+        try:
+            events = start()
+            display = Display(self.out, self.tty, opens_think(s.render()))  # the history ends with the user's turn
+            for event in events:
+                if not self.noted:
+                    self._note(event.stats)
+                generated += event.tokens
+                stats = event.stats
+                display.push(event.text, final=event.done)
+        except KeyboardInterrupt:
+            interrupted = True
+            getattr(events, "close", lambda: None)()
+            if display is not None:
+                display.push("", final=True)
+            if s.history and s.history[-1]["role"] == "user":
+                s.history.append(assistant_message(self.rt.tokenizer, generated, s.stop_ids, s.render()))
+        print(file=self.out)
+        if stats is not None:
+            print(stats_line(stats, s.keeper.report, interrupted), file=self.out)
+        self.out.flush()
+
+    def _note(self, stats: Stats) -> None:
+        self.noted = True
+        if self.rt.backend.note:
+            print(self.rt.backend.note, file=self.err)
+        if stats.speculation_off_reason and self.opts.policy != "off":
+            print(f"[turbo] speculation off: {stats.speculation_off_reason}", file=self.err)
+
+
+def read_lines(stdin: TextIO, tty: bool) -> Iterator[str]:
+    """The lines typed: with a `> ` prompt (and line editing) only where stdin and stdout are a
+    terminal, so that piped output holds the answers and stats lines alone."""
+    if not tty:
+        yield from stdin
+        return
+    while True:
+        try:
+            yield input("> ")
+        except EOFError:
+            print()
+            return
+
+
+def run_chat_cli(rc: RunConfig, rt: Runtime) -> int:
+    session = open_session(rt, rc.chat)
+    repl = Repl(rt, session, rc.generation, tty=sys.stdout.isatty())
+    return repl.run(read_lines(sys.stdin, sys.stdin.isatty() and sys.stdout.isatty()))

@@ -1,0 +1,84 @@
+"""Time to first token of a chat session's last turn, which prefills only what the conversation
+added, against a fresh generation over the same rendered conversation; interleaved, on a
+published shape (random weights) or tiny.
+
+    python scripts/bench_session.py [--shape qwen3.5-0.8b] [--turns 5] [--new 32] [--reps 3] [--threads 2]
+
+Each repetition plays a new session of --turns turns, then times its last turn's TTFT and a
+fresh `generate` over that turn's prompt, in alternating order (the tokens must agree). Prints
+medians (min..max). A benchmark, not a test: time it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+
+import turbo
+from turbo.chat_template import encode
+from turbo.testing import shapes
+
+CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+USER = ["Write a function that returns the n-th Fibonacci number, and explain how it works step by step.",
+        "Now write the same function in C, with a loop instead of recursion, and say what changes.",
+        "Why is the recursive version slow for large n? Give the number of calls it makes for n = 30.",
+        "Write a class Stack with push, pop and peek, and a short test that uses each of them once.",
+        "Summarise everything we discussed so far in five short bullet points for a newcomer."]
+
+
+def med(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3.5-0.8b", choices=("tiny", *shapes.SHAPES))
+    ap.add_argument("--turns", type=int, default=5)
+    ap.add_argument("--new", type=int, default=32, help="tokens each answer generates")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    rt = turbo.open("tiny" if args.shape == "tiny" else str(shapes.build(args.shape)), backend="cpu")
+    opts = dict(max_new_tokens=args.new, policy="off")
+    kept, fresh, prompt_tokens, prefilled = [], [], 0, 0
+    for rep in range(args.reps):
+        s = rt.session(system="You are a helpful assistant.", template=CHATML)
+        for i in range(args.turns - 1):
+            for _ in s.send(USER[i % len(USER)], **opts):
+                pass
+        s.history.append({"role": "user", "content": USER[(args.turns - 1) % len(USER)]})
+        ids = encode(rt.tokenizer, s.render())
+        s.history.pop()
+
+        def session_turn() -> list[int]:
+            events = list(s.send(USER[(args.turns - 1) % len(USER)], **opts))
+            kept.append(events[0].stats.ttft_s * 1e3)
+            return [t for e in events for t in e.tokens]
+
+        def fresh_turn() -> list[int]:
+            r = rt.generate(ids, stop_token_ids=s.stop_ids, **opts)
+            fresh.append(r.stats.ttft_s * 1e3)
+            return r.tokens
+
+        if rep % 2 == 0:
+            mine, theirs = session_turn(), fresh_turn()
+        else:
+            theirs, mine = fresh_turn(), session_turn()
+        if mine != theirs:
+            sys.exit("the session's turn and the fresh generation disagree")
+        prompt_tokens, prefilled = len(ids), s.last_turn.prefilled_tokens
+    print(f"shape {args.shape}, {args.threads} thread(s), turn {args.turns} of a session: {prompt_tokens} prompt "
+          f"tokens, {prefilled} prefilled; medians of {args.reps} interleaved runs (min..max)")
+    print("| TTFT ms, session (kept state) | TTFT ms, fresh prefill | fresh / session |")
+    print("| ---: | ---: | ---: |")
+    ratio = [f / k for f, k in zip(fresh, kept)]
+    print(f"| {med(kept)} | {med(fresh)} | {statistics.median(ratio):.2f}x ({min(ratio):.2f}..{max(ratio):.2f}) |")
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,9 @@ import difflib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
-from omegaconf import DictConfig, ListConfig
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
@@ -105,7 +107,6 @@ def run_config(cfg: DictConfig) -> RunConfig:
 def known_keys(conf_dir: str) -> set[str]:
     """Every key the config can have, dotted: conf/config.yaml's own and each group option's at
     its package (the group's name, or the root under `# @package _global_`). Hydra's are not in it."""
-    from omegaconf import OmegaConf
 
     def walk(node, prefix: str) -> None:
         for key, value in node.items():
@@ -130,9 +131,6 @@ def unknown_key(conf_dir: str, overrides: list[str]) -> str | None:
     """The first override setting a key the config does not have -- with `+` too: the config is
     closed, so `+blok=4` is a typo, not a new setting -- as one line naming the nearest known key.
     Group selections (`+policy=fixed`, `workload=code`) and hydra.* are Hydra's to check."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:  # a malformed override: composing it reports that

@@ -15,6 +15,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from . import shipped
@@ -90,7 +91,6 @@ def _workload_prompts(name: str) -> tuple[list[str], int]:
 
 def output_dir() -> Path:
     try:
-        from hydra.core.hydra_config import HydraConfig
         return Path(HydraConfig.get().runtime.output_dir)
     except Exception:  # not running under @hydra.main (the API, tests)
         return Path.cwd()
@@ -98,7 +98,6 @@ def output_dir() -> Path:
 
 def _overrides() -> list[str]:
     try:
-        from hydra.core.hydra_config import HydraConfig
         return list(HydraConfig.get().overrides.task)
     except Exception:
         return []

@@ -11,6 +11,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .errors import TurboError
 
 MAX_HEADER_BYTES = 100_000_000  # the library's limit
@@ -194,3 +196,24 @@ def read_header(path: Path) -> Header:
     except OSError as e:
         raise TurboError(f"{path}: cannot read ({e.strerror})") from None
     return parse_header(path, head, size)
+
+
+def write_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = None) -> None:
+    """`tensors` (name -> a CPU torch tensor of a dtype in ST_NAMES) as a safetensors file, in
+    name order (what the trainers export; the `safetensors` package is a test dependency only)."""
+    st_names = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.int32: "I32",
+                torch.int64: "I64", torch.uint8: "U8", torch.int8: "I8"}
+    header: dict = {METADATA: dict(metadata or {})} if metadata else {}
+    blobs, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        blob = t.view(torch.uint8).numpy().tobytes() if t.numel() else b""
+        header[name] = {"dtype": st_names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(blob)]}
+        blobs.append(blob)
+        offset += len(blob)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data section 8-byte aligned, as the library writes it
+    with Path(path).open("wb") as out:
+        out.write(struct.pack("<Q", len(raw)) + raw)
+        for blob in blobs:
+            out.write(blob)

@@ -24,6 +24,7 @@ from ..arch import Arch
 from ..drafters.dflash_config import DFLASH2_ARCH, DFLASH_GROUP_SIZE, DFLASH_LAYERS, DFLASH_TAPS
 from ..errors import TurboError
 from ..ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from ..safetensors_format import write_tensors
 
 # the published DFlash recipe's decay per block size (w_k = exp(-(k - 1) / gamma)); others: block / 2
 PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -313,10 +314,8 @@ def config_json(s: DraftShape) -> dict:
 
 def export(model: DFlash2, out: Path) -> None:
     """config.json + model.safetensors (bf16, published names): what repack --drafter files."""
-    from safetensors.torch import save_file
-
     tensors = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_tensors(out / "model.safetensors", tensors, {"format": "pt"})
     (out / "config.json").write_text(json.dumps(config_json(model.shape), indent=2) + "\n")
 
 

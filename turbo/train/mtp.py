@@ -20,6 +20,7 @@ from ..arch import Arch
 from ..drafters.mtp import MTP_PREFIX
 from ..install import Install
 from ..ops import apply_rope, rope_cos_sin, rope_inv_freq
+from ..safetensors_format import write_tensors
 from .dflash2 import Mlp, ZeroNorm
 
 
@@ -141,7 +142,5 @@ def loss(head: MtpHead, ids: torch.Tensor, hidden: torch.Tensor, greedy: torch.T
 
 def export(head: MtpHead, out: Path) -> None:
     """model.safetensors of `mtp.*` tensors (bf16): what repack --mtp files into an install."""
-    from safetensors.torch import save_file
-
     tensors = {MTP_PREFIX + k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in head.state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_tensors(out / "model.safetensors", tensors, {"format": "pt"})

@@ -7,11 +7,28 @@ from typing import Callable
 from rich.text import Text
 
 from turbo.detokenizer import Detokenizer
+from turbo.errors import TurboError
 
 ACCEPTED_STYLE = "bold #7ee787 on #12351f"  # an accepted draft proposal
 BONUS_STYLE = "#e6edf3"  # the trunk's bonus token (or any token when not speculating)
 PROMPT_STYLE = "dim italic"
 HIDDEN = "·"  # wall-clock figures when timing is hidden (snapshot mode)
+NEWLINE = "⏎"  # how a newline shows in the one-line prompt input (typed or from a preset)
+
+
+def to_input(prompt: str) -> str:
+    return prompt.replace("\n", NEWLINE)
+
+
+def from_input(value: str) -> str:
+    return value.replace(NEWLINE, "\n")
+
+
+def error_text(e: BaseException) -> str:
+    """An exception as the app shows it: a TurboError's own line, else its type and message."""
+    if isinstance(e, TurboError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
 
 
 def visible(s: str) -> str:

@@ -80,8 +80,8 @@ class TurboApp(ChatMode, App):
         Binding("ctrl+l", "new_chat", "New chat"),  # chat and raw: tui/chat.py's check_action picks
         Binding("ctrl+y", "retry", "Retry"),
         Binding("ctrl+p", "edit", "Edit"),
-        Binding("ctrl+b", "reasoning", "Reasoning"),
         Binding("ctrl+g", "toggle_chat", "Chat/raw"),
+        Binding("ctrl+b", "reasoning", "Reasoning", show=False),  # a click on one opens it too
         Binding("ctrl+q", "quit", "Quit"),
     ]
 

@@ -20,6 +20,7 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Static
 
 from turbo.chat import END_THINK, opens_think, split_reasoning
+from turbo.chat_template import ChatTemplate
 from turbo.options import GenerationOptions
 from turbo.session import Session, TurnReport
 
@@ -180,7 +181,8 @@ class ChatView(VerticalScroll):
 
 def chat_pane(system: str) -> ComposeResult:
     with Vertical(id="chat-pane"):
-        yield Input(system, placeholder="system prompt (⏎ sets it; empty: none)", id="system")
+        yield Static("system prompt", classes="section")
+        yield Input(system, placeholder="none (⏎ sets it)", id="system")
         yield ChatView(id="turns")
 
 
@@ -234,15 +236,18 @@ class ChatMode:
         path = self.settings.chat_template
         kw = {} if self.settings.think is None else {"enable_thinking": self.settings.think}
         try:
-            source = Path(path).expanduser().read_text() if path is not None else None
-            s = self.runtime.session(self.query_one("#system", Input).value or None, template=source, **kw)
+            rt = self.runtime
+            # the file's path names it in a refusal; the install's special tokens go to it as to its own
+            template = None if path is None else ChatTemplate(Path(path).expanduser().read_text(), path,
+                                                              rt.install.template_files.special_tokens)
+            s = rt.session(self.query_one("#system", Input).value or None, template=template, **kw)
             # a template that is not valid Jinja (or raises for a plain turn) is refused now, not at the first turn
             s.template.render([user_message("hi")], add_generation_prompt=True, **s.template_kwargs)
         except Exception as e:  # noqa: BLE001 - a missing file, a bad template: a message, raw completion stays
             self._apply_mode()
             self._set_status(f"no chat: {error_text(e)} (raw completion only)", error=True)
             return
-        self.session, self.chat_on, self.template_where = s, True, path or s.template.where
+        self.session, self.chat_on, self.template_where = s, True, Path(path).name if path else s.template.where
         self.totals, self.notes, self.editing, self.turn_report = Totals(), {}, None, None
         self._apply_mode()
         self._show_chat()

@@ -26,7 +26,7 @@ from turbo.sampling import sampling_label
 
 from .chat import ChatMode, chat_pane, chat_rows
 from .settings import Settings, mode_label, next_mode, next_temperature
-from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, from_input, header_text,
+from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, from_input, header_info, header_text,
                    position_bars, to_input, visible)
 from .view import error_text as _message
 
@@ -162,30 +162,9 @@ class TurboApp(ChatMode, App):
             self.last_error = message
 
     def _refresh_header(self) -> None:
-        s, st, rt = self.settings, self.last_stats, self.runtime
-        request = (s.policy, s.block, s.rollback)
-        pending = self._ran_with is not None and request != self._ran_with
-        g = s.generation
-        info = {
-            "install": rt.install.name if rt is not None else s.install,
-            "backend": rt.backend.name if rt is not None else s.opening.backend,
-            "max_new_tokens": g.max_new_tokens,
-            "sampling": sampling_label(g),  # the settings': what the next generation samples with
-        }
-        if st is not None and not pending:
-            info |= {"drafter": st.drafter or "none", "policy": st.policy, "block": st.block if st.drafter else "–",
-                     "window": st.window if st.window is not None else "–", "rollback": st.rollback,
-                     "off_reason": st.speculation_off_reason,
-                     "speculating": f"{st.drafter} block {st.block}" if st.drafter else None}
-        else:
-            info |= {"drafter": g.drafter, "policy": s.policy,
-                     "block": s.block if s.block is not None else ("–" if s.policy == "off" else s.policy),
-                     "window": g.window if g.window is not None else "default", "rollback": s.rollback}
-            if pending:
-                info["pending"] = f"{mode_label(s.policy, s.block)} · rollback {s.rollback}"
-                if st is not None and st.drafter and s.policy != "off":  # the drafter stays the same
-                    info |= {"drafter": st.drafter, "window": st.window if st.window is not None else "–"}
-        self._put("#header", header_text(info))
+        rt = self.runtime
+        where = (rt.install.name, rt.backend.name) if rt is not None else None
+        self._put("#header", header_text(header_info(self.settings, self.last_stats, where, self._ran_with)))
 
     # ---- loading -----------------------------------------------------------------------------
 

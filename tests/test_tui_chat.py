@@ -8,6 +8,7 @@ generation over the rendered conversation. Snapshot: tests/__snapshots__/test_tu
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from turbo.chat_template import encode  # noqa: E402
 from turbo.options import OpenOptions  # noqa: E402
 from textual.widgets import Collapsible  # noqa: E402
 from tui import Settings, TurboApp  # noqa: E402
-from tui.chat import Answer, answer_texts, chat_counter_values  # noqa: E402
+from tui.chat import STOPPED_NOTE, Answer, answer_texts, chat_counter_values  # noqa: E402
 from tui.view import Transcript  # noqa: E402
 from test_tui import settle, type_prompt  # noqa: E402
 
@@ -141,7 +142,39 @@ def test_chat_turns_retry_edit_new_chat(tiny, template):
     asyncio.run(run())
 
 
-def test_no_template_stays_raw_and_a_bad_one_is_a_message(tiny, tmp_path):
+def test_a_stopped_turn_is_replaced_by_the_next_message(tiny, template, monkeypatch):
+    stream = tiny.stream
+
+    def paced(*args, **kwargs):  # rounds of at least 20 ms: a turn long enough to be stopped mid-way
+        for event in stream(*args, **kwargs):
+            time.sleep(0.02)
+            yield event
+
+    monkeypatch.setattr(tiny, "stream", paced)  # what the session's turns run through
+
+    async def run():
+        app = TurboApp(chat_settings(template, max_new_tokens=400), runtime=tiny)
+        async with app.run_test(size=SIZE) as pilot:
+            await settle(app, pilot)
+            await type_prompt(pilot, "def fib(n):")
+            await pilot.press("enter")
+            deadline = time.monotonic() + 30
+            while app.last_stats is None or app.last_stats.rounds < 2:
+                assert time.monotonic() < deadline
+                await asyncio.sleep(0.01)
+            await pilot.press("escape")
+            await settle(app, pilot)
+            assert app.last_outcome == "stopped" and app.session.history[-1]["role"] == "user"
+            assert STOPPED_NOTE in str(list(app.query(Answer))[-1].note.content)
+            app.settings = app.settings.with_(max_new_tokens=8)
+            await send(app, pilot, "Now in C.")
+            check_turn(app)
+            assert [m["content"] for m in app.session.history[1:2]] == ["Now in C."] and len(app.session.history) == 3
+
+    asyncio.run(run())
+
+
+def test_no_template_stays_raw_and_a_bad_one_is_a_message(tiny, template, tmp_path):
     async def run():
         app = TurboApp(chat_settings(None), runtime=tiny)
         async with app.run_test(size=SIZE) as pilot:
@@ -150,12 +183,15 @@ def test_no_template_stays_raw_and_a_bad_one_is_a_message(tiny, tmp_path):
             assert app.check_action("toggle_chat", ()) is False and app.check_action("retry", ()) is False
             bad = tmp_path / "bad.jinja"
             bad.write_text("{% for m in messages %}")
-            await type_prompt(pilot, f"/template {bad}")
+            app.query_one("#prompt").value = f"/template {bad}"  # set, not typed: a long path types slowly
             await pilot.press("enter")
             assert not app.chat_on and "no chat" in app.last_error and "bad.jinja" in app.last_error
-            await type_prompt(pilot, f"/template {tmp_path / 'missing.jinja'}")
+            app.query_one("#prompt").value = f"/template {tmp_path / 'missing.jinja'}"
             await pilot.press("enter")
             assert not app.chat_on and "no chat" in app.last_error
+            app.query_one("#prompt").value = f"/template {template}"  # the app loads one: the chat opens
+            await pilot.press("enter")
+            assert app.chat_on and app.check_action("toggle_chat", ()) and app.template_where == "chatml.jinja"
 
     asyncio.run(run())
 

@@ -19,7 +19,7 @@ import turbo  # noqa: E402
 from turbo.chat_template import encode  # noqa: E402
 from turbo.options import OpenOptions  # noqa: E402
 from textual.widgets import Collapsible  # noqa: E402
-from tui import Settings, TurboApp  # noqa: E402
+from tui import Settings, TurboApp, compose_settings  # noqa: E402
 from tui.chat import STOPPED_NOTE, Answer, answer_texts, chat_counter_values  # noqa: E402
 from tui.view import Transcript  # noqa: E402
 from test_tui import settle, type_prompt  # noqa: E402
@@ -220,3 +220,10 @@ def test_snapshot_chat(tiny, template, snap_compare):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
+
+
+def test_chat_keys_from_the_config():
+    """chat_template, system, think are read where the composed config has them (++: added or overridden)."""
+    s = compose_settings(["++chat_template=/x/chat.jinja", "++system=Be brief.", "++think=off"])
+    assert (s.chat_template, s.system, s.think) == ("/x/chat.jinja", "Be brief.", False)
+    assert compose_settings(["++think=true"]).think is True

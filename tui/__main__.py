@@ -12,6 +12,9 @@ import sys
 USAGE = __doc__ + """
 Keys: ⏎ submit · esc stop · ctrl+n policy/block (off, auto, fixed 1..8) · ctrl+r rollback ·
       ctrl+o workload presets · ctrl+l clear · ctrl+q quit.  Type /open PATH to open another install.
+Chat (an install with a chat template, or chat_template=PATH, or type /template PATH):
+      ⏎ sends · ctrl+y retry the last turn · ctrl+p edit an earlier message (again: an earlier one;
+      ⏎ resends, esc cancels) · ctrl+l new chat · ctrl+b reasoning open/closed · ctrl+g chat ⇄ raw.
 """
 
 

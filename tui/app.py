@@ -1,8 +1,9 @@
 """The Textual app: prompt in, tokens streaming out coloured by origin, counters moving per round.
 
 The runtime loads once (in a worker thread); each generation runs in a worker thread that iterates
-`Runtime.stream(...)` and hands every round to the UI with `call_from_thread`. Stopping sets an
-event the worker checks between rounds; it then closes the stream, which leaves the runtime ready.
+`Runtime.stream(...)` (or a chat session's turn: tui/chat.py) and hands every round to the UI with
+`call_from_thread`. Stopping sets an event the worker checks between rounds; it then closes the
+stream, which leaves the runtime ready.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
+from typing import Callable, Iterator
 
 from rich.text import Text
 from textual import on, work
@@ -20,31 +22,23 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
-from turbo.options import GenerationOptions
 from turbo.sampling import sampling_label
 
+from .chat import ChatMode, chat_pane, chat_rows
 from .settings import Settings, mode_label, next_mode, next_temperature
-from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, header_text,
-                   position_bars, visible)
+from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, from_input, header_info, header_text,
+                   position_bars, to_input, visible)
+from .view import error_text as _message
 
 HANDOFF_S = 1 / 15  # the worker hands rounds to the UI at most this often (and at the end)
 RENDER_S = 1 / 10  # the widgets repaint at most this often while tokens stream
-NEWLINE = "⏎"  # how a newline shows in the one-line prompt input (typed or from a preset)
-
-
-def to_input(prompt: str) -> str:
-    return prompt.replace("\n", NEWLINE)
-
-
-def from_input(value: str) -> str:
-    return value.replace(NEWLINE, "\n")
 
 
 class PromptInput(Input):
     BINDINGS = [Binding("enter", "submit", "Submit", key_display="⏎")]
 
 
-class TurboApp(App):
+class TurboApp(ChatMode, App):
     """`TurboApp(settings)` opens settings.install itself; pass `runtime=` to reuse an open one.
     `timing=False` hides wall-clock figures (snapshot tests)."""
 
@@ -66,6 +60,13 @@ class TurboApp(App):
     #status { height: auto; max-height: 4; padding: 0 1; background: $boost; }
     #status.error { color: $error; text-style: bold; }
     #prompt { margin: 0 0; }
+    #chat-pane, #chat-stats { display: none; height: auto; }
+    #chat-pane { width: 1fr; height: 1fr; border: round $primary 60%; }
+    #turns { height: 1fr; padding: 0 1; }
+    .user-turn { margin: 1 0 0 0; }
+    .user-turn.editing { background: $warning 20%; }
+    .answer { height: auto; }
+    .answer .note { color: $text-muted; }
     """
     BINDINGS = [
         Binding("enter", "submit", "Submit", show=False),  # when the focus is off the prompt
@@ -76,6 +77,11 @@ class TurboApp(App):
         Binding("ctrl+t", "cycle_temperature", "Temperature"),
         Binding("ctrl+o", "preset", "Preset"),
         Binding("ctrl+l", "clear", "Clear"),
+        Binding("ctrl+l", "new_chat", "New chat"),  # chat and raw: tui/chat.py's check_action picks
+        Binding("ctrl+y", "retry", "Retry"),
+        Binding("ctrl+p", "edit", "Edit"),
+        Binding("ctrl+g", "toggle_chat", "Chat/raw"),
+        Binding("ctrl+b", "reasoning", "Reasoning", show=False),  # a click on one opens it too
         Binding("ctrl+q", "quit", "Quit"),
     ]
 
@@ -100,6 +106,8 @@ class TurboApp(App):
         self._started = 0.0
         self._dirty = False
         self._shown: dict[str, str] = {}
+        self.raw_placeholder = "type a prompt, ⏎ to generate (⏎ inside the prompt is a newline; ctrl+o: workload presets)"
+        self.chat_init()
 
     # ---- layout ------------------------------------------------------------------------------
 
@@ -108,18 +116,19 @@ class TurboApp(App):
         with Horizontal(id="main"):
             with VerticalScroll(id="output-pane"):
                 yield Static(Text(), id="output")
+            yield from chat_pane(self.settings.system or "")
             with VerticalScroll(id="stats-panel"):
                 for key, label in COUNTER_ROWS:
                     with Horizontal(classes="row"):
                         yield Static(label, classes="row-label")
                         yield Static("–", id=f"stat-{key}", classes="row-value")
+                yield from chat_rows()
                 yield Static("accepted per round", id="spark-label", classes="section")
                 yield Sparkline([], id="spark")
                 yield Static("per-position acceptance", classes="section")
                 yield Static(position_bars([]), id="bars")
         yield Static("", id="status")
-        yield PromptInput(value=to_input(self.settings.prompt), placeholder="type a prompt, ⏎ to generate "
-                          "(⏎ inside the prompt is a newline; ctrl+o: workload presets)", id="prompt")
+        yield PromptInput(value=to_input(self.settings.prompt), placeholder=self.raw_placeholder, id="prompt")
         yield Footer()
 
     def on_mount(self) -> None:
@@ -141,6 +150,7 @@ class TurboApp(App):
             self.load(self.settings.install)
         else:
             self._set_status(f"ready: {self.runtime.install.name} on {self.runtime.backend.name}")
+            self.open_chat()
 
     # ---- status and header -------------------------------------------------------------------
 
@@ -152,30 +162,9 @@ class TurboApp(App):
             self.last_error = message
 
     def _refresh_header(self) -> None:
-        s, st, rt = self.settings, self.last_stats, self.runtime
-        request = (s.policy, s.block, s.rollback)
-        pending = self._ran_with is not None and request != self._ran_with
-        g = s.generation
-        info = {
-            "install": rt.install.name if rt is not None else s.install,
-            "backend": rt.backend.name if rt is not None else s.opening.backend,
-            "max_new_tokens": g.max_new_tokens,
-            "sampling": sampling_label(g),  # the settings': what the next generation samples with
-        }
-        if st is not None and not pending:
-            info |= {"drafter": st.drafter or "none", "policy": st.policy, "block": st.block if st.drafter else "–",
-                     "window": st.window if st.window is not None else "–", "rollback": st.rollback,
-                     "off_reason": st.speculation_off_reason,
-                     "speculating": f"{st.drafter} block {st.block}" if st.drafter else None}
-        else:
-            info |= {"drafter": g.drafter, "policy": s.policy,
-                     "block": s.block if s.block is not None else ("–" if s.policy == "off" else s.policy),
-                     "window": g.window if g.window is not None else "default", "rollback": s.rollback}
-            if pending:
-                info["pending"] = f"{mode_label(s.policy, s.block)} · rollback {s.rollback}"
-                if st is not None and st.drafter and s.policy != "off":  # the drafter stays the same
-                    info |= {"drafter": st.drafter, "window": st.window if st.window is not None else "–"}
-        self._put("#header", header_text(info))
+        rt = self.runtime
+        where = (rt.install.name, rt.backend.name) if rt is not None else None
+        self._put("#header", header_text(header_info(self.settings, self.last_stats, where, self._ran_with)))
 
     # ---- loading -----------------------------------------------------------------------------
 
@@ -213,6 +202,7 @@ class TurboApp(App):
             self.settings = self.settings.with_(install=install)
             note = getattr(rt.backend, "note", "")
             self._set_status(f"ready: {rt.install.name} on {rt.backend.name}" + (f" ({note})" if note else ""))
+            self.open_chat()
         self._refresh_header()
 
     # ---- generation --------------------------------------------------------------------------
@@ -222,43 +212,65 @@ class TurboApp(App):
         event.stop()
         self.action_submit()
 
+    @on(Input.Submitted, "#system")
+    def _system_submitted(self, event: Input.Submitted) -> None:
+        event.stop()
+        self.system_submitted()
+
     def action_submit(self) -> None:
         value = self.query_one("#prompt", PromptInput).value
         if value.startswith("/open "):
             self.load(value[len("/open "):].strip())
             return
+        if value.startswith("/template "):  # a chat template file: the chat opens on it
+            self.settings = self.settings.with_(chat_template=value[len("/template "):].strip())
+            self.open_chat()
+            return
         self.submit(from_input(value))
 
     def submit(self, prompt: str) -> bool:
-        """Start a generation of `prompt` with the current settings; False (and a message) if it cannot."""
+        """Start a generation of `prompt` with the current settings (in chat: send it as the next
+        message); False (and a message) if it cannot."""
+        if self.chat_on:
+            return self.send_message(prompt)
+        if not self._can_generate():
+            return False
+        if not prompt:
+            self._set_status("the prompt is empty", error=True)
+            return False
+        self.prompt_shown = prompt
+        opts = self.settings.generation
+        self._start(lambda: self.runtime.stream(prompt, opts))
+        return True
+
+    def _can_generate(self) -> bool:
         if self.busy:
             self._set_status("a generation is running: esc stops it", error=True)
             return False
         if self.runtime is None:
             self._set_status(f"no install loaded ({self.load_error or 'loading'}); /open PATH opens one", error=True)
             return False
-        if not prompt:
-            self._set_status("the prompt is empty", error=True)
-            return False
+        return True
+
+    def _start(self, begin: Callable[[], Iterator]) -> None:
+        """Run `begin()`'s round events in the worker (`begin` runs there too: it may refuse)."""
         self._gen += 1
         self._stop.clear()
         self.busy, self.stopping, self.last_error, self.last_outcome = True, False, None, None
         self.transcript = Transcript(self.runtime.decode)
         self.accepted_history = []
-        self.prompt_shown = prompt
         self.last_stats = None
         self._ran_with = (self.settings.policy, self.settings.block, self.settings.rollback)
         self._render_round()
         self._started = time.perf_counter()
         self._set_status(f"generating ({mode_label(self.settings.policy, self.settings.block)}) … esc stops")
-        self._generate(self._gen, prompt, self.settings.generation)
-        return True
+        self._generate(self._gen, begin)
 
     @work(thread=True, exit_on_error=False, group="generate")
-    def _generate(self, gen: int, prompt: str, opts: GenerationOptions) -> None:
+    def _generate(self, gen: int, begin: Callable[[], Iterator]) -> None:
         worker = get_current_worker()
         try:
-            events = self.runtime.stream(prompt, opts)
+            events = begin()
         except Exception as e:  # noqa: BLE001 - a refused block, a bad prompt: a message in the app
             self._from_thread(self._finished, gen, "error", _message(e))
             return
@@ -323,8 +335,11 @@ class TurboApp(App):
     def _render_round(self) -> None:
         self._dirty = False
         t = self.transcript
-        self._put("#output", t.rich(self.prompt_shown) if t is not None else Text())
-        self.query_one("#output-pane", VerticalScroll).scroll_end(animate=False)
+        if self.chat_on:
+            self.render_chat()
+        else:
+            self._put("#output", t.rich(self.prompt_shown) if t is not None else Text())
+            self.query_one("#output-pane", VerticalScroll).scroll_end(animate=False)
         for key, value in counter_values(self.last_stats, self.timing).items():
             self._put(f"#stat-{key}", value)
         st = self.last_stats
@@ -341,6 +356,8 @@ class TurboApp(App):
         if gen != self._gen:
             return
         self.busy, self.stopping, self.last_outcome = False, False, outcome
+        if self.chat_on:
+            self.chat_finished(outcome)
         self._render_round()
         st = self.last_stats
         n = st.generated_tokens if st else 0
@@ -356,6 +373,9 @@ class TurboApp(App):
     # ---- keys --------------------------------------------------------------------------------
 
     def action_stop(self) -> None:
+        if not self.busy and self.editing is not None:
+            self.cancel_edit()
+            return
         if not self.busy or self.transcript is None or self.stopping:
             return
         self.stopping = True
@@ -423,10 +443,3 @@ class TurboApp(App):
         """The counters as the stats panel shows them, read back from its widgets."""
         return {key: str(self.query_one(f"#stat-{key}", Static).content) for key, _ in COUNTER_ROWS}
 
-
-def _message(e: BaseException) -> str:
-    from turbo import TurboError
-
-    if isinstance(e, TurboError):
-        return str(e)
-    return f"{type(e).__name__}: {e}"

@@ -45,6 +45,11 @@ class Settings:
     workload: str = ""
     # (workload name, prompt): the composed workload's prompts first, then the other workloads'.
     presets: list[tuple[str, str]] = field(default_factory=list)
+    # chat (tui/chat.py): a template file over the install's own, the system prompt it starts
+    # with, and enable_thinking for the template (None: the template's default)
+    chat_template: str | None = None
+    system: str | None = None
+    think: bool | None = None
 
     # what the keys cycle (ctrl+n, ctrl+r), read where the app shows them
     @property
@@ -93,8 +98,13 @@ def settings_from_config(cfg) -> Settings:
 
     rc = run_config(cfg)
     presets = [(rc.workload, p) for p in rc.prompts] + other_workload_prompts(rc.workload)
+    # the chat keys are read where the config has them (`python -m turbo task=chat` defines them)
+    template, system, think = cfg.get("chat_template"), cfg.get("system"), cfg.get("think")
     return Settings(install=rc.install, opening=rc.opening, generation=rc.generation, prompt=rc.prompt,
-                    workload=rc.workload, presets=presets)
+                    workload=rc.workload, presets=presets,
+                    chat_template=str(template) if template is not None else None,
+                    system=str(system) if system is not None else None,
+                    think=None if think is None else str(think).lower() in ("true", "on", "1", "yes"))
 
 
 def compose_settings(overrides: list[str]) -> Settings:

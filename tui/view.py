@@ -7,11 +7,32 @@ from typing import Callable
 from rich.text import Text
 
 from turbo.detokenizer import Detokenizer
+from turbo.errors import TurboError
+from turbo.sampling import sampling_label
+from turbo.stats import Stats
+
+from .settings import Settings, mode_label
 
 ACCEPTED_STYLE = "bold #7ee787 on #12351f"  # an accepted draft proposal
 BONUS_STYLE = "#e6edf3"  # the trunk's bonus token (or any token when not speculating)
 PROMPT_STYLE = "dim italic"
 HIDDEN = "·"  # wall-clock figures when timing is hidden (snapshot mode)
+NEWLINE = "⏎"  # how a newline shows in the one-line prompt input (typed or from a preset)
+
+
+def to_input(prompt: str) -> str:
+    return prompt.replace("\n", NEWLINE)
+
+
+def from_input(value: str) -> str:
+    return value.replace(NEWLINE, "\n")
+
+
+def error_text(e: BaseException) -> str:
+    """An exception as the app shows it: a TurboError's own line, else its type and message."""
+    if isinstance(e, TurboError):
+        return str(e)
+    return f"{type(e).__name__}: {e}"
 
 
 def visible(s: str) -> str:
@@ -177,3 +198,32 @@ def header_text(info: dict) -> Text:
     else:
         t.append("(no generation yet)", style="dim")
     return t
+
+
+def header_info(s: Settings, st: Stats | None, where: tuple[str, str] | None, ran_with: tuple | None) -> dict:
+    """What the header shows (header_text): the last generation's stats, or what the settings
+    ask of the next one when they changed since (`ran_with`: its policy, block, rollback);
+    `where`: the open runtime's install and backend names."""
+    request = (s.policy, s.block, s.rollback)
+    pending = ran_with is not None and request != ran_with
+    g = s.generation
+    info = {
+        "install": where[0] if where is not None else s.install,
+        "backend": where[1] if where is not None else s.opening.backend,
+        "max_new_tokens": g.max_new_tokens,
+        "sampling": sampling_label(g),  # the settings': what the next generation samples with
+    }
+    if st is not None and not pending:
+        info |= {"drafter": st.drafter or "none", "policy": st.policy, "block": st.block if st.drafter else "–",
+                 "window": st.window if st.window is not None else "–", "rollback": st.rollback,
+                 "off_reason": st.speculation_off_reason,
+                 "speculating": f"{st.drafter} block {st.block}" if st.drafter else None}
+    else:
+        info |= {"drafter": g.drafter, "policy": s.policy,
+                 "block": s.block if s.block is not None else ("–" if s.policy == "off" else s.policy),
+                 "window": g.window if g.window is not None else "default", "rollback": s.rollback}
+        if pending:
+            info["pending"] = f"{mode_label(s.policy, s.block)} · rollback {s.rollback}"
+            if st is not None and st.drafter and s.policy != "off":  # the drafter stays the same
+                info |= {"drafter": st.drafter, "window": st.window if st.window is not None else "–"}
+    return info

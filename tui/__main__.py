@@ -9,6 +9,12 @@ from __future__ import annotations
 
 import sys
 
+from turbo import TurboError
+from turbo.config import unknown_key
+from turbo.extras import require
+
+from .settings import compose_settings, conf_dir
+
 USAGE = __doc__ + """
 Keys: ⏎ submit · esc stop · ctrl+n policy/block (off, auto, fixed 1..8) · ctrl+r rollback ·
       ctrl+o workload presets · ctrl+l clear · ctrl+q quit.  Type /open PATH to open another install.
@@ -23,12 +29,6 @@ def main(argv: list[str] | None = None) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE)
         return 0
-    from turbo import TurboError
-    from turbo.config import unknown_key
-    from turbo.extras import require
-
-    from .settings import compose_settings, conf_dir
-
     try:
         require("textual", "tui")  # before .app, which is built on it
         problem = unknown_key(conf_dir(), argv)
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
               file=sys.stderr)
         return 2
-    from .app import TurboApp
+    from .app import TurboApp  # after require(): textual is the tui extra
 
     TurboApp(settings).run()
     return 0

@@ -22,6 +22,7 @@ from textual.containers import Horizontal, VerticalScroll
 from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
+import turbo
 from turbo.sampling import sampling_label
 
 from .chat import ChatMode, chat_pane, chat_rows
@@ -178,7 +179,6 @@ class TurboApp(ChatMode, App):
 
     @work(thread=True, exit_on_error=False, group="load")
     def _load(self, install: str) -> None:
-        import turbo
 
         try:
             rt = turbo.open(install, self.settings.opening)

@@ -13,10 +13,11 @@ import asyncio
 import sys
 from pathlib import Path
 
+from .app import TurboApp
+from .settings import compose_settings
+
 
 async def _shoot(settings, out: Path, size: tuple[int, int], timing: bool) -> str:
-    from .app import TurboApp
-
     app = TurboApp(settings, timing=timing)
     async with app.run_test(size=size) as pilot:
         for _ in range(2):  # the load, then the generation
@@ -53,8 +54,6 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         else:
             overrides.append(a)
-    from .settings import compose_settings
-
     path = asyncio.run(_shoot(compose_settings(overrides), out, size, timing))
     print(path)
     return 0

@@ -5,8 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from turbo.shipped import CONF_DIR
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from turbo.config import run_config
 from turbo.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
+from turbo.shipped import CONF_DIR
 
 # The draft modes ctrl+n cycles through, between generations: (policy, block).
 MODES: tuple[tuple[str, int | None], ...] = (("off", None), ("auto", None)) + tuple(("fixed", b) for b in range(1, 9))
@@ -77,8 +81,6 @@ def conf_dir() -> str:
 
 def other_workload_prompts(current: str) -> list[tuple[str, str]]:
     """Prompts of the workloads in conf/workload/ other than `current`, in name order."""
-    from omegaconf import OmegaConf
-
     out = []
     for path in sorted(Path(conf_dir(), "workload").glob("*.yaml")):
         try:
@@ -94,8 +96,6 @@ def other_workload_prompts(current: str) -> list[tuple[str, str]]:
 
 def settings_from_config(cfg) -> Settings:
     """A composed DictConfig -> Settings, through turbo.config.run_config (raises TurboError)."""
-    from turbo.config import run_config
-
     rc = run_config(cfg)
     presets = [(rc.workload, p) for p in rc.prompts] + other_workload_prompts(rc.workload)
     # the chat keys are read where the config has them (`python -m turbo task=chat` defines them)
@@ -109,8 +109,6 @@ def settings_from_config(cfg) -> Settings:
 
 def compose_settings(overrides: list[str]) -> Settings:
     """Compose conf/config.yaml with Hydra overrides exactly as `python -m turbo` does."""
-    from hydra import compose, initialize_config_dir
-
     with initialize_config_dir(version_base=None, config_dir=conf_dir(), job_name="tui"):
         cfg = compose(config_name="config", overrides=list(overrides))
     return settings_from_config(cfg)

@@ -20,7 +20,6 @@ from .backends.step import StepOut, TrunkState, TrunkStep
 
 PREFIX = "trunk."
 # rows a step of `extend`: a step's logits cover every row ([64, vocab] fp32: 64 MB at a 248K vocabulary)
-EXTEND_CHUNK = 64
 
 
 @dataclass
@@ -158,14 +157,14 @@ class Trunk:
         return self.stepper.prefill(st, tokens, aux_layers, want_logits)
 
     def extend(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...] = ()) -> StepOut:
-        """Prompt rows after the `st.pos` the state holds, in steps of EXTEND_CHUNK rows. Every
-        step row equals the decode step it stands for, as every native prefill row does
-        (tests/test_native_prefill.py), so two pieces give the bits one prefill gives there;
-        the torch prefill computes its own way (within the parity tolerance) and does not."""
-        parts = [self.step(st, tokens[c:c + EXTEND_CHUNK], aux_layers)
-                 for c in range(0, len(tokens), EXTEND_CHUNK)]
-        aux = torch.cat([p.aux for p in parts]) if parts[0].aux is not None else None
-        return StepOut(parts[-1].logits[-1:], torch.cat([p.hidden for p in parts]), aux)
+        """Prompt rows after the `st.pos` the state holds (a chat session's next turn), run as the
+        step's prefill runs them: only where its prefill rows are its decode steps bit for bit
+        (the native step), so two pieces give the bits one prefill gives; the logits are the
+        last row's."""
+        if not self.stepper.prefill_rows_are_steps:
+            raise ValueError(f"the {self.stepper.name} step's prefill is not its steps: prefill afresh")
+        self.reserve(st, st.pos + len(tokens))
+        return self.stepper.prefill(st, tokens, aux_layers, False)
 
     # ---- decode / verify ---------------------------------------------------------------
 

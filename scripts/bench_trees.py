@@ -1,0 +1,93 @@
+"""Two checkouts' whole runtime (Python and C) against each other, interleaved process by
+process: a decode step, a 9-row verify (plain; keeping checkpoints) and whole generations'
+decode tokens/s (plain; n-gram block 4) on the shipped tiny install and on a published shape.
+
+    python scripts/bench_trees.py OLD_TREE NEW_TREE [--shape qwen3.5-0.8b] [--reps 5] [--threads 1]
+
+OLD_TREE and NEW_TREE are checkouts (e.g. `git worktree add --detach /tmp/old REV`); each run
+imports turbo from its tree. Prints per figure the medians (min..max) and the median of the
+pairwise new/old ratios. A benchmark, not a test: run it on a quiet machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+FIGURES = ("decode_ms", "verify9_ms", "verify9_ckpt_ms", "plain_tok_s", "ngram4_tok_s")
+
+
+def worker(path: str, calls: int, new: int) -> dict:
+    """One tree's figures on one install (run in a process of its own)."""
+    import torch
+
+    import turbo
+
+    rt = turbo.open(path, backend="cpu")
+    trunk = rt.trunk
+    prompt = torch.randint(0, min(trunk.arch.vocab, 4000), (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    st = trunk.new_state(len(prompt) + 64)
+    trunk.prefill(st, prompt)
+    pos = st.pos
+
+    def ms(rows: int, rollback: str | None) -> float:
+        def step():
+            trunk.step(st, prompt[:rows], (), rollback)
+            st.pos = pos  # back to the anchor: the same step every call
+        step()
+        t = time.perf_counter()
+        for _ in range(calls):
+            step()
+        return (time.perf_counter() - t) / calls * 1e3
+
+    out = {k: statistics.median(f() for _ in range(3)) for k, f in (
+        ("decode_ms", lambda: ms(1, None)), ("verify9_ms", lambda: ms(9, None)),
+        ("verify9_ckpt_ms", lambda: ms(9, "checkpoint")))}
+    for name, kw in (("plain_tok_s", dict(policy="off")), ("ngram4_tok_s", dict(policy="fixed", block=4, drafter="ngram"))):
+        out[name] = statistics.median(rt.generate(prompt, max_new_tokens=new, stop_at_eos=False, **kw)
+                                      .stats.decode_tokens_per_s for _ in range(2))
+    return out
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))))
+        return
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--shape", default="qwen3.5-0.8b")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    from turbo.install import BUNDLED_DIR
+    from turbo.testing import shapes
+
+    installs = {"tiny": (str(BUNDLED_DIR / "tiny"), 200, 256), args.shape: (str(shapes.build(args.shape)), 8, 48)}
+    runs: dict[tuple[str, str], list[dict]] = {}
+    for rep in range(args.reps):
+        for shape, (path, calls, new) in installs.items():
+            for name, tree in (("old", args.old), ("new", args.new)):
+                env = dict(os.environ, PYTHONPATH=str(tree.resolve()), OMP_NUM_THREADS=str(args.threads))
+                done = subprocess.run([sys.executable, __file__, "--worker", path, str(calls), str(new)], env=env,
+                                      cwd=tree, capture_output=True, text=True, check=True)
+                runs.setdefault((shape, name), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+        print(f"rep {rep + 1}/{args.reps} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    for shape in installs:
+        print(f"\n{shape}: {args.reps} interleaved pairs, {args.threads} thread(s)\n")
+        print("| figure | old | new | new / old |\n| --- | ---: | ---: | ---: |")
+        for k in FIGURES:
+            old, new = ([r[k] for r in runs[shape, n]] for n in ("old", "new"))
+            ratio = [b / a for a, b in zip(old, new)]
+            cell = lambda xs: f"{statistics.median(xs):.3f} ({min(xs):.3f}..{max(xs):.3f})"  # noqa: E731
+            print(f"| {k} | {cell(old)} | {cell(new)} | {cell(ratio)} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import turbo
 from turbo.backends import native_lib
 from turbo.options import OpenOptions
 
@@ -72,3 +73,37 @@ def test_an_interrupted_build_leaves_nothing(tmp_path, compiler, sig, code, said
     assert proc.returncode == code, err
     assert err.splitlines()[1:] == ([said] if said else []), err
     assert list((tmp_path / "cache" / "turbo").iterdir()) == []
+
+
+def test_the_tui_shows_the_build_while_loading(monkeypatch):
+    pytest.importorskip("textual")
+    import asyncio
+
+    from tui.app import TurboApp
+    from tui.settings import Settings
+
+    opened = turbo.open
+
+    def building(*args, **kw):  # this process's library is built: the line a first build says
+        native_lib._announce("compiling turbo's CPU kernels ...")
+        return opened(*args, **kw)
+
+    seen, show = [], TurboApp._set_status
+
+    def shown(self, message: str, error: bool = False) -> None:
+        seen.append(message)
+        show(self, message, error)
+
+    monkeypatch.setattr(turbo, "open", building)
+    monkeypatch.setattr(TurboApp, "_set_status", shown)
+    app = TurboApp(Settings(opening=OpenOptions.from_env(backend="cpu")))
+
+    async def run():
+        async with app.run_test() as pilot:
+            while app.runtime is None and app.load_error is None:
+                await asyncio.sleep(0.05)
+            await pilot.pause()
+
+    asyncio.run(run())
+    assert "loading tiny: compiling turbo's CPU kernels ..." in seen, seen
+    assert native_lib._announce is native_lib._to_stderr  # the TUI's hook was for its load alone

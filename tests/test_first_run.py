@@ -5,6 +5,7 @@ cache when the build is interrupted.
 The compiler is a stand-in (CC): it copies the library this process loaded instead of compiling,
 so a cold cache costs no real build, and it can wait first, so a signal lands while it runs."""
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -77,8 +78,6 @@ def test_an_interrupted_build_leaves_nothing(tmp_path, compiler, sig, code, said
 
 def test_the_tui_shows_the_build_while_loading(monkeypatch):
     pytest.importorskip("textual")
-    import asyncio
-
     from tui.app import TurboApp
     from tui.settings import Settings
 

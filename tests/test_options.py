@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from turbo.config import GENERATION_KEYS, OPEN_KEYS, run_config
 from turbo.drafters.ngram import NgramConfig
-from turbo.options import GenerationOptions, OpenOptions
+from turbo.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -33,3 +33,13 @@ def test_the_default_config_gives_the_default_options():
     workload = OmegaConf.load(ROOT / "conf" / "workload" / "code.yaml")
     assert rc.generation == GenerationOptions(max_new_tokens=workload.max_new_tokens, policy="auto")
     assert rc.opening == OpenOptions.from_env()
+
+
+def test_every_option_is_a_config_key():
+    """Each GenerationOptions field is a key of conf/config.yaml (policy and ngram as their nodes),
+    and each OpenOptions field but those the environment sets (OpenOptions.from_env)."""
+    keys = set(OmegaConf.load(ROOT / "conf" / "config.yaml"))
+    assert set(GENERATION_FIELDS) <= keys
+    assert set(GENERATION_KEYS) == set(GENERATION_FIELDS) - {"max_new_tokens", "policy", "ngram"}
+    from_env = {"native", "quant_cpu", "cache_dir", "compiler", "ptx_dir"}
+    assert set(OPEN_KEYS) == set(OPEN_FIELDS) - from_env and set(OPEN_KEYS) <= keys

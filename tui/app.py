@@ -23,6 +23,7 @@ from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
 import turbo
+from turbo.backends import native_lib
 from turbo.sampling import sampling_label
 
 from .chat import ChatMode, chat_pane, chat_rows
@@ -179,9 +180,12 @@ class TurboApp(ChatMode, App):
 
     @work(thread=True, exit_on_error=False, group="load")
     def _load(self, install: str) -> None:
+        def building(message: str) -> None:  # the native library's first build (a minute or so)
+            self._from_thread(self._set_status, f"loading {install}: {message}")
 
         try:
-            rt = turbo.open(install, self.settings.opening)
+            with native_lib.announcing(building):
+                rt = turbo.open(install, self.settings.opening)
         except Exception as e:  # noqa: BLE001 - TurboError or anything else: shown, never raised
             self._from_thread(self._loaded, None, install, _message(e))
             return
@@ -200,7 +204,7 @@ class TurboApp(ChatMode, App):
                 gc.freeze()
             self.runtime, self.load_error = rt, None
             self.settings = self.settings.with_(install=install)
-            note = getattr(rt.backend, "note", "")
+            note = rt.backend.note if rt.options.verbose else ""  # (verbose=true: how auto chose)
             self._set_status(f"ready: {rt.install.name} on {rt.backend.name}" + (f" ({note})" if note else ""))
             self.open_chat()
         self._refresh_header()

@@ -60,7 +60,7 @@ def run(cfg: DictConfig) -> int:
         from .chat_cli import run_chat_cli  # (as the engine above)
         return run_chat_cli(rc, rt)
     events = rt.stream(rc.prompt, rc.generation)
-    if rt.backend.note:  # only once the request is known to be valid: a refusal stays one line
+    if rt.backend.note and rc.opening.verbose:  # once the request is known valid: a refusal stays one line
         print(rt.backend.note, file=sys.stderr)
     stats = None
     sys.stdout.write(rc.prompt)

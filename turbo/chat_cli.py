@@ -162,7 +162,7 @@ class Repl:
 
     def _note(self, stats: Stats) -> None:
         self.noted = True
-        if self.rt.backend.note:
+        if self.rt.backend.note and self.rt.options.verbose:
             print(self.rt.backend.note, file=self.err)
         if stats.speculation_off_reason and self.opts.policy != "off":
             print(f"[turbo] speculation off: {stats.speculation_off_reason}", file=self.err)

@@ -54,11 +54,11 @@ def _ngram(cfg: DictConfig) -> NgramConfig:
 
 
 # the keys that set an option of the same name; null (or absent) leaves the option's default
-OPEN_KEYS = ("backend", "dtype", "draft_products", "kv_cache", "threads")
+OPEN_KEYS = ("backend", "dtype", "draft_products", "kv_cache", "threads", "verbose")
 GENERATION_KEYS = ("block", "window", "rollback", "drafter", "temperature", "top_k", "top_p", "min_p", "seed",
-                   "stop", "stop_token_ids")
+                   "stop", "stop_token_ids", "stop_at_eos", "truncate_prompt")
 # names, kept as text even where one reads as a number
-TEXT_KEYS = {"backend", "dtype", "draft_products", "kv_cache", "rollback", "drafter"}
+TEXT_KEYS = {"backend", "dtype", "draft_products", "kv_cache", "rollback", "drafter", "truncate_prompt"}
 
 
 def _given(cfg: DictConfig, keys: tuple[str, ...]) -> dict[str, object]:

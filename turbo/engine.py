@@ -250,11 +250,8 @@ class Runtime:
         o = opts if opts is not None else DEFAULT_GENERATION
         if fields:
             o = o.but(**fields)  # GenerationOptions checks each field; what needs the install is here
-        ids = self.encode(prompt)
-        limit = self.install.arch.max_positions
-        if len(ids) + o.max_new_tokens > limit:
-            raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
-                             f"max_position_embeddings {limit}")
+        whole = self.encode(prompt)
+        ids = self._fitted(whole, o, start)
         vocab = self.install.arch.vocab
         bad = next((t for t in o.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
@@ -267,11 +264,25 @@ class Runtime:
                              f"{NO_WINDOW[no_window]}")
         sampler = rejection_sampler(o.temperature, o.top_k, o.top_p, o.min_p, o.seed)  # None: greedy
         draft = None if p.drafter is None else o.drafter if own else self.drafter(p.drafter, o.window, o.ngram)
-        stats = Stats(prompt_tokens=len(ids), policy=p.policy, drafter=p.drafter, block=p.block,
+        stats = Stats(prompt_tokens=len(ids), prompt_truncated_from=len(whole) if len(ids) < len(whole) else None,
+                      policy=p.policy, drafter=p.drafter, block=p.block,
                       window=draft.window if draft is not None else None, rollback=o.rollback,
                       backend=self.backend.name, speculation_off_reason=p.off_reason,
                       seed=sampler.sampler.seed if sampler is not None else None)
         return self._rounds(ids, o, p, draft, stats, sampler, start)
+
+    def _fitted(self, ids: list[int], o: GenerationOptions, start: Start) -> list[int]:
+        """`ids` when they leave room for max_new_tokens in the context; else their tail under
+        truncate_prompt=left (a fresh prompt's only: a session's state holds its conversation)."""
+        limit = self.install.arch.max_positions
+        room = limit - o.max_new_tokens
+        if len(ids) <= room:
+            return ids
+        if o.truncate_prompt == "left" and room >= 1 and not start.keeps_state:
+            return ids[-room:]
+        hint = f" (truncate_prompt=left keeps its last {room})" if room >= 1 and not start.keeps_state else ""
+        raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings {limit}{hint}")
 
     def _rounds(self, ids: list[int], o: GenerationOptions, p: Plan, draft: Drafter | None,
                 stats: Stats, sampler: RejectionSampler | None, origin: Start) -> Iterator[RoundEvent]:

@@ -28,6 +28,7 @@ PTX_DIR_ENV = "TURBO_PTX_DIR"  # where backend cuda reads its PTX (default: the 
 KV_CACHES = ("auto", "float32", "bfloat16")  # OpenOptions.kv_cache
 DTYPES = ("float32", "bfloat16")  # OpenOptions.dtype
 ROLLBACKS = ("checkpoint", "replay")  # GenerationOptions.rollback
+TRUNCATIONS = ("none", "left")  # GenerationOptions.truncate_prompt
 OWN_DRAFTERS = ("auto", "dflash", "mtp")  # served by the install's own weights (turbo.policy.DRAFTERS adds ngram)
 POLICY_ENVS = {"dflash": "TURBO_DFLASH_DRAFT", "mtp": "TURBO_MTP_DRAFT"}
 
@@ -46,9 +47,11 @@ class OpenOptions:
     cache_dir: Path | None = None  # native.c's build cache (TURBO_CACHE; None: XDG / ~/.cache)
     compiler: str | None = None  # native.c's C compiler (CC; None: cc, gcc or clang on PATH)
     ptx_dir: Path | None = None  # backend cuda's PTX (TURBO_PTX_DIR; None: kernels_ptx/ of the checkout)
+    verbose: bool = False  # the CLI and the TUI say what auto chose (the backend's note)
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
+        check_flag("verbose", self.verbose)
         if self.dtype not in DTYPES:
             raise TurboError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
         if self.kv_cache not in KV_CACHES:
@@ -90,6 +93,8 @@ class GenerationOptions:
     drafter: object = "auto"  # auto | dflash | mtp | ngram, or a Drafter object of the caller's (turbo.drafters)
     window: int | None = None  # the DFlash drafter's context window (None: its trained sliding_window)
     stop_at_eos: bool = True  # stop at the model's end-of-text token
+    # none: a prompt that leaves no room for max_new_tokens is refused; left: its tail is kept
+    truncate_prompt: str = "none"
     # turbo.stops: text that ends the generation (not emitted), and token ids that do as eos does
     stop: tuple[str, ...] | None = None  # a str or a list/tuple of non-empty strings
     stop_token_ids: tuple[int, ...] | None = None  # ids in the vocabulary (checked when a stream starts)
@@ -110,6 +115,9 @@ class GenerationOptions:
             raise TurboError(f"max_new_tokens is {self.max_new_tokens!r}, expected a positive integer")
         if self.rollback not in ROLLBACKS:
             raise TurboError(f"rollback {self.rollback!r} is not one of {', '.join(ROLLBACKS)}")
+        if self.truncate_prompt not in TRUNCATIONS:
+            raise TurboError(f"truncate_prompt {self.truncate_prompt!r} is not one of {', '.join(TRUNCATIONS)}")
+        check_flag("stop_at_eos", self.stop_at_eos)
         if not isinstance(self.drafter, str) and not is_drafter(self.drafter):
             raise TurboError(f"drafter {self.drafter!r} is not one of {', '.join(OWN_DRAFTERS)} nor a "
                              "turbo.drafters.Drafter (turbo.drafters.DrafterBase has its defaults), "
@@ -207,6 +215,12 @@ def stop_ids(ids: object) -> tuple[int, ...] | None:
     if None in given or any(t < 0 for t in given):
         raise TurboError(f"stop_token_ids is {ids!r}, expected a list of token ids (non-negative integers)")
     return tuple(given) or None
+
+
+def check_flag(name: str, value: object) -> None:
+    """A yes/no field is a bool: a string such as "false" would read as true."""
+    if not isinstance(value, bool):
+        raise TurboError(f"{name} is {value!r}, expected true or false")
 
 
 def check_seed(seed: object) -> None:

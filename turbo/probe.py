@@ -212,7 +212,7 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
     adaptive_plan = rt.plan("adaptive", None, g.drafter) if with_adaptive else None
     if adaptive_plan is not None and adaptive_plan.drafter is None:
         raise TurboError(f"adaptive cannot speculate: {adaptive_plan.off_reason}")
-    if rt.backend.note and not quiet:  # after the checks: a refusal stays one line
+    if rt.backend.note and rt.options.verbose and not quiet:  # after the checks: a refusal stays one line
         print(rt.backend.note, file=sys.stderr)
     drafter = next((p.drafter for p in plans.values()), adaptive_plan.drafter if adaptive_plan else None)
 

@@ -80,6 +80,7 @@ class Stats(Counts):
     backend: str = "cpu"
     speculation_off_reason: str | None = None
     seed: int | None = None  # the sampling generator's seed (None: greedy, temperature 0)
+    prompt_truncated_from: int | None = None  # truncate_prompt=left: the prompt's length before (None: whole)
 
     def record_round(self, block: int, accepted: int, replayed: int) -> None:
         self.rounds += 1
@@ -109,6 +110,9 @@ class Stats(Counts):
         parts = [f"prompt {self.prompt_tokens} tok", f"generated {self.generated_tokens} tok",
                  f"ttft {self.ttft_s * 1000:.1f} ms", f"prefill {self.prefill_tokens_per_s:.1f} tok/s",
                  f"decode {self.decode_tokens_per_s:.1f} tok/s"]
+        if self.prompt_truncated_from is not None:
+            parts.insert(1, f"prompt truncated: kept the last {self.prompt_tokens} "
+                            f"of {self.prompt_truncated_from} tokens")
         if self.seed is not None:
             parts.append(f"seed {self.seed}")
         if self.drafter:

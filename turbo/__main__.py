@@ -29,7 +29,7 @@ from typing import Callable  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from . import shipped  # noqa: E402
 from .config import run_config, unknown_key  # noqa: E402
@@ -41,6 +41,21 @@ CONF_DIR = str(shipped.CONF_DIR)
 LAUNCHER_PLUGINS = {"joblib": "hydra_joblib_launcher", "local": "hydra_joblib_launcher",
                     "submitit_local": "hydra_submitit_launcher", "submitit_slurm": "hydra_submitit_launcher",
                     "slurm": "hydra_submitit_launcher"}
+
+
+def config_keys_help() -> str:
+    """conf/config.yaml's keys as that file writes them (key: default  # meaning), for the --help
+    page (conf/hydra/help/turbo.yaml): every key it has, the defaults list and blank lines left out."""
+    lines, keep = [], False
+    for line in Path(CONF_DIR, "config.yaml").read_text().splitlines():
+        if line[:1].strip() and not line.startswith("#"):  # a top-level key
+            keep = not line.startswith(("defaults:", "hydra:"))
+        if keep and line.strip():
+            lines.append(line)
+    return "\n".join(lines).replace("$", "$$")  # the page is a string.Template: $$ is a dollar sign
+
+
+OmegaConf.register_new_resolver("turbo_config_keys", config_keys_help, replace=True)  # replace: __main__ and turbo.__main__
 
 
 def run(cfg: DictConfig) -> int:

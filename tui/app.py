@@ -14,7 +14,7 @@ import time
 from typing import Callable, Iterator
 
 from rich.text import Text
-from textual import on, work
+from textual import events, on, work
 from textual.actions import SkipAction
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -36,7 +36,21 @@ RENDER_S = 1 / 10  # the widgets repaint at most this often while tokens stream
 
 
 class PromptInput(Input):
-    BINDINGS = [Binding("enter", "submit", "Submit", key_display="⏎")]
+    """The prompt box (the chat's message box too): one line where a newline shows as ⏎ (tui/view.py).
+    shift+enter (where the terminal reports it) and ctrl+j (always: it is the newline byte) insert
+    one; a paste keeps its newlines; enter submits."""
+
+    BINDINGS = [Binding("enter", "submit", "Submit", key_display="⏎"),
+                Binding("shift+enter,ctrl+j", "newline", "Newline", show=False)]
+
+    def action_newline(self) -> None:
+        self.replace(to_input("\n"), *sorted(self.selection))
+
+    def _on_paste(self, event: events.Paste) -> None:  # Input's keeps the first line only
+        if event.text:
+            self.replace(to_input(event.text.replace("\r\n", "\n")), *sorted(self.selection))
+        event.stop()
+        event.prevent_default()  # the handlers up the class chain (Input's) run otherwise
 
 
 class TurboApp(ChatMode, App):

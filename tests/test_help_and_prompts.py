@@ -126,6 +126,7 @@ def test_prompt_refusals_are_one_line(tmp_path):
     one_line_error(turbo_cli(tmp_path, "prompt_file=latin1.txt"), "latin1.txt", "not UTF-8", "byte 3")
     one_line_error(turbo_cli(tmp_path, "prompt=-", stdin=b"\xff\xfe"), "standard input", "not UTF-8")
     one_line_error(turbo_cli(tmp_path, "prompt=-", "task=chat", stdin=b"hi\n"), "task=chat")
+    one_line_error(turbo_cli(tmp_path, "prompt=echo ${HOME}"), "HOME", "prompt_file=")  # an interpolation
 
 
 # ---- the TUI's multi-line prompt ---------------------------------------------------------------
@@ -140,7 +141,7 @@ def test_tui_ctrl_j_inserts_a_newline_and_enter_submits(spec_install):
         async with app.run_test(size=SIZE) as pilot:
             await settle(app, pilot)
             await type_prompt(pilot, "def f(x):")
-            await pilot.press("ctrl+j", "space", "space", "space", "shift+enter")  # shift+enter: where the terminal reports it
+            await pilot.press("ctrl+j", "space", "space", "space", "shift+enter")  # shift+enter: where reported
             box = app.query_one("#prompt")
             assert box.value == "def f(x):⏎   ⏎" and not app.busy and app.transcript is None
             await pilot.press("backspace", "space", *"return", "space", *"(x,", "space", *"1)", "ctrl+j")

@@ -55,7 +55,8 @@ def config_keys_help() -> str:
     return "\n".join(lines).replace("$", "$$")  # the page is a string.Template: $$ is a dollar sign
 
 
-OmegaConf.register_new_resolver("turbo_config_keys", config_keys_help, replace=True)  # replace: __main__ and turbo.__main__
+# replace: both __main__ and turbo.__main__ may be imported (python -m turbo, a test)
+OmegaConf.register_new_resolver("turbo_config_keys", config_keys_help, replace=True)
 
 
 def run(cfg: DictConfig) -> int:

@@ -12,6 +12,7 @@ from typing import BinaryIO
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
@@ -94,7 +95,11 @@ def _text(data: bytes, where: str) -> str:
 def _prompt(cfg: DictConfig, prompts: tuple[str, ...], stdin: BinaryIO | None) -> str:
     """prompt= (`-`: standard input, read to its end), prompt_file= (the file's text), else the
     workload's first prompt. prompt= and prompt_file= together are refused: neither silently wins."""
-    given, path = cfg.get("prompt"), cfg.get("prompt_file")
+    try:
+        given, path = cfg.get("prompt"), cfg.get("prompt_file")
+    except OmegaConfBaseException as e:  # `${...}` in the text is an interpolation to the config
+        raise TurboError(f"config: {str(e).splitlines()[0]} (a literal ${{ is \\${{; or use prompt_file= or "
+                         "prompt=-)") from None
     if given is not None and path is not None:
         raise TurboError("config: prompt= and prompt_file= are both given; give one")
     if path is not None:
@@ -105,7 +110,8 @@ def _prompt(cfg: DictConfig, prompts: tuple[str, ...], stdin: BinaryIO | None) -
         return _text(data, f"prompt_file={path}")
     if given is None:
         if not prompts:
-            raise TurboError(f"config: workload {cfg.workload.get('name')!r} has no prompts and no prompt= or prompt_file= was given")
+            raise TurboError(f"config: workload {cfg.workload.get('name')!r} has no prompts and no prompt= or "
+                             "prompt_file= was given")
         return prompts[0]
     if str(given) != "-":
         return str(given)

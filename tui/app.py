@@ -14,7 +14,7 @@ import time
 from typing import Callable, Iterator
 
 from rich.text import Text
-from textual import events, on, work
+from textual import on, work
 from textual.actions import SkipAction
 from textual.app import App, ComposeResult
 from textual.binding import Binding
@@ -25,7 +25,7 @@ from textual.worker import get_current_worker
 import turbo
 from turbo.sampling import sampling_label
 
-from .chat import ChatMode, chat_pane, chat_rows
+from .chat import ChatMode, PromptInput, chat_pane, chat_rows
 from .settings import Settings, mode_label, next_mode, next_temperature
 from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, from_input, header_info, header_text,
                    position_bars, to_input, visible)
@@ -33,24 +33,6 @@ from .view import error_text as _message
 
 HANDOFF_S = 1 / 15  # the worker hands rounds to the UI at most this often (and at the end)
 RENDER_S = 1 / 10  # the widgets repaint at most this often while tokens stream
-
-
-class PromptInput(Input):
-    """The prompt box (the chat's message box too): one line where a newline shows as ⏎ (tui/view.py).
-    shift+enter (where the terminal reports it) and ctrl+j (always: it is the newline byte) insert
-    one; a paste keeps its newlines; enter submits."""
-
-    BINDINGS = [Binding("enter", "submit", "Submit", key_display="⏎"),
-                Binding("shift+enter,ctrl+j", "newline", "Newline", show=False)]
-
-    def action_newline(self) -> None:
-        self.replace(to_input("\n"), *sorted(self.selection))
-
-    def _on_paste(self, event: events.Paste) -> None:  # Input's keeps the first line only
-        if event.text:
-            self.replace(to_input(event.text.replace("\r\n", "\n")), *sorted(self.selection))
-        event.stop()
-        event.prevent_default()  # the handlers up the class chain (Input's) run otherwise
 
 
 class TurboApp(ChatMode, App):

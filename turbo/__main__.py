@@ -1,6 +1,7 @@
 """python -m turbo [Hydra overrides]: task=generate streams text and a stats line;
 task=chat reads a conversation from standard input (turbo.chat_cli); task=probe measures
-acceptance per block (turbo.probe).
+acceptance per block (turbo.probe). --help is turbo's page (conf/hydra/help/turbo.yaml),
+--hydra-help Hydra's.
 
 A user's error (TurboError, an OS error, a bad override) ends it in one stderr line, exit 2;
 Ctrl-C in `interrupted`, exit 130. task=generate and task=chat run outside @hydra.main: they write nothing,

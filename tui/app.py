@@ -26,7 +26,7 @@ import turbo
 from turbo.backends import native_lib
 from turbo.sampling import sampling_label
 
-from .chat import ChatMode, chat_pane, chat_rows
+from .chat import ChatMode, PromptInput, chat_pane, chat_rows
 from .settings import Settings, mode_label, next_mode, next_temperature
 from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, from_input, header_info, header_text,
                    position_bars, to_input, visible)
@@ -34,10 +34,6 @@ from .view import error_text as _message
 
 HANDOFF_S = 1 / 15  # the worker hands rounds to the UI at most this often (and at the end)
 RENDER_S = 1 / 10  # the widgets repaint at most this often while tokens stream
-
-
-class PromptInput(Input):
-    BINDINGS = [Binding("enter", "submit", "Submit", key_display="⏎")]
 
 
 class TurboApp(ChatMode, App):

@@ -5,6 +5,7 @@ dimmed in a collapsible (open while it streams, collapsed once the turn ends) an
 counters under it. `ChatMode` is the chat half of TurboApp (tui/app.py): the session, its keys
 (new chat, retry, edit an earlier message, reasoning, chat/raw) and the counters per turn and
 per session, among them the tokens each turn prefilled and reused (Session.last_turn).
+`PromptInput` is the box both the chat and the raw completion type into (multi-line).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from rich.text import Text
+from textual import events
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Static
@@ -36,6 +39,24 @@ TURN_ROWS = (("turn-prompt", "prompt tokens"), ("turn-prefilled", "prefilled"), 
 SESSION_ROWS = (("session-turns", "turns"), ("session-generated", "generated"), ("session-prefilled", "prefilled"),
                 ("session-reused", "reused"), ("session-accepted", "accepted/drafted"),
                 ("session-snapshots", "snapshots"))
+
+
+class PromptInput(Input):
+    """The prompt box (the chat's message box too): one line where a newline shows as ⏎ (tui/view.py).
+    shift+enter (where the terminal reports it) and ctrl+j (always: it is the newline byte) insert
+    one; a paste keeps its newlines; enter submits."""
+
+    BINDINGS = [Binding("enter", "submit", "Submit", key_display="⏎"),
+                Binding("shift+enter,ctrl+j", "newline", "Newline", show=False)]
+
+    def action_newline(self) -> None:
+        self.replace(to_input("\n"), *sorted(self.selection))
+
+    def _on_paste(self, event: events.Paste) -> None:  # Input's keeps the first line only
+        if event.text:
+            self.replace(to_input(event.text.replace("\r\n", "\n")), *sorted(self.selection))
+        event.stop()
+        event.prevent_default()  # the handlers up the class chain (Input's) run otherwise
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """python -m turbo [Hydra overrides]: task=generate streams text and a stats line;
 task=chat reads a conversation from standard input (turbo.chat_cli); task=probe measures
-acceptance per block (turbo.probe).
+acceptance per block (turbo.probe). --help is turbo's page (conf/hydra/help/turbo.yaml),
+--hydra-help Hydra's.
 
 A user's error (TurboError, an OS error, a bad override) ends it in one stderr line, exit 2;
 Ctrl-C in `interrupted`, exit 130. task=generate and task=chat run outside @hydra.main: they write nothing,
@@ -29,7 +30,7 @@ from typing import Callable  # noqa: E402
 
 import hydra  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
-from omegaconf import DictConfig  # noqa: E402
+from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from . import shipped  # noqa: E402
 from .config import run_config, unknown_key  # noqa: E402
@@ -41,6 +42,22 @@ CONF_DIR = str(shipped.CONF_DIR)
 LAUNCHER_PLUGINS = {"joblib": "hydra_joblib_launcher", "local": "hydra_joblib_launcher",
                     "submitit_local": "hydra_submitit_launcher", "submitit_slurm": "hydra_submitit_launcher",
                     "slurm": "hydra_submitit_launcher"}
+
+
+def config_keys_help() -> str:
+    """conf/config.yaml's keys as that file writes them (key: default  # meaning), for the --help
+    page (conf/hydra/help/turbo.yaml): every key it has, the defaults list and blank lines left out."""
+    lines, keep = [], False
+    for line in Path(CONF_DIR, "config.yaml").read_text().splitlines():
+        if line[:1].strip() and not line.startswith("#"):  # a top-level key
+            keep = not line.startswith(("defaults:", "hydra:"))
+        if keep and line.strip():
+            lines.append(line)
+    return "\n".join(lines).replace("$", "$$")  # the page is a string.Template: $$ is a dollar sign
+
+
+# replace: both __main__ and turbo.__main__ may be imported (python -m turbo, a test)
+OmegaConf.register_new_resolver("turbo_config_keys", config_keys_help, replace=True)
 
 
 def run(cfg: DictConfig) -> int:

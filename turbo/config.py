@@ -4,12 +4,15 @@ check the values and hold the defaults (turbo/options.py)."""
 from __future__ import annotations
 
 import difflib
+import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import BinaryIO
 
 from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.errors import HydraException
 from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
@@ -82,7 +85,43 @@ def _chat(cfg: DictConfig) -> ChatConfig:
                       template=str(template) if template is not None else None)
 
 
-def run_config(cfg: DictConfig) -> RunConfig:
+def _text(data: bytes, where: str) -> str:
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TurboError(f"{where}: not UTF-8 text (byte {e.start} is {data[e.start]:#04x})") from None
+
+
+def _prompt(cfg: DictConfig, prompts: tuple[str, ...], stdin: BinaryIO | None) -> str:
+    """prompt= (`-`: standard input, read to its end), prompt_file= (the file's text), else the
+    workload's first prompt. prompt= and prompt_file= together are refused: neither silently wins."""
+    try:
+        given, path = cfg.get("prompt"), cfg.get("prompt_file")
+    except OmegaConfBaseException as e:  # `${...}` in the text is an interpolation to the config
+        raise TurboError(f"config: {str(e).splitlines()[0]} (a literal ${{ is \\${{; or use prompt_file= or "
+                         "prompt=-)") from None
+    if given is not None and path is not None:
+        raise TurboError("config: prompt= and prompt_file= are both given; give one")
+    if path is not None:
+        try:
+            data = Path(str(path)).expanduser().read_bytes()
+        except OSError as e:
+            raise TurboError(f"prompt_file={path}: {e.strerror or e}") from None
+        return _text(data, f"prompt_file={path}")
+    if given is None:
+        if not prompts:
+            raise TurboError(f"config: workload {cfg.workload.get('name')!r} has no prompts and no prompt= or "
+                             "prompt_file= was given")
+        return prompts[0]
+    if str(given) != "-":
+        return str(given)
+    if str(cfg.task.name) == "chat":
+        raise TurboError("config: prompt=- reads standard input, where task=chat reads the conversation")
+    return _text((stdin or sys.stdin.buffer).read(), "prompt=- (standard input)")
+
+
+def run_config(cfg: DictConfig, stdin: BinaryIO | None = None) -> RunConfig:
+    """`stdin` (default sys.stdin's bytes) is read only for prompt=-."""
     try:
         install = cfg.install.path
         workload = cfg.workload
@@ -90,8 +129,6 @@ def run_config(cfg: DictConfig) -> RunConfig:
         task = cfg.task.name
     except Exception as e:  # omegaconf raises several kinds for absent keys
         raise TurboError(f"config: {e}".splitlines()[0]) from None
-    if not prompts and cfg.get("prompt") is None:
-        raise TurboError(f"config: workload {workload.get('name')!r} has no prompts and no prompt= was given")
     policy = cfg.get("policy")
     name = policy.get("name") if isinstance(policy, DictConfig) else policy
     max_new = cfg.get("max_new_tokens")
@@ -99,9 +136,10 @@ def run_config(cfg: DictConfig) -> RunConfig:
     generation = GenerationOptions(
         max_new_tokens=max_new if max_new is not None else workload.max_new_tokens, policy=str(name),
         ngram=_ngram(cfg), **_given(cfg, GENERATION_KEYS))
+    chat = _chat(cfg)
     return RunConfig(install=str(install), opening=opening, generation=generation,
-                     prompt=str(cfg.prompt) if cfg.get("prompt") is not None else prompts[0],
-                     workload=str(workload.get("name", "")), prompts=prompts, task=str(task), chat=_chat(cfg))
+                     prompt=_prompt(cfg, prompts, stdin),  # last: every other refusal comes before stdin is read
+                     workload=str(workload.get("name", "")), prompts=prompts, task=str(task), chat=chat)
 
 
 def known_keys(conf_dir: str) -> set[str]:

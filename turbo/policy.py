@@ -1,4 +1,7 @@
-"""Draft policies and speculation blockers, as the Rust module defined them (docs/DESIGN.md 3, 6, 10)."""
+"""Draft policies and speculation blockers, as the Rust module defined them (docs/DESIGN.md 3, 6, 10),
+and the one rule for a drafter that is not there (`plan`): policy `auto` with drafter `auto` decodes
+plainly and says why and what would speculate; a named drafter the install lacks, or `fixed` /
+`adaptive` with none, refuses in one line naming what is missing and what works on this install."""
 
 from __future__ import annotations
 
@@ -78,7 +81,7 @@ def speculation_blocker(install: Install, drafter: str | None, covered_dtypes: t
             return mtp.missing_head(str(install.path / "config.json"), declared)
         if not install.has_mtp:
             return ("this install carries no MTP head (mtp.fc.weight is not in the resident index); repack from a "
-                    "checkpoint that ships mtp.* tensors, or use drafter=dflash")
+                    "checkpoint that ships mtp.* tensors")
         return None
     if drafter == "dflash" and not install.has_dflash:
         return ("this install carries no DFlash2 drafter (dflash.fc.weight is not in the resident index); stream it "
@@ -94,6 +97,20 @@ class Plan:
     drafter: str | None  # dflash | mtp | ngram | a caller's drafter's kind | None (plain decode)
     block: int  # 0 when plain decode
     off_reason: str | None
+
+
+def what_works(install: Install, covered_dtypes: tuple[int, ...], refusing: bool) -> str:
+    """The drafters that speculate on this install (ngram: on every one the verify takes), as
+    the tail of a refusal (with +policy=off) or of a plain fallback's reason."""
+    here = [f"drafter={d}" for d in ("dflash", "mtp", "ngram") if speculation_blocker(install, d, covered_dtypes) is None]
+    if not here:
+        return "no drafter speculates on this install" + (": +policy=off decodes plainly" if refusing else "")
+    return "what works on this install: " + ", ".join(here + (["+policy=off"] if refusing else []))
+
+
+def missing_drafter(install: Install, kind: str | None) -> bool:
+    """Whether `kind` is one of the install's own drafters and the install does not carry it."""
+    return (kind == "dflash" and not install.has_dflash) or (kind == "mtp" and not install.has_mtp)
 
 
 def choose_drafter(install: Install, drafter: str) -> str:
@@ -125,9 +142,12 @@ def plan(install: Install, policy: str, block: int | None, drafter: str | Drafte
     if policy == "fixed" and block is None:
         raise TurboError("policy fixed needs a block: +policy=fixed block=N")
     if reason is not None:
-        if policy == "fixed":
-            raise TurboError(reason)
-        return Plan(policy, None, 0, reason)
+        # a verify blocker: `fixed` refuses, the others decode plainly; a drafter that is not
+        # there: only `auto` with the drafter `auto` picks decodes plainly
+        named = isinstance(drafter, str) and drafter != "auto"
+        if policy == "fixed" or (missing_drafter(install, kind) and (named or policy == "adaptive")):
+            raise TurboError(f"{reason}; {what_works(install, covered_dtypes, refusing=True)}")
+        return Plan(policy, None, 0, f"{reason}; {what_works(install, covered_dtypes, refusing=False)}")
     trained = trained_block if kind == "dflash" and trained_block else DFLASH_BLOCK
     if block is None:
         block = DFLASH_SERVING_BLOCK if kind == "dflash" else DEFAULT_SPECULATION_BLOCK

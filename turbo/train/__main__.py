@@ -3,16 +3,16 @@
 Trains a DFlash2 drafter or an MTP head for INSTALL (a directory, or a shipped install's name)
 on the text under --data, writes it into --out in the layout `python -m turbo.repack` files
 (`--drafter OUT` for DFlash2, `--mtp OUT` for the MTP head), and measures it on held-out
-prompts (--out/eval.json). --out/train/ keeps the training set, the checkpoint and the log:
-`--resume` continues there. A bad input ends it in one line (exit 2), Ctrl-C in `interrupted`
-(the last checkpoint stays).
+prompts (--out/eval.json). --out/train/ holds the training set, the checkpoint and the log while
+it runs; a finished run removes the first two (--keep-work keeps them), a run stopped before its
+--steps (Ctrl-C, or --minutes spent first) keeps them: `--resume` continues there. A bad input
+ends it in one line (exit 2), Ctrl-C in `interrupted`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import random
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -24,8 +24,8 @@ import turbo
 from ..__main__ import guarded
 from ..drafters.mtp import MTP_PREFIX
 from ..errors import TurboError
-from . import dflash2, heldout, mtp
-from .data import Example, Group, batch, build, draw, read_groups
+from . import dflash2, heldout, mask, mtp
+from .data import Example, batch, build, read_groups
 from .loop import Schedule, train
 
 MODEL_FILES = ("config.json", "model.safetensors")
@@ -54,7 +54,9 @@ def parser() -> argparse.ArgumentParser:
     d.add_argument("--heldout", nargs="+", default=None, metavar="FILE_OR_DIR",
                    help="held-out prompts, one group a path (default: --heldout-count documents of each --data "
                         "group, left out of training)")
-    d.add_argument("--heldout-count", type=int, default=10, help="held-out documents per group (0: no evaluation)")
+    d.add_argument("--heldout-count", type=int,
+                   help=f"held-out documents per group (default: a tenth, 1 to {heldout.AUTO_MOST}, of groups of at "
+                        f"least {heldout.AUTO_FEWEST}; 0: no evaluation)")
     d.add_argument("--eval-tokens", type=int, default=256, help="tokens generated per held-out prompt at most")
     d.add_argument("--eval-only", action="store_true", help="measure the install's own drafter of --kind; no training")
     p.add_argument("--from-install", action="store_true",
@@ -70,7 +72,9 @@ def parser() -> argparse.ArgumentParser:
     s.add_argument("--window", type=int, default=256, help="its sliding window (context positions)")
     s.add_argument("--target-layers", type=int, nargs="+", help="trunk layer ids (default: --target-count spread)")
     s.add_argument("--target-count", type=int, default=5, help="how many trunk layers condition it")
-    s.add_argument("--mask-token-id", type=int, help="default: the tokenizer's <|mask|>")
+    s.add_argument("--mask-token-id", type=int,
+                   help="default: the tokenizer's <|mask|>, else the first embedding row past its tokens, else its "
+                        "first reserved special token (said on stderr)")
     s.add_argument("--gamma", type=float, help="the loss's position decay (default: the published one per block)")
     t = p.add_argument_group("the job")
     t.add_argument("--steps", type=int, help="steps in all (the schedule runs over them)")
@@ -81,6 +85,9 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--step2-weight", type=float, default=0.5, help="the chained step's loss weight (MTP)")
     t.add_argument("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its checkpoint")
+    t.add_argument("--keep-work", action="store_true",
+                   help="keep --out/train's training set and checkpoint after a finished run (to --resume it "
+                        "later with more --steps or --minutes)")
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the trunk and the training run (auto: cuda when torch sees a GPU)")
@@ -95,7 +102,7 @@ def check(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:
             raise TurboError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
-    if args.heldout_count < 0:
+    if args.heldout_count is not None and args.heldout_count < 0:
         raise TurboError(f"--heldout-count {args.heldout_count}: expected 0 or more")
     if args.minutes is not None and not args.minutes > 0:
         raise TurboError(f"--minutes {args.minutes}: expected a positive number")
@@ -104,9 +111,13 @@ def check(args: argparse.Namespace) -> None:
             raise TurboError("--data: expected at least one file or directory to train on")
         if args.steps is None and args.minutes is None:
             raise TurboError("expected --steps or --minutes (how long to train)")
-        if args.resume != (args.out / "train" / "run.json").is_file():
+        run_json = args.out / "train" / "run.json"
+        if args.resume != run_json.is_file():
             raise TurboError(f"{args.out}: " + ("no run to resume there (drop --resume)" if args.resume else
                                                 "already holds a run (--resume continues it; or a new --out)"))
+        if args.resume and json.loads(run_json.read_text()).get("work_removed"):
+            raise TurboError(f"--resume: the run in {args.out} finished and its training set and checkpoint were "
+                             "removed (--keep-work keeps them; or a new --out)")
 
 
 def settings(args: argparse.Namespace) -> dict:
@@ -119,27 +130,6 @@ def check_resume(args: argparse.Namespace, work: Path) -> None:
     for k, v in settings(args).items():
         if had.get(k) != v:
             raise TurboError(f"--resume: --{k.replace('_', '-')} is {v!r}, the run in {work.parent} has {had.get(k)!r}")
-
-
-def split_heldout(groups, count: int, seed: int):
-    """(training groups, held-out groups): `count` documents of each group held out."""
-
-    train, held = [], []
-    for g in groups:
-        if len(g.documents) <= 2 * count:
-            raise TurboError(f"--data group {g.name!r}: {len(g.documents)} documents, too few to hold {count} out "
-                             f"(more than {2 * count} needed); give --heldout FILE, or --heldout-count 0")
-        docs = list(g.documents)
-        random.Random(f"heldout/{seed}/{g.name}").shuffle(docs)
-        held.append(Group(g.name, docs[:count]))
-        train.append(Group(g.name, docs[count:]))
-    return train, held
-
-
-def heldout_prompts(held, prompt_tokens: int, seed: int) -> dict[str, list[list[int]]]:
-
-    rng = random.Random(f"prompts/{seed}")
-    return {g.name: [draw(doc, prompt_tokens, rng) for doc in g.documents] for g in held}
 
 
 def save_dataset(path: Path, sets: dict) -> None:
@@ -161,9 +151,10 @@ def own_weights(install, prefix: str) -> dict:
     return {n[len(prefix):]: index.load(n, torch.float32) for n in index.entries if n.startswith(prefix)}
 
 
-def make_model(args: argparse.Namespace, install, tokenizer, drafter_config):
+def make_model(args: argparse.Namespace, install, mask_token: int | None, drafter_config):
     """(the model to train, the trunk layers its data needs, its shape as recorded, the loss's gamma);
-    --from-install: the install's own drafter of --kind (its parsed DFlash config: `drafter_config`)."""
+    --from-install: the install's own drafter of --kind (its parsed DFlash config: `drafter_config`);
+    `mask_token`: a new DFlash2 drafter's."""
 
 
     arch = install.arch
@@ -188,10 +179,7 @@ def make_model(args: argparse.Namespace, install, tokenizer, drafter_config):
         shape = dflash2.draft_shape(arch, c.mask_token, c.heads, c.kv_heads, c.head_dim, c.intermediate, c.rank,
                                     c.top_k, c.block_size, c.window, list(c.target_layers))
     else:
-        mask = args.mask_token_id if args.mask_token_id is not None else tokenizer.token_to_id("<|mask|>")
-        if mask is None:
-            raise TurboError("the tokenizer has no <|mask|> token: give --mask-token-id (an id the text never uses)")
-        shape = dflash2.draft_shape(arch, mask, args.heads, args.kv_heads, args.head_dim, args.intermediate,
+        shape = dflash2.draft_shape(arch, mask_token, args.heads, args.kv_heads, args.head_dim, args.intermediate,
                                     args.rank, args.top_k, args.block, args.window, args.target_layers,
                                     args.target_count)
     model = dflash2.DFlash2(shape, embed, lm_head)
@@ -240,13 +228,15 @@ def run(args: argparse.Namespace) -> int:
         return tokenizer.encode(text).ids
 
     groups = read_groups(args.data, encode) if args.data else []
+    notes = []  # said on stderr once the inputs are known good (a bad one is then its one line)
     if args.heldout is not None:
         held = read_groups(args.heldout, encode)
-    elif args.heldout_count and groups:
-        groups, held = split_heldout(groups, args.heldout_count, args.seed)
+    elif args.heldout_count != 0 and groups:
+        groups, held = heldout.split(groups, args.heldout_count, args.seed)
+        notes.append(heldout.said(groups, held))
     else:
         held = []
-    prompts = heldout_prompts(held, args.prompt_tokens, args.seed)
+    prompts = heldout.prompts_of(held, args.prompt_tokens, args.seed)
     args.out.mkdir(parents=True, exist_ok=True)
     if args.eval_only:
         if not prompts:
@@ -261,7 +251,14 @@ def run(args: argparse.Namespace) -> int:
     work.mkdir(exist_ok=True)
     if args.resume:
         check_resume(args, work)
-    model, aux_layers, record, gamma = make_model(args, install, tokenizer, rt.drafter_config)
+    mask_token = args.mask_token_id
+    if args.kind == "dflash2" and not args.from_install and mask_token is None:
+        chosen = mask.choose(tokenizer, install.arch.vocab)
+        notes.append(f"mask token {chosen.token}: {chosen.why} (--mask-token-id sets it)")
+        mask_token = chosen.token
+    model, aux_layers, record, gamma = make_model(args, install, mask_token, rt.drafter_config)
+    for note in notes:
+        print(note, file=sys.stderr)
     data_path = work / "dataset.pt"
     if args.resume and data_path.is_file():
         sets = load_dataset(data_path)
@@ -279,10 +276,19 @@ def run(args: argparse.Namespace) -> int:
                   Schedule(args.lr, args.steps, args.minutes, args.checkpoint_every, args.seed), work, args.resume)
     model.cpu()
     (dflash2.export if args.kind == "dflash2" else mtp.export)(model, args.out)
-    run_record = json.loads((work / "run.json").read_text()) | {"steps": steps}
+    # a run stopped before its --steps keeps what --resume needs; a finished one, only its log and record
+    finished = args.steps is None or steps >= args.steps
+    removed = finished and not args.keep_work
+    run_record = json.loads((work / "run.json").read_text()) | {"steps": steps, "work_removed": removed}
     (work / "run.json").write_text(json.dumps(run_record, indent=2) + "\n")
+    if removed:
+        for name in ("dataset.pt", "checkpoint.pt"):
+            (work / name).unlink(missing_ok=True)
     flag = "--drafter" if args.kind == "dflash2" else "--mtp"
-    print(f"wrote {args.out} ({steps} steps); file it: python -m turbo.repack {install.path} NEW {flag} {args.out}")
+    kept = ("removed its training set and checkpoint (--keep-work keeps them)" if removed
+            else f"kept {work} for --resume")
+    print(f"wrote {args.out} ({steps} steps; {kept}); file it: python -m turbo.repack {install.path} NEW {flag} "
+          f"{args.out}")
     if prompts:
         result = heldout.evaluate(install.path, args.out, args.kind, prompts,
                                   heldout.blocks_for(record.get("block") if args.kind == "dflash2" else None),

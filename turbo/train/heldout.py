@@ -9,6 +9,7 @@ decoding (a mismatch is a bug, reported as `lossless: false`).
 from __future__ import annotations
 
 import json
+import random
 import tempfile
 from pathlib import Path
 
@@ -16,8 +17,44 @@ import turbo
 
 from ..errors import TurboError
 from ..repack import repack
+from .data import Group, draw
 
 BLOCKS = (2, 4, 8)
+# --heldout-count unset: a tenth of each group's documents, 1 to AUTO_MOST; the training keeps more
+# than it holds out, so a group of fewer than AUTO_FEWEST documents cannot hold one out
+AUTO_MOST = 10
+AUTO_FEWEST = 3
+
+
+def split(groups: list[Group], count: int | None, seed: int) -> tuple[list[Group], list[Group]]:
+    """(training groups, held-out groups): `count` documents of each group held out (None: a
+    tenth, 1 to AUTO_MOST); refused when the training would not keep more than it holds out."""
+    train, held = [], []
+    for g in groups:
+        n = len(g.documents)
+        k = count if count is not None else min(AUTO_MOST, max(1, n // 10))
+        if n <= 2 * k:
+            need = (f"at least {AUTO_FEWEST} documents a group for a held-out evaluation" if count is None
+                    else f"more than {2 * k} needed")
+            raise TurboError(f"--data group {g.name!r}: {n} documents, too few to hold {k} out ({need}); "
+                             "give --heldout FILE_OR_DIR, or --heldout-count 0")
+        docs = list(g.documents)
+        random.Random(f"heldout/{seed}/{g.name}").shuffle(docs)
+        held.append(Group(g.name, docs[:k]))
+        train.append(Group(g.name, docs[k:]))
+    return train, held
+
+
+def said(train: list[Group], held: list[Group]) -> str:
+    """The split as one line."""
+    parts = ", ".join(f"{h.name} {len(h.documents)} of {len(h.documents) + len(t.documents)}"
+                      for t, h in zip(train, held))
+    return f"held out for the evaluation: {parts} documents (--heldout-count N or --heldout FILE_OR_DIR to choose)"
+
+
+def prompts_of(held: list[Group], prompt_tokens: int, seed: int) -> dict[str, list[list[int]]]:
+    rng = random.Random(f"prompts/{seed}")
+    return {g.name: [draw(doc, prompt_tokens, rng) for doc in g.documents] for g in held}
 
 
 def blocks_for(trained: int | None) -> list[int]:

@@ -82,9 +82,13 @@ def test_without_a_drafter_of_its_own_the_moe_blocker_holds(tmp_path):
     for drafter in ("auto", "dflash", "mtp"):
         with pytest.raises(turbo.TurboError, match=r"speculation blocked \[moe\]: this install routes to 8 experts"):
             bare.generate([1, 2, 3], max_new_tokens=6, policy="fixed", block=2, drafter=drafter)
-        res = bare.generate([1, 2, 3], max_new_tokens=6, policy="auto", drafter=drafter, stop_at_eos=False)
-        assert res.tokens == plain and res.stats.drafter is None
-        assert res.stats.speculation_off_reason.startswith(MOE_SPECULATION_BLOCKER_MARKER)
+    # auto falls back to plain decoding with the blocker's reason; a named drafter is refused (issue #34)
+    res = bare.generate([1, 2, 3], max_new_tokens=6, policy="auto", drafter="auto", stop_at_eos=False)
+    assert res.tokens == plain and res.stats.drafter is None
+    assert res.stats.speculation_off_reason.startswith(MOE_SPECULATION_BLOCKER_MARKER)
+    for drafter in ("dflash", "mtp"):
+        with pytest.raises(turbo.TurboError, match=r"speculation blocked \[moe\]"):
+            bare.generate([1, 2, 3], max_new_tokens=6, policy="auto", drafter=drafter, stop_at_eos=False)
 
 
 @pytest.mark.parametrize("rollback", ["checkpoint", "replay"])

@@ -148,12 +148,15 @@ def test_env_var_mirrors_dflash(rt, monkeypatch):
     assert rt.generate(PROMPTS[0], max_new_tokens=6, drafter="mtp", stop_at_eos=False).stats.policy == "auto"
 
 
-def test_install_without_head_refuses_fixed_and_auto_falls_back(plain_install):
+def test_install_without_head_refuses_a_named_mtp_and_auto_falls_back(plain_install):
+    """Issue #34's one rule: a drafter named but missing is refused under every policy (naming
+    what works instead); drafter=auto falls back to plain decoding and says why."""
     runtime = turbo.open(plain_install[1], backend="cpu")
-    with pytest.raises(TurboError, match=r"no MTP head \(mtp\.fc\.weight"):
-        runtime.generate([1, 2, 3], max_new_tokens=4, policy="fixed", block=2, drafter="mtp")
-    res = runtime.generate([1, 2, 3], max_new_tokens=4, policy="auto", drafter="mtp", stop_at_eos=False)
-    assert res.stats.drafter is None and "mtp.fc.weight" in res.stats.speculation_off_reason
+    for policy in ("fixed", "auto"):
+        with pytest.raises(TurboError, match=r"no MTP head \(mtp\.fc\.weight.*drafter=ngram"):
+            runtime.generate([1, 2, 3], max_new_tokens=4, policy=policy, block=2, drafter="mtp")
+    res = runtime.generate([1, 2, 3], max_new_tokens=4, policy="auto", stop_at_eos=False)
+    assert res.stats.drafter is None and "drafter=ngram" in res.stats.speculation_off_reason
     assert res.tokens == runtime.generate([1, 2, 3], max_new_tokens=4, policy="off", stop_at_eos=False).tokens
 
 

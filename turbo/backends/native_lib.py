@@ -37,8 +37,9 @@ HEADERS = sorted(Path(__file__).parent.glob("native*.h"))  # what they share (na
 # -fopenmp: the library then shares the libgomp torch has loaded (native.c, set_threads).
 FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
-# what the first build's line says it takes: measured cold (66 s on a busy 2-core machine, cc 12)
-BUILD_TIME = "about 60 s"
+# what the first build's line says it takes: measured cold, 35 s on a quiet 2-core VM (cc 12; most
+# of it native_products.c), 66 s on a busy one
+BUILD_TIME = "about half a minute"
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None

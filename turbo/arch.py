@@ -309,8 +309,9 @@ def rope_scaling(text: dict, rope: dict, w: str) -> RopeScaling | None:
     legacy = text.get("rope_scaling")
     if legacy is not None and not isinstance(legacy, dict):
         raise TurboError(f"{w}: field 'rope_scaling' is {show(legacy)}, expected an object")
-    params = (legacy or {}) | rope
-    kind = params.get("rope_type", params.get("type", "default"))
+    legacy = legacy or {}
+    params = rope | legacy  # an older rope_scaling object says how to scale; not ignored
+    kind = legacy.get("rope_type", legacy.get("type")) or rope.get("rope_type", "default")
     where = f"{w} rope_parameters"
     if kind == "dynamic":
         raise TurboError(f"{where}: field 'rope_type' is 'dynamic', which turbo does not implement: dynamic NTK "

@@ -9,7 +9,7 @@ from turbo.testing import assert_64_greedy_tokens_match, assert_prefill_and_64_s
 from safetensors.torch import load_file, save_file
 
 import turbo
-from turbo.arch import arch_from_config, read_config_json
+from turbo.arch import IRRELEVANT, READ, REFUSED_UNLESS_DEFAULT, arch_from_config, read_config_json
 from turbo.errors import TurboError
 from turbo.install import open_install
 from turbo.install_check import check_tensor_names
@@ -127,3 +127,21 @@ def test_mtp_layers_other_than_declared_are_refused(tiny_config):
 
 def turbo_open(path):
     return turbo.open(path, backend="cpu")
+
+
+def test_every_transformers_config_field_is_classified():
+    from transformers import Qwen3_5MoeTextConfig, Qwen3_5TextConfig, Qwen3NextConfig  # optional test dependency
+
+    lists = (set(READ), set(REFUSED_UNLESS_DEFAULT), set(IRRELEVANT))
+    assert sum(map(len, lists)) == len(set().union(*lists)), "a field is in two lists"
+    for cls in (Qwen3_5TextConfig, Qwen3_5MoeTextConfig, Qwen3NextConfig):
+        unclassified = sorted(set(cls().to_dict()) - set().union(*lists))
+        assert not unclassified, f"{cls.__name__}: classify {unclassified} in turbo/arch.py"
+
+
+@pytest.mark.parametrize("field,value", [("hidden_act", "gelu_pytorch_tanh"), ("attention_bias", True),
+                                         ("rope_scaling", {"rope_type": "dynamic", "factor": 2.0})])
+def test_each_refused_field_is_refused_when_not_at_its_default(tiny_config, field, value):
+    assert field in REFUSED_UNLESS_DEFAULT
+    with pytest.raises(TurboError, match=f"field '{field}'|field 'rope_type'"):
+        arch_from_config(tiny_config | {field: value})

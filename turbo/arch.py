@@ -351,3 +351,36 @@ def _yarn_attention_factor(params: dict, factor: float, where: str) -> float:
     if mscale and mscale_all:
         return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all))
     return get_mscale(factor)
+
+
+# Every field of transformers' Qwen3_5TextConfig, Qwen3_5MoeTextConfig and Qwen3NextConfig,
+# classified (tests/test_config_fields.py fails on a new one until it is listed here).
+READ = ("model_type", "text_config", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "tie_word_embeddings", "layer_types",
+        "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads", "linear_value_head_dim", "max_position_embeddings", "rope_parameters",
+        "rope_theta", "partial_rotary_factor", "eos_token_id", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+        "mlp_only_layers", "mtp_num_hidden_layers")
+REFUSED_UNLESS_DEFAULT = ("hidden_act", "attention_bias", "rope_scaling")
+IRRELEVANT = {
+    "_name_or_path": "where transformers loaded it from",
+    "architectures": "the class name; model_type says the layout",
+    "attention_dropout": "dropout acts in training only",
+    "bos_token_id": "a tokenizer-side id; the forward never adds it",
+    "pad_token_id": "batch padding; turbo runs one unpadded sequence",
+    "chunk_size_feed_forward": "chunks the MLP for memory, the same math",
+    "dtype": "the stored dtype; turbo's compute dtype is an open option",
+    "id2label": "classification heads only",
+    "label2id": "classification heads only",
+    "problem_type": "classification heads only",
+    "initializer_range": "random initialisation only",
+    "is_encoder_decoder": "generate()'s bookkeeping; these models are decoder-only",
+    "output_attentions": "what transformers returns, not what it computes",
+    "output_hidden_states": "what transformers returns, not what it computes",
+    "output_router_logits": "what transformers returns, not what it computes",
+    "return_dict": "what transformers returns, not what it computes",
+    "use_cache": "transformers' K/V cache switch; the logits are the same",
+    "router_aux_loss_coef": "the training loss's load-balancing term",
+    "transformers_version": "which version wrote the file",
+}

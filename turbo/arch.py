@@ -25,6 +25,18 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 
 
 @dataclass(frozen=True)
+class RopeScaling:
+    """rope_parameters' scaling as transformers' modeling_rope_utils reads it (linear or yarn)."""
+    kind: str  # linear | yarn
+    factor: float
+    original_max_positions: int = 0  # yarn: the pretrained window
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    attention_factor: float = 1.0  # yarn's cos/sin scale (mscale)
+
+
+@dataclass(frozen=True)
 class Arch:
     model_type: str
     hidden: int
@@ -46,6 +58,7 @@ class Arch:
     partial_rotary: float
     max_positions: int
     eos_token_ids: tuple[int, ...] = ()
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE (rope_type default)
     num_experts: int = 0
     # the MoE block (all 0 / empty for a dense trunk)
     experts_per_token: int = 0  # top-k of the router
@@ -164,6 +177,8 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
     """Parse a Qwen3.5 config dict (CausalLM or ConditionalGeneration layout), every field
     checked for its type, its range and its consistency with the others."""
     top_type = cfg.get("model_type")
+    if cfg.get("text_config") is not None and not isinstance(cfg["text_config"], dict):
+        raise TurboError(f"{where}: field 'text_config' is {show(cfg['text_config'])}, expected an object")
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else cfg
     model_type = text.get("model_type", top_type)
     if not isinstance(model_type, str) or model_type not in SUPPORTED_MODEL_TYPES + MOE_MODEL_TYPES:
@@ -187,6 +202,7 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
     if not isinstance(rope, dict):
         raise TurboError(f"{w}: field 'rope_parameters' is {show(rope)}, expected an object")
     rope_theta = need_rope_theta(rope, f"{w} rope_parameters")
+    _refuse_unimplemented(text, model_type, w)
     partial = need_real({"partial_rotary_factor": text.get("partial_rotary_factor", 0.25)} | rope,
                         "partial_rotary_factor", w, lambda v: 0 < v <= 1, "a number in (0, 1]")
     tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
@@ -222,6 +238,7 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
         conv_kernel=need_positive(text, "linear_conv_kernel_dim", w),
         rope_theta=rope_theta,
         partial_rotary=partial,
+        rope_scaling=rope_scaling(text, rope, w),
         max_positions=need_positive(text, "max_position_embeddings", w, MAX_POSITIONS,
                                     " (RoPE positions are fp32: exact integers end at 2^24)"),
         eos_token_ids=_token_ids(text.get("eos_token_id", cfg.get("eos_token_id")), vocab, w),
@@ -263,3 +280,107 @@ def _moe_fields(text: dict, model_type: str, num_layers: int, w: str) -> dict:
     return dict(num_experts=experts, experts_per_token=top_k,
                 moe_intermediate=need_positive(text, "moe_intermediate_size", w),
                 shared_intermediate=shared, norm_topk_prob=norm, moe_layers=layers)
+
+
+# The activations and rope types turbo computes; everything else is refused by name.
+ACTIVATIONS = ("silu",)
+ROPE_TYPES = ("default", "linear", "yarn")
+
+
+def _refuse_unimplemented(text: dict, model_type: str, w: str) -> None:
+    """Fields that change the math in ways the forward does not implement, refused when not at
+    their default (so the output never silently differs from transformers')."""
+    act = text.get("hidden_act", "silu")
+    if act not in ACTIVATIONS:
+        raise TurboError(f"{w}: field 'hidden_act' is {show(act)}, turbo implements only {' / '.join(ACTIVATIONS)}")
+    bias = text.get("attention_bias", False)
+    if bias is not False and bias is not None:
+        raise TurboError(f"{w}: field 'attention_bias' is {show(bias)}, turbo implements only false "
+                         "(attention projections without biases)")
+    experts = text.get("num_experts")
+    if model_type in SUPPORTED_MODEL_TYPES and isinstance(experts, int) and experts > 0:
+        raise TurboError(f"{w}: field 'num_experts' is {show(experts)} on the dense model_type {model_type}, "
+                         f"expected 0 (experts are read for {', '.join(MOE_MODEL_TYPES)})")
+
+
+def rope_scaling(text: dict, rope: dict, w: str) -> RopeScaling | None:
+    """The RoPE scaling transformers would apply (rope_parameters.rope_type, or an older
+    rope_scaling object); TurboError naming anything turbo does not compute exactly."""
+    legacy = text.get("rope_scaling")
+    if legacy is not None and not isinstance(legacy, dict):
+        raise TurboError(f"{w}: field 'rope_scaling' is {show(legacy)}, expected an object")
+    legacy = legacy or {}
+    params = rope | legacy  # an older rope_scaling object says how to scale; not ignored
+    kind = legacy.get("rope_type", legacy.get("type")) or rope.get("rope_type", "default")
+    where = f"{w} rope_parameters"
+    if kind == "dynamic":
+        raise TurboError(f"{where}: field 'rope_type' is 'dynamic', which turbo does not implement: dynamic NTK "
+                         "recomputes the frequencies as the sequence grows, and turbo's K/V cache keeps keys "
+                         f"rotated once (supported: {' / '.join(ROPE_TYPES)})")
+    if kind not in ROPE_TYPES:
+        raise TurboError(f"{where}: field 'rope_type' is {show(kind)}, expected one of {' / '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return None
+    factor = need_real(params, "factor", where, lambda v: v >= 1, "a number >= 1")
+    if kind == "linear":
+        return RopeScaling("linear", factor)
+    original = need_positive({k: text[k] for k in ("original_max_position_embeddings",) if k in text} | params,
+                             "original_max_position_embeddings", where, MAX_POSITIONS)
+    fast = need_real({"beta_fast": 32.0} | {k: v for k, v in params.items() if v}, "beta_fast", where,
+                     lambda v: v > 0, "a positive number")
+    slow = need_real({"beta_slow": 1.0} | {k: v for k, v in params.items() if v}, "beta_slow", where,
+                     lambda v: v > 0, "a positive number")
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise TurboError(f"{where}: field 'truncate' is {show(truncate)}, expected true or false")
+    return RopeScaling("yarn", factor, original, fast, slow, truncate, _yarn_attention_factor(params, factor, where))
+
+
+def _yarn_attention_factor(params: dict, factor: float, where: str) -> float:
+    """transformers' _compute_yarn_parameters: attention_factor, or one from mscale / mscale_all_dim."""
+    if params.get("attention_factor") is not None:
+        return need_real(params, "attention_factor", where, lambda v: v > 0, "a positive number")
+
+    def get_mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+    for key, v in (("mscale", mscale), ("mscale_all_dim", mscale_all)):
+        if v is not None and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+            raise TurboError(f"{where}: field '{key}' is {show(v)}, expected a number")
+    if mscale and mscale_all:
+        return float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all))
+    return get_mscale(factor)
+
+
+# Every field of transformers' Qwen3_5TextConfig, Qwen3_5MoeTextConfig and Qwen3NextConfig,
+# classified (tests/test_config_fields.py fails on a new one until it is listed here).
+READ = ("model_type", "text_config", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "tie_word_embeddings", "layer_types",
+        "full_attention_interval", "linear_conv_kernel_dim", "linear_key_head_dim", "linear_num_key_heads",
+        "linear_num_value_heads", "linear_value_head_dim", "max_position_embeddings", "rope_parameters",
+        "rope_theta", "partial_rotary_factor", "eos_token_id", "num_experts", "num_experts_per_tok",
+        "moe_intermediate_size", "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
+        "mlp_only_layers", "mtp_num_hidden_layers")
+REFUSED_UNLESS_DEFAULT = ("hidden_act", "attention_bias", "rope_scaling")
+IRRELEVANT = {
+    "_name_or_path": "where transformers loaded it from",
+    "architectures": "the class name; model_type says the layout",
+    "attention_dropout": "dropout acts in training only",
+    "bos_token_id": "a tokenizer-side id; the forward never adds it",
+    "pad_token_id": "batch padding; turbo runs one unpadded sequence",
+    "chunk_size_feed_forward": "chunks the MLP for memory, the same math",
+    "dtype": "the stored dtype; turbo's compute dtype is an open option",
+    "id2label": "classification heads only",
+    "label2id": "classification heads only",
+    "problem_type": "classification heads only",
+    "initializer_range": "random initialisation only",
+    "is_encoder_decoder": "generate()'s bookkeeping; these models are decoder-only",
+    "output_attentions": "what transformers returns, not what it computes",
+    "output_hidden_states": "what transformers returns, not what it computes",
+    "output_router_logits": "what transformers returns, not what it computes",
+    "return_dict": "what transformers returns, not what it computes",
+    "use_cache": "transformers' K/V cache switch; the logits are the same",
+    "router_aux_loss_coef": "the training loss's load-balancing term",
+    "transformers_version": "which version wrote the file",
+}

@@ -71,6 +71,9 @@ def shape4(dims: tuple[int, ...], name: str) -> tuple[int, int, int, int]:
 
 def safetensors_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
+    for path in [index, *directory.glob("*.safetensors")]:
+        if path.exists() and not path.is_file():  # a directory named like a file is not one
+            raise TurboError(f"{path}: not a file (expected the checkpoint's {path.name} to be a regular file)")
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text())["weight_map"]

@@ -4,12 +4,18 @@ ids against the model's vocab."""
 
 from __future__ import annotations
 
+import re
+
 from tokenizers import Tokenizer
 
+from .arch import Arch
 from .drafters.dflash_config import DflashConfig, parse_drafter_config
 from .errors import TurboError
 from .install import DRAFTER_DIR, Install
+from .drafters.mtp import MTP_PREFIX, declared_layers
 from .trunk import PREFIX
+
+_LAYER = re.compile(r"(trunk|mtp)\.layers\.(\d+)\.")
 
 
 def check_tokenizer(tokenizer: Tokenizer, vocab: int, where: str) -> None:
@@ -28,8 +34,30 @@ def check_install(install: Install, tokenizer: Tokenizer) -> DflashConfig | None
     if install.index.has_prefix(f"{PREFIX}layers.{arch.num_layers}."):
         raise TurboError(f"{root / 'config.json'}: field 'num_hidden_layers' is {arch.num_layers}, but the install "
                          f"carries {PREFIX}layers.{arch.num_layers}.* tensors (expected every trunk layer declared)")
+    check_tensor_names(sorted(install.index.entries), arch, install.config, str(root / "config.json"))
     drafter = None
     if install.drafter_config is not None:  # before a plan reads it
         drafter = parse_drafter_config(install.drafter_config, arch, str(root / DRAFTER_DIR / "config.json"))
     check_tokenizer(tokenizer, arch.vocab, str(root / "tokenizer.json"))
     return drafter
+
+
+def check_tensor_names(names: list[str], arch: Arch, config: dict, where: str) -> None:
+    """Refuse tensors the architecture does not have, naming the first: a trunk layer past
+    num_hidden_layers, a linear's bias (turbo's layers have none: attention_bias false), MTP
+    layers other than the count the config declares."""
+    mtp_layers = 0
+    for name in names:
+        m = _LAYER.match(name)
+        if name.endswith(".bias") and name.startswith((PREFIX, MTP_PREFIX)):
+            raise TurboError(f"{name}: a bias tensor, which this architecture does not have (turbo's projections "
+                             "carry no biases; attention_bias must be false)")
+        if m and m[1] == "trunk" and int(m[2]) >= arch.num_layers:
+            raise TurboError(f"{name}: a tensor of trunk layer {m[2]}, but {where} declares num_hidden_layers "
+                             f"{arch.num_layers} (layers 0..{arch.num_layers - 1})")
+        if m and m[1] == "mtp":
+            mtp_layers = max(mtp_layers, int(m[2]) + 1)
+    declared = declared_layers(config)
+    if mtp_layers and declared and declared != mtp_layers:
+        raise TurboError(f"{where}: field 'mtp_num_hidden_layers' is {declared}, but the install carries "
+                         f"{mtp_layers} MTP layer(s) (mtp.layers.*)")

@@ -167,8 +167,18 @@ class Reader:
     def attention(self, p: LayerPlan, a: Arch) -> AttnWeights:
         m = p.prefix + "self_attn."
         return AttnWeights(qkv=self.matrix(p.mixer["qkv"]), o=self.matrix(p.mixer["o"]),
-                           q_norm=self.norm(m + "q_norm.weight", a.head_dim),
-                           k_norm=self.norm(m + "k_norm.weight", a.head_dim))
+                           q_norm=self.rotary_scaled(self.norm(m + "q_norm.weight", a.head_dim), a),
+                           k_norm=self.rotary_scaled(self.norm(m + "k_norm.weight", a.head_dim), a))
+
+    @staticmethod
+    def rotary_scaled(norm: torch.Tensor, a: Arch) -> torch.Tensor:
+        """yarn's attention factor: transformers scales cos and sin by it, which is the rotary
+        dims of q and k scaled, so it is folded here into the norm that precedes the rotation
+        (every step, the native and CUDA ones too, then computes it unchanged)."""
+        factor = a.rope_scaling.attention_factor if a.rope_scaling is not None else 1.0
+        if factor != 1.0:
+            norm[:a.rotary_dim] *= factor
+        return norm
 
     def moe(self, p: MoePlan) -> MoeWeights:
         """One MoE block; an expert past num_experts in the install is refused, as a missing one is."""
@@ -205,7 +215,7 @@ def read_trunk(install: Install, plan: TrunkPlan, device: torch.device) -> Trunk
     embed, lm_head = r.embedding(plan.embed)
     final_norm = r.norm(PREFIX + "norm.weight", a.hidden)
     layers = [r.layer(p, a) for p in plan.layers]
-    inv_freq = ops.rope_inv_freq(a.rotary_dim, a.rope_theta)
+    inv_freq = ops.rope_inv_freq(a.rotary_dim, a.rope_theta, a.rope_scaling)
     if device.type != "cpu":  # once, at load: everything above was prepared on the host exactly as for the CPU
         embed = ops.to_device(embed, device)
         lm_head = embed if a.tie_embeddings else ops.to_device(lm_head, device)

@@ -7,10 +7,12 @@ Functions on the decode/verify path are row-stable (`calibrate_rows`, `rowwise`;
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 import torch.nn.functional as F
 
+from .arch import RopeScaling
 from .backends import cuda, native_lib, native_pack
 from .quant import QuantizedWeight, rows_stand_alone
 
@@ -188,8 +190,32 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def rope_inv_freq(rotary_dim: int, theta: float) -> torch.Tensor:
-    return 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+def rope_inv_freq(rotary_dim: int, theta: float, scaling: RopeScaling | None = None) -> torch.Tensor:
+    """The inverse frequencies, scaled as transformers' modeling_rope_utils does (linear: all
+    divided by factor; yarn: a ramp between the interpolated and the original ones). yarn's
+    attention factor scales cos/sin there: the loader folds it into q_norm/k_norm's rotary part."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim))
+    if scaling is None:
+        return inv_freq
+    if scaling.kind == "linear":
+        return inv_freq / scaling.factor
+    low, high = _yarn_range(scaling, rotary_dim, theta)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # the share of the original (extrapolated) frequency
+    pos_freqs = theta ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim)
+    return 1.0 / (scaling.factor * pos_freqs) * (1 - keep) + 1.0 / pos_freqs * keep
+
+
+def _yarn_range(s: RopeScaling, dim: int, theta: float) -> tuple[float, float]:
+    """transformers' find_correction_range (and its guard against a zero-width ramp)."""
+    def corr(rotations: float) -> float:
+        return dim * math.log(s.original_max_positions / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = corr(s.beta_fast), corr(s.beta_slow)
+    if s.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    return low, high + 0.001 if low == high else high
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -297,7 +297,10 @@ class Runtime:
             st = origin.prime(trunk, draft, ids, len(ids) + max_new + 16)
         chooser = None
         if p.policy == "adaptive" and draft is not None:
-            chooser = AdaptiveChooser(p.block, memory=(draft, rollback))
+            # under sampling the blocks are chosen from counts (the seed repeats the text), and
+            # the seconds other generations measured are not read
+            chooser = AdaptiveChooser(p.block, memory=(draft, rollback) if sampler is None else None,
+                                      counted=sampler is not None)
             draft = LazyContext(draft, chooser)  # plain rounds skip the drafter's work
         anchor, generated, first_done = ids[-1], [], None
         while len(generated) < max_new:

@@ -23,6 +23,14 @@ if TYPE_CHECKING:
 
 
 _COSTS: "weakref.WeakKeyDictionary[object, dict]" = weakref.WeakKeyDictionary()
+# A round's cost counted in plain rounds from its rows (`counted_costs`): the chooser's clock under
+# sampling, where the blocks decide which seeded draws each token gets, so they must repeat run to run.
+DRAFT_ROUND, DRAFT_ROW, VERIFY_ROW, ROLLBACK_ROW = 0.1, 0.02, 0.05, 0.01
+
+
+def counted_costs(block: int) -> tuple[float, float, float]:
+    """(draft, verify, rollback) of a round at `block`, in plain rounds, from counts alone."""
+    return (DRAFT_ROUND + DRAFT_ROW * block if block else 0.0, 1.0 + VERIFY_ROW * block, ROLLBACK_ROW * block)
 
 
 def _shared_costs(memory: tuple | None, max_block: int, fresh):
@@ -44,7 +52,7 @@ class AdaptiveChooser:
     def __init__(self, max_block: int, decay: float = 0.8, prior: float = 1.0, probe_every: int = 8,
                  probe_max: int = 128, samples: int = 15, explore_within: float = 0.85, min_samples: int = 3,
                  bootstrap: list[int] | None = None, memory: tuple | None = None, refresh: int = 64,
-                 optimism: float = 0.25):
+                 optimism: float = 0.25, counted: bool = False):
         if max_block < 1:
             raise ValueError(f"max_block {max_block} < 1")
         self.max_block, self.decay, self.prior = max_block, decay, prior
@@ -68,6 +76,7 @@ class AdaptiveChooser:
         self.rounds, self.last, self.refresh = 0, {}, refresh  # last: the round each block was last played
         self._per_block: dict[int, tuple[float, float, float]] = {}  # costs() of each played block, until it plays again
         self.landed_all = False  # the last round was at the widest block and landed every proposal
+        self.counted = counted  # costs from counted_costs, not the seconds observed (under sampling)
 
     def _bootstrap_after(self, accepted: int) -> list[int]:
         """The rounds after the first (at the widest block): a second block fixes the cost
@@ -207,6 +216,8 @@ class AdaptiveChooser:
     def observe(self, block: int, accepted: int, draft_s: float, verify_s: float, rollback_s: float) -> None:
         if not 0 <= block <= self.max_block or not 0 <= accepted <= block:
             raise ValueError(f"round at block {block} accepted {accepted}")
+        if self.counted:
+            (draft_s, verify_s, rollback_s), self.flush_s = counted_costs(block), 0.0
         if block == self.max_block and self.plain_streak == 0 and self.chosen[-2:-1] == [0] and 2 * accepted >= block:
             self.next_probe = self.probe_every  # a probe that landed: look again soon, not after twice as long
         if self.bootstrap_next is not None and len(self.chosen) == 1:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -25,6 +26,7 @@ from .backends import Backend, native_lib, select_backend
 from .chat import ChatResult, run_chat, template_for
 from .chat_template import ChatTemplate
 from .drafters import Drafter
+from .drafters.seam import call, check_drafter_object, propose
 from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError
 from .install import Install, open_install
@@ -41,6 +43,9 @@ from .trunk import Trunk, TrunkState
 DEFAULT_GENERATION = GenerationOptions()
 ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "
              "start a new stream")
+REENTERED = ("a generation was started on this runtime from inside its own round (a drafter's propose or "
+             "commit): a runtime runs one generation at a time; open another runtime for that")
+TWO_THREADS = "this stream is being iterated on another thread already: iterate a stream from one thread at a time"
 Prompt = str | list[int] | tuple[int, ...] | np.ndarray  # text, or token ids
 # the drafters that keep no DFlash context window, and what to say to window= with them
 NO_WINDOW = {"object": "a drafter object keeps its own (drop window=)",
@@ -103,7 +108,7 @@ def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]
 
 def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: int, block: int, rollback: str,
                sampler: RejectionSampler | None = None,
-               cut: Callable[[list[int]], int | None] | None = None) -> RoundResult:
+               cut: Callable[[list[int]], int | None] | None = None, vocab: int | None = None) -> RoundResult:
     """Draft `block` proposals after `anchor` (none at block 0), verify them with the anchor in
     one trunk step, accept a prefix, roll the state back to it and tell the drafter what was kept.
     The acceptance rule is the only thing sampling changes: sampler None is greedy
@@ -111,15 +116,12 @@ def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: in
     accept/resample rule keeps the trunk's distribution (turbo.sampling). `cut` (turbo.stops)
     may keep fewer of the tokens the round would commit: the round is then played as if only
     the proposals before the last kept one had landed, and that one were the trunk's bonus
-    (it is the trunk's own token there), so the state and the drafter end exactly at it."""
+    (it is the trunk's own token there), so the state and the drafter end exactly at it.
+    `vocab`: what the proposals are checked against (None: ids >= 0, for a stand-in trunk)."""
     t0 = time.perf_counter()
-    q = None
-    if not block:
-        proposals = []
-    elif sampler is None:
-        proposals = drafter.propose(anchor, st.pos, block)
-    else:
-        proposals, q = drafter.propose_sampled(anchor, st.pos, block, sampler.sampler)
+    # what the drafter returns is checked here, whoever wrote it (turbo/drafters/seam.py)
+    proposals, q = (propose(drafter, anchor, st.pos, block, sampler and sampler.sampler, vocab)
+                    if block else ([], None))
     t1 = time.perf_counter()
     rows = [anchor] + proposals
     out = trunk.step(st, rows, drafter.aux_layers if drafter is not None else (), rollback if proposals else None)
@@ -131,7 +133,7 @@ def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: in
     replayed = trunk.rollback(st, out, len(rows), accepted + 1, rollback)
     t3 = time.perf_counter()
     if drafter is not None:
-        drafter.commit(out, accepted + 1, proposals[:accepted] + [bonus])
+        call(drafter, "commit", drafter.commit, out, accepted + 1, proposals[:accepted] + [bonus])
     return RoundResult(proposals, accepted, bonus, replayed, t1 - t0, t2 - t1, t3 - t2, landed)
 
 
@@ -164,6 +166,17 @@ class Runtime:
         self._serial = threading.RLock()
         self._step = threading.Lock()
         self._generation = 0  # the latest generation started; only its stream may run rounds
+        self._local = threading.local()  # .inside: this thread is in a round (a drafter calling back in)
+
+    @contextmanager
+    def _round(self) -> Iterator[None]:
+        """Marks this thread as inside a round: a generation started from there (a drafter calling
+        the runtime) would wait on the round's own lock for ever, so `stream` refuses it."""
+        self._local.inside = True
+        try:
+            yield
+        finally:
+            self._local.inside = False
 
     # ---- helpers -----------------------------------------------------------------------
 
@@ -242,8 +255,10 @@ class Runtime:
         Another generation started before this stream ends takes the runtime over: this stream's
         next round then raises TurboError. `start`: how the state comes to hold the prompt
         (a chat session's resumes its conversation; turbo/session.py)."""
+        if getattr(self._local, "inside", False):
+            raise TurboError(REENTERED)
         with self._serial:  # waits for a `generate` running on another thread
-            return self._stream(prompt, opts, start, **fields)
+            return OneThread(self._stream(prompt, opts, start, **fields))
 
     def _stream(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH,
                 **fields) -> Iterator[RoundEvent]:
@@ -257,6 +272,8 @@ class Runtime:
         if bad is not None:
             raise TurboError(f"stop_token_ids: {bad} is not an id in 0..{vocab - 1}")
         own = not isinstance(o.drafter, str)  # the caller's drafter object
+        if own:
+            check_drafter_object(o.drafter, self.install.arch.num_layers)
         p = self.plan(o.policy, o.block, o.drafter)
         no_window = "object" if own else p.drafter
         if o.window is not None and no_window in NO_WINDOW:
@@ -291,22 +308,25 @@ class Runtime:
         eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
         stops = Stopper(self.decode, o.stop or (), eos | set(o.stop_token_ids or ()), max_new)
         start = time.perf_counter()
-        with self._serial, self._step:  # this generation takes the runtime over
+        with self._serial, self._step, self._round():  # this generation takes the runtime over
             self._generation += 1
             me = self._generation
             st = origin.prime(trunk, draft, ids, len(ids) + max_new + 16)
         chooser = None
         if p.policy == "adaptive" and draft is not None:
-            chooser = AdaptiveChooser(p.block, memory=(draft, rollback))
+            # under sampling the blocks are chosen from counts (the seed repeats the text), and
+            # the seconds other generations measured are not read
+            chooser = AdaptiveChooser(p.block, memory=(draft, rollback) if sampler is None else None,
+                                      counted=sampler is not None)
             draft = LazyContext(draft, chooser)  # plain rounds skip the drafter's work
         anchor, generated, first_done = ids[-1], [], None
         while len(generated) < max_new:
-            with self._step:
+            with self._step, self._round():
                 if self._generation != me:
                     raise TurboError(ABANDONED)
                 block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
                 r = play_round(trunk, st, draft, anchor, block, rollback, sampler,
-                               stops.cut if origin.keeps_state else None)
+                               stops.cut if origin.keeps_state else None, self.install.arch.vocab)
                 if chooser is not None:
                     chooser.observe(block, r.landed, r.draft_s, r.verify_s, r.rollback_s)
             # the counters keep the trunk's verdict on the proposals: a stop decides what is
@@ -334,6 +354,28 @@ class Runtime:
             if done:
                 return
             anchor = r.bonus
+
+
+class OneThread:
+    """A stream's events, refused (TurboError) to a second thread while one is inside a round,
+    where a bare generator would raise "generator already executing"."""
+
+    def __init__(self, events: Iterator[RoundEvent]):
+        self.events, self.busy = events, threading.Lock()
+
+    def __iter__(self) -> OneThread:
+        return self
+
+    def __next__(self) -> RoundEvent:
+        if not self.busy.acquire(blocking=False):
+            raise TurboError(TWO_THREADS)
+        try:
+            return next(self.events)
+        finally:
+            self.busy.release()
+
+    def close(self) -> None:
+        self.events.close()
 
 
 def open(path_or_name: str | Path = "tiny", opts: OpenOptions | None = None, **fields) -> Runtime:  # noqa: A001

@@ -224,5 +224,6 @@ def check_flag(name: str, value: object) -> None:
 
 
 def check_seed(seed: object) -> None:
-    if seed is not None and (integer(seed) is None or seed < 0):
-        raise TurboError(f"seed is {seed!r}, expected a non-negative integer or null (a fresh seed)")
+    # the generator's seed is 64 bits (torch.Generator.manual_seed): a larger one is refused, not wrapped
+    if seed is not None and (integer(seed) is None or not 0 <= seed < 2**64):
+        raise TurboError(f"seed is {seed!r}, expected a non-negative integer or null (a fresh seed), below 2**64")

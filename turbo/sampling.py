@@ -17,6 +17,8 @@ import torch
 
 from .options import GenerationOptions, check_sampling, check_seed
 
+TINY_TEMPERATURE = 1e-20  # below it a distribution is its limit, the argmax (logits / T would overflow)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -35,6 +37,11 @@ class SamplingParams:
 def probabilities(logits: torch.Tensor, s: SamplingParams) -> torch.Tensor:
     """logits [n, V] -> each row's processed distribution [n, V] fp32 (zeros outside its support)."""
     x = logits.float() / s.temperature
+    if s.temperature < TINY_TEMPERATURE:
+        # logits / T overflows to inf (softmax: nan; T under fp32's range is 0): take the limit,
+        # the row's argmax (equal maxima share); above it the plain division, unchanged
+        x = logits.float()
+        x = torch.where(x == x.amax(-1, keepdim=True), 0.0, -math.inf)
     if s.top_k and s.top_k < x.shape[-1]:
         kth = torch.topk(x, s.top_k, dim=-1).values[:, -1:]
         x = x.masked_fill(x < kth, -math.inf)

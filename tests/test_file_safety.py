@@ -5,12 +5,17 @@ repack's own, the native library's cache is private, and `./tiny` does not repla
 import os
 import shutil
 import stat
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 from turbo.testing import make_checkpoint
 
+from turbo.backends import native_lib
 from turbo.errors import TurboError
+from turbo.install import BUNDLED_DIR, resolve
 from turbo.repack import repack
 from turbo.repack_write import MARKER
 
@@ -104,3 +109,82 @@ def test_stale_temporaries_are_removed_only_when_repack_marked_them(tmp_path, ch
     err = capfd.readouterr().err
     assert not ours.exists() and f"removed {ours}" in err
     assert (foreign / "keep").exists() and link.is_symlink() and (target / MARKER).exists()
+
+
+# ---- the native library's cache ------------------------------------------------------------------
+
+FAKE_CC = """#!/bin/sh
+case "$1" in --version) echo turbo-test-cc 1; exit 0;; esac
+while [ "$#" -gt 0 ]; do if [ "$1" = "-o" ]; then out="$2"; fi; shift; done
+echo built > "$out"
+"""
+
+
+@pytest.fixture
+def cc(tmp_path, monkeypatch) -> str:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmpdir"))
+    (tmp_path / "tmpdir").mkdir()
+    monkeypatch.setattr(native_lib, "_announce", lambda line: None)
+    path = tmp_path / "cc"
+    path.write_text(FAKE_CC)
+    path.chmod(0o755)
+    return str(path)
+
+
+def plant(directory: Path, cc: str, dir_mode: int, file_mode: int) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    planted = directory / f"native-{native_lib._key(cc)}.so"
+    planted.write_text("planted")
+    planted.chmod(file_mode)
+    directory.chmod(dir_mode)
+    return planted
+
+
+def test_the_cache_is_created_private(tmp_path, cc):
+    path, throwaway = native_lib._build(cc, tmp_path / "cache" / "turbo")
+    assert path.parent == tmp_path / "cache" / "turbo" and throwaway is None
+    assert mode(path.parent) == 0o700 and mode(path) == 0o755 and path.read_text() == "built\n"
+
+
+def test_a_library_in_a_world_writable_directory_is_never_loaded(tmp_path, cc):
+    planted = plant(tmp_path / "shared", cc, 0o777, 0o755)
+    path, _ = native_lib._build(cc, tmp_path / "shared")
+    assert path.read_text() == "built\n" and path.parent == tmp_path / "tmpdir" / "turbo-native"
+    assert planted.read_text() == "planted"
+
+
+def test_a_writable_library_in_the_private_cache_is_rebuilt(tmp_path, cc):
+    planted = plant(tmp_path / "cache", cc, 0o700, 0o666)
+    path, _ = native_lib._build(cc, tmp_path / "cache")
+    assert path == planted and path.read_text() == "built\n" and mode(path) == 0o755
+
+
+def test_a_planted_tmpdir_fallback_gives_a_fresh_private_directory(tmp_path, cc):
+    (tmp_path / "file").write_text("x")  # the cache cannot be created under a file
+    planted = plant(tmp_path / "tmpdir" / "turbo-native", cc, 0o777, 0o755)
+    path, throwaway = native_lib._build(cc, tmp_path / "file" / "cache")
+    assert throwaway == path.parent and path.parent.parent == tmp_path / "tmpdir"
+    assert path.parent.name.startswith("turbo-native-") and mode(path.parent) == 0o700
+    assert path.read_text() == "built\n" and planted.read_text() == "planted"
+    assert "writable by others" in native_lib.untrusted(planted.parent)
+
+
+# ---- the shipped install by name, a path as a path -------------------------------------------------
+
+def cli(cwd: Path, *overrides: str) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "turbo", f"hydra.run.dir={cwd}/hydra", "threads=1", "backend=cpu", "prompt=def f",
+           "max_new_tokens=6", "+policy=off", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=120)
+
+
+def test_a_tiny_directory_in_the_working_directory_is_not_the_shipped_install(tmp_path, monkeypatch):
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text('{"model_type": "planted"}')  # refused, were it opened
+    planted = cli(tmp_path)
+    assert planted.returncode == 0 and planted.stderr == "", planted.stderr
+    assert planted.stdout.startswith("def f") and "[stats]" in planted.stdout
+    as_path = cli(tmp_path, "install.path=tiny")
+    assert as_path.returncode == 2 and as_path.stderr.count("\n") == 1 and "tiny/config.json" in as_path.stderr
+    monkeypatch.chdir(tmp_path)
+    assert resolve("tiny") == BUNDLED_DIR / "tiny" and resolve("./tiny") == Path("tiny")
+    assert resolve(Path("tiny")) == Path("tiny")

@@ -8,7 +8,6 @@ writes them into a temporary sibling renamed at the end (repack_write). docs/DES
 
 from __future__ import annotations
 
-import argparse
 import json
 import signal
 import sys
@@ -19,7 +18,7 @@ from tqdm import tqdm
 from .arch import arch_from_config, read_config_json
 from .chat_template import check_checkpoint
 from .drafters import mtp
-from .errors import TurboError
+from .errors import ArgumentParser, TurboError
 from .install import DRAFTER_DIR
 from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk
 from .repack_write import building, copy_file, write_safetensors
@@ -94,7 +93,7 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, "
                                     "their MoE versions, or Qwen3NextForCausalLM)")
     parser.add_argument("out", help="the install directory to create")

@@ -147,13 +147,11 @@ def _build(cc: str, cache_dir: Path | None) -> tuple[Path, Path | None]:
     errors: list[str] = []
     for dest_dir in (cache_dir or Path.home() / ".cache" / "turbo", Path(tempfile.gettempdir()) / "turbo-native", None):
         fresh = dest_dir is None
-        target = None
         try:
             if fresh:
                 dest_dir = Path(tempfile.mkdtemp(prefix="turbo-native-"))
             dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-            problem = untrusted(dest_dir)
-            if problem is not None:
+            if problem := untrusted(dest_dir):
                 errors.append(problem)
                 continue
             target = dest_dir / f"native-{key}.so"

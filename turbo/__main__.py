@@ -34,7 +34,7 @@ from omegaconf import DictConfig, OmegaConf  # noqa: E402
 
 from . import shipped  # noqa: E402
 from .config import run_config, unknown_key  # noqa: E402
-from .errors import TurboError  # noqa: E402
+from .errors import TurboError, checked_text  # noqa: E402
 from .extras import missing  # noqa: E402
 
 CONF_DIR = str(shipped.CONF_DIR)
@@ -119,6 +119,13 @@ def cli(argv: list[str]) -> int:
     """Refuse a bad override in one line before Hydra (whose report is many), then run: generate
     and chat from the config composed here, probe and sweeps (-m) and Hydra's flags under @hydra.main."""
     overrides = [a for a in argv if not a.startswith("-")]
+    try:  # Hydra's lexer would refuse a byte that is not UTF-8 in words of its own
+        for a in argv:
+            key, eq, value = a.partition("=")
+            checked_text(value if eq else a, key)
+    except TurboError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     problem = launcher_missing(argv) or unknown_key(CONF_DIR, overrides)
     if problem is None and not any(a.startswith("-") for a in argv):
         cfg, problem = composed([a for a in overrides if not a.startswith(("hydra.", "hydra/"))])

@@ -21,7 +21,7 @@ import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .arch import _token_ids, read_config_json, show
-from .errors import TurboError
+from .errors import TurboError, checked_text
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
@@ -77,7 +77,7 @@ def render(template: str | ChatTemplate, messages: list, *, add_generation_promp
 
 def encode(tokenizer: Tokenizer, text: str) -> list[int]:
     """A rendered prompt's ids: the template wrote every special token itself, none is added."""
-    return tokenizer.encode(text, add_special_tokens=False).ids
+    return tokenizer.encode(checked_text(text, "chat prompt"), add_special_tokens=False).ids
 
 
 def install_template(install: Install) -> ChatTemplate:

@@ -120,10 +120,19 @@ def _prompt(cfg: DictConfig, prompts: tuple[str, ...], stdin: BinaryIO | None) -
     return _text((stdin or sys.stdin.buffer).read(), "prompt=- (standard input)")
 
 
+def _install(group: DictConfig) -> str:
+    """install=NAME opens a shipped install by name; install.path=DIR a directory, always as a
+    path (made one with ./ when bare, turbo.open would otherwise take "tiny" for the name)."""
+    path = group.get("path")
+    if path is None:
+        return str(group.name)
+    return str(path) if "/" in str(path) else f"./{path}"
+
+
 def run_config(cfg: DictConfig, stdin: BinaryIO | None = None) -> RunConfig:
     """`stdin` (default sys.stdin's bytes) is read only for prompt=-."""
     try:
-        install = cfg.install.path
+        install = _install(cfg.install)
         workload = cfg.workload
         prompts = tuple(str(p) for p in workload.prompts)
         task = cfg.task.name

@@ -13,7 +13,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, Callable, Iterator
 
 import numpy as np
@@ -28,8 +28,8 @@ from .chat_template import ChatTemplate
 from .drafters import Drafter
 from .drafters.seam import call, check_drafter_object, propose
 from .drafters.ngram import NgramConfig, NgramDrafter
-from .errors import TurboError
-from .install import Install, open_install
+from .errors import TurboError, checked_text
+from .install import Install, bundled_names, open_install
 from .install_check import check_install
 from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions, integer
@@ -184,7 +184,7 @@ class Runtime:
         """A str goes through the tokenizer. Token ids: a list or tuple of Python or numpy integers,
         or a 1-D numpy integer array (bools are not ids)."""
         if isinstance(prompt, str):
-            return self._checked_ids(self.tokenizer.encode(prompt).ids)
+            return self._checked_ids(self.tokenizer.encode(checked_text(prompt, "prompt")).ids)
         if isinstance(prompt, np.ndarray) and prompt.ndim != 1:
             raise TurboError(f"prompt array of shape {list(prompt.shape)}: expected a 1-D array of token ids")
         if not isinstance(prompt, (list, tuple, np.ndarray)):
@@ -263,6 +263,9 @@ class Runtime:
     def _stream(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH,
                 **fields) -> Iterator[RoundEvent]:
         o = opts if opts is not None else DEFAULT_GENERATION
+        if not isinstance(o, GenerationOptions):
+            raise TurboError(f"options of type {type(o).__name__}: expected a GenerationOptions, or its fields as "
+                             "keywords (generate(prompt, max_new_tokens=64))")
         if fields:
             o = o.but(**fields)  # GenerationOptions checks each field; what needs the install is here
         whole = self.encode(prompt)
@@ -382,6 +385,11 @@ def open(path_or_name: str | Path = "tiny", opts: OpenOptions | None = None, **f
     """Open an install: a directory, or the name of one shipped in the package ("tiny").
     `opts` (turbo.options.OpenOptions), or its fields as keywords (backend=, dtype=,
     draft_products=, ...) with the environment's say on the rest (OpenOptions.from_env)."""
+    if not isinstance(path_or_name, (str, PurePath)):
+        raise TurboError(f"install of type {type(path_or_name).__name__}: expected a directory (a str or a Path) "
+                         f"or a shipped install's name ({', '.join(bundled_names())})")
+    if opts is not None and not isinstance(opts, OpenOptions):
+        raise TurboError(f"options of type {type(opts).__name__}: expected an OpenOptions, or its fields as keywords")
     if opts is None:
         opts = OpenOptions.from_env(**fields)
     elif fields:

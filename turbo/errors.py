@@ -1,4 +1,11 @@
-"""The one error type a user can cause: it ends the CLI in one line, exit status 2."""
+"""The one error type a user can cause: it ends the CLI in one line, exit status 2; the check
+that text is text (`checked_text`); the argument parser of the argparse CLIs (repack, train),
+whose usage errors end the same way."""
+
+import argparse
+import sys
+from typing import NoReturn
+
 
 
 class TurboError(Exception):
@@ -6,3 +13,25 @@ class TurboError(Exception):
 
     The message names the thing (file, tensor, field, value) and what was expected.
     """
+
+
+def checked_text(text: str, what: str) -> str:
+    """`text` as it is, refused when it is not Unicode text: a lone surrogate (how Python reads a
+    byte that is not UTF-8 on a command line, or what an API caller passed) has no encoding.
+    Refused rather than replaced: a prompt is never silently changed."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        byte = f"byte 0x{c - 0xDC00:02x}, not UTF-8" if 0xDC80 <= c <= 0xDCFF else f"lone surrogate U+{c:04X}"
+        raise TurboError(f"{what}: character {e.start} is a {byte}: expected valid UTF-8 text") from None
+    return text
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse's, but a usage error is one stderr line naming the argument (and the choices,
+    argparse's own wording), exit 2, instead of the usage text first."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
+        sys.exit(2)

@@ -288,13 +288,22 @@ def bundled_names() -> list[str]:
     return sorted(p.name for p in BUNDLED_DIR.iterdir() if (p / "config.json").is_file())
 
 
+def shipped_name(path_or_name: str | Path) -> str | None:
+    """The shipped install `path_or_name` names: only a bare str ("tiny"), never a Path or a
+    string with a slash ("./tiny"), so a directory in the working directory cannot stand in for it."""
+    if isinstance(path_or_name, str) and "/" not in path_or_name and path_or_name in bundled_names():
+        return path_or_name
+    return None
+
+
 def resolve(path_or_name: str | Path) -> Path:
-    """A directory, or the name of an install shipped inside the package."""
+    """The name of an install shipped inside the package, or else a directory."""
+    name = shipped_name(path_or_name)
+    if name is not None:
+        return BUNDLED_DIR / name
     p = Path(path_or_name).expanduser()
     if p.is_dir():
         return p
-    if isinstance(path_or_name, str) and "/" not in path_or_name and (BUNDLED_DIR / path_or_name).is_dir():
-        return BUNDLED_DIR / path_or_name
     shipped = ", ".join(bundled_names()) or "none"
     raise TurboError(f"install {str(path_or_name)!r}: no such directory (expected an install directory or a shipped name: {shipped})")
 
@@ -318,5 +327,5 @@ def open_install(path_or_name: str | Path) -> Install:
     index = ResidentIndex(files, prefixes)
     if not index.has_prefix("trunk."):
         raise TurboError(f"{root}: no trunk.* tensors (expected an install made by python -m turbo.repack)")
-    name = str(path_or_name) if not Path(str(path_or_name)).is_dir() else root.name
+    name = shipped_name(path_or_name) or root.name
     return Install(root, name, config, arch, index, drafter_config)

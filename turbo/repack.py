@@ -8,9 +8,7 @@ writes them into a temporary sibling renamed at the end (repack_write). docs/DES
 
 from __future__ import annotations
 
-import argparse
 import json
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -20,10 +18,10 @@ from tqdm import tqdm
 from .arch import arch_from_config, read_config_json
 from .chat_template import check_checkpoint
 from .drafters import mtp
-from .errors import TurboError
+from .errors import ArgumentParser, TurboError
 from .install import DRAFTER_DIR
-from .repack_source import plan_drafter, plan_mtp, plan_trunk
-from .repack_write import building, write_safetensors
+from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk
+from .repack_write import building, copy_file, write_safetensors
 from . import quant as q
 
 # Copied as they are: the chat template (chat_template.jinja, or tokenizer_config.json's) and
@@ -39,6 +37,7 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         raise TurboError(f"{src}: no such checkpoint directory")
     if out.exists():
         raise TurboError(f"{out}: already exists (expected a new directory to write the install into)")
+    check_links(src)
     config = read_config_json(src / "config.json")
     arch = arch_from_config(config, str(src / "config.json"))  # refuse what the runtime could not open
     if not (src / "tokenizer.json").is_file():
@@ -53,6 +52,7 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     if mtp_head is not None:
         if not Path(mtp_head).is_dir():
             raise TurboError(f"{mtp_head}: no such MTP head directory")
+        check_links(Path(mtp_head))
         trunk_quant = {k: v for k, v in trunk_quant.items() if not k.startswith(mtp.MTP_PREFIX)}
         trunk = [p for p in trunk if not p.name.startswith(mtp.MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt, trunk_quant)
     declared = mtp.declared_layers(config)
@@ -60,6 +60,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         print(f"note: {mtp.missing_head(str(src / 'config.json'), declared)}", file=sys.stderr)
     if drafter is not None and not Path(drafter).is_dir():
         raise TurboError(f"{drafter}: no such drafter directory")
+    if drafter is not None:
+        check_links(Path(drafter))
     drafter_plan = plan_drafter(Path(drafter), arch.hidden, fmt, drafter_quant) if drafter is not None else []
     if text_only:
         config = {k: v for k, v in config.items() if k != "vision_config"}
@@ -70,14 +72,14 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
             if text_only:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2))
             else:
-                shutil.copyfile(src / "config.json", tmp / "config.json")
+                copy_file(src / "config.json", tmp / "config.json")
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
-                    shutil.copyfile(src / f, tmp / f)
+                    copy_file(src / f, tmp / f)
             write_safetensors(tmp / "model.safetensors", trunk, bar, trunk_quant)
             if drafter_plan:
                 (tmp / DRAFTER_DIR).mkdir()
-                shutil.copyfile(Path(drafter) / "config.json", tmp / DRAFTER_DIR / "config.json")
+                copy_file(Path(drafter) / "config.json", tmp / DRAFTER_DIR / "config.json")
                 write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar, drafter_quant)
     return out
 
@@ -91,7 +93,7 @@ def _on_sigterm(signum, frame) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, "
                                     "their MoE versions, or Qwen3NextForCausalLM)")
     parser.add_argument("out", help="the install directory to create")

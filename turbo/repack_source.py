@@ -41,6 +41,19 @@ def install_name(name: str) -> str | None:
     return None
 
 
+def check_links(root: Path) -> None:
+    """Refuse a symbolic link in `root` that leads out of it: repack reads only the checkpoint's
+    own files (a tokenizer_config.json linked to /etc/shadow must not be copied into an install).
+    The Hugging Face cache's snapshots/REV/FILE -> ../../blobs/HASH links stay inside their repo."""
+    real = root.resolve()
+    inside = [real]
+    if real.parent.name == "snapshots":  # ~/.cache/huggingface/hub/models--ORG--NAME/snapshots/REV
+        inside.append(real.parent.parent / "blobs")
+    for path in sorted(root.iterdir()):
+        if path.is_symlink() and not any(path.resolve().is_relative_to(d) for d in inside):
+            raise TurboError(f"{path}: a symbolic link out of {root} (repack reads only the checkpoint's own files)")
+
+
 def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
     files = safetensors_files(directory)
     if not files:

@@ -9,6 +9,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import struct
 import sys
 from contextlib import contextmanager
@@ -21,8 +22,12 @@ from .errors import TurboError
 from .repack_tensors import Planned
 from . import quant as q
 
-# A repack writes into the hidden sibling `.OUT.repack-PID-RANDOM` and renames it when done.
+# A repack writes into the hidden sibling `.OUT.repack-PID-RANDOM` and renames it when done; the
+# MARKER file inside says it is repack's own (only such a directory is ever removed as stale).
+# Files repack writes itself get the umask's permissions (0644 under the usual 022); copied ones
+# no more than their source's (copy_file).
 TMP_MARK = ".repack-"
+MARKER = ".turbo-repack"
 TMP_PATTERN = re.compile(r"\..+\.repack-(\d+)-[0-9a-f]{8}")
 
 
@@ -64,10 +69,12 @@ def building(out: Path) -> Iterator[Path]:
         # os.mkdir applies the umask: the install gets an ordinary directory's permissions
         tmp = out.parent / f".{out.name}{TMP_MARK}{os.getpid()}-{secrets.token_hex(4)}"
         tmp.mkdir()
+        (tmp / MARKER).touch()
     except OSError as e:
         raise TurboError(f"{e.filename or out.parent}: cannot create the install there ({e.strerror})") from None
     try:
         yield tmp
+        (tmp / MARKER).unlink()
         os.rename(tmp, out)
     except OSError as e:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -80,12 +87,19 @@ def building(out: Path) -> Iterator[Path]:
 
 def remove_stale_temporaries(parent: Path) -> None:
     """Remove what a repack killed outright (kill -9, power loss) left in `parent`: its temporary
-    sibling is named after its pid, and a pid that no longer runs will not finish it."""
+    sibling is named after its pid, and a pid that no longer runs will not finish it. Anything
+    else of that name (a link, a directory without repack's marker, one that cannot be removed)
+    is left alone and does not stop this repack."""
     for path in parent.iterdir():
         m = TMP_PATTERN.fullmatch(path.name)
-        if m is None or not path.is_dir() or _running(int(m.group(1))):
+        if m is None or path.is_symlink() or not path.is_dir() or _running(int(m.group(1))):
             continue
-        shutil.rmtree(path)
+        if not (path / MARKER).is_file() or (path / MARKER).is_symlink():
+            continue
+        try:
+            shutil.rmtree(path)
+        except OSError:
+            continue
         print(f"removed {path}, left by an interrupted repack", file=sys.stderr)
 
 
@@ -97,3 +111,10 @@ def _running(pid: int) -> bool:
     except PermissionError:
         return True  # another user's live process
     return True
+
+
+def copy_file(src: Path, dst: Path) -> None:
+    """A source file copied with no more permission bits than it has (a private file stays
+    private) nor than the umask allows."""
+    shutil.copyfile(src, dst)
+    os.chmod(dst, stat.S_IMODE(dst.stat().st_mode) & stat.S_IMODE(src.stat().st_mode))

@@ -151,10 +151,13 @@ def parse_header(path: Path, blob_head: bytes, file_size: int) -> Header:
     if file_size < 8 or len(blob_head) < 8:
         raise TurboError(f"{path}: {file_size} bytes, too short for a safetensors header length")
     (n,) = struct.unpack("<Q", blob_head[:8])
+    # n is the file's first 8 bytes: an error line must not print it (a linked text file's start)
     if n > MAX_HEADER_BYTES:
-        raise TurboError(f"{path}: header length {n} exceeds the format's {MAX_HEADER_BYTES} bytes")
+        raise TurboError(f"{path}: not a safetensors file (its header length exceeds the format's "
+                         f"{MAX_HEADER_BYTES} bytes)")
     if 8 + n > file_size or len(blob_head) < 8 + n:
-        raise TurboError(f"{path}: header length {n} runs past the end of the file ({file_size} bytes)")
+        raise TurboError(f"{path}: not a safetensors file (its header length runs past the end of the file, "
+                         f"{file_size} bytes)")
     try:
         text = blob_head[8:8 + n].decode("utf-8")
     except UnicodeDecodeError:

@@ -5,8 +5,8 @@ with the host's C compiler, loaded, and the ctypes mirrors of native.h's structs
 a failed build); `why_not()` says why. Whether a part runs here is the loader's choice
 (turbo/loader.py); where it does not, the torch step (turbo/backends/torch_step.py) runs, just
 as lossless, only slower. The build goes to a per-user cache, keyed by the source, the
-compiler and the machine, and is renamed into place whole, so parallel jobs (a Hydra
-multirun) never load a half-written file; a build says so in one line first (`announcing`). Packing weights: native_pack.py; the steps:
+compiler and the machine (a private directory: `untrusted`), and is renamed into place whole,
+so parallel jobs (a Hydra multirun) never load a half-written file; a build says so in one line first (`announcing`). Packing weights: native_pack.py; the steps:
 native_trunk.py, native_dflash.py.
 """
 
@@ -18,6 +18,7 @@ import os
 import platform
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import tempfile
@@ -119,28 +120,55 @@ RETURNS_INT = {"dot_products", "struct_size", "argmax_row"}  # (the rest return 
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 
 
-def _build(cc: str, cache_dir: Path | None) -> Path:
+def _key(cc: str) -> str:
+    """The build's key: the sources, the flags, the compiler and the machine."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS])
-                         + " ".join(map(str, FLAGS)).encode()
-                         + version.encode() + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
-    errors = []
-    for dest_dir in (cache_dir or Path.home() / ".cache" / "turbo", Path(tempfile.gettempdir()) / "turbo-native"):
-        target = dest_dir / f"native-{key}.so"
-        if target.exists():
-            return target
+    return hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS])
+                          + " ".join(map(str, FLAGS)).encode()
+                          + version.encode() + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
+
+
+def untrusted(path: Path) -> str | None:
+    """Why `path` (a cache directory or a library in it) must not be loaded from: another user's,
+    or writable by others (who could then plant a library that runs in this process)."""
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        return f"{path} is owned by uid {st.st_uid}, not this user's {os.getuid()}"
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _build(cc: str, cache_dir: Path | None) -> tuple[Path, Path | None]:
+    """The library's path, and a throwaway directory to remove once it is loaded (None when it
+    is cached). A cache directory is created 0700 and, like a cached library, used only when
+    untrusted() finds nothing; otherwise the next one, the last a fresh private directory."""
+    key = _key(cc)
+    errors: list[str] = []
+    for dest_dir in (cache_dir or Path.home() / ".cache" / "turbo", Path(tempfile.gettempdir()) / "turbo-native", None):
+        fresh = dest_dir is None
         try:
-            dest_dir.mkdir(parents=True, exist_ok=True)
+            if fresh:
+                dest_dir = Path(tempfile.mkdtemp(prefix="turbo-native-"))
+            dest_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if problem := untrusted(dest_dir):
+                errors.append(problem)
+                continue
+            target = dest_dir / f"native-{key}.so"
+            if target.exists() and untrusted(target) is None:
+                return target, None
             _announce(f"compiling turbo's CPU kernels (native*.c) with {cc}: {BUILD_TIME}, once per "
-                      f"machine; cached in {dest_dir}")
+                      + (f"process; not cached ({errors[-1]})" if fresh else f"machine; cached in {dest_dir}"))
             with _terminate_raises():
                 for flags in FLAGS:
                     error = _compile(cc, flags, dest_dir / f"tmp-native-{key}-{os.getpid()}.so", target)
                     if error is None:
-                        return target
+                        return target, dest_dir if fresh else None
                     errors.append(error)
         except OSError as e:
             errors.append(str(e))
+        if fresh and dest_dir is not None:
+            shutil.rmtree(dest_dir, ignore_errors=True)
     raise RuntimeError(f"{cc} could not build {' '.join(s.name for s in SOURCES)}: "
                        f"{errors[-1] if errors else 'unknown'}")
 
@@ -152,6 +180,7 @@ def _compile(cc: str, flags: list[str], tmp: Path, target: Path) -> str | None:
         done = subprocess.run([cc, *flags, "-shared", "-fPIC", "-o", str(tmp), *map(str, SOURCES), "-lm"],
                               capture_output=True, text=True)
         if done.returncode == 0:
+            os.chmod(tmp, 0o755)  # not group-writable whatever the umask: untrusted() would refuse it
             os.replace(tmp, target)
             return None
         return (done.stderr.strip().splitlines() or ["failed"])[-1]
@@ -218,7 +247,10 @@ def library(cache_dir: Path | None = None, compiler: str | None = None) -> ctype
         try:
             if cc is None:
                 raise RuntimeError("no C compiler on PATH (set CC)")
-            lib = ctypes.CDLL(str(_build(cc, cache_dir)))
+            path, throwaway = _build(cc, cache_dir)
+            lib = ctypes.CDLL(str(path))
+            if throwaway is not None:  # loaded: the mapping outlives the file
+                shutil.rmtree(throwaway, ignore_errors=True)
             for name, args in SIGNATURES.items():
                 fn = getattr(lib, name)
                 fn.argtypes = [_C[a] for a in args.split()]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -23,7 +24,7 @@ import turbo
 
 from ..__main__ import guarded
 from ..drafters.mtp import MTP_PREFIX
-from ..errors import TurboError
+from ..errors import ArgumentParser, TurboError
 from . import dflash2, heldout, mask, mtp
 from .data import Example, batch, build, read_groups
 from .loop import Schedule, train
@@ -36,7 +37,7 @@ FIXED_ON_RESUME = ("install", "kind", "from_install", "data", "targets", "exampl
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m turbo.train", description=__doc__.split("\n\n")[1],
+    p = ArgumentParser(prog="python -m turbo.train", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("install", help="the install to train for: a directory, or a shipped install's name")
     p.add_argument("--kind", required=True, choices=("dflash2", "mtp"))
@@ -98,10 +99,16 @@ def parser() -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> None:
 
     for name in ("examples", "prompt_tokens", "new_tokens", "eval_tokens", "batch", "anchors", "checkpoint_every",
-                 "steps", "threads", "target_count"):
+                 "steps", "threads", "target_count", "heads", "kv_heads", "head_dim", "intermediate", "rank", "top_k",
+                 "block", "window"):
         v = getattr(args, name)
-        if v is not None and v < 1:
+        if v is not None and v < 1:  # (a 0 must not pass for "unset": --heads 0 took the default)
             raise TurboError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
+    for name in ("lr", "gamma", "step2_weight"):
+        v = getattr(args, name)
+        if v is not None and not (math.isfinite(v) and (v > 0 or name == "step2_weight" and v == 0)):
+            raise TurboError(f"--{name.replace('_', '-')} {v}: expected a finite number above 0"
+                             + (" (or 0)" if name == "step2_weight" else ""))
     if args.heldout_count is not None and args.heldout_count < 0:
         raise TurboError(f"--heldout-count {args.heldout_count}: expected 0 or more")
     if args.minutes is not None and not args.minutes > 0:

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 import turbo
-from turbo.backends import native_lib
+from turbo.backends import native_build, native_lib
 from turbo.testing import shapes
 
 from benchlib import step_times  # scripts/benchlib.py, beside this file
@@ -46,7 +46,7 @@ def build(rev: str, out: Path) -> ctypes.CDLL:
             (src / Path(name).name).write_bytes(text)
             sources += [str(src / Path(name).name)] if name.endswith(".c") else []
     lib_path = out / f"{rev}.so"
-    done = subprocess.run(["cc", *native_lib.FLAGS[0], "-shared", "-fPIC", "-o", str(lib_path), *sources, "-lm"],
+    done = subprocess.run(["cc", *native_build.FLAGS[0], "-shared", "-fPIC", "-o", str(lib_path), *sources, "-lm"],
                           capture_output=True, text=True)
     if done.returncode:
         raise SystemExit(f"{rev}: the build failed: {done.stderr.strip()[-500:]}")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from turbo.testing import make_checkpoint
 
-from turbo.backends import native_lib
+from turbo.backends import native_build
 from turbo.errors import TurboError
 from turbo.install import BUNDLED_DIR, resolve
 from turbo.repack import repack
@@ -124,7 +124,7 @@ echo built > "$out"
 def cc(tmp_path, monkeypatch) -> str:
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmpdir"))
     (tmp_path / "tmpdir").mkdir()
-    monkeypatch.setattr(native_lib, "_announce", lambda line: None)
+    monkeypatch.setattr(native_build, "_announce", lambda line: None)
     path = tmp_path / "cc"
     path.write_text(FAKE_CC)
     path.chmod(0o755)
@@ -133,7 +133,7 @@ def cc(tmp_path, monkeypatch) -> str:
 
 def plant(directory: Path, cc: str, dir_mode: int, file_mode: int) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
-    planted = directory / f"native-{native_lib._key(cc)}.so"
+    planted = directory / f"native-{native_build._key(cc)}.so"
     planted.write_text("planted")
     planted.chmod(file_mode)
     directory.chmod(dir_mode)
@@ -141,32 +141,32 @@ def plant(directory: Path, cc: str, dir_mode: int, file_mode: int) -> Path:
 
 
 def test_the_cache_is_created_private(tmp_path, cc):
-    path, throwaway = native_lib._build(cc, tmp_path / "cache" / "turbo")
+    path, throwaway = native_build.build(cc, tmp_path / "cache" / "turbo")
     assert path.parent == tmp_path / "cache" / "turbo" and throwaway is None
     assert mode(path.parent) == 0o700 and mode(path) == 0o755 and path.read_text() == "built\n"
 
 
 def test_a_library_in_a_world_writable_directory_is_never_loaded(tmp_path, cc):
     planted = plant(tmp_path / "shared", cc, 0o777, 0o755)
-    path, _ = native_lib._build(cc, tmp_path / "shared")
+    path, _ = native_build.build(cc, tmp_path / "shared")
     assert path.read_text() == "built\n" and path.parent == tmp_path / "tmpdir" / "turbo-native"
     assert planted.read_text() == "planted"
 
 
 def test_a_writable_library_in_the_private_cache_is_rebuilt(tmp_path, cc):
     planted = plant(tmp_path / "cache", cc, 0o700, 0o666)
-    path, _ = native_lib._build(cc, tmp_path / "cache")
+    path, _ = native_build.build(cc, tmp_path / "cache")
     assert path == planted and path.read_text() == "built\n" and mode(path) == 0o755
 
 
 def test_a_planted_tmpdir_fallback_gives_a_fresh_private_directory(tmp_path, cc):
     (tmp_path / "file").write_text("x")  # the cache cannot be created under a file
     planted = plant(tmp_path / "tmpdir" / "turbo-native", cc, 0o777, 0o755)
-    path, throwaway = native_lib._build(cc, tmp_path / "file" / "cache")
+    path, throwaway = native_build.build(cc, tmp_path / "file" / "cache")
     assert throwaway == path.parent and path.parent.parent == tmp_path / "tmpdir"
     assert path.parent.name.startswith("turbo-native-") and mode(path.parent) == 0o700
     assert path.read_text() == "built\n" and planted.read_text() == "planted"
-    assert "writable by others" in native_lib.untrusted(planted.parent)
+    assert "writable by others" in native_build.untrusted(planted.parent)
 
 
 # ---- the shipped install by name, a path as a path -------------------------------------------------

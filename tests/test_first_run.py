@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 import turbo
-from turbo.backends import native_lib
+from turbo.backends import native_build, native_lib
 from turbo.options import OpenOptions
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,7 +52,7 @@ def test_the_first_build_says_so_once(tmp_path, compiler):
     cache = tmp_path / "cache" / "turbo"
     out, err = start(tmp_path, compiler).communicate(timeout=300)
     lines = err.splitlines()
-    assert lines == [f"{ANNOUNCED}{compiler}: {native_lib.BUILD_TIME}, once per machine; cached in {cache}"], err
+    assert lines == [f"{ANNOUNCED}{compiler}: {native_build.BUILD_TIME}, once per machine; cached in {cache}"], err
     assert out.strip().splitlines()[-1].startswith("[stats]")
     assert [p.name.startswith("native-") for p in cache.iterdir()] == [True]
     (tmp_path / "compiling").unlink()
@@ -84,7 +84,7 @@ def test_the_tui_shows_the_build_while_loading(monkeypatch):
     opened = turbo.open
 
     def building(*args, **kw):  # this process's library is built: the line a first build says
-        native_lib._announce("compiling turbo's CPU kernels ...")
+        native_build._announce("compiling turbo's CPU kernels ...")
         return opened(*args, **kw)
 
     seen, show = [], TurboApp._set_status
@@ -105,4 +105,4 @@ def test_the_tui_shows_the_build_while_loading(monkeypatch):
 
     asyncio.run(run())
     assert "loading tiny: compiling turbo's CPU kernels ..." in seen, seen
-    assert native_lib._announce is native_lib._to_stderr  # the TUI's hook was for its load alone
+    assert native_build._announce is native_build._to_stderr  # the TUI's hook was for its load alone

@@ -23,7 +23,7 @@ from textual.widgets import Footer, Input, Sparkline, Static
 from textual.worker import get_current_worker
 
 import turbo
-from turbo.backends import native_lib
+from turbo.backends import native_build
 from turbo.sampling import sampling_label
 
 from .chat import ChatMode, PromptInput, chat_pane, chat_rows
@@ -180,7 +180,7 @@ class TurboApp(ChatMode, App):
             self._from_thread(self._set_status, f"loading {install}: {message}")
 
         try:
-            with native_lib.announcing(building):
+            with native_build.announcing(building):
                 rt = turbo.open(install, self.settings.opening)
         except Exception as e:  # noqa: BLE001 - TurboError or anything else: shown, never raised
             self._from_thread(self._loaded, None, install, _message(e))

@@ -51,6 +51,8 @@ class Stopper:
         """How many of `tokens` (the round's, as it would commit them) to commit because a stop
         completes at the last of them; None when none does. Past the room, tokens are not looked
         at: the caller drops them (the state keeps them, the generation ends there)."""
+        if not self.strings:  # stop ids alone: no text to search, the round's tokens decode at once
+            return self._cut_ids(tokens[:self.room])
         for i, t in enumerate(tokens[:self.room]):
             self.room -= 1
             if t in self.ids:
@@ -60,6 +62,18 @@ class Stopper:
             self.pending += piece
             if piece and self._match(len(piece)):
                 return i + 1
+        if not self.room:
+            self.finish = Finish(LENGTH)
+        return None
+
+    def _cut_ids(self, tokens: list[int]) -> int | None:
+        hit = next((i for i, t in enumerate(tokens) if t in self.ids), None)
+        kept = tokens if hit is None else tokens[:hit + 1]
+        self.room -= len(kept)
+        self.pending += self.detok.push(kept if hit is None else kept[:-1])  # a stop token's text is not emitted
+        if hit is not None:
+            self.finish = Finish(STOP, kept[-1])
+            return hit + 1
         if not self.room:
             self.finish = Finish(LENGTH)
         return None

@@ -33,6 +33,23 @@ def turbo_cli(tmp_path, *args, stdin: bytes | None = None) -> subprocess.Complet
                           timeout=120)
 
 
+def turbo_clis(tmp_path, *calls: tuple) -> list[subprocess.CompletedProcess]:
+    """Several `turbo_cli` runs at once (each mostly imports torch: they overlap on the cores);
+    a call is its args, and optionally a last bytes item for its stdin."""
+    procs = []
+    for call in calls:
+        stdin = call[-1] if call and isinstance(call[-1], bytes) else b""
+        args = call[:-1] if call and isinstance(call[-1], bytes) else call
+        cmd = [sys.executable, "-m", "turbo", "threads=1", "backend=cpu", *args]
+        procs.append((cmd, stdin, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                   stderr=subprocess.PIPE, cwd=tmp_path)))
+    done = []
+    for cmd, stdin, p in procs:
+        out, err = p.communicate(stdin, timeout=300)
+        done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    return done
+
+
 def one_line_error(proc, *needles) -> None:
     err = proc.stderr.decode()
     assert proc.returncode == 2 and len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
@@ -91,17 +108,15 @@ def test_prompt_file_and_stdin_equal_the_api_and_prompt(spec_install, tmp_path):
     rt = turbo.open(str(path), backend="cpu")
     want = rt.generate(CODE, rc.generation)
 
-    from_file = stream_of(turbo_cli(tmp_path, *common, "prompt_file=code.txt"))
-    from_stdin = stream_of(turbo_cli(tmp_path, *common, "prompt=-", stdin=CODE.encode()))
-    for text, stats in (from_file, from_stdin):
+    # where prompt= can say it (one line, the override quoted whole), all three stream the same
+    runs = [stream_of(p) for p in turbo_clis(
+        tmp_path, (*common, "prompt_file=code.txt"), (*common, "prompt=-", CODE.encode()),
+        (*common, f"prompt='{ONE_LINE}'"), (*common, "prompt_file=one.txt"), (*common, "prompt=-", ONE_LINE.encode()))]
+    for text, stats in runs[:2]:
         assert text == CODE + want.text
         assert f"prompt {want.stats.prompt_tokens} tok | generated {len(want.tokens)} tok" in stats
-
-    # where prompt= can say it (one line, the override quoted whole), all three stream the same
-    quoted = stream_of(turbo_cli(tmp_path, *common, f"prompt='{ONE_LINE}'"))
     one = rt.generate(ONE_LINE, rc.generation)
-    for text, _ in (quoted, stream_of(turbo_cli(tmp_path, *common, "prompt_file=one.txt")),
-                    stream_of(turbo_cli(tmp_path, *common, "prompt=-", stdin=ONE_LINE.encode()))):
+    for text, _ in runs[2:]:
         assert text == ONE_LINE + one.text
 
 
@@ -120,13 +135,14 @@ def test_run_config_reads_stdin_only_for_a_dash():
 def test_prompt_refusals_are_one_line(tmp_path):
     (tmp_path / "p.txt").write_text("hi")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))
-    one_line_error(turbo_cli(tmp_path, "prompt=hi", "prompt_file=p.txt"), "prompt= and prompt_file=", "give one")
-    one_line_error(turbo_cli(tmp_path, "prompt_file=nowhere.txt"), "prompt_file=nowhere.txt", "No such file")
-    one_line_error(turbo_cli(tmp_path, f"prompt_file={tmp_path}"), "Is a directory")
-    one_line_error(turbo_cli(tmp_path, "prompt_file=latin1.txt"), "latin1.txt", "not UTF-8", "byte 3")
-    one_line_error(turbo_cli(tmp_path, "prompt=-", stdin=b"\xff\xfe"), "standard input", "not UTF-8")
-    one_line_error(turbo_cli(tmp_path, "prompt=-", "task=chat", stdin=b"hi\n"), "task=chat")
-    one_line_error(turbo_cli(tmp_path, "prompt=echo ${HOME}"), "HOME", "prompt_file=")  # an interpolation
+    procs = turbo_clis(tmp_path, ("prompt=hi", "prompt_file=p.txt"), ("prompt_file=nowhere.txt",),
+                       (f"prompt_file={tmp_path}",), ("prompt_file=latin1.txt",), ("prompt=-", b"\xff\xfe"),
+                       ("prompt=-", "task=chat", b"hi\n"), ("prompt=echo ${HOME}",))
+    for proc, needles in zip(procs, [("prompt= and prompt_file=", "give one"), ("prompt_file=nowhere.txt", "No such file"),
+                                     ("Is a directory",), ("latin1.txt", "not UTF-8", "byte 3"),
+                                     ("standard input", "not UTF-8"), ("task=chat",),
+                                     ("HOME", "prompt_file=")]):  # (the last: an interpolation)
+        one_line_error(proc, *needles)
 
 
 # ---- the TUI's multi-line prompt ---------------------------------------------------------------

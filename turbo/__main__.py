@@ -61,10 +61,10 @@ OmegaConf.register_new_resolver("turbo_config_keys", config_keys_help, replace=T
 
 
 def run(cfg: DictConfig) -> int:
+    rc = run_config(cfg)
     # torch and the engine load only once the command line is known good: a refusal stays quick
     from .engine import open as open_runtime
 
-    rc = run_config(cfg)
     rt = open_runtime(rc.install, rc.opening)
     # A full collection walks every tracked object -- ~180k once torch is imported, ~100 ms
     # here -- and would land in the middle of some decode step. What exists once the runtime

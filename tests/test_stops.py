@@ -10,6 +10,7 @@ import pytest
 
 import turbo
 from turbo import engine
+from turbo.rounds import play_round
 from turbo.errors import TurboError
 from turbo.stops import Finish, Stopper
 
@@ -125,7 +126,7 @@ def drive(rt, prompt: str, drafter: str, block: int, rollback: str, stop_at: int
     while len(got) < NEW:
         start = len(got)
         cut = lambda toks: stop_at - start if start < stop_at < start + len(toks) else None  # noqa: E731
-        r = engine.play_round(trunk, st, draft, anchor, block, rollback, None, cut)
+        r = play_round(trunk, st, draft, anchor, block, rollback, None, cut)
         got += r.proposals[:r.accepted] + [r.bonus]
         at = len(got) if start < stop_at <= len(got) else at
         anchor = r.bonus

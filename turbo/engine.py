@@ -14,19 +14,18 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from . import ops
 from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native_lib, select_backend
 from .chat import ChatResult, run_chat, template_for
 from .chat_template import ChatTemplate
 from .drafters import Drafter
-from .drafters.seam import call, check_drafter_object, propose
+from .drafters.seam import check_drafter_object
 from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError, checked_text
 from .install import Install, bundled_names, open_install
@@ -38,7 +37,7 @@ from .sampling import RejectionSampler, rejection_sampler
 from .session import DEFAULT_SNAPSHOTS, FRESH, Session, Start
 from .stats import Stats
 from .stops import Finish, Stopper
-from .trunk import Trunk, TrunkState
+from .rounds import play_round
 
 DEFAULT_GENERATION = GenerationOptions()
 ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "
@@ -72,69 +71,16 @@ class GenerateResult:
     finish: Finish | None = None  # why it ended: reason "stop" or "length", and the stop matched
 
 
-# ---- the round -----------------------------------------------------------------------------
+@dataclass
+class Job:
+    """A checked generation request (Runtime.prepare): what its rounds run."""
 
-
-@dataclass(slots=True)
-class RoundResult:
-    """What one round committed (proposals[:accepted] + [bonus]) and what its parts took."""
-
-    proposals: list[int]  # the drafter's block (empty in a plain round)
-    accepted: int  # how many of them are committed (the trunk confirmed them; a stop may keep fewer)
-    bonus: int  # the trunk's own token after them: committed too, and the next anchor
-    replayed: int  # rows the rollback ran again
-    draft_s: float
-    verify_s: float
-    rollback_s: float
-    landed: int  # how many proposals the trunk confirmed (the counters' acceptance)
-
-
-def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]:
-    """Proposal i lands while it is the trunk's argmax after row i and all before it landed;
-    the next token is the trunk's argmax after the last row kept. On the CPU a row is looked at
-    only when every proposal before it landed (a 248K-vocabulary row costs a pass of its own);
-    elsewhere all rows in one call (one transfer)."""
-    if logits.device.type == "cpu":
-        target = lambda n: ops.argmax(logits[n])  # noqa: E731
-    else:
-        target = logits.argmax(dim=-1).tolist().__getitem__
-    n = 0
-    while True:
-        t = target(n)
-        if n == len(proposals) or proposals[n] != t:
-            return n, t
-        n += 1
-
-
-def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: int, block: int, rollback: str,
-               sampler: RejectionSampler | None = None,
-               cut: Callable[[list[int]], int | None] | None = None, vocab: int | None = None) -> RoundResult:
-    """Draft `block` proposals after `anchor` (none at block 0), verify them with the anchor in
-    one trunk step, accept a prefix, roll the state back to it and tell the drafter what was kept.
-    The acceptance rule is the only thing sampling changes: sampler None is greedy
-    (`accept_greedy`); else the drafter proposes with its distributions and the sampler's
-    accept/resample rule keeps the trunk's distribution (turbo.sampling). `cut` (turbo.stops)
-    may keep fewer of the tokens the round would commit: the round is then played as if only
-    the proposals before the last kept one had landed, and that one were the trunk's bonus
-    (it is the trunk's own token there), so the state and the drafter end exactly at it.
-    `vocab`: what the proposals are checked against (None: ids >= 0, for a stand-in trunk)."""
-    t0 = time.perf_counter()
-    # what the drafter returns is checked here, whoever wrote it (turbo/drafters/seam.py)
-    proposals, q = (propose(drafter, anchor, st.pos, block, sampler and sampler.sampler, vocab)
-                    if block else ([], None))
-    t1 = time.perf_counter()
-    rows = [anchor] + proposals
-    out = trunk.step(st, rows, drafter.aux_layers if drafter is not None else (), rollback if proposals else None)
-    accepted, bonus = accept_greedy(proposals, out.logits) if sampler is None else sampler(proposals, q, out.logits)
-    landed, keep = accepted, cut(proposals[:accepted] + [bonus]) if cut is not None else None
-    if keep is not None and keep <= accepted:
-        accepted, bonus = keep - 1, proposals[keep - 1]
-    t2 = time.perf_counter()
-    replayed = trunk.rollback(st, out, len(rows), accepted + 1, rollback)
-    t3 = time.perf_counter()
-    if drafter is not None:
-        call(drafter, "commit", drafter.commit, out, accepted + 1, proposals[:accepted] + [bonus])
-    return RoundResult(proposals, accepted, bonus, replayed, t1 - t0, t2 - t1, t3 - t2, landed)
+    ids: list[int]  # the prompt's token ids, as fitted to the context
+    options: GenerationOptions
+    plan: Plan
+    own: bool  # the drafter is the caller's object
+    sampler: RejectionSampler | None  # None: greedy
+    stats: Stats  # the counters, started
 
 
 # ---- the runtime ---------------------------------------------------------------------------
@@ -262,6 +208,15 @@ class Runtime:
 
     def _stream(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH,
                 **fields) -> Iterator[RoundEvent]:
+        job = self.prepare(prompt, opts, start, **fields)
+        p, o = job.plan, job.options
+        draft = None if p.drafter is None else o.drafter if job.own else self.drafter(p.drafter, o.window, o.ngram)
+        job.stats.window = draft.window if draft is not None else None
+        return self._rounds(job.ids, o, p, draft, job.stats, job.sampler, start)
+
+    def prepare(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH, **fields) -> Job:
+        """A generation's request checked against this install, and what it will run: every
+        refusal a stream (or the server's scheduler) can give before its first round."""
         o = opts if opts is not None else DEFAULT_GENERATION
         if not isinstance(o, GenerationOptions):
             raise TurboError(f"options of type {type(o).__name__}: expected a GenerationOptions, or its fields as "
@@ -283,13 +238,11 @@ class Runtime:
             raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and "
                              f"{NO_WINDOW[no_window]}")
         sampler = rejection_sampler(o.temperature, o.top_k, o.top_p, o.min_p, o.seed)  # None: greedy
-        draft = None if p.drafter is None else o.drafter if own else self.drafter(p.drafter, o.window, o.ngram)
         stats = Stats(prompt_tokens=len(ids), prompt_truncated_from=len(whole) if len(ids) < len(whole) else None,
-                      policy=p.policy, drafter=p.drafter, block=p.block,
-                      window=draft.window if draft is not None else None, rollback=o.rollback,
+                      policy=p.policy, drafter=p.drafter, block=p.block, rollback=o.rollback,
                       backend=self.backend.name, speculation_off_reason=p.off_reason,
                       seed=sampler.sampler.seed if sampler is not None else None)
-        return self._rounds(ids, o, p, draft, stats, sampler, start)
+        return Job(ids, o, p, own, sampler, stats)
 
     def _fitted(self, ids: list[int], o: GenerationOptions, start: Start) -> list[int]:
         """`ids` when they leave room for max_new_tokens in the context; else their tail under

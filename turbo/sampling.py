@@ -4,7 +4,7 @@
 path, the target side of a speculative round and the drafters' proposal distributions all
 call it. `Sampler` draws from such distributions with the generation's own seeded generator;
 `RejectionSampler` is the acceptance rule of a speculative round under sampling (the greedy
-rule, temperature 0, is `turbo.engine.accept_greedy`).
+rule, temperature 0, is `turbo.rounds.accept_greedy`).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Where a generation stops and what text it may emit: stop token ids (the eos ids with
 stop_at_eos, plus GenerationOptions.stop_token_ids) and stop strings, found in the text across
 token boundaries and never emitted, not even partly (as vLLM does). After each round's
-acceptance the engine asks `Stopper.cut` how many of its tokens to commit (turbo.engine.play_round
+acceptance the engine asks `Stopper.cut` how many of its tokens to commit (turbo.rounds.play_round
 then plays the round as if fewer proposals had landed), and `Stopper.text` what to emit.
 """
 

@@ -79,6 +79,11 @@ class DrafterBase:
         """The context, detached (None: this drafter cannot be snapshotted)."""
         return None
 
+    def fork(self) -> DrafterBase | None:
+        """Another drafter of the same weights with a context of its own, for another sequence
+        of a batch (turbo/serve/scheduler.py); None: this one cannot."""
+        return None
+
     def restore(self, snap: Any) -> None:
         raise NotImplementedError(f"{self.kind} drafter keeps no snapshots")
 

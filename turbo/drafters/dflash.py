@@ -8,6 +8,8 @@ selector (a row proposes its logits' argmax).
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -89,9 +91,16 @@ class DflashDrafter(DrafterBase):
         self.hidden_projection, self.pred_codebook, self.succ_codebook = (w.hidden_projection, w.pred_codebook,
                                                                           w.succ_codebook)
         self.layers, self.inv_freq = w.layers, w.inv_freq
+        self.make_step = make_step
         self.stepper = make_step(self)  # (binds the weights as loaded: turbo/loader.py packs them)
         self.why_torch = why_torch  # why the native pass is not the one in use (None: it is)
         self.reset()
+
+    def fork(self) -> DflashDrafter:
+        twin = copy.copy(self)  # the weights shared; the ring and the step's bindings its own
+        twin.stepper = self.make_step(twin)
+        twin.reset(self.capacity)
+        return twin
 
     @property
     def step_name(self) -> str:

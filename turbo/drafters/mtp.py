@@ -7,6 +7,8 @@ the step the loader chose (turbo/backends/step.py).
 
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
@@ -59,8 +61,15 @@ class MtpDrafter(DrafterBase):
         self.device = trunk.device
         self.fc, self.norm_embedding, self.norm_hidden = weights.fc, weights.norm_embedding, weights.norm_hidden
         self.final_norm, self.layer = weights.final_norm, weights.layer
+        self.make_step = make_step
         self.stepper = make_step(self)  # (binds the weights as loaded: turbo/loader.py packs them)
         self.reset()
+
+    def fork(self) -> MtpDrafter:
+        twin = copy.copy(self)  # the weights shared; the K/V cache and the step its own
+        twin.stepper = self.make_step(twin)
+        twin.reset()
+        return twin
 
     # ---- state -------------------------------------------------------------------------
 

@@ -107,6 +107,9 @@ class NgramDrafter(DrafterBase):
     def commit_deferred(self, items: list[list[int]]) -> None:
         self.extend([t for tokens in items for t in tokens])
 
+    def fork(self) -> NgramDrafter:
+        return NgramDrafter(self.config)
+
     def snapshot(self) -> tuple:
         return ()  # the history is the prompt: resume rebuilds it
 

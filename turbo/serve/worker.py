@@ -29,11 +29,11 @@ class Prepared:
 def param_of(message: str, max_tokens_param: str = "max_tokens") -> str | None:
     """The request field a TurboError's message names (they begin with the option's name)."""
     word = message.split(" ", 1)[0].rstrip(":")
-    if word == "max_new_tokens":
+    if word in ("max_new_tokens", "max_tokens"):
         return max_tokens_param
     if word in TURBO_KEYS:
         return f"turbo.{word}"
-    return word if word in GENERATION_FIELDS else None
+    return word if word in GENERATION_FIELDS or word == "logprobs" else None
 
 
 class Engine:

@@ -202,3 +202,12 @@ def test_the_api_key():
     assert ok.models.list().data[0].id == "tiny"
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url="http://testserver/v1", api_key="bad", http_client=client, max_retries=0).models.list()
+
+
+def test_bad_settings_and_a_port_in_use_are_one_line(server, tmp_path):
+    port = server.url.rsplit(":", 1)[1]
+    for override, says in ((f"serve.port={port}", f"serve.port={port}: cannot listen there"),
+                           ("serve.engine=kubernetes", "serve.engine='kubernetes' is not one of local, ray")):
+        proc = subprocess.run([sys.executable, "-m", "turbo", "task=serve", override], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr

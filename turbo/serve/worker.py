@@ -49,8 +49,11 @@ class Engine:
         self.max_positions = rt.install.arch.max_positions
         if config.chat_template is not None:
             path = Path(config.chat_template).expanduser()
-            self.template: ChatTemplate | None = ChatTemplate(path.read_text(encoding="utf-8"), str(path),
-                                                              rt.install.template_files.special_tokens)
+            try:
+                source = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TurboError(f"serve.chat_template={path}: {getattr(e, 'strerror', None) or e}") from None
+            self.template: ChatTemplate | None = ChatTemplate(source, str(path), rt.install.template_files.special_tokens)
             self.template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)  # refused now
         else:
             self.template = install_template(rt.install) if rt.install.template_files.source is not None else None

@@ -186,7 +186,7 @@ def _options(body: dict) -> dict:
         if name == "top_k" and v == -1:  # vLLM's "no cut"
             v = None
         if v is not None:
-            o[name] = _int(body, name, 0, 2**64 - 1)
+            o[name] = _int(body, name, 0, 2**64 - 1 if name == "seed" else None)
     stop = body.get("stop")
     if stop is not None:
         if not (isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)):

@@ -128,7 +128,7 @@ class Engine:
             return self.template.render(body.messages, add_generation_prompt=True, tools=body.tools,
                                         **body.template_kwargs)
         except TurboError as e:
-            raise ApiError(str(e), "messages") from None
+            raise ApiError(str(e), "tools" if "tools must be" in str(e) else "messages") from None
 
     @staticmethod
     def _ids(make, param: str) -> list[int]:

@@ -92,3 +92,15 @@ def test_the_readme_lists_every_tui_key():
     # and the commands typed in the box
     typed = set(re.findall(r'startswith\("(/\w+) "\)', Path(tui.app.__file__).read_text()))
     assert set(re.findall(r"`(/\w+) PATH`", section)) == typed == {"/open", "/template"}
+
+
+def test_the_readme_lists_every_serve_key_and_the_defaults_agree():
+    from turbo.serve.scheduler import ServeLimits
+    from turbo.serve.settings import ServeConfig
+
+    section = readme_section("Serving")
+    serve = OmegaConf.load(ROOT / "conf" / "task" / "serve.yaml").serve
+    assert set(re.findall(r"`serve\.(\w+)`", section)) >= set(serve)
+    limits, config = ServeLimits(), ServeConfig()
+    for key, value in serve.items():
+        assert value == getattr(limits, key) if hasattr(limits, key) else value == getattr(config, key), key

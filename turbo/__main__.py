@@ -1,11 +1,12 @@
 """python -m turbo [Hydra overrides]: task=generate streams text and a stats line;
-task=chat reads a conversation from standard input (turbo.chat_cli); task=probe measures
+task=chat reads a conversation from standard input (turbo.chat_cli); task=serve is the
+OpenAI-compatible server (turbo.serve.main); task=probe measures
 acceptance per block (turbo.probe). --help is turbo's page (conf/hydra/help/turbo.yaml),
 --hydra-help Hydra's.
 
 A user's error (TurboError, an OS error, a bad override) ends it in one stderr line, exit 2;
-Ctrl-C in `interrupted`, exit 130. task=generate and task=chat run outside @hydra.main: they write nothing,
-so it needs no Hydra output directory (a read-only working directory is fine).
+Ctrl-C in `interrupted`, exit 130. task=generate, task=chat and task=serve run outside @hydra.main:
+they write nothing, so it needs no Hydra output directory (a read-only working directory is fine).
 """
 
 from __future__ import annotations
@@ -65,6 +66,9 @@ def run(cfg: DictConfig) -> int:
     # torch and the engine load only once the command line is known good: a refusal stays quick
     from .engine import open as open_runtime
 
+    if rc.task == "serve":  # its runtimes open where they serve (this process, or each Ray replica)
+        from .serve.main import run_serve
+        return run_serve(cfg, rc)
     rt = open_runtime(rc.install, rc.opening)
     # A full collection walks every tracked object -- ~180k once torch is imported, ~100 ms
     # here -- and would land in the middle of some decode step. What exists once the runtime
@@ -129,7 +133,7 @@ def cli(argv: list[str]) -> int:
     problem = launcher_missing(argv) or unknown_key(CONF_DIR, overrides)
     if problem is None and not any(a.startswith("-") for a in argv):
         cfg, problem = composed([a for a in overrides if not a.startswith(("hydra.", "hydra/"))])
-        if cfg is not None and cfg.task.get("name") in ("generate", "chat"):
+        if cfg is not None and cfg.task.get("name") in ("generate", "chat", "serve"):
             return guarded(lambda: run(cfg))
         problem = problem or output_dir_problem(overrides)
     if problem:

@@ -8,7 +8,8 @@ from types import ModuleType
 from .errors import TurboError
 
 # extra -> what it is for (pyproject.toml's optional-dependencies)
-EXTRAS = {"tui": "the terminal UI", "cuda": "the CUDA backend", "sweeps": "sweeps and reports"}
+EXTRAS = {"tui": "the terminal UI", "cuda": "the CUDA backend", "sweeps": "sweeps and reports",
+          "serve": "the OpenAI-compatible server", "ray": "Ray Serve replicas"}
 
 
 def missing(extra: str, module: str) -> str:

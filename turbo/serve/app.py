@@ -1,0 +1,224 @@
+"""The HTTP API (FastAPI): OpenAI's routes over one `worker.Engine`. `make_app(engine)` is the
+app a local server (main.py, uvicorn) and each Ray Serve replica (ray_app.py) serve.
+
+A request is checked (protocol.parse), prepared (Engine.prepare) and submitted to the scheduler
+before any byte of the answer is sent, so every refusal is a status code with OpenAI's error
+object; the scheduler's deltas then cross from its thread through an asyncio queue. A client that
+goes away mid-answer (a closed stream, a dropped connection) cancels its ticket: the scheduler
+frees the sequence at its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from dataclasses import dataclass, field
+from typing import AsyncIterator
+
+from fastapi import FastAPI, Request as HttpRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from ..chat import split_reasoning
+from ..errors import TurboError
+from . import protocol as P
+from .metrics import CONTENT_TYPE, Timing
+from .scheduler import Delta
+from .worker import Engine
+
+DISCONNECT_POLL_S = 1.0  # a non-streaming answer looks this often whether its client is still there
+
+
+@dataclass
+class Call:
+    """One request on its way: its queue of deltas and what its answer needs."""
+
+    body: P.Body
+    prompt_tokens: int
+    opened_think: bool
+    queue: asyncio.Queue
+    timing: Timing
+    rid: str = ""
+    created: int = field(default_factory=P.now)
+    ticket: object = None
+    done: bool = False
+
+
+def error(e: P.ApiError) -> JSONResponse:
+    headers = {"Retry-After": "1"} if e.status == 429 else None
+    return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+
+def make_app(engine: Engine) -> FastAPI:
+    app = FastAPI(title="turbo", docs_url=None, redoc_url=None, openapi_url=None)
+    key = engine.config.api_key
+
+    @app.middleware("http")
+    async def api_key(request: HttpRequest, call_next):
+        if key is not None and request.url.path.startswith("/v1"):
+            given = request.headers.get("authorization", "")
+            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
+                return error(P.ApiError("Incorrect or missing API key (Authorization: Bearer KEY).", None, 401,
+                                        code="invalid_api_key"))
+        return await call_next(request)
+
+    @app.exception_handler(P.ApiError)
+    async def api_error(request: HttpRequest, e: P.ApiError):
+        return error(e)
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: HttpRequest, e: HTTPException):
+        return error(P.ApiError(str(e.detail), None, e.status_code, "invalid_request_error"))
+
+    @app.exception_handler(Exception)
+    async def internal(request: HttpRequest, e: Exception):  # a bug of ours: a 500, the server goes on
+        return error(P.ApiError(f"internal error: {type(e).__name__}: {e}", None, 500, "server_error"))
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(engine.metrics.text(), media_type=CONTENT_TYPE)
+
+    def model_card() -> dict:
+        return {"id": engine.model, "object": "model", "created": 0, "owned_by": "turbo",
+                "max_model_len": engine.max_positions}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{name:path}")
+    async def model(name: str) -> dict:
+        engine.check_model(name)
+        return model_card()
+
+    @app.post("/v1/completions")
+    async def completions(request: HttpRequest):
+        return await answer(engine, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: HttpRequest):
+        return await answer(engine, request, chat=True)
+
+    return app
+
+
+async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
+    body = P.parse(P.parse_json(await request.body()), chat)
+    prepared = engine.prepare(body)
+    loop = asyncio.get_running_loop()
+    call = Call(body, len(prepared.request.ids), prepared.opened_think, asyncio.Queue(), engine.metrics.request(),
+                P.new_id(chat))
+
+    def sink(item: Delta | TurboError) -> None:  # on the scheduler's thread
+        try:
+            loop.call_soon_threadsafe(call.queue.put_nowait, item)
+        except RuntimeError:  # the event loop has closed (the server is stopping)
+            pass
+
+    call.ticket = engine.submit(prepared, sink, body.max_tokens_param)
+    if body.stream:
+        return StreamingResponse(stream(engine, call), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(await whole(engine, call, request))
+
+
+async def deltas(engine: Engine, call: Call, request: HttpRequest | None = None) -> AsyncIterator[Delta]:
+    """The request's deltas to the last; a failure after admission as ApiError. However it ends
+    early (the client gone, the task cancelled) the ticket is cancelled."""
+    try:
+        while True:
+            if request is None:
+                item = await call.queue.get()
+            else:  # nothing else notices a client gone from a non-streaming request
+                try:
+                    item = await asyncio.wait_for(call.queue.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    if await request.is_disconnected():
+                        return
+                    continue
+            if isinstance(item, Exception):
+                call.done = True
+                raise P.ApiError(str(item), None, 500, "server_error")
+            call.timing.tokens_out(len(item.tokens))
+            if item.finish is not None:
+                call.done = True
+                engine.metrics.finished(item.stats, item.finish, item.cached_tokens, call.timing)
+            yield item
+            if call.done:
+                return
+    finally:
+        if not call.done:
+            call.done = True
+            call.ticket.cancel()
+            engine.metrics.finished(None, None, 0, call.timing)
+
+
+async def whole(engine: Engine, call: Call, request: HttpRequest) -> dict:
+    text, lps, last = [], [], None
+    async for d in deltas(engine, call, request):
+        text.append(d.text)
+        lps += d.logprobs or []
+        last = d
+    if last is None or last.finish is None:
+        return {}  # the client has gone: nobody reads this
+    body, out = call.body, "".join(text)
+    choice: dict = {"index": 0, "finish_reason": last.finish.reason, "stop_reason": last.finish.matched}
+    logprobs = None
+    if body.logprobs is not None:
+        logprobs = P.chat_logprobs(lps, engine.piece) if body.chat else P.completion_logprobs(lps, engine.piece, 0)
+    if body.chat:
+        reasoning, content = split_reasoning(out, call.opened_think)
+        choice["message"] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            choice["message"]["reasoning_content"] = reasoning
+    else:
+        choice["text"] = out
+    choice["logprobs"] = logprobs
+    generated = last.stats.generated_tokens if last.stats is not None else call.timing.tokens
+    return {**P.envelope(call.rid, body.chat, body.model, call.created, [choice], chunk=False),
+            "usage": P.usage(call.prompt_tokens, generated, last.cached_tokens)}
+
+
+async def stream(engine: Engine, call: Call) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending `data: [DONE]`."""
+    body = call.body
+    usage_field = {"usage": None} if body.include_usage else {}
+
+    def chunk(choice: dict) -> str:
+        return P.sse({**P.envelope(call.rid, body.chat, body.model, call.created, [choice], chunk=True),
+                      **usage_field})
+
+    reasoning = P.ReasoningStream(call.opened_think)
+    offset, last = 0, None
+    if body.chat:
+        yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                     "finish_reason": None})
+    try:
+        async for d in deltas(engine, call):
+            last, final = d, d.finish is not None
+            finish = d.finish.reason if final else None
+            logprobs = None
+            if body.logprobs is not None and d.logprobs:
+                logprobs = (P.chat_logprobs(d.logprobs, engine.piece) if body.chat
+                            else P.completion_logprobs(d.logprobs, engine.piece, offset))
+            if body.chat:
+                think, content = reasoning.feed(d.text, final)
+                delta = {**({"reasoning_content": think} if think else {}), **({"content": content} if content else {})}
+                if delta or logprobs or final:
+                    yield chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+            elif d.text or logprobs or final:
+                yield chunk({"index": 0, "text": d.text, "logprobs": logprobs, "finish_reason": finish,
+                             **({"stop_reason": d.finish.matched} if final else {})})
+            offset += len(d.text)
+    except P.ApiError as e:
+        yield P.sse(e.body())
+    else:
+        if body.include_usage and last is not None:
+            generated = last.stats.generated_tokens if last.stats is not None else call.timing.tokens
+            yield P.sse({**P.envelope(call.rid, body.chat, body.model, call.created, [], chunk=True),
+                         "usage": P.usage(call.prompt_tokens, generated, last.cached_tokens)})
+    yield P.sse("[DONE]")

@@ -1,0 +1,76 @@
+"""python -m turbo task=serve: the server in this process (uvicorn over app.make_app), or Ray
+Serve replicas (serve.engine=ray: ray_app.py). It prints `serving on http://HOST:PORT` once it
+answers; Ctrl-C stops it (the CLI's `interrupted`, 130)."""
+
+from __future__ import annotations
+
+import socket
+import sys
+
+from omegaconf import DictConfig
+
+from ..config import RunConfig
+from ..extras import require
+from .settings import ServeConfig, serve_config, server_defaults
+
+
+def run_serve(cfg: DictConfig, rc: RunConfig) -> int:
+    config = serve_config(cfg)
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        require(module, "serve")
+    defaults = server_defaults(rc.generation)
+    if config.engine == "ray":
+        from .ray_app import run_ray
+
+        return run_ray(rc, defaults, config)
+    return run_local(rc, defaults, config)
+
+
+def listening(config: ServeConfig) -> socket.socket:
+    """The bound socket (a port in use is one line here, not uvicorn's log and exit 1)."""
+    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((config.host, config.port))
+    except OSError as e:
+        sock.close()
+        raise OSError(f"serve.host={config.host} serve.port={config.port}: cannot listen there "
+                      f"({e.strerror or e})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def address(host: str, port: int) -> str:
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
+    import uvicorn
+
+    from .app import make_app
+    from .worker import Engine
+
+    sock = listening(config)  # before the model loads: a port in use is refused at once
+    engine = Engine(rc.install, rc.opening, defaults, config)
+    port = sock.getsockname()[1]
+
+    class Server(uvicorn.Server):
+        async def startup(self, sockets=None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(f"serving on {address(config.host, port)}", flush=True)
+
+    server = Server(uvicorn.Config(make_app(engine), log_level="warning", access_log=False,
+                                   timeout_graceful_shutdown=5))
+    engine.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        sock.close()
+    return 0 if server.started else 2
+
+
+if __name__ == "__main__":
+    sys.exit("run it as python -m turbo task=serve")

@@ -1,0 +1,286 @@
+"""OpenAI's request and response shapes: a JSON body checked field by field into a `Body` (a bad
+field is an `ApiError` naming it, as OpenAI's error object does), and the response, chunk, usage
+and logprobs objects built from the engine's deltas. Field names as OpenAI's API reference and
+vLLM's entrypoints/openai/protocol.py spell them; what turbo adds is the `turbo` object
+(policy, block, drafter, rollback, window) and vLLM's `chat_template_kwargs`, `stop_token_ids`,
+`ignore_eos`. The HTTP side is app.py.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from ..chat import END_THINK, THINK, split_reasoning
+from ..stops import held_back
+from .scheduler import TokenLogprob
+
+MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
+TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window")
+SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
+# request fields turbo does not implement: refused unless they hold the value that means "off"
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
+               "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None, "tool_choice": "none"}
+
+
+class ApiError(Exception):
+    """An answer other than 200: OpenAI's error object."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400,
+                 type: str = "invalid_request_error", code: str | None = None):
+        super().__init__(message)
+        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Body:
+    """A request's fields, checked; `prompt` (completions) or `messages` (chat) is set."""
+
+    model: str
+    chat: bool
+    prompt: str | list[int] | None = None
+    messages: list[dict] | None = None
+    template_kwargs: dict = field(default_factory=dict)
+    tools: list | None = None
+    max_tokens: int | None = None
+    max_tokens_param: str = "max_tokens"  # the field the client used (named in a refusal)
+    options: dict = field(default_factory=dict)  # GenerationOptions fields
+    logprobs: int | None = None  # None: none; k: each token's logprob and the top k
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ApiError(f"the request body is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise ApiError(f"the request body is a JSON {type(body).__name__}, expected an object")
+    return body
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+
+
+def _int(body: dict, name: str, lo: int, hi: int | None = None, where: str = "") -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v) or v < lo or (hi is not None and v > hi):
+        span = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
+        raise ApiError(f"{where}{name} is {json.dumps(v)}, expected {span}", where + name)
+    return v
+
+
+def _kind(body: dict, name: str, types: type | tuple, what: str) -> Any:
+    v = body.get(name)
+    if v is not None and not isinstance(v, types):
+        raise ApiError(f"{name} is {json.dumps(v)[:200]}, expected {what}", name)
+    return v
+
+
+def _flag(body: dict, name: str) -> bool:
+    return bool(_kind(body, name, bool, "true or false"))
+
+
+def parse(body: dict, chat: bool) -> Body:
+    """The checked fields of a /v1/completions (chat False) or /v1/chat/completions body."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise ApiError(f"model is {json.dumps(model)}, expected the model's name (GET /v1/models)", "model")
+    b = Body(model=model, chat=chat)
+    for name, off in UNSUPPORTED.items():
+        v = body.get(name)
+        if v is not None and v != off and v != {} and not (name == "tool_choice" and v == "auto"):
+            raise ApiError(f"{name} is {json.dumps(v)[:200]}: not supported by this server "
+                           f"(leave it out{'' if off is None else f' or give {json.dumps(off)}'})", name)
+    if chat:
+        b.messages = _messages(body.get("messages"))
+        b.template_kwargs = _kind(body, "chat_template_kwargs", dict, "an object (template keywords)") or {}
+        b.tools = _kind(body, "tools", list, "a list of tools (JSON schemas)")
+        for name in ("max_completion_tokens", "max_tokens"):
+            if body.get(name) is not None:
+                b.max_tokens, b.max_tokens_param = _int(body, name, 1), name
+                break
+        if _flag(body, "logprobs"):
+            b.logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+        elif body.get("top_logprobs") is not None:
+            _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+            raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
+        fmt = _kind(body, "response_format", dict, "an object")
+        if fmt and fmt.get("type") != "text":
+            raise ApiError(f"response_format {json.dumps(fmt)[:200]}: only type text is supported", "response_format")
+    else:
+        b.prompt = _prompt(body.get("prompt"))
+        b.max_tokens = _int(body, "max_tokens", 1)
+        b.logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    b.options = _options(body)
+    b.stream = _flag(body, "stream")
+    opts = _kind(body, "stream_options", dict, "an object")
+    if opts:
+        b.include_usage = _flag(opts, "include_usage")
+    return b
+
+
+def _prompt(p: Any) -> str | list[int]:
+    """A str or a list of token ids; a list holding one of them is that one (more are refused)."""
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
+        p = p[0]
+    if isinstance(p, str) and p:
+        return p
+    if isinstance(p, list) and p and all(_is_int(t) and t >= 0 for t in p):
+        return p
+    if isinstance(p, list) and p and all(isinstance(x, (str, list)) for x in p):
+        raise ApiError(f"prompt is a list of {len(p)} prompts: this server takes one prompt per request", "prompt")
+    raise ApiError(f"prompt is {json.dumps(p)[:200]}, expected a non-empty string or a list of token ids", "prompt")
+
+
+def _messages(messages: Any) -> list[dict]:
+    """The messages with their content as text (a list of text parts is joined)."""
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(f"messages is {json.dumps(messages)[:200]}, expected a non-empty list of messages", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(f"{where} is {json.dumps(m)[:200]}, expected an object with a role", where)
+        content = m.get("content")
+        if isinstance(content, list):
+            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
+                       for part in content):
+                raise ApiError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
+                               "supported", f"{where}.content")
+            content = "".join(part["text"] for part in content)
+        elif content is not None and not isinstance(content, str):
+            raise ApiError(f"{where}.content is {json.dumps(content)[:200]}, expected a string or text parts",
+                           f"{where}.content")
+        out.append({**m, "content": content})
+    return out
+
+
+def _options(body: dict) -> dict:
+    """The GenerationOptions fields a body sets (their own checks run when the options are built)."""
+    o: dict[str, Any] = {}
+    for name, lo, hi in SAMPLING:
+        v = body.get(name)
+        if v is not None:
+            if not _is_number(v) or v < lo or (hi is not None and v > hi):
+                raise ApiError(f"{name} is {json.dumps(v)}, expected a number in [{lo}, {hi if hi else 'inf'})", name)
+            o[name] = float(v)
+    for name in ("top_k", "seed"):
+        v = body.get(name)
+        if name == "top_k" and v == -1:  # vLLM's "no cut"
+            v = None
+        if v is not None:
+            o[name] = _int(body, name, 0, 2**64 - 1 if name == "seed" else None)
+    stop = body.get("stop")
+    if stop is not None:
+        if not (isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
+            raise ApiError(f"stop is {json.dumps(stop)[:200]}, expected a string or a list of strings", "stop")
+        stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
+        o["stop"] = tuple(stop) or None
+    ids = _kind(body, "stop_token_ids", list, "a list of token ids")
+    if ids:
+        if not all(_is_int(t) and t >= 0 for t in ids):
+            raise ApiError(f"stop_token_ids is {json.dumps(ids)[:200]}, expected a list of token ids", "stop_token_ids")
+        o["stop_token_ids"] = tuple(ids)
+    if _flag(body, "ignore_eos"):
+        o["stop_at_eos"] = False
+    ext = _kind(body, "turbo", dict, f"an object of {', '.join(TURBO_KEYS)}") or {}
+    for k, v in ext.items():
+        if k not in TURBO_KEYS:
+            raise ApiError(f"turbo.{k} is not one of {', '.join(TURBO_KEYS)}", f"turbo.{k}")
+        if k in ("block", "window"):
+            v = _int(ext, k, 0, None, "turbo.")
+        elif v is not None and not isinstance(v, str):
+            raise ApiError(f"turbo.{k} is {json.dumps(v)[:200]}, expected a name", f"turbo.{k}")
+        o[k] = v
+    return o
+
+
+# ---- responses ------------------------------------------------------------------------------
+
+
+class ReasoningStream:
+    """`split_reasoning` as a streamed answer grows: what reasoning and content each gained since
+    the last call. Inside a `<think>` not closed yet the text is reasoning (less what may begin
+    its `</think>`); the final call splits exactly as a whole answer is split."""
+
+    def __init__(self, opened: bool):
+        self.opened, self.text, self.sent = opened, "", ["", ""]
+
+    def feed(self, piece: str, final: bool) -> tuple[str, str]:
+        self.text += piece
+        reasoning, content = split_reasoning(self.text, self.opened)
+        if not final and END_THINK not in self.text and (self.opened or THINK in self.text):
+            reasoning, content = self.text.partition(THINK)[2] if THINK in self.text else self.text, ""
+            reasoning = reasoning[:len(reasoning) - held_back(reasoning, (END_THINK,))]
+        out = []
+        for i, now in enumerate((reasoning or "", content)):
+            grew = now.startswith(self.sent[i])  # (what was sent stays sent)
+            out.append(now[len(self.sent[i]):] if grew else "")
+            self.sent[i] = now if grew else self.sent[i]
+        return out[0], out[1]
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _lp(x: float) -> float:
+    return max(float(x), LOGPROB_FLOOR)
+
+
+def completion_logprobs(lps: list[TokenLogprob], piece: Callable[[int], str], offset: int) -> dict:
+    """The completions form: parallel lists; `offset` is where the first token's text starts."""
+    tokens = [piece(t.token) for t in lps]
+    offsets = []
+    for text in tokens:
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": [_lp(t.logprob) for t in lps],
+            "top_logprobs": [{piece(k): _lp(v) for k, v in t.top} for t in lps], "text_offset": offsets}
+
+
+def chat_logprobs(lps: list[TokenLogprob], piece: Callable[[int], str]) -> dict:
+    """The chat form: one entry per token, each with its bytes and its top alternatives."""
+    def entry(token: int, lp: float) -> dict:
+        text = piece(token)
+        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8"))}
+
+    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(k, v) for k, v in t.top]}
+                        for t in lps]}
+
+
+def envelope(rid: str, chat: bool, model: str, created: int, choices: list, chunk: bool) -> dict:
+    kind = "chat.completion" if chat else "text_completion"
+    return {"id": rid, "object": kind + (".chunk" if chat and chunk else ""), "created": created,
+            "model": model, "choices": choices}
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def sse(obj: dict | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"

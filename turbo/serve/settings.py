@@ -1,0 +1,61 @@
+"""task=serve's settings: the `serve.*` keys (conf/task/serve.yaml) checked into a `ServeConfig`,
+and the generation defaults a server takes from the top-level keys (policy, block, drafter...)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+
+from omegaconf import DictConfig
+
+from ..errors import TurboError
+from ..options import GenerationOptions, integer
+from .scheduler import ServeLimits
+
+ENGINES = ("local", "ray")
+LIMIT_KEYS = tuple(f.name for f in fields(ServeLimits))
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free port (the printed address says which)
+    api_key: str | None = None  # a bearer token the /v1 routes require
+    engine: str = "local"  # local (this process) | ray (Ray Serve replicas)
+    replicas: int = 1  # engine=ray: how many (one runtime and scheduler each)
+    ray_address: str | None = None  # engine=ray: an existing cluster's address; None: a local one
+    limits: ServeLimits = field(default_factory=ServeLimits)
+    model_name: str | None = None  # None: the install's directory name
+    chat_template: str | None = None  # a .jinja file over the install's template
+
+
+def serve_config(cfg: DictConfig) -> ServeConfig:
+    node = cfg.get("serve")
+    if not isinstance(node, DictConfig):
+        raise TurboError("config: serve is missing (task=serve composes conf/task/serve.yaml)")
+    s = {str(k): v for k, v in node.items()}
+    for name in ("port", "replicas", "max_running", "max_waiting", "prefill_chunk"):
+        lo = 0 if name in ("port", "max_waiting") else 1
+        n = integer(s.get(name))
+        if n is None or n < lo or (name == "port" and n > 65535):
+            raise TurboError(f"config: serve.{name}={s.get(name)!r}, expected an integer >= {lo}"
+                             + (" and <= 65535" if name == "port" else ""))
+    for name in ("memory_gb", "cache_gb"):
+        v = s.get(name)
+        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
+            raise TurboError(f"config: serve.{name}={v!r}, expected a number of GB >= 0")
+    if s.get("engine") not in ENGINES:
+        raise TurboError(f"config: serve.engine={s.get('engine')!r} is not one of {', '.join(ENGINES)}")
+    if not isinstance(s.get("host"), str) or not s["host"]:
+        raise TurboError(f"config: serve.host={s.get('host')!r}, expected an address to listen on")
+    text = {k: str(s[k]) if s.get(k) is not None else None
+            for k in ("api_key", "ray_address", "model_name", "chat_template")}
+    return ServeConfig(host=s["host"], port=int(s["port"]), engine=s["engine"], replicas=int(s["replicas"]),
+                       limits=ServeLimits(**{k: s[k] for k in LIMIT_KEYS}), **text)
+
+
+def server_defaults(g: GenerationOptions) -> GenerationOptions:
+    """The speculation a request gets unless its `turbo` object says otherwise: the config's
+    policy, block, drafter, window, rollback and n-gram matching; sampling, stops and lengths are
+    each request's (OpenAI's defaults)."""
+    return GenerationOptions(policy=g.policy, block=g.block, drafter=g.drafter, window=g.window,
+                             rollback=g.rollback, ngram=g.ngram, temperature=1.0)

@@ -1,0 +1,138 @@
+"""One serving engine: a runtime, its scheduler and what the routes need around them (the chat
+template, the turn's stop ids, the model's name, the metrics), and the step from a checked body
+(protocol.Body) to the scheduler's Request. A local server has one; each Ray replica its own."""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..chat import opens_think, turn_stop_ids
+from ..chat_template import ChatTemplate, encode, install_template
+from ..errors import TurboError
+from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
+from .metrics import Metrics
+from .protocol import TURBO_KEYS, ApiError, Body
+from .scheduler import Overloaded, Request, Scheduler
+from .settings import ServeConfig
+
+RENDER_ARGS = ("messages", "add_generation_prompt", "tools", "documents")  # not template keywords
+
+
+@dataclass
+class Prepared:
+    request: Request
+    opened_think: bool = False  # chat: the generation prompt left a <think> open
+
+
+def param_of(message: str, max_tokens_param: str = "max_tokens") -> str | None:
+    """The request field a TurboError's message names (they begin with the option's name)."""
+    word = message.split(" ", 1)[0].rstrip(":")
+    if word in ("max_new_tokens", "max_tokens"):
+        return max_tokens_param
+    if word in TURBO_KEYS:
+        return f"turbo.{word}"
+    return word if word in GENERATION_FIELDS or word == "logprobs" else None
+
+
+class Engine:
+    """`Engine(install, opening, defaults, config)`: opens the runtime (minutes for a large
+    install); `start()` starts the scheduler's thread."""
+
+    def __init__(self, install: str, opening: OpenOptions, defaults: GenerationOptions, config: ServeConfig):
+        from ..engine import open as open_runtime  # torch loads here, once the config is known good
+
+        self.rt = rt = open_runtime(install, opening)
+        self.config, self.defaults = config, defaults
+        self.model = config.model_name or rt.install.path.name
+        self.max_positions = rt.install.arch.max_positions
+        if config.chat_template is not None:
+            path = Path(config.chat_template).expanduser()
+            try:
+                source = path.read_text(encoding="utf-8")
+            except (OSError, UnicodeDecodeError) as e:
+                raise TurboError(f"serve.chat_template={path}: {getattr(e, 'strerror', None) or e}") from None
+            self.template: ChatTemplate | None = ChatTemplate(source, str(path), rt.install.template_files.special_tokens)
+            self.template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)  # refused now
+        else:
+            self.template = install_template(rt.install) if rt.install.template_files.source is not None else None
+        self.stop_ids = turn_stop_ids(rt.install, rt.tokenizer)
+        self.scheduler = Scheduler(rt, config.limits)
+        self.metrics = Metrics(self.model, self.scheduler.gauges)
+        gc.freeze()  # (as the CLI: what lives as long as the process leaves the collector's walks)
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    def piece(self, token: int) -> str:
+        return self.rt.tokenizer.decode([token], skip_special_tokens=False)
+
+    def check_model(self, name: str) -> None:
+        if name != self.model:
+            raise ApiError(f"The model `{name}` does not exist (this server serves `{self.model}`).", "model",
+                           404, code="model_not_found")
+
+    def prepare(self, body: Body) -> Prepared:
+        """The body as the scheduler's Request: the prompt's ids (a chat rendered by the template),
+        the options over the server's defaults, the length checked against the context."""
+        self.check_model(body.model)
+        opened, stops = False, ()
+        if body.chat:
+            prompt = self._render(body)
+            opened, stops = opens_think(prompt), self.stop_ids
+            ids = self._ids(lambda: encode(self.rt.tokenizer, prompt), "messages")
+        else:
+            ids = self._ids(lambda: self.rt.encode(body.prompt), "prompt")
+        room = self.max_positions - len(ids)
+        wanted = body.max_tokens if body.max_tokens is not None else room
+        if wanted < 1 or len(ids) + wanted > self.max_positions:
+            raise ApiError(f"This model's maximum context length is {self.max_positions} tokens. However, you "
+                           f"requested {len(ids) + wanted} tokens ({len(ids)} in the "
+                           f"{'messages' if body.chat else 'prompt'}, {wanted} for the completion). Please reduce "
+                           "the length of the prompt or the completion.",
+                           body.max_tokens_param if body.max_tokens is not None else
+                           ("messages" if body.chat else "prompt"))
+        fields = dict(body.options)
+        if ("block" in fields and "policy" not in fields and self.defaults.policy in (None, "auto")
+                and fields["block"] is not None):  # a block asked for is served as asked
+            fields["policy"] = "fixed" if fields["block"] else "off"
+        if stops:
+            fields["stop_token_ids"] = tuple(dict.fromkeys(fields.get("stop_token_ids", ()) + stops))
+        try:
+            options = self.defaults.but(max_new_tokens=wanted, **fields)
+        except TurboError as e:
+            raise ApiError(str(e), param_of(str(e), body.max_tokens_param)) from None
+        return Prepared(Request(ids, options, body.logprobs), opened)
+
+    def submit(self, prepared: Prepared, sink, max_tokens_param: str):
+        try:
+            return self.scheduler.submit(prepared.request, sink)
+        except Overloaded as e:
+            raise ApiError(str(e), None, 429, "requests", "rate_limit_exceeded") from None
+        except TurboError as e:
+            raise ApiError(str(e), param_of(str(e), max_tokens_param)) from None
+
+    def _render(self, body: Body) -> str:
+        if self.template is None:
+            raise ApiError(f"this server's model {self.model} has no chat template (start it with "
+                           "serve.chat_template=FILE.jinja); /v1/completions takes raw text", "messages")
+        bad = next((k for k in body.template_kwargs if k in RENDER_ARGS), None)
+        if bad is not None:
+            raise ApiError(f"chat_template_kwargs.{bad}: not a template keyword here (give it as a request "
+                           "field)", f"chat_template_kwargs.{bad}")
+        try:
+            return self.template.render(body.messages, add_generation_prompt=True, tools=body.tools,
+                                        **body.template_kwargs)
+        except TurboError as e:
+            raise ApiError(str(e), "tools" if "tools must be" in str(e) else "messages") from None
+
+    @staticmethod
+    def _ids(make, param: str) -> list[int]:
+        try:
+            return make()
+        except TurboError as e:
+            raise ApiError(str(e), param) from None

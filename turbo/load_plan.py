@@ -209,7 +209,8 @@ class _Rules:
     def read_packed(self, name: str, e: Entry) -> bool:
         """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
         return (self.native_here and bool(e.bits) and e.bits in native_pack.QUANTIZED.values() and e.group == quant.GROUP
-                and self.int8 and quant.native_reads(self.mode, e.bits, self.dtype) and not moe_gate(name))
+                and e.scale_st_dtype == "BF16" and self.int8 and quant.native_reads(self.mode, e.bits, self.dtype)
+                and not moe_gate(name))  # (fp32 scales: an exact int4gG install, read by the torch step)
 
     def present(self, names: list[str]) -> list[tuple[str, Entry]]:
         """The names' entries that are in the install as matrices (a missing one is refused when read)."""

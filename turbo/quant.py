@@ -31,7 +31,10 @@ FORMATS = {
     "int1": QFormat("int1", 15, 1, 128, torch.float16, "F16"),
 }
 GROUP = 64  # the group of the formats the native CPU step reads packed (int4, int8)
-BY_CODE = {f.code: f for f in FORMATS.values()}
+# Affine int4 with fp32 scales and biases in a source's own group: what AWQ / GPTQ / compressed-tensors
+# int4 convert into exactly (turbo/repack_int4.py, docs/formats.md); repack writes them, --quant does not.
+EXACT_INT4 = {g: QFormat(f"int4g{g}", code, 4, g, torch.float32, "F32") for g, code in ((32, 17), (64, 18), (128, 19))}
+BY_CODE = {f.code: f for f in (*FORMATS.values(), *EXACT_INT4.values())}
 BY_BITS = {f.bits: f for f in FORMATS.values()}
 QUANT_CODES = tuple(sorted(BY_CODE))
 # The formats (bits, group) alone may name, without a code: an MLX-layout source's. int8 is

@@ -20,7 +20,7 @@ from .chat_template import check_checkpoint
 from .drafters import mtp
 from .errors import ArgumentParser, TurboError
 from .install import DRAFTER_DIR
-from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk
+from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
 from .repack_write import building, copy_file, write_safetensors
 from . import quant as q
 
@@ -46,9 +46,10 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         raise TurboError(f"--quant {quant!r} is not one of none, {', '.join(q.FORMATS)}")
     check_checkpoint(src, arch.vocab)  # a template that does not compile is refused now, not at the first chat
     fmt = q.FORMATS.get(quant)
+    found = source_format(src, config)  # the format (FP8, AWQ, GPTQ, compressed-tensors: docs/formats.md)
     trunk_quant: dict[str, dict] = {}
     drafter_quant: dict[str, dict] = {}
-    trunk = plan_trunk(src, text_only, fmt, trunk_quant)
+    trunk = plan_trunk(src, text_only, fmt, trunk_quant, found)
     if mtp_head is not None:
         if not Path(mtp_head).is_dir():
             raise TurboError(f"{mtp_head}: no such MTP head directory")
@@ -63,13 +64,17 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     if drafter is not None:
         check_links(Path(drafter))
     drafter_plan = plan_drafter(Path(drafter), arch.hidden, fmt, drafter_quant) if drafter is not None else []
-    if text_only:
-        config = {k: v for k, v in config.items() if k != "vision_config"}
+    if not quiet:  # once the sources are checked: a refusal is one line
+        print("\n".join([found.describe(fmt), *found.notes]), file=sys.stderr)
+    converted = found.kind not in ("none", "mlx")  # the install's matrices are no longer the source's format
+    if text_only or converted:
+        config = {k: v for k, v in config.items() if not (k == "vision_config" and text_only)
+                  and not (k == "quantization_config" and converted)}
     with building(out) as tmp:
         total = sum(p.size for p in trunk + drafter_plan)
         with tqdm(total=total, unit="B", unit_scale=True, desc=f"repack {src.name}", disable=quiet,
                   file=sys.stderr) as bar:
-            if text_only:
+            if text_only or converted:
                 (tmp / "config.json").write_text(json.dumps(config, indent=2))
             else:
                 copy_file(src / "config.json", tmp / "config.json")

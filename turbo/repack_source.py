@@ -12,6 +12,7 @@ from .drafters import mtp
 from .drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from .errors import TurboError
 from .install import safetensors_files
+from .repack_formats import SourceFormat, detect, plan_source
 from .repack_moe import moe_sources
 from .repack_tensors import Planned, plan_tensors
 from .safetensors_format import read_header
@@ -72,11 +73,12 @@ def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
 
 
 def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
-               quantized: dict[str, dict] | None = None) -> list[Planned]:
+               quantized: dict[str, dict] | None = None, found: SourceFormat | None = None) -> list[Planned]:
     config = read_config_json(src / "config.json")
     arch = arch_from_config(config, str(src / "config.json"))
     tensors = []
-    for name, meta, path, data_start in source_tensors(src):
+    listed = list(source_tensors(src))
+    for name, meta, path, data_start in listed:
         new = install_name(name)
         if new is None:
             raise TurboError(f"{name}: unexpected tensor in {path.name} (expected model.*, lm_head.*, mtp.* or a vision tower)")
@@ -84,7 +86,15 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
             continue
         source = (name, new, meta, path, data_start)
         tensors += moe_sources(*source, arch) if arch.moe else [source]
-    return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, config)
+    quantized = quantized if quantized is not None else {}
+    found = found or detect(config, {n: m for n, m, _, _ in listed}, str(src / "config.json"))  # repack_formats
+    done, tensors = plan_source(found, tensors, fmt, quantized, config)
+    return done + plan_tensors(tensors, fmt, quantized, config)
+
+
+def source_format(src: Path, config: dict) -> SourceFormat:
+    """What `src` is (repack_formats.detect), for repack's first line."""
+    return detect(config, {n: m for n, m, _, _ in source_tensors(src)}, str(src / "config.json"))
 
 
 def plan_mtp(head: Path, fmt: q.QFormat | None = None, quantized: dict[str, dict] | None = None) -> list[Planned]:

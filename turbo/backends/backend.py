@@ -17,4 +17,4 @@ class Backend:
 
 # 4 / 5 / 16 / 15: INT4 / INT8 / 2-bit / 1-bit affine (turbo/quant.py), through the native step's
 # products (int4, int8) or ops.linear's row-stable path
-CPU = Backend("cpu", (1, 2, 3, 4, 5, 16, 15))
+CPU = Backend("cpu", (1, 2, 3, 4, 5, 16, 15, 17, 18, 19))  # 17-19: quant.EXACT_INT4 (the torch step)

@@ -1,0 +1,57 @@
+"""Fine-grained FP8 checkpoints (Qwen's and DeepSeek's: e4m3 weights, an fp32 `weight_scale_inv`
+per block of [rows, cols], by default 128 x 128) into turbo installs (docs/formats.md).
+
+The install holds each FP8 matrix as transformers' dequantization to bf16 (integrations/
+finegrained_fp8.py: the codes to fp32, times the block's scale in fp32, rounded once to bf16), bit
+for bit: the model transformers runs from the checkpoint. The modules the checkpoint keeps in bf16
+(modules_to_not_convert: embeddings, lm_head, Gated DeltaNet projections) are copied as they are.
+`--quant int8 / int4` quantizes that bf16 matrix as it would a bf16 checkpoint's. A native product
+reading the e4m3 codes themselves (half the bytes of bf16) is not written yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import TurboError
+from .repack_formats import Parts, SourceFormat, Source, modules, quantized_planned, read
+from .repack_tensors import Planned, quantizable
+from . import quant as q
+
+
+def dequantize(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """transformers' fp32 product codes * scale per block (the last blocks may be partial, as
+    DeepSeek's ceil(rows / 128) grids are), not yet rounded."""
+    rows, cols = codes.shape
+    s = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
+    return codes.float() * s
+
+
+def plan_fp8(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | None,
+             quantized: dict[str, dict]) -> tuple[list[Planned], list[Source]]:
+    by_module, rest = modules(tensors, (".weight_scale_inv",))
+    weights = {t[1]: t for t in rest if t[2]["dtype"] == "F8_E4M3"}
+    rest = [t for t in rest if t[1] not in weights]
+    planned = []
+    for base, m in by_module.items():
+        sc = m[".weight_scale_inv"]
+        w = weights.pop(base + ".weight", None)
+        if w is None:
+            raise TurboError(f"{sc[0]}: no F8_E4M3 {base.rsplit('.', 1)[-1]}.weight beside it")
+        if len(w[2]["shape"]) != 2:
+            raise TurboError(f"{w[0]}: FP8 weight of shape {w[2]['shape']}, expected rank 2")
+        rows, cols = w[2]["shape"]
+        grid = [-(-rows // found.block[0]), -(-cols // found.block[1])]
+        if list(sc[2]["shape"]) != grid or sc[2]["dtype"] not in ("F32", "BF16"):
+            raise TurboError(f"{sc[0]}: {sc[2]['dtype']} {sc[2]['shape']}, expected F32 {grid} (one scale per "
+                             f"{found.block[0]}x{found.block[1]} block of the [{rows}, {cols}] weight)")
+        bf16 = lambda w=w, sc=sc: dequantize(read(w), read(sc), found.block).to(torch.bfloat16)
+        new = base + ".weight"
+        if fmt is not None and quantizable(new, {"dtype": "BF16", "shape": [rows, cols]}, fmt):
+            planned += quantized_planned(new, lambda f=bf16, n=new: q.quantize(f(), fmt, n), rows, cols, fmt, quantized)
+        else:
+            planned += Parts(lambda f=bf16: [f()]).planned([new], ["BF16"], [[rows, cols]])
+    if weights:
+        name = next(iter(weights.values()))[0]
+        raise TurboError(f"{name}: an F8_E4M3 weight without its weight_scale_inv")
+    return planned, rest

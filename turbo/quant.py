@@ -30,8 +30,14 @@ FORMATS = {
     "int2": QFormat("int2", 16, 2, 128, torch.float16, "F16"),
     "int1": QFormat("int1", 15, 1, 128, torch.float16, "F16"),
 }
+# Group-32 formats with fp32 scales and biases, which hold GGUF's Q8_0, Q4_0, Q4_1 and Q4_K blocks
+# exactly (turbo/repack_gguf.py, docs/formats.md). Not --quant choices; the native step dequantizes them.
+GGUF_FORMATS = {
+    "int4g32": QFormat("int4g32", 24, 4, 32, torch.float32, "F32"),
+    "int8g32": QFormat("int8g32", 25, 8, 32, torch.float32, "F32"),
+}
 GROUP = 64  # the group of the formats the native CPU step reads packed (int4, int8)
-BY_CODE = {f.code: f for f in FORMATS.values()}
+BY_CODE = {f.code: f for f in (*FORMATS.values(), *GGUF_FORMATS.values())}
 BY_BITS = {f.bits: f for f in FORMATS.values()}
 QUANT_CODES = tuple(sorted(BY_CODE))
 # The formats (bits, group) alone may name, without a code: an MLX-layout source's. int8 is

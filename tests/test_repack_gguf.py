@@ -13,7 +13,6 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 import turbo  # noqa: E402
-from turbo import quant as q  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
 from turbo.install import open_install  # noqa: E402
 from turbo.repack import main, repack  # noqa: E402

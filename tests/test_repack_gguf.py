@@ -18,6 +18,7 @@ from turbo.install import open_install  # noqa: E402
 from turbo.repack import main, repack  # noqa: E402
 from turbo.testing import make_checkpoint, make_moe_checkpoint  # noqa: E402
 from turbo.testing.gguf_writer import converted, write_gguf  # noqa: E402
+from test_mtp import mtp_tensors  # noqa: E402
 
 # hidden 256: the K-quants' blocks of 256 fit every projection's input
 SHAPE = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
@@ -37,26 +38,12 @@ def bf16_valued(directory, extra=None):
     return t
 
 
-def mtp_head(h: int, hd: int, heads: int, kv: int, inter: int) -> dict:
-    g = torch.Generator().manual_seed(7)
-    r = lambda *s, k=0.05: torch.randn(s, generator=g) * k  # noqa: E731
-    p = "mtp.layers.0."
-    return {"mtp.fc.weight": r(h, 2 * h), "mtp.pre_fc_norm_embedding.weight": r(h, k=0.2),
-            "mtp.pre_fc_norm_hidden.weight": r(h, k=0.2), "mtp.norm.weight": r(h, k=0.2),
-            p + "input_layernorm.weight": r(h, k=0.2), p + "post_attention_layernorm.weight": r(h, k=0.2),
-            p + "self_attn.q_proj.weight": r(2 * heads * hd, h), p + "self_attn.k_proj.weight": r(kv * hd, h),
-            p + "self_attn.v_proj.weight": r(kv * hd, h), p + "self_attn.o_proj.weight": r(h, heads * hd),
-            p + "self_attn.q_norm.weight": r(hd, k=0.2), p + "self_attn.k_norm.weight": r(hd, k=0.2),
-            p + "mlp.gate_proj.weight": r(inter, h), p + "mlp.up_proj.weight": r(inter, h),
-            p + "mlp.down_proj.weight": r(h, inter)}
-
-
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gguf")
     model = make_checkpoint(tmp / "hf", 0, **SHAPE)
     cfg = model.config
-    tensors = bf16_valued(tmp / "hf", mtp_head(256, 64, cfg.num_attention_heads, cfg.num_key_value_heads, 256))
+    tensors = bf16_valued(tmp / "hf", mtp_tensors(cfg, 7, scale=0.05))
     return tmp, tensors
 
 

@@ -26,7 +26,7 @@ from .safetensors_format import Header, TensorInfo, read_header
 DTYPE_CODES = {"BF16": 1, "F16": 2, "F32": 3}
 TORCH_DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
 CODE_NAMES = {1: "bf16", 2: "f16", 3: "f32", 4: "int4", 5: "int8", 15: "int1", 16: "int2", 17: "int4g32", 18: "int4g64",
-              19: "int4g128"}
+              19: "int4g128", 25: "int8g32"}
 
 BUNDLED_DIR = Path(__file__).parent / "installs"
 DRAFTER_DIR = "dflash"

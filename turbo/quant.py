@@ -34,7 +34,10 @@ GROUP = 64  # the group of the formats the native CPU step reads packed (int4, i
 # Affine int4 with fp32 scales and biases in a source's own group: what AWQ / GPTQ / compressed-tensors
 # int4 convert into exactly (turbo/repack_int4.py, docs/formats.md); repack writes them, --quant does not.
 EXACT_INT4 = {g: QFormat(f"int4g{g}", code, 4, g, torch.float32, "F32") for g, code in ((32, 17), (64, 18), (128, 19))}
-BY_CODE = {f.code: f for f in (*FORMATS.values(), *EXACT_INT4.values())}
+# GGUF's Q8_0, Q4_0, Q4_1 and Q4_K blocks held exactly (turbo/repack_gguf.py, docs/formats.md): group 32,
+# fp32 scales and biases (the int4 one is EXACT_INT4's). Not --quant choices.
+GGUF_FORMATS = {"int4g32": EXACT_INT4[32], "int8g32": QFormat("int8g32", 25, 8, 32, torch.float32, "F32")}
+BY_CODE = {f.code: f for f in (*FORMATS.values(), *EXACT_INT4.values(), *GGUF_FORMATS.values())}
 BY_BITS = {f.bits: f for f in FORMATS.values()}
 QUANT_CODES = tuple(sorted(BY_CODE))
 # The formats (bits, group) alone may name, without a code: an MLX-layout source's. int8 is

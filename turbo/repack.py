@@ -20,6 +20,7 @@ from .chat_template import check_checkpoint
 from .drafters import mtp
 from .errors import ArgumentParser, TurboError
 from .install import DRAFTER_DIR
+from .repack_gguf import find_gguf, repack_gguf
 from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
 from .repack_write import building, copy_file, write_safetensors
 from . import quant as q
@@ -33,6 +34,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, text_only: bool = False,
            quiet: bool = False, quant: str = "none", mtp_head: str | Path | None = None) -> Path:
     src, out = Path(src), Path(out)
+    if (gguf_file := find_gguf(src)) is not None:  # a llama.cpp GGUF (turbo/repack_gguf.py)
+        return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter), text_only)
     if not src.is_dir():
         raise TurboError(f"{src}: no such checkpoint directory")
     if out.exists():
@@ -100,11 +103,11 @@ def _on_sigterm(signum, frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = ArgumentParser(prog="python -m turbo.repack", description=__doc__.split("\n\n")[0])
     parser.add_argument("src", help="HF checkpoint directory (Qwen3_5ForCausalLM, Qwen3_5ForConditionalGeneration, "
-                                    "their MoE versions, or Qwen3NextForCausalLM)")
+                                    "their MoE versions, or Qwen3NextForCausalLM), or a llama.cpp .gguf (qwen35, qwen35moe)")
     parser.add_argument("out", help="the install directory to create")
     parser.add_argument("--drafter", help="a DFlash drafter directory (DFlash2 or the published DFlash) to file under dflash.")
     parser.add_argument("--mtp", help="an MTP head directory (mtp.* tensors, python -m turbo.train --kind mtp) to "
-                                      "file beside the trunk, in place of the source's own")
+                                      "file beside the trunk, in place of the source's own; with a .gguf source: its MTP .gguf")
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.add_argument("--quant", default="none", choices=("none", *q.FORMATS),

@@ -7,7 +7,6 @@ docs/formats.md has each format and what the conversion keeps exactly."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Callable
 
 import torch

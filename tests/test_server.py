@@ -211,3 +211,16 @@ def test_bad_settings_and_a_port_in_use_are_one_line(server, tmp_path):
         proc = subprocess.run([sys.executable, "-m", "turbo", "task=serve", override], cwd=tmp_path,
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and says in proc.stderr, proc.stderr
+
+
+def test_a_resent_conversation_reports_its_cached_tokens(server, rt):
+    """A chat client resends the conversation: the next turn reuses the server's cached state
+    (prompt_tokens_details.cached_tokens) and answers what a cold run answers."""
+    messages = [{"role": "user", "content": "Explain os.path.join."}]
+    first = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And os.path.split?"}]
+    second = server.client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    want = rt.chat(messages, template=server.template, max_new_tokens=12)
+    assert second.choices[0].message.content == want.message["content"]

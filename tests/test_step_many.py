@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from turbo.backends import native_lib
+from turbo.backends.step import TrunkState
 from turbo.install import open_install
 from turbo.loader import load_trunk
 from turbo.options import OpenOptions
@@ -40,14 +41,22 @@ ENTRIES = [
 ]
 
 
+_prefilled: dict[tuple, object] = {}
+
+
 def prepared(trunk, entries):
-    """Each entry's state with its prompt prefilled (the same way every time)."""
+    """Each entry's state with its prompt prefilled (once per trunk and prompt; copies)."""
     states = []
     for e in entries:
-        st = trunk.new_state(16)
-        if e.prompt:
-            trunk.prefill(st, e.prompt)
-        states.append(st)
+        key = (id(trunk), tuple(e.prompt))
+        if key not in _prefilled:
+            st = trunk.new_state(16)
+            if e.prompt:
+                trunk.prefill(st, e.prompt)
+            _prefilled[key] = st
+        st = _prefilled[key]
+        states.append(TrunkState(st.pos, {i: (k.clone(), v.clone()) for i, (k, v) in st.kv.items()},
+                                 {i: (s.clone(), w.clone()) for i, (s, w) in st.gdn.items()}))
     return states
 
 
@@ -114,11 +123,12 @@ TRUNKS = {
 
 
 @pytest.fixture(scope="module", params=list(TRUNKS))
-def trunk(request, moe_install):
+def trunk(request):
     where, opts = TRUNKS[request.param]
     if opts.get("native", True) and native_lib.library() is None:
         pytest.skip(f"native step unavailable: {native_lib.why_not()}")
-    t = load_trunk(open_install(moe_install if where == "moe" else where), OpenOptions(**opts), "cpu")
+    install = request.getfixturevalue("moe_install") if where == "moe" else where
+    t = load_trunk(open_install(install), OpenOptions(**opts), "cpu")
     assert t.step_name == ("torch" if request.param == "torch" else "native")
     return t
 
@@ -183,3 +193,21 @@ def test_empty_and_malformed_batches(trunk):
     with pytest.raises(ValueError):
         trunk.step_many([st], [[]], [()], [None], [0])
     assert st.pos == 0
+
+
+def test_a_batch_on_two_threads_is_the_solo_steps_on_one(trunk):
+    """At two threads a batch splits its recurrence by (sequence, head), its attention by
+    (block, kv head) and its conv by row: each value still computed whole by one thread."""
+    if trunk.step_name != "native":
+        pytest.skip("the torch step's batch is its steps one after another")
+    entries = entries_for(trunk)
+    states, alone = prepared(trunk, entries), prepared(trunk, entries)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        outs = batch(trunk, entries, states)
+    finally:
+        torch.set_num_threads(threads)
+    for out, ref, st, st_ref in zip(outs, solo(trunk, entries, alone), states, alone):
+        assert_same_out(out, ref)
+        assert_same_state(st, st_ref)

@@ -21,10 +21,11 @@ def _ints(values: list[int]):
     return (ctypes.c_int * len(values))(*values)
 
 
-def _ptrs(tensors) -> ctypes.Array:
-    """A C array of the tensors' data pointers (NULL for None): one per sequence of a call."""
-    values = [t.data_ptr() if t is not None else None for t in tensors]
-    return (ctypes.c_void_p * len(values))(*values)
+def _ptrs(arr: ctypes.Array, tensors) -> ctypes.Array:
+    """`arr` (a C array, one entry per sequence of a call, reused layer after layer: cheaper than
+    a new one) filled with the tensors' data pointers (NULL for None)."""
+    arr[:] = [t.data_ptr() if t is not None else None for t in tensors]
+    return arr
 
 
 def moe_struct(a, moe) -> Moe:
@@ -162,8 +163,8 @@ class NativeTrunkStep:
         slots = [{layer: j for j, layer in enumerate(sorted(al))} for al in aux_layers]
         aux = [torch.empty(r, len(sl) * a.hidden) if sl else None for r, sl in zip(rows, slots)]
         traces: list[dict[int, GdnTrace]] = [{} for _ in states]
-        c_rows, zeros = _ints(rows), _ints([0] * n)
-        c_p0 = _ints(p0)
+        c_rows, zeros, c_p0, caps = _ints(rows), _ints([0] * n), _ints(p0), _ints([0] * n)
+        a0, a1, a2, a3, a4, a5 = ((ctypes.c_void_p * n)() for _ in range(6))
         for i, address in enumerate(self.addresses):
             if i in states[0].gdn:
                 olds = [st.gdn[i] for st in states]
@@ -173,9 +174,9 @@ class NativeTrunkStep:
                 # the states after rows 0..R-2 (after the last: new)
                 kept = [spare(st, ("states", i), r - 1, s) if rb == "checkpoint" else None
                         for st, r, rb, (s, _) in zip(states, rows, rollback, olds)]
-                lib.gdn_layer_seqs(address, xp, n, c_rows, _ptrs(s for s, _ in olds), _ptrs(new),
-                                   _ptrs(w for _, w in olds), _ptrs(ext), _ptrs(inputs),
-                                   _ptrs(k if k is not None and r > 1 else None for k, r in zip(kept, rows)))
+                lib.gdn_layer_seqs(address, xp, n, c_rows, _ptrs(a0, [s for s, _ in olds]), _ptrs(a1, new),
+                                   _ptrs(a2, [w for _, w in olds]), _ptrs(a3, ext), _ptrs(a4, inputs),
+                                   _ptrs(a5, [k if r > 1 else None for k, r in zip(kept, rows)]))
                 for s, st in enumerate(states):
                     r, rb = rows[s], rollback[s]
                     window = ext[s][r:]  # [taps-1, C]: a view that keeps all of ext [taps-1+R, C] alive
@@ -188,8 +189,9 @@ class NativeTrunkStep:
                                                 [*kept[s].unbind(0), new[s]] if kept[s] is not None else None)
             else:
                 kv = [st.kv[i] for st in states]
-                lib.attn_layer_seqs(address, xp, n, c_rows, c_p0, zeros, _ptrs(k for k, _ in kv),
-                                    _ptrs(v for _, v in kv), _ints([k.shape[1] for k, _ in kv]))
+                caps[:] = [k.shape[1] for k, _ in kv]
+                lib.attn_layer_seqs(address, xp, n, c_rows, c_p0, zeros, _ptrs(a0, [k for k, _ in kv]),
+                                    _ptrs(a1, [v for _, v in kv]), caps)
             for s, sl in enumerate(slots):
                 if i in sl:
                     lib.copy_rows(xp + 4 * offs[s] * a.hidden, rows[s], a.hidden,

@@ -3,7 +3,8 @@
 `Trunk` holds the weights (read and checked by turbo/loader.py) and a sequence's state, and hands
 the math to the step the loader chose (turbo/backends/step.py: native*.c, or torch_step.py, which
 also runs the PTX kernels on cuda): `prefill` a whole prompt; `step` R rows (1: a decode step,
-B + 1: a verify, each row equal to its decode step bit for bit), leaving what `rollback` needs.
+B + 1: a verify, each row equal to its decode step bit for bit), leaving what `rollback` needs;
+`step_many` the steps of many sequences in one pass (a continuous batch), each its solo bits.
 `extend` runs more prompt rows on a state that holds some (a chat session's next turn);
 `snapshot` / `restore` keep and put back a state's position and recurrent state.
 """

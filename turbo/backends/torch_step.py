@@ -178,7 +178,8 @@ class TorchTrunkStep:
         """`step` per sequence, one after another: the products here are row-stable only in the
         shapes `ops.calibrate_rows` measured (1..9 rows; larger calls are not padded, and
         cuBLAS / MKL pick kernels by row count), so rows of several sequences stacked into one
-        call could change a sequence's bits. Logits for the last logit_rows[i] rows (ops.linear
+        call would change a sequence's bits (at tiny's shapes a row's product differs from 16
+        rows on). Logits for the last logit_rows[i] rows (ops.linear
         over just those: the rows of a verify-sized call, as `step`'s head has them)."""
         return [self._step(*args) for args in zip(states, tokens, aux_layers, rollback, logit_rows)]
 

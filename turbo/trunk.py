@@ -3,7 +3,8 @@
 `Trunk` holds the weights (read and checked by turbo/loader.py) and a sequence's state, and hands
 the math to the step the loader chose (turbo/backends/step.py: native*.c, or torch_step.py, which
 also runs the PTX kernels on cuda): `prefill` a whole prompt; `step` R rows (1: a decode step,
-B + 1: a verify, each row equal to its decode step bit for bit), leaving what `rollback` needs.
+B + 1: a verify, each row equal to its decode step bit for bit), leaving what `rollback` needs;
+`step_many` the steps of many sequences in one pass (a continuous batch), each its solo bits.
 `extend` runs more prompt rows on a state that holds some (a chat session's next turn);
 `snapshot` / `restore` keep and put back a state's position and recurrent state.
 """
@@ -175,6 +176,23 @@ class Trunk:
         rollback: None (no rollback possible), "checkpoint" (keep the state after every row)
         or "replay" (keep the rows' recurrence inputs to replay from the snapshot)."""
         return self.stepper.step(st, tokens, aux_layers, rollback)
+
+    def step_many(self, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
+                  rollback: list[str | None], logit_rows: list[int]) -> list[StepOut]:
+        """`step` for many sequences in one pass (a continuous batch): sequence i's tokens[i] rows
+        at its positions, its aux_layers[i], its rollback[i] mode; logits only for its last
+        logit_rows[i] rows (0 for a prefill chunk that does not end the prompt, 1 for the one
+        that does, R for a decode step or a verify). Each StepOut equals, bit for bit, what
+        `step` gives the sequence alone (its logits those rows'); empty lists: []."""
+        if not len(states) == len(tokens) == len(aux_layers) == len(rollback) == len(logit_rows):
+            raise ValueError("step_many takes one tokens, aux_layers, rollback and logit_rows entry per state")
+        if len({id(st) for st in states}) != len(states):
+            raise ValueError("step_many got one state twice")
+        for st, tk, k, rb in zip(states, tokens, logit_rows, rollback):
+            if not tk or not 0 <= k <= len(tk) or rb not in (None, "checkpoint", "replay"):
+                raise ValueError(f"step_many: {len(tk)} tokens, {k} logit rows, rollback {rb!r}")
+            self.reserve(st, st.pos + len(tk))
+        return self.stepper.step_many(states, tokens, aux_layers, rollback, logit_rows)
 
     def rollback(self, st: TrunkState, out: StepOut, rows: int, kept: int, rollback: str) -> int:
         """Keep the first `kept` of the `rows` just stepped. Returns the rows replayed."""

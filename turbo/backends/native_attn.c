@@ -370,62 +370,113 @@ gated:
         }
 }
 
-/* One gated-attention layer over R rows at positions p0.., then its MLP. kc, vc
- * [kv_heads, cap, head_dim] of L->kv_type: the rows' K and V are written at p0..p0+R-1; row r
- * attends to positions start..p0+r, exactly its own causal prefix (start: the first cached one). */
-void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, void *vc, int cap) {
+/* A block of one sequence's rows that attend together: their scores [rows, heads, n] in one
+ * buffer (n: the keys its last row sees). */
+typedef struct {
+    int seq, r0, rows, n;
+    size_t scores; /* its scores' offset in the call's buffer */
+} AttnBlock;
+
+/* One gated-attention layer over the rows of nseq sequences, then its MLP; x [sum rows,
+ * hidden] is the residual stream (sequence 0's rows, then 1's, ...; updated in place). The
+ * matrix products run over all the rows at once (each row's bits whatever rows share the
+ * call); norms, RoPE, the K/V store and attention per sequence on its own cache, each row or
+ * (block, kv head) whole on one thread. Sequence s's rows[s] rows sit at positions p0[s]..;
+ * kc[s], vc[s] [kv_heads, cap[s], head_dim] of L->kv_type: its rows' K and V are written at
+ * p0[s]..p0[s]+rows[s]-1; its row r attends to positions start[s]..p0[s]+r, exactly its own
+ * causal prefix (start: the first cached one). */
+void attn_layer_seqs(const Layer *L, float *x, int nseq, const int *rows, const int *p0, const int *start,
+                     void *const *kc, void *const *vc, const int *cap) {
     int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim, kt = L->kv_type;
-    int P = 2 * nh * hd + 2 * nkv * hd;
+    int P = 2 * nh * hd + 2 * nkv * hd, R = 0, nb = 0;
     size_t kb = kv_bytes(kt);
+    for (int s = 0; s < nseq; s++) R += rows[s];
+    int *seq = malloc(sizeof(int) * (size_t)R * 2), *local = seq + R; /* row -> its sequence, its row there */
+    int *first = malloc(sizeof(int) * (size_t)nseq);                   /* a sequence's first row */
+    for (int s = 0, at = 0; s < nseq; at += rows[s++]) {
+        first[s] = at;
+        for (int r = 0; r < rows[s]; r++) seq[at + r] = s, local[at + r] = r;
+    }
+    /* each sequence's rows attend in blocks whose scores [rows, heads, N] fit SCORE_FLOATS: memory
+     * stays a chunk's however long the cache (the rows are independent: blocks change no value) */
+    AttnBlock *blocks = malloc(sizeof(AttnBlock) * (size_t)R);
+    for (int s = 0; s < nseq; s++) {
+        int N = p0[s] + rows[s] - start[s]; /* keys the last row sees; row r sees the first N - (R - 1 - r) */
+        int block = (int)(SCORE_FLOATS / ((long)nh * N));
+        block = block < 1 ? 1 : block > rows[s] ? rows[s] : block;
+        for (int r0 = 0; r0 < rows[s]; r0 += block) {
+            int n = rows[s] - r0 < block ? rows[s] - r0 : block;
+            blocks[nb++] = (AttnBlock){s, r0, n, p0[s] + r0 + n - start[s], 0};
+        }
+    }
+    size_t most = 0; /* the largest group's scores: consecutive blocks while they fit SCORE_FLOATS together */
+    for (int b = 0, g = 0; b < nb; b = g) {
+        size_t sum = 0;
+        for (g = b; g < nb; g++) {
+            size_t f = (size_t)blocks[g].rows * nh * blocks[g].n;
+            if (g > b && sum + f > SCORE_FLOATS) break;
+            blocks[g].scores = sum, sum += f;
+        }
+        most = sum > most ? sum : most;
+    }
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
     float *att = malloc(sizeof(float) * (size_t)R * nh * hd);
     float *kbuf = malloc(sizeof(float) * (size_t)R * hd); /* [R, hd] */
-    int N = p0 + R - start; /* keys the last row sees; row r sees the first N - (R - 1 - r) */
-    /* rows attend in blocks whose scores [rows, heads, N] fit SCORE_FLOATS: memory stays a
-     * chunk's however long the cache (the rows are independent: blocks change no value) */
-    int block = (int)(SCORE_FLOATS / ((long)nh * N));
-    block = block < 1 ? 1 : block > R ? R : block;
     float *qs = malloc(sizeof(float) * (size_t)R * nh * hd);
-    float *scores = malloc(sizeof(float) * (size_t)block * nh * N);
+    float *scores = malloc(sizeof(float) * most);
     float *y = malloc(sizeof(float) * (size_t)R * H);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
     linear_packed(h, R, H, L->qkv, L->wtype, P, proj);
     int parts = row_parts(R, (long)nh * hd);
 #pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
-    for (int r = 0; r < R; r++) { /* K and V of every row into the cache first */
-        const float *pr = proj + (size_t)r * P;
+    for (int row = 0; row < R; row++) { /* K and V of every row into its cache first */
+        const float *pr = proj + (size_t)row * P;
+        int s = seq[row], pos = p0[s] + local[row];
         for (int j = 0; j < nkv; j++) {
-            size_t at = ((size_t)j * cap + p0 + r) * hd;
-            float *krow = kbuf + (size_t)r * hd; /* the row's K, normed and rotated, before it is stored */
+            size_t at = ((size_t)j * cap[s] + pos) * hd;
+            float *krow = kbuf + (size_t)row * hd; /* the row's K, normed and rotated, before it is stored */
             rms_norm(pr + 2 * nh * hd + j * hd, hd, L->k_norm, L->eps, krow);
-            rope(krow, L->rot, L->inv_freq, p0 + r);
-            kv_store((char *)kc + at * kb, kt, krow, hd);
-            kv_store((char *)vc + at * kb, kt, pr + 2 * nh * hd + nkv * hd + j * hd, hd);
+            rope(krow, L->rot, L->inv_freq, pos);
+            kv_store((char *)kc[s] + at * kb, kt, krow, hd);
+            kv_store((char *)vc[s] + at * kb, kt, pr + 2 * nh * hd + nkv * hd + j * hd, hd);
         }
     }
 #pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
-    for (int r = 0; r < R; r++) /* every row's queries, normed and rotated */
+    for (int row = 0; row < R; row++) /* every row's queries, normed and rotated */
         for (int hq = 0; hq < nh; hq++) {
-            float *q = qs + ((size_t)r * nh + hq) * hd;
-            rms_norm(proj + (size_t)r * P + hq * 2 * hd, hd, L->q_norm, L->eps, q);
-            rope(q, L->rot, L->inv_freq, p0 + r);
+            float *q = qs + ((size_t)row * nh + hq) * hd;
+            rms_norm(proj + (size_t)row * P + hq * 2 * hd, hd, L->q_norm, L->eps, q);
+            rope(q, L->rot, L->inv_freq, p0[seq[row]] + local[row]);
         }
-    /* the kv heads are independent: each is attended whole by one thread, in the same order
-     * whatever the thread count (and the row count: each score and sum is its own chain) */
-    for (int r0 = 0; r0 < R; r0 += block) {
-        int rows = R - r0 < block ? R - r0 : block, n = p0 + r0 + rows - start;
-        parts = threads < nkv ? threads : nkv;
-        if ((long)rows * nh * n * hd < MIN_PARALLEL_ATTENTION) parts = 1;
-#pragma omp parallel for num_threads(parts) schedule(static)
-        for (int j = 0; j < nkv; j++) {
-            size_t at = ((size_t)j * cap + start) * hd;
-            attend_kv_head(L, j, rows, p0 + r0, start, n, (const char *)kc + at * kb, (const char *)vc + at * kb,
-                           proj + (size_t)r0 * P, qs + (size_t)r0 * nh * hd, scores, att + (size_t)r0 * nh * hd);
+    /* the (block, kv head) pairs of a group are independent: each is attended whole by one
+     * thread, in the same order whatever the thread count (and the row count, and the other
+     * sequences: each score and sum is its own chain) */
+    for (int b = 0, g = 0; b < nb; b = g) {
+        long work = 0;
+        for (g = b; g < nb && (g == b || blocks[g].scores); g++) /* (a group's first block: offset 0) */
+            work += (long)blocks[g].rows * nh * blocks[g].n * hd;
+        int units = (g - b) * nkv;
+        parts = threads < units ? threads : units;
+        if (work < MIN_PARALLEL_ATTENTION) parts = 1;
+#pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
+        for (int u = 0; u < units; u++) {
+            const AttnBlock *bk = blocks + b + u / nkv;
+            int s = bk->seq, j = u % nkv;
+            size_t at = ((size_t)j * cap[s] + start[s]) * hd, row = (size_t)first[s] + bk->r0;
+            attend_kv_head(L, j, bk->rows, p0[s] + bk->r0, start[s], bk->n, (const char *)kc[s] + at * kb,
+                           (const char *)vc[s] + at * kb, proj + row * P, qs + row * nh * hd, scores + bk->scores,
+                           att + row * nh * hd);
         }
     }
     linear_packed(att, R, nh * hd, L->o, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
+    free(seq); free(first); free(blocks);
     free(h); free(proj); free(att); free(kbuf); free(qs); free(scores); free(y);
     mlp_block(L, x, R);
+}
+
+/* attn_layer_seqs for one sequence of R rows at p0.. (its arguments, one of each). */
+void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, void *vc, int cap) {
+    attn_layer_seqs(L, x, 1, &R, &p0, &start, &kc, &vc, &cap);
 }

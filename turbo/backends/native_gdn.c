@@ -107,65 +107,103 @@ static void gdn_column(const float *Sin, float *S, int dk, int dv, int j, int R,
     }
 }
 
-/* The gated delta rule over R rows, one after another, all heads: `state_in` [Hv, dk, dv]
- * read, `state` written with the state after the rows (the same buffer or not). q, k [R, Hv,
- * dk]; v [R, Hv, dv]; g, beta [R, Hv]. out [R, Hv, dv] and states [R, Hv, dk, dv] (the state
- * after every row but the last, which is `state`; 64-byte aligned) are optional. The heads
- * are independent: each runs its rows whole on one thread, so the thread count changes nothing. */
-void gdn_recurrence(const float *state_in, float *state, int R, int Hv, int dk, int dv, const float *q,
-                    const float *k, const float *v, const float *g, const float *beta, float *out, float *states) {
+/* One sequence's part of a recurrence call: its state before and after its R rows, its rows'
+ * inputs q, k [R, Hv, dk], v [R, Hv, dv], g, beta [R, Hv], and (optional) out [R, Hv, dv] and
+ * states [R, Hv, dk, dv] (the state after every row but the last, which is `state`). */
+typedef struct {
+    const float *state_in;
+    float *state;
+    int R;
+    const float *q, *k, *v, *g, *beta;
+    float *out, *states;
+} GdnSeq;
+
+/* The gated delta rule of every sequence's rows, one after another within a sequence. The
+ * (sequence, head) pairs are independent: each runs its rows whole on one thread, so neither
+ * the thread count nor the other sequences of the call change a value. */
+static void gdn_recurrence_seqs(const GdnSeq *seqs, int nseq, int Hv, int dk, int dv) {
     size_t per = (size_t)dk * dv;
-    int parts = threads < Hv ? threads : Hv, streamed = states && ((uintptr_t)states & 63) == 0 && dv % 16 == 0;
-    if ((long)R * Hv * per < MIN_PARALLEL_MACS) parts = 1; /* the tiny model's decode step: less than a barrier */
-#pragma omp parallel for num_threads(parts) schedule(static)
-    for (int h = 0; h < Hv; h++) {
-        const float *Sin = state_in + h * per;
-        float *S = state + h * per;
+    long work = 0;
+    for (int s = 0; s < nseq; s++) work += (long)seqs[s].R * Hv * per;
+    int units = nseq * Hv, parts = threads < units ? threads : units;
+    if (work < MIN_PARALLEL_MACS) parts = 1; /* the tiny model's decode step: less than a barrier */
+#pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
+    for (int u = 0; u < units; u++) {
+        const GdnSeq *e = seqs + u / Hv;
+        int h = u % Hv, R = e->R;
+        int streamed = e->states && ((uintptr_t)e->states & 63) == 0 && dv % 16 == 0;
+        const float *Sin = e->state_in + h * per;
+        float *S = e->state + h * per;
         int c = 0;
         for (; c + 64 <= dv; c += 64)
-            gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, q, k, v, g, beta, out, states, streamed, 4);
+            gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states, streamed, 4);
         for (; c + 16 <= dv; c += 16)
-            gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, q, k, v, g, beta, out, states, streamed, 1);
-        for (; c < dv; c++) gdn_column(Sin, S, dk, dv, c, R, Hv, h, q, k, v, g, beta, out, states);
+            gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states, streamed, 1);
+        for (; c < dv; c++) gdn_column(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states);
 #if defined(__AVX512F__)
         if (streamed) _mm_sfence(); /* (streaming stores are weakly ordered: done before anyone reads them) */
 #endif
     }
 }
 
-/* One Gated DeltaNet layer over R rows, then its MLP; x [R, hidden] is the residual stream
- * (updated in place). state_in [Hv, dk, dv] is read, state the layer's state after the
- * rows (and states [R, Hv, dk, dv], optional, after every row). window [taps-1, C] is the
- * conv window before the rows; ext [taps-1+R, C] receives it followed by the rows' conv
- * inputs. inputs [R * Hv * (2 dk + dv + 2)] receives the recurrence inputs for a replay:
- * q, k [R, Hv, dk], v [R, Hv, dv], g, beta [R, Hv], one after another. */
-void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *state, const float *window,
-               float *ext, float *inputs, float *states) {
+/* The gated delta rule over R rows of one sequence (gdn_recurrence_seqs' arguments; states
+ * 64-byte aligned to be streamed), also called alone to replay a rollback. */
+void gdn_recurrence(const float *state_in, float *state, int R, int Hv, int dk, int dv, const float *q,
+                    const float *k, const float *v, const float *g, const float *beta, float *out, float *states) {
+    GdnSeq one = {state_in, state, R, q, k, v, g, beta, out, states};
+    gdn_recurrence_seqs(&one, 1, Hv, dk, dv);
+}
+
+/* One Gated DeltaNet layer over the rows of nseq sequences, then its MLP; x [sum rows, hidden]
+ * is the residual stream (sequence 0's rows, then 1's, ...; updated in place). The matrix
+ * products run over all the rows at once (each row's bits whatever rows share the call); the
+ * conv, the recurrence and the gated norm per sequence on its own buffers, each row or
+ * (sequence, head) whole on one thread. Per sequence s, of rows[s] = R rows: state_in[s] [Hv, dk,
+ * dv] is read, state[s] the layer's state after the rows (and states[s] [R, Hv, dk, dv],
+ * optional, after every row). window[s] [taps-1, C] is the conv window before the rows; ext[s]
+ * [taps-1+R, C] receives it followed by the rows' conv inputs. inputs[s] [R * Hv * (2 dk + dv +
+ * 2)] receives the recurrence inputs for a replay: q, k [R, Hv, dk], v [R, Hv, dv], g, beta
+ * [R, Hv], one after another. */
+void gdn_layer_seqs(const Layer *L, float *x, int nseq, const int *rows, const float *const *state_in,
+                    float *const *state, const float *const *window, float *const *ext, float *const *inputs,
+                    float *const *states) {
     int H = L->hidden, Hk = L->kheads, dk = L->kdim, Hv = L->vheads, dv = L->vdim, K = L->taps;
-    int kd = Hk * dk, vd = Hv * dv, C = 2 * kd + vd, P = C + vd + 2 * Hv, rep = Hv / Hk;
+    int kd = Hk * dk, vd = Hv * dv, C = 2 * kd + vd, P = C + vd + 2 * Hv, rep = Hv / Hk, R = 0;
+    for (int s = 0; s < nseq; s++) R += rows[s];
+    int *seq = malloc(sizeof(int) * (size_t)R * 2), *local = seq + R; /* row -> its sequence, its row there */
+    GdnSeq *seqs = malloc(sizeof(GdnSeq) * (size_t)nseq);
     float *h = malloc(sizeof(float) * (size_t)R * H);
     float *proj = malloc(sizeof(float) * (size_t)R * P);
     float *mix = malloc(sizeof(float) * (size_t)R * C); /* [R, C]: each row's conv output */
     float *o = malloc(sizeof(float) * (size_t)R * vd);
     float *y = malloc(sizeof(float) * (size_t)R * H);
-    float *q = inputs, *k = q + (size_t)R * Hv * dk, *v = k + (size_t)R * Hv * dk, *g = v + (size_t)R * vd;
-    float *beta = g + (size_t)R * Hv;
-    memcpy(ext, window, sizeof(float) * (size_t)(K - 1) * C);
     rms_norm_rows(x, R, H, L->in_norm, L->eps, h);
     linear_packed(h, R, H, L->in_proj, L->wtype, P, proj);
-    for (int r = 0; r < R; r++) memcpy(ext + (size_t)(K - 1 + r) * C, proj + (size_t)r * P, sizeof(float) * C);
+    for (int s = 0, at = 0; s < nseq; at += rows[s++]) {
+        int n = rows[s];
+        float *q = inputs[s], *k = q + (size_t)n * Hv * dk, *v = k + (size_t)n * Hv * dk, *g = v + (size_t)n * vd;
+        seqs[s] = (GdnSeq){state_in[s], state[s], n, q, k, v, g, g + (size_t)n * Hv, o + (size_t)at * vd, states[s]};
+        memcpy(ext[s], window[s], sizeof(float) * (size_t)(K - 1) * C);
+        for (int r = 0; r < n; r++) {
+            seq[at + r] = s, local[at + r] = r;
+            memcpy(ext[s] + (size_t)(K - 1 + r) * C, proj + (size_t)(at + r) * P, sizeof(float) * C);
+        }
+    }
     float qscale = 1.0f / sqrtf((float)dk);
     float *taps = malloc(sizeof(float) * (size_t)K * C); /* conv [C, K] as [K, C]: the loops below vectorise */
     for (int c = 0; c < C; c++)
         for (int j = 0; j < K; j++) taps[(size_t)j * C + c] = L->conv[(size_t)c * K + j];
     int parts = row_parts(R, C);
 #pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
-    for (int r = 0; r < R; r++) {
-        const float *pr = proj + (size_t)r * P;
-        float *mixed = mix + (size_t)r * C;
-        for (int c = 0; c < C; c++) mixed[c] = ext[(size_t)r * C + c] * taps[c];
+    for (int row = 0; row < R; row++) {
+        int s = seq[row], r = local[row], n = rows[s];
+        const float *pr = proj + (size_t)row * P, *ex = ext[s];
+        float *mixed = mix + (size_t)row * C;
+        float *q = inputs[s], *k = q + (size_t)n * Hv * dk, *v = k + (size_t)n * Hv * dk, *g = v + (size_t)n * vd;
+        float *beta = g + (size_t)n * Hv;
+        for (int c = 0; c < C; c++) mixed[c] = ex[(size_t)r * C + c] * taps[c];
         for (int j = 1; j < K; j++)
-            for (int c = 0; c < C; c++) mixed[c] = mixed[c] + ext[(size_t)(r + j) * C + c] * taps[(size_t)j * C + c];
+            for (int c = 0; c < C; c++) mixed[c] = mixed[c] + ex[(size_t)(r + j) * C + c] * taps[(size_t)j * C + c];
         for (int c = 0; c < C; c++) mixed[c] = fast_silu(mixed[c]);
         for (int hk = 0; hk < Hk; hk++) { /* l2-normalised q (scaled) and k, shared by `rep` value heads */
             const float *mq = mixed + hk * dk, *mk = mixed + kd + hk * dk;
@@ -183,7 +221,7 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
             g[(size_t)r * Hv + hv] = L->neg_a[hv] * softplusf(pr[C + vd + Hv + hv] + L->dt_bias[hv]);
         }
     }
-    gdn_recurrence(state_in, state, R, Hv, dk, dv, q, k, v, g, beta, o, states);
+    gdn_recurrence_seqs(seqs, nseq, Hv, dk, dv);
     parts = row_parts(R, vd);
 #pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
     for (int r = 0; r < R; r++) /* per-head RMSNormGated: plain weight times silu(z) */
@@ -197,6 +235,12 @@ void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *st
         }
     linear_packed(o, R, vd, L->out, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
-    free(h); free(proj); free(mix); free(o); free(y); free(taps);
+    free(seq); free(seqs); free(h); free(proj); free(mix); free(o); free(y); free(taps);
     mlp_block(L, x, R);
+}
+
+/* gdn_layer_seqs for one sequence of R rows (its arguments, one of each). */
+void gdn_layer(const Layer *L, float *x, int R, const float *state_in, float *state, const float *window,
+               float *ext, float *inputs, float *states) {
+    gdn_layer_seqs(L, x, 1, &R, &state_in, &state, &window, &ext, &inputs, &states);
 }

@@ -74,16 +74,18 @@ STRUCTS = (Layer, Dflash, DfLayer, Moe)  # native.c's struct_size(0, 1, 2, 3)
 
 WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-# native.c's entry points: p a pointer (a Layer's address too), i an int, f a float
+# native.c's entry points: p a pointer (a Layer's address too, an array), i an int, f a float
 SIGNATURES = {
     "linear_packed": "p i i p i i p",
     "dot_products": "",
     "struct_size": "i",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p",
+    "gdn_layer_seqs": "p p i p p p p p p p",
     "embed_rows": "p i i p i i p",
     "copy_rows": "p i i p i",
     "attn_layer": "p p i i i p p i",
+    "attn_layer_seqs": "p p i p p p p p p",
     "head": "p i i p f p i i p p",
     "gdn_recurrence": "p p i i i i p p p p p p p",
     "dflash_forward": "p i i i p p",

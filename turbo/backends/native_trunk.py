@@ -17,6 +17,17 @@ from .step import GdnTrace, StepOut, TrunkState
 PREFILL_CHUNK = 256
 
 
+def _ints(values: list[int]):
+    return (ctypes.c_int * len(values))(*values)
+
+
+def _ptrs(arr: ctypes.Array, tensors) -> ctypes.Array:
+    """`arr` (a C array, one entry per sequence of a call, reused layer after layer: cheaper than
+    a new one) filled with the tensors' data pointers (NULL for None)."""
+    arr[:] = [t.data_ptr() if t is not None else None for t in tensors]
+    return arr
+
+
 def moe_struct(a, moe) -> Moe:
     """native.h's Moe for one packed MoE block (ctypes keeps its pointer arrays alive with it)."""
     gate_up = (ctypes.c_void_p * len(moe.gate_up))(*(ptr(w) for w in moe.gate_up))
@@ -94,14 +105,28 @@ class NativeTrunkStep:
 
     def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
              rollback: str | None) -> StepOut:
-        x, aux, traces = self._rows(st, tokens, aux_layers, rollback)
-        return StepOut(self._head(x), x, aux, traces)
+        return self.step_many([st], [tokens], [aux_layers], [rollback], [len(tokens)])[0]
+
+    def step_many(self, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
+                  rollback: list[str | None], logit_rows: list[int]) -> list[StepOut]:
+        """`step` for many sequences in one pass per layer (native_gdn.c's gdn_layer_seqs,
+        native_attn.c's attn_layer_seqs): each sequence's bits are those of its `step`
+        alone; logits for the last logit_rows[i] rows of sequence i, the head run once."""
+        if not states:
+            return []
+        rows = self._rows(states, tokens, aux_layers, rollback)
+        if len(rows) == 1:  # (the last rows of one sequence: a view, nothing to gather)
+            logits = [self._head(rows[0][0][rows[0][0].shape[0] - logit_rows[0]:])]
+        else:
+            asked = torch.cat([x[x.shape[0] - k:] for (x, _, _), k in zip(rows, logit_rows)])
+            logits = self._head(asked).split(logit_rows)
+        return [StepOut(lg, x, aux, traces) for lg, (x, aux, traces) in zip(logits, rows)]
 
     def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
         """The prompt as steps of PREFILL_CHUNK rows: each a verify-sized call (its rows equal
         decode steps), so the working set is one chunk's (attention scores [chunk, heads,
         prompt], no [prompt, prompt] matrix) and the lm_head runs only where logits are asked."""
-        parts = [self._rows(st, tokens[c:c + PREFILL_CHUNK], aux_layers, None)
+        parts = [self._rows([st], [tokens[c:c + PREFILL_CHUNK]], [aux_layers], [None])[0]
                  for c in range(0, len(tokens), PREFILL_CHUNK)]
         x = torch.cat([p[0] for p in parts])
         aux = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
@@ -110,49 +135,70 @@ class NativeTrunkStep:
     def _head(self, x: torch.Tensor) -> torch.Tensor:
         t, a = self.trunk, self.trunk.arch
         logits = torch.empty(x.shape[0], a.vocab)
-        threaded().head(x.data_ptr(), x.shape[0], a.hidden, t.final_norm.data_ptr(), a.rms_eps,
-                        t.lm_head.data.data_ptr(), t.lm_head.wtype, a.vocab, logits.data_ptr(), None)
+        if x.shape[0]:
+            threaded().head(x.data_ptr(), x.shape[0], a.hidden, t.final_norm.data_ptr(), a.rms_eps,
+                            t.lm_head.data.data_ptr(), t.lm_head.wtype, a.vocab, logits.data_ptr(), None)
         return logits
 
-    def _rows(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], rollback: str | None):
-        """R rows through every layer: (the residual stream x [R, H], aux, traces)."""
+    def _rows(self, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
+              rollback: list[str | None]) -> list[tuple[torch.Tensor, torch.Tensor | None, dict[int, GdnTrace]]]:
+        """Each sequence's rows through every layer, all sequences in one call per layer:
+        per sequence (its residual stream x [R, H], a view of the call's, aux, traces)."""
         t = self.trunk
         a, lib = t.arch, threaded()
-        rows, p0 = len(tokens), st.pos
-        if not 0 <= min(tokens) <= max(tokens) < a.vocab:  # the C reads the rows it is given
-            raise ValueError(f"a token of {tokens} is not an id in 0..{a.vocab - 1}")
-        t.reserve(st, p0 + rows)
-        x = torch.empty(rows, a.hidden)  # [R, H]: the residual stream, updated in place layer by layer
+        n, rows = len(states), [len(tk) for tk in tokens]
+        flat = [tok for tk in tokens for tok in tk]
+        if min(rows) < 1 or not 0 <= min(flat) <= max(flat) < a.vocab:  # the C reads the rows it is given
+            raise ValueError(f"a sequence's tokens {tokens} are empty or not ids in 0..{a.vocab - 1}")
+        p0 = [st.pos for st in states]
+        for st, r in zip(states, rows):
+            t.reserve(st, st.pos + r)
+        total, offs = sum(rows), [sum(rows[:s]) for s in range(n)]
+        x = torch.empty(total, a.hidden)  # [sum R, H]: the residual stream, updated in place layer by layer
         xp = x.data_ptr()
-        lib.embed_rows(*table_of(t.embed), (ctypes.c_int * rows)(*tokens), rows, a.hidden, xp)
+        lib.embed_rows(*table_of(t.embed), (ctypes.c_int * total)(*flat), total, a.hidden, xp)
         taps, conv_dim = a.conv_kernel, a.lin_conv_dim
         hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim
-        slot = {layer: j for j, layer in enumerate(sorted(aux_layers))}  # in layer order, as the torch step cats them
-        aux = torch.empty(rows, len(slot) * a.hidden) if slot else None
-        traces = {}
+        # each sequence's aux layers in layer order, as the torch step cats them
+        slots = [{layer: j for j, layer in enumerate(sorted(al))} for al in aux_layers]
+        aux = [torch.empty(r, len(sl) * a.hidden) if sl else None for r, sl in zip(rows, slots)]
+        traces: list[dict[int, GdnTrace]] = [{} for _ in states]
+        c_rows, zeros, c_p0, caps = _ints(rows), _ints([0] * n), _ints(p0), _ints([0] * n)
+        a0, a1, a2, a3, a4, a5 = ((ctypes.c_void_p * n)() for _ in range(6))
         for i, address in enumerate(self.addresses):
-            if i in st.gdn:
-                state, window = st.gdn[i]
-                new_state, ext = spare(st, ("state", i), 1, state)[0], torch.empty(taps - 1 + rows, conv_dim)
-                inputs = torch.empty(rows * hv * (2 * dk + dv + 2))  # q, k, v, g, beta (native_gdn.c)
-                # the states after rows 0..R-2 (after the last: new_state)
-                states = spare(st, ("states", i), rows - 1, state) if rollback == "checkpoint" else None
-                lib.gdn_layer(address, xp, rows, state.data_ptr(), new_state.data_ptr(), window.data_ptr(),
-                              ext.data_ptr(), inputs.data_ptr(), ptr(states) if rows > 1 else None)
-                window = ext[rows:]  # [taps-1, C]: a view that keeps all of ext [taps-1+R, C] alive
-                if rollback is None and rows >= taps:  # (a prefill chunk's ext: 6 MB a layer at 0.8B)
-                    window = window.clone()
-                st.gdn[i] = (new_state, window)
-                if rollback is not None:
-                    traces[i] = GdnTrace(state, ext, self._inputs(inputs, rows) if rollback == "replay" else None,
-                                         [*states.unbind(0), new_state] if states is not None else None)
+            if i in states[0].gdn:
+                olds = [st.gdn[i] for st in states]
+                new = [spare(st, ("state", i), 1, s)[0] for st, (s, _) in zip(states, olds)]
+                ext = [torch.empty(taps - 1 + r, conv_dim) for r in rows]
+                inputs = [torch.empty(r * hv * (2 * dk + dv + 2)) for r in rows]  # q, k, v, g, beta (native_gdn.c)
+                # the states after rows 0..R-2 (after the last: new)
+                kept = [spare(st, ("states", i), r - 1, s) if rb == "checkpoint" else None
+                        for st, r, rb, (s, _) in zip(states, rows, rollback, olds)]
+                lib.gdn_layer_seqs(address, xp, n, c_rows, _ptrs(a0, [s for s, _ in olds]), _ptrs(a1, new),
+                                   _ptrs(a2, [w for _, w in olds]), _ptrs(a3, ext), _ptrs(a4, inputs),
+                                   _ptrs(a5, [k if r > 1 else None for k, r in zip(kept, rows)]))
+                for s, st in enumerate(states):
+                    r, rb = rows[s], rollback[s]
+                    window = ext[s][r:]  # [taps-1, C]: a view that keeps all of ext [taps-1+R, C] alive
+                    if rb is None and r >= taps:  # (a prefill chunk's ext: 6 MB a layer at 0.8B)
+                        window = window.clone()
+                    st.gdn[i] = (new[s], window)
+                    if rb is not None:
+                        traces[s][i] = GdnTrace(olds[s][0], ext[s],
+                                                self._inputs(inputs[s], r) if rb == "replay" else None,
+                                                [*kept[s].unbind(0), new[s]] if kept[s] is not None else None)
             else:
-                kc, vc = st.kv[i]
-                lib.attn_layer(address, xp, rows, p0, 0, kc.data_ptr(), vc.data_ptr(), kc.shape[1])
-            if i in slot:
-                lib.copy_rows(xp, rows, a.hidden, aux.data_ptr() + 4 * slot[i] * a.hidden, len(slot) * a.hidden)
-        st.pos = p0 + rows
-        return x, aux, traces
+                kv = [st.kv[i] for st in states]
+                caps[:] = [k.shape[1] for k, _ in kv]
+                lib.attn_layer_seqs(address, xp, n, c_rows, c_p0, zeros, _ptrs(a0, [k for k, _ in kv]),
+                                    _ptrs(a1, [v for _, v in kv]), caps)
+            for s, sl in enumerate(slots):
+                if i in sl:
+                    lib.copy_rows(xp + 4 * offs[s] * a.hidden, rows[s], a.hidden,
+                                  aux[s].data_ptr() + 4 * sl[i] * a.hidden, len(sl) * a.hidden)
+        for st, r in zip(states, rows):
+            st.pos += r
+        return [(x[o:o + r], ax, tr) for o, r, ax, tr in zip(offs, rows, aux, traces)]
 
     def _inputs(self, flat: torch.Tensor, rows: int) -> tuple[torch.Tensor, ...]:
         """native_gdn.c's recurrence inputs of `rows` rows, as the trace's q, k, v, g, beta."""

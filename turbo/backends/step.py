@@ -58,6 +58,13 @@ class TrunkStep(Protocol):
         """rollback: None (none possible), "checkpoint" (keep the state after every row) or
         "replay" (keep the rows' recurrence inputs)."""
 
+    def step_many(self, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
+                  rollback: list[str | None], logit_rows: list[int]) -> list[StepOut]:
+        """`step` for several sequences (distinct states; each at least one row) in one pass:
+        per sequence the StepOut its `step` gives, bit for bit whatever the other sequences
+        (batch invariance), but logits only for its last logit_rows[i] rows (0: a prefill
+        chunk that does not end the prompt). Every state advances as its `step` advances it."""
+
     def replay(self, trace: GdnTrace, kept: int) -> torch.Tensor:
         """The state after the first `kept` rows, recomputed from the snapshot by the same
         recurrence code the verify ran."""

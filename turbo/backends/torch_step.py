@@ -171,6 +171,20 @@ class TorchTrunkStep:
 
     def step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
              rollback: str | None) -> StepOut:
+        return self._step(st, tokens, aux_layers, rollback, len(tokens))
+
+    def step_many(self, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
+                  rollback: list[str | None], logit_rows: list[int]) -> list[StepOut]:
+        """`step` per sequence, one after another: the products here are row-stable only in the
+        shapes `ops.calibrate_rows` measured (1..9 rows; larger calls are not padded, and
+        cuBLAS / MKL pick kernels by row count), so rows of several sequences stacked into one
+        call would change a sequence's bits (at tiny's shapes a row's product differs from 16
+        rows on). Logits for the last logit_rows[i] rows (ops.linear
+        over just those: the rows of a verify-sized call, as `step`'s head has them)."""
+        return [self._step(*args) for args in zip(states, tokens, aux_layers, rollback, logit_rows)]
+
+    def _step(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...],
+              rollback: str | None, logit_rows: int) -> StepOut:
         t = self.trunk
         a = t.arch
         rows, p0 = len(tokens), st.pos
@@ -195,7 +209,8 @@ class TorchTrunkStep:
 
         x, aux = self._layers(tokens, aux_layers, mix)
         st.pos = p0 + rows
-        return StepOut(self._head(x), x, aux, traces)
+        logits = self._head(x[rows - logit_rows:]) if logit_rows else torch.empty(0, a.vocab, device=t.device)
+        return StepOut(logits, x, aux, traces)
 
     def _attend_rows(self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p0: int) -> torch.Tensor:
         """Each row attends to exactly its own causal prefix, one call per row, so a row's

@@ -244,7 +244,7 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         try:
-            outs = step_many(self.trunk, [w.seq.st for w in work], [w.rows for w in work],
+            outs = self.trunk.step_many([w.seq.st for w in work], [w.rows for w in work],
                                         [w.seq.job.plan.drafter and w.seq.draft.aux_layers or () for w in work],
                                         [w.rollback for w in work], [w.logit_rows for w in work])
         except Exception as e:  # noqa: BLE001 -- the batch's states are unknown now: end them all
@@ -409,13 +409,6 @@ class Scheduler:
         if s.own is not None:
             self.pool[s.pool_key].append(s.own)
             s.own = None
-
-
-def step_many(trunk: Trunk, states, tokens, aux, rollback, logit_rows) -> list[StepOut]:
-    if hasattr(trunk, "step_many"):
-        return trunk.step_many(states, tokens, aux, rollback, logit_rows)
-    return [trunk.step(st, t, a, r) if n else trunk.prefill(st, t, a) if st.pos == 0 else trunk.extend(st, t, a)
-            for st, t, a, r, n in zip(states, tokens, aux, rollback, logit_rows)]
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:

@@ -54,9 +54,9 @@ def prompt_of(tiny, n: int, seed: int) -> list[int]:
 
 
 def test_each_request_equals_its_solo_run(tiny):
-    """16+ concurrent mixed requests (prompt lengths 1..~700, blocks 0..8, every drafter, greedy and
+    """16+ concurrent mixed requests (prompt lengths 1..1500, blocks 0..8, every drafter, greedy and
     seeded sampling), admitted while others run, prefilled in chunks: each equal to its solo run."""
-    lengths = [1, 2, 5, 17, 64, 129, 300, 700, 3, 40, 257, 90, 11, 500, 8, 33, 150, 1]
+    lengths = [1, 2, 5, 17, 64, 129, 300, 700, 3, 40, 257, 90, 11, 1500, 8, 33, 150, 1]
     reqs = [Request(prompt_of(tiny, n, i * 13), G(max_new_tokens=24, **MIXES[i % len(MIXES)]))
             for i, n in enumerate(lengths)]
     solo = [tiny.generate(r.ids, r.options).tokens for r in reqs]

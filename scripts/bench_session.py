@@ -3,10 +3,13 @@ added, against a fresh generation over the same rendered conversation; interleav
 published shape (random weights) or tiny.
 
     python scripts/bench_session.py [--shape qwen3.5-0.8b] [--turns 5] [--new 32] [--reps 3] [--threads 2]
+    python scripts/bench_session.py --server   # the server's prefix cache instead of a session
 
 Each repetition plays a new session of --turns turns, then times its last turn's TTFT and a
-fresh `generate` over that turn's prompt, in alternating order (the tokens must agree). Prints
-medians (min..max). A benchmark, not a test: time it on a quiet machine.
+fresh `generate` over that turn's prompt, in alternating order (the tokens must agree). With
+--server every turn is an independent request resending the whole conversation to the serving
+engine (turbo/serve/scheduler.py), and the last turn's TTFT with the prefix cache is timed against
+a cold engine's. Prints medians (min..max). A benchmark, not a test: time it on a quiet machine.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import sys
 import torch
 
 import turbo
-from turbo.chat_template import encode
+from turbo.chat_template import ChatTemplate, encode
+from turbo.options import GenerationOptions
+from turbo.serve.scheduler import Request, Scheduler
 from turbo.testing import shapes
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
@@ -34,6 +39,46 @@ def med(xs: list[float]) -> str:
     return f"{statistics.median(xs):.1f} ({min(xs):.1f}..{max(xs):.1f})"
 
 
+def served(sched: Scheduler, ids: list[int], opts: GenerationOptions) -> tuple[list[int], float, int]:
+    """(tokens, TTFT ms, cached prompt tokens) of one request run to its end on `sched`."""
+    deltas = []
+    sched.submit(Request(ids, opts), deltas.append)
+    while not (deltas and deltas[-1].finish):
+        sched.step()
+    return [t for d in deltas for t in d.tokens], deltas[-1].stats.ttft_s * 1e3, deltas[-1].cached_tokens
+
+
+def server_turns(rt, args) -> None:
+    """The last turn's TTFT through the prefix cache (the earlier turns sent to the same engine)
+    against a cold engine's, interleaved."""
+    template, opts = ChatTemplate(CHATML, "chatml"), GenerationOptions(max_new_tokens=args.new, policy="off")
+    warm, cold, cached, prompt_tokens = [], [], 0, 0
+    for rep in range(args.reps):
+        sched = Scheduler(rt)
+        history = [{"role": "system", "content": "You are a helpful assistant."}]
+        for i in range(args.turns):
+            history.append({"role": "user", "content": USER[i % len(USER)]})
+            ids = encode(rt.tokenizer, template.render(history, add_generation_prompt=True))
+            if i < args.turns - 1:
+                tokens = served(sched, ids, opts)[0]
+                history.append({"role": "assistant", "content": rt.decode(tokens)})
+        if rep % 2 == 0:
+            (a, ta, cached), (b, tb, _) = served(sched, ids, opts), served(Scheduler(rt), ids, opts)
+        else:
+            (b, tb, _), (a, ta, cached) = served(Scheduler(rt), ids, opts), served(sched, ids, opts)
+        if a != b:
+            sys.exit("the cached turn and the cold one disagree")
+        warm.append(ta)
+        cold.append(tb)
+        prompt_tokens = len(ids)
+    print(f"shape {args.shape}, {args.threads} thread(s), turn {args.turns} resent whole: {prompt_tokens} prompt "
+          f"tokens, {cached} from the prefix cache; medians of {args.reps} interleaved runs (min..max)")
+    print("| TTFT ms, prefix cache | TTFT ms, cold engine | cold / cached |")
+    print("| ---: | ---: | ---: |")
+    ratio = [c / w for c, w in zip(cold, warm)]
+    print(f"| {med(warm)} | {med(cold)} | {statistics.median(ratio):.2f}x ({min(ratio):.2f}..{max(ratio):.2f}) |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3.5-0.8b", choices=("tiny", *shapes.SHAPES))
@@ -41,9 +86,12 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=32, help="tokens each answer generates")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--server", action="store_true", help="the serving engine's prefix cache, not a session")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     rt = turbo.open("tiny" if args.shape == "tiny" else str(shapes.build(args.shape)), backend="cpu")
+    if args.server:
+        return server_turns(rt, args)
     opts = dict(max_new_tokens=args.new, policy="off")
     kept, fresh, prompt_tokens, prefilled = [], [], 0, 0
     for rep in range(args.reps):

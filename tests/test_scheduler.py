@@ -8,7 +8,8 @@ import pytest
 import turbo
 from turbo.errors import TurboError
 from turbo.options import GenerationOptions as G
-from turbo.serve.scheduler import Overloaded, Request, Scheduler, ServeLimits, sequence_bytes
+from turbo.serve.costs import StepCosts, sequence_bytes
+from turbo.serve.scheduler import Overloaded, Request, Scheduler, ServeLimits
 
 MIXES = [dict(policy="off"), dict(policy="fixed", block=4, drafter="dflash"),
          dict(policy="fixed", block=3, drafter="mtp", rollback="replay"), dict(policy="fixed", block=8, drafter="ngram"),
@@ -158,3 +159,18 @@ def test_logprobs_are_the_trunks(tiny):
     first = torch.log_softmax(logits.float(), -1)
     assert abs(lps[0].logprob - float(first[sink.tokens[0]])) < 1e-4
     assert lps[0].top[0][0] == sink.tokens[0] and len(lps[0].top) == 3  # greedy: the most likely
+
+
+def test_a_rounds_cost_in_a_batch_is_its_share_of_the_fixed_part_plus_its_rows():
+    """The adaptive policy's clock under a batch: steps of a + b * rows seconds (here 50 ms to
+    read the weights, 1 ms a row): alone, 8 proposals cost a verify 8 ms over a plain step's 51;
+    among 16 sequences each row costs its 1 ms and the fixed part is shared."""
+    costs = StepCosts()
+    for rows in (1, 5, 9, 16, 40, 80, 3, 20, 60, 144):
+        costs.add(rows, 0.050 + 0.001 * rows)
+    assert costs.share(1, 1, 1, 0.051) == pytest.approx(0.051)
+    assert costs.share(9, 9, 1, 0.059) == pytest.approx(0.059)
+    assert costs.share(9, 144, 16, 0.194) == pytest.approx(0.050 / 16 + 0.009)
+    assert costs.share(1, 16, 16, 0.066) == pytest.approx(0.050 / 16 + 0.001)
+    fresh = StepCosts()  # too few steps to fit: the rows' share of the step
+    assert fresh.share(3, 12, 4, 0.060) == pytest.approx(0.015)

@@ -29,7 +29,8 @@ from ..options import GenerationOptions
 from ..rounds import close_round, draft_block, judge
 from ..stats import Stats
 from ..stops import Finish, Stopper
-from ..trunk import Trunk, TrunkState
+from ..trunk import TrunkState
+from .costs import StepCosts, sequence_bytes
 from .prefix_cache import DraftKey, PrefixCache
 
 if TYPE_CHECKING:
@@ -96,17 +97,6 @@ class Gauges:
     cache_bytes: int  # the prefix cache's
 
 
-def sequence_bytes(trunk: Trunk, positions: int, block: int) -> int:
-    """What a sequence holds: its K/V rows for `positions`, the GDN state and conv window, and a
-    verify's per-row states (checkpoint rollback, two buffers: turbo/backends/native_trunk.spare)."""
-    a, kv = trunk.arch, trunk.kv_dtype.itemsize
-    attn = len(a.full_layers) * 2 * a.num_kv_heads * a.head_dim * positions * kv
-    gdn_layers = sum(1 for i in range(a.num_layers) if a.is_gdn(i))
-    state = a.lin_v_heads * a.lin_k_dim * a.lin_v_dim * 4
-    window = (a.conv_kernel - 1 + block + 1) * a.lin_conv_dim * 4
-    return attn + gdn_layers * (state * (3 + 2 * block) + window)
-
-
 @dataclass(eq=False)
 class Sequence:
     """One request in the running batch."""
@@ -165,7 +155,7 @@ class Scheduler:
         self.stopping = False
         # prompt rows run in pieces only where a state prefilled in pieces is the one prefill gives
         self.chunked = self.trunk.stepper.prefill_rows_are_steps
-        self.step_s = 0.0  # the last step's seconds
+        self.costs = StepCosts()
 
     # ---- the callers' side --------------------------------------------------------------------
 
@@ -251,11 +241,11 @@ class Scheduler:
             for w in work:
                 self._fail(w.seq, e)
             return
-        self.step_s = time.perf_counter() - t0
-        rows = sum(len(w.rows) for w in work)
+        seconds, rows = time.perf_counter() - t0, sum(len(w.rows) for w in work)
+        self.costs.add(rows, seconds)
         for w, out in zip(work, outs):
             try:
-                self._settle(w, out, self.step_s * len(w.rows) / rows)
+                self._settle(w, out, self.costs.share(len(w.rows), rows, len(work), seconds))
             except Exception as e:  # noqa: BLE001
                 self._fail(w.seq, e)
 

@@ -276,6 +276,7 @@ class Scheduler:
             free = self.pool.setdefault(s.pool_key, [])
             s.own = free.pop() if free else self.rt.drafter(job.plan.drafter, o.window, o.ngram).fork()
             s.draft = s.own
+            job.stats.window = s.own.window
             # the n-gram drafter's context is the token ids alone: begin rebuilds it from the prompt
             s.draft_key = None if isinstance(s.own, NgramDrafter) else s.pool_key
         hit = self.cache.lookup(job.ids, s.draft_key) if self.chunked else None

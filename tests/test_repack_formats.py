@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import turbo
+from turbo import quant
 from turbo.install import open_install
 from turbo.repack import main as repack_main, repack
 from turbo.repack_int4 import AWQ_REVERSE
@@ -203,11 +204,11 @@ def test_fp8_source_is_transformers_dequantization_with_its_mtp_head(tmp_path, c
     model, src, deq = _source(tmp_path, "fp8")
     capsys.readouterr()  # (what making the checkpoint printed)
     assert repack_main([str(src), str(tmp_path / "out")]) == 0
-    assert capsys.readouterr().err.strip().splitlines()[0].startswith("found FP8 e4m3 in 128x128 blocks")
+    assert capsys.readouterr().err.strip().splitlines()[0].startswith("found FP8 e4m3 in 128x128 blocks; writing fp8")
     inst = open_install(tmp_path / "out")
-    for name, ref in deq.items():
+    for name, ref in deq.items():  # the codes and block scales kept (quant.FP8), read as transformers' bf16
         new = ("trunk." + name[len("model."):]) if name.startswith("model.") else name
-        assert inst.index.need(new).st_dtype == "BF16" and torch.equal(inst.index.load(new, torch.bfloat16), ref)
+        assert inst.index.need(new).dtype == quant.FP8.code and torch.equal(inst.index.load(new, torch.bfloat16), ref)
     assert any(n.startswith("mtp.") for n in deq)
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
     assert_64_greedy_tokens_match(model, tmp_path / "out")

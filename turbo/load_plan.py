@@ -8,6 +8,7 @@ tests/test_load_plan.py checks plans on their own.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Mapping
 
 import torch
@@ -255,8 +256,9 @@ class _Rules:
             return Matrix(tuple(Source(n, s, self.keeps(n)) for n, s in sources), TENSOR, self.dtype,
                           kernel=self.mode != "packed" and self.on_cpu)  # (on cuda: the quantized GEMV kernel)
         srcs = tuple(Source(n, s) for n, s in sources)
-        if fmt == MIXED:
-            return Matrix(srcs, SEGMENTS, parts=tuple(self._segment(run) for run in self._runs(srcs)))
+        if fmt == MIXED:  # (runs of sources read alike fused into one segment)
+            return Matrix(srcs, SEGMENTS, parts=tuple(self._segment(kind, tuple(run))
+                                                      for kind, run in groupby(srcs, key=self._kind)))
         return Matrix(srcs, PACKED, bits=fmt) if isinstance(fmt, int) else Matrix(srcs, PANELS, fmt or self.storage)
 
     def _kind(self, s: Source) -> tuple:
@@ -268,22 +270,9 @@ class _Rules:
             return (EXACT, e.dtype)
         return (PACKED, e.bits) if self.read_turbo(s.name, e) else ("float", "dequantized")
 
-    def _runs(self, srcs: tuple[Source, ...]) -> list[tuple[Source, ...]]:
-        """The sources in runs of one kind (each run fused into one segment)."""
-        runs: list[list[Source]] = []
-        for s in srcs:
-            if runs and self._kind(runs[-1][-1]) == self._kind(s):
-                runs[-1].append(s)
-            else:
-                runs.append([s])
-        return [tuple(r) for r in runs]
-
-    def _segment(self, run: tuple[Source, ...]) -> Matrix:
-        kind = self._kind(run[0])
-        if kind[0] == EXACT:
-            return Matrix(run, EXACT)
-        if kind[0] == PACKED:
-            return Matrix(run, PACKED, bits=kind[1])
+    def _segment(self, kind: tuple, run: tuple[Source, ...]) -> Matrix:
+        if kind[0] in (EXACT, PACKED):
+            return Matrix(run, kind[0], bits=kind[1] if kind[0] == PACKED else 0)
         return Matrix(run, PANELS, torch.float32 if len(kind) > 1 else self.storage)  # (dequantized: fp32, exact)
 
 

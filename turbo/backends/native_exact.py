@@ -63,32 +63,49 @@ def _affine_bytes(w: quant.QuantizedWeight) -> torch.Tensor:
     return torch.cat([*sb, q.reshape(*q.shape[:2], -1)], dim=2)
 
 
-def _fp8_bytes(w: quant.QuantizedWeight, name: str) -> torch.Tensor:
-    """[panels, groups, group bytes]: per panel and group the table bf16(e4m3(c) * scale) of the
-    codes c = 0..127 (high bytes, then low bytes), then the codes in chunks of 4 inputs x 16 outputs,
-    byte 16L + 4j + t = output 4L + t at input j (native_products.c)."""
+def _fp8_block(w: quant.QuantizedWeight, name: str) -> int:
+    """Panels per scale block (8: Qwen's 128 rows): the most of 8, 4, 2, 1 whose rows share every
+    group's scale, the table's (a padded output repeats the last row's)."""
+    rows, groups = -(-w.shape[0] // PANEL) * PANEL, w.shape[1] // w.group
+    s = _padded(w.scales.float(), rows)
+    if not (s >= 0).all():
+        raise TurboError(f"{name}: FP8 scales that are negative or NaN")
+    for pb in (8, 4, 2, 1):
+        b = torch.nn.functional.pad(s, (0, 0, 0, -rows % (pb * PANEL)), value=float("nan")).reshape(-1, pb * PANEL, groups)
+        if ((b == b[:, :1]) | b.isnan()).all():
+            return pb
+    raise TurboError(f"{name}: FP8 scales that are not one scale per block of 16 rows")
+
+
+def _fp8_bytes(w: quant.QuantizedWeight, pb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[blocks, groups, 256]: per block of pb panels and group the table bf16(e4m3(c) * scale) of
+    the codes c = 0..127 (high bytes, then low bytes); [panels, groups, group * 16]: the codes in
+    chunks of 4 inputs x 16 outputs, byte 16L + 4j + t = output 4L + t at input j (native_products.c)."""
     n, k = w.shape
     rows, groups, g = -(-n // PANEL) * PANEL, k // w.group, w.group
-    s = _padded(w.scales.float(), rows).reshape(-1, PANEL, groups)
-    if not (s == s[:, :1]).all() or not (s >= 0).all():
-        raise TurboError(f"{name}: FP8 scales that are not one non-negative scale per block of 16 rows")
-    table = (E4M3 * s[:, 0, :, None]).to(torch.bfloat16).view(torch.int16)  # [panel, g, 128]
-    hi, lo = ((table >> 8) & 0xFF).to(torch.uint8), (table & 0xFF).to(torch.uint8)
+    s = _padded(w.scales.float(), rows)[::pb * PANEL]  # [blocks, g]
+    table = (E4M3 * s[:, :, None]).to(torch.bfloat16).view(torch.int16)
+    tables = torch.cat([((table >> 8) & 0xFF).to(torch.uint8), (table & 0xFF).to(torch.uint8)], dim=2)
     c = torch.nn.functional.pad(quant.unpack(w.packed, 8), (0, 0, 0, rows - n))
     c = c.reshape(-1, 4, 4, groups, g // 4, 4).permute(0, 3, 4, 1, 5, 2)  # [panel, g, chunk, L, j, t]
-    return torch.cat([hi, lo, c.reshape(*c.shape[:2], -1)], dim=2)
+    return tables, c.reshape(*c.shape[:2], -1)
 
 
 def exact_panels(w: quant.QuantizedWeight, name: str = "matrix", rows: int = 16384):
-    """`w` as wtype 8 (affine, fp32 scales) or 9 (FP8) reads it, `rows` outputs at a time (the
-    unpacking holds several bytes a weight)."""
+    """`w` as wtype 8 (affine, fp32 scales) or 9 (FP8) reads it, `rows` (a multiple of 128)
+    outputs at a time (the unpacking holds several bytes a weight)."""
     from .native_pack import Packed
     n, k = w.shape
-    parts = [_fp8_bytes(part, name) if w.float8 else _affine_bytes(part) for part in (
-        quant.QuantizedWeight(w.packed[r0:r0 + rows], w.scales[r0:r0 + rows], w.biases[r0:r0 + rows], w.bits,
-                              w.group, float8=w.float8) for r0 in range(0, n, rows))]
-    head = _header(w.group) if w.float8 else _header(w.bits, w.group)
-    return Packed(torch.cat([head, *(p.reshape(-1) for p in parts)]), n, k, exact_layout(w.float8))
+    slices = [quant.QuantizedWeight(w.packed[r0:r0 + rows], w.scales[r0:r0 + rows], w.biases[r0:r0 + rows], w.bits,
+                                    w.group, float8=w.float8) for r0 in range(0, n, rows)]
+    if not w.float8:
+        body = [_affine_bytes(part).reshape(-1) for part in slices]
+        return Packed(torch.cat([_header(w.bits, w.group), *body]), n, k, "exact")
+    pb = _fp8_block(w, name)
+    tables, codes = zip(*(_fp8_bytes(part, pb) for part in slices))
+    tables = [t.reshape(-1) for t in tables]
+    return Packed(torch.cat([_header(w.group, pb, sum(t.numel() for t in tables)), *tables,
+                             *(c.reshape(-1) for c in codes)]), n, k, "fp8")
 
 
 def segments(parts: list) -> object:
@@ -122,10 +139,11 @@ def exact_dense(p) -> torch.Tensor:
     fp8 = p.layout == "fp8"
     bits, group = (8, int(h[0])) if fp8 else (int(h[0]), int(h[1]))
     panels, groups = -(-p.n // PANEL), p.k // group
-    body = p.data[HEADER:].reshape(panels, groups, -1)
+    body = p.data[HEADER + (int(h[2]) if fp8 else 0):].reshape(panels, groups, -1)
     if fp8:
-        t = (body[:, :, :128].to(torch.int32) << 8 | body[:, :, 128:256].to(torch.int32))  # [panel, g, 128]
-        c = body[:, :, 256:].reshape(panels, groups, group // 4, 4, 4, 4).permute(0, 3, 5, 1, 2, 4)
+        tb = p.data[HEADER:HEADER + int(h[2])].reshape(-1, groups, 256).to(torch.int32)
+        t = (tb[:, :, :128] << 8 | tb[:, :, 128:]).repeat_interleave(int(h[1]), 0)[:panels]  # [panel, g, 128]
+        c = body.reshape(panels, groups, group // 4, 4, 4, 4).permute(0, 3, 5, 1, 2, 4)
         c = c.reshape(panels, PANEL, groups, group).to(torch.int64)  # [panel, output, g, input]
         bits16 = torch.gather(t[:, None].expand(-1, PANEL, -1, -1), 3, c & 0x7F) | (c & 0x80) << 8
         w = (bits16.to(torch.int32) << 16).view(torch.float32)

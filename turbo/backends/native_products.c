@@ -352,13 +352,15 @@ static uint8_t *group_quads(const float *x, int R, int k) {
  * Both are float products: each weight is formed exactly as the torch step dequantizes it, then
  * the fp32 walk of the panels (one chain per output over i in order: row-stable, and for FP8 the
  * bf16 panels' products bit for bit). P starts with a 64-byte header (int32: wtype 8 bits,
- * group; wtype 9 group), then per panel of 16 outputs and per group g:
- *   wtype 8: the 16 scales, the 16 biases (fp32), then the levels: int8 one byte an output per
- *     input; int4 a byte an output per pair of inputs (2j low nibble, 2j + 1 high);
- *   wtype 9: the panel's block's table, bf16(e4m3(c) * scale) for the 128 codes c >= 0 as high
- *     bytes then low bytes (128 each; a negative code is the same with the sign bit), then the
- *     codes in chunks of 4 inputs: byte 16L + 4j + t of a chunk is output 4L + t at input j,
- *     the order the byte / word interleaves below bring back to 16 outputs of one input.
+ * group; wtype 9 group, panels per scale block pb, the codes' byte offset past the header), then
+ *   wtype 8, per panel of 16 outputs and per group g: the 16 scales, the 16 biases (fp32), then
+ *     the levels: int8 one byte an output per input; int4 a byte an output per pair of inputs
+ *     (2j low nibble, 2j + 1 high);
+ *   wtype 9: per block of pb panels and group g its table, bf16(e4m3(c) * scale) for the 128
+ *     codes c >= 0 as high bytes then low bytes (128 each; a negative code: the same with the
+ *     sign bit); then per panel and group the codes in chunks of 4 inputs: byte 16L + 4j + t of
+ *     a chunk is output 4L + t at input j, the order the byte / word interleaves below bring back
+ *     to 16 outputs of one input.
  * w = q * scale + bias is rounded twice, as torch's dequantization (mul then add, not fused). */
 #define FHEADER 64
 
@@ -375,7 +377,7 @@ static uint8_t *group_quads(const float *x, int R, int k) {
 
 #if EXACT_READS
 static inline size_t fgroup_bytes(int kind, int group) {
-    return kind == 9 ? 256 + (size_t)group * 16 : 128 + (size_t)group * 16 * kind / 8;
+    return kind == 9 ? (size_t)group * 16 : 128 + (size_t)group * 16 * kind / 8;
 }
 
 static inline __m512 affine_w(__m512i q, __m512 s, __m512 b) {
@@ -383,9 +385,9 @@ static inline __m512 affine_w(__m512i q, __m512 s, __m512 b) {
     return _mm512_add_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(q), s, rn), b, rn);
 }
 
-static inline __attribute__((always_inline)) void ftile(const float *x, int k, const uint8_t *P, const int kind,
-                                                        int group, int n, int p, int r, float *y, const int NP,
-                                                        const int NR) {
+static inline __attribute__((always_inline)) void ftile(const float *x, int k, const uint8_t *P, const uint8_t *T,
+                                                        int pb, const int kind, int group, int n, int p, int r,
+                                                        float *y, const int NP, const int NR) {
     int G = k / group;
     size_t gb = fgroup_bytes(kind, group);
     v16 acc[4][12];
@@ -397,11 +399,12 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
             const uint8_t *W = P + ((size_t)(p + a) * G + g) * gb;
             if (kind == 9) {
 #if FP8_READS
-                const __m512i hi0 = _mm512_loadu_si512(W), hi1 = _mm512_loadu_si512(W + 64);
-                const __m512i lo0 = _mm512_loadu_si512(W + 128), lo1 = _mm512_loadu_si512(W + 192);
+                const uint8_t *tb = T + ((size_t)((p + a) / pb) * G + g) * 256;
+                const __m512i hi0 = _mm512_loadu_si512(tb), hi1 = _mm512_loadu_si512(tb + 64);
+                const __m512i lo0 = _mm512_loadu_si512(tb + 128), lo1 = _mm512_loadu_si512(tb + 192);
                 const __m512i sign = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
                 for (int j = 0; j < group; j += 4) {
-                    const uint8_t *at = W + 256 + (size_t)16 * j;
+                    const uint8_t *at = W + (size_t)16 * j;
                     __builtin_prefetch(at + 2048);
                     __m512i c = _mm512_loadu_si512(at);
                     __m512i hi = _mm512_permutex2var_epi8(hi0, c, hi1), lo = _mm512_permutex2var_epi8(lo0, c, lo1);
@@ -434,13 +437,13 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
         for (int b = 0; b < NR; b++) store_outputs(y + (size_t)(r + b) * n, n, (p + a) * 16, acc[a][b]);
 }
 
-#define FTILE(NR) ftile(x, k, (const uint8_t *)P, KIND, group, n, p, r, y, NP, NR)
+#define FTILE(NR) ftile(x, k, (const uint8_t *)P, T, pb, KIND, group, n, p, r, y, NP, NR)
 /* One function per (kind, panels at a time, most rows): as qpanels', each tile's loop keeps its
  * sums in registers on its own. */
 #define FPANELS_AS(KIND_, NP_, MAXR)                                                                         \
     static __attribute__((noinline)) void fpanels_##KIND_##_##NP_(const float *x, int R, int k, const void *P, \
-                                                                   int group, int n, float *y, int p0,       \
-                                                                   int p1) {                                 \
+                                                                   const uint8_t *T, int pb, int group,      \
+                                                                   int n, float *y, int p0, int p1) {        \
         const int KIND = KIND_, NP = NP_;                                                                    \
         for (int p = p0; p + NP <= p1; p += NP)                                                              \
             ROW_TILES(FTILE, MAXR)                                                                           \
@@ -455,17 +458,17 @@ FPANELS_FOR(9)
 /* Panels [p0, p1) of a wtype 8 / 9 matrix (P past its header): four panels at a time for one
  * or two rows, two for up to six, then one at a time for up to 12 rows. */
 #define FPACKED_AS(KIND)                                                                                     \
-    static void fpacked_##KIND(const float *x, int R, int k, const void *P, int group, int n, float *y, int p0, \
-                               int p1) {                                                                     \
+    static void fpacked_##KIND(const float *x, int R, int k, const void *P, const uint8_t *T, int pb, int group, \
+                               int n, float *y, int p0, int p1) {                                            \
         int p = p0;                                                                                          \
         if (R <= 2) {                                                                                        \
             p = p0 + (p1 - p0) / 4 * 4;                                                                      \
-            fpanels_##KIND##_4(x, R, k, P, group, n, y, p0, p);                                              \
+            fpanels_##KIND##_4(x, R, k, P, T, pb, group, n, y, p0, p);                                       \
         } else if (R <= 6) {                                                                                 \
             p = p0 + (p1 - p0) / 2 * 2;                                                                      \
-            fpanels_##KIND##_2(x, R, k, P, group, n, y, p0, p);                                              \
+            fpanels_##KIND##_2(x, R, k, P, T, pb, group, n, y, p0, p);                                       \
         }                                                                                                    \
-        fpanels_##KIND##_1(x, R, k, P, group, n, y, p, p1);                                                  \
+        fpanels_##KIND##_1(x, R, k, P, T, pb, group, n, y, p, p1);                                           \
     }
 FPACKED_AS(4)
 FPACKED_AS(8)
@@ -478,14 +481,14 @@ static void fpacked(const float *x, int R, int k, const void *P, int wtype, int 
     const uint8_t *D = (const uint8_t *)P + FHEADER;
 #if FP8_READS
     if (wtype == 9) {
-        fpacked_9(x, R, k, D, h[0], n, y, p0, p1);
+        fpacked_9(x, R, k, D + h[2], D, h[1], h[0], n, y, p0, p1);
         return;
     }
 #endif
     if (h[0] == 4)
-        fpacked_4(x, R, k, D, h[1], n, y, p0, p1);
+        fpacked_4(x, R, k, D, NULL, 1, h[1], n, y, p0, p1);
     else
-        fpacked_8(x, R, k, D, h[1], n, y, p0, p1);
+        fpacked_8(x, R, k, D, NULL, 1, h[1], n, y, p0, p1);
 }
 #endif
 

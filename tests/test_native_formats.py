@@ -19,8 +19,14 @@ from turbo.loader import load_trunk
 from turbo.options import OpenOptions
 from turbo.repack import repack
 
-pytestmark = pytest.mark.skipif(native_lib.library() is None or "exact" not in native_lib.dot_layouts(),
-                                reason="no native library with AVX512-BW products here")
+def needs_exact() -> None:
+    if native_lib.library() is None or "exact" not in native_lib.dot_layouts():
+        pytest.skip("no native library with AVX512-BW products here")
+
+
+@pytest.fixture(autouse=True)
+def _exact():
+    needs_exact()
 
 
 def needs_fp8() -> None:

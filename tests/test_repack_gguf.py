@@ -231,25 +231,14 @@ def test_malformed_ggufs_refused_in_one_line(dense, tmp_path, capsys, monkeypatc
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
 def test_the_native_step_reads_the_exact_types_as_stored(dense, qtype):
-    """int8g32 / int4g32 read as stored by the native step's float products (native_exact.py): the
-    logits within 1e-4 of the largest of the torch step's on the same install (the same weights,
-    sums in another order), the same 64 greedy tokens, verify rows the decode steps bit for bit."""
-    from test_native_formats import needs_exact
+    """int8g32 / int4g32 read as stored by the native step's float products (native_exact.py):
+    agreeing with the torch step on the same install (test_native_formats.assert_native_agrees),
+    verify rows the decode steps bit for bit."""
+    from test_native_formats import assert_native_agrees, needs_exact
     from test_trunk_products import assert_rows_are_steps
 
-    from turbo.loader import load_trunk
-    from turbo.options import OpenOptions
     needs_exact()
     tmp, _ = dense
     inst = repack(gguf_of(tmp, qtype, mtp="none"), tmp / f"inst-native-{qtype}", quiet=True)
-    nat = load_trunk(open_install(inst), OpenOptions(), "cpu")
-    ref = load_trunk(open_install(inst), OpenOptions(native=False), "cpu")
-    assert nat.step_name == "native" and {p.layout for p in nat.layers[0].gate_up.parts} == {"exact"}
     prompt = [5, 17, 99, 3, 250, 41, 8, 5, 17, 99]
-    got = nat.prefill(nat.new_state(64), prompt, want_logits=True).logits
-    want = ref.prefill(ref.new_state(64), prompt, want_logits=True).logits
-    assert (got - want).abs().max() <= 1e-4 * want.abs().max()
-    a, b = (turbo.open(inst, backend="cpu", native=on) for on in (True, False))
-    assert a.generate(prompt, max_new_tokens=64, policy="off", stop_at_eos=False).tokens == \
-        b.generate(prompt, max_new_tokens=64, policy="off", stop_at_eos=False).tokens
-    assert_rows_are_steps(nat, prompt, list(range(40, 52)))
+    assert_rows_are_steps(assert_native_agrees(inst, prompt, "exact"), prompt, list(range(40, 52)))

@@ -164,3 +164,26 @@ def test_fp8_install_decodes_as_the_bf16_install_bit_for_bit(converted, tmp_path
     assert torch.equal(la, lb)
     assert a.generate(prompt, max_new_tokens=64, policy="off", stop_at_eos=False).tokens == \
         b.generate(prompt, max_new_tokens=64, policy="off", stop_at_eos=False).tokens
+
+
+def test_the_plan_reads_them_as_stored_only_where_the_host_has_the_products(converted):
+    """Without the products (a host's layouts), the exact formats are dequantized into fp32 panels
+    (the same weights); off the CPU, FP8 is dequantized at load (no kernel reads the codes)."""
+    from test_load_plan import headers_only
+
+    from turbo.load_plan import EXACT, PANELS, SEGMENTS, TENSOR, Host, layer_matrices, plan_trunk
+    name, _, out = converted
+    inst = open_install(out)
+    layout = "fp8" if name == "fp8" else "exact"
+
+    def forms(host, device="cpu"):
+        p = plan_trunk(headers_only(inst), inst.arch, OpenOptions(), torch.device(device), host)
+        return [m for layer in p.layers for m in layer_matrices(layer)]
+
+    assert {m.form for m in forms(Host(None, ("int8", layout)))} == {SEGMENTS}
+    assert EXACT in {part.form for m in forms(Host(None, ("int8", layout))) for part in m.parts}
+    assert {(m.form, m.dtype) for m in forms(Host(None, ("int8",)))} == {(PANELS, torch.float32)}
+    cuda = forms(Host(), "cuda")
+    assert {m.form for m in cuda} == {TENSOR}
+    if name == "fp8":
+        assert not any(s.keep for m in cuda for s in m.sources)

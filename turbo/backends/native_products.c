@@ -393,21 +393,29 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
     v16 acc[4][12];
     for (int a = 0; a < NP; a++)
         for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
+    /* inputs outer, panels inner (as ptile): the panels' independent chains hide the multiply-add
+     * latency */
     for (int g = 0; g < G; g++) {
         const float *xg = x + (size_t)r * k + (size_t)g * group;
-        for (int a = 0; a < NP; a++) {
-            const uint8_t *W = P + ((size_t)(p + a) * G + g) * gb;
-            if (kind == 9) {
+        const uint8_t *W[4];
+        for (int a = 0; a < NP; a++) W[a] = P + ((size_t)(p + a) * G + g) * gb;
+        if (kind == 9) {
 #if FP8_READS
+            __m512i hi0[4], hi1[4], lo0[4], lo1[4];
+            for (int a = 0; a < NP; a++) {
                 const uint8_t *tb = T + ((size_t)((p + a) / pb) * G + g) * 256;
-                const __m512i hi0 = _mm512_loadu_si512(tb), hi1 = _mm512_loadu_si512(tb + 64);
-                const __m512i lo0 = _mm512_loadu_si512(tb + 128), lo1 = _mm512_loadu_si512(tb + 192);
-                const __m512i sign = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
-                for (int j = 0; j < group; j += 4) {
-                    const uint8_t *at = W + (size_t)16 * j;
+                hi0[a] = _mm512_loadu_si512(tb), hi1[a] = _mm512_loadu_si512(tb + 64);
+                lo0[a] = _mm512_loadu_si512(tb + 128), lo1[a] = _mm512_loadu_si512(tb + 192);
+            }
+            const __m512i sign = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+            for (int j = 0; j < group; j += 4)
+                for (int a = 0; a < NP; a++) { /* (each panel's weights used at once: fewer live registers;
+                                                * the unrolled panels' chains still overlap) */
+                    const uint8_t *at = W[a] + (size_t)16 * j;
                     __builtin_prefetch(at + 2048);
                     __m512i c = _mm512_loadu_si512(at);
-                    __m512i hi = _mm512_permutex2var_epi8(hi0, c, hi1), lo = _mm512_permutex2var_epi8(lo0, c, lo1);
+                    __m512i hi = _mm512_permutex2var_epi8(hi0[a], c, hi1[a]);
+                    __m512i lo = _mm512_permutex2var_epi8(lo0[a], c, lo1[a]);
                     hi = _mm512_ternarylogic_epi32(hi, c, sign, 0xf8); /* hi | (c & 0x80) */
                     __m512i wl = _mm512_unpacklo_epi8(lo, hi), wh = _mm512_unpackhi_epi8(lo, hi);
                     v16 w[4] = {(v16)_mm512_unpacklo_epi16(zero, wl), (v16)_mm512_unpackhi_epi16(zero, wl),
@@ -416,20 +424,29 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
                         for (int b = 0; b < NR; b++) acc[a][b] += w[t] * xg[(size_t)b * k + j + t];
                 }
 #endif
-            } else {
-                const __m512 s = _mm512_loadu_ps((const float *)W), bias = _mm512_loadu_ps((const float *)W + 16);
-                const __m512i low = _mm512_set1_epi32(15);
-                for (int j = 0; j < group; j += kind == 4 ? 2 : 1) {
-                    const uint8_t *at = W + 128 + (size_t)(kind == 4 ? 8 : 16) * j;
+        } else {
+            __m512 s[4], bias[4];
+            for (int a = 0; a < NP; a++)
+                s[a] = _mm512_loadu_ps((const float *)W[a]), bias[a] = _mm512_loadu_ps((const float *)W[a] + 16);
+            const __m512i low = _mm512_set1_epi32(15);
+            for (int j = 0; j < group; j += kind == 4 ? 2 : 1) {
+                v16 w0[4], w1[4];
+                for (int a = 0; a < NP; a++) {
+                    const uint8_t *at = W[a] + 128 + (size_t)(kind == 4 ? 8 : 16) * j;
                     __builtin_prefetch(at + 1024);
                     __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
-                    v16 w0 = (v16)affine_w(kind == 4 ? _mm512_and_si512(v, low) : v, s, bias);
-                    for (int b = 0; b < NR; b++) acc[a][b] += w0 * xg[(size_t)b * k + j];
-                    if (kind == 4) {
-                        v16 w1 = (v16)affine_w(_mm512_srli_epi32(v, 4), s, bias);
-                        for (int b = 0; b < NR; b++) acc[a][b] += w1 * xg[(size_t)b * k + j + 1];
-                    }
+                    w0[a] = (v16)affine_w(kind == 4 ? _mm512_and_si512(v, low) : v, s[a], bias[a]);
+                    if (kind == 4) w1[a] = (v16)affine_w(_mm512_srli_epi32(v, 4), s[a], bias[a]);
                 }
+                for (int b = 0; b < NR; b++) {
+                    float xb = xg[(size_t)b * k + j];
+                    for (int a = 0; a < NP; a++) acc[a][b] += w0[a] * xb;
+                }
+                if (kind == 4)
+                    for (int b = 0; b < NR; b++) {
+                        float xb = xg[(size_t)b * k + j + 1];
+                        for (int a = 0; a < NP; a++) acc[a][b] += w1[a] * xb;
+                    }
             }
         }
     }
@@ -448,7 +465,18 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
         for (int p = p0; p + NP <= p1; p += NP)                                                              \
             ROW_TILES(FTILE, MAXR)                                                                           \
     }
-#define FPANELS_FOR(KIND) FPANELS_AS(KIND, 4, 6) FPANELS_AS(KIND, 2, 6) FPANELS_AS(KIND, 1, 12)
+/* A decode step's one row (and two), four panels at a time, each in a function of its own: in the
+ * functions above GCC keeps such a tile's sums in memory. */
+#define FTILE_AS(KIND_, NR_)                                                                                 \
+    static __attribute__((noinline)) void ftile_##KIND_##_4_##NR_(const float *x, int R, int k, const void *P, \
+                                                                  const uint8_t *T, int pb, int group, int n, \
+                                                                  float *y, int p0, int p1) {                \
+        (void)R;                                                                                             \
+        for (int p = p0; p + 4 <= p1; p += 4)                                                                \
+            ftile(x, k, (const uint8_t *)P, T, pb, KIND_, group, n, p, 0, y, 4, NR_);                        \
+    }
+#define FPANELS_FOR(KIND) FPANELS_AS(KIND, 4, 6) FPANELS_AS(KIND, 2, 6) FPANELS_AS(KIND, 1, 12) \
+    FTILE_AS(KIND, 1) FTILE_AS(KIND, 2)
 FPANELS_FOR(4)
 FPANELS_FOR(8)
 #if FP8_READS
@@ -463,7 +491,7 @@ FPANELS_FOR(9)
         int p = p0;                                                                                          \
         if (R <= 2) {                                                                                        \
             p = p0 + (p1 - p0) / 4 * 4;                                                                      \
-            fpanels_##KIND##_4(x, R, k, P, T, pb, group, n, y, p0, p);                                       \
+            (R == 1 ? ftile_##KIND##_4_1 : ftile_##KIND##_4_2)(x, R, k, P, T, pb, group, n, y, p0, p);         \
         } else if (R <= 6) {                                                                                 \
             p = p0 + (p1 - p0) / 2 * 2;                                                                      \
             fpanels_##KIND##_2(x, R, k, P, T, pb, group, n, y, p0, p);                                       \

@@ -176,6 +176,16 @@ def test_moe_q8_0_exact_and_greedy(tmp_path):
     assert torch.equal(ours["model.layers.1.mlp.experts.3.up_proj.weight"], torch.from_numpy(want.copy()))
     assert torch.equal(ours["model.layers.2.mlp.gate.weight"], ref["model.layers.2.mlp.gate.weight"])
     greedy_equal_transformers(inst, Qwen3_5MoeForCausalLM, tmp_path / "hf")
+    from test_native_formats import needs_exact
+    from test_trunk_products import assert_rows_are_steps
+
+    from turbo.loader import load_trunk
+    from turbo.options import OpenOptions
+    needs_exact()  # the native step: the experts read as stored (int8g32 segments), verify rows = decode steps
+    trunk = load_trunk(open_install(inst), OpenOptions(), "cpu")
+    moe = next(layer.moe for layer in trunk.layers if layer.moe is not None)
+    assert trunk.step_name == "native" and {p.layout for p in moe.gate_up[0].parts} == {"exact"}
+    assert_rows_are_steps(trunk, [5, 17, 99, 3, 250], list(range(40, 52)))
 
 
 def test_speculation_lossless_on_a_converted_install(dense):

@@ -13,110 +13,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import turbo
+from turbo import quant
 from turbo.install import open_install
 from turbo.repack import main as repack_main, repack
-from turbo.repack_int4 import AWQ_REVERSE
 from turbo.testing import assert_64_greedy_tokens_match, make_checkpoint
+from turbo.testing.source_formats import set_config, write_fp8, write_int4
 
 WIDE = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=32,
             num_hidden_layers=4)
-AWQ_ORDER = [AWQ_REVERSE.index(j) for j in range(8)]  # AutoAWQ's pack order, 0 2 4 6 1 3 5 7
-
-
-def words(nib: torch.Tensor) -> torch.Tensor:
-    """[..., 8] nibbles (low first) -> int32 words (uint32 bits)."""
-    w = (nib.to(torch.int64) << (torch.arange(8) * 4)).sum(-1)
-    return torch.where(w >= 2 ** 31, w - 2 ** 32, w).to(torch.int32)
-
-
-def quantize_groups(w: torch.Tensor, group: int, sym: bool, perm: torch.Tensor | None = None):
-    """AutoAWQ / GPTQ's min-max int4 of w [out, in] over groups of inputs (in `perm` order):
-    levels q [out, in], zeros z and fp16 scales s [out, G], and g_idx [in]."""
-    out, cols = w.shape
-    perm = torch.arange(cols) if perm is None else perm
-    g_idx = torch.empty(cols, dtype=torch.int32)
-    g_idx[perm] = (torch.arange(cols) // group).int()
-    g = w[:, perm].reshape(out, cols // group, group)
-    if sym:
-        s = (g.abs().amax(-1) / 7.5).clamp(min=1e-5).half()
-        z = torch.full_like(s, 8, dtype=torch.int32)
-    else:
-        lo, hi = g.amin(-1), g.amax(-1)
-        s = ((hi - lo).clamp(min=1e-5) / 15).half()
-        z = (-torch.round(lo / s.float())).clamp(0, 15).int()
-    qg = (torch.round(g / s.float()[..., None]) + z[..., None]).clamp(0, 15).int()
-    q = torch.empty(out, cols, dtype=torch.int32)
-    q[:, perm] = qg.reshape(out, cols)
-    return q, z, s, g_idx
-
-
-def quantized_modules(state: dict, group: int) -> list[str]:
-    """The projections a quantizer converts: in whole groups, outputs in words of 8."""
-    return [n for n, t in state.items() if t.dim() == 2 and n.endswith("_proj.weight") and "embed" not in n
-            and t.shape[1] % group == 0 and t.shape[0] % 8 == 0]
-
-
-def write_int4(src, kind: str, group: int, sym: bool = False, act_order: bool = False):
-    """Rewrite the checkpoint at `src` as `kind` int4; returns {module: fp32 dequantization}."""
-    path = src / "model.safetensors"
-    state = load_file(str(path))
-    deq, g = {}, torch.Generator().manual_seed(3)
-    for name in quantized_modules(state, group):
-        w, base = state.pop(name), name[:-len(".weight")]
-        perm = torch.randperm(w.shape[1], generator=g) if act_order else None
-        q, z, s, g_idx = quantize_groups(w, group, sym, perm)
-        deq[name] = (q - z[:, g_idx.long()]).float() * s.float()[:, g_idx.long()]
-        out, cols = w.shape
-        if kind == "awq":  # [in, out / 8], outputs in AWQ's order
-            state[base + ".qweight"] = words(q.T.reshape(cols, -1, 8)[..., AWQ_ORDER])
-            state[base + ".qzeros"] = words(z.T.reshape(-1, out // 8, 8)[..., AWQ_ORDER])
-            state[base + ".scales"] = s.T.contiguous()
-        elif kind == "gptq":  # [in / 8, out] along the inputs; v1 zeros stored minus one
-            state[base + ".qweight"] = words(q.T.reshape(cols // 8, 8, out).transpose(1, 2))
-            state[base + ".qzeros"] = words(((z.T - 1) & 15).reshape(-1, out // 8, 8))
-            state[base + ".scales"] = s.T.contiguous()
-            state[base + ".g_idx"] = g_idx
-        else:  # compressed-tensors: value + 8 along the inputs, zero points + 8 along the outputs
-            state[base + ".weight_packed"] = words(q.reshape(out, cols // 8, 8))
-            state[base + ".weight_scale"] = s
-            state[base + ".weight_shape"] = torch.tensor([out, cols])
-            if not sym:
-                state[base + ".weight_zero_point"] = words(z.T.reshape(-1, out // 8, 8)).T.contiguous()
-    save_file(state, str(path), metadata={"format": "pt"})
-    spec = {"awq": {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True, "version": "gemm"},
-            "gptq": {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": act_order, "sym": sym},
-            "ct": {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                   "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
-                       "num_bits": 4, "type": "int", "strategy": "group", "group_size": group, "symmetric": sym}}}}}
-    _set_config(src, quantization_config=spec[kind])
-    return deq
-
-
-def write_fp8(src, block: int = 128):
-    """Rewrite as Qwen's FP8: e4m3 codes and fp32 weight_scale_inv per block (transformers' own
-    quantizer's arithmetic: scale = max|w| / 448); returns {module: bf16 dequantization}."""
-    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
-
-    path = src / "model.safetensors"
-    state = load_file(str(path))
-    deq = {}
-    for name in [n for n, t in state.items() if t.dim() == 2 and n.endswith("_proj.weight")
-                 and t.shape[0] % block == 0 and t.shape[1] % block == 0]:
-        w = state[name]
-        blocks = w.reshape(w.shape[0] // block, block, w.shape[1] // block, block)
-        scale = blocks.abs().amax((1, 3)).clamp(min=1e-12) / 448.0
-        codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(w.shape)
-        state[name], state[name[:-len("weight")] + "weight_scale_inv"] = codes, scale.float()
-        deq[name] = Fp8Dequantize(None)._dequantize_one(codes, scale, output_dtype=torch.bfloat16)
-    save_file(state, str(path), metadata={"format": "pt"})
-    _set_config(src, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                          "weight_block_size": [block, block]})
-    return deq
-
-
-def _set_config(src, **over) -> None:
-    cfg = json.loads((src / "config.json").read_text())
-    (src / "config.json").write_text(json.dumps(cfg | over))
 
 
 def add_random_mtp(src, cfg) -> None:
@@ -135,7 +39,7 @@ def add_random_mtp(src, cfg) -> None:
     path = src / "model.safetensors"
     save_file(load_file(str(path)) | {n: torch.randn(s, generator=g) * 0.08 for n, s in shapes.items()}, str(path),
               metadata={"format": "pt"})
-    _set_config(src, mtp_num_hidden_layers=1)
+    set_config(src, mtp_num_hidden_layers=1)
 
 
 def _source(tmp, kind, **kw):
@@ -203,11 +107,11 @@ def test_fp8_source_is_transformers_dequantization_with_its_mtp_head(tmp_path, c
     model, src, deq = _source(tmp_path, "fp8")
     capsys.readouterr()  # (what making the checkpoint printed)
     assert repack_main([str(src), str(tmp_path / "out")]) == 0
-    assert capsys.readouterr().err.strip().splitlines()[0].startswith("found FP8 e4m3 in 128x128 blocks")
+    assert capsys.readouterr().err.strip().splitlines()[0].startswith("found FP8 e4m3 in 128x128 blocks; writing fp8")
     inst = open_install(tmp_path / "out")
-    for name, ref in deq.items():
+    for name, ref in deq.items():  # the codes and block scales kept (quant.FP8), read as transformers' bf16
         new = ("trunk." + name[len("model."):]) if name.startswith("model.") else name
-        assert inst.index.need(new).st_dtype == "BF16" and torch.equal(inst.index.load(new, torch.bfloat16), ref)
+        assert inst.index.need(new).dtype == quant.FP8.code and torch.equal(inst.index.load(new, torch.bfloat16), ref)
     assert any(n.startswith("mtp.") for n in deq)
     assert "quantization_config" not in json.loads((tmp_path / "out" / "config.json").read_text())
     assert_64_greedy_tokens_match(model, tmp_path / "out")
@@ -239,7 +143,7 @@ def test_malformed_sources_are_refused_in_one_line(tmp_path, capsys):
     save_file(state, str(path))
     _refused(tmp_path, capsys, src, "g_idx of shape")
 
-    _set_config(src, quantization_config={"quant_method": "hqq", "bits": 4})
+    set_config(src, quantization_config={"quant_method": "hqq", "bits": 4})
     _refused(tmp_path, capsys, src, "quantization method 'hqq' is not one repack reads")
-    _set_config(src, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32})
+    set_config(src, quantization_config={"quant_method": "awq", "bits": 4, "group_size": 32})
     _refused(tmp_path, capsys, src, "is not a awq checkpoint's tensor")  # GPTQ's g_idx in an AWQ checkpoint

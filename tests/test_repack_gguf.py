@@ -176,6 +176,16 @@ def test_moe_q8_0_exact_and_greedy(tmp_path):
     assert torch.equal(ours["model.layers.1.mlp.experts.3.up_proj.weight"], torch.from_numpy(want.copy()))
     assert torch.equal(ours["model.layers.2.mlp.gate.weight"], ref["model.layers.2.mlp.gate.weight"])
     greedy_equal_transformers(inst, Qwen3_5MoeForCausalLM, tmp_path / "hf")
+    from test_native_formats import needs_exact
+    from test_trunk_products import assert_rows_are_steps
+
+    from turbo.loader import load_trunk
+    from turbo.options import OpenOptions
+    needs_exact()  # the native step: the experts read as stored (int8g32 segments), verify rows = decode steps
+    trunk = load_trunk(open_install(inst), OpenOptions(), "cpu")
+    moe = next(layer.moe for layer in trunk.layers if layer.moe is not None)
+    assert trunk.step_name == "native" and {p.layout for p in moe.gate_up[0].parts} == {"exact"}
+    assert_rows_are_steps(trunk, [5, 17, 99, 3, 250], list(range(40, 52)))
 
 
 def test_speculation_lossless_on_a_converted_install(dense):
@@ -227,3 +237,18 @@ def test_malformed_ggufs_refused_in_one_line(dense, tmp_path, capsys, monkeypatc
     assert {"truncated": "truncated", "unknown type": "77", "missing key": "ssm.state_size",
             "unknown arch": "qwen99"}[damage] in err[0]
     assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["bad.gguf"]
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_the_native_step_reads_the_exact_types_as_stored(dense, qtype):
+    """int8g32 / int4g32 read as stored by the native step's float products (native_exact.py):
+    agreeing with the torch step on the same install (test_native_formats.assert_native_agrees),
+    verify rows the decode steps bit for bit."""
+    from test_native_formats import assert_native_agrees, needs_exact
+    from test_trunk_products import assert_rows_are_steps
+
+    needs_exact()
+    tmp, _ = dense
+    inst = repack(gguf_of(tmp, qtype, mtp="none"), tmp / f"inst-native-{qtype}", quiet=True)
+    prompt = [5, 17, 99, 3, 250, 41, 8, 5, 17, 99]
+    assert_rows_are_steps(assert_native_agrees(inst, prompt, "exact"), prompt, list(range(40, 52)))

@@ -210,7 +210,8 @@ class ResidentIndex:
             return self._read_into(e.file, offset, torch.empty(shape, dtype=tdtype), name)  # (sizes: checked)
 
         return QuantizedWeight(t(e.offset, torch.int32, e.packed_dims), t(e.scale_offset, sdt, (rows, groups)),
-                               t(e.bias_offset, sdt, (rows, groups)), e.bits, e.group, dtype)
+                               t(e.bias_offset, sdt, (rows, groups)), e.bits, e.group, dtype,
+                               float8=e.dtype in quant.FLOAT8_CODES)
 
     def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read one tensor's bytes (and only those) from its file. A quantized weight is

@@ -8,13 +8,14 @@ tests/test_load_plan.py checks plans on their own.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from itertools import groupby
 from typing import Mapping
 
 import torch
 
 from . import quant
 from .arch import Arch
-from .backends import native_dflash, native_lib, native_pack, native_trunk
+from .backends import native_dflash, native_exact, native_lib, native_pack, native_trunk
 from .drafters.dflash_config import dflash_layer_tensor
 from .drafters.mtp import MTP_PREFIX
 from .errors import TurboError
@@ -30,6 +31,9 @@ TENSOR = "tensor"  # torch step: a tensor in `dtype` (quantized sources dequanti
 PANELS = "panels"  # native step: float panels of `dtype` ("panel_pairs" for bf16), packed a slice at a time
 PACKED = "packed"  # native step: int4 / int8 read as stored (`bits`), native_pack.quantized_panels
 COPY = "copy"  # native step: a float table quantized at load to `bits` (a tied lm_head; native_pack.quantized_copy)
+EXACT = "exact"  # native step: fp32-scaled int4 / int8 or FP8 read as stored (native_exact.exact_panels)
+SEGMENTS = "segments"  # native step: `parts` (each EXACT, PACKED or PANELS) stacked by rows (native_exact.segments)
+MIXED = "mixed"  # packed_format: every matrix of the part in SEGMENTS (one wtype, formats of their own)
 DRAFT = "draft"  # a drafter's native step: read as a TENSOR in its dtype, packed for its products (`dtype`, `draft`)
 
 DRAFT_HEAD = "the trunk's lm_head"  # a DFlash drafter's lm_head source: the dense head the loader is given
@@ -62,6 +66,7 @@ class Matrix:
     bits: int = 0  # PACKED, COPY
     kernel: bool = False  # TENSOR: kept sources run quant's CPU kernel (QuantizedWeight.use_kernel)
     draft: str | None = None  # DRAFT: the drafter's products' layout (native_lib.draft_layout)
+    parts: tuple[Matrix, ...] = ()  # SEGMENTS
 
     @property
     def layout(self) -> str:  # PANELS: bf16 in pairs (the same products, less widening)
@@ -205,12 +210,22 @@ class _Rules:
     storage: torch.dtype | None = None
     keep_quantized: bool = True  # the torch step may keep quantized sources packed (drafters: dequantized)
     draft: str | None = None  # a drafter's native step: every matrix DRAFT in `storage`, this layout
+    layouts: tuple[str, ...] = ()  # the host's (Host.layouts): "exact", "fp8" read those formats as stored
 
     def read_packed(self, name: str, e: Entry) -> bool:
         """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
+        return self.read_turbo(name, e) or self.read_exact(name, e)
+
+    def read_turbo(self, name: str, e: Entry) -> bool:
+        """... as turbo's own int4 / int8 (groups of 64, bf16 scales: the products of int8 inputs)."""
         return (self.native_here and bool(e.bits) and e.bits in native_pack.QUANTIZED.values() and e.group == quant.GROUP
                 and e.scale_st_dtype == "BF16" and self.int8 and quant.native_reads(self.mode, e.bits, self.dtype)
-                and not moe_gate(name))  # (fp32 scales: an exact int4gG install, read by the torch step)
+                and not moe_gate(name))
+
+    def read_exact(self, name: str, e: Entry) -> bool:
+        """... as an exact format (fp32-scaled int4gG / int8g32, FP8: float products, native_exact.py)."""
+        return (self.native_here and bool(e.bits) and native_exact.reads_format(e.dtype, self.layouts)
+                and quant.native_reads(self.mode, e.bits, self.dtype) and not moe_gate(name))
 
     def present(self, names: list[str]) -> list[tuple[str, Entry]]:
         """The names' entries that are in the install as matrices (a missing one is refused when read)."""
@@ -223,12 +238,14 @@ class _Rules:
         kinds = {e.bits if self.read_packed(n, e) else None for n, e in es}
         if self.storage is None or not any(e.bits for _, e in es):
             return self.storage
+        if any(self.read_exact(n, e) for n, e in es):  # (each matrix then in its own format: SEGMENTS)
+            return MIXED
         return kinds.pop() if len(kinds) == 1 and None not in kinds else torch.float32
 
     def keeps(self, name: str) -> bool:
         e = self.entries.get(name)
-        return (self.keep_quantized and e is not None and bool(e.bits)
-                and (not self.on_cpu or quant.keep_packed(self.mode, e.bits, self.dtype)))
+        return (self.keep_quantized and e is not None and bool(e.bits)  # (FP8 off the CPU: dequantized, no kernel)
+                and (quant.keep_packed(self.mode, e.bits, self.dtype) if self.on_cpu else e.dtype not in quant.FLOAT8_CODES))
 
     def matrix(self, sources: list[tuple[str, tuple[int, ...] | None]], fmt: torch.dtype | int | None) -> Matrix:
         """The sources fused by rows, in `fmt` on the native step (bits: read packed; a dtype:
@@ -239,7 +256,24 @@ class _Rules:
             return Matrix(tuple(Source(n, s, self.keeps(n)) for n, s in sources), TENSOR, self.dtype,
                           kernel=self.mode != "packed" and self.on_cpu)  # (on cuda: the quantized GEMV kernel)
         srcs = tuple(Source(n, s) for n, s in sources)
+        if fmt == MIXED:  # (runs of sources read alike fused into one segment)
+            return Matrix(srcs, SEGMENTS, parts=tuple(self._segment(kind, tuple(run))
+                                                      for kind, run in groupby(srcs, key=self._kind)))
         return Matrix(srcs, PACKED, bits=fmt) if isinstance(fmt, int) else Matrix(srcs, PANELS, fmt or self.storage)
+
+    def _kind(self, s: Source) -> tuple:
+        """How a source of a SEGMENTS matrix is read: its exact format, turbo's int4 / int8, or floats."""
+        e = self.entries.get(s.name)
+        if e is None or not e.bits:
+            return ("float",)
+        if self.read_exact(s.name, e):
+            return (EXACT, e.dtype)
+        return (PACKED, e.bits) if self.read_turbo(s.name, e) else ("float", "dequantized")
+
+    def _segment(self, kind: tuple, run: tuple[Source, ...]) -> Matrix:
+        if kind[0] in (EXACT, PACKED):
+            return Matrix(run, kind[0], bits=kind[1] if kind[0] == PACKED else 0)
+        return Matrix(run, PANELS, torch.float32 if len(kind) > 1 else self.storage)  # (dequantized: fp32, exact)
 
 
 def _by_part(matrices: Mapping[str, Entry]) -> dict[str, list[tuple[str, Entry]]]:
@@ -261,7 +295,7 @@ def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device:
     dtype, on_cpu = getattr(torch, opts.dtype), device.type == "cpu"
     mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
     rules = _Rules(entries, dtype, on_cpu, mode, on_cpu and opts.native and host.library is None,
-                   "int8" in host.layouts)
+                   "int8" in host.layouts, layouts=host.layouts)
     # every 2-D `trunk.*.weight` (a quantized one's logical dims)
     matrices = {name: e for name, e in entries.items()
                 if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}
@@ -275,8 +309,10 @@ def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device:
     formats = [rules.packed_format(parts.get(f"layers.{i}.", [])) for i in range(a.num_layers)]
     layers = tuple(_plan_layer(rules, a, f"{PREFIX}layers.{i}.", a.is_gdn(i), a.is_moe(i), formats[i])
                    for i in range(a.num_layers))
-    kv = kv_dtype(opts.kv_cache, device, dtype, {e.st_dtype for e in matrices.values()},
-                  any(e.bits for e in matrices.values()))
+    # (an FP8 matrix counts as the bf16 one it is read as: the cache of the bf16 install of its source)
+    fp8 = {name for name, e in matrices.items() if e.dtype in quant.FLOAT8_CODES}
+    kv = kv_dtype(opts.kv_cache, device, dtype, {"BF16" if n in fp8 else e.st_dtype for n, e in matrices.items()},
+                  any(e.bits for n, e in matrices.items() if n not in fp8))
     return TrunkPlan(dtype, why, rules.storage, kv, _plan_embed(rules, a, formats, parts), layers)
 
 

@@ -17,7 +17,7 @@ import torch
 
 from . import ops, quant
 from .arch import Arch
-from .backends import native_dflash, native_lib, native_pack, native_trunk
+from .backends import native_dflash, native_exact, native_lib, native_pack, native_trunk
 from .backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from .drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
 from .drafters.dflash_config import (DflashConfig, DflashShape, derive_published_shape, derive_shape, dflash_layer_tensor,
@@ -25,8 +25,8 @@ from .drafters.dflash_config import (DflashConfig, DflashShape, derive_published
 from .drafters.mtp import MTP_PREFIX, MtpDrafter, MtpWeights
 from .errors import TurboError
 from .install import Entry, Install, ResidentIndex
-from .load_plan import (COPY, DFLASH_BASES, DFLASH_SELECTOR, DRAFT, DRAFT_HEAD, NATIVE_OFF, PACKED, TENSOR,
-                        DrafterPlan, EmbedPlan, Host, LayerPlan, Matrix, MoePlan, Source, TrunkPlan, mtp_tensor_shapes,
+from .load_plan import (COPY, DFLASH_BASES, DFLASH_SELECTOR, DRAFT, DRAFT_HEAD, EXACT, NATIVE_OFF, PACKED, SEGMENTS,
+                        TENSOR, DrafterPlan, EmbedPlan, Host, LayerPlan, Matrix, MoePlan, Source, TrunkPlan, mtp_tensor_shapes,
                         plan_dflash, plan_mtp, plan_trunk)
 from .options import OpenOptions
 from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk, TrunkWeights
@@ -107,6 +107,11 @@ class Reader:
             w = parts[0] if len(parts) == 1 else quant.fuse(parts)
             return w if m.form == TENSOR else native_pack.pack_as(w, m.dtype, m.layout)
         entries = [self.entry(s) for s in m.sources]
+        if m.form == SEGMENTS:
+            return native_exact.segments([self.matrix(part) for part in m.parts])
+        if m.form == EXACT:
+            return native_exact.exact_panels(quant.fuse([self.index.load_quantized(e.name, self.dtype)
+                                                         for e in entries]), entries[0].name)
         if m.form == PACKED:  # (quantized matrices are a fraction of the float size: fused whole)
             return native_pack.quantized_panels(quant.fuse([self.index.load_quantized(e.name, self.dtype)
                                                        for e in entries]))

@@ -37,7 +37,11 @@ EXACT_INT4 = {g: QFormat(f"int4g{g}", code, 4, g, torch.float32, "F32") for g, c
 # GGUF's Q8_0, Q4_0, Q4_1 and Q4_K blocks held exactly (turbo/repack_gguf.py, docs/formats.md): group 32,
 # fp32 scales and biases (the int4 one is EXACT_INT4's). Not --quant choices.
 GGUF_FORMATS = {"int4g32": EXACT_INT4[32], "int8g32": QFormat("int8g32", 25, 8, 32, torch.float32, "F32")}
-BY_CODE = {f.code: f for f in (*FORMATS.values(), *EXACT_INT4.values(), *GGUF_FORMATS.values())}
+# FP8 block-wise sources (turbo/repack_fp8.py): the e4m3 codes as 8-bit levels, each row's fp32 block scale
+# per group of 128 columns (its 128x128 block's), biases 0; w = bf16(e4m3(q) * scale) (transformers').
+FP8 = QFormat("fp8", 26, 8, 128, torch.float32, "F32")
+FLOAT8_CODES = (FP8.code,)
+BY_CODE = {f.code: f for f in (*FORMATS.values(), *EXACT_INT4.values(), *GGUF_FORMATS.values(), FP8)}
 BY_BITS = {f.bits: f for f in FORMATS.values()}
 QUANT_CODES = tuple(sorted(BY_CODE))
 # The formats (bits, group) alone may name, without a code: an MLX-layout source's. int8 is
@@ -162,11 +166,15 @@ def quantize(w: torch.Tensor, fmt: QFormat, name: str = "tensor") -> tuple[torch
 
 
 def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int, group: int,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The float matrix [out, in] (computed in fp32, then cast to `dtype`)."""
-    q = _levels(packed, bits).float()
+               dtype: torch.dtype = torch.float32, float8: bool = False) -> torch.Tensor:
+    """The float matrix [out, in] (computed in fp32, then cast to `dtype`). `float8` (FP8): the
+    levels are e4m3 codes, w = bf16(e4m3(q) * scale), biases unused."""
+    q = _levels(packed, bits)
     out, cols = q.shape
-    w = q.reshape(out, cols // group, group) * scales.float()[..., None] + biases.float()[..., None]
+    if float8:
+        v = q.to(torch.uint8).view(torch.float8_e4m3fn).float().reshape(out, cols // group, group)
+        return (v * scales.float()[..., None]).to(torch.bfloat16).reshape(out, cols).to(dtype)
+    w = q.float().reshape(out, cols // group, group) * scales.float()[..., None] + biases.float()[..., None]
     return w.reshape(out, cols).to(dtype)
 
 
@@ -184,6 +192,7 @@ class QuantizedWeight:
     use_kernel: bool = False  # ops.linear multiplies through Int4Kernel (when it probes row-stable)
     _kernel: object = None
     _dense: torch.Tensor | None = None  # use_kernel's fallback: dequantized once
+    float8: bool = False  # quant.FP8: the levels are e4m3 codes
 
     @property
     def shape(self) -> torch.Size:
@@ -194,7 +203,8 @@ class QuantizedWeight:
         return BY_BITS[self.bits].code
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        return dequantize(self.packed, self.scales, self.biases, self.bits, self.group, dtype or self.dtype)
+        return dequantize(self.packed, self.scales, self.biases, self.bits, self.group, dtype or self.dtype,
+                          self.float8)
 
     def to(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized matrix (for code that wants a plain tensor, e.g. the drafter's lm_head)."""
@@ -231,11 +241,11 @@ def fuse(parts: list) -> torch.Tensor | QuantizedWeight:
     if not any(isinstance(p, QuantizedWeight) for p in parts):
         return torch.cat(parts)
     first = parts[0]
-    if all(isinstance(p, QuantizedWeight) and (p.bits, p.group, p.scales.dtype, p.dtype)
-           == (first.bits, first.group, first.scales.dtype, first.dtype) for p in parts):
+    if all(isinstance(p, QuantizedWeight) and (p.bits, p.group, p.scales.dtype, p.dtype, p.float8)
+           == (first.bits, first.group, first.scales.dtype, first.dtype, first.float8) for p in parts):
         return QuantizedWeight(torch.cat([p.packed for p in parts]), torch.cat([p.scales for p in parts]),
                                torch.cat([p.biases for p in parts]), first.bits, first.group, first.dtype,
-                               all(p.use_kernel for p in parts))
+                               all(p.use_kernel for p in parts), float8=first.float8)
     dtype = next(p.dtype for p in parts if isinstance(p, QuantizedWeight))
     return torch.cat([p.dequantize() if isinstance(p, QuantizedWeight) else p.to(dtype) for p in parts])
 

@@ -50,7 +50,8 @@ class SourceFormat:
             return "found an MLX affine-quantized checkpoint; writing its packed matrices as they are"
         if self.kind == "fp8":
             what = f"FP8 e4m3 in {self.block[0]}x{self.block[1]} blocks"
-            out = "bf16 matrices (transformers' dequantization, bit for bit)" if fmt is None else f"{fmt.name} matrices"
+            out = ("fp8 matrices (e4m3 codes and block scales; transformers' bf16 dequantization, bit for bit)"
+                   if fmt is None else f"{fmt.name} matrices")
             return f"found {what}; writing {out}"
         zeros = "symmetric" if self.symmetric else "zero points"
         out = f"int4g{self.group} (exact: fp32 scales and biases)" if fmt is None else fmt.name

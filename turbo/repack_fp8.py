@@ -1,12 +1,14 @@
 """Fine-grained FP8 checkpoints (Qwen's and DeepSeek's: e4m3 weights, an fp32 `weight_scale_inv`
 per block of [rows, cols], by default 128 x 128) into turbo installs (docs/formats.md).
 
-The install holds each FP8 matrix as transformers' dequantization to bf16 (integrations/
-finegrained_fp8.py: the codes to fp32, times the block's scale in fp32, rounded once to bf16), bit
-for bit: the model transformers runs from the checkpoint. The modules the checkpoint keeps in bf16
+The install keeps each FP8 matrix's codes and scales (quant.FP8: the codes as 8-bit levels, each
+row's block scale per 128 columns), which every step reads as transformers' dequantization to bf16
+(integrations/finegrained_fp8.py: the codes to fp32, times the block's scale in fp32, rounded once
+to bf16), bit for bit: the model transformers runs from the checkpoint; the native step's FP8
+products (native_exact.py) read the codes as stored. Blocks other than 128 columns wide, or a width
+128 does not divide, are stored as that bf16 matrix. The modules the checkpoint keeps in bf16
 (modules_to_not_convert: embeddings, lm_head, Gated DeltaNet projections) are copied as they are.
-`--quant int8 / int4` quantizes that bf16 matrix as it would a bf16 checkpoint's. A native product
-reading the e4m3 codes themselves (half the bytes of bf16) is not written yet.
+`--quant int8 / int4` quantizes the bf16 matrix as it would a bf16 checkpoint's.
 """
 
 from __future__ import annotations
@@ -25,6 +27,19 @@ def dequantize(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     rows, cols = codes.shape
     s = scale_inv.float().repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:rows, :cols]
     return codes.float() * s
+
+
+def fp8_install(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, ...]:
+    """quant.FP8's (packed codes, scales, biases): the codes' bytes as little-endian words (the
+    levels' order of quant.pack), each row's block scale per group of 128 columns, biases 0."""
+    rows, cols = codes.shape
+    scales = scale_inv.float().repeat_interleave(block[0], 0)[:rows].contiguous()
+    return codes.contiguous().view(torch.uint8).view(torch.int32), scales, torch.zeros_like(scales)
+
+
+def keeps_codes(block: tuple[int, int], cols: int) -> bool:
+    """Whether an FP8 matrix is kept as codes (quant.FP8), not as its bf16 dequantization."""
+    return block[1] == q.FP8.group and cols % q.FP8.group == 0 and block[0] % 16 == 0
 
 
 def plan_fp8(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | None,
@@ -49,6 +64,9 @@ def plan_fp8(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | None,
         new = base + ".weight"
         if fmt is not None and quantizable(new, {"dtype": "BF16", "shape": [rows, cols]}, fmt):
             planned += quantized_planned(new, lambda f=bf16, n=new: q.quantize(f(), fmt, n), rows, cols, fmt, quantized)
+        elif fmt is None and keeps_codes(found.block, cols):
+            planned += quantized_planned(new, lambda w=w, sc=sc: fp8_install(read(w), read(sc), found.block), rows,
+                                         cols, q.FP8, quantized)
         else:
             planned += Parts(lambda f=bf16: [f()]).planned([new], ["BF16"], [[rows, cols]])
     if weights:

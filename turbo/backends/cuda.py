@@ -15,8 +15,9 @@ from .backend import Backend
 from . import cuda_kernels
 from .cuda_kernels import MODULES, arch_for, f32, i32, ptr, ptx_dir, result_name
 
-# the kernels cover fp weights and the three affine formats (turbo/quant.py codes 4, 16, 15)
-CUDA = Backend("cuda", (1, 2, 3, 4, 16, 15))
+# the kernels cover fp weights and the three affine formats (turbo/quant.py codes 4, 16, 15); FP8 (26)
+# is dequantized at load to the bf16 install's weights (load_plan: not kept), which the fp path verifies
+CUDA = Backend("cuda", (1, 2, 3, 4, 16, 15, 26))
 
 GDN_MAX_DK = 256  # gdn.cu: GDN_TI * GDN_MAX_PER
 CONV_MAX_TAPS = 8  # conv.cu

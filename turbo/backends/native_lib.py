@@ -168,11 +168,12 @@ _NEEDS = {"pairs": "AVX512-BF16", "int8": "AVX512-VNNI"}
 
 
 def dot_layouts() -> tuple[str, ...]:
-    """The drafters' layouts the library can multiply by ("pairs": AVX512-BF16; "int8":
-    AVX512-VNNI), empty without the library."""
+    """The layouts the library can multiply by beyond fp32 / bf16 panels ("pairs": AVX512-BF16;
+    "int8": AVX512-VNNI, also the trunk's int4 / int8; "exact": AVX512-BW, the fp32-scaled
+    affine formats; "fp8": AVX512-VBMI, FP8 blocks), empty without the library."""
     lib = library()
     bits = lib.dot_products() if lib is not None else 0
-    return tuple(name for bit, name in ((1, "pairs"), (2, "int8")) if bits & bit)
+    return tuple(name for bit, name in ((1, "pairs"), (2, "int8"), (4, "exact"), (8, "fp8")) if bits & bit)
 
 
 def check_draft_products(products: str) -> None:

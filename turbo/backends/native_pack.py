@@ -41,18 +41,22 @@ class Packed:
       (int32), then data[p, j, l, t] = round(w[16p + l, 4j + t] / scale) as int8, all in one
       byte buffer, for int8 dot products (wtype 3, inputs quantised per row).
     - "q4", "q8" (wtype 4, 5): an affine int4 / int8 matrix (turbo.quant, groups of 64) read
-      packed, `quantized_panels`.
-    The last three are not the fp32 function: "pairs" and "int8" are for drafters, "q4" and "q8"
+      packed, `quantized_panels`;
+    - "exact" (wtype 8): affine int4 / int8 with fp32 scales in any group, "fp8" (wtype 9): e4m3
+      codes and block scales, both read as stored in float products (`exact_panels`: the torch
+      step's dequantized weights exactly); "segments" (wtype 7): row segments of their own layouts.
+    "pairs", "int8", "q4" and "q8" are not the fp32 function: "pairs" and "int8" are for drafters, "q4" and "q8"
     (the trunk's quantized installs) round the inputs to 8 bits per group of 64."""
 
     data: torch.Tensor
     n: int
     k: int
     layout: str = "panels"
+    parts: list | None = None  # "segments": the segments (views of `data`)
 
     @property
     def wtype(self) -> int:
-        return {"pairs": 2, "int8": 3, "q4": 4, "q8": 5, "panel_pairs": 6}.get(self.layout) or WTYPES[self.data.dtype]
+        return LAYOUT_WTYPES.get(self.layout) or WTYPES[self.data.dtype]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -65,6 +69,8 @@ class Packed:
     def dense(self) -> torch.Tensor:
         """The [n, k] matrix back (a copy; int8: the dequantised values)."""
         n_pad = -(-self.n // PANEL) * PANEL
+        if self.layout in EXACT_LAYOUTS:
+            return exact_dense(self)
         if self.layout in QUANTIZED:
             return quant.dequantize(*quantized_unpanel(self), QUANTIZED[self.layout], quant.GROUP)[:self.n]
         if self.layout == "int8":
@@ -75,6 +81,10 @@ class Packed:
         if self.layout in ("pairs", "panel_pairs"):
             return self.data.permute(0, 2, 1, 3).reshape(n_pad, -1)[:self.n, :self.k].contiguous()
         return self.data.transpose(1, 2).reshape(-1, self.k)[:self.n].contiguous()
+
+
+LAYOUT_WTYPES = {"pairs": 2, "int8": 3, "q4": 4, "q8": 5, "panel_pairs": 6, "segments": 7, "exact": 8, "fp8": 9}
+EXACT_LAYOUTS = ("segments", "exact", "fp8")  # native_exact.py
 
 
 @dataclasses.dataclass
@@ -241,6 +251,8 @@ def pack_as(w: torch.Tensor | quant.QuantizedWeight, storage: torch.dtype, layou
     an affine-quantized w is read packed whatever the layout (quantized_panels) where the
     library has the products for it, else dequantized (fp32 panels)."""
     if isinstance(w, quant.QuantizedWeight):
+        if reads_exact(w):
+            return exact_panels(w)
         return quantized_panels(w) if native_bits(w) else pack(fp32_matrix(w))
     return pack(w.to(torch.bfloat16 if layout == "pairs" else storage), layout)
 
@@ -254,6 +266,9 @@ def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
     return y
 
 
+from .native_exact import exact_dense, exact_panels, reads_exact  # noqa: E402  (they build Packed)
+
+
 def reads_packed(bits: int, group: int) -> bool:
     """Whether the native step's products read a matrix of this affine format packed (int4 / int8
     in groups of 64, where the CPU has the int8 dot products)."""
@@ -262,7 +277,8 @@ def reads_packed(bits: int, group: int) -> bool:
 
 def native_bits(w) -> int | None:
     """A matrix's bits where the native step reads it packed (None: a float matrix, or another format)."""
-    return w.bits if isinstance(w, quant.QuantizedWeight) and reads_packed(w.bits, w.group) else None
+    return (w.bits if isinstance(w, quant.QuantizedWeight) and w.scales.dtype == torch.bfloat16
+            and reads_packed(w.bits, w.group) else None)
 
 
 def fp32_matrix(w) -> torch.Tensor:

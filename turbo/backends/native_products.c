@@ -20,8 +20,9 @@
 #endif
 
 /* Which of the products are compiled in: bit 0 wtype 2 (bf16 pairs), bit 1 wtypes 3, 4 and 5
- * (int8 quads, affine int4 and int8). */
-int dot_products(void) { return BF16_DOT | INT8_DOT << 1; }
+ * (int8 quads, affine int4 and int8), bit 2 wtype 8 (exact affine, fp32 scales), bit 3 wtype 9
+ * (FP8 blocks). Their definitions follow the products they guard. */
+int dot_products(void);
 
 int threads = 1;
 
@@ -345,6 +346,180 @@ static uint8_t *group_quads(const float *x, int R, int k) {
 }
 #endif
 
+/* ---- exact formats read packed: wtype 8, affine int4 / int8 with fp32 scales and biases in
+ * any group (turbo/quant.py EXACT_INT4, GGUF_FORMATS); wtype 9, FP8 e4m3 codes with a scale per
+ * 128 x 128 block (quant.FP8) ----
+ * Both are float products: each weight is formed exactly as the torch step dequantizes it, then
+ * the fp32 walk of the panels (one chain per output over i in order: row-stable, and for FP8 the
+ * bf16 panels' products bit for bit). P starts with a 64-byte header (int32: wtype 8 bits,
+ * group; wtype 9 group, panels per scale block pb, the codes' byte offset past the header), then
+ *   wtype 8, per panel of 16 outputs and per group g: the 16 scales, the 16 biases (fp32), then
+ *     the levels: int8 one byte an output per input; int4 a byte an output per pair of inputs
+ *     (2j low nibble, 2j + 1 high);
+ *   wtype 9: per block of pb panels and group g its table, bf16(e4m3(c) * scale) for the 128
+ *     codes c >= 0 as high bytes then low bytes (128 each; a negative code: the same with the
+ *     sign bit); then per panel and group the codes in chunks of 4 inputs: byte 16L + 4j + t of
+ *     a chunk is output 4L + t at input j, the order the byte / word interleaves below bring back
+ *     to 16 outputs of one input.
+ * w = q * scale + bias is rounded twice, as torch's dequantization (mul then add, not fused). */
+#define FHEADER 64
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define EXACT_READS 1
+#else
+#define EXACT_READS 0
+#endif
+#if EXACT_READS && defined(__AVX512VBMI__)
+#define FP8_READS 1
+#else
+#define FP8_READS 0
+#endif
+
+#if EXACT_READS
+static inline size_t fgroup_bytes(int kind, int group) {
+    return kind == 9 ? (size_t)group * 16 : 128 + (size_t)group * 16 * kind / 8;
+}
+
+static inline __m512 affine_w(__m512i q, __m512 s, __m512 b) {
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    return _mm512_add_round_ps(_mm512_mul_round_ps(_mm512_cvtepi32_ps(q), s, rn), b, rn);
+}
+
+static inline __attribute__((always_inline)) void ftile(const float *x, int k, const uint8_t *P, const uint8_t *T,
+                                                        int pb, const int kind, int group, int n, int p, int r,
+                                                        float *y, const int NP, const int NR) {
+    int G = k / group;
+    size_t gb = fgroup_bytes(kind, group);
+    v16 acc[4][12];
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) acc[a][b] = (v16){0};
+    /* inputs outer, panels inner (as ptile): the panels' independent chains hide the multiply-add
+     * latency */
+    for (int g = 0; g < G; g++) {
+        const float *xg = x + (size_t)r * k + (size_t)g * group;
+        const uint8_t *W[4];
+        for (int a = 0; a < NP; a++) W[a] = P + ((size_t)(p + a) * G + g) * gb;
+        if (kind == 9) {
+#if FP8_READS
+            __m512i hi0[4], hi1[4], lo0[4], lo1[4];
+            for (int a = 0; a < NP; a++) {
+                const uint8_t *tb = T + ((size_t)((p + a) / pb) * G + g) * 256;
+                hi0[a] = _mm512_loadu_si512(tb), hi1[a] = _mm512_loadu_si512(tb + 64);
+                lo0[a] = _mm512_loadu_si512(tb + 128), lo1[a] = _mm512_loadu_si512(tb + 192);
+            }
+            const __m512i sign = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+            for (int j = 0; j < group; j += 4)
+                for (int a = 0; a < NP; a++) { /* (each panel's weights used at once: fewer live registers;
+                                                * the unrolled panels' chains still overlap) */
+                    const uint8_t *at = W[a] + (size_t)16 * j;
+                    __builtin_prefetch(at + 2048);
+                    __m512i c = _mm512_loadu_si512(at);
+                    __m512i hi = _mm512_permutex2var_epi8(hi0[a], c, hi1[a]);
+                    __m512i lo = _mm512_permutex2var_epi8(lo0[a], c, lo1[a]);
+                    hi = _mm512_ternarylogic_epi32(hi, c, sign, 0xf8); /* hi | (c & 0x80) */
+                    __m512i wl = _mm512_unpacklo_epi8(lo, hi), wh = _mm512_unpackhi_epi8(lo, hi);
+                    v16 w[4] = {(v16)_mm512_unpacklo_epi16(zero, wl), (v16)_mm512_unpackhi_epi16(zero, wl),
+                                (v16)_mm512_unpacklo_epi16(zero, wh), (v16)_mm512_unpackhi_epi16(zero, wh)};
+                    for (int t = 0; t < 4; t++)
+                        for (int b = 0; b < NR; b++) acc[a][b] += w[t] * xg[(size_t)b * k + j + t];
+                }
+#endif
+        } else {
+            __m512 s[4], bias[4];
+            for (int a = 0; a < NP; a++)
+                s[a] = _mm512_loadu_ps((const float *)W[a]), bias[a] = _mm512_loadu_ps((const float *)W[a] + 16);
+            const __m512i low = _mm512_set1_epi32(15);
+            for (int j = 0; j < group; j += kind == 4 ? 2 : 1) {
+                v16 w0[4], w1[4];
+                for (int a = 0; a < NP; a++) {
+                    const uint8_t *at = W[a] + 128 + (size_t)(kind == 4 ? 8 : 16) * j;
+                    __builtin_prefetch(at + 1024);
+                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
+                    w0[a] = (v16)affine_w(kind == 4 ? _mm512_and_si512(v, low) : v, s[a], bias[a]);
+                    if (kind == 4) w1[a] = (v16)affine_w(_mm512_srli_epi32(v, 4), s[a], bias[a]);
+                }
+                for (int b = 0; b < NR; b++) {
+                    float xb = xg[(size_t)b * k + j];
+                    for (int a = 0; a < NP; a++) acc[a][b] += w0[a] * xb;
+                }
+                if (kind == 4)
+                    for (int b = 0; b < NR; b++) {
+                        float xb = xg[(size_t)b * k + j + 1];
+                        for (int a = 0; a < NP; a++) acc[a][b] += w1[a] * xb;
+                    }
+            }
+        }
+    }
+    for (int a = 0; a < NP; a++)
+        for (int b = 0; b < NR; b++) store_outputs(y + (size_t)(r + b) * n, n, (p + a) * 16, acc[a][b]);
+}
+
+#define FTILE(NR) ftile(x, k, (const uint8_t *)P, T, pb, KIND, group, n, p, r, y, NP, NR)
+/* One function per (kind, panels at a time, most rows): as qpanels', each tile's loop keeps its
+ * sums in registers on its own. */
+#define FPANELS_AS(KIND_, NP_, MAXR)                                                                         \
+    static __attribute__((noinline)) void fpanels_##KIND_##_##NP_(const float *x, int R, int k, const void *P, \
+                                                                   const uint8_t *T, int pb, int group,      \
+                                                                   int n, float *y, int p0, int p1) {        \
+        const int KIND = KIND_, NP = NP_;                                                                    \
+        for (int p = p0; p + NP <= p1; p += NP)                                                              \
+            ROW_TILES(FTILE, MAXR)                                                                           \
+    }
+/* A decode step's one row (and two), four panels at a time, each in a function of its own: in the
+ * functions above GCC keeps such a tile's sums in memory. */
+#define FTILE_AS(KIND_, NR_)                                                                                 \
+    static __attribute__((noinline)) void ftile_##KIND_##_4_##NR_(const float *x, int R, int k, const void *P, \
+                                                                  const uint8_t *T, int pb, int group, int n, \
+                                                                  float *y, int p0, int p1) {                \
+        (void)R;                                                                                             \
+        for (int p = p0; p + 4 <= p1; p += 4)                                                                \
+            ftile(x, k, (const uint8_t *)P, T, pb, KIND_, group, n, p, 0, y, 4, NR_);                        \
+    }
+#define FPANELS_FOR(KIND) FPANELS_AS(KIND, 4, 6) FPANELS_AS(KIND, 2, 6) FPANELS_AS(KIND, 1, 12) \
+    FTILE_AS(KIND, 1) FTILE_AS(KIND, 2)
+FPANELS_FOR(4)
+FPANELS_FOR(8)
+#if FP8_READS
+FPANELS_FOR(9)
+#endif
+
+/* Panels [p0, p1) of a wtype 8 / 9 matrix (P past its header): four panels at a time for one
+ * or two rows, two for up to six, then one at a time for up to 12 rows. */
+#define FPACKED_AS(KIND)                                                                                     \
+    static void fpacked_##KIND(const float *x, int R, int k, const void *P, const uint8_t *T, int pb, int group, \
+                               int n, float *y, int p0, int p1) {                                            \
+        int p = p0;                                                                                          \
+        if (R <= 2) {                                                                                        \
+            p = p0 + (p1 - p0) / 4 * 4;                                                                      \
+            (R == 1 ? ftile_##KIND##_4_1 : ftile_##KIND##_4_2)(x, R, k, P, T, pb, group, n, y, p0, p);         \
+        } else if (R <= 6) {                                                                                 \
+            p = p0 + (p1 - p0) / 2 * 2;                                                                      \
+            fpanels_##KIND##_2(x, R, k, P, T, pb, group, n, y, p0, p);                                       \
+        }                                                                                                    \
+        fpanels_##KIND##_1(x, R, k, P, T, pb, group, n, y, p, p1);                                           \
+    }
+FPACKED_AS(4)
+FPACKED_AS(8)
+#if FP8_READS
+FPACKED_AS(9)
+#endif
+
+static void fpacked(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
+    const int32_t *h = (const int32_t *)P;
+    const uint8_t *D = (const uint8_t *)P + FHEADER;
+#if FP8_READS
+    if (wtype == 9) {
+        fpacked_9(x, R, k, D + h[2], D, h[1], h[0], n, y, p0, p1);
+        return;
+    }
+#endif
+    if (h[0] == 4)
+        fpacked_4(x, R, k, D, NULL, 1, h[1], n, y, p0, p1);
+    else
+        fpacked_8(x, R, k, D, NULL, 1, h[1], n, y, p0, p1);
+}
+#endif
+
 static void packed_range(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
     if (wtype == 0)
         packed_as(x, R, k, P, n, y, p0, p1, 0);
@@ -361,6 +536,10 @@ static void packed_range(const float *x, int R, int k, const void *P, int wtype,
         qpacked_4(x, R, k, P, n, y, p0, p1);
     else if (wtype == 5)
         qpacked_8(x, R, k, P, n, y, p0, p1);
+#endif
+#if EXACT_READS
+    else if (wtype == 8 || wtype == 9)
+        fpacked(x, R, k, P, wtype, n, y, p0, p1);
 #endif
     else
         packed_as(x, R, k, P, n, y, p0, p1, 1);
@@ -436,8 +615,33 @@ static uint32_t *int8_quads(const float *x, int R, int k) {
     return out;
 }
 
+int dot_products(void) { return BF16_DOT | INT8_DOT << 1 | EXACT_READS << 2 | FP8_READS << 3; }
+
+/* wtype 7: a matrix whose rows come in segments of their own formats (a layer mixing FP8 or
+ * exact int4 with bf16 matrices, a fused matrix of mixed parts). P: int32 count at 0, then from
+ * byte 64 per segment {int32 rows, int32 wtype, int64 byte offset from P}; each segment's
+ * outputs are its own products, computed alone and copied into place (row-stable as they are). */
+static void segments(const float *x, int R, int k, const uint8_t *P, int n, float *y) {
+    int count = *(const int32_t *)P;
+    const uint8_t *e = P + 64;
+    if (count == 1) {
+        linear_packed(x, R, k, P + *(const int64_t *)(e + 8), ((const int32_t *)e)[1], n, y);
+        return;
+    }
+    float *t = malloc(sizeof(float) * (size_t)R * n);
+    for (int s = 0, at = 0; s < count; s++, e += 16) {
+        int rows = ((const int32_t *)e)[0];
+        linear_packed(x, R, k, P + *(const int64_t *)(e + 8), ((const int32_t *)e)[1], rows, t);
+        for (int r = 0; r < R; r++) memcpy(y + (size_t)r * n + at, t + (size_t)r * rows, sizeof(float) * rows);
+        at += rows;
+    }
+    free(t);
+}
+
 void linear_packed(const float *x, int R, int k, const void *P, int wtype, int n, float *y) {
-    if (wtype == 2) {
+    if (wtype == 7) {
+        segments(x, R, k, (const uint8_t *)P, n, y);
+    } else if (wtype == 2) {
         uint32_t *xp = bf16_pairs(x, R, k); /* then the same walk, over k / 2 pairs */
         products((const float *)xp, R, (k + 1) / 2, P, 2, n, y);
         free(xp);

@@ -1,0 +1,157 @@
+"""The exact formats the native step reads as stored (native_products.c, wtypes 7-9): affine int4 /
+int8 with fp32 scales and biases in any group ("exact": quant.EXACT_INT4, quant.GGUF_FORMATS), FP8
+e4m3 codes with a scale per 128 x 128 block ("fp8": quant.FP8), and "segments", a matrix whose row
+segments keep layouts of their own (a layer mixing those with bf16 matrices, as Qwen's FP8
+checkpoints do). Their products are float products of exactly the torch step's dequantized weights
+(FP8: bit for bit the bf16 panels' products). The other layouts: native_pack.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import quant
+from ..errors import TurboError
+from .native_lib import dot_layouts
+
+HEADER = 64  # bytes before a matrix's panels (int32 fields) or a segment table
+PANEL = 16
+E4M3 = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # the codes >= 0, as transformers reads them
+
+
+def exact_layout(float8: bool) -> str:
+    return "fp8" if float8 else "exact"
+
+
+def reads_format(code: int, layouts: tuple[str, ...]) -> bool:
+    """Whether the products here read an install format (quant code) as stored: fp32-scaled
+    affine int4 / int8, or FP8, where the CPU has their products (`layouts`: native_lib.dot_layouts)."""
+    fmt = quant.BY_CODE.get(code)
+    return (fmt is not None and fmt.scale_st == "F32" and fmt.bits in (4, 8)
+            and exact_layout(code in quant.FLOAT8_CODES) in layouts)
+
+
+def reads_exact(w) -> bool:
+    """Whether `w` (a QuantizedWeight) is read as stored by exact_panels here."""
+    return (isinstance(w, quant.QuantizedWeight) and w.scales.dtype == torch.float32 and w.bits in (4, 8)
+            and exact_layout(w.float8) in dot_layouts())
+
+
+def _header(*fields: int) -> torch.Tensor:
+    h = torch.zeros(HEADER // 4, dtype=torch.int32)
+    h[:len(fields)] = torch.tensor(fields, dtype=torch.int32)
+    return h.view(torch.uint8)
+
+
+def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+    """t with its rows padded to `rows`, repeating the last row (a padded output's scale is its
+    panel's: the FP8 tables stay one per panel; its levels are 0)."""
+    return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
+
+
+def _affine_bytes(w: quant.QuantizedWeight) -> torch.Tensor:
+    """[panels, groups, group bytes]: per panel and group the 16 scales, the 16 biases (fp32), the
+    levels (int8: 16 bytes an input; int4: 16 bytes a pair of inputs, the first in the low nibble)."""
+    n, k = w.shape
+    rows, groups = -(-n // PANEL) * PANEL, k // w.group
+    q = torch.nn.functional.pad(quant.unpack(w.packed, w.bits), (0, 0, 0, rows - n))
+    q = q.reshape(-1, PANEL, groups, w.group).permute(0, 2, 3, 1)  # [panel, g, input, output]
+    if w.bits == 4:
+        q = q[:, :, 0::2] | q[:, :, 1::2] << 4
+    sb = [_padded(t.float(), rows).reshape(-1, PANEL, groups).transpose(1, 2).contiguous().view(torch.uint8)
+          for t in (w.scales, w.biases)]
+    return torch.cat([*sb, q.reshape(*q.shape[:2], -1)], dim=2)
+
+
+def _fp8_block(w: quant.QuantizedWeight, name: str) -> int:
+    """Panels per scale block (8: Qwen's 128 rows): the most of 8, 4, 2, 1 whose rows share every
+    group's scale, the table's (a padded output repeats the last row's)."""
+    rows, groups = -(-w.shape[0] // PANEL) * PANEL, w.shape[1] // w.group
+    s = _padded(w.scales.float(), rows)
+    if not (s >= 0).all():
+        raise TurboError(f"{name}: FP8 scales that are negative or NaN")
+    for pb in (8, 4, 2, 1):
+        b = torch.nn.functional.pad(s, (0, 0, 0, -rows % (pb * PANEL)), value=float("nan")).reshape(-1, pb * PANEL, groups)
+        if ((b == b[:, :1]) | b.isnan()).all():
+            return pb
+    raise TurboError(f"{name}: FP8 scales that are not one scale per block of 16 rows")
+
+
+def _fp8_bytes(w: quant.QuantizedWeight, pb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[blocks, groups, 256]: per block of pb panels and group the table bf16(e4m3(c) * scale) of
+    the codes c = 0..127 (high bytes, then low bytes); [panels, groups, group * 16]: the codes in
+    chunks of 4 inputs x 16 outputs, byte 16L + 4j + t = output 4L + t at input j (native_products.c)."""
+    n, k = w.shape
+    rows, groups, g = -(-n // PANEL) * PANEL, k // w.group, w.group
+    s = _padded(w.scales.float(), rows)[::pb * PANEL]  # [blocks, g]
+    table = (E4M3 * s[:, :, None]).to(torch.bfloat16).view(torch.int16)
+    tables = torch.cat([((table >> 8) & 0xFF).to(torch.uint8), (table & 0xFF).to(torch.uint8)], dim=2)
+    c = torch.nn.functional.pad(quant.unpack(w.packed, 8), (0, 0, 0, rows - n))
+    c = c.reshape(-1, 4, 4, groups, g // 4, 4).permute(0, 3, 4, 1, 5, 2)  # [panel, g, chunk, L, j, t]
+    return tables, c.reshape(*c.shape[:2], -1)
+
+
+def exact_panels(w: quant.QuantizedWeight, name: str = "matrix", rows: int = 16384):
+    """`w` as wtype 8 (affine, fp32 scales) or 9 (FP8) reads it, `rows` (a multiple of 128)
+    outputs at a time (the unpacking holds several bytes a weight)."""
+    from .native_pack import Packed
+    n, k = w.shape
+    slices = [quant.QuantizedWeight(w.packed[r0:r0 + rows], w.scales[r0:r0 + rows], w.biases[r0:r0 + rows], w.bits,
+                                    w.group, float8=w.float8) for r0 in range(0, n, rows)]
+    if not w.float8:
+        body = [_affine_bytes(part).reshape(-1) for part in slices]
+        return Packed(torch.cat([_header(w.bits, w.group), *body]), n, k, "exact")
+    pb = _fp8_block(w, name)
+    tables, codes = zip(*(_fp8_bytes(part, pb) for part in slices))
+    tables = [t.reshape(-1) for t in tables]
+    return Packed(torch.cat([_header(w.group, pb, sum(t.numel() for t in tables)), *tables,
+                             *(c.reshape(-1) for c in codes)]), n, k, "fp8")
+
+
+def segments(parts: list) -> object:
+    """Packed matrices of one input width stacked by rows into one wtype 7 matrix: a table of
+    (rows, wtype, byte offset), then each part's bytes (64-byte aligned). The parts keep views of
+    the one buffer (dense() reads them)."""
+    from .native_pack import Packed
+    k = parts[0].k
+    assert all(p.k == k for p in parts) and all(p.layout != "segments" for p in parts)
+    at, offsets = -(-(HEADER + 16 * len(parts)) // 64) * 64, []
+    for p in parts:
+        offsets.append(at)
+        at += -(-p.data.numel() * p.data.element_size() // 64) * 64
+    buf = torch.zeros(at, dtype=torch.uint8)
+    buf[:HEADER] = _header(len(parts))
+    table = torch.tensor([[p.n | p.wtype << 32, off] for p, off in zip(parts, offsets)], dtype=torch.int64)
+    buf[HEADER:HEADER + 16 * len(parts)] = table.view(torch.uint8).reshape(-1)
+    views = []
+    for p, off in zip(parts, offsets):
+        size = p.data.numel() * p.data.element_size()
+        buf[off:off + size] = p.data.contiguous().view(torch.uint8).reshape(-1)
+        views.append(Packed(buf[off:off + size].view(p.data.dtype).reshape(p.data.shape), p.n, k, p.layout))
+    return Packed(buf, sum(p.n for p in parts), k, "segments", views)
+
+
+def exact_dense(p) -> torch.Tensor:
+    """The [n, k] fp32 matrix a wtype 7-9 matrix multiplies by (what its products compute with)."""
+    if p.layout == "segments":
+        return torch.cat([part.dense().float() for part in p.parts])
+    h = p.data[:HEADER].view(torch.int32)
+    fp8 = p.layout == "fp8"
+    bits, group = (8, int(h[0])) if fp8 else (int(h[0]), int(h[1]))
+    panels, groups = -(-p.n // PANEL), p.k // group
+    body = p.data[HEADER + (int(h[2]) if fp8 else 0):].reshape(panels, groups, -1)
+    if fp8:
+        tb = p.data[HEADER:HEADER + int(h[2])].reshape(-1, groups, 256).to(torch.int32)
+        t = (tb[:, :, :128] << 8 | tb[:, :, 128:]).repeat_interleave(int(h[1]), 0)[:panels]  # [panel, g, 128]
+        c = body.reshape(panels, groups, group // 4, 4, 4, 4).permute(0, 3, 5, 1, 2, 4)
+        c = c.reshape(panels, PANEL, groups, group).to(torch.int64)  # [panel, output, g, input]
+        bits16 = torch.gather(t[:, None].expand(-1, PANEL, -1, -1), 3, c & 0x7F) | (c & 0x80) << 8
+        w = (bits16.to(torch.int32) << 16).view(torch.float32)
+    else:
+        s, b = (body[:, :, at:at + 64].contiguous().view(torch.float32) for at in (0, 64))  # [panel, g, out]
+        q = body[:, :, 128:].reshape(panels, groups, -1, PANEL)
+        if bits == 4:
+            q = torch.stack([q & 15, q >> 4], dim=3)
+        q = q.reshape(panels, groups, group, PANEL).float()
+        w = (q * s[:, :, None] + b[:, :, None]).permute(0, 3, 1, 2)
+    return w.reshape(panels * PANEL, -1)[:p.n].contiguous()

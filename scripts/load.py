@@ -69,9 +69,10 @@ def one(client: openai.OpenAI, model: str, prompt: str, i: int, args) -> Result:
                                            stream=True, stream_options={"include_usage": True}, extra_body=extra):
         if chunk.usage is not None:
             tokens = chunk.usage.completion_tokens
-        if chunk.choices and chunk.choices[0].text:
+        if chunk.choices:  # a step's tokens (the server sends one per step; its text may be held back)
             last = time.perf_counter()
             first = first or last
+        if chunk.choices and chunk.choices[0].text:
             text.append(chunk.choices[0].text)
     first, last = first or time.perf_counter(), last or time.perf_counter()
     per = (last - first) / (tokens - 1) if tokens > 1 else None

@@ -210,7 +210,7 @@ async def stream(engine: Engine, call: Call) -> AsyncIterator[str]:
                 delta = {**({"reasoning_content": think} if think else {}), **({"content": content} if content else {})}
                 if delta or logprobs or final:
                     yield chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
-            elif d.text or logprobs or final:
+            else:  # a chunk per step that commits tokens, its text empty while a character is incomplete
                 yield chunk({"index": 0, "text": d.text, "logprobs": logprobs, "finish_reason": finish,
                              **({"stop_reason": d.finish.matched} if final else {})})
             offset += len(d.text)

@@ -17,9 +17,13 @@ ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
-def cli(tmp_path, *overrides):
-    cmd = [sys.executable, "-m", "turbo", "threads=1", "max_new_tokens=4", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+def clis(tmp_path, *calls: tuple) -> list[subprocess.CompletedProcess]:
+    """Runs of `python -m turbo` with each call's overrides, at once (each mostly imports torch)."""
+    base = [sys.executable, "-m", "turbo", "threads=1", "max_new_tokens=4"]
+    procs = [(base + list(c), subprocess.Popen(base + list(c), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                               text=True, cwd=tmp_path)) for c in calls]
+    outs = [p.communicate(timeout=300) for _, p in procs]
+    return [subprocess.CompletedProcess(cmd, p.returncode, *out) for (cmd, p), out in zip(procs, outs)]
 
 
 def stats_line(proc) -> str:
@@ -28,18 +32,18 @@ def stats_line(proc) -> str:
 
 
 def test_the_backend_note_only_under_verbose(tmp_path):
-    quiet, said = cli(tmp_path, "prompt=hi"), cli(tmp_path, "prompt=hi", "verbose=true")
+    quiet, said, refused = clis(tmp_path, ("prompt=hi",), ("prompt=hi", "verbose=true"),
+                                ("prompt=hi", "verbose=maybe"))
     stats_line(quiet), stats_line(said)
     assert "backend auto picked" not in quiet.stderr
     assert "backend auto picked" in said.stderr  # cpu (and why cuda is not there) or cuda
-    refused = cli(tmp_path, "prompt=hi", "verbose=maybe")
     assert refused.returncode == 2 and refused.stderr.strip() == "error: verbose is 'maybe', expected true or false"
 
 
 def test_stop_at_eos_false_goes_on_past_the_end_of_text(tmp_path):
     # tiny ends "The end." after two tokens
-    stopped = stats_line(cli(tmp_path, "prompt='The end.'", "max_new_tokens=12", "backend=cpu"))
-    past = stats_line(cli(tmp_path, "prompt='The end.'", "max_new_tokens=12", "backend=cpu", "stop_at_eos=false"))
+    stopped, past = map(stats_line, clis(tmp_path, ("prompt='The end.'", "max_new_tokens=12", "backend=cpu"),
+                                         ("prompt='The end.'", "max_new_tokens=12", "backend=cpu", "stop_at_eos=false")))
     assert "generated 2 tok" in stopped and "generated 12 tok" in past
 
 
@@ -60,8 +64,9 @@ def test_truncate_prompt_left_keeps_the_tail(short_context, tmp_path):
     assert cut.tokens == tail.tokens and len(cut.tokens) == 8
     assert (cut.stats.prompt_tokens, cut.stats.prompt_truncated_from) == (56, 80)
     assert tail.stats.prompt_truncated_from is None
-    line = stats_line(cli(tmp_path, f"install.path={short_context}", "backend=cpu", "+policy=off",
-                          "prompt='" + "one two three " * 30 + "'", "max_new_tokens=8", "truncate_prompt=left"))
+    line = stats_line(clis(tmp_path, (f"install.path={short_context}", "backend=cpu", "+policy=off",
+                                      "prompt='" + "one two three " * 30 + "'", "max_new_tokens=8",
+                                      "truncate_prompt=left"))[0])
     assert re.search(r"\| prompt truncated: kept the last 56 of \d+ tokens \|", line), line
 
 

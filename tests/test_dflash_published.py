@@ -47,6 +47,9 @@ def test_repack_files_the_published_layout_under_dflash(published):
     assert inst.drafter_config["architectures"] == ["DFlashDraftModel"]
 
 
+TORCH_BLOCKS = (1, 2, 5, 8, 16)  # (the torch step's verify is slow here: a sample of the blocks)
+
+
 def test_auto_drafts_with_it_and_names_its_architecture(rt, step_path):
     res = rt.generate(PROMPTS[0], max_new_tokens=8, policy="fixed", block=4)
     assert res.stats.drafter == "dflash" and res.stats.drafted > 0
@@ -56,7 +59,9 @@ def test_auto_drafts_with_it_and_names_its_architecture(rt, step_path):
 
 @pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
 @pytest.mark.parametrize("block", range(1, 17))
-def test_lossless_every_block(rt, plain, block, rollback):
+def test_lossless_every_block(rt, plain, step_path, block, rollback):
+    if step_path == "torch" and block not in TORCH_BLOCKS:
+        pytest.skip("the torch step at blocks 1, 2, 5, 8, 16 (its rows are the native step's at every block)")
     for i, prompt in enumerate(PROMPTS):
         assert_lossless(rt, prompt, plain[i], block, max_new_tokens=37, rollback=rollback)
 

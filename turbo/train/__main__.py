@@ -108,8 +108,8 @@ def parser() -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> None:
 
     for name in ("examples", "prompt_tokens", "new_tokens", "eval_tokens", "batch", "anchors", "checkpoint_every",
-                 "steps", "threads", "target_count", "seq_len", "heads", "kv_heads", "head_dim", "intermediate", "rank", "top_k",
-                 "block", "window"):
+                 "steps", "threads", "target_count", "seq_len", "heads", "kv_heads", "head_dim", "intermediate", "rank",
+                 "top_k", "block", "window"):
         v = getattr(args, name)
         if v is not None and v < 1:  # (a 0 must not pass for "unset": --heads 0 took the default)
             raise TurboError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
@@ -239,7 +239,8 @@ def run(args: argparse.Namespace) -> int:
                           else "cpu")
     if args.kind == "trunk":
         if args.eval_only or args.from_install:
-            raise TurboError("--kind trunk: --eval-only and --from-install are for drafters (the trunk is the install's)")
+            raise TurboError("--kind trunk: --eval-only and --from-install are for drafters (the trunk is the "
+                             "install's)")
         work = args.out / "train"
         work.mkdir(parents=True, exist_ok=True)
         if args.resume:

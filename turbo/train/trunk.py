@@ -56,7 +56,11 @@ def grown(weight: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
 
 def hf_model(install, vocab: int, seed: int):
     """transformers' causal LM for the install's config.json, its weights the install's trunk."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    try:
+        from transformers import AutoConfig, AutoModelForCausalLM
+    except ImportError:
+        raise TurboError("--kind trunk trains the trunk in transformers' model class: pip install transformers") \
+            from None
 
     config = json.loads((install.path / "config.json").read_text())
     if "text_config" in config:
@@ -84,7 +88,10 @@ def chat_examples(path: Path, template: str, encode, seq_len: int) -> list[tuple
     for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
-        item = json.loads(line)
+        try:
+            item = json.loads(line)
+        except ValueError:
+            raise TurboError(f"{path}:{n}: not a JSON line (expected {{\"messages\": [...]}})") from None
         messages, kwargs = item["messages"], {k: v for k, v in item.items() if k != "messages"}
         if not messages or messages[-1].get("role") != "assistant":
             raise TurboError(f"{path}:{n}: expected a conversation ending in an assistant turn")
@@ -159,6 +166,8 @@ def write_install(model, src, out: Path, tok, template: str | None, stop_ids: li
 def run(args: argparse.Namespace, device: torch.device, work: Path) -> int:
     """The whole --kind trunk job; `work` is --out/train (run.json already checked)."""
     src = open_install(args.install)
+    if args.chat_template and not Path(args.chat_template).is_file():
+        raise TurboError(f"--chat-template {args.chat_template}: no such file (expected a Jinja chat template)")
     template = Path(args.chat_template).read_text(encoding="utf-8") if args.chat_template else None
     if template is None and src.template_files.source is not None:
         template = src.template_files.source

@@ -17,6 +17,7 @@ exists unless ``--force``):
     trunk         train transformers.Qwen3_5ForCausalLM (fp32) -> build/tiny_hf
     install       build/tiny_hf repacked alone -> build/tiny_trunk
     prompts       the drafters' prompt mix -> build/tiny_prompts/{code,math,prose}.jsonl
+    chat          chat turns from the training material -> build/tiny_chat/ (turbo.train --kind trunk)
     dflash2       python -m turbo.train build/tiny_trunk --kind dflash2 -> build/tiny_dflash2
     mtp           python -m turbo.train build/tiny_trunk --kind mtp -> build/tiny_mtp
     report        build/TRAINING.md (sizes, data, losses, held-out acceptance, samples)
@@ -37,8 +38,10 @@ import hashlib
 import json
 import math
 import random
+import re
 import sys
 import sysconfig
+import textwrap
 import time
 from pathlib import Path
 from typing import Any, Iterator
@@ -56,7 +59,7 @@ from turbo.train.loop import Schedule, train
 WORKLOADS = ("prose", "code", "math")
 EOS = "<|endoftext|>"
 MASK = "<|mask|>"
-STAGES = ("corpus", "tokenizer", "workloads", "trunk", "install", "prompts", "dflash2", "mtp", "report")
+STAGES = ("corpus", "tokenizer", "workloads", "trunk", "install", "prompts", "chat", "dflash2", "mtp", "report")
 
 
 # --------------------------------------------------------------------------
@@ -456,6 +459,105 @@ def write_prompts(work: Path, hp: HParams, build: Path, log: Logger, n: int = 30
         log.log("prompts", workload=w, prompts=len(items))
 
 
+# --------------------------------------------------------------------------
+# Chat turns (the trunk's chat fine-tune: python -m turbo.train --kind trunk, docs/tiny.md)
+# --------------------------------------------------------------------------
+CHAT_TEMPLATE = Path(__file__).resolve().parent.parent / "turbo" / "installs" / "tiny" / "chat_template.jinja"
+CHAT_TOKENS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>")
+SYSTEMS = ("You are turbo-tiny, a small model trained on Python's standard library.", "Be brief.",
+           "You answer questions about Python.")
+PROSE_ASKS = ("Explain {name}.", "What does {name} do?", "Tell me about {name}.", "What is {name}?")
+TOPIC_ASKS = ("Explain {name}.", "Tell me about {name}.", "What is {name}?")
+CODE_ASKS = ("Write a Python function that {doc}", "Write a function that {doc}",
+             "Implement {fn} in Python: it {doc}")
+
+
+def chat_prose(doc: str, rng: random.Random) -> tuple[str, str, str] | None:
+    """(question, reasoning, answer) from a docstring ("module.name\n\ntext") or a help topic."""
+    title, _, body = doc.strip().partition("\n")
+    body = body.strip().lstrip("*=-").strip()
+    if len(title) > 60 or len(body) < 80:
+        return None
+    asks = PROSE_ASKS if re.fullmatch(r"[\w.]+", title) else TOPIC_ASKS
+    answer = body[:700].rsplit("\n\n", 1)[0] if len(body) > 700 else body
+    return rng.choice(asks).format(name=title), f"The question is about {title}. I recall its documentation.", answer
+
+
+def chat_code(source: str, rng: random.Random) -> list[tuple[str, str, str]]:
+    """(request, reasoning, answer) for each short documented function of a source file."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return []
+    out, lines = [], source.splitlines()
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.FunctionDef) or node.name.startswith("_"):
+            continue
+        doc = ast.get_docstring(node) or ""
+        first = doc.strip().split("\n\n")[0].replace("\n", " ")
+        if not 20 < len(first) < 160 or node.end_lineno - node.lineno > 30:
+            continue
+        text = textwrap.dedent("\n".join(lines[node.lineno - 1:node.end_lineno]))
+        doc_lc = first[0].lower() + first[1:]
+        ask = rng.choice(CODE_ASKS).format(doc=doc_lc, fn=node.name)
+        out.append((ask, f"I need a function that {doc_lc} I will call it {node.name}.",
+                    f"```python\n{text}\n```"))
+    return out
+
+
+def chat_math(rng: random.Random) -> tuple[str, str, str]:
+    """(problem, worked steps, answer) of a generated problem."""
+    problem = math_problem(rng)
+    q, _, rest = problem.partition("\nSolution:\n")
+    steps, _, answer = rest.strip().rpartition("\nAnswer: ")
+    q = q.removeprefix("Problem: ")
+    if q.startswith("Compute "):
+        q = rng.choice(EXPR_ASKS).format(e=q.removeprefix("Compute ").removesuffix("."))
+    return q, steps, f"The answer is {answer}."
+
+
+def chat_record(rng: random.Random, ask: str, reasoning: str, answer: str) -> dict:
+    """One conversation: an optional system prompt, the turn, thinking on or off at random."""
+    thinking = rng.random() < 0.5
+    messages = [{"role": "system", "content": rng.choice(SYSTEMS)}] if rng.random() < 0.3 else []
+    messages += [{"role": "user", "content": ask},
+                 {"role": "assistant", "content": answer, "reasoning_content": reasoning if thinking else ""}]
+    return {"messages": messages, "enable_thinking": thinking}
+
+
+def write_chat(work: Path, hp: HParams, build: Path, log: Logger, n: int = 4000) -> None:
+    """build/tiny_chat/: chat_{prose,code,math}.jsonl (n conversations each, from the training
+    material only), raw.jsonl (training documents, so raw completion is kept), and
+    prompts_{prose,code,math}.jsonl (rendered generation prompts: the drafters' fine-tune)."""
+    from turbo.chat_template import render
+
+    rng = random.Random(hp.seed + 77)
+    out = build / "tiny_chat"
+    out.mkdir(parents=True, exist_ok=True)
+    code_docs, prose_docs = load_docs(work, "code_train"), load_docs(work, "prose_train")
+    made: dict[str, list[dict]] = {"prose": [], "code": [], "math": []}
+    while len(made["prose"]) < n:
+        turn = chat_prose(rng.choice(prose_docs), rng)
+        if turn:
+            made["prose"].append(chat_record(rng, *turn))
+    functions = [t for doc in code_docs for t in chat_code(doc, rng)]  # (parsed once: ~20 s)
+    while len(made["code"]) < n:
+        made["code"].append(chat_record(rng, *rng.choice(functions)))
+    while len(made["math"]) < n:
+        made["math"].append(chat_record(rng, *chat_math(rng)))
+    template = CHAT_TEMPLATE.read_text()
+    for w, items in made.items():
+        (out / f"chat_{w}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in items))
+        prompts = [render(template, r["messages"][:-1], add_generation_prompt=True,
+                          enable_thinking=r["enable_thinking"]) for r in items[:1000]]
+        (out / f"prompts_{w}.jsonl").write_text("".join(json.dumps(p) + "\n" for p in prompts))
+        log.log("chat", workload=w, conversations=len(items))
+    raw = (rng.sample(load_docs(work, "code_train"), 300) + rng.sample(prose_docs, 1500)
+           + load_docs(work, "math_train")[:1500])
+    (out / "raw.jsonl").write_text("".join(json.dumps(d) + "\n" for d in raw))
+    log.log("chat", raw_documents=len(raw))
+
+
 def trunk_config(hp: HParams, eos_id: int):
     from transformers import Qwen3_5TextConfig
 
@@ -694,6 +796,7 @@ def stage_done(stage: str, work: Path, build: Path, repo: Path) -> bool:
         "tokenizer": work / "tokens_math_eval.pt",
         "workloads": repo / "conf" / "workload" / "math.yaml",
         "prompts": build / "tiny_prompts" / "math.jsonl",
+        "chat": build / "tiny_chat" / "raw.jsonl",
         "trunk": build / "tiny_hf" / "model.safetensors",
         "install": build / "tiny_trunk" / "model.safetensors",
         "dflash2": build / "tiny_dflash2" / "eval.json",
@@ -751,6 +854,8 @@ def main(argv: list[str] | None = None) -> None:
             build_trunk_install(build)
         elif st == "prompts":
             write_prompts(work, hp, build, log)
+        elif st == "chat":
+            write_chat(work, hp, build, log)
         elif st in ("dflash2", "mtp"):
             train_drafter(st, hp, build, repo, args.resume)
         elif st == "report":

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import re
+import shutil
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ import turbo
 from turbo.errors import TurboError
 from turbo.chat_cli import THINKING, Repl
 from turbo.chat_template import encode
+from turbo.install import open_install
 from turbo.options import GenerationOptions
 
 # ChatML whose generation prompt opens <think>, or closes it empty under enable_thinking=false
@@ -108,7 +110,7 @@ def one_line_refusal(proc, *needles):
 
 
 @pytest.mark.parametrize("source, why", [
-    (None, "no chat template"),  # tiny ships none
+    (None, "no chat template"),  # an install without one (tiny's own, its template left out)
     ("{% for m in messages %}{{ m.content }\n", "not a valid Jinja template"),
     ("{{ raise_exception('roles must alternate') }}", "roles must alternate"),
 ])
@@ -118,8 +120,11 @@ def test_a_template_missing_malformed_or_raising_refuses_in_one_line(tmp_path, s
     if source is not None:
         path.write_text(source)
         overrides.append(f"chat_template={path}")
+    else:
+        shutil.copytree(open_install("tiny").path, tmp_path / "plain", ignore=shutil.ignore_patterns("*.jinja"))
+        overrides.append(f"install.path={tmp_path / 'plain'}")
     proc = chat(tmp_path, *overrides, turns=["hello"])
-    one_line_refusal(proc, why, str(path) if source is not None else "tiny")
+    one_line_refusal(proc, why, str(path) if source is not None else "plain")
 
 
 def test_ctrl_c_stops_a_turn_keeps_its_partial_answer_and_the_next_turn_is_exact(tiny):

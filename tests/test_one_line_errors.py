@@ -85,7 +85,7 @@ def test_repack_usage_errors_are_one_line(capsys, tmp_path):
 
 def test_train_usage_errors_are_one_line(capsys, tmp_path):
     err = usage_error(train_main, ["tiny", "--kind", "foo", "--out", str(tmp_path)], capsys)
-    assert err == ("error: argument --kind: invalid choice: 'foo' (choose from 'dflash2', 'mtp') "
+    assert err == ("error: argument --kind: invalid choice: 'foo' (choose from 'dflash2', 'mtp', 'trunk') "
                    "(see python -m turbo.train --help)\n")
     assert "argument --lr: invalid float value: 'x'" in usage_error(
         train_main, ["tiny", "--kind", "mtp", "--out", str(tmp_path), "--lr", "x"], capsys)

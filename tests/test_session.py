@@ -93,7 +93,7 @@ def qwen(tmp_path_factory):
 
 @pytest.mark.parametrize("rollback,blocks", [("checkpoint", (1, 2, 3, 4, 5)), ("replay", (8, 6, 7, 2, 4))])
 def test_tiny_dflash_conversation(tiny, rollback, blocks):
-    s = tiny.session("You are terse.", template=CHATML)
+    s = tiny.session("You are terse.")  # tiny's own template (Qwen3.5's format)
     how = conversation(s, blocks, max_new_tokens=10, policy="fixed", drafter="dflash", rollback=rollback)
     # a last round cut short by max_new_tokens ran the trunk past the answer: then a snapshot
     assert how[0] == "fresh" and set(how[1:5]) <= {"last turn", "snapshot"}
@@ -140,7 +140,7 @@ def test_a_stable_render_prefills_only_the_new_tokens(tiny):
 
 def test_other_generations_between_turns_change_nothing(tiny):
     opts = dict(max_new_tokens=10, policy="fixed", block=4, drafter="dflash")
-    quiet, busy = tiny.session(template=CHATML), tiny.session(template=CHATML)
+    quiet, busy = tiny.session(), tiny.session()
     for text in USER[:3]:
         a = [t for e in quiet.send(text, **opts) for t in e.tokens]
         tiny.generate("Something else entirely, at length.", **opts)
@@ -150,7 +150,7 @@ def test_other_generations_between_turns_change_nothing(tiny):
 
 
 def test_a_turn_left_half_way_is_retried_exactly(tiny):
-    s = tiny.session(template=CHATML)
+    s = tiny.session()
     opts = dict(max_new_tokens=10, policy="fixed", block=3, drafter="dflash")
     turn(s, s.send(USER[0], **opts), **opts)
     events = s.send(USER[1], **opts)
@@ -161,7 +161,7 @@ def test_a_turn_left_half_way_is_retried_exactly(tiny):
 
 
 def test_sampled_turns_repeat_generate_with_the_seed(tiny):
-    s = tiny.session(template=CHATML)
+    s = tiny.session()
     opts = dict(max_new_tokens=10, policy="fixed", block=3, drafter="dflash", temperature=0.8, top_p=0.9)
     for i, text in enumerate(USER[:3]):
         turn(s, s.send(text, seed=i, **opts), seed=i, **opts)
@@ -184,10 +184,10 @@ def test_a_drafter_object_without_snapshots_runs_every_turn_afresh(qwen):
 def test_a_turn_ended_by_a_stop_token_goes_on_exactly(tiny):
     """A stop token ends a turn inside a speculative block; the next turns are still exactly a
     fresh generation's, and go on from the kept state."""
-    s = tiny.session(template=CHATML)
+    s = tiny.session()
     opts = dict(max_new_tokens=12, policy="fixed", drafter="dflash", block=4)
-    prompt = encode(tiny.tokenizer, render(CHATML, [{"role": "user", "content": USER[0]}],
-                                           add_generation_prompt=True))
+    prompt = encode(tiny.tokenizer, s.template.render([{"role": "user", "content": USER[0]}],
+                                                      add_generation_prompt=True))
     stop = tiny.generate(prompt, **opts).tokens[5]  # the answer's sixth token ends it
     events = list(s.send(USER[0], stop_token_ids=[stop], **opts))
     assert events[-1].finish.reason == "stop" and events[-1].finish.matched == stop
@@ -217,7 +217,7 @@ def test_snapshots_are_bounded(qwen):
     assert s.last_turn.resumed_from == "fresh"
 
 
-def test_reset_and_refusals(tiny):
+def test_reset_and_refusals(tiny, qwen):
     s = tiny.session("sys", template=CHATML)
     list(s.send("hi", max_new_tokens=3))
     s.reset()
@@ -226,10 +226,10 @@ def test_reset_and_refusals(tiny):
         s.retry()
     with pytest.raises(TurboError, match="not a user message"):
         s.edit(0, "x")
-    with pytest.raises(TurboError, match="install tiny: no chat template"):
-        tiny.session()
+    with pytest.raises(TurboError, match="install install: no chat template"):  # (tiny now ships one)
+        qwen.session()
     with pytest.raises(TurboError, match="no chat template"):
-        tiny.chat([{"role": "user", "content": "hi"}])
+        qwen.chat([{"role": "user", "content": "hi"}])
 
 
 def test_chat_splits_reasoning_and_takes_both_kinds_of_keyword(qwen):

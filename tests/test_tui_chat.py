@@ -1,13 +1,14 @@
 """The TUI's chat (tui/chat.py) driven with Pilot on tiny, through a ChatML template file given as
-`chat_template=` (tiny ships none): turns, retry, edit of an earlier turn, new chat, the reasoning
-collapsed, the per-turn counters equal to Session.last_turn, and each turn's tokens those of a fresh
-generation over the rendered conversation. Snapshot: tests/__snapshots__/test_tui_chat/
-(`pytest tests/test_tui_chat.py --snapshot-update`).
+`chat_template=` (tiny ships its own; this one opens <think> that tiny never closes): turns, retry,
+edit of an earlier turn, new chat, the reasoning collapsed, the per-turn counters equal to
+Session.last_turn, and each turn's tokens those of a fresh generation over the rendered
+conversation. Snapshot: tests/__snapshots__/test_tui_chat/ (`pytest tests/test_tui_chat.py --snapshot-update`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 
 import pytest
@@ -17,6 +18,7 @@ torch.set_num_threads(1)
 
 import turbo  # noqa: E402
 from turbo.chat_template import encode  # noqa: E402
+from turbo.install import open_install  # noqa: E402
 from turbo.options import OpenOptions  # noqa: E402
 from textual.widgets import Collapsible  # noqa: E402
 from tui import Settings, TurboApp, compose_settings  # noqa: E402
@@ -156,7 +158,7 @@ def test_a_stopped_turn_is_replaced_by_the_next_message(tiny, template, monkeypa
         app = TurboApp(chat_settings(template, max_new_tokens=400), runtime=tiny)
         async with app.run_test(size=SIZE) as pilot:
             await settle(app, pilot)
-            await type_prompt(pilot, "def fib(n):")
+            await type_prompt(pilot, "Write a function that reverses a list.")  # (tiny loops on it)
             await pilot.press("enter")
             deadline = time.monotonic() + 30
             while app.last_stats is None or app.last_stats.rounds < 2:
@@ -174,9 +176,13 @@ def test_a_stopped_turn_is_replaced_by_the_next_message(tiny, template, monkeypa
     asyncio.run(run())
 
 
-def test_no_template_stays_raw_and_a_bad_one_is_a_message(tiny, template, tmp_path):
+def test_no_template_stays_raw_and_a_bad_one_is_a_message(template, tmp_path):
+    # tiny without its own template (tiny ships one since its chat fine-tune)
+    shutil.copytree(open_install("tiny").path, tmp_path / "plain", ignore=shutil.ignore_patterns("*.jinja"))
+    plain = turbo.open(tmp_path / "plain", backend="cpu")
+
     async def run():
-        app = TurboApp(chat_settings(None), runtime=tiny)
+        app = TurboApp(chat_settings(None), runtime=plain)
         async with app.run_test(size=SIZE) as pilot:
             await settle(app, pilot)
             assert not app.chat_on and app.session is None

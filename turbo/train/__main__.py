@@ -1,4 +1,4 @@
-"""python -m turbo.train INSTALL --kind dflash2|mtp --data FILE_OR_DIR... --out DIR [options]
+"""python -m turbo.train INSTALL --kind dflash2|mtp|trunk --data FILE_OR_DIR... --out DIR [options]
 
 Trains a DFlash2 drafter or an MTP head for INSTALL (a directory, or a shipped install's name)
 on the text under --data, writes it into --out in the layout `python -m turbo.repack` files
@@ -6,7 +6,8 @@ on the text under --data, writes it into --out in the layout `python -m turbo.re
 prompts (--out/eval.json). --out/train/ holds the training set, the checkpoint and the log while
 it runs; a finished run removes the first two (--keep-work keeps them), a run stopped before its
 --steps (Ctrl-C, or --minutes spent first) keeps them: `--resume` continues there. A bad input
-ends it in one line (exit 2), Ctrl-C in `interrupted`.
+ends it in one line (exit 2), Ctrl-C in `interrupted`. --kind trunk fine-tunes the trunk itself
+(chat turns and raw text; a new install in --out/install): turbo/train/trunk.py.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import turbo
 from ..__main__ import guarded
 from ..drafters.mtp import MTP_PREFIX
 from ..errors import ArgumentParser, TurboError
-from . import dflash2, heldout, mask, mtp
+from . import dflash2, heldout, mask, mtp, trunk
 from .data import Example, batch, build, read_groups
 from .loop import Schedule, train
 
@@ -33,14 +34,16 @@ MODEL_FILES = ("config.json", "model.safetensors")
 # the settings a resumed run must share with the run it continues
 FIXED_ON_RESUME = ("install", "kind", "from_install", "data", "targets", "examples", "prompt_tokens", "new_tokens",
                    "heads", "kv_heads", "head_dim", "intermediate", "rank", "top_k", "block", "window", "target_layers",
-                   "target_count", "mask_token_id", "gamma", "batch", "anchors", "lr", "seed", "step2_weight")
+                   "target_count", "mask_token_id", "gamma", "batch", "anchors", "lr", "seed", "step2_weight",
+                   "chat_template", "add_tokens", "stop_tokens", "seq_len")
 
 
 def parser() -> argparse.ArgumentParser:
     p = ArgumentParser(prog="python -m turbo.train", description=__doc__.split("\n\n")[1],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("install", help="the install to train for: a directory, or a shipped install's name")
-    p.add_argument("--kind", required=True, choices=("dflash2", "mtp"))
+    p.add_argument("--kind", required=True, choices=("dflash2", "mtp", "trunk"),
+                   help="trunk: fine-tune the trunk itself (turbo/train/trunk.py)")
     p.add_argument("--data", nargs="+", default=[], metavar="FILE_OR_DIR",
                    help="text to train on; each path is one group (a directory: every file under it; .jsonl: one "
                         "document a line; else one document a file)")
@@ -77,6 +80,12 @@ def parser() -> argparse.ArgumentParser:
                    help="default: the tokenizer's <|mask|>, else the first embedding row past its tokens, else its "
                         "first reserved special token (said on stderr)")
     s.add_argument("--gamma", type=float, help="the loss's position decay (default: the published one per block)")
+    k = p.add_argument_group("the trunk (--kind trunk)")
+    k.add_argument("--chat-template", help="a Jinja chat template file for the chat groups and the new install "
+                                           "(default: the install's)")
+    k.add_argument("--add-tokens", nargs="+", metavar="TOKEN", help="special tokens to append to the tokenizer")
+    k.add_argument("--stop-tokens", nargs="+", metavar="TOKEN", help="tokens joining generation_config's eos ids")
+    k.add_argument("--seq-len", type=int, default=256, help="tokens per example at most")
     t = p.add_argument_group("the job")
     t.add_argument("--steps", type=int, help="steps in all (the schedule runs over them)")
     t.add_argument("--minutes", type=float, help="the training time budget, across resumes")
@@ -99,8 +108,8 @@ def parser() -> argparse.ArgumentParser:
 def check(args: argparse.Namespace) -> None:
 
     for name in ("examples", "prompt_tokens", "new_tokens", "eval_tokens", "batch", "anchors", "checkpoint_every",
-                 "steps", "threads", "target_count", "heads", "kv_heads", "head_dim", "intermediate", "rank", "top_k",
-                 "block", "window"):
+                 "steps", "threads", "target_count", "seq_len", "heads", "kv_heads", "head_dim", "intermediate", "rank",
+                 "top_k", "block", "window"):
         v = getattr(args, name)
         if v is not None and v < 1:  # (a 0 must not pass for "unset": --heads 0 took the default)
             raise TurboError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
@@ -228,6 +237,17 @@ def run(args: argparse.Namespace) -> int:
         raise TurboError("--device cuda: torch sees no GPU (expected a CUDA build of torch and a visible device)")
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
+    if args.kind == "trunk":
+        if args.eval_only or args.from_install:
+            raise TurboError("--kind trunk: --eval-only and --from-install are for drafters (the trunk is the "
+                             "install's)")
+        work = args.out / "train"
+        work.mkdir(parents=True, exist_ok=True)
+        if args.resume:
+            check_resume(args, work)
+        else:
+            (work / "run.json").write_text(json.dumps({"settings": settings(args)}, indent=2) + "\n")
+        return trunk.run(args, device, work)
     rt = turbo.open(args.install, backend=device.type)
     install, tokenizer = rt.install, rt.tokenizer
 

@@ -270,7 +270,8 @@ class Scheduler:
     def _start(self, s: Sequence) -> None:
         """The sequence's state (from the prefix cache where it holds a prefix), drafter, chooser."""
         job, o = s.job, s.job.options
-        capacity = len(job.ids) + o.max_new_tokens + 16
+        # (the budget counts the whole request; the K/V rows are allocated as it grows: Trunk.reserve)
+        capacity = len(job.ids) + min(o.max_new_tokens, 256) + 16
         if job.plan.drafter is not None:
             s.pool_key = (job.plan.drafter, o.ngram if job.plan.drafter == "ngram" else o.window)
             free = self.pool.setdefault(s.pool_key, [])

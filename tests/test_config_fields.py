@@ -62,6 +62,9 @@ REFUSED = [
      "missing required field 'original_max_position_embeddings'"),
     ({"rope_scaling": {"type": "mystery", "factor": 2.0}}, "field 'rope_type' is 'mystery'"),
     ({"rope_scaling": "linear"}, "field 'rope_scaling' is 'linear', expected an object"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     "fields 'rope_scaling' and 'rope_parameters' are both given: transformers then reads rope_scaling alone"),
+    ({"attention_bias": None}, "field 'attention_bias' is None, turbo implements only false"),
 ]
 
 

@@ -343,3 +343,10 @@ def test_a_sparse_file_declaring_a_64_gb_tensor_is_refused_before_reading(instal
     msg = one_line_refusal(install, f"{path}: tensor trunk.huge declares {n} elements [1048576, 32768], "
                                     "over turbo's bound of 2^34 for one tensor")
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024, msg  # KiB
+
+
+def test_a_separate_lm_head_under_tied_embeddings_is_refused(install):
+    config = json.loads((install / "config.json").read_text())
+    assert not config["tie_word_embeddings"]
+    (install / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    one_line_refusal(install, "trunk.lm_head.weight: a separate lm_head, but the config's tie_word_embeddings is true")

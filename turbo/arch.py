@@ -294,7 +294,7 @@ def _refuse_unimplemented(text: dict, model_type: str, w: str) -> None:
     if act not in ACTIVATIONS:
         raise TurboError(f"{w}: field 'hidden_act' is {show(act)}, turbo implements only {' / '.join(ACTIVATIONS)}")
     bias = text.get("attention_bias", False)
-    if bias is not False and bias is not None:
+    if bias is not False:
         raise TurboError(f"{w}: field 'attention_bias' is {show(bias)}, turbo implements only false "
                          "(attention projections without biases)")
     experts = text.get("num_experts")
@@ -319,6 +319,10 @@ def rope_scaling(text: dict, rope: dict, w: str) -> RopeScaling | None:
                          f"rotated once (supported: {' / '.join(ROPE_TYPES)})")
     if kind not in ROPE_TYPES:
         raise TurboError(f"{where}: field 'rope_type' is {show(kind)}, expected one of {' / '.join(ROPE_TYPES)}")
+    if legacy and text.get("rope_parameters"):
+        raise TurboError(f"{w}: fields 'rope_scaling' and 'rope_parameters' are both given: transformers then reads "
+                         "rope_scaling alone (rope_theta from the top level), a RoPE unlike the one rope_parameters "
+                         "describes; give one")
     if kind == "default":
         return None
     factor = need_real(params, "factor", where, lambda v: v >= 1, "a number >= 1")

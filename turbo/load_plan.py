@@ -259,6 +259,9 @@ def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device:
     """The trunk's plan in `opts.dtype` on `device`: which step runs it, and every matrix's form
     (float panels, int4 / int8 read packed, or the torch step's tensors)."""
     dtype, on_cpu = getattr(torch, opts.dtype), device.type == "cpu"
+    if a.tie_embeddings and PREFIX + "lm_head.weight" in entries:  # which of the two would be the head?
+        raise TurboError(f"{PREFIX}lm_head.weight: a separate lm_head, but the config's tie_word_embeddings is true "
+                         "(the embedding is the head): set it false, or drop the tensor")
     mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
     rules = _Rules(entries, dtype, on_cpu, mode, on_cpu and opts.native and host.library is None,
                    "int8" in host.layouts)

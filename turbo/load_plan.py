@@ -23,6 +23,8 @@ from .options import OpenOptions
 from .trunk import PREFIX
 
 NATIVE_OFF = "TURBO_NATIVE=0"  # why_torch when OpenOptions.native is False
+# why_torch under dynamic NTK RoPE: native.c rotates every row with one table (ops.DynamicNtk: one per length)
+DYNAMIC_ROPE = "rope_type dynamic: the native step rotates with one frequency table"
 EMBED = "embed_tokens.weight"
 
 # A matrix's form (Matrix.form):
@@ -270,7 +272,8 @@ def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device:
                 if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}
     kept = on_cpu and any(e.bits and quant.keep_packed(mode, e.bits, dtype) and not rules.read_packed(name, e)
                           for name, e in matrices.items() if name != PREFIX + EMBED)
-    why = NATIVE_OFF if not opts.native else native_trunk.trunk_refusal(device, dtype, kept) or host.library
+    why = NATIVE_OFF if not opts.native else (DYNAMIC_ROPE if a.rope_scaling is not None and a.rope_scaling.kind == "dynamic"
+                                              else native_trunk.trunk_refusal(device, dtype, kept) or host.library)
     # the float matrices packed, the embedding kept, in it (None: the torch step's plain tensors)
     rules = replace(rules, storage=native_pack.storage_dtype(
         dtype, {e.st_dtype for name, e in matrices.items() if not rules.read_packed(name, e)}) if why is None else None)

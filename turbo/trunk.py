@@ -12,12 +12,15 @@ B + 1: a verify, each row equal to its decode step bit for bit), leaving what `r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .arch import Arch
 from .backends.step import StepOut, TrunkState, TrunkStep
+
+if TYPE_CHECKING:
+    from .ops import DynamicNtk
 
 PREFIX = "trunk."
 # positions a generation's state reserves past its prompt; the cache grows (Trunk.reserve) as the
@@ -90,7 +93,7 @@ class TrunkWeights:
     lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
     final_norm: torch.Tensor  # 1 + w, fp32
     layers: list[LayerWeights]
-    inv_freq: torch.Tensor  # [rotary_dim / 2]
+    inv_freq: torch.Tensor | DynamicNtk  # [rotary_dim / 2], or by the sequence's length (dynamic RoPE)
 
 
 def trunk_matrices(w: TrunkWeights | Trunk) -> list[torch.Tensor]:

@@ -1,6 +1,9 @@
 """Fuzz an install's files: every case a mutated copy, run in a worker subprocess, its outcome classified.
 
-    python scripts/fuzz.py --headers N --configs M [--install tiny] [--seed 0] [--timeout 60]
+    python scripts/fuzz.py --headers N --configs M --drafters K --fields F [--install tiny] [--seed 0]
+
+--drafters and --fields are scripts/fuzz_classes.py's: caller's drafter objects that misbehave,
+and config.json fields judged against transformers (on a small checkpoint made for the run).
 
 Each case mutates one file of the install (a safetensors header for --headers; config.json or
 dflash/config.json for --configs) and runs turbo.open + a short greedy generation on it in a
@@ -10,6 +13,9 @@ worker process, which is restarted after a crash (counted as `crash`) or a case 
     turbo_error              one-line TurboError                                       ok
     generated-equal          the unmutated install's greedy tokens                     ok
     generated-changed-valid  other tokens from a valid value that changes the model    ok
+    generated-sampled        a well-formed drafter's sampled text (a q is checked)       ok
+    matches-reference        accepted, its logits transformers' on the same config      ok
+    silent-change            accepted, its logits not transformers' on that config      BAD
     generated-changed        other tokens from a mutation that should not change them  BAD
     accepted-should-refuse   generated from a value no checkpoint may carry            BAD
     other-exception          any other exception, or a TurboError of several lines     BAD
@@ -39,13 +45,16 @@ from typing import Callable, Iterable, Iterator
 
 from turbo.install import resolve
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fuzz_classes  # noqa: E402 (scripts/ is not a package)
+
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
 NEW_TOKENS = 4
 STARTUP_S = 600.0
 MARK = "@@fuzz "  # prefixes the worker's replies: anything else on its stdout is not ours
 BAD = ("generated-changed", "other-exception", "accepted-but-library-refuses", "accepted-should-refuse", "crash",
-       "hang")
+       "hang", "silent-change")
 # The library keeps the last of a name given twice; turbo refuses it (turbo/safetensors_format.py).
 STRICTER_THAN_LIBRARY = ("duplicate-tensor",)
 
@@ -57,6 +66,7 @@ class Case:
     blob: bytes  # its new content
     must_refuse: bool = False  # a value no honest checkpoint carries: generating from it is a finding
     may_change_output: bool = False  # a valid value that changes the model's meaning (rope_theta 1e7 -> 1e12)
+    job: dict | None = None  # more for the worker (fuzz_classes: a drafter case, a field case's checkpoint)
 
 
 @dataclass
@@ -497,7 +507,18 @@ def config_cases(install: Path, n: int, seed: int) -> list[Case]:
     return cases
 
 
-TARGETS: dict[str, Callable[[Path, int, int], Iterable[Case]]] = {"headers": header_cases, "configs": config_cases}
+def drafter_cases(install: Path, n: int, seed: int) -> list[Case]:
+    return [Case(f"drafter:{cls}", "", b"", refuse, job=job) for cls, job, refuse in fuzz_classes.drafter_cases(n, seed)]
+
+
+def field_cases(hf_dir: Path, install: Path, n: int, seed: int) -> list[Case]:
+    base = json.loads((install / "config.json").read_text())
+    return [Case(f"field:{cls}", "config.json", text.encode(), job={"hf": str(hf_dir)})
+            for cls, text in fuzz_classes.field_cases(base, n, seed)]
+
+
+TARGETS: dict[str, Callable[[Path, int, int], Iterable[Case]]] = {"headers": header_cases, "configs": config_cases,
+                                                                  "drafters": drafter_cases}
 
 
 # ---- running cases ----------------------------------------------------------------------------
@@ -525,9 +546,13 @@ def worker() -> None:
     from turbo.errors import TurboError
     from turbo.safetensors_format import read_header
 
+    runtimes: dict = {}  # the drafter cases' runtime and greedy tokens (one per install, every case on it)
     for line in sys.stdin:
         job = json.loads(line)
         reply: dict = {}
+        if "drafter" in job or "hf" in job:
+            print(MARK + json.dumps(class_reply(job, runtimes)), flush=True)
+            continue
         if (job.get("file") or "").endswith(".safetensors"):
             path = Path(job["install"]) / job["file"]
             try:
@@ -551,19 +576,43 @@ def worker() -> None:
         print(MARK + json.dumps(reply), flush=True)
 
 
+def class_reply(job: dict, runtimes: dict) -> dict:
+    """A fuzz_classes case's reply, in the worker."""
+    import turbo
+    from turbo.errors import TurboError
+
+    try:
+        if "hf" in job:
+            return fuzz_classes.field_job(Path(job["install"]), Path(job["hf"]))
+        if job["install"] not in runtimes:
+            rt = turbo.open(job["install"], backend="cpu")
+            runtimes[job["install"]] = rt, rt.generate(fuzz_classes.PROMPT, max_new_tokens=fuzz_classes.DRAFTER_TOKENS,
+                                                       stop_at_eos=False, policy="off").tokens
+        rt, reference = runtimes[job["install"]]
+        tokens = fuzz_classes.drafter_job(rt, job, reference)
+        if job["drafter"].startswith("q-"):  # sampled: some valid text of the asked length
+            return {"result": "generated", "tokens": tokens, "sampled": len(tokens) == len(reference) and all(
+                type(t) is int and 0 <= t < rt.install.arch.vocab for t in tokens)}
+        return {"result": "generated", "tokens": tokens, "expected": reference}
+    except TurboError as e:
+        return {"result": "turbo_error", "message": str(e)}
+    except Exception as e:  # the outcome we are looking for: any other exception is a finding
+        return {"result": "other", "message": f"{type(e).__name__}: {e}"}
+
+
 class Worker:
     """One worker subprocess, restarted after a crash or a hang."""
 
     def __init__(self, timeout: float):
         self.timeout, self.proc = timeout, None
 
-    def ask(self, install: Path, file: str | None, timeout: float | None = None) -> dict | str:
+    def ask(self, install: Path, file: str | None, timeout: float | None = None, job: dict | None = None) -> dict | str:
         """The worker's reply, or "crash" / "hang" (no reply within `timeout`, default the worker's)."""
         if self.proc is None:
             env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
             self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        self.proc.stdin.write(json.dumps({"install": str(install), "file": file}) + "\n")
+        self.proc.stdin.write(json.dumps({"install": str(install), "file": file} | (job or {})) + "\n")
         self.proc.stdin.flush()
         while True:
             ready, _, _ = select.select([self.proc.stdout], [], [], timeout or self.timeout)
@@ -592,12 +641,18 @@ def classify(case: Case, reply: dict | str, reference: list[int]) -> Outcome:
         o.outcome = "turbo_error" if "\n" not in o.detail else "other-exception"
     elif reply["result"] == "other":
         o.outcome = "other-exception"
+    elif "reference" in reply:  # a field case: judged by transformers' logits
+        o.outcome, o.detail = ("matches-reference", "") if reply["reference"] == "match" else (
+            "silent-change", reply["reference"])
+    elif reply.get("sampled") and not case.must_refuse:
+        o.outcome, o.detail = "generated-sampled", str(reply["tokens"])
     elif o.library_ok is False:
         o.outcome = "accepted-but-library-refuses"
     elif case.must_refuse:
         o.outcome, o.detail = "accepted-should-refuse", str(reply["tokens"])
     else:
         o.detail = str(reply["tokens"])
+        reference = reply.get("expected", reference)  # a drafter case's: its own greedy run's
         o.outcome = "generated-equal" if reply["tokens"] == reference else (
             "generated-changed-valid" if case.may_change_output else "generated-changed")
     return o
@@ -612,10 +667,12 @@ def run_cases(base: Path, cases: Iterable[Case], timeout: float = 60.0) -> list[
         outcomes = []
         with tempfile.TemporaryDirectory(prefix="turbo-fuzz-") as tmp:
             for i, case in enumerate(cases):
-                install = case_install(base, case, Path(tmp) / f"case{i}")
+                install = case_install(base, case, Path(tmp) / f"case{i}") if case.file else base
                 case.blob = b""  # written: the outcome keeps the case's class and file, not its bytes
-                outcomes.append(classify(case, w.ask(install, case.file), ref["tokens"]))
-                shutil.rmtree(install)
+                job = (case.job or {}) | ({"reference": ref["tokens"]} if "drafter" in (case.job or {}) else {})
+                outcomes.append(classify(case, w.ask(install, case.file, job=job), ref["tokens"]))
+                if case.file:
+                    shutil.rmtree(install)
         return outcomes
     finally:
         w.close()
@@ -637,6 +694,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     for target in TARGETS:
         parser.add_argument(f"--{target}", type=int, default=0, metavar="N", help=f"N {target} mutations")
+    parser.add_argument("--fields", type=int, default=0, metavar="N",
+                        help="N config.json field mutations on a small checkpoint, judged against transformers")
     parser.add_argument("--install", default="tiny", help="the install to mutate (a directory or a shipped name)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a case counts as a hang")
@@ -646,10 +705,14 @@ def main(argv: list[str] | None = None) -> int:
         worker()
         return 0
     base = resolve(args.install).resolve()
-    if not any(getattr(args, t) for t in TARGETS):
-        parser.error(f"nothing to do: give one of {', '.join('--' + t for t in TARGETS)} N")
+    if not any(getattr(args, t) for t in TARGETS) and not args.fields:
+        parser.error(f"nothing to do: give one of {', '.join('--' + t for t in [*TARGETS, 'fields'])} N")
     cases = (c for t, make in TARGETS.items() for c in make(base, getattr(args, t), args.seed))
-    outcomes = run_cases(base, cases, args.timeout)
+    outcomes = run_cases(base, cases, args.timeout) if any(getattr(args, t) for t in TARGETS) else []
+    if args.fields:
+        with tempfile.TemporaryDirectory(prefix="turbo-fuzz-fields-") as tmp:
+            hf_dir, install = fuzz_classes.field_base(Path(tmp))
+            outcomes += run_cases(install, field_cases(hf_dir, install, args.fields, args.seed), args.timeout)
     print(table(outcomes))
     bad = [o for o in outcomes if o.outcome in BAD]
     for o in bad:

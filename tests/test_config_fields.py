@@ -5,6 +5,7 @@ import json
 import shutil
 
 import pytest
+import torch
 from turbo.testing import assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_install
 from safetensors.torch import load_file, save_file
 
@@ -14,6 +15,7 @@ from turbo.errors import TurboError
 from turbo.install import open_install
 from turbo.install_check import check_tensor_names
 from turbo.loader import load_trunk
+from turbo.ops import DynamicNtk
 from turbo.options import OpenOptions
 
 WINDOW = 32  # original_max_position_embeddings: the parity prompts (40 and 24 + 64 tokens) run past it
@@ -49,19 +51,52 @@ def test_scaled_rope_64_greedy_tokens_equal_transformers(scaled):
     assert_64_greedy_tokens_match(model, path)
 
 
+@pytest.fixture(scope="module")
+def dynamic(tmp_path_factory):
+    """Dynamic NTK past a 32-position max_position_embeddings (factor 4: a 128-position context)."""
+    rope = {"rope_type": "dynamic", "factor": 4.0, "rope_theta": 10000.0, "partial_rotary_factor": 0.5}
+    return make_install(tmp_path_factory.mktemp("dynamic"), 3, rope_parameters=rope, max_position_embeddings=WINDOW)
+
+
+def test_dynamic_rope_prefill_past_the_window_matches_transformers(dynamic):
+    """transformers' first forward rotates a prompt of n > max_position_embeddings rows with the
+    frequencies for length n; its decode steps each for their own length (the greedy test)."""
+    model, path = dynamic
+    trunk = load_trunk(open_install(path), OpenOptions.from_env(dtype="float32"), "cpu")
+    assert trunk.step_name == "torch" and isinstance(trunk.inv_freq, DynamicNtk)
+    assert open_install(path).arch.max_positions == 4 * WINDOW
+    for n in (WINDOW - 8, 40, 4 * WINDOW):
+        ids = torch.randint(0, model.config.vocab_size, (1, n), generator=torch.Generator().manual_seed(n))
+        with torch.no_grad():
+            ref = model(ids).logits[0].float()
+        ours = trunk.prefill(trunk.new_state(), ids[0].tolist(), want_logits=True).logits
+        assert (ours - ref).abs().max().item() < 1e-4, n
+
+
+def test_dynamic_rope_64_greedy_tokens_equal_transformers_and_speculation(dynamic):
+    model, path = dynamic
+    assert_64_greedy_tokens_match(model, path)  # 24 + 64 positions: 56 of them past the window
+    rt = turbo.open(path, backend="cpu")
+    plain = rt.generate([5, 6, 7] * 12, max_new_tokens=64, policy="off", stop_at_eos=False).tokens
+    drafted = rt.generate([5, 6, 7] * 12, max_new_tokens=64, policy="fixed", block=4, drafter="ngram",
+                          stop_at_eos=False)
+    assert drafted.tokens == plain and drafted.stats.drafted > 0  # a verify row is its decode step
+
+
 REFUSED = [
     ({"hidden_act": "gelu"}, "field 'hidden_act' is 'gelu', turbo implements only silu"),
     ({"hidden_act": "relu"}, "field 'hidden_act' is 'relu', turbo implements only silu"),
     ({"attention_bias": True}, "field 'attention_bias' is True, turbo implements only false"),
     ({"num_experts": 8}, "field 'num_experts' is 8 on the dense model_type qwen3_5_text, expected 0"),
-    ({"rope_parameters": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}},
-     "field 'rope_type' is 'dynamic', which turbo does not implement"),
     ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4}},
      "field 'rope_type' is 'longrope', expected one of default / linear / yarn"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}},
      "missing required field 'original_max_position_embeddings'"),
     ({"rope_scaling": {"type": "mystery", "factor": 2.0}}, "field 'rope_type' is 'mystery'"),
     ({"rope_scaling": "linear"}, "field 'rope_scaling' is 'linear', expected an object"),
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}},
+     "field 'rope_scaling' is given beside 'rope_parameters': transformers then reads rope_scaling alone"),
+    ({"attention_bias": None}, "field 'attention_bias' is None, turbo implements only false"),
 ]
 
 

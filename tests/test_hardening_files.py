@@ -324,3 +324,29 @@ def test_a_drafter_of_another_width_is_refused_before_writing(tmp_path, checkpoi
     with pytest.raises(TurboError, match=r"fc.weight has shape \[32, 64\], expected 64 rows"):
         repack(checkpoint, tmp_path / "inst", drafter=drafter, quiet=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["drafter"]
+
+
+def test_a_sparse_file_declaring_a_64_gb_tensor_is_refused_before_reading(install):
+    """Its header is sound (the file really is 64 GB, sparse): the bound for one tensor refuses
+    it at open, before a byte of it is mapped or allocated."""
+    import resource
+
+    n = 2 ** 35  # bf16 elements: 64 GiB
+    header = json.dumps({"trunk.huge": {"dtype": "BF16", "shape": [2 ** 20, 2 ** 15], "data_offsets": [0, 2 * n]}})
+    header += " " * (-len(header) % 8)
+    path = install / "huge.safetensors"
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(header)) + header.encode())
+        f.truncate(8 + len(header) + 2 * n)
+    assert read_header(path).tensors["trunk.huge"].shape == (2 ** 20, 2 ** 15)  # the format itself accepts it
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    msg = one_line_refusal(install, f"{path}: tensor trunk.huge declares {n} elements [1048576, 32768], "
+                                    "over turbo's bound of 2^34 for one tensor")
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 512 * 1024, msg  # KiB
+
+
+def test_a_separate_lm_head_under_tied_embeddings_is_refused(install):
+    config = json.loads((install / "config.json").read_text())
+    assert not config["tie_word_embeddings"]
+    (install / "config.json").write_text(json.dumps(config | {"tie_word_embeddings": True}))
+    one_line_refusal(install, "trunk.lm_head.weight: a separate lm_head, but the config's tie_word_embeddings is true")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import reprlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -26,10 +26,10 @@ LAYER_KINDS = ("linear_attention", "full_attention")
 
 @dataclass(frozen=True)
 class RopeScaling:
-    """rope_parameters' scaling as transformers' modeling_rope_utils reads it (linear or yarn)."""
-    kind: str  # linear | yarn
+    """rope_parameters' scaling as transformers' modeling_rope_utils reads it (linear, yarn or dynamic)."""
+    kind: str  # linear | yarn | dynamic
     factor: float
-    original_max_positions: int = 0  # yarn: the pretrained window
+    original_max_positions: int = 0  # yarn: the pretrained window; dynamic: max_position_embeddings
     beta_fast: float = 32.0
     beta_slow: float = 1.0
     truncate: bool = True
@@ -250,6 +250,13 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
         )
     if arch.rotary_dim <= 0 or arch.rotary_dim % 2:
         raise TurboError(f"{w}: head_dim * partial_rotary_factor = {arch.rotary_dim}, expected a positive even number")
+    s = arch.rope_scaling
+    if s is not None and s.kind == "dynamic":
+        if arch.rotary_dim <= 2:
+            raise TurboError(f"{w}: dynamic RoPE over {arch.rotary_dim} rotary dims: its exponent dim / (dim - 2) "
+                             "needs more than 2")
+        # the context the factor declares: transformers sets none, and past it the scaling goes on growing
+        arch = replace(arch, max_positions=min(int(s.factor * s.original_max_positions), MAX_POSITIONS))
     return arch
 
 
@@ -284,7 +291,7 @@ def _moe_fields(text: dict, model_type: str, num_layers: int, w: str) -> dict:
 
 # The activations and rope types turbo computes; everything else is refused by name.
 ACTIVATIONS = ("silu",)
-ROPE_TYPES = ("default", "linear", "yarn")
+ROPE_TYPES = ("default", "linear", "yarn", "dynamic")
 
 
 def _refuse_unimplemented(text: dict, model_type: str, w: str) -> None:
@@ -294,7 +301,7 @@ def _refuse_unimplemented(text: dict, model_type: str, w: str) -> None:
     if act not in ACTIVATIONS:
         raise TurboError(f"{w}: field 'hidden_act' is {show(act)}, turbo implements only {' / '.join(ACTIVATIONS)}")
     bias = text.get("attention_bias", False)
-    if bias is not False and bias is not None:
+    if bias is not False:
         raise TurboError(f"{w}: field 'attention_bias' is {show(bias)}, turbo implements only false "
                          "(attention projections without biases)")
     experts = text.get("num_experts")
@@ -313,17 +320,19 @@ def rope_scaling(text: dict, rope: dict, w: str) -> RopeScaling | None:
     params = rope | legacy  # an older rope_scaling object says how to scale; not ignored
     kind = legacy.get("rope_type", legacy.get("type")) or rope.get("rope_type", "default")
     where = f"{w} rope_parameters"
-    if kind == "dynamic":
-        raise TurboError(f"{where}: field 'rope_type' is 'dynamic', which turbo does not implement: dynamic NTK "
-                         "recomputes the frequencies as the sequence grows, and turbo's K/V cache keeps keys "
-                         f"rotated once (supported: {' / '.join(ROPE_TYPES)})")
     if kind not in ROPE_TYPES:
         raise TurboError(f"{where}: field 'rope_type' is {show(kind)}, expected one of {' / '.join(ROPE_TYPES)}")
+    if legacy and text.get("rope_parameters"):
+        raise TurboError(f"{w}: field 'rope_scaling' is given beside 'rope_parameters': transformers then reads "
+                         "rope_scaling alone (rope_theta from the top level), a RoPE unlike the one rope_parameters "
+                         "describes; give one")
     if kind == "default":
         return None
     factor = need_real(params, "factor", where, lambda v: v >= 1, "a number >= 1")
     if kind == "linear":
         return RopeScaling("linear", factor)
+    if kind == "dynamic":  # scaled past max_position_embeddings (ops.DynamicNtk)
+        return RopeScaling("dynamic", factor, need_positive(text, "max_position_embeddings", w, MAX_POSITIONS))
     original = need_positive({k: text[k] for k in ("original_max_position_embeddings",) if k in text} | params,
                              "original_max_position_embeddings", where, MAX_POSITIONS)
     fast = need_real({"beta_fast": 32.0} | {k: v for k, v in params.items() if v}, "beta_fast", where,

@@ -37,6 +37,7 @@ from .sampling import RejectionSampler, rejection_sampler
 from .session import DEFAULT_SNAPSHOTS, FRESH, Session, Start
 from .stats import Stats
 from .stops import Finish, Stopper
+from .trunk import KV_CHUNK
 from .rounds import play_round
 
 DEFAULT_GENERATION = GenerationOptions()
@@ -267,7 +268,7 @@ class Runtime:
         with self._serial, self._step, self._round():  # this generation takes the runtime over
             self._generation += 1
             me = self._generation
-            st = origin.prime(trunk, draft, ids, len(ids) + max_new + 16)
+            st = origin.prime(trunk, draft, ids, len(ids) + min(max_new, KV_CHUNK))  # grows as it goes
         chooser = None
         if p.policy == "adaptive" and draft is not None:
             # under sampling the blocks are chosen from counts (the seed repeats the text), and

@@ -8,6 +8,7 @@ manifest flag, so nothing can disagree with the bytes.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -34,6 +35,10 @@ DRAFTER_DIR = "dflash"
 # be shadowed by) the part that owns it. Quantized companions share their weight's prefix.
 TRUNK_PREFIXES = ("trunk.", "mtp.", "vision.")
 DRAFTER_PREFIXES = ("dflash.",)
+# The most elements one tensor may declare (32 GiB in bf16): the largest of a real Qwen3.5 (a
+# fused MoE block's experts, 512 x 2048 x 4096) is a quarter of it. A header past it (a sparse
+# file declaring a 64 GB embedding, a config inflated to match) is refused before any read.
+MAX_TENSOR_ELEMENTS = 2 ** 34
 
 
 @dataclass(frozen=True)
@@ -111,6 +116,10 @@ class ResidentIndex:
         self._attach_quant_companions()
 
     def _add(self, info: TensorInfo, header: Header) -> None:
+        count = math.prod(info.shape)
+        if count > MAX_TENSOR_ELEMENTS:  # before anything is mapped or allocated for it
+            raise TurboError(f"{header.path}: tensor {info.name} declares {count} elements {list(info.shape)}, "
+                             f"over turbo's bound of 2^34 for one tensor")
         code = DTYPE_CODES.get(info.dtype, 0)  # 0: raw storage (packed quantized payloads, scales)
         self.entries[info.name] = Entry(info.name, code, shape4(info.shape, info.name), header.path,
                                         header.data_start + info.begin, info.end - info.begin, info.dtype, info.shape)

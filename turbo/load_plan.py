@@ -24,6 +24,8 @@ from .options import OpenOptions
 from .trunk import PREFIX
 
 NATIVE_OFF = "TURBO_NATIVE=0"  # why_torch when OpenOptions.native is False
+# why_torch under dynamic NTK RoPE: native.c rotates every row with one table (ops.DynamicNtk: one per length)
+DYNAMIC_ROPE = "rope_type dynamic: the native step rotates with one frequency table"
 EMBED = "embed_tokens.weight"
 
 # A matrix's form (Matrix.form):
@@ -293,6 +295,9 @@ def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device:
     """The trunk's plan in `opts.dtype` on `device`: which step runs it, and every matrix's form
     (float panels, int4 / int8 read packed, or the torch step's tensors)."""
     dtype, on_cpu = getattr(torch, opts.dtype), device.type == "cpu"
+    if a.tie_embeddings and PREFIX + "lm_head.weight" in entries:  # which of the two would be the head?
+        raise TurboError(f"{PREFIX}lm_head.weight: a separate lm_head, but the config's tie_word_embeddings is true "
+                         "(the embedding is the head): set it false, or drop the tensor")
     mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
     rules = _Rules(entries, dtype, on_cpu, mode, on_cpu and opts.native and host.library is None,
                    "int8" in host.layouts, layouts=host.layouts)
@@ -301,7 +306,8 @@ def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device:
                 if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}
     kept = on_cpu and any(e.bits and quant.keep_packed(mode, e.bits, dtype) and not rules.read_packed(name, e)
                           for name, e in matrices.items() if name != PREFIX + EMBED)
-    why = NATIVE_OFF if not opts.native else native_trunk.trunk_refusal(device, dtype, kept) or host.library
+    why = NATIVE_OFF if not opts.native else (DYNAMIC_ROPE if a.rope_scaling is not None and a.rope_scaling.kind == "dynamic"
+                                              else native_trunk.trunk_refusal(device, dtype, kept) or host.library)
     # the float matrices packed, the embedding kept, in it (None: the torch step's plain tensors)
     rules = replace(rules, storage=native_pack.storage_dtype(
         dtype, {e.st_dtype for name, e in matrices.items() if not rules.read_packed(name, e)}) if why is None else None)

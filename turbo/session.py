@@ -20,6 +20,7 @@ import torch
 from .chat import assistant_message, turn_options, turn_stop_ids
 from .chat_template import ChatTemplate, encode
 from .drafters import Drafter, DrafterBase
+from .drafters.seam import call
 from .errors import TurboError
 from .options import GenerationOptions
 from .stats import Stats
@@ -57,7 +58,7 @@ class FreshStart:
         aux_layers = draft.aux_layers if draft is not None else ()
         prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
         if draft is not None:
-            draft.begin(prompt_out, ids)
+            call(draft, "begin", draft.begin, prompt_out, ids)  # its exception: a TurboError naming it
         return st
 
     def finish(self, draft: Any) -> None:
@@ -154,7 +155,7 @@ class Keeper:
             st = self.st = trunk.new_state(capacity)
             self.snaps, p, how = [], 0, "fresh"
             if draft is not None:
-                draft.begin(None, ids[:1])
+                call(draft, "begin", draft.begin, None, ids[:1])
         else:
             st, p, how = self.st, base.pos, "last turn" if base.trunk is None else "snapshot"
             if base.trunk is not None:
@@ -184,7 +185,7 @@ class Keeper:
         aux = draft.aux_layers if draft is not None else ()
         out = trunk.prefill(st, ids[p:end], aux) if st.pos == 0 else trunk.extend(st, ids[p:end], aux)
         if draft is not None:
-            draft.resume(out, ids[:end + 1], p)
+            call(draft, "resume", draft.resume, out, ids[:end + 1], p)
 
     def finish(self, draft: Any) -> None:
         flush = getattr(draft, "flush", None)  # the adaptive loop's wrapper keeps commits pending

@@ -12,14 +12,20 @@ B + 1: a verify, each row equal to its decode step bit for bit), leaving what `r
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from .arch import Arch
 from .backends.step import StepOut, TrunkState, TrunkStep
 
+if TYPE_CHECKING:
+    from .ops import DynamicNtk
+
 PREFIX = "trunk."
+# positions a generation's state reserves past its prompt; the cache grows (Trunk.reserve) as the
+# sequence does, so max_new_tokens is a limit, not an allocation
+KV_CHUNK = 256
 # rows a step of `extend`: a step's logits cover every row ([64, vocab] fp32: 64 MB at a 248K vocabulary)
 
 
@@ -87,7 +93,7 @@ class TrunkWeights:
     lm_head: torch.Tensor  # [vocab, hidden] (the embedding itself when tied)
     final_norm: torch.Tensor  # 1 + w, fp32
     layers: list[LayerWeights]
-    inv_freq: torch.Tensor  # [rotary_dim / 2]
+    inv_freq: torch.Tensor | DynamicNtk  # [rotary_dim / 2], or by the sequence's length (dynamic RoPE)
 
 
 def trunk_matrices(w: TrunkWeights | Trunk) -> list[torch.Tensor]:
@@ -130,11 +136,16 @@ class Trunk:
         return TrunkState(0, kv, gdn)
 
     def reserve(self, st: TrunkState, end: int) -> None:
+        """Room for positions [0, end): a cache short of it is replaced by one twice as long (no
+        longer than the context allows, unless `end` is past it), its rows copied. Every step
+        calls this before writing K/V and reads the buffers' addresses after it."""
         for i, (k, v) in st.kv.items():
-            if k.shape[1] < end:
-                cap = max(end, 2 * k.shape[1])
+            old = k.shape[1]
+            if old < end:
+                cap = max(end, min(2 * old, self.arch.max_positions))
                 k2, v2 = k.new_zeros(k.shape[0], cap, k.shape[2]), v.new_zeros(v.shape[0], cap, v.shape[2])
-                k2[:, :st.pos], v2[:, :st.pos] = k[:, :st.pos], v[:, :st.pos]
+                # every row (a restored snapshot's K/V may lie past st.pos after a rollback)
+                k2[:, :old], v2[:, :old] = k, v
                 st.kv[i] = (k2, v2)
 
     def snapshot(self, st: TrunkState) -> RecurrentSnapshot:

@@ -219,7 +219,10 @@ def _yarn_range(s: RopeScaling, dim: int, theta: float) -> tuple[float, float]:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = positions.float()[:, None] * inv_freq[None, :]
+    """positions [R] (a row's one position), or [R, rot/2] (a position per frequency: the
+    multimodal rotation, turbo/vision/positions.py; equal ones give the [R] form's bits)."""
+    pos = positions.float()
+    freqs = (pos if pos.ndim == 2 else pos[:, None]) * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return rowwise(torch.cos, emb), rowwise(torch.sin, emb)
 

@@ -1,0 +1,52 @@
+"""Small random Qwen3_5ForConditionalGeneration checkpoints (a trunk and a vision tower) in the
+HF layout, and installs made from them by the real repack (tests/test_vision_*.py).
+transformers is an optional test dependency: imported inside the functions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..repack import repack
+from ..testing.checkpoints import hf_config, randomize_, tiny_tokenizer
+
+IMAGE_ID, START_ID, END_ID = 300, 301, 302  # in the tiny vocabulary of 320
+
+
+def vision_dict(patch: int = 4, merge: int = 2, depth: int = 2, out_hidden: int = 64) -> dict:
+    return dict(depth=depth, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=patch,
+                spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=out_hidden, num_position_embeddings=16)
+
+
+def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: int = 2, depth: int = 2, **over):
+    """A Qwen3_5ForConditionalGeneration with random weights saved as an HF checkpoint: the tiny
+    trunk with a rotary of 8 dims in mrope sections (2, 1, 1); returns the model."""
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+
+    torch.manual_seed(seed)
+    text = hf_config(**({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
+                                             "mrope_section": [2, 1, 1], "mrope_interleaved": True}} | over)).to_dict()
+    cfg = Qwen3_5Config(text_config=text, vision_config=vision_dict(patch, merge, depth, text["hidden_size"]),
+                        image_token_id=IMAGE_ID, vision_start_token_id=START_ID, vision_end_token_id=END_ID,
+                        video_token_id=303, tie_word_embeddings=False)
+    model = Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    randomize_(model, seed)
+    with torch.no_grad():  # the tower's LayerNorms centred on 1 (randomize_ centres RMSNorms' 1 + w on 0)
+        for name, p in model.model.visual.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.add_(1.0)
+    model.save_pretrained(directory)
+    tiny_tokenizer(text["vocab_size"]).save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (directory / "preprocessor_config.json").write_text(json.dumps(
+        {"patch_size": patch, "merge_size": merge, "temporal_patch_size": 2, "image_mean": [0.5] * 3,
+         "image_std": [0.5] * 3, "size": {"shortest_edge": 64, "longest_edge": 64 * 64}}))
+    return model
+
+
+def make_vl_install(tmp: Path, seed: int = 0, **over):
+    src = tmp / f"vl{seed}"
+    model = make_vl_checkpoint(src, seed, **over)
+    return model, repack(src, tmp / f"vl-install{seed}", quiet=True)

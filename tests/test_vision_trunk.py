@@ -33,6 +33,13 @@ def vl(tmp_path_factory):
     return model, install, load_trunk(install, OpenOptions(native=False), "cpu"), Vision.from_install(install)
 
 
+@pytest.fixture(scope="module")
+def native(vl):
+    trunk = load_trunk(vl[1], OpenOptions(), "cpu")
+    assert trunk.step_name == "native"
+    return trunk
+
+
 def reference(model, vis: Vision, tokens: list[int], imgs, new: int = 0):
     prep = vis.prepare(imgs)
     ids = torch.tensor([tokens])
@@ -54,14 +61,23 @@ def test_logits_equal_transformers(vl, prompt, count):
     assert (out.logits - reference(model, vis, tokens, imgs)).abs().max().item() < 1e-4
 
 
-def test_64_greedy_tokens_equal_transformers(vl):
-    model, _, trunk, vis = vl
+def test_64_greedy_tokens_equal_transformers(vl, native):
+    model, _, torch_trunk, vis = vl
     tokens, mm = vis.prompt(TWO, images())
-    st = trunk.new_state()
-    ours = [int(trunk.prefill(st, tokens, mm=mm).logits[-1].argmax())]
-    for _ in range(63):
-        ours.append(int(trunk.step(st, [ours[-1]]).logits[-1].argmax()))
-    assert ours == reference(model, vis, tokens, images(), new=64)
+    ref = reference(model, vis, tokens, images(), new=64)
+    for trunk in (torch_trunk, native):
+        st = trunk.new_state()
+        ours = [int(trunk.prefill(st, tokens, mm=mm).logits[-1].argmax())]
+        for _ in range(63):
+            ours.append(int(trunk.step(st, [ours[-1]]).logits[-1].argmax()))
+        assert st.rope_delta == mm.delta and ours == ref, trunk.step_name
+
+
+def test_native_step_logits_equal_transformers(vl, native):
+    model, _, _, vis = vl
+    tokens, mm = vis.prompt(TWO, images())
+    out = native.prefill(native.new_state(), tokens, want_logits=True, mm=mm)
+    assert (out.logits - reference(model, vis, tokens, images())).abs().max().item() < 1e-4
 
 
 def test_placeholders_and_images_must_agree(vl):

@@ -13,7 +13,7 @@ from ..install import Install
 from .config import TokenIds, VisionConfig, mrope_section, token_ids, vision_config
 from .image import ImageInput, ImageSpec, PreparedImage, prepare, spec_from_files
 from .positions import MmRows, expand_placeholders, mm_rows
-from .tower import TowerWeights, encode, tower_from_install
+from .tower import TowerWeights, check_tensors, encode, tower_from_install
 
 
 @dataclass
@@ -50,3 +50,68 @@ class Vision:
         pixels = torch.cat([p.pixels for p in prepared]) if prepared else torch.empty(0, self.config.patch_dim)
         embeds = encode(self.config, self.weights, pixels, grids) if prepared else torch.empty(0, self.config.out_hidden)
         return tokens, mm_rows(tokens, grids, embeds, self.config.merge, self.ids.image, self.sections, self.rot_half)
+
+
+def tower_refusal(install: Install) -> str | None:
+    """Why this install's tower cannot run (its config and its tensors' shapes, read off the
+    index: nothing loads), or None."""
+    where = str(install.path / "config.json")
+    try:
+        c = vision_config(install.config, install.arch.hidden, where)
+        token_ids(install.config, install.arch.vocab, where)
+        mrope_section(install.config, where)
+        check_tensors(c, install.index.entries.keys(), lambda n: install.index.need(n).dims)
+    except TurboError as e:
+        return str(e)
+    return None
+
+
+class ImageStart:
+    """A fresh prefill of a prompt with images (the engine's `Start`, turbo/session.py's
+    FreshStart with the tower's rows and positions): the drafters begin on the trunk's states
+    over it, as over text."""
+
+    keeps_state = False
+
+    def __init__(self, tokens: list[int], mm: MmRows):
+        self.tokens, self.mm = tokens, mm
+
+    def prime(self, trunk, draft, ids: list[int], capacity: int):
+        if ids != self.tokens:
+            raise TurboError("a prompt with images is never truncated: shorten it, or lower max_new_tokens")
+        n = len(ids) - 1  # ids[-1] is the first anchor: stepped at n + delta
+        if self.mm.rows.numel() and int(self.mm.rows[-1]) == n:
+            raise TurboError("a prompt cannot end in an image: end it with text (the chat template does)")
+        st = trunk.new_state(capacity)
+        aux_layers = draft.aux_layers if draft is not None else ()
+        inside = self.mm.rows < n
+        head = MmRows(self.mm.rows[inside], self.mm.embeds[inside], self.mm.freq_positions[:n], self.mm.delta)
+        prompt_out = trunk.prefill(st, ids[:-1], aux_layers, mm=head) if n >= 1 else None
+        st.rope_delta = self.mm.delta
+        if draft is not None:
+            draft.begin(prompt_out, ids)
+        return st
+
+    def finish(self, draft) -> None:
+        pass
+
+
+def vision_of(rt) -> Vision:
+    """The runtime's Vision, built on first use (the tower loads with the first image)."""
+    if getattr(rt, "_vision", None) is None:
+        rt._vision = Vision.from_install(rt.install)
+    return rt._vision
+
+
+def image_prompt(rt, prompt, images: list, start) -> tuple[list[int], ImageStart]:
+    """A prompt (text or ids) and its images as the engine's expanded ids and Start: one image
+    placeholder per image (<|image_pad|>, as the chat template writes it between
+    <|vision_start|> and <|vision_end|>), or none, and then each image goes before the prompt."""
+    if start.keeps_state:
+        raise TurboError("images go in a chat session's messages, not as images= of its stream")
+    vis = vision_of(rt)
+    ids = rt.encode(prompt)
+    if vis.ids.image not in ids:
+        ids = [vis.ids.vision_start, vis.ids.image, vis.ids.vision_end] * len(images) + ids
+    tokens, mm = vis.prompt(ids, images)
+    return tokens, ImageStart(tokens, mm)

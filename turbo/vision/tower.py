@@ -60,17 +60,14 @@ def expected_shapes(c: VisionConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def load_tower(c: VisionConfig, names: Iterable[str], dims: Callable[[str], tuple[int, ...]],
-               read: Callable[[str], torch.Tensor], device: torch.device | str = "cpu") -> TowerWeights:
-    """The tower's weights in fp32 from the `vision.*` tensors among `names` (dims(name): the
-    stored shape, four-wide as the install's index folds a Conv3d; read(name): the tensor). A
-    tensor missing, of another shape than the config's, or not the tower's is refused by name."""
+def check_tensors(c: VisionConfig, names: Iterable[str], dims: Callable[[str], tuple[int, ...]]) -> None:
+    """Every `vision.*` tensor among `names` the config's, of its shape (dims(name): the stored
+    shape), none missing; else TurboError naming the first that is not."""
     shapes = expected_shapes(c)
     present = {n[len(PREFIX):] for n in names if n.startswith(PREFIX)}
     extra = sorted(present - shapes.keys())
     if extra:
         raise TurboError(f"{PREFIX}{extra[0]}: a tensor this vision tower does not have (config.json's vision_config: depth {c.depth})")
-    got: dict[str, torch.Tensor] = {}
     for name, shape in shapes.items():
         full = PREFIX + name
         if name not in present:
@@ -78,7 +75,14 @@ def load_tower(c: VisionConfig, names: Iterable[str], dims: Callable[[str], tupl
         stored = tuple(dims(full))
         if shape4(stored, full) != shape4(shape, full):
             raise TurboError(f"{full}: shape {list(stored)}, expected {list(shape)} (from config.json's vision_config)")
-        got[name] = read(full).float().reshape(shape).to(device)
+
+
+def load_tower(c: VisionConfig, names: Iterable[str], dims: Callable[[str], tuple[int, ...]],
+               read: Callable[[str], torch.Tensor], device: torch.device | str = "cpu") -> TowerWeights:
+    """The tower's weights in fp32 from the `vision.*` tensors among `names` (dims(name): the
+    stored shape; read(name): the tensor), checked first (`check_tensors`)."""
+    check_tensors(c, names, dims)
+    got = {name: read(PREFIX + name).float().reshape(shape).to(device) for name, shape in expected_shapes(c).items()}
 
     def pair(n: str) -> tuple[torch.Tensor, torch.Tensor]:
         return got[n + ".weight"], got[n + ".bias"]

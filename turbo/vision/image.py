@@ -4,7 +4,7 @@ multiple of patch * merge within min/max pixels (`smart_resize`), rescale and no
 still image repeated over the temporal patch, patches in merge-block order -> pixel_values
 [patches, C*T*P*P] and its grid (1, h, w) in patches.
 
-Inputs: a path, bytes, a PIL image, or a `data:` URL. Refused in one line, before anything is
+Inputs: a path (or file:// URL), bytes, a PIL image, or a `data:` URL; remote URLs are refused. Refused in one line, before anything is
 decoded where the header tells: an unreadable / truncated / corrupt file, an animated image, a
 side under MIN_SIDE, more than MAX_PIXELS pixels, an aspect ratio over MAX_RATIO, a file over
 MAX_BYTES."""
@@ -113,6 +113,8 @@ def _bytes_of(source: str | Path | bytes) -> tuple[bytes, str]:
             return base64.b64decode(payload, validate=True), "data URL"
         except (binascii.Error, ValueError):
             raise TurboError("data URL: its payload is not valid base64") from None
+    if isinstance(source, str) and source.split("://", 1)[0].lower() in ("http", "https", "ftp"):
+        raise TurboError(f"image {source[:60]!r}: remote URLs are not fetched (give a path, bytes or a data: URL)")
     path = Path(source[len("file://"):] if isinstance(source, str) and source.startswith("file://") else source)
     try:
         if not path.is_file():
@@ -128,6 +130,8 @@ def decode(source: ImageInput):
     """An RGB PIL image from any accepted input, every limit checked (the header's first)."""
     from PIL import Image  # an optional dependency: only images need it
 
+    if not isinstance(source, (str, Path, bytes, Image.Image)):
+        raise TurboError(f"image of type {type(source).__name__}: expected a path, bytes, a PIL image or a data: URL")
     if isinstance(source, Image.Image):
         img, name = source, "PIL image"
     else:

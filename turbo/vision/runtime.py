@@ -115,3 +115,34 @@ def image_prompt(rt, prompt, images: list, start) -> tuple[list[int], ImageStart
         ids = [vis.ids.vision_start, vis.ids.image, vis.ids.vision_end] * len(images) + ids
     tokens, mm = vis.prompt(ids, images)
     return tokens, ImageStart(tokens, mm)
+
+
+def message_images(messages: list) -> list:
+    """The images of chat messages' content parts, in order: OpenAI's {"type": "image_url",
+    "image_url": {"url": ...}} and {"type": "image", "image": ...} (a path, bytes, a PIL image or
+    a data: URL), as Qwen's chat template renders each as one placeholder."""
+    found = []
+    for m in messages if isinstance(messages, (list, tuple)) else ():
+        content = m.get("content") if isinstance(m, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if not isinstance(part, dict):
+                continue
+            if part.get("type") == "image_url" or "image_url" in part:
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if url is None:
+                    raise TurboError('an image_url part without a url: expected {"image_url": {"url": "data:..."}}')
+                found.append(url)
+            elif part.get("type") == "image" or "image" in part:
+                if part.get("image") is None:
+                    raise TurboError('an image part without its image: expected {"type": "image", "image": PATH}')
+                found.append(part["image"])
+    return found
+
+
+def check_placed(rt, ids: list[int], images: list) -> None:
+    """The rendered prompt places every image (the chat template wrote one placeholder each)."""
+    placed = ids.count(vision_of(rt).ids.image)
+    if placed != len(images):
+        raise TurboError(f"the chat template placed {placed} image placeholders for the messages' {len(images)} "
+                         "images (does it render image content parts?)")

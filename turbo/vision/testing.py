@@ -12,7 +12,16 @@ import torch
 from ..repack import repack
 from ..testing.checkpoints import hf_config, randomize_, tiny_tokenizer
 
-IMAGE_ID, START_ID, END_ID = 300, 301, 302  # in the tiny vocabulary of 320
+START_ID, IMAGE_ID, END_ID = 317, 318, 319  # the tiny vocabulary's last three ids: special tokens
+MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
+
+
+def vl_tokenizer(vocab: int):
+    """The tiny BPE with the three vision markers as its last ids (added as special tokens)."""
+    tok = tiny_tokenizer(vocab - len(MARKERS))
+    tok.add_special_tokens(list(MARKERS))
+    assert [tok.token_to_id(m) for m in MARKERS] == [START_ID, IMAGE_ID, END_ID] and tok.get_vocab_size() == vocab
+    return tok
 
 
 def vision_dict(patch: int = 4, merge: int = 2, depth: int = 2, out_hidden: int = 64) -> dict:
@@ -30,7 +39,7 @@ def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: in
                                              "mrope_section": [2, 1, 1], "mrope_interleaved": True}} | over)).to_dict()
     cfg = Qwen3_5Config(text_config=text, vision_config=vision_dict(patch, merge, depth, text["hidden_size"]),
                         image_token_id=IMAGE_ID, vision_start_token_id=START_ID, vision_end_token_id=END_ID,
-                        video_token_id=303, tie_word_embeddings=False)
+                        video_token_id=316, tie_word_embeddings=False)
     model = Qwen3_5ForConditionalGeneration(cfg).float().eval()
     randomize_(model, seed)
     with torch.no_grad():  # the tower's LayerNorms centred on 1 (randomize_ centres RMSNorms' 1 + w on 0)
@@ -38,7 +47,7 @@ def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: in
             if "norm" in name and name.endswith("weight"):
                 p.add_(1.0)
     model.save_pretrained(directory)
-    tiny_tokenizer(text["vocab_size"]).save(str(directory / "tokenizer.json"))
+    vl_tokenizer(text["vocab_size"]).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     (directory / "preprocessor_config.json").write_text(json.dumps(
         {"patch_size": patch, "merge_size": merge, "temporal_patch_size": 2, "image_mean": [0.5] * 3,

@@ -58,3 +58,31 @@ def test_speculation_is_not_blocked_and_prompts_are_checked(vl):
         rt.generate([5, START_ID, IMAGE_ID], images=images()[:1], max_new_tokens=4)
     with pytest.raises(TurboError, match="pixel budget|not a readable image"):
         rt.generate(PROMPT, images=[b"\x89PNG\r\n\x1a\n", images()[1]], max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def own_drafters(tmp_path_factory):
+    """The tiny VL checkpoint with a random MTP head and a random DFlash drafter, repacked together."""
+    from test_mtp import add_mtp, mtp_tensors
+
+    from turbo.repack import repack
+    from turbo.testing.checkpoints import make_drafter
+    from turbo.vision.testing import make_vl_checkpoint
+
+    tmp = tmp_path_factory.mktemp("vl-spec")
+    model = make_vl_checkpoint(tmp / "src", seed=3)
+    text = model.config.text_config
+    add_mtp(tmp / "src", mtp_tensors(text, 3))
+    drafter = make_drafter(tmp / "d", text.hidden_size, text.vocab_size, [0, text.num_hidden_layers - 2], seed=3)
+    return turbo.open(repack(tmp / "src", tmp / "inst", drafter=drafter, quiet=True), backend="cpu")
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_own_drafters_lossless_after_images(own_drafters, kind):
+    rt, imgs = own_drafters, images()
+    base = rt.generate(PROMPT, images=imgs, max_new_tokens=24, policy="off").tokens
+    for block in (1, 2, 5, 8):
+        for rollback in ("checkpoint", "replay"):
+            out = rt.generate(PROMPT, images=imgs, max_new_tokens=24, policy="fixed", block=block,
+                              rollback=rollback, drafter=kind)
+            assert out.tokens == base and out.stats.drafter == kind, (block, rollback)

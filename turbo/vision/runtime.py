@@ -13,7 +13,7 @@ from ..install import Install
 from .config import TokenIds, VisionConfig, mrope_section, token_ids, vision_config
 from .image import ImageInput, ImageSpec, PreparedImage, prepare, spec_from_files
 from .positions import MmRows, expand_placeholders, mm_rows
-from .tower import TowerWeights, check_tensors, encode, tower_from_install
+from .tower import TowerWeights, check_tensors, encode, install_names, tower_from_install
 
 
 @dataclass
@@ -60,7 +60,7 @@ def tower_refusal(install: Install) -> str | None:
         c = vision_config(install.config, install.arch.hidden, where)
         token_ids(install.config, install.arch.vocab, where)
         mrope_section(install.config, where)
-        check_tensors(c, install.index.entries.keys(), lambda n: install.index.need(n).dims)
+        check_tensors(c, install_names(install), lambda n: install.index.need(n).dims)
     except TurboError as e:
         return str(e)
     return None

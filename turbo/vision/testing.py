@@ -24,12 +24,14 @@ def vl_tokenizer(vocab: int):
     return tok
 
 
-def vision_dict(patch: int = 4, merge: int = 2, depth: int = 2, out_hidden: int = 64) -> dict:
-    return dict(depth=depth, hidden_size=32, intermediate_size=48, num_heads=2, patch_size=patch,
+def vision_dict(patch: int = 4, merge: int = 2, depth: int = 2, out_hidden: int = 64, hidden: int = 32) -> dict:
+    return dict(depth=depth, hidden_size=hidden, intermediate_size=48 if hidden == 32 else 2 * hidden, num_heads=2,
+                patch_size=patch,
                 spatial_merge_size=merge, temporal_patch_size=2, out_hidden_size=out_hidden, num_position_embeddings=16)
 
 
-def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: int = 2, depth: int = 2, **over):
+def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: int = 2, depth: int = 2,
+                       vision_hidden: int = 32, **over):
     """A Qwen3_5ForConditionalGeneration with random weights saved as an HF checkpoint: the tiny
     trunk with a rotary of 8 dims in mrope sections (2, 1, 1); returns the model."""
     from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
@@ -37,7 +39,8 @@ def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: in
     torch.manual_seed(seed)
     text = hf_config(**({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                              "mrope_section": [2, 1, 1], "mrope_interleaved": True}} | over)).to_dict()
-    cfg = Qwen3_5Config(text_config=text, vision_config=vision_dict(patch, merge, depth, text["hidden_size"]),
+    cfg = Qwen3_5Config(text_config=text,
+                        vision_config=vision_dict(patch, merge, depth, text["hidden_size"], vision_hidden),
                         image_token_id=IMAGE_ID, vision_start_token_id=START_ID, vision_end_token_id=END_ID,
                         video_token_id=316, tie_word_embeddings=False)
     model = Qwen3_5ForConditionalGeneration(cfg).float().eval()

@@ -182,9 +182,21 @@ def encode(c: VisionConfig, w: TowerWeights, pixels: torch.Tensor, grid: list[tu
     return _lin(F.gelu(_lin(merged, w.merger_fc1)), w.merger_fc2)
 
 
+def install_names(install: Install) -> list[str]:
+    """The index's tensors, a quantized matrix's scales and biases folded into it (--quant)."""
+    entries = install.index.entries
+
+    def companion(n: str) -> bool:
+        base = n.rsplit(".", 1)[0]
+        return n.endswith((".scales", ".biases")) and base in entries and bool(entries[base].bits)
+
+    return [n for n in entries if not companion(n)]
+
+
 def tower_from_install(install: Install, c: VisionConfig, device: torch.device | str = "cpu") -> TowerWeights:
+    """The tower in fp32 (a quantized matrix dequantized as it is read)."""
     index = install.index
-    return load_tower(c, index.entries.keys(), lambda n: index.need(n).dims, index.load, device)
+    return load_tower(c, install_names(install), lambda n: index.need(n).dims, index.load, device)
 
 
 def tower_from_state_dict(state: dict[str, torch.Tensor], c: VisionConfig, prefix: str = "model.visual.") -> TowerWeights:

@@ -60,3 +60,14 @@ def test_image_parts_refused_in_one_line(rt):
                 template=TEMPLATE, max_new_tokens=2)
     with pytest.raises(TurboError, match="without a url"):
         rt.chat([{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}], template=TEMPLATE)
+
+
+def test_placeholders_without_images_are_refused(rt):
+    from turbo.vision.testing import END_ID, IMAGE_ID, START_ID
+
+    with pytest.raises(TurboError, match="places an image .* with no image given"):
+        rt.generate([5, START_ID, IMAGE_ID, END_ID, 6], max_new_tokens=2)
+    session = rt.session(template=TEMPLATE)
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(0, 40, 56)).decode()}}
+    with pytest.raises(TurboError, match="chat session's turn places an image"):
+        list(session.send([part], max_new_tokens=2))

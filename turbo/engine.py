@@ -38,7 +38,7 @@ from .session import DEFAULT_SNAPSHOTS, FRESH, Session, Start
 from .stats import Stats
 from .stops import Finish, Stopper
 from .rounds import play_round
-from .vision.runtime import image_prompt
+from .vision.runtime import image_prompt, refuse_unplaced
 
 DEFAULT_GENERATION = GenerationOptions()
 ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "
@@ -229,6 +229,7 @@ class Runtime:
         if fields:
             o = o.but(**fields)  # GenerationOptions checks each field; what needs the install is here
         whole = self.encode(prompt)
+        refuse_unplaced(self.install, whole, start)
         ids = self._fitted(whole, o, start)
         vocab = self.install.arch.vocab
         bad = next((t for t in o.stop_token_ids or () if not 0 <= t < vocab), None)

@@ -146,3 +146,15 @@ def check_placed(rt, ids: list[int], images: list) -> None:
     if placed != len(images):
         raise TurboError(f"the chat template placed {placed} image placeholders for the messages' {len(images)} "
                          "images (does it render image content parts?)")
+
+
+def refuse_unplaced(install: Install, ids: list[int], start) -> None:
+    """A prompt holding image placeholders with no images behind them (a chat session's turn with
+    image parts, or raw <|image_pad|> ids) would embed the placeholder itself: refused."""
+    if isinstance(start, ImageStart) or not install.has_vision:
+        return
+    image = install.config.get("image_token_id")
+    if isinstance(image, int) and image in ids:
+        where = "a chat session's turn" if start.keeps_state else "the prompt"
+        raise TurboError(f"{where} places an image (token {image}) with no image given: images go in "
+                         "generate(images=) or rt.chat's messages (chat sessions do not take images yet)")

@@ -86,3 +86,15 @@ def test_placeholders_and_images_must_agree(vl):
         vis.prompt(TWO, images()[:1])
     with pytest.raises(TurboError, match="2 images given, and the prompt places 1"):
         vis.prompt(ONE, images())
+
+
+def test_moe_checkpoint_64_greedy_tokens(tmp_path):
+    """A Qwen3_5MoeForConditionalGeneration repacked with its tower: the routed trunk after images."""
+    import turbo
+
+    model, out = make_vl_install(tmp_path, seed=5, moe=True)
+    rt = turbo.open(out, backend="cpu")
+    vis = Vision.from_install(rt.install)
+    tokens, _ = vis.prompt(TWO, images())
+    ours = rt.generate(TWO, images=images(), max_new_tokens=64, policy="off").tokens
+    assert ours == reference(model, vis, tokens, images(), new=64)

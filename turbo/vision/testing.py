@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from ..repack import repack
-from ..testing.checkpoints import hf_config, randomize_, tiny_tokenizer
+from ..testing.checkpoints import MOE_BASE, hf_config, randomize_, tiny_tokenizer
 
 START_ID, IMAGE_ID, END_ID = 317, 318, 319  # the tiny vocabulary's last three ids: special tokens
 MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
@@ -31,19 +31,23 @@ def vision_dict(patch: int = 4, merge: int = 2, depth: int = 2, out_hidden: int 
 
 
 def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: int = 2, depth: int = 2,
-                       vision_hidden: int = 32, **over):
-    """A Qwen3_5ForConditionalGeneration with random weights saved as an HF checkpoint: the tiny
-    trunk with a rotary of 8 dims in mrope sections (2, 1, 1); returns the model."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+                       vision_hidden: int = 32, moe: bool = False, **over):
+    """A Qwen3_5ForConditionalGeneration (moe: Qwen3_5MoeForConditionalGeneration) with random
+    weights saved as an HF checkpoint: the tiny trunk with a rotary of 8 dims in mrope sections
+    (2, 1, 1); returns the model."""
+    import transformers
 
     torch.manual_seed(seed)
     text = hf_config(**({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,
                                              "mrope_section": [2, 1, 1], "mrope_interleaved": True}} | over)).to_dict()
-    cfg = Qwen3_5Config(text_config=text,
-                        vision_config=vision_dict(patch, merge, depth, text["hidden_size"], vision_hidden),
-                        image_token_id=IMAGE_ID, vision_start_token_id=START_ID, vision_end_token_id=END_ID,
-                        video_token_id=316, tie_word_embeddings=False)
-    model = Qwen3_5ForConditionalGeneration(cfg).float().eval()
+    if moe:
+        text = {k: v for k, v in text.items() if k not in ("intermediate_size", "model_type")} | MOE_BASE
+    kind = "Qwen3_5Moe" if moe else "Qwen3_5"
+    cfg = getattr(transformers, kind + "Config")(
+        text_config=text, vision_config=vision_dict(patch, merge, depth, text["hidden_size"], vision_hidden),
+        image_token_id=IMAGE_ID, vision_start_token_id=START_ID, vision_end_token_id=END_ID, video_token_id=316,
+        tie_word_embeddings=False)
+    model = getattr(transformers, kind + "ForConditionalGeneration")(cfg).float().eval()
     randomize_(model, seed)
     with torch.no_grad():  # the tower's LayerNorms centred on 1 (randomize_ centres RMSNorms' 1 + w on 0)
         for name, p in model.model.visual.named_parameters():

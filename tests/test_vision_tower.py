@@ -52,6 +52,9 @@ def test_config_fields_refused_by_name():
         vision_config({"vision_config": vc}, 32)
     with pytest.raises(TurboError, match="num_position_embeddings"):
         vision_config({"vision_config": vc | {"num_position_embeddings": 15}}, 24)
+    assert vision_config({"vision_config": vc | {"deepstack_visual_indexes": []}}, 24).depth == vc["depth"]
+    with pytest.raises(TurboError, match="deepstack_visual_indexes"):
+        vision_config({"vision_config": vc | {"deepstack_visual_indexes": [0]}}, 24)
     with pytest.raises(TurboError, match="hidden_act"):
         vision_config({"vision_config": vc | {"hidden_act": "relu"}}, 24)
 

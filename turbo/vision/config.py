@@ -58,6 +58,9 @@ def vision_config(cfg: dict, trunk_hidden: int, where: str = "config.json") -> V
         raise TurboError(f"{w}: field 'rope_parameters' is {show(rope)}, expected an object")
     if rope.get("rope_type", "axial") not in ("axial", "default"):
         raise TurboError(f"{w}: rope_parameters.rope_type is {show(rope.get('rope_type'))}, expected 'axial'")
+    if v.get("deepstack_visual_indexes"):  # Qwen3-VL's extra mergers: not Qwen3.5's tower
+        raise TurboError(f"{w}: field 'deepstack_visual_indexes' is {show(v['deepstack_visual_indexes'])}, expected "
+                         "none (Qwen3.5's tower has no deepstack mergers)")
     act = v.get("hidden_act", "gelu_pytorch_tanh")
     if act not in ACTIVATIONS:
         raise TurboError(f"{w}: field 'hidden_act' is {show(act)}, expected one of {', '.join(ACTIVATIONS)}")

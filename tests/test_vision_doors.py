@@ -71,3 +71,9 @@ def test_placeholders_without_images_are_refused(rt):
     part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(0, 40, 56)).decode()}}
     with pytest.raises(TurboError, match="chat session's turn places an image"):
         list(session.send([part], max_new_tokens=2))
+
+
+def test_an_install_without_a_tower_refuses_images():
+    rt = turbo.open("tiny", backend="cpu")
+    with pytest.raises(TurboError, match="carries no vision tower"):
+        rt.generate("hi", images=[png(0, 40, 56)], max_new_tokens=2)

@@ -172,7 +172,9 @@ def encode(c: VisionConfig, w: TowerWeights, pixels: torch.Tensor, grid: list[tu
     for b in w.blocks:
         q, k, v = _lin(_ln(x, b.norm1), b.qkv).reshape(n, 3, heads, c.head_dim).unbind(1)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        outs = [F.scaled_dot_product_attention(qs.transpose(0, 1), ks.transpose(0, 1), vs.transpose(0, 1))
+        # [1, heads, rows, d]: the batched form takes torch's fused CPU kernel (the 3-D one the math path)
+        outs = [F.scaled_dot_product_attention(qs.transpose(0, 1)[None], ks.transpose(0, 1)[None],
+                                               vs.transpose(0, 1)[None])[0]
                 for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths))]
         x = x + _lin(torch.cat(outs, dim=1).transpose(0, 1).reshape(n, -1), b.proj)
         h = _lin(_ln(x, b.norm2), b.fc1)

@@ -77,3 +77,6 @@ def test_an_install_without_a_tower_refuses_images():
     rt = turbo.open("tiny", backend="cpu")
     with pytest.raises(TurboError, match="carries no vision tower"):
         rt.generate("hi", images=[png(0, 40, 56)], max_new_tokens=2)
+    with pytest.raises(TurboError, match="images of type str: expected a list"):
+        rt.generate("hi", images="cat.png", max_new_tokens=2)
+    assert rt.generate("hi", images=[], max_new_tokens=2).tokens  # none: a plain generation

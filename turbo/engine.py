@@ -206,8 +206,8 @@ class Runtime:
         PIL images or data: URLs, one per image placeholder of the prompt (turbo/vision)."""
         if getattr(self._local, "inside", False):
             raise TurboError(REENTERED)
-        if images:
-            prompt, start = image_prompt(self, prompt, list(images), start)
+        if images is not None and (not isinstance(images, (list, tuple)) or images):
+            prompt, start = image_prompt(self, prompt, images, start)
         with self._serial:  # waits for a `generate` running on another thread
             return OneThread(self._stream(prompt, opts, start, **fields))
 

@@ -107,6 +107,9 @@ def image_prompt(rt, prompt, images: list, start) -> tuple[list[int], ImageStart
     """A prompt (text or ids) and its images as the engine's expanded ids and Start: one image
     placeholder per image (<|image_pad|>, as the chat template writes it between
     <|vision_start|> and <|vision_end|>), or none, and then each image goes before the prompt."""
+    if not isinstance(images, (list, tuple)):
+        raise TurboError(f"images of type {type(images).__name__}: expected a list of images (paths, bytes, "
+                         "PIL images or data: URLs)")
     if start.keeps_state:
         raise TurboError("images go in a chat session's messages, not as images= of its stream")
     vis = vision_of(rt)

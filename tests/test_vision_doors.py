@@ -68,9 +68,21 @@ def test_placeholders_without_images_are_refused(rt):
     with pytest.raises(TurboError, match="places an image .* with no image given"):
         rt.generate([5, START_ID, IMAGE_ID, END_ID, 6], max_new_tokens=2)
     session = rt.session(template=TEMPLATE)
-    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png(0, 40, 56)).decode()}}
     with pytest.raises(TurboError, match="chat session's turn places an image"):
-        list(session.send([part], max_new_tokens=2))
+        list(session.send("typed <|vision_start|><|image_pad|><|vision_end|>", max_new_tokens=2))
+
+
+@pytest.mark.parametrize("spec", [dict(policy="off"), dict(policy="fixed", block=2, drafter="ngram")])
+def test_a_session_with_an_image_in_turn_3_of_5_equals_fresh_generations(rt, spec):
+    url = "data:image/png;base64," + base64.b64encode(png(3, 40, 56)).decode()
+    turns = ["hello", "more", [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": url}}],
+             "and then", "end"]
+    session = rt.session(template=TEMPLATE)
+    for content in turns:
+        list(session.send(content, max_new_tokens=6, **spec))
+        fresh = rt.chat(session.history[:-1], template=TEMPLATE, max_new_tokens=6, policy="off")
+        assert session.last_turn.tokens == fresh.tokens and fresh.tokens
+    assert session.history[4]["content"] == turns[2]
 
 
 def test_an_install_without_a_tower_refuses_images():

@@ -39,6 +39,7 @@ from .stats import Stats
 from .stops import Finish, Stopper
 from .rounds import play_round
 from .vision.runtime import image_prompt, refuse_unplaced
+from .vision.session import VisionSession
 
 DEFAULT_GENERATION = GenerationOptions()
 ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "
@@ -194,7 +195,8 @@ class Runtime:
                 **template_kwargs: Any) -> Session:
         """A conversation that keeps its state between turns (turbo/session.py); keywords go to
         the template. `snapshots`: how many assistant turns' starting states it keeps."""
-        return Session(self, template_for(self.install, template), system, tools, template_kwargs, snapshots)
+        kind = VisionSession if self.install.has_vision else Session  # (turbo/vision/session.py: image parts)
+        return kind(self, template_for(self.install, template), system, tools, template_kwargs, snapshots)
 
     def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
                images: list | None = None, **fields) -> Iterator[RoundEvent]:

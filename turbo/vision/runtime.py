@@ -160,4 +160,4 @@ def refuse_unplaced(install: Install, ids: list[int], start) -> None:
     if isinstance(image, int) and image in ids:
         where = "a chat session's turn" if start.keeps_state else "the prompt"
         raise TurboError(f"{where} places an image (token {image}) with no image given: images go in "
-                         "generate(images=) or rt.chat's messages (chat sessions do not take images yet)")
+                         "generate(images=) or in messages' image parts")

@@ -4,7 +4,8 @@ which turns a token prompt with one placeholder per image into the trunk's rows 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -15,6 +16,8 @@ from .image import ImageInput, ImageSpec, PreparedImage, prepare, spec_from_file
 from .positions import MmRows, expand_placeholders, mm_rows
 from .tower import TowerWeights, check_tensors, encode, install_names, tower_from_install
 
+ENCODED = 16  # images whose tower rows a runtime keeps
+
 
 @dataclass
 class Vision:
@@ -24,6 +27,7 @@ class Vision:
     sections: tuple[int, int, int]
     rot_half: int
     spec: ImageSpec
+    _encoded: dict = field(default_factory=dict, repr=False)  # (grid, pixels' sha256) -> the tower's rows
 
     @classmethod
     def from_install(cls, install: Install, device: torch.device | str = "cpu") -> "Vision":
@@ -47,9 +51,18 @@ class Vision:
         grids = [p.grid for p in prepared]
         if expand:
             tokens = expand_placeholders(tokens, [p.tokens(self.config.merge) for p in prepared], self.ids.image)
-        pixels = torch.cat([p.pixels for p in prepared]) if prepared else torch.empty(0, self.config.patch_dim)
-        embeds = encode(self.config, self.weights, pixels, grids) if prepared else torch.empty(0, self.config.out_hidden)
+        embeds = torch.cat([self.encode(p) for p in prepared]) if prepared else torch.empty(0, self.config.out_hidden)
         return tokens, mm_rows(tokens, grids, embeds, self.config.merge, self.ids.image, self.sections, self.rot_half)
+
+    def encode(self, image: PreparedImage) -> torch.Tensor:
+        """The tower's rows for one image, kept for the last ENCODED images by content (a chat
+        session sends its conversation's images again every turn)."""
+        key = (image.grid, hashlib.sha256(image.pixels.numpy().tobytes()).hexdigest())
+        if key not in self._encoded:
+            if len(self._encoded) >= ENCODED:
+                self._encoded.pop(next(iter(self._encoded)))
+            self._encoded[key] = encode(self.config, self.weights, image.pixels, [image.grid])
+        return self._encoded[key]
 
 
 def tower_refusal(install: Install) -> str | None:

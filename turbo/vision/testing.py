@@ -16,6 +16,20 @@ START_ID, IMAGE_ID, END_ID = 317, 318, 319  # the tiny vocabulary's last three i
 MARKERS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")
 
 
+def marker_ids(vocab: int) -> tuple[int, int, int]:
+    """(vision_start, image, vision_end): the vocabulary's last three ids."""
+    return vocab - 3, vocab - 2, vocab - 1
+
+
+def word_level(vocab: int):
+    """A tokenizer of words t0..t{vocab-1} (a small vocabulary: the sampling tests')."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tok
+
+
 def vl_tokenizer(vocab: int):
     """The tiny BPE with the three vision markers as its last ids (added as special tokens)."""
     tok = tiny_tokenizer(vocab - len(MARKERS))
@@ -45,7 +59,8 @@ def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: in
     kind = "Qwen3_5Moe" if moe else "Qwen3_5"
     cfg = getattr(transformers, kind + "Config")(
         text_config=text, vision_config=vision_dict(patch, merge, depth, text["hidden_size"], vision_hidden),
-        image_token_id=IMAGE_ID, vision_start_token_id=START_ID, vision_end_token_id=END_ID, video_token_id=316,
+        **dict(zip(("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id"),
+                   marker_ids(text["vocab_size"]) + (text["vocab_size"] - 4,))),
         tie_word_embeddings=False)
     model = getattr(transformers, kind + "ForConditionalGeneration")(cfg).float().eval()
     randomize_(model, seed)
@@ -54,7 +69,8 @@ def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: in
             if "norm" in name and name.endswith("weight"):
                 p.add_(1.0)
     model.save_pretrained(directory)
-    vl_tokenizer(text["vocab_size"]).save(str(directory / "tokenizer.json"))
+    vocab = text["vocab_size"]
+    (vl_tokenizer(vocab) if vocab == 320 else word_level(vocab)).save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     (directory / "preprocessor_config.json").write_text(json.dumps(
         {"patch_size": patch, "merge_size": merge, "temporal_patch_size": 2, "image_mean": [0.5] * 3,

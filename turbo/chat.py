@@ -17,6 +17,7 @@ from .chat_template import ChatTemplate, encode, install_template
 from .install import Install
 from .options import GENERATION_FIELDS, GenerationOptions
 from .stats import Stats
+from .vision.runtime import check_placed, message_images
 
 if TYPE_CHECKING:
     from .engine import Runtime
@@ -102,6 +103,9 @@ def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools:
     fields, template_kwargs = split_keywords(kw)
     prompt = chat.render(messages, add_generation_prompt=True, tools=tools, documents=documents, **template_kwargs)
     ids, stop_ids = encode(rt.tokenizer, prompt), turn_stop_ids(rt.install, rt.tokenizer)
-    result = rt.generate(ids, turn_options(opts, fields, stop_ids))
+    images = message_images(messages)  # (turbo/vision: content parts of type image / image_url)
+    if images:
+        check_placed(rt, ids, images)
+    result = rt.generate(ids, turn_options(opts, fields, stop_ids), images=images or None)
     message = assistant_message(rt.tokenizer, result.tokens, stop_ids, prompt)
     return ChatResult(message, result.tokens, result.text, result.stats, ids)

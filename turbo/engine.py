@@ -39,6 +39,8 @@ from .stats import Stats
 from .stops import Finish, Stopper
 from .trunk import KV_CHUNK
 from .rounds import play_round
+from .vision.runtime import image_prompt, refuse_unplaced
+from .vision.session import VisionSession
 
 DEFAULT_GENERATION = GenerationOptions()
 ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "
@@ -170,12 +172,13 @@ class Runtime:
 
     # ---- the API -----------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, opts: GenerationOptions | None = None, **fields) -> GenerateResult:
+    def generate(self, prompt: Prompt, opts: GenerationOptions | None = None, *, images: list | None = None,
+                 **fields) -> GenerateResult:
         """The whole generation at once; the same options as `stream`. Calls from several threads
         run one after another."""
         tokens, flags, text, event = [], [], [], None
         with self._serial:
-            for event in self.stream(prompt, opts, **fields):
+            for event in self.stream(prompt, opts, images=images, **fields):
                 tokens += event.tokens
                 flags += event.from_draft
                 text.append(event.text)
@@ -193,17 +196,21 @@ class Runtime:
                 **template_kwargs: Any) -> Session:
         """A conversation that keeps its state between turns (turbo/session.py); keywords go to
         the template. `snapshots`: how many assistant turns' starting states it keeps."""
-        return Session(self, template_for(self.install, template), system, tools, template_kwargs, snapshots)
+        kind = VisionSession if self.install.has_vision else Session  # (turbo/vision/session.py: image parts)
+        return kind(self, template_for(self.install, template), system, tools, template_kwargs, snapshots)
 
     def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
-               **fields) -> Iterator[RoundEvent]:
+               images: list | None = None, **fields) -> Iterator[RoundEvent]:
         """Yields one event per committed round. `opts` (turbo.options.GenerationOptions), or its
         fields as keywords (over `opts` when both). Validation happens before the first yield.
         Another generation started before this stream ends takes the runtime over: this stream's
         next round then raises TurboError. `start`: how the state comes to hold the prompt
-        (a chat session's resumes its conversation; turbo/session.py)."""
+        (a chat session's resumes its conversation; turbo/session.py). `images`: paths, bytes,
+        PIL images or data: URLs, one per image placeholder of the prompt (turbo/vision)."""
         if getattr(self._local, "inside", False):
             raise TurboError(REENTERED)
+        if images is not None and (not isinstance(images, (list, tuple)) or images):
+            prompt, start = image_prompt(self, prompt, images, start)
         with self._serial:  # waits for a `generate` running on another thread
             return OneThread(self._stream(prompt, opts, start, **fields))
 
@@ -225,6 +232,7 @@ class Runtime:
         if fields:
             o = o.but(**fields)  # GenerationOptions checks each field; what needs the install is here
         whole = self.encode(prompt)
+        refuse_unplaced(self.install, whole, start)
         ids = self._fitted(whole, o, start)
         vocab = self.install.arch.vocab
         bad = next((t for t in o.stop_token_ids or () if not 0 <= t < vocab), None)

@@ -259,8 +259,15 @@ def _yarn_range(s: RopeScaling, dim: int, theta: float) -> tuple[float, float]:
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor | DynamicNtk) -> tuple[torch.Tensor, torch.Tensor]:
-    table = inv_freq.rows(positions) if isinstance(inv_freq, DynamicNtk) else inv_freq[None, :]
-    freqs = positions.float()[:, None] * table
+    """positions [R] (a row's one position), or [R, rot/2] (a position per frequency: the
+    multimodal rotation, turbo/vision/positions.py; equal ones give the [R] form's bits)."""
+    pos = positions.float()
+    if isinstance(inv_freq, DynamicNtk):
+        if pos.ndim == 2:
+            raise ValueError("dynamic RoPE scaling with multimodal positions is not implemented")
+        freqs = pos[:, None] * inv_freq.rows(positions)
+    else:
+        freqs = (pos if pos.ndim == 2 else pos[:, None]) * inv_freq[None, :]
     emb = torch.cat([freqs, freqs], dim=-1)
     return rowwise(torch.cos, emb), rowwise(torch.sin, emb)
 

@@ -12,6 +12,7 @@ from .drafters import Drafter, mtp
 from .errors import TurboError
 from .install import CODE_NAMES, Install
 from .options import OWN_DRAFTERS
+from .vision.runtime import tower_refusal
 
 # DFlash2's trained block: the bound for a drafter that names none (the MTP head, ngram, a caller's own).
 DFLASH_BLOCK = 8
@@ -48,16 +49,17 @@ def speculation_blocker(install: Install, drafter: str | None, covered_dtypes: t
     cannot run on this install, or None. ngram and a drafter object need only the verify: they
     bring no weights, so no "this install carries no drafter" applies to them.
 
-    Ordered: the first that applies wins. The vision arm is first because every check
-    below would wave a tower-carrying install through into wrong numbers. The MoE arm
+    Ordered: the first that applies wins. The vision arm (a tower its config does not describe:
+    images cannot be read, and the install is not the checkpoint it claims) is first; a whole
+    tower speculates, the rows after an image rotating at index + delta (turbo/vision). The MoE arm
     applies to an install that declares experts unless its trunk routes them and a drafter is
     at hand: one of its own (an MTP head, a DFlash drafter: then every drafter speculates), or
     one that needs no weights (ngram, a caller's object); then the routed verify checks it."""
     arch, index = install.arch, install.index
-    if install.has_vision:
-        return (f"{VISION_SPECULATION_BLOCKER_MARKER}: this install has a vision tower, and the batched verify "
-                "embeds every row from the token table and rotates at the raw position, so a speculative round "
-                "past an image would attend and rotate by the wrong values; repack with --text-only or use +policy=off")
+    why = tower_refusal(install) if install.has_vision else None
+    if why is not None:
+        return (f"{VISION_SPECULATION_BLOCKER_MARKER}: this install carries a vision tower that cannot run ({why}); "
+                "repack with --text-only or use +policy=off")
     at_hand = install.has_mtp or install.has_dflash or drafter in ("ngram", None)
     if arch.num_experts != 0 and not (arch.moe_layers and at_hand):
         # the ported policy; an MoE install whose trunk routes (turbo/trunk.py's MoE block) and

@@ -26,9 +26,10 @@ from .repack_write import building, copy_file, write_safetensors
 from . import quant as q
 
 # Copied as they are: the chat template (chat_template.jinja, or tokenizer_config.json's) and
-# generation_config.json's eos ids travel with the install (turbo/chat_template.py reads them).
+# generation_config.json's eos ids travel with the install (turbo/chat_template.py reads them);
+# preprocessor_config.json the image processor's settings (turbo/vision/image.py).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-                   "chat_template.jinja", "vocab.json", "merges.txt")
+                   "chat_template.jinja", "vocab.json", "merges.txt", "preprocessor_config.json")
 
 
 def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, text_only: bool = False,

@@ -65,9 +65,11 @@ def quantizable(new: str, meta: dict, fmt: q.QFormat) -> bool:
         return False
     if not all(meta["shape"]):  # an empty matrix (a shared expert of width 0) stays as it is
         return False
+    module = new[:-len(".weight")].rsplit(".", 1)[-1]
+    if new.startswith("vision."):  # the tower's attention and MLP / merger matrices (turbo/vision/tower.py)
+        return module in ("qkv", "proj", "linear_fc1", "linear_fc2") and meta["shape"][1] % fmt.group == 0
     if not new.startswith(("trunk.", "mtp.", "dflash.")):
         return False
-    module = new[:-len(".weight")].rsplit(".", 1)[-1]
     if not (module.endswith("_proj") or module.startswith("in_proj") or module in ("fc", "lm_head")):
         return False
     return meta["shape"][1] % fmt.group == 0

@@ -33,6 +33,7 @@ KV_CHUNK = 256
 class RecurrentSnapshot:
     pos: int
     gdn: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> GDN state, conv window (copies)
+    rope_delta: int = 0  # TrunkState.rope_delta then
 
     @property
     def nbytes(self) -> int:
@@ -150,23 +151,27 @@ class Trunk:
 
     def snapshot(self, st: TrunkState) -> RecurrentSnapshot:
         """What cannot be cut back: the GDN and conv states (K/V needs only its length)."""
-        return RecurrentSnapshot(st.pos, {i: (s.clone(), w.clone()) for i, (s, w) in st.gdn.items()})
+        return RecurrentSnapshot(st.pos, {i: (s.clone(), w.clone()) for i, (s, w) in st.gdn.items()}, st.rope_delta)
 
     def restore(self, st: TrunkState, snap: RecurrentSnapshot) -> None:
         """Back to the snapshot's position. Its K/V rows below that position must still be the
         ones written then (the caller's to keep: later rows only ever overwrite later positions)."""
-        st.pos = snap.pos
+        st.pos, st.rope_delta = snap.pos, snap.rope_delta
         st.gdn = {i: (s.clone(), w.clone()) for i, (s, w) in snap.gdn.items()}
 
     # ---- prefill -----------------------------------------------------------------------
 
     def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...] = (),
-                want_logits: bool = False) -> StepOut:
-        """The prompt at once, from an empty state (logits: the last row's, or every row's)."""
+                want_logits: bool = False, mm=None) -> StepOut:
+        """The prompt at once, from an empty state (logits: the last row's, or every row's).
+        mm (turbo.vision.positions.MmRows): a prompt with images, its image rows' embeddings and
+        multimodal positions; the rows stepped after it rotate at index + mm.delta."""
         if st.pos != 0:
             raise ValueError("prefill starts from an empty state")
         self.reserve(st, len(tokens))
-        return self.stepper.prefill(st, tokens, aux_layers, want_logits)
+        if mm is None:
+            return self.stepper.prefill(st, tokens, aux_layers, want_logits)
+        return self.stepper.prefill(st, tokens, aux_layers, want_logits, mm)
 
     def extend(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...] = ()) -> StepOut:
         """Prompt rows after the `st.pos` the state holds (a chat session's next turn), run as the

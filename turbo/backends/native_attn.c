@@ -271,11 +271,12 @@ static void weighted_sums(const float *const *p, const int *n, int nq, const voi
     }
 }
 
-/* NeoX rotate-half on the first `rot` dims of one head vector, at position pos. */
-static void rope(float *x, int rot, const float *inv_freq, int pos) {
+/* NeoX rotate-half on the first `rot` dims of one head vector, at position pos (or, where pf
+ * is given, at position pf[i] for frequency i: the multimodal rotation, turbo/vision/positions.py). */
+static void rope(float *x, int rot, const float *inv_freq, int pos, const int *pf) {
     int half = rot / 2;
     for (int i = 0; i < half; i++) {
-        float f = (float)pos * inv_freq[i], c = cosf(f), s = sinf(f);
+        float f = (float)(pf ? pf[i] : pos) * inv_freq[i], c = cosf(f), s = sinf(f);
         float a = x[i], b = x[i + half];
         x[i] = a * c + (-b) * s;
         x[i + half] = b * c + a * s;
@@ -384,9 +385,11 @@ typedef struct {
  * (block, kv head) whole on one thread. Sequence s's rows[s] rows sit at positions p0[s]..;
  * kc[s], vc[s] [kv_heads, cap[s], head_dim] of L->kv_type: its rows' K and V are written at
  * p0[s]..p0[s]+rows[s]-1; its row r attends to positions start[s]..p0[s]+r, exactly its own
- * causal prefix (start: the first cached one). */
+ * causal prefix (start: the first cached one). rpos (NULL: none) [nseq]: where rpos[s] is given,
+ * sequence s's row r rotates at rpos[s][r * rot/2 + i] for frequency i (a prompt with images,
+ * or the rows after one: index + delta), else at its position. */
 void attn_layer_seqs(const Layer *L, float *x, int nseq, const int *rows, const int *p0, const int *start,
-                     void *const *kc, void *const *vc, const int *cap) {
+                     void *const *kc, void *const *vc, const int *cap, const int *const *rpos) {
     int H = L->hidden, nh = L->heads, nkv = L->kv_heads, hd = L->head_dim, kt = L->kv_type;
     int P = 2 * nh * hd + 2 * nkv * hd, R = 0, nb = 0;
     size_t kb = kv_bytes(kt);
@@ -437,7 +440,7 @@ void attn_layer_seqs(const Layer *L, float *x, int nseq, const int *rows, const 
             size_t at = ((size_t)j * cap[s] + pos) * hd;
             float *krow = kbuf + (size_t)row * hd; /* the row's K, normed and rotated, before it is stored */
             rms_norm(pr + 2 * nh * hd + j * hd, hd, L->k_norm, L->eps, krow);
-            rope(krow, L->rot, L->inv_freq, pos);
+            rope(krow, L->rot, L->inv_freq, pos, rpos && rpos[s] ? rpos[s] + (size_t)local[row] * (L->rot / 2) : NULL);
             kv_store((char *)kc[s] + at * kb, kt, krow, hd);
             kv_store((char *)vc[s] + at * kb, kt, pr + 2 * nh * hd + nkv * hd + j * hd, hd);
         }
@@ -447,7 +450,9 @@ void attn_layer_seqs(const Layer *L, float *x, int nseq, const int *rows, const 
         for (int hq = 0; hq < nh; hq++) {
             float *q = qs + ((size_t)row * nh + hq) * hd;
             rms_norm(proj + (size_t)row * P + hq * 2 * hd, hd, L->q_norm, L->eps, q);
-            rope(q, L->rot, L->inv_freq, p0[seq[row]] + local[row]);
+            int s = seq[row];
+            rope(q, L->rot, L->inv_freq, p0[s] + local[row],
+                 rpos && rpos[s] ? rpos[s] + (size_t)local[row] * (L->rot / 2) : NULL);
         }
     /* the (block, kv head) pairs of a group are independent: each is attended whole by one
      * thread, in the same order whatever the thread count (and the row count, and the other
@@ -478,5 +483,5 @@ void attn_layer_seqs(const Layer *L, float *x, int nseq, const int *rows, const 
 
 /* attn_layer_seqs for one sequence of R rows at p0.. (its arguments, one of each). */
 void attn_layer(const Layer *L, float *x, int R, int p0, int start, void *kc, void *vc, int cap) {
-    attn_layer_seqs(L, x, 1, &R, &p0, &start, &kc, &vc, &cap);
+    attn_layer_seqs(L, x, 1, &R, &p0, &start, &kc, &vc, &cap, NULL);
 }

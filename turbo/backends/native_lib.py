@@ -85,7 +85,7 @@ SIGNATURES = {
     "embed_rows": "p i i p i i p",
     "copy_rows": "p i i p i",
     "attn_layer": "p p i i i p p i",
-    "attn_layer_seqs": "p p i p p p p p p",
+    "attn_layer_seqs": "p p i p p p p p p p",
     "head": "p i i p f p i i p p",
     "gdn_recurrence": "p p i i i i p p p p p p p",
     "dflash_forward": "p i i i p p",

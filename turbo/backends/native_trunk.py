@@ -89,6 +89,12 @@ def spare(st: TrunkState, key: tuple, rows: int, held: torch.Tensor) -> torch.Te
     return pair[j][:rows]
 
 
+def _mm_chunk(mm, r0: int, r1: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """MmRows' part in prompt rows r0..r1 (a prefill chunk), as `_rows` takes it."""
+    inside = (mm.rows >= r0) & (mm.rows < r1)
+    return mm.rows[inside] - r0, mm.embeds[inside].float(), mm.freq_positions[r0:r1].to(torch.int32).contiguous()
+
+
 class NativeTrunkStep:
     """The trunk's step through native.c: one call per layer, the torch step's contract and
     traces. A step is short (a fraction of a millisecond), so the Python here is kept to a
@@ -122,12 +128,17 @@ class NativeTrunkStep:
             logits = self._head(asked).split(logit_rows)
         return [StepOut(lg, x, aux, traces) for lg, (x, aux, traces) in zip(logits, rows)]
 
-    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
+    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool,
+                mm=None) -> StepOut:
         """The prompt as steps of PREFILL_CHUNK rows: each a verify-sized call (its rows equal
         decode steps), so the working set is one chunk's (attention scores [chunk, heads,
-        prompt], no [prompt, prompt] matrix) and the lm_head runs only where logits are asked."""
-        parts = [self._rows([st], [tokens[c:c + PREFILL_CHUNK]], [aux_layers], [None])[0]
+        prompt], no [prompt, prompt] matrix) and the lm_head runs only where logits are asked.
+        mm (turbo.vision.positions.MmRows): the image rows' embeddings and every row's rotation."""
+        parts = [self._rows([st], [tokens[c:c + PREFILL_CHUNK]], [aux_layers], [None],
+                            None if mm is None else [_mm_chunk(mm, c, c + PREFILL_CHUNK)])[0]
                  for c in range(0, len(tokens), PREFILL_CHUNK)]
+        if mm is not None:
+            st.rope_delta = mm.delta
         x = torch.cat([p[0] for p in parts])
         aux = torch.cat([p[1] for p in parts]) if parts[0][1] is not None else None
         return StepOut(self._head(x if want_logits else x[-1:]), x, aux)
@@ -141,9 +152,11 @@ class NativeTrunkStep:
         return logits
 
     def _rows(self, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
-              rollback: list[str | None]) -> list[tuple[torch.Tensor, torch.Tensor | None, dict[int, GdnTrace]]]:
+              rollback: list[str | None], mm: list | None = None
+              ) -> list[tuple[torch.Tensor, torch.Tensor | None, dict[int, GdnTrace]]]:
         """Each sequence's rows through every layer, all sequences in one call per layer:
-        per sequence (its residual stream x [R, H], a view of the call's, aux, traces)."""
+        per sequence (its residual stream x [R, H], a view of the call's, aux, traces). mm: per
+        sequence None or (image rows, their embeddings, the rows' rotation [R, rot/2] int32)."""
         t = self.trunk
         a, lib = t.arch, threaded()
         n, rows = len(states), [len(tk) for tk in tokens]
@@ -157,6 +170,15 @@ class NativeTrunkStep:
         x = torch.empty(total, a.hidden)  # [sum R, H]: the residual stream, updated in place layer by layer
         xp = x.data_ptr()
         lib.embed_rows(*table_of(t.embed), (ctypes.c_int * total)(*flat), total, a.hidden, xp)
+        rpos = [None] * n  # each sequence's rotation per row and frequency (None: at its positions)
+        for s, st in enumerate(states):
+            if mm is not None and mm[s] is not None:
+                image_rows, embeds, rpos[s] = mm[s]
+                x[offs[s] + image_rows] = embeds
+            elif st.rope_delta:
+                rpos[s] = (torch.arange(p0[s], p0[s] + rows[s], dtype=torch.int32) + st.rope_delta)[:, None] \
+                    .expand(rows[s], a.rotary_dim // 2).contiguous()
+        c_rpos = _ptrs((ctypes.c_void_p * n)(), rpos) if any(r is not None for r in rpos) else None
         taps, conv_dim = a.conv_kernel, a.lin_conv_dim
         hv, dk, dv = a.lin_v_heads, a.lin_k_dim, a.lin_v_dim
         # each sequence's aux layers in layer order, as the torch step cats them
@@ -191,7 +213,7 @@ class NativeTrunkStep:
                 kv = [st.kv[i] for st in states]
                 caps[:] = [k.shape[1] for k, _ in kv]
                 lib.attn_layer_seqs(address, xp, n, c_rows, c_p0, zeros, _ptrs(a0, [k for k, _ in kv]),
-                                    _ptrs(a1, [v for _, v in kv]), caps)
+                                    _ptrs(a1, [v for _, v in kv]), caps, c_rpos)
             for s, sl in enumerate(slots):
                 if i in sl:
                     lib.copy_rows(xp + 4 * offs[s] * a.hidden, rows[s], a.hidden,

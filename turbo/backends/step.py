@@ -22,6 +22,8 @@ class TrunkState:
     pos: int
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [Hkv, capacity, d] in the trunk's kv_dtype
     gdn: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> state [Hv, dk, dv] fp32, conv window [K-1, C]
+    # rows at index i >= pos rotate at position i + rope_delta (< 0 after an image: turbo/vision/positions.py)
+    rope_delta: int = 0
     # a step's buffers kept for this sequence (the native step's states: `NativeTrunkStep.spare`)
     scratch: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -69,10 +71,13 @@ class TrunkStep(Protocol):
         """The state after the first `kept` rows, recomputed from the snapshot by the same
         recurrence code the verify ran."""
 
-    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
+    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool,
+                mm=None) -> StepOut:
         """The prompt from an empty state whose caches hold it: logits the last row's (every
         row's with want_logits); it may compute differently from `step` (within the parity
-        tests' tolerance), never with a working set that grows past the caches and a chunk."""
+        tests' tolerance), never with a working set that grows past the caches and a chunk.
+        mm (turbo.vision.positions.MmRows): the image rows' embeddings and every row's rotary
+        positions; the state keeps its delta."""
 
 
 class MtpStep(Protocol):

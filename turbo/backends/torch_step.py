@@ -122,11 +122,14 @@ class TorchTrunkStep:
         for mat in trunk.matrices():  # the row blocks ops.linear pads to, once per matrix
             ops.calibrate_rows(mat)
 
-    def _layers(self, tokens: list[int], aux_layers: tuple[int, ...], mix: Mixer):
-        """The embedded rows through every layer (`mix` the mixers): (last hidden, aux)."""
+    def _layers(self, tokens: list[int], aux_layers: tuple[int, ...], mix: Mixer, mm=None):
+        """The embedded rows (mm's image rows the tower's) through every layer (`mix` the
+        mixers): (last hidden, aux)."""
         t = self.trunk
         a = t.arch
         x = t.embed[torch.tensor(tokens, device=t.device)].float()
+        if mm is not None:
+            x[mm.rows.to(t.device)] = mm.embeds.to(x)
         aux = []
         for i, layer in enumerate(t.layers):
             x = x + mix(i, layer, ops.rms_norm(x, layer.in_norm, a.rms_eps))
@@ -139,12 +142,13 @@ class TorchTrunkStep:
         t = self.trunk
         return ops.linear(ops.rms_norm(x, t.final_norm, t.arch.rms_eps), t.lm_head)
 
-    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool) -> StepOut:
+    def prefill(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...], want_logits: bool,
+                mm=None) -> StepOut:
         """The whole prompt per op (chunked delta rule, causal SDPA)."""
         t = self.trunk
         a = t.arch
         n = len(tokens)
-        positions = torch.arange(n, device=t.device)
+        positions = torch.arange(n, device=t.device) if mm is None else mm.freq_positions.to(t.device)
 
         def mix(i: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:
             m = layer.mixer
@@ -164,8 +168,9 @@ class TorchTrunkStep:
                 vc[:, :n].float().repeat_interleave(rep, 0)[None], is_causal=True)
             return ops.linear(att[0].transpose(0, 1).reshape(n, -1) * ops.sigmoid(gate), m.o)
 
-        x, aux = self._layers(tokens, aux_layers, mix)
+        x, aux = self._layers(tokens, aux_layers, mix, mm)
         st.pos = n
+        st.rope_delta = 0 if mm is None else mm.delta
         logits = self._head(x) if want_logits else self._head(x[-1:])
         return StepOut(logits, x, aux)
 
@@ -189,7 +194,7 @@ class TorchTrunkStep:
         a = t.arch
         rows, p0 = len(tokens), st.pos
         t.reserve(st, p0 + rows)
-        positions = torch.arange(p0, p0 + rows, device=t.device)
+        positions = torch.arange(p0, p0 + rows, device=t.device) + st.rope_delta
         traces = {}
 
         def mix(i: int, layer: LayerWeights, h: torch.Tensor) -> torch.Tensor:

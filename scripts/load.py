@@ -61,7 +61,7 @@ def one(client: openai.OpenAI, model: str, prompt: str, i: int, args) -> Result:
     """One streamed greedy completion, timed."""
     start = time.perf_counter()
     first = last = None
-    text, tokens = [], 0
+    text, tokens, chunks = [], 0, 0
     extra = {"ignore_eos": True} if args.ignore_eos else {}
     if args.turbo:
         extra["turbo"] = json.loads(args.turbo)
@@ -72,8 +72,10 @@ def one(client: openai.OpenAI, model: str, prompt: str, i: int, args) -> Result:
         if chunk.choices:  # a step's tokens (the server sends one per step; its text may be held back)
             last = time.perf_counter()
             first = first or last
+            chunks += 1
         if chunk.choices and chunk.choices[0].text:
             text.append(chunk.choices[0].text)
+    tokens = tokens or chunks  # (a server that reports no usage in a stream: a chunk a token, as llama.cpp's)
     first, last = first or time.perf_counter(), last or time.perf_counter()
     per = (last - first) / (tokens - 1) if tokens > 1 else None
     return Result(i, "".join(text), tokens, first - start, per)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import turbo
+from turbo.errors import TurboError
 from turbo.session import FreshStart
 from turbo.trunk import KV_CHUNK
 
@@ -90,3 +91,13 @@ def test_peak_rss_does_not_follow_max_new_tokens(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     before, after = map(int, out.stdout.split())
     assert after - before < 64 * 1024, (before, after)  # KiB: under 64 MiB
+
+
+def test_the_trainer_refuses_a_data_path_past_its_bound_before_reading(tmp_path):
+    from turbo.train import data
+
+    big = tmp_path / "huge.txt"
+    with big.open("wb") as f:  # sparse: a byte past the bound, nothing written
+        f.truncate(data.MAX_GROUP_BYTES + 1)
+    with pytest.raises(TurboError, match=r"huge.txt: 1.0 GiB of data, over the 1 GiB"):
+        data.read_groups([str(big)], lambda text: pytest.fail("read the data"))

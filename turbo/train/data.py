@@ -32,6 +32,15 @@ class Example:
     greedy: torch.Tensor | None  # [T] int64: the trunk's argmax at each position (MTP)
 
 
+# What one data path (a file, or a directory's files) may hold: it is read and tokenized whole, so
+# a larger one is refused before any byte is read (split it, or pass a sample of it).
+MAX_GROUP_BYTES = 1 << 30
+
+
+def _size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file()) if path.is_dir() else path.stat().st_size
+
+
 def _documents(path: Path) -> list[str]:
     if path.is_dir():
         files = sorted(p for p in path.rglob("*") if p.is_file())
@@ -65,6 +74,9 @@ def read_groups(paths: list[str], encode) -> list[Group]:
         path = Path(p)
         if not path.exists():
             raise TurboError(f"{path}: no such file or directory (expected text to train on)")
+        if (size := _size(path)) > MAX_GROUP_BYTES:
+            raise TurboError(f"{path}: {size / 2**30:.1f} GiB of data, over the {MAX_GROUP_BYTES >> 30} GiB one data "
+                             "path may hold (it is read whole): split it into several paths or pass a sample")
         docs = [ids for ids in (encode(d) for d in _documents(path)) if ids]
         if not docs:
             raise TurboError(f"{path}: no text in it (expected at least one non-empty document)")

@@ -41,9 +41,9 @@ def test_the_backend_note_only_under_verbose(tmp_path):
 
 
 def test_stop_at_eos_false_goes_on_past_the_end_of_text(tmp_path):
-    # tiny ends "The end." after two tokens
-    stopped, past = map(stats_line, clis(tmp_path, ("prompt='The end.'", "max_new_tokens=12", "backend=cpu"),
-                                         ("prompt='The end.'", "max_new_tokens=12", "backend=cpu", "stop_at_eos=false")))
+    # tiny ends "Answer: 42" after two tokens
+    stopped, past = map(stats_line, clis(tmp_path, ("prompt='Answer: 42'", "max_new_tokens=12", "backend=cpu"),
+                                         ("prompt='Answer: 42'", "max_new_tokens=12", "backend=cpu", "stop_at_eos=false")))
     assert "generated 2 tok" in stopped and "generated 12 tok" in past
 
 

@@ -10,7 +10,6 @@ it (docs/DESIGN.md 5).
 from __future__ import annotations
 
 import threading
-import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
@@ -35,7 +34,7 @@ from .options import GenerationOptions, OpenOptions, integer
 from .policy import Plan, choose_drafter, plan, policy_from_env
 from .sampling import RejectionSampler, rejection_sampler
 from .session import DEFAULT_SNAPSHOTS, FRESH, Session, Start
-from .stats import Stats
+from .stats import Stats, TokenClock
 from .stops import Finish, Stopper
 from .trunk import KV_CHUNK
 from .rounds import play_round
@@ -272,7 +271,7 @@ class Runtime:
         trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
         eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
         stops = Stopper(self.decode, o.stop or (), eos | set(o.stop_token_ids or ()), max_new)
-        start = time.perf_counter()
+        clock = TokenClock()
         with self._serial, self._step, self._round():  # this generation takes the runtime over
             self._generation += 1
             me = self._generation
@@ -284,7 +283,7 @@ class Runtime:
             chooser = AdaptiveChooser(p.block, memory=(draft, rollback) if sampler is None else None,
                                       counted=sampler is not None)
             draft = LazyContext(draft, chooser)  # plain rounds skip the drafter's work
-        anchor, generated, first_done = ids[-1], [], None
+        anchor, generated = ids[-1], []
         while len(generated) < max_new:
             with self._step, self._round():
                 if self._generation != me:
@@ -304,14 +303,7 @@ class Runtime:
             committed = committed[:max_new - len(generated)]
             flags = [i < r.landed for i in range(len(committed))]
             generated += committed
-            now = time.perf_counter()
-            if first_done is None:
-                first_done, first_count = now, len(generated)
-                stats.ttft_s = now - start
-                stats.prefill_tokens_per_s = len(ids) / stats.ttft_s
-            elif now > first_done:
-                stats.decode_tokens_per_s = (len(generated) - first_count) / (now - first_done)
-            stats.generated_tokens = len(generated)
+            stats.record_tokens(len(generated), clock)
             done = stops.finish is not None
             if done:
                 origin.finish(draft)

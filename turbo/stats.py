@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import asdict, dataclass, field, fields, replace
 
 
@@ -62,6 +63,16 @@ COUNT_FIELDS = tuple(f.name for f in fields(Counts) if f.name not in ("reached",
 
 
 @dataclass
+class TokenClock:
+    """A generation's clock: when it started, and when and after how many tokens its first round
+    committed (Stats.record_tokens)."""
+
+    start: float = field(default_factory=time.perf_counter)
+    first: float | None = None
+    first_count: int = 0
+
+
+@dataclass
 class Stats(Counts):
     """One generation's counts, the figures derived from them, its timings and what it ran."""
 
@@ -93,6 +104,18 @@ class Stats(Counts):
         count_positions(self.reached, self.landed, block, accepted)
         for name, value in self.derived().items():
             setattr(self, name, value)
+
+    def record_tokens(self, generated: int, clock: TokenClock) -> None:
+        """After a round committed tokens (`generated` in all): time to first token, the prefill
+        rate, and the decode rate since the first round."""
+        now = time.perf_counter()
+        if clock.first is None:
+            clock.first, clock.first_count = now, generated
+            self.ttft_s = now - clock.start
+            self.prefill_tokens_per_s = self.prompt_tokens / self.ttft_s
+        elif now > clock.first:
+            self.decode_tokens_per_s = (generated - clock.first_count) / (now - clock.first)
+        self.generated_tokens = generated
 
     def snapshot(self) -> Stats:
         """A copy that later rounds do not change (the lists are the only mutable fields)."""

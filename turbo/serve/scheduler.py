@@ -27,7 +27,7 @@ from ..drafters.ngram import NgramDrafter
 from ..errors import TurboError
 from ..options import GenerationOptions
 from ..rounds import close_round, draft_block, judge
-from ..stats import Stats
+from ..stats import Stats, TokenClock
 from ..stops import Finish, Stopper
 from ..trunk import TrunkState
 from .costs import StepCosts, sequence_bytes
@@ -118,8 +118,7 @@ class Sequence:
     parts: list[StepOut] = field(default_factory=list)  # the prefill's rows, for the drafter
     anchor: int = 0
     generated: list[int] = field(default_factory=list)
-    started: float = 0.0
-    first: float | None = None
+    clock: TokenClock = field(default_factory=TokenClock)  # from submission
     # this step's round
     proposals: list[int] = field(default_factory=list)
     q: torch.Tensor | None = None
@@ -178,7 +177,7 @@ class Scheduler:
                              f"serve.memory_gb {self.limits.memory_gb:g}")
         eos = set(self.rt.install.arch.eos_token_ids) if o.stop_at_eos else set()
         stopper = Stopper(self.rt.decode, o.stop or (), eos | set(o.stop_token_ids or ()), o.max_new_tokens)
-        seq = Sequence(req, job, sink, Ticket(), need, stopper, started=time.perf_counter())
+        seq = Sequence(req, job, sink, Ticket(), need, stopper)
         with self.lock:
             if len(self.waiting) >= self.limits.max_waiting:
                 raise Overloaded(f"the server is at capacity: {len(self.running)} running, "
@@ -355,14 +354,7 @@ class Scheduler:
         stats.record_round(len(s.proposals), landed, replayed)
         committed = committed[:o.max_new_tokens - len(s.generated)]
         s.generated += committed
-        now = time.perf_counter()
-        if s.first is None:
-            s.first = now
-            stats.ttft_s = now - s.started
-            stats.prefill_tokens_per_s = len(job.ids) / stats.ttft_s
-        elif now > s.first:
-            stats.decode_tokens_per_s = (len(s.generated) - len(committed)) / (now - s.first)
-        stats.generated_tokens = len(s.generated)
+        stats.record_tokens(len(s.generated), s.clock)
         done = s.stopper.finish is not None
         delta = Delta(committed, s.stopper.text(done), logprobs[:len(committed)] if logprobs else logprobs,
                       s.stopper.finish, stats.snapshot() if done else None, s.resumed_at or 0)

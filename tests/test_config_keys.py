@@ -3,7 +3,6 @@ from the command line, and the README's key lists against conf/config.yaml and t
 
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -12,18 +11,14 @@ from omegaconf import OmegaConf
 import turbo
 from turbo.errors import TurboError
 from turbo.testing import make_install
+from turbo.testing.checks import run_clis
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
 
 
 def clis(tmp_path, *calls: tuple) -> list[subprocess.CompletedProcess]:
-    """Runs of `python -m turbo` with each call's overrides, at once (each mostly imports torch)."""
-    base = [sys.executable, "-m", "turbo", "threads=1", "max_new_tokens=4"]
-    procs = [(base + list(c), subprocess.Popen(base + list(c), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                               text=True, cwd=tmp_path)) for c in calls]
-    outs = [p.communicate(timeout=300) for _, p in procs]
-    return [subprocess.CompletedProcess(cmd, p.returncode, *out) for (cmd, p), out in zip(procs, outs)]
+    return run_clis(tmp_path, list(calls), ("threads=1", "max_new_tokens=4"), text=True)
 
 
 def stats_line(proc) -> str:

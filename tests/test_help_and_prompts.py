@@ -18,6 +18,7 @@ from turbo import shipped
 from turbo.__main__ import composed
 from turbo.config import run_config
 from turbo.errors import TurboError
+from turbo.testing.checks import run_clis
 from tui import TurboApp
 from test_tui import SIZE, settings, settle, type_prompt
 from test_tui_chat import THINKING_CHATML, chat_settings, check_turn
@@ -34,20 +35,7 @@ def turbo_cli(tmp_path, *args, stdin: bytes | None = None) -> subprocess.Complet
 
 
 def turbo_clis(tmp_path, *calls: tuple) -> list[subprocess.CompletedProcess]:
-    """Several `turbo_cli` runs at once (each mostly imports torch: they overlap on the cores);
-    a call is its args, and optionally a last bytes item for its stdin."""
-    procs = []
-    for call in calls:
-        stdin = call[-1] if call and isinstance(call[-1], bytes) else b""
-        args = call[:-1] if call and isinstance(call[-1], bytes) else call
-        cmd = [sys.executable, "-m", "turbo", "threads=1", "backend=cpu", *args]
-        procs.append((cmd, stdin, subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                                   stderr=subprocess.PIPE, cwd=tmp_path)))
-    done = []
-    for cmd, stdin, p in procs:
-        out, err = p.communicate(stdin, timeout=300)
-        done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
-    return done
+    return run_clis(tmp_path, list(calls), ("threads=1", "backend=cpu"))
 
 
 def one_line_error(proc, *needles) -> None:

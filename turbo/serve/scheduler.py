@@ -234,7 +234,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             outs = self.trunk.step_many([w.seq.st for w in work], [w.rows for w in work],
-                                        [w.seq.job.plan.drafter and w.seq.draft.aux_layers or () for w in work],
+                                        [w.seq.draft.aux_layers if w.seq.draft is not None else () for w in work],
                                         [w.rollback for w in work], [w.logit_rows for w in work])
         except Exception as e:  # noqa: BLE001 -- the batch's states are unknown now: end them all
             for w in work:
@@ -334,7 +334,7 @@ class Scheduler:
 
     def _settle(self, w: Work, out: StepOut, share_s: float) -> None:
         s = w.seq
-        if s.prefilling or (w.logit_rows == 0):
+        if w.logit_rows == 0:  # a chunk of its prompt
             if s.draft is not None:
                 s.parts.append(out)
             s.done_rows += len(w.rows)

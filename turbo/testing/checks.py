@@ -3,6 +3,8 @@ assertions of losslessness and of parity with transformers."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -63,3 +65,23 @@ def assert_64_greedy_tokens_match(model, install: Path) -> None:
         hf = model.generate(prompt, max_new_tokens=64, do_sample=False, min_new_tokens=64)[0, 24:].tolist()
     ours = turbo.open(install, backend="cpu").generate(prompt[0].tolist(), max_new_tokens=64, policy="off")
     assert ours.tokens == hf
+
+
+def run_clis(cwd: Path, calls: list[tuple], base: tuple[str, ...] = (),
+             text: bool = False) -> list[subprocess.CompletedProcess]:
+    """`python -m turbo *base *call` for every call, all at once (each mostly imports torch: they
+    overlap on the cores). A call's last item may be bytes: its standard input."""
+    procs = []
+    for call in calls:
+        stdin = call[-1] if call and isinstance(call[-1], bytes) else None
+        cmd = [sys.executable, "-m", "turbo", *base, *(call[:-1] if stdin is not None else call)]
+        procs.append((cmd, stdin or b"", subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                                          stderr=subprocess.PIPE, cwd=cwd)))
+    done = []
+    for cmd, stdin, p in procs:
+        out, err = p.communicate(stdin, timeout=300)
+        if text:
+            out, err = out.decode(), err.decode()
+        done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
+    return done
+

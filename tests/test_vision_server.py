@@ -99,3 +99,35 @@ def test_bad_images_are_a_400_naming_the_field_and_it_keeps_serving(vl, url, say
     assert err["param"] == "messages[0].content[1].image_url.url", err
     assert re.search(says, err["message"]), err["message"]
     assert chat(vl, ask(IMAGES[1])).choices[0].message.content  # still serving
+
+
+def test_the_scheduler_batches_image_requests_on_both_steps(tmp_path, step_path):
+    """In process, native and torch steps: image requests (two images that give the same ids) and
+    text ones in one batch, greedy and speculating, each equal to generate(images=) alone."""
+    from turbo.chat_template import encode, render
+    from turbo.options import GenerationOptions as G
+    from turbo.serve.images import expand_images
+    from turbo.serve.scheduler import Request, Scheduler, ServeLimits
+
+    from test_scheduler import Collect, drain
+
+    _, path = make_vl_install(tmp_path, seed=2)
+    rt = turbo.open(path, backend="cpu", threads=1)
+    reqs, want = [], []
+    for url, spec in [(IMAGES[0], dict(policy="off")), (IMAGES[1], dict(policy="off")), (None, dict(policy="off")),
+                      (IMAGES[1], dict(policy="fixed", block=3, drafter="ngram")), (IMAGES[0], dict(policy="off"))]:
+        messages = ask(url) if url else [{"role": "user", "content": "What is it?"}]
+        ids = encode(rt.tokenizer, render(TEMPLATE, messages, add_generation_prompt=True))
+        want.append(rt.generate(ids, images=[url] if url else None, max_new_tokens=10, **spec).tokens)
+        expanded, images = expand_images(rt, messages, ids)
+        reqs.append(Request(expanded, G(max_new_tokens=10, **spec), images=images or None))
+    sched = Scheduler(rt, ServeLimits(prefill_chunk=16))
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        sched.submit(r, s)
+    drain(sched, sinks)
+    assert [s.error for s in sinks] == [None] * len(reqs)
+    assert [s.tokens for s in sinks] == want and want[0] != want[1]
+    # the cache (the native step's) holds the text request's states alone
+    assert bool(sched.cache.entries) == sched.chunked
+    assert all(len(k) < len(reqs[0].ids) for k in sched.cache.entries)

@@ -29,7 +29,7 @@ def user_turn(content: str | list, editing: bool) -> Static:
         if part.get("type") == "text":
             t.append(visible(part.get("text") or ""))
         else:
-            t.append(f"[image {part.get('name', '')}]".replace(" ]", "]"), style=IMAGE_STYLE)
+            t.append(f"[image {part.get('name') or 'attached'}]", style=IMAGE_STYLE)
             t.append(" ")
     return Static(t, classes="user-turn editing" if editing else "user-turn")
 

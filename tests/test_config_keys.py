@@ -90,8 +90,9 @@ def test_the_readme_lists_every_tui_key():
     bound = {k.strip() for c in classes for b in c.BINDINGS for k in b.key.split(",")}
     assert listed == bound
     # and the commands typed in the box
-    typed = set(re.findall(r'startswith\("(/\w+) "\)', Path(tui.app.__file__).read_text()))
-    assert set(re.findall(r"`(/\w+) PATH`", section)) == typed == {"/open", "/template"}
+    typed = set(re.findall(r'startswith\("(/\w+) "\)', Path(tui.app.__file__).read_text()
+                           + Path(tui.app.__file__).with_name("images.py").read_text()))  # (chat: /image)
+    assert set(re.findall(r"`(/\w+) PATH`", section)) == typed == {"/open", "/template", "/image"}
 
 
 def test_the_readme_lists_every_serve_key_and_the_defaults_agree():

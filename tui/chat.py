@@ -27,9 +27,9 @@ from turbo.chat_template import ChatTemplate
 from turbo.options import GenerationOptions
 from turbo.session import Session, TurnReport
 
+from .images import ImageAttach, text_of, user_turn
 from .view import Transcript, error_text, to_input, visible
 
-USER_STYLE = "bold #79c0ff"
 REASONING_STYLE = "dim italic"
 NOTE_STYLE = "dim"
 CHAT_PLACEHOLDER = "type a message, ⏎ sends (ctrl+p: edit an earlier one · ctrl+g: raw completion)"
@@ -164,13 +164,6 @@ class Answer(Vertical):
         self.note.update(Text(note, style=NOTE_STYLE))
 
 
-def user_turn(text: str, editing: bool) -> Static:
-    t = Text()
-    t.append("you ", style=USER_STYLE)
-    t.append(visible(text))
-    return Static(t, classes="user-turn editing" if editing else "user-turn")
-
-
 class ChatView(VerticalScroll):
     """The transcript of turns, rebuilt from the session's history at each turn's start and end."""
 
@@ -185,7 +178,7 @@ class ChatView(VerticalScroll):
         tail: Answer | None = None
         for i, m in enumerate(conversation):
             if m["role"] == "user":
-                widgets.append(user_turn(m.get("content") or "", i == editing))
+                widgets.append(user_turn(m.get("content"), i == editing))
             elif m["role"] == "assistant":
                 a = Answer(collapsed=True)
                 a.show(m, t if i == len(conversation) - 1 else None, stop_ids, notes.get(i, ""))
@@ -217,11 +210,11 @@ def chat_rows() -> ComposeResult:
                     yield Static("–", id=key, classes="row-value")
 
 
-def user_message(text: str) -> dict[str, Any]:
-    return {"role": "user", "content": text}
+def user_message(content: str | list) -> dict[str, Any]:
+    return {"role": "user", "content": content}
 
 
-class ChatMode:
+class ChatMode(ImageAttach):
     """The chat half of TurboApp, mixed into it: the app's generation machinery (`_can_generate`,
     `_start`, `_put`, `_set_status`, the Transcript of the running turn) drives a session turn
     as it drives a raw completion. Indices into the conversation (`notes`, `editing`) leave the
@@ -239,6 +232,7 @@ class ChatMode:
         self.turn_report: TurnReport | None = None
         self._opened = False  # the running turn's generation prompt opened a <think>
         self._live: Answer | None = None
+        self.attached = []  # /image's parts for the next message (tui/images.py)
 
     # ---- the session -----------------------------------------------------------------------------
 
@@ -336,20 +330,22 @@ class ChatMode:
         return True
 
     def send_message(self, text: str) -> bool:
+        if self.attach_command(text):
+            return True
         if not self._can_generate():
             return False
         if not text.strip():
             self._set_status("the message is empty", error=True)
             return False
         self._sync_system()
-        conv, offset = self.conversation(), self._offset()
+        conv, offset, content = self.conversation(), self._offset(), self.take_content(text)
         if self.editing is not None:
             i = self.editing
-            return self._chat_turn(lambda s, o: s.edit(i + offset, text, o), conv[:i] + [user_message(text)])
+            return self._chat_turn(lambda s, o: s.edit(i + offset, content, o), conv[:i] + [user_message(content)])
         if conv and conv[-1]["role"] == "user":  # a stopped or failed turn: the new message replaces it
             self.session.history.pop()
             conv.pop()
-        return self._chat_turn(lambda s, o: s.send(text, o), conv + [user_message(text)])
+        return self._chat_turn(lambda s, o: s.send(content, o), conv + [user_message(content)])
 
     def chat_finished(self, outcome: str) -> None:
         """The app's end of a generation, for a chat turn: its counters, the transcript rebuilt."""
@@ -396,7 +392,7 @@ class ChatMode:
             return
         self._sync_system()
         self.session.reset()
-        self.totals, self.notes, self.editing, self.turn_report = Totals(), {}, None, None
+        self.totals, self.notes, self.editing, self.turn_report, self.attached = Totals(), {}, None, None, []
         self.transcript, self.last_stats, self.accepted_history = None, None, []
         self.query_one("#prompt", Input).value = ""
         self._show_chat()
@@ -427,7 +423,7 @@ class ChatMode:
         k = users[-1] if self.editing not in users else users[(users.index(self.editing) - 1) % len(users)]
         self.editing = k
         box = self.query_one("#prompt", Input)
-        box.value = to_input(conv[k].get("content") or "")
+        box.value = to_input(text_of(conv[k].get("content")))
         box.cursor_position = len(box.value)
         box.focus()
         self._show_chat()

@@ -80,7 +80,7 @@ def run(cfg: DictConfig) -> int:
     if rc.task == "chat":
         from .chat_cli import run_chat_cli  # (as the engine above)
         return run_chat_cli(rc, rt)
-    events = rt.stream(rc.prompt, rc.generation)
+    events = rt.stream(rc.prompt, rc.generation, images=list(rc.images) or None)  # (turbo/vision)
     if rt.backend.note and rc.opening.verbose:  # once the request is known valid: a refusal stays one line
         print(rt.backend.note, file=sys.stderr)
     stats = None

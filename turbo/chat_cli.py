@@ -1,7 +1,9 @@
 """python -m turbo task=chat: a conversation read from standard input, one turn per line, over
 `Runtime.session` (turbo/session.py), which keeps the state between turns.
 
-Each line is a user turn, or a command: /reset, /system [TEXT], /think on|off, /retry. The
+Each line is a user turn, or a command: /reset, /system [TEXT], /think on|off, /retry, /image
+PATH (attaches an image to the next turn: an install with a vision tower; a refused image is one
+line on stderr and the conversation goes on). The
 answer streams to stdout -- reasoning marked (dim on a terminal, `[thinking] ` before it
 otherwise) -- then one `[stats]` line (as task=generate's, plus what the turn prefilled and the
 state it went on from). EOF ends it (0). Ctrl-C in a turn stops that turn and keeps its partial
@@ -12,7 +14,7 @@ CLI's). A template that is missing, not Jinja or raises, and any refused turn, e
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TextIO
 
@@ -24,13 +26,14 @@ from .options import GenerationOptions
 from .session import Session, TurnReport
 from .stats import Stats
 from .stops import held_back
+from .vision.runtime import vision_of
 
 if TYPE_CHECKING:
     from .engine import RoundEvent, Runtime
 
 DIM, PLAIN = "\x1b[2m", "\x1b[0m"
 THINKING = "[thinking] "  # what marks reasoning where stdout is not a terminal
-COMMANDS = "/reset, /system [TEXT], /think on|off, /retry"
+COMMANDS = "/reset, /system [TEXT], /think on|off, /retry, /image PATH"
 
 
 def chat_template(rt: Runtime, chat: ChatConfig) -> ChatTemplate | None:
@@ -110,6 +113,7 @@ class Repl:
     err: TextIO = sys.stderr
     tty: bool = False  # stdout is a terminal: dim reasoning
     noted: bool = False  # the backend's note and why speculation is off, said once
+    images: list = field(default_factory=list)  # /image's, for the next turn (turbo.vision PreparedImage)
 
     def run(self, lines: Iterable[str]) -> int:
         for line in lines:
@@ -117,13 +121,18 @@ class Repl:
             if text.startswith("/"):
                 self.command(*text.partition(" ")[::2])
             elif text.strip():
-                self.turn(lambda: self.session.send(text, self.opts))
+                content = [{"type": "image", "image": im} for im in self.images] + [{"type": "text", "text": text}]
+                self.images = []
+                self.turn(lambda: self.session.send(content if len(content) > 1 else text, self.opts))
         return 0
 
     def command(self, name: str, arg: str) -> None:
         s, arg = self.session, arg.strip()
         if name == "/reset":
             s.reset()
+            self.images = []
+        elif name == "/image" and arg:
+            self.attach(arg)
         elif name == "/system":
             s.system = arg or None
         elif name == "/think" and arg in ("on", "off"):
@@ -132,6 +141,17 @@ class Repl:
             self.turn(lambda: s.retry(self.opts))
         else:
             print(f"{name} {arg}".strip() + f": not a command here ({COMMANDS})", file=self.err, flush=True)
+
+    def attach(self, path: str) -> None:
+        """/image PATH: the image read and checked now (a refusal is one line, the REPL goes on)."""
+        try:
+            image = vision_of(self.rt).prepare([Path(path).expanduser()])[0]
+        except TurboError as e:
+            print(f"/image: {e}", file=self.err, flush=True)
+            return
+        self.images.append(image)
+        print(f"[image] {path} ({image.tokens(vision_of(self.rt).config.merge)} tokens) goes with the next turn",
+              file=self.err, flush=True)
 
     def turn(self, start: Callable[[], Iterator[RoundEvent]]) -> None:
         """One turn: its answer streamed, then its stats line. Ctrl-C stops it; what it had

@@ -38,6 +38,8 @@ class RunConfig:
     prompts: tuple[str, ...]
     task: str
     chat: ChatConfig = ChatConfig()
+    images: tuple[str, ...] = ()  # task=generate's image= files (turbo/vision), in order
+
 
 
 NGRAM_KEYS = tuple(f.name for f in fields(NgramConfig))
@@ -83,6 +85,19 @@ def _chat(cfg: DictConfig) -> ChatConfig:
     return ChatConfig(system=str(system) if system is not None else None,
                       think=THINK_VALUES[think] if think is not None else None,
                       template=str(template) if template is not None else None)
+
+
+def _images(cfg: DictConfig, task: str) -> tuple[str, ...]:
+    """image=PATH or image=[A,B]: task=generate's images (each refused in one line when it is
+    opened, turbo/vision/image.py)."""
+    given = cfg.get("image")
+    if given is None:
+        return ()
+    paths = tuple(str(p) for p in given) if isinstance(given, ListConfig) else (str(given),)
+    if task != "generate" and paths:
+        hint = "; in task=chat type /image PATH before a turn" if task == "chat" else ""
+        raise TurboError(f"config: image= goes with task=generate, not task={task}{hint}")
+    return paths
 
 
 def _text(data: bytes, where: str) -> str:
@@ -145,10 +160,11 @@ def run_config(cfg: DictConfig, stdin: BinaryIO | None = None) -> RunConfig:
     generation = GenerationOptions(
         max_new_tokens=max_new if max_new is not None else workload.max_new_tokens, policy=str(name),
         ngram=_ngram(cfg), **_given(cfg, GENERATION_KEYS))
-    chat = _chat(cfg)
+    chat, images = _chat(cfg), _images(cfg, str(task))
     return RunConfig(install=str(install), opening=opening, generation=generation,
                      prompt=_prompt(cfg, prompts, stdin),  # last: every other refusal comes before stdin is read
-                     workload=str(workload.get("name", "")), prompts=prompts, task=str(task), chat=chat)
+                     workload=str(workload.get("name", "")), prompts=prompts, task=str(task), chat=chat,
+                     images=images)
 
 
 def known_keys(conf_dir: str) -> set[str]:

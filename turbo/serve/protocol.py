@@ -160,16 +160,40 @@ def _messages(messages: Any) -> list[dict]:
             raise ApiError(f"{where} is {json.dumps(m)[:200]}, expected an object with a role", where)
         content = m.get("content")
         if isinstance(content, list):
-            if not all(isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)
-                       for part in content):
-                raise ApiError(f"{where}.content: only text parts ({{\"type\": \"text\", \"text\": ...}}) are "
-                               "supported", f"{where}.content")
-            content = "".join(part["text"] for part in content)
+            content = _parts(content, f"{where}.content")
         elif content is not None and not isinstance(content, str):
-            raise ApiError(f"{where}.content is {json.dumps(content)[:200]}, expected a string or text parts",
+            raise ApiError(f"{where}.content is {json.dumps(content)[:200]}, expected a string or content parts",
                            f"{where}.content")
         out.append({**m, "content": content})
     return out
+
+
+def _parts(parts: list, where: str) -> str | list[dict]:
+    """Text parts joined into one string; with image_url parts, the parts (text and image_url,
+    in order) for the template to place each image. An image is a data: URL: nothing is fetched
+    (turbo/serve/images.py decodes it)."""
+    out: list[dict] = []
+    for j, part in enumerate(parts):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text" and isinstance(part.get("text"), str):
+            out.append({"type": "text", "text": part["text"]})
+        elif kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else None
+            if not isinstance(url, str):
+                raise ApiError(f"{at}.image_url.url: expected {{\"image_url\": {{\"url\": \"data:image/...;base64,...\"}}}}",
+                               f"{at}.image_url.url")
+            if not url.startswith("data:"):
+                raise ApiError(f"{at}.image_url.url: {url[:60]!r} is not a data: URL (this server fetches no remote "
+                               "or local URL; send the image as data:image/...;base64,...)", f"{at}.image_url.url")
+            out.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            raise ApiError(f"{at} is {json.dumps(part)[:200]}: expected a text part ({{\"type\": \"text\", \"text\": "
+                           "...}) or an image_url part", at)
+    if any(p["type"] == "image_url" for p in out):
+        return out
+    return "".join(p["text"] for p in out)
 
 
 def _options(body: dict) -> dict:

@@ -30,7 +30,9 @@ from ..rounds import close_round, draft_block, judge
 from ..stats import Stats, TokenClock
 from ..stops import Finish, Stopper
 from ..trunk import TrunkState
+from ..vision.runtime import ImageStart
 from .costs import StepCosts, sequence_bytes
+from .images import prefill_request
 from .prefix_cache import DraftKey, PrefixCache
 
 if TYPE_CHECKING:
@@ -55,6 +57,7 @@ class Request:
     ids: list[int]  # the prompt's token ids (a chat's rendered by its template)
     options: GenerationOptions = field(default_factory=GenerationOptions)
     logprobs: int | None = None  # None: none; k >= 0: each generated token's logprob and the top k
+    images: list | None = None  # turbo.vision PreparedImage, one per image in ids (turbo/serve/images.py)
 
 
 @dataclass
@@ -166,7 +169,7 @@ class Scheduler:
             raise TurboError("drafter: a served request names a drafter (auto, dflash, mtp, ngram), not an object")
         if req.logprobs is not None and (not isinstance(req.logprobs, int) or not 0 <= req.logprobs <= 20):
             raise TurboError(f"logprobs {req.logprobs!r}: expected an integer in 0..20")
-        job = self.rt.prepare(req.ids, o)
+        job = self.rt.prepare(req.ids, o, ImageStart(req.ids, None)) if req.images else self.rt.prepare(req.ids, o)
         if job.plan.drafter is not None:
             self.rt.drafter(job.plan.drafter, o.window, o.ngram)  # loads it once; refuses a bad window
         block = job.plan.block or 0
@@ -279,7 +282,7 @@ class Scheduler:
             job.stats.window = s.own.window
             # the n-gram drafter's context is the token ids alone: begin rebuilds it from the prompt
             s.draft_key = None if isinstance(s.own, NgramDrafter) else s.pool_key
-        hit = self.cache.lookup(job.ids, s.draft_key) if self.chunked else None
+        hit = self.cache.lookup(job.ids, s.draft_key) if self._cached(s) else None
         if hit is not None:
             s.st = self.cache.restore(self.trunk, hit, capacity)
             s.done_rows = s.resumed_at = len(hit.tokens) - 1
@@ -291,8 +294,11 @@ class Scheduler:
             sampled = job.sampler is not None
             s.chooser = AdaptiveChooser(job.plan.block, memory=(s.own, o.rollback) if not sampled else None,
                                         counted=sampled)
-        if not self.chunked and len(job.ids) > 1:  # the whole prompt at once (the torch step's prefill)
-            aux = s.draft.aux_layers if s.draft is not None else ()
+        aux = s.draft.aux_layers if s.draft is not None else ()
+        if s.req.images:  # the whole prompt at once, with its images' rows (turbo/serve/images.py)
+            s.parts = [prefill_request(self.rt, s.st, job.ids, s.req.images, aux)]
+            s.done_rows = len(job.ids) - 1
+        elif not self.chunked and len(job.ids) > 1:  # the whole prompt at once (the torch step's prefill)
             s.parts = [self.trunk.prefill(s.st, job.ids[:-1], aux)]
             s.done_rows = len(job.ids) - 1
         if not s.prefilling:
@@ -329,7 +335,7 @@ class Scheduler:
         if s.chooser is not None:
             s.draft = LazyContext(s.own, s.chooser)
         s.anchor = ids[-1]
-        if self.chunked:
+        if self._cached(s):
             self.cache.keep(self.trunk, s.st, ids, s.draft_key, s.own.snapshot() if s.draft_key else None)
 
     def _settle(self, w: Work, out: StepOut, share_s: float) -> None:
@@ -368,11 +374,16 @@ class Scheduler:
         """The state after the answer goes into the cache when it holds exactly prompt + answer
         (a chat client's next turn resends both)."""
         tokens = s.job.ids + s.generated
-        if self.chunked and s.st.pos == len(tokens) - 1:
+        if self._cached(s) and s.st.pos == len(tokens) - 1:
             flush = getattr(s.draft, "flush", None)  # the adaptive wrapper keeps commits pending
             if flush is not None:
                 flush()
             self.cache.keep(self.trunk, s.st, tokens, s.draft_key, s.own.snapshot() if s.draft_key else None)
+
+    def _cached(self, s: Sequence) -> bool:
+        """The prefix cache serves and keeps this sequence's states: not an image request's (its
+        image placeholders' ids are the same whatever the image)."""
+        return self.chunked and not s.req.images
 
     def _send(self, s: Sequence, item: Delta | TurboError) -> None:
         try:

@@ -12,6 +12,7 @@ from ..chat import opens_think, turn_stop_ids
 from ..chat_template import ChatTemplate, encode, install_template
 from ..errors import TurboError
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
+from .images import expand_images
 from .metrics import Metrics
 from .protocol import TURBO_KEYS, ApiError, Body
 from .scheduler import Overloaded, Request, Scheduler
@@ -80,11 +81,12 @@ class Engine:
         """The body as the scheduler's Request: the prompt's ids (a chat rendered by the template),
         the options over the server's defaults, the length checked against the context."""
         self.check_model(body.model)
-        opened, stops = False, ()
+        opened, stops, images = False, (), []
         if body.chat:
             prompt = self._render(body)
             opened, stops = opens_think(prompt), self.stop_ids
             ids = self._ids(lambda: encode(self.rt.tokenizer, prompt), "messages")
+            ids, images = expand_images(self.rt, body.messages, ids)  # (turbo/serve/images.py)
         else:
             ids = self._ids(lambda: self.rt.encode(body.prompt), "prompt")
         room = self.max_positions - len(ids)
@@ -106,7 +108,7 @@ class Engine:
             options = self.defaults.but(max_new_tokens=wanted, **fields)
         except TurboError as e:
             raise ApiError(str(e), param_of(str(e), body.max_tokens_param)) from None
-        return Prepared(Request(ids, options, body.logprobs), opened)
+        return Prepared(Request(ids, options, body.logprobs, images or None), opened)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str):
         try:

@@ -79,6 +79,20 @@ def tower_refusal(install: Install) -> str | None:
     return None
 
 
+def prefill_images(trunk, st, ids: list[int], mm: MmRows, aux_layers: tuple[int, ...]):
+    """ids[:-1] with their images' rows into the fresh state `st` (ids[-1] is the first anchor,
+    stepped at len(ids) - 1 + delta); the prefill's StepOut (None for a one-token prompt). The
+    API's ImageStart and the server's scheduler (turbo/serve/images.py) prefill through here."""
+    n = len(ids) - 1
+    if mm.rows.numel() and int(mm.rows[-1]) == n:
+        raise TurboError("a prompt cannot end in an image: end it with text (the chat template does)")
+    inside = mm.rows < n
+    head = MmRows(mm.rows[inside], mm.embeds[inside], mm.freq_positions[:n], mm.delta)
+    out = trunk.prefill(st, ids[:-1], aux_layers, mm=head) if n >= 1 else None
+    st.rope_delta = mm.delta
+    return out
+
+
 class ImageStart:
     """A fresh prefill of a prompt with images (the engine's `Start`, turbo/session.py's
     FreshStart with the tower's rows and positions): the drafters begin on the trunk's states
@@ -92,15 +106,8 @@ class ImageStart:
     def prime(self, trunk, draft, ids: list[int], capacity: int):
         if ids != self.tokens:
             raise TurboError("a prompt with images is never truncated: shorten it, or lower max_new_tokens")
-        n = len(ids) - 1  # ids[-1] is the first anchor: stepped at n + delta
-        if self.mm.rows.numel() and int(self.mm.rows[-1]) == n:
-            raise TurboError("a prompt cannot end in an image: end it with text (the chat template does)")
         st = trunk.new_state(capacity)
-        aux_layers = draft.aux_layers if draft is not None else ()
-        inside = self.mm.rows < n
-        head = MmRows(self.mm.rows[inside], self.mm.embeds[inside], self.mm.freq_positions[:n], self.mm.delta)
-        prompt_out = trunk.prefill(st, ids[:-1], aux_layers, mm=head) if n >= 1 else None
-        st.rope_delta = self.mm.delta
+        prompt_out = prefill_images(trunk, st, ids, self.mm, draft.aux_layers if draft is not None else ())
         if draft is not None:
             draft.begin(prompt_out, ids)
         return st

@@ -1,0 +1,133 @@
+"""Images through the server (turbo/serve/images.py): the official `openai` client against a real
+server process on a small random VL install: image_url parts with data: URLs answered as the
+Python API answers them alone (in a batch, streamed or not, with speculation), two requests with
+the same text and different images each their own answer (the prefix cache never mixes them),
+and remote URLs and malformed images refused with a 400 naming the field while it keeps serving."""
+
+import base64
+import io
+import re
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from PIL import Image
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+import turbo  # noqa: E402
+from turbo.vision.testing import make_vl_install  # noqa: E402
+
+from test_vision_doors import TEMPLATE, png  # noqa: E402
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def solid(value: int) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(np.full((40, 56, 3), value, dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+# the same size: their requests' token ids are the same, their answers not
+IMAGES = [data_url(solid(0)), data_url(solid(255))]
+
+
+def ask(url: str, text: str = "What is it?") -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}},
+                                         {"type": "text", "text": text}]}]
+
+
+@pytest.fixture(scope="module")
+def vl(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vlserve")
+    _, path = make_vl_install(tmp, seed=2)
+    (tmp / "vl.jinja").write_text(TEMPLATE)
+    cmd = [sys.executable, "-m", "turbo", "task=serve", "serve.port=0", "threads=1", "backend=cpu",
+           f"install.path={path}", f"serve.chat_template={tmp / 'vl.jinja'}", "serve.max_running=4"]
+    proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    line = proc.stdout.readline()
+    if not line.startswith("serving on http://127.0.0.1:"):
+        proc.kill()
+        pytest.fail(f"no address printed: {line!r} {proc.stderr.read()}")
+    url = line.split()[-1]
+    yield SimpleNamespace(client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0),
+                          rt=turbo.open(path, backend="cpu", threads=1), model=path.name)
+    proc.send_signal(2)
+    assert proc.wait(timeout=30) == 130
+
+
+def chat(vl, messages, **kw):
+    return vl.client.chat.completions.create(model=vl.model, messages=messages, max_tokens=10, temperature=0, **kw)
+
+
+def test_image_requests_answer_as_the_api_alone_batched_or_not(vl):
+    want = [vl.rt.chat(ask(u), template=TEMPLATE, max_new_tokens=10, policy="off").message["content"] for u in IMAGES]
+    text_only = [{"role": "user", "content": "What is it?"}]
+    plain = vl.rt.chat(text_only, template=TEMPLATE, max_new_tokens=10, policy="off").message["content"]
+    assert want[0] != want[1]  # the images decide the answer
+    for _ in range(2):  # the second time round, a prefix cache keyed by token ids alone would mix them up
+        assert [chat(vl, ask(u)).choices[0].message.content for u in IMAGES] == want
+    with ThreadPoolExecutor(4) as pool:  # in one batch, with a text request and a speculating one
+        jobs = [pool.submit(chat, vl, ask(u)) for u in IMAGES] + [pool.submit(chat, vl, text_only)]
+        jobs.append(pool.submit(chat, vl, ask(IMAGES[1]), extra_body={"turbo": {"drafter": "ngram", "block": 3}}))
+        got = [j.result().choices[0].message.content for j in jobs]
+    assert got == want + [plain, want[1]]
+    streamed = chat(vl, ask(IMAGES[0]), stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed) == want[0]
+    r = chat(vl, ask(IMAGES[0]))
+    assert r.usage.prompt_tokens == vl.rt.chat(ask(IMAGES[0]), template=TEMPLATE, max_new_tokens=1).stats.prompt_tokens
+
+
+@pytest.mark.parametrize("url, says", [
+    ("https://example.com/cat.png", "is not a data: URL"),
+    ("data:image/png;base64," + base64.b64encode(png(0, 40, 56)[:60]).decode(), "truncated|corrupt|cannot"),
+    ("data:image/png;base64,not*base64!", "base64"),
+])
+def test_bad_images_are_a_400_naming_the_field_and_it_keeps_serving(vl, url, says):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "see"},
+                                             {"type": "image_url", "image_url": {"url": url}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        chat(vl, messages)
+    err = e.value.body
+    assert err["param"] == "messages[0].content[1].image_url.url", err
+    assert re.search(says, err["message"]), err["message"]
+    assert chat(vl, ask(IMAGES[1])).choices[0].message.content  # still serving
+
+
+def test_the_scheduler_batches_image_requests_on_both_steps(tmp_path, step_path):
+    """In process, native and torch steps: image requests (two images that give the same ids) and
+    text ones in one batch, greedy and speculating, each equal to generate(images=) alone."""
+    from turbo.chat_template import encode, render
+    from turbo.options import GenerationOptions as G
+    from turbo.serve.images import expand_images
+    from turbo.serve.scheduler import Request, Scheduler, ServeLimits
+
+    from test_scheduler import Collect, drain
+
+    _, path = make_vl_install(tmp_path, seed=2)
+    rt = turbo.open(path, backend="cpu", threads=1)
+    reqs, want = [], []
+    for url, spec in [(IMAGES[0], dict(policy="off")), (IMAGES[1], dict(policy="off")), (None, dict(policy="off")),
+                      (IMAGES[1], dict(policy="fixed", block=3, drafter="ngram")), (IMAGES[0], dict(policy="off"))]:
+        messages = ask(url) if url else [{"role": "user", "content": "What is it?"}]
+        ids = encode(rt.tokenizer, render(TEMPLATE, messages, add_generation_prompt=True))
+        want.append(rt.generate(ids, images=[url] if url else None, max_new_tokens=10, **spec).tokens)
+        expanded, images = expand_images(rt, messages, ids)
+        reqs.append(Request(expanded, G(max_new_tokens=10, **spec), images=images or None))
+    sched = Scheduler(rt, ServeLimits(prefill_chunk=16))
+    sinks = [Collect() for _ in reqs]
+    for r, s in zip(reqs, sinks):
+        sched.submit(r, s)
+    drain(sched, sinks)
+    assert [s.error for s in sinks] == [None] * len(reqs)
+    assert [s.tokens for s in sinks] == want and want[0] != want[1]
+    # the cache (the native step's) holds the text request's states alone
+    assert bool(sched.cache.entries) == sched.chunked
+    assert all(len(k) < len(reqs[0].ids) for k in sched.cache.entries)

@@ -78,10 +78,13 @@ def test_a_session_with_an_image_in_turn_3_of_5_equals_fresh_generations(rt, spe
     turns = ["hello", "more", [{"type": "text", "text": "see "}, {"type": "image_url", "image_url": {"url": url}}],
              "and then", "end"]
     session = rt.session(template=TEMPLATE)
-    for content in turns:
+    for i, content in enumerate(turns):
         list(session.send(content, max_new_tokens=6, **spec))
         fresh = rt.chat(session.history[:-1], template=TEMPLATE, max_new_tokens=6, policy="off")
         assert session.last_turn.tokens == fresh.tokens and fresh.tokens
+        if i > 2:  # past the image the state goes on: only the turn's new rows (tests/test_vision_reuse.py)
+            report = session.last_turn
+            assert report.resumed_from != "fresh" and report.prefilled_tokens < report.prompt_tokens // 2
     assert session.history[4]["content"] == turns[2]
 
 

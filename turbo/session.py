@@ -136,6 +136,7 @@ class Keeper:
         self.snaps: list[Held] = []  # oldest first; each one's tokens begin the state's
         self.live: Held | None = None  # the state as the last complete turn left it
         self.mark = 0  # where this turn's snapshot goes: the start of its generation prompt
+        self.fresh: Start = FRESH  # how a turn that cannot go on from a kept state prefills
         self.report = TurnReport(0, 0, 0, "fresh", 0, 0)
         self._draft: Drafter | None = None
         self._end_draft: Any = None
@@ -145,10 +146,11 @@ class Keeper:
         # torch step), or where the drafter cannot snapshot its context (a caller's object)
         if not trunk.stepper.prefill_rows_are_steps or (draft is not None and not keeps_snapshots(draft)):
             self.snaps, self.live, self._draft = [], None, None
-            self.st = FRESH.prime(trunk, draft, ids, capacity)
+            self.st = self.fresh.prime(trunk, draft, ids, capacity)
             self.report = TurnReport(len(ids), 0, len(ids) - 1, "fresh", 0, 0)
             return self.st
-        held = [h for h in ([self.live] if self.live is not None else []) + self.snaps if h.serves(ids, draft)]
+        key = self.keyed(ids)
+        held = [h for h in ([self.live] if self.live is not None else []) + self.snaps if h.serves(key, draft)]
         base = max(held, key=lambda h: h.pos, default=None)  # the live state first among equals
         self._draft, self._end_draft, self.live = draft, None, None
         if base is None:
@@ -165,10 +167,10 @@ class Keeper:
                 draft.restore(base.draft)
         trunk.reserve(st, capacity)
         mark = min(self.mark, len(ids) - 1)
-        if p <= mark and not any(h.pos == mark and h.tokens == ids[:mark + 1] for h in self.snaps):
+        if p <= mark and not any(h.pos == mark and h.tokens == key[:mark + 1] for h in self.snaps):
             self._run(trunk, st, draft, ids, p, mark)
             p = mark
-            self.snaps = (self.snaps + [Held(ids[:mark + 1], trunk.snapshot(st),
+            self.snaps = (self.snaps + [Held(key[:mark + 1], trunk.snapshot(st),
                                              draft.snapshot() if draft is not None else None, draft)])
             self.snaps = self.snaps[-self.limit:] if self.limit else []
         self._run(trunk, st, draft, ids, p, len(ids) - 1)
@@ -177,13 +179,21 @@ class Keeper:
                                  sum(h.nbytes for h in self.snaps))
         return st
 
-    @staticmethod
-    def _run(trunk: Trunk, st: TrunkState, draft: Drafter | None, ids: list[int], p: int, end: int) -> None:
+    def keyed(self, ids: list[int]) -> list:
+        """What a kept state is matched by: the ids (a session with images tags their rows with
+        each image's identity, turbo/vision/session.py)."""
+        return list(ids)
+
+    def rows_mm(self, p: int, end: int) -> Any:
+        """The MmRows of rows p..end (turbo/vision/positions.py), or None: text rows."""
+        return None
+
+    def _run(self, trunk: Trunk, st: TrunkState, draft: Drafter | None, ids: list[int], p: int, end: int) -> None:
         """The state holds ids[:p] (the drafter ids[:p + 1]): run ids[p:end] through both."""
         if end <= p:
             return
-        aux = draft.aux_layers if draft is not None else ()
-        out = trunk.prefill(st, ids[p:end], aux) if st.pos == 0 else trunk.extend(st, ids[p:end], aux)
+        aux, mm = draft.aux_layers if draft is not None else (), self.rows_mm(p, end)
+        out = trunk.prefill(st, ids[p:end], aux, mm=mm) if st.pos == 0 else trunk.extend(st, ids[p:end], aux, mm)
         if draft is not None:
             call(draft, "resume", draft.resume, out, ids[:end + 1], p)
 
@@ -198,7 +208,7 @@ class Keeper:
         last round cut short by max_new_tokens or a stop ran the trunk past the answer)."""
         st = self.st
         if st is not None and st.pos == len(ids) - 1 + len(generated):
-            self.live = Held(list(ids) + list(generated), None, self._end_draft, self._draft)
+            self.live = Held(self.keyed(ids) + list(generated), None, self._end_draft, self._draft)
         self.report.snapshot_bytes += tensor_bytes(self._end_draft)
 
 
@@ -206,11 +216,13 @@ class Session:
     """A conversation with the runtime (Runtime.session): `send`, `retry` and `edit` stream a
     turn's round events and append the assistant's message to `history` when it completes."""
 
+    keeper_kind = Keeper
+
     def __init__(self, rt: Runtime, template: ChatTemplate, system: str | None = None, tools: list | None = None,
                  template_kwargs: dict[str, Any] | None = None, snapshots: int = DEFAULT_SNAPSHOTS):
         self.rt, self.template, self.tools = rt, template, tools
         self.template_kwargs = dict(template_kwargs or {})
-        self.keeper = Keeper(snapshots)
+        self.keeper = self.keeper_kind(snapshots)
         # what ends a turn, besides the caller's stop_token_ids (turbo.chat.turn_stop_ids)
         self.stop_ids = turn_stop_ids(rt.install, rt.tokenizer)
         self.history: list[dict[str, Any]] = []
@@ -232,7 +244,7 @@ class Session:
         """A new conversation with the same system prompt; the kept states are dropped."""
         system = self.system
         self.history, self.last_turn = [], None
-        self.keeper = Keeper(self.keeper.limit)
+        self.keeper = self.keeper_kind(self.keeper.limit)
         self.system = system
 
     def send(self, text: str, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:

@@ -173,15 +173,17 @@ class Trunk:
             return self.stepper.prefill(st, tokens, aux_layers, want_logits)
         return self.stepper.prefill(st, tokens, aux_layers, want_logits, mm)
 
-    def extend(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...] = ()) -> StepOut:
+    def extend(self, st: TrunkState, tokens: list[int], aux_layers: tuple[int, ...] = (), mm=None) -> StepOut:
         """Prompt rows after the `st.pos` the state holds (a chat session's next turn), run as the
         step's prefill runs them: only where its prefill rows are its decode steps bit for bit
         (the native step), so two pieces give the bits one prefill gives; the logits are the
-        last row's."""
+        last row's. mm: as prefill's, for these rows (turbo.vision.positions.rows_between)."""
         if not self.stepper.prefill_rows_are_steps:
             raise ValueError(f"the {self.stepper.name} step's prefill is not its steps: prefill afresh")
         self.reserve(st, st.pos + len(tokens))
-        return self.stepper.prefill(st, tokens, aux_layers, False)
+        if mm is None:
+            return self.stepper.prefill(st, tokens, aux_layers, False)
+        return self.stepper.prefill(st, tokens, aux_layers, False, mm)
 
     # ---- decode / verify ---------------------------------------------------------------
 

@@ -78,6 +78,16 @@ def mm_rows(tokens: list[int], grids: list[tuple[int, int, int]], embeds: torch.
     return MmRows(rows, embeds, pos[axes(sections, rot_half)].T.contiguous(), end - len(tokens))
 
 
+def rows_between(mm: MmRows, r0: int, r1: int) -> MmRows:
+    """Prompt rows r0..r1 of `mm` as a prefill of just them takes them (a state holding rows
+    [:r0] goes on with them: a chat session's next turn, a prefix-cached request): their image
+    rows counted from r0, their rotations, and the delta of row r1 (a text row, or the end)."""
+    inside = (mm.rows >= r0) & (mm.rows < r1)
+    n = mm.freq_positions.shape[0]
+    delta = mm.delta if r1 >= n else int(mm.freq_positions[r1, 0]) - r1
+    return MmRows(mm.rows[inside] - r0, mm.embeds[inside], mm.freq_positions[r0:r1], delta)
+
+
 def expand_placeholders(tokens: list[int], counts: list[int], image_id: int) -> list[int]:
     """Each single image placeholder (the chat template writes one per image) repeated as many
     times as its image has tokens, as transformers' processor expands <|image_pad|>."""

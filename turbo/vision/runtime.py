@@ -13,7 +13,7 @@ from ..errors import TurboError
 from ..install import Install
 from .config import TokenIds, VisionConfig, mrope_section, token_ids, vision_config
 from .image import ImageInput, ImageSpec, PreparedImage, prepare, spec_from_files
-from .positions import MmRows, expand_placeholders, mm_rows
+from .positions import MmRows, expand_placeholders, mm_rows, rows_between
 from .tower import TowerWeights, check_tensors, encode, install_names, tower_from_install
 
 ENCODED = 16  # images whose tower rows a runtime keeps
@@ -57,12 +57,34 @@ class Vision:
     def encode(self, image: PreparedImage) -> torch.Tensor:
         """The tower's rows for one image, kept for the last ENCODED images by content (a chat
         session sends its conversation's images again every turn)."""
-        key = (image.grid, hashlib.sha256(image.pixels.numpy().tobytes()).hexdigest())
+        key = image_key(image)
         if key not in self._encoded:
             if len(self._encoded) >= ENCODED:
                 self._encoded.pop(next(iter(self._encoded)))
             self._encoded[key] = encode(self.config, self.weights, image.pixels, [image.grid])
         return self._encoded[key]
+
+
+def image_key(image: PreparedImage) -> tuple:
+    """An image's identity as the trunk sees it: its grid and the sha256 of its prepared pixels
+    (a session's kept states and the server's prefix cache tell images apart by it)."""
+    key = getattr(image, "_key", None)
+    if key is None:
+        key = image._key = (image.grid, hashlib.sha256(image.pixels.numpy().tobytes()).hexdigest())
+    return key
+
+
+def keyed_rows(tokens: list[int], images: list[PreparedImage], image_id: int) -> list:
+    """`tokens` (placeholders expanded) with each image row tagged by its image's identity, so
+    two prompts match row by row only where their images are the same."""
+    out, keys = list(tokens), iter(image_key(p) for p in images)
+    key = None
+    for i, t in enumerate(tokens):
+        if t == image_id:
+            if key is None or tokens[i - 1] != image_id:
+                key = next(keys)
+            out[i] = (t, key)
+    return out
 
 
 def tower_refusal(install: Install) -> str | None:
@@ -86,9 +108,7 @@ def prefill_images(trunk, st, ids: list[int], mm: MmRows, aux_layers: tuple[int,
     n = len(ids) - 1
     if mm.rows.numel() and int(mm.rows[-1]) == n:
         raise TurboError("a prompt cannot end in an image: end it with text (the chat template does)")
-    inside = mm.rows < n
-    head = MmRows(mm.rows[inside], mm.embeds[inside], mm.freq_positions[:n], mm.delta)
-    out = trunk.prefill(st, ids[:-1], aux_layers, mm=head) if n >= 1 else None
+    out = trunk.prefill(st, ids[:-1], aux_layers, mm=rows_between(mm, 0, n)) if n >= 1 else None
     st.rope_delta = mm.delta
     return out
 
@@ -174,7 +194,7 @@ def check_placed(rt, ids: list[int], images: list) -> None:
 def refuse_unplaced(install: Install, ids: list[int], start) -> None:
     """A prompt holding image placeholders with no images behind them (a chat session's turn with
     image parts, or raw <|image_pad|> ids) would embed the placeholder itself: refused."""
-    if isinstance(start, ImageStart) or not install.has_vision:
+    if isinstance(start, ImageStart) or getattr(start, "mm", None) is not None or not install.has_vision:
         return
     image = install.config.get("image_token_id")
     if isinstance(image, int) and image in ids:

@@ -1,7 +1,9 @@
-"""A chat session on an install with a tower (Runtime.session): turns with no image in the
-conversation keep their state as turbo/session.py's do; once an image is in it, every turn
-prefills the whole conversation afresh with its images (exact: a fresh generation over it; the
-state reuse past an image is left for later, docs/vision.md)."""
+"""A chat session on an install with a tower (Runtime.session): its turns keep their state past
+images as turbo/session.py's keep it past text. Each turn renders the conversation, expands every
+image's placeholder to its tokens and goes on from the longest kept state whose rows begin it --
+rows matched with each image's identity (runtime.image_key), so an edited turn with another image
+in it is not taken for the old one -- prefilling only the new rows: new images through the image
+prefill of just their rows, the text after an image at its index + the delta (positions.py)."""
 
 from __future__ import annotations
 
@@ -10,18 +12,47 @@ from typing import Any, Iterator
 from ..chat import turn_options
 from ..chat_template import encode
 from ..options import GenerationOptions
-from ..session import Keeper, Session
-from .runtime import check_placed, message_images
+from ..session import FRESH, Keeper, Session, common_prefix
+from .positions import MmRows, rows_between
+from .runtime import ImageStart, check_placed, keyed_rows, message_images, vision_of
+
+
+class VisionKeeper(Keeper):
+    """A session's Keeper whose turn may hold images: `mm` the whole conversation's MmRows."""
+
+    mm: MmRows | None = None
+    _keyed: list | None = None  # the turn's expanded ids, image rows tagged
+
+    def images(self, tokens: list[int], mm: MmRows | None, keyed: list | None) -> None:
+        self.mm, self._keyed = mm, keyed
+        self.fresh = ImageStart(tokens, mm) if mm is not None else FRESH
+
+    def keyed(self, ids: list[int]) -> list:
+        if self._keyed is None:
+            return list(ids)
+        return self._keyed + list(ids[len(self._keyed):])  # (settle: the answer after the prompt)
+
+    def rows_mm(self, p: int, end: int) -> Any:
+        return None if self.mm is None else rows_between(self.mm, p, end)
 
 
 class VisionSession(Session):
+    keeper_kind = VisionKeeper
+
     def _turn(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator:
         images = message_images(self.history)
         if not images:
+            self.keeper.images([], None, None)
             return super()._turn(opts, fields)
         prompt = self.render()
         ids = encode(self.rt.tokenizer, prompt)
         check_placed(self.rt, ids, images)
-        self.keeper = Keeper(self.keeper.limit)  # its states hold none of this conversation's images
-        events = self.rt.stream(ids, turn_options(opts, fields, self.stop_ids), images=images)
-        return self._follow(ids, prompt, events)
+        vis = vision_of(self.rt)
+        prepared = vis.prepare(images)
+        tokens, mm = vis.prompt(ids, prepared)
+        # the start of the generation prompt, counted in expanded rows
+        mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
+        self.keeper.mark = mark + sum(p.tokens(vis.config.merge) - 1 for p in prepared[:ids[:mark].count(vis.ids.image)])
+        self.keeper.images(tokens, mm, keyed_rows(tokens, prepared, vis.ids.image))
+        events = self.rt.stream(tokens, turn_options(opts, fields, self.stop_ids), start=self.keeper)
+        return self._follow(tokens, prompt, events)

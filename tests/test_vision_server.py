@@ -20,7 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 import turbo  # noqa: E402
-from turbo.vision.testing import make_vl_install  # noqa: E402
+from turbo.vision.testing import IMAGE_ID, make_vl_install  # noqa: E402
 
 from test_vision_doors import TEMPLATE, png  # noqa: E402
 
@@ -128,6 +128,41 @@ def test_the_scheduler_batches_image_requests_on_both_steps(tmp_path, step_path)
     drain(sched, sinks)
     assert [s.error for s in sinks] == [None] * len(reqs)
     assert [s.tokens for s in sinks] == want and want[0] != want[1]
-    # the cache (the native step's) holds the text request's states alone
+    # the cache (the native step's) keeps the image requests' states too, their image rows tagged by image
     assert bool(sched.cache.entries) == sched.chunked
-    assert all(len(k) < len(reqs[0].ids) for k in sched.cache.entries)
+    row = reqs[0].ids.index(IMAGE_ID)
+    tags = {k[row] for k in sched.cache.entries if len(k) > row and isinstance(k[row], tuple)}
+    assert len(tags) == (2 if sched.chunked else 0)
+
+
+def conversation(url: str, answers: list[str], turn: int) -> list[dict]:
+    """A 3-turn chat with an image in turn 1, as its turn `turn` (0-based) resends it."""
+    messages = ask(url)
+    for i, text in enumerate(["And the colour?", "Say it again."][:turn]):
+        messages = messages + [{"role": "assistant", "content": answers[i]}, {"role": "user", "content": text}]
+    return messages
+
+
+def test_a_resent_conversation_with_images_hits_the_prefix_cache(vl):
+    """Each turn resent whole: the answers a cold run gives, the rows up to the last answer cached
+    from turn 2 on; the same text with another image gets its own answers, no hit past the image."""
+    from turbo.chat_template import encode, render
+
+    pair = [data_url(solid(64)), data_url(solid(192))]  # not sent before
+    first = []
+    for url in pair:
+        answers = []
+        for turn in range(3):
+            messages = conversation(url, answers, turn)
+            r = chat(vl, messages)
+            cold = vl.rt.chat(messages, template=TEMPLATE, max_new_tokens=10, policy="off")
+            assert r.choices[0].message.content == cold.message["content"], (url[-8:], turn)
+            answers.append(r.choices[0].message.content)
+            cached = r.usage.prompt_tokens_details.cached_tokens
+            ids = encode(vl.rt.tokenizer, render(TEMPLATE, messages, add_generation_prompt=True))
+            if turn:  # past the image: the last turn's state
+                assert cached > ids.index(IMAGE_ID), (url[-8:], turn)
+            else:  # the first's states hold another image at the same place: nothing past it
+                assert cached <= ids.index(IMAGE_ID)
+        first.append(answers)
+    assert first[0] != first[1]

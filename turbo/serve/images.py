@@ -9,8 +9,11 @@ image prefill (turbo/vision/runtime.prefill_images: the tower's rows and their m
 positions), then the sequence decodes in the batch like any other, its state's rope_delta rotating
 its rows: its tokens are those the same request alone through the API gives.
 
-An image request bypasses the prefix cache: the cache keys states by token ids, and every image's
-placeholder tokens are the same whatever the image holds.
+The prefix cache keeps an image request's states as a text one's, keyed by its ids with each
+image row tagged by its image's identity (`cache_key`: the grid and the sha256 of the prepared
+pixels), since every image's placeholder ids are the same whatever the image holds: a resent
+conversation with the same images goes on from its kept state (the rows after it through the image
+prefill of just them), one with another image in the same place only from before that image.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 from ..errors import TurboError
 from ..vision.image import PreparedImage
 from ..vision.positions import expand_placeholders
-from ..vision.runtime import check_placed, prefill_images, vision_of
+from ..vision.runtime import check_placed, keyed_rows, prefill_images, vision_of
 
 
 def image_urls(messages: list[dict]) -> list[tuple[str, str]]:
@@ -50,8 +53,15 @@ def expand_images(rt, messages: list[dict], ids: list[int]) -> tuple[list[int], 
     return expand_placeholders(ids, [p.tokens(vis.config.merge) for p in prepared], vis.ids.image), prepared
 
 
-def prefill_request(rt, st, ids: list[int], images: list[PreparedImage], aux_layers: tuple[int, ...]):
-    """A request's whole prompt with its images into its fresh state (the scheduler's admission):
-    the tower's rows (kept by content for the last few images), then the API's image prefill."""
+def prefill_request(rt, st, ids: list[int], images: list[PreparedImage], aux_layers: tuple[int, ...],
+                    start: int = 0):
+    """A request's prompt with its images into its state, which holds ids[:start] (0: fresh; else
+    from the prefix cache) at the scheduler's admission: the tower's rows (kept by content for the
+    last few images), then the API's image prefill of the rows after `start` (None: none left)."""
     _, mm = vision_of(rt).prompt(ids, images, expand=False)
-    return prefill_images(rt.trunk, st, ids, mm, aux_layers)
+    return prefill_images(rt.trunk, st, ids, mm, aux_layers, start)
+
+
+def cache_key(rt, tokens: list[int], images: list[PreparedImage] | None) -> list:
+    """What the prefix cache keys a request's state by: its ids, image rows tagged by their image."""
+    return keyed_rows(tokens, images, vision_of(rt).ids.image) if images else tokens

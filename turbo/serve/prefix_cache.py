@@ -6,7 +6,8 @@ conv states (a RecurrentSnapshot), the K/V rows below it, and the drafter's cont
 drafter kind: a proposal stream depends on it, and a seeded sampled request's tokens on the
 proposals). A request whose prompt begins with a kept entry's tokens starts from a copy of it and
 prefills only the rest; since a native prefill's rows equal its steps bit for bit
-(TrunkStep.prefill_rows_are_steps), its tokens are those a cold prefill gives.
+(TrunkStep.prefill_rows_are_steps), its tokens are those a cold prefill gives. An image request's
+tokens carry each image's identity on its rows (turbo/serve/images.py: cache_key).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ DraftKey = tuple  # (kind, window or ngram config): whose context a drafter snap
 
 @dataclass(eq=False)
 class Entry:
-    tokens: tuple[int, ...]  # the state holds tokens[:-1]; tokens[-1] is the anchor after them
+    tokens: tuple  # the state holds tokens[:-1]; tokens[-1] is the anchor after them (image rows tagged: images.py)
     trunk: RecurrentSnapshot
     kv: dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [Hkv, len(tokens), d] (copies)
     drafts: dict[DraftKey, Any] = field(default_factory=dict)  # drafter key -> its snapshot after the tokens

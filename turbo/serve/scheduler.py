@@ -32,7 +32,7 @@ from ..stops import Finish, Stopper
 from ..trunk import TrunkState
 from ..vision.runtime import ImageStart
 from .costs import StepCosts, sequence_bytes
-from .images import prefill_request
+from .images import cache_key, prefill_request
 from .prefix_cache import DraftKey, PrefixCache
 
 if TYPE_CHECKING:
@@ -282,7 +282,7 @@ class Scheduler:
             job.stats.window = s.own.window
             # the n-gram drafter's context is the token ids alone: begin rebuilds it from the prompt
             s.draft_key = None if isinstance(s.own, NgramDrafter) else s.pool_key
-        hit = self.cache.lookup(job.ids, s.draft_key) if self._cached(s) else None
+        hit = self.cache.lookup(cache_key(self.rt, job.ids, s.req.images), s.draft_key) if self._cached(s) else None
         if hit is not None:
             s.st = self.cache.restore(self.trunk, hit, capacity)
             s.done_rows = s.resumed_at = len(hit.tokens) - 1
@@ -295,8 +295,8 @@ class Scheduler:
             s.chooser = AdaptiveChooser(job.plan.block, memory=(s.own, o.rollback) if not sampled else None,
                                         counted=sampled)
         aux = s.draft.aux_layers if s.draft is not None else ()
-        if s.req.images:  # the whole prompt at once, with its images' rows (turbo/serve/images.py)
-            s.parts = [prefill_request(self.rt, s.st, job.ids, s.req.images, aux)]
+        if s.req.images:  # the prompt's rest at once, with its images' rows (turbo/serve/images.py)
+            s.parts = [p for p in [prefill_request(self.rt, s.st, job.ids, s.req.images, aux, s.done_rows)] if p]
             s.done_rows = len(job.ids) - 1
         elif not self.chunked and len(job.ids) > 1:  # the whole prompt at once (the torch step's prefill)
             s.parts = [self.trunk.prefill(s.st, job.ids[:-1], aux)]
@@ -336,7 +336,8 @@ class Scheduler:
             s.draft = LazyContext(s.own, s.chooser)
         s.anchor = ids[-1]
         if self._cached(s):
-            self.cache.keep(self.trunk, s.st, ids, s.draft_key, s.own.snapshot() if s.draft_key else None)
+            self.cache.keep(self.trunk, s.st, cache_key(self.rt, ids, s.req.images), s.draft_key,
+                            s.own.snapshot() if s.draft_key else None)
 
     def _settle(self, w: Work, out: StepOut, share_s: float) -> None:
         s = w.seq
@@ -378,12 +379,13 @@ class Scheduler:
             flush = getattr(s.draft, "flush", None)  # the adaptive wrapper keeps commits pending
             if flush is not None:
                 flush()
-            self.cache.keep(self.trunk, s.st, tokens, s.draft_key, s.own.snapshot() if s.draft_key else None)
+            self.cache.keep(self.trunk, s.st, cache_key(self.rt, tokens, s.req.images), s.draft_key,
+                            s.own.snapshot() if s.draft_key else None)
 
     def _cached(self, s: Sequence) -> bool:
-        """The prefix cache serves and keeps this sequence's states: not an image request's (its
-        image placeholders' ids are the same whatever the image)."""
-        return self.chunked and not s.req.images
+        """The prefix cache serves and keeps this sequence's states (an image request's keyed with
+        its images' identity: turbo/serve/images.py)."""
+        return self.chunked
 
     def _send(self, s: Sequence, item: Delta | TurboError) -> None:
         try:

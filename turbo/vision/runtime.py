@@ -82,7 +82,7 @@ def keyed_rows(tokens: list[int], images: list[PreparedImage], image_id: int) ->
     for i, t in enumerate(tokens):
         if t == image_id:
             if key is None or tokens[i - 1] != image_id:
-                key = next(keys)
+                key = next(keys, None)  # (None: a placeholder past the images, a generated one)
             out[i] = (t, key)
     return out
 
@@ -101,14 +101,19 @@ def tower_refusal(install: Install) -> str | None:
     return None
 
 
-def prefill_images(trunk, st, ids: list[int], mm: MmRows, aux_layers: tuple[int, ...]):
-    """ids[:-1] with their images' rows into the fresh state `st` (ids[-1] is the first anchor,
-    stepped at len(ids) - 1 + delta); the prefill's StepOut (None for a one-token prompt). The
-    API's ImageStart and the server's scheduler (turbo/serve/images.py) prefill through here."""
+def prefill_images(trunk, st, ids: list[int], mm: MmRows, aux_layers: tuple[int, ...], start: int = 0):
+    """ids[start:-1] with their images' rows into `st`, which holds ids[:start] (0: a fresh state;
+    ids[-1] is the first anchor, stepped at len(ids) - 1 + delta); the prefill's StepOut (None
+    when no row is left). The API's ImageStart and the server's scheduler (turbo/serve/images.py,
+    from a prefix-cached state too) prefill through here."""
     n = len(ids) - 1
     if mm.rows.numel() and int(mm.rows[-1]) == n:
         raise TurboError("a prompt cannot end in an image: end it with text (the chat template does)")
-    out = trunk.prefill(st, ids[:-1], aux_layers, mm=rows_between(mm, 0, n)) if n >= 1 else None
+    out = None
+    if n > start:
+        part = rows_between(mm, start, n)
+        out = trunk.prefill(st, ids[:-1], aux_layers, mm=part) if start == 0 else \
+            trunk.extend(st, ids[start:n], aux_layers, part)
     st.rope_delta = mm.delta
     return out
 

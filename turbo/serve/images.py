@@ -1,5 +1,8 @@
-"""Images in served chat requests: OpenAI's image_url content parts with data: URLs (protocol.py
-checks their shape and refuses any other URL).
+"""Images in served chat requests: OpenAI's image_url content parts (protocol.py checks their
+shape): data: URLs; file:// URLs whose real path (symlinks and ../ resolved) lies inside one of
+serve.image_dirs (none by default); http(s) URLs fetched only under serve.remote_images=true, within
+FETCH_TIMEOUT_S and image.py's MAX_BYTES (its pixel budget is checked on the header, as for any
+image). Any other is a 400 naming the field and the option that would allow it.
 
 When a request is prepared (worker.Engine.prepare, before the answer's first byte) each image is
 decoded and checked (a malformed one is a 400 naming its field: `messages[i].content[j].image_url.url`)
@@ -18,8 +21,15 @@ prefill of just them), one with another image in the same place only from before
 
 from __future__ import annotations
 
+import os
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from http.client import HTTPException
+
 from ..errors import TurboError
-from ..vision.image import PreparedImage
+from ..vision.image import MAX_BYTES, PreparedImage
 from ..vision.positions import expand_placeholders
 from ..vision.runtime import check_placed, keyed_rows, prefill_images, vision_of
 
@@ -31,10 +41,69 @@ def image_urls(messages: list[dict]) -> list[tuple[str, str]]:
             for j, part in enumerate(m["content"]) if part["type"] == "image_url"]
 
 
-def expand_images(rt, messages: list[dict], ids: list[int]) -> tuple[list[int], list[PreparedImage]]:
-    """The rendered prompt's ids with each image's placeholder expanded, and the images decoded
-    (none: `ids` as they are)."""
+FETCH_TIMEOUT_S = 10.0  # a remote image's whole fetch (serve.remote_images)
+
+
+def image_source(url: str, param: str, dirs: tuple[str, ...] = (), remote: bool = False) -> str | bytes:
+    """What a request's image URL lets the server decode: a data: URL as it is, a file's or a
+    fetched image's bytes; refused (an ApiError naming `param`) unless the settings allow it."""
     from .protocol import ApiError  # (protocol imports the scheduler, which imports this module)
+
+    scheme = url.split(":", 1)[0].lower()
+    if scheme == "data":
+        return url
+    if scheme == "file":
+        return _local(url, param, dirs)
+    if not remote:
+        raise ApiError(f"{param}: {url[:60]!r} is not a data: URL, and this server fetches no remote image "
+                       "(serve.remote_images=true fetches http(s) URLs)", param)
+    deadline, chunks, size = time.monotonic() + FETCH_TIMEOUT_S, [], 0
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers={"User-Agent": "turbo"}),
+                                    timeout=FETCH_TIMEOUT_S) as r:
+            while chunk := r.read(1 << 16):
+                chunks.append(chunk)
+                size += len(chunk)
+                if size > MAX_BYTES:
+                    raise ApiError(f"{param}: {url[:80]!r} is over the {MAX_BYTES >> 20} MiB image limit", param)
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"not fetched within {FETCH_TIMEOUT_S:g} s")
+    except (urllib.error.URLError, HTTPException, OSError, ValueError) as e:
+        raise ApiError(f"{param}: fetching {url[:80]!r} failed ({getattr(e, 'reason', None) or e})", param) from None
+    return b"".join(chunks)
+
+
+def _local(url: str, param: str, dirs: tuple[str, ...]) -> bytes:
+    """A file:// URL's bytes, read only where its real path lies inside one of `dirs`."""
+    from .protocol import ApiError
+
+    allow = "serve.image_dirs=[DIR,...] lists the directories file:// URLs may name"
+    if not dirs:
+        raise ApiError(f"{param}: this server reads no local image ({allow})", param)
+    parts = urllib.parse.urlsplit(url)
+    if parts.netloc not in ("", "localhost"):
+        raise ApiError(f"{param}: {url[:60]!r}: a file:// URL names a file on this host (file:///PATH)", param)
+    real = os.path.realpath(urllib.parse.unquote(parts.path))
+    roots = [os.path.realpath(d) for d in dirs]
+    if not any(os.path.commonpath([real, root]) == root for root in roots):
+        raise ApiError(f"{param}: {url[:60]!r} lies outside serve.image_dirs ({allow})", param)
+    try:
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_BYTES + 1)
+    except OSError as e:
+        raise ApiError(f"{param}: {url[:60]!r}: not readable ({e.strerror or e})", param) from None
+    if len(data) > MAX_BYTES:
+        raise ApiError(f"{param}: {url[:60]!r} is over the {MAX_BYTES >> 20} MiB image limit", param)
+    return data
+
+
+def expand_images(rt, messages: list[dict], ids: list[int], dirs: tuple[str, ...] = (),
+                  remote: bool = False) -> tuple[list[int], list[PreparedImage]]:
+    """The rendered prompt's ids with each image's placeholder expanded, and the images read (as
+    serve.image_dirs and serve.remote_images allow: image_source) and decoded (none: `ids` as
+    they are)."""
+    from .protocol import ApiError
 
     urls = image_urls(messages)
     if not urls:
@@ -46,8 +115,9 @@ def expand_images(rt, messages: list[dict], ids: list[int]) -> tuple[list[int], 
         raise ApiError(str(e), "messages") from None
     prepared = []
     for url, param in urls:
+        source = image_source(url, param, dirs, remote)
         try:
-            prepared.append(vis.prepare([url])[0])
+            prepared.append(vis.prepare([source])[0])
         except TurboError as e:
             raise ApiError(f"{param}: {e}", param) from None
     return expand_placeholders(ids, [p.tokens(vis.config.merge) for p in prepared], vis.ids.image), prepared

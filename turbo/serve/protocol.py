@@ -170,8 +170,8 @@ def _messages(messages: Any) -> list[dict]:
 
 def _parts(parts: list, where: str) -> str | list[dict]:
     """Text parts joined into one string; with image_url parts, the parts (text and image_url,
-    in order) for the template to place each image. An image is a data: URL: nothing is fetched
-    (turbo/serve/images.py decodes it)."""
+    in order) for the template to place each image: a data:, file:// or http(s) URL, which
+    turbo/serve/images.py reads as the server's settings allow and decodes."""
     out: list[dict] = []
     for j, part in enumerate(parts):
         at = f"{where}[{j}]"
@@ -184,9 +184,9 @@ def _parts(parts: list, where: str) -> str | list[dict]:
             if not isinstance(url, str):
                 raise ApiError(f"{at}.image_url.url: expected {{\"image_url\": {{\"url\": \"data:image/...;base64,...\"}}}}",
                                f"{at}.image_url.url")
-            if not url.startswith("data:"):
-                raise ApiError(f"{at}.image_url.url: {url[:60]!r} is not a data: URL (this server fetches no remote "
-                               "or local URL; send the image as data:image/...;base64,...)", f"{at}.image_url.url")
+            if url.split(":", 1)[0].lower() not in ("data", "file", "http", "https"):
+                raise ApiError(f"{at}.image_url.url: {url[:60]!r} is not a data:, file:// or http(s) URL (send the "
+                               "image as data:image/...;base64,...)", f"{at}.image_url.url")
             out.append({"type": "image_url", "image_url": {"url": url}})
         else:
             raise ApiError(f"{at} is {json.dumps(part)[:200]}: expected a text part ({{\"type\": \"text\", \"text\": "

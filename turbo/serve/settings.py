@@ -3,9 +3,10 @@ and the generation defaults a server takes from the top-level keys (policy, bloc
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, fields
 
-from omegaconf import DictConfig
+from omegaconf import DictConfig, ListConfig
 
 from ..errors import TurboError
 from ..options import GenerationOptions, integer
@@ -26,6 +27,8 @@ class ServeConfig:
     limits: ServeLimits = field(default_factory=ServeLimits)
     model_name: str | None = None  # None: the install's directory name
     chat_template: str | None = None  # a .jinja file over the install's template
+    image_dirs: tuple[str, ...] = ()  # the directories file:// image URLs may name (turbo/serve/images.py)
+    remote_images: bool = False  # fetch http(s) image URLs (else a 400 naming this option)
 
 
 def serve_config(cfg: DictConfig) -> ServeConfig:
@@ -49,8 +52,22 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
         raise TurboError(f"config: serve.host={s.get('host')!r}, expected an address to listen on")
     text = {k: str(s[k]) if s.get(k) is not None else None
             for k in ("api_key", "ray_address", "model_name", "chat_template")}
+    if not isinstance(s.get("remote_images", False), bool):
+        raise TurboError(f"config: serve.remote_images={s.get('remote_images')!r}, expected true or false")
     return ServeConfig(host=s["host"], port=int(s["port"]), engine=s["engine"], replicas=int(s["replicas"]),
-                       limits=ServeLimits(**{k: s[k] for k in LIMIT_KEYS}), **text)
+                       limits=ServeLimits(**{k: s[k] for k in LIMIT_KEYS}), image_dirs=image_dirs(s.get("image_dirs")),
+                       remote_images=s.get("remote_images", False), **text)
+
+
+def image_dirs(value) -> tuple[str, ...]:
+    """serve.image_dirs: existing directories, as their real paths."""
+    dirs = [value] if isinstance(value, str) else list(value) if isinstance(value, ListConfig) else None
+    if dirs is None or not all(isinstance(d, str) and d for d in dirs):
+        raise TurboError(f"config: serve.image_dirs={value!r}, expected a list of directories ([] : none)")
+    bad = next((d for d in dirs if not os.path.isdir(os.path.expanduser(d))), None)
+    if bad is not None:
+        raise TurboError(f"config: serve.image_dirs: {bad} is not a directory")
+    return tuple(os.path.realpath(os.path.expanduser(d)) for d in dirs)
 
 
 def server_defaults(g: GenerationOptions) -> GenerationOptions:

@@ -86,7 +86,8 @@ class Engine:
             prompt = self._render(body)
             opened, stops = opens_think(prompt), self.stop_ids
             ids = self._ids(lambda: encode(self.rt.tokenizer, prompt), "messages")
-            ids, images = expand_images(self.rt, body.messages, ids)  # (turbo/serve/images.py)
+            ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
+                                        self.config.remote_images)  # (turbo/serve/images.py)
         else:
             ids = self._ids(lambda: self.rt.encode(body.prompt), "prompt")
         room = self.max_positions - len(ids)

@@ -296,7 +296,8 @@ class Scheduler:
                                         counted=sampled)
         aux = s.draft.aux_layers if s.draft is not None else ()
         if s.req.images:  # the prompt's rest at once, with its images' rows (turbo/serve/images.py)
-            s.parts = [p for p in [prefill_request(self.rt, s.st, job.ids, s.req.images, aux, s.done_rows)] if p]
+            out = prefill_request(self.rt, s.st, job.ids, s.req.images, aux, s.done_rows)
+            s.parts = [out] if out is not None else []
             s.done_rows = len(job.ids) - 1
         elif not self.chunked and len(job.ids) > 1:  # the whole prompt at once (the torch step's prefill)
             s.parts = [self.trunk.prefill(s.st, job.ids[:-1], aux)]

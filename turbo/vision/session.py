@@ -52,7 +52,8 @@ class VisionSession(Session):
         tokens, mm = vis.prompt(ids, prepared)
         # the start of the generation prompt, counted in expanded rows
         mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
-        self.keeper.mark = mark + sum(p.tokens(vis.config.merge) - 1 for p in prepared[:ids[:mark].count(vis.ids.image)])
+        before = prepared[:ids[:mark].count(vis.ids.image)]
+        self.keeper.mark = mark + sum(p.tokens(vis.config.merge) - 1 for p in before)
         self.keeper.images(tokens, mm, keyed_rows(tokens, prepared, vis.ids.image))
         events = self.rt.stream(tokens, turn_options(opts, fields, self.stop_ids), start=self.keeper)
         return self._follow(tokens, prompt, events)

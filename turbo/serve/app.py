@@ -108,7 +108,8 @@ def make_app(engine: Engine) -> FastAPI:
 
 async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
     body = P.parse(P.parse_json(await request.body()), chat)
-    prepared = engine.prepare(body)
+    # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other streams
+    prepared = await asyncio.to_thread(engine.prepare, body)
     loop = asyncio.get_running_loop()
     call = Call(body, len(prepared.request.ids), prepared.opened_think, asyncio.Queue(), engine.metrics.request(),
                 P.new_id(chat))

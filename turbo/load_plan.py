@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 
-from . import quant
+from . import layout_file, quant
 from .arch import Arch
 from .backends import native_dflash, native_exact, native_lib, native_pack, native_trunk
 from .drafters.dflash_config import dflash_layer_tensor
@@ -32,7 +32,7 @@ EMBED = "embed_tokens.weight"
 TENSOR = "tensor"  # torch step: a tensor in `dtype` (quantized sources dequantized, unless a Source keeps them)
 PANELS = "panels"  # native step: float panels of `dtype` ("panel_pairs" for bf16), packed a slice at a time
 PACKED = "packed"  # native step: int4 / int8 read as stored (`bits`), native_pack.quantized_panels
-COPY = "copy"  # native step: a float table quantized at load to `bits` (a tied lm_head; native_pack.quantized_copy)
+COPY = "copy"  # native step: a float table quantized to `bits` (a tied lm_head; native_pack.quantized_copy, or mapped)
 EXACT = "exact"  # native step: fp32-scaled int4 / int8 or FP8 read as stored (native_exact.exact_panels)
 SEGMENTS = "segments"  # native step: `parts` (each EXACT, PACKED or PANELS) stacked by rows (native_exact.segments)
 MIXED = "mixed"  # packed_format: every matrix of the part in SEGMENTS (one wtype, formats of their own)
@@ -69,6 +69,7 @@ class Matrix:
     kernel: bool = False  # TENSOR: kept sources run quant's CPU kernel (QuantizedWeight.use_kernel)
     draft: str | None = None  # DRAFT: the drafter's products' layout (native_lib.draft_layout)
     parts: tuple[Matrix, ...] = ()  # SEGMENTS
+    mapped: str | None = None  # PANELS, PACKED, COPY: the install's packed tensor it is, read as is (layout_file)
 
     @property
     def layout(self) -> str:  # PANELS: bf16 in pairs (the same products, less widening)
@@ -261,7 +262,14 @@ class _Rules:
         if fmt == MIXED:  # (runs of sources read alike fused into one segment)
             return Matrix(srcs, SEGMENTS, parts=tuple(self._segment(kind, tuple(run))
                                                       for kind, run in groupby(srcs, key=self._kind)))
-        return Matrix(srcs, PACKED, bits=fmt) if isinstance(fmt, int) else Matrix(srcs, PANELS, fmt or self.storage)
+        return self.mapped(Matrix(srcs, PACKED, bits=fmt) if isinstance(fmt, int)
+                           else Matrix(srcs, PANELS, fmt or self.storage))
+
+    def mapped(self, m: Matrix) -> Matrix:
+        """`m` read as is out of the install's packed file, where that holds it (packed_target) as planned."""
+        want = packed_target(self.entries, m)
+        packed = self.entries.get(want[0]) if want is not None else None
+        return m if packed is None or (packed.st_dtype, packed.dims) != want[1:] else replace(m, mapped=packed.name)
 
     def _kind(self, s: Source) -> tuple:
         """How a source of a SEGMENTS matrix is read: its exact format, turbo's int4 / int8, or floats."""
@@ -276,6 +284,15 @@ class _Rules:
         if kind[0] in (EXACT, PACKED):
             return Matrix(run, kind[0], bits=kind[1] if kind[0] == PACKED else 0)
         return Matrix(run, PANELS, torch.float32 if len(kind) > 1 else self.storage)  # (dequantized: fp32, exact)
+
+
+def packed_target(entries: Mapping[str, Entry], m: Matrix) -> tuple[str, str, tuple[int, ...]] | None:
+    """Where the open layout keeps `m` (layout_file.target): a PANELS, PACKED or COPY matrix."""
+    if m.form not in (PANELS, PACKED, COPY):
+        return None
+    layout = native_pack.LAYOUT_OF_BITS.get(m.bits) if m.bits else m.layout
+    return layout_file.target(entries, layout, [s.name for s in m.sources], m.form == PANELS,
+                              "BF16" if m.dtype == torch.bfloat16 else "F32")
 
 
 def _by_part(matrices: Mapping[str, Entry]) -> dict[str, list[tuple[str, Entry]]]:
@@ -328,7 +345,7 @@ def _plan_embed(r: _Rules, a: Arch, formats: list, parts: dict[str, list[tuple[s
     if a.tie_embeddings and packed_bits:
         # the layers read packed: so is the lm_head, a copy in their format (the widest, if they
         # differ; at real scale the head is a third of a step's bytes); the table stays exact
-        return EmbedPlan(table, False, None, r.storage, Matrix((table,), COPY, bits=max(packed_bits)))
+        return EmbedPlan(table, False, None, r.storage, r.mapped(Matrix((table,), COPY, bits=max(packed_bits))))
     if a.tie_embeddings and r.storage is not None:  # the embedding rows read out of the packed lm_head: kept once
         return EmbedPlan(table, True, None, None, r.matrix([(table.name, table.shape)], None))
     head = None if a.tie_embeddings else r.matrix([(PREFIX + "lm_head.weight", table.shape)],

@@ -20,6 +20,7 @@ from .chat_template import check_checkpoint
 from .drafters import mtp
 from .errors import ArgumentParser, TurboError
 from .install import DRAFTER_DIR
+from .open_layout import write_layout_of
 from .repack_gguf import find_gguf, repack_gguf
 from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
 from .repack_write import building, copy_file, write_safetensors
@@ -90,6 +91,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
                 (tmp / DRAFTER_DIR).mkdir()
                 copy_file(Path(drafter) / "config.json", tmp / DRAFTER_DIR / "config.json")
                 write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar, drafter_quant)
+        # the native step's matrices as it reads them, beside the weights: opens map them (turbo/layout_file.py)
+        write_layout_of(tmp)
     return out
 
 

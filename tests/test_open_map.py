@@ -72,7 +72,8 @@ def tokens(path: Path, **opts) -> list[int]:
 
 def _plan(install):
     opts = OpenOptions()
-    return plan_trunk(install.index.entries, install.arch, opts, torch.device("cpu"), host(opts, torch.device("cpu")))
+    return plan_trunk(install.index.entries, install.arch, opts, torch.device("cpu"), host(opts, torch.device("cpu")),
+                      install.index.packed)
 
 
 def _matrices(plan):

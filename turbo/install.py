@@ -104,12 +104,14 @@ class ResidentIndex:
         self.entries: dict[str, Entry] = {}
         self.headers: list[Header] = []
         self._maps: dict[Path, mmap.mmap] = {}
+        self.packed: dict[str, Entry] = {}  # the open layout's tensors (layout_file), apart from the install's own
         for path in files:
             self.add_file(path, (prefixes or {}).get(path))
         self._attach_quant_companions()
 
-    def add_file(self, path: Path, allowed: tuple[str, ...] | None) -> None:
-        """Every tensor of `path` (only names under `allowed`, where given) into the index."""
+    def add_file(self, path: Path, allowed: tuple[str, ...] | None, packed: bool = False) -> None:
+        """Every tensor of `path` (only names under `allowed`, where given) into the index (`packed`:
+        the open layout's file, into `packed`)."""
         if not path.is_file():
             raise TurboError(f"{path}: missing (listed by the install)")
         header = read_header(path)
@@ -119,17 +121,18 @@ class ResidentIndex:
                                  f"(expected names under {', '.join(allowed)})")
             if name in self.entries:
                 raise TurboError(f"{path}: tensor {name} is also in {self.entries[name].file}")
-            self._add(info, header)
-        self.headers.append(header)
+            self._add(info, header, self.packed if packed else self.entries)
+        if not packed:
+            self.headers.append(header)
 
-    def _add(self, info: TensorInfo, header: Header) -> None:
+    def _add(self, info: TensorInfo, header: Header, into: dict[str, Entry]) -> None:
         count = math.prod(info.shape)
         if count > MAX_TENSOR_ELEMENTS:  # before anything is mapped or allocated for it
             raise TurboError(f"{header.path}: tensor {info.name} declares {count} elements {list(info.shape)}, "
                              f"over turbo's bound of 2^34 for one tensor")
         code = DTYPE_CODES.get(info.dtype, 0)  # 0: raw storage (packed quantized payloads, scales)
-        self.entries[info.name] = Entry(info.name, code, shape4(info.shape, info.name), header.path,
-                                        header.data_start + info.begin, info.end - info.begin, info.dtype, info.shape)
+        into[info.name] = Entry(info.name, code, shape4(info.shape, info.name), header.path,
+                                header.data_start + info.begin, info.end - info.begin, info.dtype, info.shape)
 
     def _attach_quant_companions(self) -> None:
         """Fold `name.scales` / `name.biases` into `name`'s entry for every tensor the files'
@@ -241,8 +244,8 @@ class ResidentIndex:
     def view(self, name: str) -> torch.Tensor | None:
         """An unquantized tensor as a view of its file mapped copy-on-write (pages read when first
         touched, shared with the page cache; nothing is read now), in its stored dtype and shape;
-        None where its bytes are not aligned for that dtype."""
-        e = self.need(name)
+        None where its bytes are not aligned for that dtype. Also the open layout's tensors."""
+        e = self.packed[name] if name in self.packed else self.need(name)
         dtype = ST_TORCH.get(e.st_dtype)
         if dtype is None or e.bits or e.offset % dtype.itemsize or not e.size_bytes:
             return None
@@ -369,6 +372,6 @@ def open_install(path_or_name: str | Path) -> Install:
         raise TurboError(f"{root}: no trunk.* tensors (expected an install made by python -m turbo.repack)")
     packed, note = layout_file.check(root, weight_files(root))
     if packed is not None:
-        index.add_file(packed, (layout_file.PREFIX,))
+        index.add_file(packed, (layout_file.PREFIX,), packed=True)
     name = shipped_name(path_or_name) or root.name
     return Install(root, name, config, arch, index, drafter_config, packed is not None, note)

@@ -214,6 +214,7 @@ class _Rules:
     keep_quantized: bool = True  # the torch step may keep quantized sources packed (drafters: dequantized)
     draft: str | None = None  # a drafter's native step: every matrix DRAFT in `storage`, this layout
     layouts: tuple[str, ...] = ()  # the host's (Host.layouts): "exact", "fp8" read those formats as stored
+    packed: Mapping[str, Entry] | None = None  # the open layout's tensors (ResidentIndex.packed): read as is
 
     def read_packed(self, name: str, e: Entry) -> bool:
         """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
@@ -268,7 +269,7 @@ class _Rules:
     def mapped(self, m: Matrix) -> Matrix:
         """`m` read as is out of the install's packed file, where that holds it (packed_target) as planned."""
         want = packed_target(self.entries, m)
-        packed = self.entries.get(want[0]) if want is not None else None
+        packed = (self.packed or {}).get(want[0]) if want is not None else None
         return m if packed is None or (packed.st_dtype, packed.dims) != want[1:] else replace(m, mapped=packed.name)
 
     def _kind(self, s: Source) -> tuple:
@@ -308,16 +309,17 @@ def _by_part(matrices: Mapping[str, Entry]) -> dict[str, list[tuple[str, Entry]]
 
 
 def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device: torch.device,
-               host: Host) -> TrunkPlan:
+               host: Host, packed: Mapping[str, Entry] | None = None) -> TrunkPlan:
     """The trunk's plan in `opts.dtype` on `device`: which step runs it, and every matrix's form
-    (float panels, int4 / int8 read packed, or the torch step's tensors)."""
+    (float panels, int4 / int8 read packed, or the torch step's tensors); a matrix the open
+    layout's `packed` tensors hold as planned is read as is (Matrix.mapped)."""
     dtype, on_cpu = getattr(torch, opts.dtype), device.type == "cpu"
     if a.tie_embeddings and PREFIX + "lm_head.weight" in entries:  # which of the two would be the head?
         raise TurboError(f"{PREFIX}lm_head.weight: a separate lm_head, but the config's tie_word_embeddings is true "
                          "(the embedding is the head): set it false, or drop the tensor")
     mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
     rules = _Rules(entries, dtype, on_cpu, mode, on_cpu and opts.native and host.library is None,
-                   "int8" in host.layouts, layouts=host.layouts)
+                   "int8" in host.layouts, layouts=host.layouts, packed=packed)
     # every 2-D `trunk.*.weight` (a quantized one's logical dims)
     matrices = {name: e for name, e in entries.items()
                 if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}

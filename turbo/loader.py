@@ -236,7 +236,8 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     elif here.library is None:  # the native step: an older install converts itself once (turbo/open_layout.py)
         from .open_layout import convert_on_open  # (it reads with this module's Reader)
         convert_on_open(install, here)
-    return read_trunk(install, plan_trunk(install.index.entries, install.arch, opts, device, here), device)
+    return read_trunk(install, plan_trunk(install.index.entries, install.arch, opts, device, here, install.index.packed),
+                      device)
 
 
 def read_trunk(install: Install, plan: TrunkPlan, device: torch.device) -> Trunk:

@@ -109,7 +109,7 @@ def convert_on_open(install: Install, host: Host) -> None:
               f"cannot write its open layout there ({e.strerror}): {layout_file.upgrade_command(install.path)} "
               "writes it", file=sys.stderr)
         return
-    install.index.add_file(path, (layout_file.PREFIX,))
+    install.index.add_file(path, (layout_file.PREFIX,), packed=True)
     install.packed = True
     print(f"note: {install.path}: written by an older repack; its open layout is written once into {path.name} "
           f"({path.stat().st_size / 2**20:.0f} MiB): opens map it from now on", file=sys.stderr)

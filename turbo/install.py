@@ -93,7 +93,8 @@ def safetensors_files(directory: Path) -> list[Path]:
                                                        for f in weight_map.values()):
             raise TurboError(f"{index}: not a safetensors index (expected a 'weight_map' of file names)")
         return [directory / f for f in sorted(set(weight_map.values()))]
-    return sorted(directory.glob("*.safetensors"))
+    # (an install's open layout is not weights: turbo/layout_file.py)
+    return sorted(f for f in directory.glob("*.safetensors") if f.name != layout_file.PACKED_FILE)
 
 
 class ResidentIndex:
@@ -346,16 +347,11 @@ def resolve(path_or_name: str | Path) -> Path:
     raise TurboError(f"install {str(path_or_name)!r}: no such directory (expected an install directory or a shipped name: {shipped})")
 
 
-def weight_files(root: Path) -> list[Path]:
-    """The install's trunk files (its drafter's are under dflash/; the open layout's apart)."""
-    return [f for f in safetensors_files(root) if f.name != layout_file.PACKED_FILE]
-
-
 def open_install(path_or_name: str | Path) -> Install:
     root = resolve(path_or_name)
     config = read_config_json(root / "config.json")
     arch = arch_from_config(config, str(root / "config.json"))
-    files = weight_files(root)
+    files = safetensors_files(root)
     if not files:
         raise TurboError(f"{root}: no model.safetensors (expected the install's weights)")
     drafter_config = None
@@ -370,7 +366,7 @@ def open_install(path_or_name: str | Path) -> Install:
     index = ResidentIndex(files, prefixes)
     if not index.has_prefix("trunk."):
         raise TurboError(f"{root}: no trunk.* tensors (expected an install made by python -m turbo.repack)")
-    packed, note = layout_file.check(root, weight_files(root))
+    packed, note = layout_file.check(root, safetensors_files(root))
     if packed is not None:
         index.add_file(packed, (layout_file.PREFIX,), packed=True)
     name = shipped_name(path_or_name) or root.name

@@ -18,7 +18,7 @@ import torch
 
 from . import layout_file
 from .errors import ArgumentParser, TurboError
-from .install import Install, open_install, weight_files
+from .install import Install, open_install, safetensors_files
 from .load_plan import COPY, Host, Matrix, TrunkPlan, layer_matrices, packed_target, plan_trunk
 from .loader import Reader
 from .options import OpenOptions
@@ -72,7 +72,7 @@ def write_layout(install: Install, host: Host = LAYOUT_HOST) -> Path:
             planned.append(Planned(name, dtype, list(shape), size, _writer(reader, plan, m, dtype, shape)))
             at += size
     meta = {layout_file.VERSION_KEY: str(layout_file.LAYOUT_VERSION),
-            layout_file.SOURCE_KEY: layout_file.fingerprint(weight_files(install.path))}
+            layout_file.SOURCE_KEY: layout_file.fingerprint(safetensors_files(install.path))}
     out = install.path / layout_file.PACKED_FILE
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     try:

@@ -55,7 +55,7 @@ def target(entries: Mapping, layout: str | None, sources: list[str], floats: boo
     an index's) fused by rows in `layout`; None where the open layout holds no such matrix.
     `floats`: float panels, only of sources all stored float (no dequantized matrix is written)."""
     es = [entries.get(s) for s in sources]
-    if layout is None or any(e is None or len(e.dims) != 2 or (floats and e.bits) for e in es):
+    if layout is None or any(e is None or len(e.dims) != 2 or not all(e.dims) or (floats and e.bits) for e in es):
         return None
     return (packed_name(layout, sources[0]),
             *packed_shape(layout, sum(e.dims[0] for e in es), es[0].dims[1], float_dtype))

@@ -4,6 +4,7 @@ bytes and the tokens of the install packed at open (the same install without its
 install written before opens (converted once where it is large, else packed at open as before),
 and a layout it cannot use is said in one line with the command that rewrites it."""
 
+import ctypes
 import json
 import os
 import shutil
@@ -109,6 +110,12 @@ def test_opening_maps_with_no_packing(installs, kind, monkeypatch):
         monkeypatch.setattr(native_pack, fn, refuse)
     rt = turbo.open(str(new))
     assert rt.trunk.step_name == "native"
+    # the matrices are the mapped file's pages (its copy-on-write map, never written)
+    mm = rt.install.index._maps[new / layout_file.PACKED_FILE]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    layer = rt.trunk.layers[0]
+    for w in [layer.mixer.in_proj, layer.mixer.out, *(layer.moe.gate_up if layer.moe else [layer.gate_up])]:
+        assert base <= w.data.data_ptr() < base + len(mm)
     assert rt.generate(PROMPT, max_new_tokens=10, policy="off").tokens == before
 
 

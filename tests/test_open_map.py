@@ -203,3 +203,15 @@ def test_the_layout_is_aligned_and_versioned(installs):
     assert start % layout_file.ALIGN == 0
     assert all(v["data_offsets"][0] % layout_file.ALIGN == 0 for k, v in header.items() if k != "__metadata__")
     assert any(k.startswith("packed.q4.trunk.embed_tokens") for k in header)  # the tied head's quantized copy
+
+
+def test_no_open_layout_keeps_the_install_small(checkpoints, installs, tmp_path):
+    """repack --no-open-layout: a layout of no matrices (current: never converted), packed at open."""
+    from turbo.repack import main
+
+    out = tmp_path / "small"
+    assert main([str(checkpoints["f32"]), str(out), "--quiet", "--no-open-layout"]) == 0
+    install = open_install(out)
+    assert install.packed and not install.index.packed and install.layout_note is None
+    assert (out / layout_file.PACKED_FILE).stat().st_size < 4096
+    assert tokens(out) == tokens(installs["f32"][0])

@@ -50,14 +50,15 @@ def _writer(reader: Reader, plan: TrunkPlan, m: Matrix, dtype: str, shape: tuple
     return write
 
 
-def write_layout(install: Install, host: Host = LAYOUT_HOST) -> Path:
+def write_layout(install: Install, host: Host = LAYOUT_HOST, matrices: bool = True) -> Path:
     """The install's open layout written into its directory (a temporary file renamed over
     packed.safetensors): every PANELS, PACKED and COPY matrix of the trunk's plan for the default
-    options on `host`, as the loader packs it. An install the native step would not run writes
-    a layout of no matrices (it says the install is current)."""
+    options on `host`, as the loader packs it. An install the native step would not run, or
+    `matrices` False (repack --no-open-layout), writes a layout of none: current, packed at open."""
     planned: list[Planned] = []
     try:
-        plan = plan_trunk(install.index.entries, install.arch, OpenOptions(), torch.device("cpu"), host)
+        plan = plan_trunk(install.index.entries, install.arch, OpenOptions(), torch.device("cpu"), host) \
+            if matrices else None
     except TurboError:  # (refused at open, where it says why)
         plan = None
     if plan is not None and plan.why_torch is None:
@@ -83,14 +84,14 @@ def write_layout(install: Install, host: Host = LAYOUT_HOST) -> Path:
     return out
 
 
-def write_layout_of(directory: Path) -> None:
+def write_layout_of(directory: Path, matrices: bool = True) -> None:
     """repack's: the layout of the install just written into `directory` (one the runtime would
     refuse to open is left without: opening it says why)."""
     try:
         install = open_install(directory)
     except TurboError:
         return
-    write_layout(install)
+    write_layout(install, matrices=matrices)
 
 
 def convert_on_open(install: Install, host: Host) -> None:

@@ -231,13 +231,14 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     device = torch.device(device)
     quant.cpu_mode(opts.quant_cpu)  # (refused before the library is built)
     here = host(opts, device)
-    if install.layout_note is not None:  # (a packed file it cannot use: said, then packed as read)
-        print(install.layout_note, file=sys.stderr)
-    elif here.library is None:  # the native step: an older install converts itself once (turbo/open_layout.py)
-        from .open_layout import convert_on_open  # (it reads with this module's Reader)
+    if here.library is None and install.layout_note is None:  # an older install converts itself once
+        from .open_layout import convert_on_open  # (turbo/open_layout.py: it reads with this module's Reader)
         convert_on_open(install, here)
-    return read_trunk(install, plan_trunk(install.index.entries, install.arch, opts, device, here, install.index.packed),
-                      device)
+    trunk = read_trunk(install, plan_trunk(install.index.entries, install.arch, opts, device, here, install.index.packed),
+                       device)
+    if install.layout_note is not None and here.library is None:  # (once it opened: a refusal stays one line)
+        print(install.layout_note, file=sys.stderr)
+    return trunk
 
 
 def read_trunk(install: Install, plan: TrunkPlan, device: torch.device) -> Trunk:

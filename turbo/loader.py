@@ -226,8 +226,9 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     """The trunk's weights in `opts.dtype` on `device` (prepared on the host exactly as for
     the CPU, then moved there once), on the native step where it can run. Planned first
     (load_plan.plan_trunk: the step, and every matrix's format), then read: the native step's
-    matrices are packed as they are read, a slice at a time (native_pack.pack_rows), so loading
-    holds about the packed weights and nothing twice."""
+    matrices are views of the install's open layout, mapped (turbo/layout_file.py: nothing read
+    at open); a matrix it does not hold is packed as it is read, a slice at a time
+    (native_pack.pack_rows), so loading holds about the packed weights and nothing twice."""
     device = torch.device(device)
     quant.cpu_mode(opts.quant_cpu)  # (refused before the library is built)
     here = host(opts, device)

@@ -31,7 +31,7 @@ MOE = dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate
 # name: (checkpoint, --quant); each exercises its layouts (fp32 panels, bf16 panel pairs and a tied
 # head read out of its panels, q4 with the tied head's quantized copy, q8, an MoE block's experts)
 KINDS = {"f32": ("f32", "none"), "bf16-tied": ("bf16-tied", "none"), "int4-tied": ("bf16-tied", "int4"),
-         "int8": ("f32", "int8"), "moe-int4": ("moe", "int4")}
+         "int8": ("f32", "int8"), "moe": ("moe", "none"), "moe-int4": ("moe", "int4")}
 PROMPT = [3, 17, 5, 99, 42, 7]
 PACKING = ("pack_rows", "quantized_panels", "quantized_copy", "_panels_by_slices")
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -21,11 +22,13 @@ from .arch import Arch, arch_from_config, read_config_json
 from .chat_template import TemplateFiles, generation_eos_ids, read_template
 from .errors import TurboError
 from .quant import QuantizedWeight
+from . import layout_file
 from .safetensors_format import Header, TensorInfo, read_header
 
 # The dtype numbering of docs/DESIGN.md 4 (the Rust engine's, section 10).
 DTYPE_CODES = {"BF16": 1, "F16": 2, "F32": 3}
 TORCH_DTYPES = {1: torch.bfloat16, 2: torch.float16, 3: torch.float32}
+ST_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "U8": torch.uint8}  # (view)
 CODE_NAMES = {1: "bf16", 2: "f16", 3: "f32", 4: "int4", 5: "int8", 15: "int1", 16: "int2", 17: "int4g32", 18: "int4g64",
               19: "int4g128", 25: "int8g32"}
 
@@ -90,7 +93,8 @@ def safetensors_files(directory: Path) -> list[Path]:
                                                        for f in weight_map.values()):
             raise TurboError(f"{index}: not a safetensors index (expected a 'weight_map' of file names)")
         return [directory / f for f in sorted(set(weight_map.values()))]
-    return sorted(directory.glob("*.safetensors"))
+    # (an install's open layout is not weights: turbo/layout_file.py)
+    return sorted(f for f in directory.glob("*.safetensors") if f.name != layout_file.PACKED_FILE)
 
 
 class ResidentIndex:
@@ -100,29 +104,36 @@ class ResidentIndex:
         """Every tensor of `files`; a file listed in `prefixes` may only hold names under those."""
         self.entries: dict[str, Entry] = {}
         self.headers: list[Header] = []
+        self._maps: dict[Path, mmap.mmap] = {}
+        self.packed: dict[str, Entry] = {}  # the open layout's tensors (layout_file), apart from the install's own
         for path in files:
-            if not path.is_file():
-                raise TurboError(f"{path}: missing (listed by the install)")
-            header = read_header(path)
-            allowed = (prefixes or {}).get(path)
-            for name, info in header.tensors.items():
-                if allowed is not None and not name.startswith(allowed):
-                    raise TurboError(f"{path}: tensor {name} does not belong in this file "
-                                     f"(expected names under {', '.join(allowed)})")
-                if name in self.entries:
-                    raise TurboError(f"{path}: tensor {name} is also in {self.entries[name].file}")
-                self._add(info, header)
-            self.headers.append(header)
+            self.add_file(path, (prefixes or {}).get(path))
         self._attach_quant_companions()
 
-    def _add(self, info: TensorInfo, header: Header) -> None:
+    def add_file(self, path: Path, allowed: tuple[str, ...] | None, packed: bool = False) -> None:
+        """Every tensor of `path` (only names under `allowed`, where given) into the index (`packed`:
+        the open layout's file, into `packed`)."""
+        if not path.is_file():
+            raise TurboError(f"{path}: missing (listed by the install)")
+        header = read_header(path)
+        for name, info in header.tensors.items():
+            if allowed is not None and not name.startswith(allowed):
+                raise TurboError(f"{path}: tensor {name} does not belong in this file "
+                                 f"(expected names under {', '.join(allowed)})")
+            if name in self.entries:
+                raise TurboError(f"{path}: tensor {name} is also in {self.entries[name].file}")
+            self._add(info, header, self.packed if packed else self.entries)
+        if not packed:
+            self.headers.append(header)
+
+    def _add(self, info: TensorInfo, header: Header, into: dict[str, Entry]) -> None:
         count = math.prod(info.shape)
         if count > MAX_TENSOR_ELEMENTS:  # before anything is mapped or allocated for it
             raise TurboError(f"{header.path}: tensor {info.name} declares {count} elements {list(info.shape)}, "
                              f"over turbo's bound of 2^34 for one tensor")
         code = DTYPE_CODES.get(info.dtype, 0)  # 0: raw storage (packed quantized payloads, scales)
-        self.entries[info.name] = Entry(info.name, code, shape4(info.shape, info.name), header.path,
-                                        header.data_start + info.begin, info.end - info.begin, info.dtype, info.shape)
+        into[info.name] = Entry(info.name, code, shape4(info.shape, info.name), header.path,
+                                header.data_start + info.begin, info.end - info.begin, info.dtype, info.shape)
 
     def _attach_quant_companions(self) -> None:
         """Fold `name.scales` / `name.biases` into `name`'s entry for every tensor the files'
@@ -231,6 +242,20 @@ class ResidentIndex:
         t = self._read_into(e.file, e.offset, torch.empty(e.dims, dtype=self._float_dtype(e)), name)
         return t.to(dtype) if dtype is not None else t
 
+    def view(self, name: str) -> torch.Tensor | None:
+        """An unquantized tensor as a view of its file mapped copy-on-write (pages read when first
+        touched, shared with the page cache; nothing is read now), in its stored dtype and shape;
+        None where its bytes are not aligned for that dtype. Also the open layout's tensors."""
+        e = self.packed[name] if name in self.packed else self.need(name)
+        dtype = ST_TORCH.get(e.st_dtype)
+        if dtype is None or e.bits or e.offset % dtype.itemsize or not e.size_bytes:
+            return None
+        if e.file not in self._maps:
+            with e.file.open("rb") as f:
+                self._maps[e.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        flat = torch.frombuffer(self._maps[e.file], dtype=dtype, count=e.size_bytes // dtype.itemsize, offset=e.offset)
+        return flat.view(e.dims)
+
     def rows(self, name: str, r0: int, r1: int, scratch: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
         """Rows r0..r1 of an unquantized matrix, in its stored dtype, read on their own into
         `scratch` (a flat buffer per dtype, grown as needed and reused: a matrix is packed a
@@ -263,6 +288,9 @@ class Install:
     arch: Arch
     index: ResidentIndex
     drafter_config: dict | None
+    # the open layout (turbo/layout_file.py): whether its packed file is indexed, else why not
+    packed: bool = False
+    layout_note: str | None = None
 
     @property
     def has_dflash(self) -> bool:
@@ -338,5 +366,8 @@ def open_install(path_or_name: str | Path) -> Install:
     index = ResidentIndex(files, prefixes)
     if not index.has_prefix("trunk."):
         raise TurboError(f"{root}: no trunk.* tensors (expected an install made by python -m turbo.repack)")
+    packed, note = layout_file.check(root, safetensors_files(root))
+    if packed is not None:
+        index.add_file(packed, (layout_file.PREFIX,), packed=True)
     name = shipped_name(path_or_name) or root.name
-    return Install(root, name, config, arch, index, drafter_config)
+    return Install(root, name, config, arch, index, drafter_config, packed is not None, note)

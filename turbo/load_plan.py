@@ -13,7 +13,7 @@ from typing import Mapping
 
 import torch
 
-from . import quant
+from . import layout_file, quant
 from .arch import Arch
 from .backends import native_dflash, native_exact, native_lib, native_pack, native_trunk
 from .drafters.dflash_config import dflash_layer_tensor
@@ -21,6 +21,7 @@ from .drafters.mtp import MTP_PREFIX
 from .errors import TurboError
 from .install import Entry
 from .options import OpenOptions
+from .tensor_shapes import moe_tensor_shapes, mtp_tensor_shapes  # noqa: F401  (imported from here too)
 from .trunk import PREFIX
 
 NATIVE_OFF = "TURBO_NATIVE=0"  # why_torch when OpenOptions.native is False
@@ -32,7 +33,7 @@ EMBED = "embed_tokens.weight"
 TENSOR = "tensor"  # torch step: a tensor in `dtype` (quantized sources dequantized, unless a Source keeps them)
 PANELS = "panels"  # native step: float panels of `dtype` ("panel_pairs" for bf16), packed a slice at a time
 PACKED = "packed"  # native step: int4 / int8 read as stored (`bits`), native_pack.quantized_panels
-COPY = "copy"  # native step: a float table quantized at load to `bits` (a tied lm_head; native_pack.quantized_copy)
+COPY = "copy"  # native step: a float table quantized to `bits` (a tied lm_head; native_pack.quantized_copy, or mapped)
 EXACT = "exact"  # native step: fp32-scaled int4 / int8 or FP8 read as stored (native_exact.exact_panels)
 SEGMENTS = "segments"  # native step: `parts` (each EXACT, PACKED or PANELS) stacked by rows (native_exact.segments)
 MIXED = "mixed"  # packed_format: every matrix of the part in SEGMENTS (one wtype, formats of their own)
@@ -69,6 +70,7 @@ class Matrix:
     kernel: bool = False  # TENSOR: kept sources run quant's CPU kernel (QuantizedWeight.use_kernel)
     draft: str | None = None  # DRAFT: the drafter's products' layout (native_lib.draft_layout)
     parts: tuple[Matrix, ...] = ()  # SEGMENTS
+    mapped: str | None = None  # PANELS, PACKED, COPY: the install's packed tensor it is, read as is (layout_file)
 
     @property
     def layout(self) -> str:  # PANELS: bf16 in pairs (the same products, less widening)
@@ -160,46 +162,6 @@ def kv_dtype(choice: str, device: torch.device, dtype: torch.dtype, stored: set[
     return own if device.type == "cpu" else torch.float32
 
 
-def moe_tensor_shapes(a: Arch, mlp: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor of the MoE block under `mlp` (e.g. "layers.3.mlp."), with the shape the
-    config implies (the shared expert's only when it has a width)."""
-    e_count, inter, shared, h = a.num_experts, a.moe_intermediate, a.shared_intermediate, a.hidden
-    shapes = {mlp + "gate.weight": (e_count, h)}
-    for e in range(e_count):
-        x = f"{mlp}experts.{e}."
-        shapes |= {x + "gate_proj.weight": (inter, h), x + "up_proj.weight": (inter, h),
-                   x + "down_proj.weight": (h, inter)}
-    if shared:
-        x = mlp + "shared_expert."
-        shapes |= {x + "gate_proj.weight": (shared, h), x + "up_proj.weight": (shared, h),
-                   x + "down_proj.weight": (h, shared), mlp + "shared_expert_gate.weight": (1, h)}
-    return shapes
-
-
-def mtp_tensor_shapes(arch: Arch) -> dict[str, tuple[int, ...]]:
-    """Every tensor the MTP head needs, with the shape the trunk's arch implies."""
-    h, hd, nh, nkv, inter = arch.hidden, arch.head_dim, arch.num_heads, arch.num_kv_heads, arch.intermediate
-    layer = MTP_PREFIX + "layers.0."
-    return {
-        MTP_PREFIX + "fc.weight": (h, 2 * h),
-        MTP_PREFIX + "pre_fc_norm_embedding.weight": (h,),
-        MTP_PREFIX + "pre_fc_norm_hidden.weight": (h,),
-        MTP_PREFIX + "norm.weight": (h,),
-        layer + "input_layernorm.weight": (h,),
-        layer + "post_attention_layernorm.weight": (h,),
-        layer + "self_attn.q_proj.weight": (2 * nh * hd, h),
-        layer + "self_attn.k_proj.weight": (nkv * hd, h),
-        layer + "self_attn.v_proj.weight": (nkv * hd, h),
-        layer + "self_attn.o_proj.weight": (h, nh * hd),
-        layer + "self_attn.q_norm.weight": (hd,),
-        layer + "self_attn.k_norm.weight": (hd,),
-    } | (moe_tensor_shapes(arch, layer + "mlp.") if arch.moe else {
-        layer + "mlp.gate_proj.weight": (inter, h),
-        layer + "mlp.up_proj.weight": (inter, h),
-        layer + "mlp.down_proj.weight": (h, inter),
-    })
-
-
 @dataclass(frozen=True)
 class _Rules:
     """The part-wide facts each matrix's form follows from (`storage` None: the torch step's tensors)."""
@@ -213,6 +175,7 @@ class _Rules:
     keep_quantized: bool = True  # the torch step may keep quantized sources packed (drafters: dequantized)
     draft: str | None = None  # a drafter's native step: every matrix DRAFT in `storage`, this layout
     layouts: tuple[str, ...] = ()  # the host's (Host.layouts): "exact", "fp8" read those formats as stored
+    packed: Mapping[str, Entry] | None = None  # the open layout's tensors (ResidentIndex.packed): read as is
 
     def read_packed(self, name: str, e: Entry) -> bool:
         """The native step's products read this quantized matrix as stored (turbo/quant.py: native)."""
@@ -261,7 +224,14 @@ class _Rules:
         if fmt == MIXED:  # (runs of sources read alike fused into one segment)
             return Matrix(srcs, SEGMENTS, parts=tuple(self._segment(kind, tuple(run))
                                                       for kind, run in groupby(srcs, key=self._kind)))
-        return Matrix(srcs, PACKED, bits=fmt) if isinstance(fmt, int) else Matrix(srcs, PANELS, fmt or self.storage)
+        return self.mapped(Matrix(srcs, PACKED, bits=fmt) if isinstance(fmt, int)
+                           else Matrix(srcs, PANELS, fmt or self.storage))
+
+    def mapped(self, m: Matrix) -> Matrix:
+        """`m` read as is out of the install's packed file, where that holds it (packed_target) as planned."""
+        want = packed_target(self.entries, m)
+        packed = (self.packed or {}).get(want[0]) if want is not None else None
+        return m if packed is None or (packed.st_dtype, packed.dims) != want[1:] else replace(m, mapped=packed.name)
 
     def _kind(self, s: Source) -> tuple:
         """How a source of a SEGMENTS matrix is read: its exact format, turbo's int4 / int8, or floats."""
@@ -278,6 +248,15 @@ class _Rules:
         return Matrix(run, PANELS, torch.float32 if len(kind) > 1 else self.storage)  # (dequantized: fp32, exact)
 
 
+def packed_target(entries: Mapping[str, Entry], m: Matrix) -> tuple[str, str, tuple[int, ...]] | None:
+    """Where the open layout keeps `m` (layout_file.target): a PANELS, PACKED or COPY matrix."""
+    if m.form not in (PANELS, PACKED, COPY):
+        return None
+    layout = native_pack.LAYOUT_OF_BITS.get(m.bits) if m.bits else m.layout
+    return layout_file.target(entries, layout, [s.name for s in m.sources], m.form == PANELS,
+                              "BF16" if m.dtype == torch.bfloat16 else "F32")
+
+
 def _by_part(matrices: Mapping[str, Entry]) -> dict[str, list[tuple[str, Entry]]]:
     """The matrices outside MoE blocks by part ("layers.3.", "lm_head."), grouped once: an MoE
     install has tens of thousands of expert matrices, too many to rescan for every layer."""
@@ -291,16 +270,17 @@ def _by_part(matrices: Mapping[str, Entry]) -> dict[str, list[tuple[str, Entry]]
 
 
 def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device: torch.device,
-               host: Host) -> TrunkPlan:
+               host: Host, packed: Mapping[str, Entry] | None = None) -> TrunkPlan:
     """The trunk's plan in `opts.dtype` on `device`: which step runs it, and every matrix's form
-    (float panels, int4 / int8 read packed, or the torch step's tensors)."""
+    (float panels, int4 / int8 read packed, or the torch step's tensors); a matrix the open
+    layout's `packed` tensors hold as planned is read as is (Matrix.mapped)."""
     dtype, on_cpu = getattr(torch, opts.dtype), device.type == "cpu"
     if a.tie_embeddings and PREFIX + "lm_head.weight" in entries:  # which of the two would be the head?
         raise TurboError(f"{PREFIX}lm_head.weight: a separate lm_head, but the config's tie_word_embeddings is true "
                          "(the embedding is the head): set it false, or drop the tensor")
     mode = quant.cpu_mode(opts.quant_cpu)  # how quantized matrices run on the CPU (turbo/quant.py; measured)
     rules = _Rules(entries, dtype, on_cpu, mode, on_cpu and opts.native and host.library is None,
-                   "int8" in host.layouts, layouts=host.layouts)
+                   "int8" in host.layouts, layouts=host.layouts, packed=packed)
     # every 2-D `trunk.*.weight` (a quantized one's logical dims)
     matrices = {name: e for name, e in entries.items()
                 if name.startswith(PREFIX) and name.endswith(".weight") and len(e.dims) == 2}
@@ -328,7 +308,7 @@ def _plan_embed(r: _Rules, a: Arch, formats: list, parts: dict[str, list[tuple[s
     if a.tie_embeddings and packed_bits:
         # the layers read packed: so is the lm_head, a copy in their format (the widest, if they
         # differ; at real scale the head is a third of a step's bytes); the table stays exact
-        return EmbedPlan(table, False, None, r.storage, Matrix((table,), COPY, bits=max(packed_bits)))
+        return EmbedPlan(table, False, None, r.storage, r.mapped(Matrix((table,), COPY, bits=max(packed_bits))))
     if a.tie_embeddings and r.storage is not None:  # the embedding rows read out of the packed lm_head: kept once
         return EmbedPlan(table, True, None, None, r.matrix([(table.name, table.shape)], None))
     head = None if a.tie_embeddings else r.matrix([(PREFIX + "lm_head.weight", table.shape)],

@@ -10,6 +10,7 @@ options arrive resolved: nothing here reads the environment.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -24,7 +25,7 @@ from .drafters.dflash_config import (DflashConfig, DflashShape, derive_published
                                       parse_drafter_config)
 from .drafters.mtp import MTP_PREFIX, MtpDrafter, MtpWeights
 from .errors import TurboError
-from .install import Entry, Install, ResidentIndex
+from .install import ST_TORCH, Entry, Install, ResidentIndex
 from .load_plan import (COPY, DFLASH_BASES, DFLASH_SELECTOR, DRAFT, DRAFT_HEAD, EXACT, NATIVE_OFF, PACKED, SEGMENTS,
                         TENSOR, DrafterPlan, EmbedPlan, Host, LayerPlan, Matrix, MoePlan, Source, TrunkPlan, mtp_tensor_shapes,
                         plan_dflash, plan_mtp, plan_trunk)
@@ -107,6 +108,10 @@ class Reader:
             w = parts[0] if len(parts) == 1 else quant.fuse(parts)
             return w if m.form == TENSOR else native_pack.pack_as(w, m.dtype, m.layout)
         entries = [self.entry(s) for s in m.sources]
+        if m.mapped is not None:  # written at repack in this layout: a view of the mapped file, nothing packed
+            layout = native_pack.LAYOUT_OF_BITS[m.bits] if m.bits else m.layout
+            return native_pack.Packed(self.index.view(m.mapped), sum(e.dims[0] for e in entries), entries[0].dims[1],
+                                      layout)
         if m.form == SEGMENTS:
             return native_exact.segments([self.matrix(part) for part in m.parts])
         if m.form == EXACT:
@@ -137,12 +142,28 @@ class Reader:
         if p.rows_of_head:
             head = self.matrix(p.head)
             return native_pack.PackedRows(head), head
-        table = self.tensor(p.source.name, p.source.shape, p.read_as)
-        copy = native_pack.quantized_copy(table, p.head.bits) if p.head is not None and p.head.form == COPY else None
+        table = self.table(p)
+        copy = self.head_copy(p, table) if p.head is not None and p.head.form == COPY else None
         table = table.to(p.table) if p.table is not None else table
         if copy is not None:
             return table, copy
         return table, table if p.head is None else self.matrix(p.head)
+
+    def table(self, p: EmbedPlan) -> torch.Tensor:
+        """The embedding table as read: a view of the mapped file where it is kept as stored (only
+        the rows a step embeds are ever read), else read in `read_as`."""
+        e = self.entry(p.source)
+        kept = p.table or p.read_as
+        # (stored -> read_as -> table is the identity when table is the stored dtype: read_as is never narrower)
+        view = self.index.view(e.name) if kept is None or ST_TORCH.get(e.st_dtype) == kept else None
+        return view if view is not None else self.index.load(e.name, p.read_as)
+
+    def head_copy(self, p: EmbedPlan, table: torch.Tensor | None = None) -> native_pack.Packed:
+        """A tied head's quantized copy: mapped where the install holds it, else quantized now
+        from `table` (the table as read_as; the repack writes exactly this)."""
+        if p.head.mapped is not None:
+            return self.matrix(p.head)
+        return native_pack.quantized_copy(self.table(p) if table is None else table, p.head.bits)
 
     def layer(self, p: LayerPlan, a: Arch) -> LayerWeights:
         mixer = self.gdn(p, a) if p.gdn else self.attention(p, a)
@@ -205,12 +226,20 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     """The trunk's weights in `opts.dtype` on `device` (prepared on the host exactly as for
     the CPU, then moved there once), on the native step where it can run. Planned first
     (load_plan.plan_trunk: the step, and every matrix's format), then read: the native step's
-    matrices are packed as they are read, a slice at a time (native_pack.pack_rows), so loading
-    holds about the packed weights and nothing twice."""
+    matrices are views of the install's open layout, mapped (turbo/layout_file.py: nothing read
+    at open); a matrix it does not hold is packed as it is read, a slice at a time
+    (native_pack.pack_rows), so loading holds about the packed weights and nothing twice."""
     device = torch.device(device)
     quant.cpu_mode(opts.quant_cpu)  # (refused before the library is built)
-    return read_trunk(install, plan_trunk(install.index.entries, install.arch, opts, device, host(opts, device)),
-                      device)
+    here = host(opts, device)
+    if here.library is None and install.layout_note is None:  # an older install converts itself once
+        from .open_layout import convert_on_open  # (turbo/open_layout.py: it reads with this module's Reader)
+        convert_on_open(install, here)
+    trunk = read_trunk(install, plan_trunk(install.index.entries, install.arch, opts, device, here, install.index.packed),
+                       device)
+    if install.layout_note is not None and here.library is None:  # (once it opened: a refusal stays one line)
+        print(install.layout_note, file=sys.stderr)
+    return trunk
 
 
 def read_trunk(install: Install, plan: TrunkPlan, device: torch.device) -> Trunk:

@@ -20,6 +20,7 @@ from .chat_template import check_checkpoint
 from .drafters import mtp
 from .errors import ArgumentParser, TurboError
 from .install import DRAFTER_DIR
+from .open_layout import write_layout_of
 from .repack_gguf import find_gguf, repack_gguf
 from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
 from .repack_write import building, copy_file, write_safetensors
@@ -33,7 +34,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
 
 
 def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, text_only: bool = False,
-           quiet: bool = False, quant: str = "none", mtp_head: str | Path | None = None) -> Path:
+           quiet: bool = False, quant: str = "none", mtp_head: str | Path | None = None,
+           open_layout: bool = True) -> Path:
     src, out = Path(src), Path(out)
     if (gguf_file := find_gguf(src)) is not None:  # a llama.cpp GGUF (turbo/repack_gguf.py)
         return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter), text_only)
@@ -90,6 +92,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
                 (tmp / DRAFTER_DIR).mkdir()
                 copy_file(Path(drafter) / "config.json", tmp / DRAFTER_DIR / "config.json")
                 write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar, drafter_quant)
+        # the native step's matrices as it reads them, beside the weights: opens map them (turbo/layout_file.py)
+        write_layout_of(tmp, open_layout)
     return out
 
 
@@ -111,13 +115,17 @@ def main(argv: list[str] | None = None) -> int:
                                       "file beside the trunk, in place of the source's own; with a .gguf source: its MTP .gguf")
     parser.add_argument("--text-only", action="store_true", help="leave the vision tower out")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-open-layout", action="store_true",
+                        help="leave out the packed matrices opens map (packed.safetensors, about the matrices' bytes "
+                             "again): smaller on disk, every open packs them (docs/formats.md, Layout)")
     parser.add_argument("--quant", default="none", choices=("none", *q.FORMATS),
                         help="quantize the projection matrices: int4 / int8 (group 64, bf16 scales, dtypes 4 / 5), int2 / int1 "
                              "(group 128, f16 scales, dtypes 16 / 15)")
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
-        path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet, args.quant, args.mtp)
+        path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet, args.quant, args.mtp,
+                      not args.no_open_layout)
     except TurboError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

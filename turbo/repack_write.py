@@ -32,8 +32,11 @@ TMP_PATTERN = re.compile(r"\..+\.repack-(\d+)-[0-9a-f]{8}")
 
 
 def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None = None,
-                      quantized: dict[str, dict] | None = None) -> None:
-    header: dict = {"__metadata__": {"format": "pt", "writer": "turbo.repack"}}
+                      quantized: dict[str, dict] | None = None, metadata: dict[str, str] | None = None,
+                      align: int = 8) -> None:
+    """`planned` written in order into one safetensors file, the data section `align`-aligned
+    in the file (8, as the safetensors library writes; the open layout's 64: mapped as is)."""
+    header: dict = {"__metadata__": {"format": "pt", "writer": "turbo.repack", **(metadata or {})}}
     if quantized:
         header["__metadata__"][q.METADATA_KEY] = json.dumps(quantized, separators=(",", ":"))
     offset = 0
@@ -41,7 +44,7 @@ def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None 
         header[p.name] = {"dtype": p.dtype, "shape": p.shape, "data_offsets": [offset, offset + p.size]}
         offset += p.size
     raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # data section 8-byte aligned
+    raw += b" " * (-(8 + len(raw)) % align)  # the data section aligned (8 + len(raw): where it starts)
     with path.open("wb") as out:
         out.write(struct.pack("<Q", len(raw)))
         out.write(raw)

@@ -1,0 +1,140 @@
+"""Writing an install's open layout (turbo/layout_file.py): every matrix the native step would
+pack at open, packed once, by the loader's own code, into `packed.safetensors`.
+
+    python -m turbo.open_layout INSTALL
+
+repack writes it with every install (`write_layout`); this command adds it to an install written
+before, or rewrites one of another layout version. An older install of some size without it is
+converted once at its first open where its directory is writable (`convert_on_open`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from . import layout_file
+from .errors import ArgumentParser, TurboError
+from .install import Install, open_install, safetensors_files
+from .load_plan import COPY, Host, Matrix, TrunkPlan, layer_matrices, packed_target, plan_trunk
+from .loader import Reader
+from .options import OpenOptions
+from .repack_tensors import Planned
+from .repack_write import write_safetensors
+from .trunk import PREFIX
+
+# The host the layout is written for: products that read int4 / int8 packed (AVX512-VNNI). A
+# host without them plans other layouts for those matrices, and packs them at open as before.
+LAYOUT_HOST = Host(None, ("pairs", "int8"))
+# An older install converts itself at open only past this many bytes of matrices (below it
+# packing at open takes well under a second, and the install is left as it is, unsaid).
+CONVERT_BYTES = 256 << 20
+ST_BYTES = {"BF16": 2, "F32": 4, "U8": 1}
+
+
+def _matrices(plan: TrunkPlan) -> list[Matrix]:
+    head = [plan.embed.head] if plan.embed.head is not None else []
+    return head + [m for layer in plan.layers for m in layer_matrices(layer)]
+
+
+def _writer(reader: Reader, plan: TrunkPlan, m: Matrix, dtype: str, shape: tuple[int, ...]):
+    def write(out) -> None:
+        packed = reader.head_copy(plan.embed) if m.form == COPY else reader.matrix(m)
+        data = packed.data
+        if (tuple(data.shape), data.dtype.itemsize) != (shape, ST_BYTES[dtype]):
+            raise TurboError(f"{m.sources[0].name}: packed as {list(data.shape)}, the layout expects {list(shape)}")
+        out.write(data.contiguous().view(-1).view(torch.uint8).numpy())
+    return write
+
+
+def write_layout(install: Install, host: Host = LAYOUT_HOST, matrices: bool = True) -> Path:
+    """The install's open layout written into its directory (a temporary file renamed over
+    packed.safetensors): every PANELS, PACKED and COPY matrix of the trunk's plan for the default
+    options on `host`, as the loader packs it. An install the native step would not run, or
+    `matrices` False (repack --no-open-layout), writes a layout of none: current, packed at open."""
+    planned: list[Planned] = []
+    try:
+        plan = plan_trunk(install.index.entries, install.arch, OpenOptions(), torch.device("cpu"), host) \
+            if matrices else None
+    except TurboError:  # (refused at open, where it says why)
+        plan = None
+    if plan is not None and plan.why_torch is None:
+        reader, at = Reader(install.index, plan.dtype), 0
+        for m in _matrices(plan):
+            want = packed_target(install.index.entries, m)
+            if want is None:
+                continue
+            name, dtype, shape = want
+            size = ST_BYTES[dtype] * int(torch.Size(shape).numel())
+            layout_file.check_aligned(name, at)
+            planned.append(Planned(name, dtype, list(shape), size, _writer(reader, plan, m, dtype, shape)))
+            at += size
+    meta = {layout_file.VERSION_KEY: str(layout_file.LAYOUT_VERSION),
+            layout_file.SOURCE_KEY: layout_file.fingerprint(safetensors_files(install.path))}
+    out = install.path / layout_file.PACKED_FILE
+    tmp = out.with_name(f".{out.name}.{os.getpid()}")
+    try:
+        write_safetensors(tmp, planned, metadata=meta, align=layout_file.ALIGN)
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out
+
+
+def write_layout_of(directory: Path, matrices: bool = True) -> None:
+    """repack's: the layout of the install just written into `directory` (one the runtime would
+    refuse to open is left without: opening it says why)."""
+    try:
+        install = open_install(directory)
+    except TurboError:
+        return
+    write_layout(install, matrices=matrices)
+
+
+def convert_on_open(install: Install, host: Host) -> None:
+    """An install without an open layout, of CONVERT_BYTES of matrices or more: its layout
+    written once (said in one line) and indexed, so this open and the next ones map it; where
+    its directory is not writable, one line says the command that writes it."""
+    if install.packed or install.layout_note is not None or (install.path / layout_file.PACKED_FILE).exists():
+        return
+    size = sum(e.size_bytes for e in install.index.entries.values() if e.name.startswith(PREFIX) and len(e.dims) == 2)
+    if size < CONVERT_BYTES:
+        return
+    try:
+        path = write_layout(install, host)
+    except OSError as e:
+        print(f"note: {install.path}: written by an older repack, its matrices are packed at every open (slower); "
+              f"cannot write its open layout there ({e.strerror}): {layout_file.upgrade_command(install.path)} "
+              "writes it", file=sys.stderr)
+        return
+    install.index.add_file(path, (layout_file.PREFIX,), packed=True)
+    install.packed = True
+    print(f"note: {install.path}: written by an older repack; its open layout is written once into {path.name} "
+          f"({path.stat().st_size / 2**20:.0f} MiB): opens map it from now on", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = ArgumentParser(prog="python -m turbo.open_layout", description=__doc__.split("\n\n")[0])
+    parser.add_argument("install", help="an install directory (python -m turbo.repack's)")
+    args = parser.parse_args(argv)
+    try:
+        install = open_install(Path(args.install))
+        if install.packed:
+            print(f"{install.path}: its open layout is current (version {layout_file.LAYOUT_VERSION})")
+            return 0
+        path = write_layout(install)
+    except TurboError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"error: {args.install}: cannot write its open layout ({e.strerror})", file=sys.stderr)
+        return 2
+    print(f"wrote {path} (layout version {layout_file.LAYOUT_VERSION}, {path.stat().st_size / 2**20:.0f} MiB)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -190,7 +190,11 @@ class NativeTrunkStep:
         for i, address in enumerate(self.addresses):
             if i in states[0].gdn:
                 olds = [st.gdn[i] for st in states]
-                new = [spare(st, ("state", i), 1, s)[0] for st, (s, _) in zip(states, olds)]
+                # a step that keeps no rollback updates its state in place (no trace holds the
+                # old one): 2 MB of memory traffic a layer and sequence instead of 3, and one
+                # buffer's footprint; a step that keeps one writes a spare (its trace's snapshot)
+                new = [s if rb is None else spare(st, ("state", i), 1, s)[0]
+                       for st, rb, (s, _) in zip(states, rollback, olds)]
                 ext = [torch.empty(taps - 1 + r, conv_dim) for r in rows]
                 inputs = [torch.empty(r * hv * (2 * dk + dv + 2)) for r in rows]  # q, k, v, g, beta (native_gdn.c)
                 # the states after rows 0..R-2 (after the last: new)

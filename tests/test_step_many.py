@@ -211,3 +211,18 @@ def test_a_batch_on_two_threads_is_the_solo_steps_on_one(trunk):
     for out, ref, st, st_ref in zip(outs, solo(trunk, entries, alone), states, alone):
         assert_same_out(out, ref)
         assert_same_state(st, st_ref)
+
+
+def test_a_plain_step_updates_its_state_in_place_a_verify_keeps_the_old(trunk):
+    """Without a rollback nothing holds the state a step reads, so the native step writes the new
+    one over it (a third less memory traffic); a verify's trace keeps it as its snapshot."""
+    if trunk.step_name != "native":
+        pytest.skip("the torch step's states are new tensors")
+    plain, verify = prepared(trunk, [ENTRIES[2], ENTRIES[3]])
+    before = {i: s.clone() for i, (s, _) in verify.gdn.items()}
+    held = {i: (plain.gdn[i][0].data_ptr(), verify.gdn[i][0].data_ptr()) for i in plain.gdn}
+    outs = trunk.step_many([plain, verify], [ENTRIES[2].tokens, ENTRIES[3].tokens], [(), ()],
+                           [None, "checkpoint"], [1, 9])
+    for i, (p, v) in held.items():
+        assert plain.gdn[i][0].data_ptr() == p and verify.gdn[i][0].data_ptr() != v
+        assert torch.equal(outs[1].traces[i].snapshot, before[i])

@@ -187,27 +187,41 @@ class NativeTrunkStep:
         traces: list[dict[int, GdnTrace]] = [{} for _ in states]
         c_rows, zeros, c_p0, caps = _ints(rows), _ints([0] * n), _ints(p0), _ints([0] * n)
         a0, a1, a2, a3, a4, a5 = ((ctypes.c_void_p * n)() for _ in range(6))
+        per_row = hv * (2 * dk + dv + 2)  # a row's recurrence inputs: q, k, v, g, beta (native_gdn.c)
+        ext_offs = [o + s * (taps - 1) for s, o in enumerate(offs)]
+        ext_rows = total + n * (taps - 1)
+        # a window left a view keeps the call's whole ext alive until the next step: where a
+        # prefill chunk's is in it (6 MB a layer at 0.8B), every window is copied out instead
+        clone_windows = any(rb is None and r >= taps for r, rb in zip(rows, rollback))
         for i, address in enumerate(self.addresses):
             if i in states[0].gdn:
                 olds = [st.gdn[i] for st in states]
-                new = [spare(st, ("state", i), 1, s)[0] for st, (s, _) in zip(states, olds)]
-                ext = [torch.empty(taps - 1 + r, conv_dim) for r in rows]
-                inputs = [torch.empty(r * hv * (2 * dk + dv + 2)) for r in rows]  # q, k, v, g, beta (native_gdn.c)
+                # a step that keeps no rollback updates its state in place (no trace holds the
+                # old one): 2 MB of memory traffic a layer and sequence instead of 3, and one
+                # buffer's footprint; a step that keeps one writes a spare (its trace's snapshot)
+                new = [s if rb is None else spare(st, ("state", i), 1, s)[0]
+                       for st, rb, (s, _) in zip(states, rollback, olds)]
+                # every sequence's ext [taps-1+R, C] and recurrence inputs in one buffer each
+                ext, inputs = torch.empty(ext_rows, conv_dim), torch.empty(total * per_row)
+                ep, ip = ext.data_ptr(), inputs.data_ptr()
+                a3[:] = [ep + 4 * o * conv_dim for o in ext_offs]
+                a4[:] = [ip + 4 * o * per_row for o in offs]
                 # the states after rows 0..R-2 (after the last: new)
                 kept = [spare(st, ("states", i), r - 1, s) if rb == "checkpoint" else None
                         for st, r, rb, (s, _) in zip(states, rows, rollback, olds)]
                 lib.gdn_layer_seqs(address, xp, n, c_rows, _ptrs(a0, [s for s, _ in olds]), _ptrs(a1, new),
-                                   _ptrs(a2, [w for _, w in olds]), _ptrs(a3, ext), _ptrs(a4, inputs),
+                                   _ptrs(a2, [w for _, w in olds]), a3, a4,
                                    _ptrs(a5, [k if r > 1 else None for k, r in zip(kept, rows)]))
                 for s, st in enumerate(states):
-                    r, rb = rows[s], rollback[s]
-                    window = ext[s][r:]  # [taps-1, C]: a view that keeps all of ext [taps-1+R, C] alive
-                    if rb is None and r >= taps:  # (a prefill chunk's ext: 6 MB a layer at 0.8B)
+                    r, rb, e = rows[s], rollback[s], ext_offs[s]
+                    window = ext[e + r:e + r + taps - 1]  # [taps-1, C]: a view that keeps all of ext alive
+                    if clone_windows:
                         window = window.clone()
                     st.gdn[i] = (new[s], window)
                     if rb is not None:
-                        traces[s][i] = GdnTrace(olds[s][0], ext[s],
-                                                self._inputs(inputs[s], r) if rb == "replay" else None,
+                        traces[s][i] = GdnTrace(olds[s][0], ext[e:e + taps - 1 + r],
+                                                self._inputs(inputs[offs[s] * per_row:(offs[s] + r) * per_row], r)
+                                                if rb == "replay" else None,
                                                 [*kept[s].unbind(0), new[s]] if kept[s] is not None else None)
             else:
                 kv = [st.kv[i] for st in states]

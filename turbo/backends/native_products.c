@@ -353,9 +353,9 @@ static uint8_t *group_quads(const float *x, int R, int k) {
  * the fp32 walk of the panels (one chain per output over i in order: row-stable, and for FP8 the
  * bf16 panels' products bit for bit). P starts with a 64-byte header (int32: wtype 8 bits,
  * group; wtype 9 group, panels per scale block pb, the codes' byte offset past the header), then
- *   wtype 8, per panel of 16 outputs and per group g: the 16 scales, the 16 biases (fp32), then
- *     the levels: int8 one byte an output per input; int4 a byte an output per pair of inputs
- *     (2j low nibble, 2j + 1 high);
+ *   wtype 8 int8, per panel of 16 outputs and per group g: the 16 scales, the 16 biases (fp32),
+ *     then the levels, one byte an output per input; int4: see int4_lanes below (its sums run in
+ *     16 lanes of inputs, then one fixed tree);
  *   wtype 9: per block of pb panels and group g its table, bf16(e4m3(c) * scale) for the 128
  *     codes c >= 0 as high bytes then low bytes (128 each; a negative code: the same with the
  *     sign bit); then per panel and group the codes in chunks of 4 inputs: byte 16L + 4j + t of

@@ -13,7 +13,8 @@ Every install decodes --tokens greedy tokens after a 32-token prompt in a fresh 
 system after the other, --reps times (scripts/benchlib.py); medians, spreads, step and bytes
 on disk are printed. llama.cpp (llama_cpp, where importable; --no-llama: not) decodes each GGUF the
 converted installs came from in the same round, same prompt, greedy, same threads: its line says
-where its tokens first differ from the converted install's. Built sources and installs are cached
+where its tokens first differ from the converted install's. A GGUF llama.cpp does not open (the
+shapes' small tokenizers: a token list shorter than the vocab) is left out, saying why. Built sources and installs are cached
 beside the shape's.
 """
 
@@ -22,6 +23,8 @@ from __future__ import annotations
 import argparse
 import shutil
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 from turbo.repack import repack
@@ -80,12 +83,16 @@ def gguf_file(shape: str, cache: Path, qtype: str) -> Path:
     return cache / shape / f"model-{qtype}.gguf"
 
 
-def llama_cpp_here() -> bool:
-    try:
-        import llama_cpp  # noqa: F401  (optional: pip install llama-cpp-python)
-    except ImportError:
-        return False
-    return True
+def llama_cpp_opens(path: Path) -> bool:
+    """Whether llama.cpp (llama_cpp, optional: pip install llama-cpp-python) opens the GGUF, tried in
+    a process of its own; if not, one line on stderr says why (a failing worker would end the run)."""
+    done = subprocess.run([sys.executable, "-c", "import sys; from llama_cpp import Llama; "
+                           "Llama(model_path=sys.argv[1], n_ctx=16, verbose=False)", str(path)],
+                          capture_output=True, text=True)
+    if done.returncode:
+        print(f"llama.cpp left out on {path.name}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}",
+              file=sys.stderr)
+    return done.returncode == 0
 
 
 def main() -> None:
@@ -100,8 +107,9 @@ def main() -> None:
     installs = converted(args.shape, args.cache)
     specs = {name: benchlib.Spec("turbo", str(path), args.threads, [32], args.tokens, env={"PYTHONPATH": str(ROOT)})
              for name, (path, _) in installs.items()}
-    llama = {} if args.no_llama or not llama_cpp_here() else {
-        f"llama.cpp-{name[5:]}": (name, gguf_file(args.shape, args.cache, qtype)) for name, (qtype, _) in GGUF.items()}
+    llama = {} if args.no_llama else {
+        f"llama.cpp-{name[5:]}": (name, path) for name, (qtype, _) in GGUF.items()
+        if llama_cpp_opens(path := gguf_file(args.shape, args.cache, qtype))}
     specs |= {who: benchlib.Spec("llama.cpp", str(path), args.threads, [32], args.tokens)
               for who, (_, path) in llama.items()}
     records = benchlib.run(specs, args.reps, timeout=900)

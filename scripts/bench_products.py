@@ -2,6 +2,7 @@
 
     python scripts/bench_products.py [--n 7168] [--k 1024] [--format bf16 int4 int8] [--rows 1 9]
         [--threads 1 2]
+    python scripts/bench_products.py --n 1024 --k 3584 --format int4 int4g128 int4g32 int8g32 fp8 bf16
 
 Why: a verify of R rows costs about one decode step only while its products stay bound by
 reading the weights. "memory": the product over copies of the matrix that together exceed the
@@ -9,7 +10,10 @@ caches (--cold-mb), one after another, so that every byte comes from memory as i
 "cached": one copy over and over, so that only the arithmetic is left. The two say how far a
 product of R rows is from each limit. Medians of --reps interleaved runs (min..max), ms per
 product, with the bytes/s and multiply-adds/s they mean. Default shape: the 0.8B MLP's
-gate_up (7168 x 1024). A benchmark, not a test: time it under the machine's bench lock.
+gate_up (7168 x 1024). Formats: turbo's own (bf16 panel pairs, wtype 6; int4 / int8 in groups
+of 64, wtypes 4 / 5), fp32 panels, and the converted installs' exact ones read as stored
+(native_exact.py: int4g32 / int4g128 / int8g32, wtype 8; fp8, wtype 9). A benchmark, not a
+test: time it under the machine's bench lock.
 """
 
 from __future__ import annotations
@@ -21,18 +25,35 @@ import time
 import torch
 
 from turbo import quant
-from turbo.backends import native_lib, native_pack
+from turbo.backends import native_exact, native_lib, native_pack
 
 BITS = {"int4": 4, "int8": 8}
 CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)
+EXACT = {"int4g32": quant.EXACT_INT4[32], "int4g128": quant.EXACT_INT4[128], "int8g32": quant.GGUF_FORMATS["int8g32"]}
+FORMATS = ("bf16", "fp32", *BITS, *EXACT, "fp8")
+
+
+def fp8(n: int, k: int) -> quant.QuantizedWeight:
+    """Random e4m3 codes (no NaN) with a scale per 128 x 128 block, as repack_fp8 keeps them."""
+    from turbo import repack_fp8
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E
+    scale_inv = torch.rand(-(-n // 128), k // 128, generator=g) * 0.01
+    return quant.QuantizedWeight(*repack_fp8.fp8_install(codes.view(torch.float8_e4m3fn), scale_inv, (128, 128)),
+                                 8, 128, float8=True)
 
 
 def packed(fmt: str, n: int, k: int) -> native_pack.Packed:
+    if fmt == "fp8":
+        return native_exact.exact_panels(fp8(n, k))
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
-    if fmt == "bf16":
-        return native_pack.pack_rows(lambda r0, r1: w[r0:r1], n, torch.bfloat16, "panel_pairs")
-    q = quant.QuantizedWeight(*quant.quantize(w, quant.format_for(code=CODE[fmt])), bits=BITS[fmt], group=quant.GROUP)
-    return native_pack.quantized_panels(q)
+    if fmt in ("bf16", "fp32"):
+        dtype, layout = (torch.bfloat16, "panel_pairs") if fmt == "bf16" else (torch.float32, "panels")
+        return native_pack.pack_rows(lambda r0, r1: w[r0:r1], n, dtype, layout)
+    f = EXACT.get(fmt) or quant.format_for(code=CODE[fmt])
+    q = quant.QuantizedWeight(*quant.quantize(w, f), bits=f.bits, group=f.group)
+    return native_exact.exact_panels(q) if fmt in EXACT else native_pack.quantized_panels(q)
 
 
 def per_product(x: torch.Tensor, ws: list[native_pack.Packed], calls: int) -> float:
@@ -49,7 +70,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=7168)
     ap.add_argument("--k", type=int, default=1024)
-    ap.add_argument("--format", nargs="+", default=["bf16", "int4"], choices=("bf16", *BITS))
+    ap.add_argument("--format", nargs="+", default=["bf16", "int4"], choices=FORMATS)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 9])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--cold-mb", type=int, default=600, help="the copies' total size (past the caches)")
@@ -68,7 +89,7 @@ def main() -> None:
         for f, r, t in cases:
             torch.set_num_threads(t)
             times[f, r, t]["memory"].append(per_product(xs[r], copies[f], 1))
-            times[f, r, t]["cached"].append(per_product(xs[r], [one[f]], 200))
+            times[f, r, t]["cached"].append(per_product(xs[r], [one[f]], max(2, min(200, 2 ** 28 // one[f].data.nbytes))))
     print(f"{args.n} x {args.k}, copies past the caches: {args.cold_mb} MB; medians of {args.reps} (min..max)")
     print("| format | rows | threads | from memory, ms | GB/s | from the caches, ms | GMAC/s | memory / cached |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -252,3 +252,21 @@ def test_the_native_step_reads_the_exact_types_as_stored(dense, qtype):
     inst = repack(gguf_of(tmp, qtype, mtp="none"), tmp / f"inst-native-{qtype}", quiet=True)
     prompt = [5, 17, 99, 3, 250, 41, 8, 5, 17, 99]
     assert_rows_are_steps(assert_native_agrees(inst, prompt, "exact"), prompt, list(range(40, 52)))
+
+
+def test_a_tied_head_reads_the_ggufs_own_codes(tmp_path):
+    """A tied GGUF's token_embd is carried as stored (Q8_0: int8g32), and the native step's head
+    reads those codes (a wtype 7 matrix of one exact segment), not an fp32 copy four times the
+    bytes: agreeing with the torch step, verify rows the decode steps bit for bit."""
+    from test_native_formats import assert_native_agrees, needs_exact
+    from test_trunk_products import assert_rows_are_steps
+
+    needs_exact()
+    make_checkpoint(tmp_path / "hf", 3, tie_word_embeddings=True, **SHAPE)
+    inst = repack(write_gguf(tmp_path / "hf", tmp_path / "m.gguf", "Q8_0", mtp="none"), tmp_path / "inst", quiet=True)
+    assert json.loads((inst / "config.json").read_text())["tie_word_embeddings"] is True
+    assert open_install(inst).index.entries["trunk.embed_tokens.weight"].dtype == 25
+    prompt = [5, 17, 99, 3, 250, 41, 8, 5, 17, 99]
+    nat = assert_native_agrees(inst, prompt, "exact")
+    assert nat.lm_head.layout == "segments" and [p.layout for p in nat.lm_head.parts] == ["exact"]
+    assert_rows_are_steps(nat, prompt, list(range(40, 52)))

@@ -309,6 +309,8 @@ def _plan_embed(r: _Rules, a: Arch, formats: list, parts: dict[str, list[tuple[s
         # the layers read packed: so is the lm_head, a copy in their format (the widest, if they
         # differ; at real scale the head is a third of a step's bytes); the table stays exact
         return EmbedPlan(table, False, None, r.storage, r.mapped(Matrix((table,), COPY, bits=max(packed_bits))))
+    if a.tie_embeddings and r.storage is not None and r.packed_format(r.present([table.name])) == MIXED:  # GGUF codes
+        return EmbedPlan(table, False, r.dtype, r.storage, r.matrix([(table.name, table.shape)], MIXED))  # read as stored
     if a.tie_embeddings and r.storage is not None:  # the embedding rows read out of the packed lm_head: kept once
         return EmbedPlan(table, True, None, None, r.matrix([(table.name, table.shape)], None))
     head = None if a.tie_embeddings else r.matrix([(PREFIX + "lm_head.weight", table.shape)],

@@ -16,6 +16,8 @@ from .native_lib import dot_layouts
 
 HEADER = 64  # bytes before a matrix's panels (int32 fields) or a segment table
 PANEL = 16
+OCTET = 8  # int4: outputs a block (two a panel)
+SUPER = 128  # int4: inputs a superblock (native_products.c)
 E4M3 = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # the codes >= 0, as transformers reads them
 
 
@@ -27,14 +29,19 @@ def reads_format(code: int, layouts: tuple[str, ...]) -> bool:
     """Whether the products here read an install format (quant code) as stored: fp32-scaled
     affine int4 / int8, or FP8, where the CPU has their products (`layouts`: native_lib.dot_layouts)."""
     fmt = quant.BY_CODE.get(code)
-    return (fmt is not None and fmt.scale_st == "F32" and fmt.bits in (4, 8)
+    return (fmt is not None and fmt.scale_st == "F32" and fmt.bits in (4, 8) and lays_out(fmt.bits, fmt.group)
             and exact_layout(code in quant.FLOAT8_CODES) in layouts)
 
 
 def reads_exact(w) -> bool:
     """Whether `w` (a QuantizedWeight) is read as stored by exact_panels here."""
     return (isinstance(w, quant.QuantizedWeight) and w.scales.dtype == torch.float32 and w.bits in (4, 8)
-            and exact_layout(w.float8) in dot_layouts())
+            and lays_out(w.bits, w.group) and exact_layout(w.float8) in dot_layouts())
+
+
+def lays_out(bits: int, group: int) -> bool:
+    """int4: groups of 16 to 128 inputs that tile the superblocks of 128 (quant.EXACT_INT4's 32, 64, 128)."""
+    return bits != 4 or (group % 16 == 0 and SUPER % group == 0)
 
 
 def _header(*fields: int) -> torch.Tensor:
@@ -50,17 +57,53 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def _affine_bytes(w: quant.QuantizedWeight) -> torch.Tensor:
-    """[panels, groups, group bytes]: per panel and group the 16 scales, the 16 biases (fp32), the
-    levels (int8: 16 bytes an input; int4: 16 bytes a pair of inputs, the first in the low nibble)."""
+    """int8: [panels, groups, group bytes], per panel and group the 16 scales, the 16 biases (fp32),
+    the levels (16 bytes an input). int4: _int4_bytes."""
     n, k = w.shape
     rows, groups = -(-n // PANEL) * PANEL, k // w.group
     q = torch.nn.functional.pad(quant.unpack(w.packed, w.bits), (0, 0, 0, rows - n))
-    q = q.reshape(-1, PANEL, groups, w.group).permute(0, 2, 3, 1)  # [panel, g, input, output]
     if w.bits == 4:
-        q = q[:, :, 0::2] | q[:, :, 1::2] << 4
+        return _int4_bytes(q, *(_padded(t.float(), rows) for t in (w.scales, w.biases)), w.group)
+    q = q.reshape(-1, PANEL, groups, w.group).permute(0, 2, 3, 1)  # [panel, g, input, output]
     sb = [_padded(t.float(), rows).reshape(-1, PANEL, groups).transpose(1, 2).contiguous().view(torch.uint8)
           for t in (w.scales, w.biases)]
     return torch.cat([*sb, q.reshape(*q.shape[:2], -1)], dim=2)
+
+
+def _superblocks(k: int, group: int) -> list[tuple[int, int, int]]:
+    """(first input, slices of 16, groups) of each superblock of 128 inputs (the last maybe shorter)."""
+    return [(i0, min(SUPER, k - i0) // 16, min(SUPER, k - i0) // group) for i0 in range(0, k, SUPER)]
+
+
+def _int4_bytes(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int) -> torch.Tensor:
+    """[blocks of 8 outputs, bytes]: per superblock its groups' scales [ng, 8] and biases [ng, 8]
+    (fp32), then per output 64 bytes, dword l nibble j = the level of input 16j + l
+    (native_products.c, int4_lanes)."""
+    rows, k = q.shape
+    parts = []
+    for i0, m, ng in _superblocks(k, group):
+        g0 = i0 // group
+        sb = [t[:, g0:g0 + ng].reshape(-1, OCTET, ng).transpose(1, 2).contiguous().view(torch.uint8).reshape(rows // OCTET, -1)
+              for t in (scales, biases)]
+        lv = torch.nn.functional.pad(q[:, i0:i0 + 16 * m].reshape(rows, m, 16).to(torch.int32), (0, 0, 0, 8 - m))
+        words = (lv << (4 * torch.arange(8, dtype=torch.int32))[:, None]).sum(1, dtype=torch.int32)  # [rows, 16]
+        parts += [*sb, words.contiguous().view(torch.uint8).reshape(rows // OCTET, -1)]
+    return torch.cat(parts, dim=1)
+
+
+def _int4_dense(body: torch.Tensor, rows: int, k: int, group: int) -> torch.Tensor:
+    """The inverse of _int4_bytes, dequantized as the torch step does: q * scale + bias in fp32."""
+    body, out, at = body.reshape(rows // OCTET, -1), [], 0
+    for _, m, ng in _superblocks(k, group):
+        sb = [body[:, at + 32 * ng * i:at + 32 * ng * (i + 1)].contiguous().view(torch.float32)
+              .reshape(-1, ng, OCTET).transpose(1, 2).reshape(rows, ng) for i in (0, 1)]
+        at += 64 * ng
+        words = body[:, at:at + 512].contiguous().view(torch.int32).reshape(rows, 1, 16)
+        at += 512
+        lv = (words >> (4 * torch.arange(m, dtype=torch.int32))[:, None]) & 15  # [rows, m, 16]
+        q = lv.reshape(rows, ng, -1).float()
+        out.append((q * sb[0][:, :, None] + sb[1][:, :, None]).reshape(rows, -1))
+    return torch.cat(out, dim=1)
 
 
 def _fp8_block(w: quant.QuantizedWeight, name: str) -> int:
@@ -139,6 +182,8 @@ def exact_dense(p) -> torch.Tensor:
     fp8 = p.layout == "fp8"
     bits, group = (8, int(h[0])) if fp8 else (int(h[0]), int(h[1]))
     panels, groups = -(-p.n // PANEL), p.k // group
+    if bits == 4:
+        return _int4_dense(p.data[HEADER:], panels * PANEL, p.k, group)[:p.n].contiguous()
     body = p.data[HEADER + (int(h[2]) if fp8 else 0):].reshape(panels, groups, -1)
     if fp8:
         tb = p.data[HEADER:HEADER + int(h[2])].reshape(-1, groups, 256).to(torch.int32)
@@ -149,9 +194,6 @@ def exact_dense(p) -> torch.Tensor:
         w = (bits16.to(torch.int32) << 16).view(torch.float32)
     else:
         s, b = (body[:, :, at:at + 64].contiguous().view(torch.float32) for at in (0, 64))  # [panel, g, out]
-        q = body[:, :, 128:].reshape(panels, groups, -1, PANEL)
-        if bits == 4:
-            q = torch.stack([q & 15, q >> 4], dim=3)
-        q = q.reshape(panels, groups, group, PANEL).float()
+        q = body[:, :, 128:].reshape(panels, groups, group, PANEL).float()
         w = (q * s[:, :, None] + b[:, :, None]).permute(0, 3, 1, 2)
     return w.reshape(panels * PANEL, -1)[:p.n].contiguous()

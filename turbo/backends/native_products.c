@@ -353,9 +353,9 @@ static uint8_t *group_quads(const float *x, int R, int k) {
  * the fp32 walk of the panels (one chain per output over i in order: row-stable, and for FP8 the
  * bf16 panels' products bit for bit). P starts with a 64-byte header (int32: wtype 8 bits,
  * group; wtype 9 group, panels per scale block pb, the codes' byte offset past the header), then
- *   wtype 8, per panel of 16 outputs and per group g: the 16 scales, the 16 biases (fp32), then
- *     the levels: int8 one byte an output per input; int4 a byte an output per pair of inputs
- *     (2j low nibble, 2j + 1 high);
+ *   wtype 8 int8, per panel of 16 outputs and per group g: the 16 scales, the 16 biases (fp32),
+ *     then the levels, one byte an output per input; int4: see int4_lanes below (its sums run in
+ *     16 lanes of inputs, then one fixed tree);
  *   wtype 9: per block of pb panels and group g its table, bf16(e4m3(c) * scale) for the 128
  *     codes c >= 0 as high bytes then low bytes (128 each; a negative code: the same with the
  *     sign bit); then per panel and group the codes in chunks of 4 inputs: byte 16L + 4j + t of
@@ -377,7 +377,7 @@ static uint8_t *group_quads(const float *x, int R, int k) {
 
 #if EXACT_READS
 static inline size_t fgroup_bytes(int kind, int group) {
-    return kind == 9 ? (size_t)group * 16 : 128 + (size_t)group * 16 * kind / 8;
+    return kind == 9 ? (size_t)group * 16 : 128 + (size_t)group * 16;
 }
 
 static inline __m512 affine_w(__m512i q, __m512 s, __m512 b) {
@@ -428,25 +428,17 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
             __m512 s[4], bias[4];
             for (int a = 0; a < NP; a++)
                 s[a] = _mm512_loadu_ps((const float *)W[a]), bias[a] = _mm512_loadu_ps((const float *)W[a] + 16);
-            const __m512i low = _mm512_set1_epi32(15);
-            for (int j = 0; j < group; j += kind == 4 ? 2 : 1) {
-                v16 w0[4], w1[4];
+            for (int j = 0; j < group; j++) {
+                v16 w0[4];
                 for (int a = 0; a < NP; a++) {
-                    const uint8_t *at = W[a] + 128 + (size_t)(kind == 4 ? 8 : 16) * j;
+                    const uint8_t *at = W[a] + 128 + (size_t)16 * j;
                     __builtin_prefetch(at + 1024);
-                    __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at));
-                    w0[a] = (v16)affine_w(kind == 4 ? _mm512_and_si512(v, low) : v, s[a], bias[a]);
-                    if (kind == 4) w1[a] = (v16)affine_w(_mm512_srli_epi32(v, 4), s[a], bias[a]);
+                    w0[a] = (v16)affine_w(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)), s[a], bias[a]);
                 }
                 for (int b = 0; b < NR; b++) {
                     float xb = xg[(size_t)b * k + j];
                     for (int a = 0; a < NP; a++) acc[a][b] += w0[a] * xb;
                 }
-                if (kind == 4)
-                    for (int b = 0; b < NR; b++) {
-                        float xb = xg[(size_t)b * k + j + 1];
-                        for (int a = 0; a < NP; a++) acc[a][b] += w1[a] * xb;
-                    }
             }
         }
     }
@@ -477,7 +469,6 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
     }
 #define FPANELS_FOR(KIND) FPANELS_AS(KIND, 4, 6) FPANELS_AS(KIND, 2, 6) FPANELS_AS(KIND, 1, 12) \
     FTILE_AS(KIND, 1) FTILE_AS(KIND, 2)
-FPANELS_FOR(4)
 FPANELS_FOR(8)
 #if FP8_READS
 FPANELS_FOR(9)
@@ -498,11 +489,110 @@ FPANELS_FOR(9)
         }                                                                                                    \
         fpanels_##KIND##_1(x, R, k, P, T, pb, group, n, y, p, p1);                                           \
     }
-FPACKED_AS(4)
 FPACKED_AS(8)
 #if FP8_READS
 FPACKED_AS(9)
 #endif
+
+/* wtype 8 int4 ("lanes of inputs"): per block of 8 outputs (two a panel) and superblock of 128
+ * inputs (the last may be shorter: m slices of 16), the groups' scales [ng][8] and biases [ng][8]
+ * (fp32), then per output 64 bytes: dword l holds in nibble j the level of input 16j + l. Within
+ * a group each output's 16 weights q * scale + bias (rounded twice, as torch) are one register,
+ * its table: a level's weight is one in-register permute (vpermps) of it, and a product of 16
+ * inputs one fused multiply-add per row. Each output sums 16 lane chains over the slices in order,
+ * then the lanes by one fixed tree: the same operations whatever the tile (row-stable). */
+#define SUPER 128
+#ifndef PREFETCH
+#define PREFETCH 2048 /* bytes ahead in a block's stream (measured: 2 KB beat 16 KB) */
+#endif
+
+static inline size_t super_bytes(int slices, int group) { return (size_t)64 * (16 * slices / group) + 512; }
+
+static inline size_t octet_bytes(int k, int group) {
+    return (size_t)(k / SUPER) * super_bytes(8, group) + (k % SUPER ? super_bytes(k % SUPER / 16, group) : 0);
+}
+
+/* Outputs o0..o0+NO-1 of block `blk` (within 8), rows r..r+NR-1. */
+static inline __attribute__((always_inline)) void i4tile(const float *x, int k, const uint8_t *P, int group, int n,
+                                                         int blk, int o0, int r, float *y, const int NO,
+                                                         const int NR) {
+    const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    __m512 acc[8][12], tab[8];
+    for (int o = 0; o < NO; o++)
+        for (int b = 0; b < NR; b++) acc[o][b] = _mm512_setzero_ps();
+    const uint8_t *at = P + (size_t)blk * octet_bytes(k, group);
+    const float *xr = x + (size_t)r * k;
+    const int per = group / 16;
+    for (int i0 = 0; i0 < k; i0 += SUPER) {
+        int m = k - i0 >= SUPER ? 8 : (k - i0) / 16, ng = 16 * m / group;
+        const float *sc = (const float *)at, *bi = sc + 8 * ng;
+        const uint8_t *codes = at + (size_t)64 * ng;
+#define I4SLICE(j)                                                                                          \
+    {                                                                                                       \
+        /* far ahead, two lines a slice: the block is one sequential stream */                              \
+        __builtin_prefetch(at + PREFETCH + 128 * (j));                                                      \
+        __builtin_prefetch(at + PREFETCH + 128 * (j) + 64);                                                 \
+        if (((j) & (per - 1)) == 0) { /* (groups of 16 * per inputs, per a power of two) */                \
+            int g = (j) / per;                                                                              \
+            for (int o = 0; o < NO; o++)                                                                    \
+                tab[o] = _mm512_add_round_ps(_mm512_mul_round_ps(iota, _mm512_set1_ps(sc[8 * g + o0 + o]), rn), \
+                                             _mm512_set1_ps(bi[8 * g + o0 + o]), rn);                       \
+        }                                                                                                   \
+        for (int o = 0; o < NO; o++) {                                                                      \
+            __m512i q = _mm512_srli_epi32(_mm512_loadu_si512(codes + 64 * (o0 + o)), 4 * (j));             \
+            __m512 w = _mm512_permutexvar_ps(q, tab[o]);                                                    \
+            for (int b = 0; b < NR; b++)                                                                    \
+                acc[o][b] = _mm512_fmadd_ps(w, _mm512_loadu_ps(xr + (size_t)b * k + i0 + 16 * (j)), acc[o][b]); \
+        }                                                                                                   \
+    }
+        if (m == 8) { /* (the shifts by constants: one instruction each) */
+            I4SLICE(0) I4SLICE(1) I4SLICE(2) I4SLICE(3) I4SLICE(4) I4SLICE(5) I4SLICE(6) I4SLICE(7)
+        } else {
+            for (int j = 0; j < m; j++) I4SLICE(j)
+        }
+#undef I4SLICE
+        at += super_bytes(m, group);
+    }
+    for (int o = 0; o < NO; o++) {
+        int out = 8 * blk + o0 + o;
+        if (out < n)
+            for (int b = 0; b < NR; b++) y[(size_t)(r + b) * n + out] = _mm512_reduce_add_ps(acc[o][b]);
+    }
+}
+
+#define I4TILE(NR) i4tile(x, k, (const uint8_t *)P, group, n, blk, o0, r, y, NO, NR)
+/* Blocks [b0, b1), NO outputs at a time, rows in tiles of up to MAXR (registers: NO x NR sums and
+ * NO tables); each shape a function of its own (as qpanels'). */
+#define I4BLOCKS_AS(NO_, MAXR)                                                                                \
+    static __attribute__((noinline)) void i4blocks_##NO_(const float *x, int R, int k, const void *P,         \
+                                                          int group, int n, float *y, int b0, int b1) {        \
+        const int NO = NO_;                                                                                   \
+        for (int blk = b0; blk < b1; blk++)                                                                   \
+            for (int o0 = 0; o0 < 8; o0 += NO)                                                                \
+                ROW_TILES(I4TILE, MAXR)                                                                       \
+    }
+#define I4ROWS_AS(NR_)                                                                                        \
+    static __attribute__((noinline)) void i4rows_##NR_(const float *x, int R, int k, const void *P, int group, \
+                                                        int n, float *y, int b0, int b1) {                     \
+        (void)R;                                                                                              \
+        for (int blk = b0; blk < b1; blk++) i4tile(x, k, (const uint8_t *)P, group, n, blk, 0, 0, y, 8, NR_); \
+    }
+I4BLOCKS_AS(4, 6)
+I4BLOCKS_AS(2, 12)
+I4ROWS_AS(1)
+I4ROWS_AS(2)
+
+/* Panels [p0, p1): blocks 2 p0 .. 2 p1; all 8 outputs of a block at once for a decode step's row
+ * (or two), four for up to six rows, two for more. */
+static void int4_lanes(const float *x, int R, int k, const void *P, int group, int n, float *y, int p0, int p1) {
+    if (R <= 2)
+        (R == 1 ? i4rows_1 : i4rows_2)(x, R, k, P, group, n, y, 2 * p0, 2 * p1);
+    else if (R <= 6)
+        i4blocks_4(x, R, k, P, group, n, y, 2 * p0, 2 * p1);
+    else
+        i4blocks_2(x, R, k, P, group, n, y, 2 * p0, 2 * p1);
+}
 
 static void fpacked(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
     const int32_t *h = (const int32_t *)P;
@@ -514,7 +604,7 @@ static void fpacked(const float *x, int R, int k, const void *P, int wtype, int 
     }
 #endif
     if (h[0] == 4)
-        fpacked_4(x, R, k, D, NULL, 1, h[1], n, y, p0, p1);
+        int4_lanes(x, R, k, D, h[1], n, y, p0, p1);
     else
         fpacked_8(x, R, k, D, NULL, 1, h[1], n, y, p0, p1);
 }

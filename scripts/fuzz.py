@@ -20,6 +20,8 @@ worker process, which is restarted after a crash (counted as `crash`) or a case 
     accepted-should-refuse   generated from a value no checkpoint may carry            BAD
     other-exception          any other exception, or a TurboError of several lines     BAD
     accepted-but-library-refuses  generated although safetensors refuses it            BAD
+    layout-ignored           the open layout (packed.safetensors) refused by the library:  ok
+                             left aside with its one-line note, the weights' own tokens
     crash / hang                                                                       BAD
 
 The worker also reports whether the safetensors library and turbo's own header reader accept
@@ -44,6 +46,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 from turbo.install import resolve
+from turbo.layout_file import PACKED_FILE
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_classes  # noqa: E402 (scripts/ is not a package)
@@ -566,9 +569,9 @@ def worker() -> None:
             except TurboError:
                 reply["turbo_header_ok"] = False
         try:
-            out = turbo.open(job["install"], backend="cpu").generate(PROMPT, max_new_tokens=NEW_TOKENS,
-                                                                     stop_at_eos=False)
-            reply |= {"result": "generated", "tokens": out.tokens}
+            rt = turbo.open(job["install"], backend="cpu")
+            out = rt.generate(PROMPT, max_new_tokens=NEW_TOKENS, stop_at_eos=False)
+            reply |= {"result": "generated", "tokens": out.tokens, "layout_note": rt.install.layout_note}
         except TurboError as e:
             reply |= {"result": "turbo_error", "message": str(e)}
         except Exception as e:  # the outcome we are looking for: any other exception is a finding
@@ -646,6 +649,9 @@ def classify(case: Case, reply: dict | str, reference: list[int]) -> Outcome:
             "silent-change", reply["reference"])
     elif reply.get("sampled") and not case.must_refuse:
         o.outcome, o.detail = "generated-sampled", str(reply["tokens"])
+    elif (o.library_ok is False and case.file == PACKED_FILE and reply.get("layout_note")
+          and reply["tokens"] == reference):  # a derived file: packed at open instead, said
+        o.outcome, o.detail = "layout-ignored", reply["layout_note"]
     elif o.library_ok is False:
         o.outcome = "accepted-but-library-refuses"
     elif case.must_refuse:

@@ -30,5 +30,7 @@ def test_header_mutations_end_cleanly(spec_install):
             assert o.turbo_header_ok == o.library_ok, (o.case.cls, o.case.file, o.detail)
         if o.case.cls.startswith("noop-"):
             assert o.outcome == "generated-equal", (o.case.cls, o.detail)
-    assert {o.outcome for o in outcomes} == {"turbo_error", "generated-equal"}
+    # an unreadable open layout (packed.safetensors, derived from the weights) is left aside, said
+    assert {o.outcome for o in outcomes} == {"turbo_error", "generated-equal", "layout-ignored"}
+    assert all(o.case.file == "packed.safetensors" for o in outcomes if o.outcome == "layout-ignored")
     assert elapsed < 120, elapsed

@@ -12,17 +12,22 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from . import layout_file
+from . import layout_file, quant
+from .backends import native_pack
 from .errors import ArgumentParser, TurboError
-from .install import Install, open_install, safetensors_files
-from .load_plan import COPY, Host, Matrix, TrunkPlan, layer_matrices, packed_target, plan_trunk
+from .install import ST_TORCH, Install, open_install, safetensors_files
+from .layout_file import PANEL
+from .load_plan import (COPY, PACKED, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices, packed_target,
+                        plan_trunk)
 from .loader import Reader
 from .options import OpenOptions
-from .repack_tensors import Planned
+from .repack_tensors import QUANT_SLICE, Planned
 from .repack_write import write_safetensors
 from .trunk import PREFIX
 
@@ -40,13 +45,55 @@ def _matrices(plan: TrunkPlan) -> list[Matrix]:
     return head + [m for layer in plan.layers for m in layer_matrices(layer)]
 
 
+def _window(k: int) -> int:
+    """Rows packed per slice of a matrix of k inputs: whole panels, about QUANT_SLICE weights
+    (the packed matrix is written a slice at a time, never held whole)."""
+    return max(1, QUANT_SLICE // k // PANEL) * PANEL
+
+
+def _table_rows(reader: Reader, p: EmbedPlan, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0..r1 of the embedding table as Reader.table reads it (stored, or read_as)."""
+    e = reader.entry(p.source)
+    rows = reader.index.rows(e.name, r0, r1, reader.scratch.setdefault(-1, {}))
+    kept = p.table or p.read_as
+    return rows if kept is None or ST_TORCH.get(e.st_dtype) == kept or p.read_as is None else rows.to(p.read_as)
+
+
+def _slices(reader: Reader, plan: TrunkPlan, m: Matrix) -> Iterator[torch.Tensor]:
+    """The packed matrix `m` as Reader.matrix / head_copy pack it, panel-major, a slice of whole
+    panels at a time (each slice packs to those panels on their own: the same bytes)."""
+    if m.form == COPY:
+        e = reader.entry(plan.embed.source)
+        step = _window(e.dims[1])
+        for r0 in range(0, e.dims[0], step):
+            rows = _table_rows(reader, plan.embed, r0, min(e.dims[0], r0 + step))
+            yield native_pack.quantized_copy(rows, m.bits).data
+        return
+    entries = [reader.entry(s) for s in m.sources]
+    n, step = sum(e.dims[0] for e in entries), _window(entries[0].dims[1])
+    if m.form == PACKED:  # (the stored matrix held, a fraction of its float size; its panels a slice at a time)
+        w = quant.fuse([reader.index.load_quantized(e.name, reader.dtype) for e in entries])
+        for r0 in range(0, n, step):
+            r1 = min(n, r0 + step)
+            yield native_pack.quantized_panels(replace(w, packed=w.packed[r0:r1], scales=w.scales[r0:r1],
+                                                       biases=w.biases[r0:r1])).data
+        return
+    for r0 in range(0, n, step):  # PANELS: float sources only (layout_file.target), read a slice at a time
+        yield native_pack.pack_rows(lambda a, b: reader.rows(entries, {}, m.dtype, r0 + a, r0 + b),
+                                    min(n, r0 + step) - r0, m.dtype, m.layout).data
+
+
 def _writer(reader: Reader, plan: TrunkPlan, m: Matrix, dtype: str, shape: tuple[int, ...]):
     def write(out) -> None:
-        packed = reader.head_copy(plan.embed) if m.form == COPY else reader.matrix(m)
-        data = packed.data
-        if (tuple(data.shape), data.dtype.itemsize) != (shape, ST_BYTES[dtype]):
-            raise TurboError(f"{m.sources[0].name}: packed as {list(data.shape)}, the layout expects {list(shape)}")
-        out.write(data.contiguous().view(-1).view(torch.uint8).numpy())
+        panels = 0
+        for data in _slices(reader, plan, m):
+            if (tuple(data.shape[1:]), data.dtype.itemsize) != (shape[1:], ST_BYTES[dtype]):
+                raise TurboError(f"{m.sources[0].name}: packed as {list(data.shape)}, the layout expects "
+                                 f"{list(shape)}")
+            out.write(data.contiguous().view(-1).view(torch.uint8).numpy())
+            panels += data.shape[0]
+        if panels != shape[0]:
+            raise TurboError(f"{m.sources[0].name}: packed {panels} panels, the layout expects {shape[0]}")
     return write
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import replace
 from pathlib import Path
 from typing import Iterator
 
@@ -21,7 +20,7 @@ import torch
 from . import layout_file, quant
 from .backends import native_pack
 from .errors import ArgumentParser, TurboError
-from .install import ST_TORCH, Install, open_install, safetensors_files
+from .install import ST_TORCH, Entry, Install, open_install, safetensors_files
 from .layout_file import PANEL
 from .load_plan import (COPY, PACKED, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices, packed_target,
                         plan_trunk)
@@ -59,6 +58,31 @@ def _table_rows(reader: Reader, p: EmbedPlan, r0: int, r1: int) -> torch.Tensor:
     return rows if kept is None or ST_TORCH.get(e.st_dtype) == kept or p.read_as is None else rows.to(p.read_as)
 
 
+def _read(file: Path, offset: int, out: torch.Tensor) -> torch.Tensor:
+    with file.open("rb") as f:
+        f.seek(offset)
+        if f.readinto(memoryview(out.view(torch.uint8).reshape(-1).numpy())) != out.numel() * out.element_size():
+            raise TurboError(f"{file}: truncated")
+    return out
+
+
+def _quantized_rows(entries: list[Entry], r0: int, r1: int, dtype: torch.dtype) -> quant.QuantizedWeight:
+    """Rows r0..r1 of the quantized `entries` fused by rows (as quant.fuse of their
+    ResidentIndex.load_quantized), read from their files on their own."""
+    parts, at = [], 0
+    for e in entries:
+        lo, hi = max(r0, at), min(r1, at + e.dims[0])
+        if lo < hi:
+            sdt, groups, words = ST_TORCH[e.scale_st_dtype], e.dims[1] // e.group, e.packed_dims[1]
+            parts.append(quant.QuantizedWeight(
+                _read(e.file, e.offset + (lo - at) * words * 4, torch.empty(hi - lo, words, dtype=torch.int32)),
+                *(_read(e.file, offset + (lo - at) * groups * sdt.itemsize, torch.empty(hi - lo, groups, dtype=sdt))
+                  for offset in (e.scale_offset, e.bias_offset)),
+                e.bits, e.group, dtype, float8=e.dtype in quant.FLOAT8_CODES))
+        at += e.dims[0]
+    return parts[0] if len(parts) == 1 else quant.fuse(parts)
+
+
 def _slices(reader: Reader, plan: TrunkPlan, m: Matrix) -> Iterator[torch.Tensor]:
     """The packed matrix `m` as Reader.matrix / head_copy pack it, panel-major, a slice of whole
     panels at a time (each slice packs to those panels on their own: the same bytes)."""
@@ -71,12 +95,9 @@ def _slices(reader: Reader, plan: TrunkPlan, m: Matrix) -> Iterator[torch.Tensor
         return
     entries = [reader.entry(s) for s in m.sources]
     n, step = sum(e.dims[0] for e in entries), _window(entries[0].dims[1])
-    if m.form == PACKED:  # (the stored matrix held, a fraction of its float size; its panels a slice at a time)
-        w = quant.fuse([reader.index.load_quantized(e.name, reader.dtype) for e in entries])
+    if m.form == PACKED:
         for r0 in range(0, n, step):
-            r1 = min(n, r0 + step)
-            yield native_pack.quantized_panels(replace(w, packed=w.packed[r0:r1], scales=w.scales[r0:r1],
-                                                       biases=w.biases[r0:r1])).data
+            yield native_pack.quantized_panels(_quantized_rows(entries, r0, min(n, r0 + step), reader.dtype)).data
         return
     for r0 in range(0, n, step):  # PANELS: float sources only (layout_file.target), read a slice at a time
         yield native_pack.pack_rows(lambda a, b: reader.rows(entries, {}, m.dtype, r0 + a, r0 + b),

@@ -21,7 +21,6 @@ from . import layout_file, quant
 from .backends import native_pack
 from .errors import ArgumentParser, TurboError
 from .install import ST_TORCH, Entry, Install, open_install, safetensors_files
-from .layout_file import PANEL
 from .load_plan import (COPY, PACKED, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices, packed_target,
                         plan_trunk)
 from .loader import Reader
@@ -47,7 +46,7 @@ def _matrices(plan: TrunkPlan) -> list[Matrix]:
 def _window(k: int) -> int:
     """Rows packed per slice of a matrix of k inputs: whole panels, about QUANT_SLICE weights
     (the packed matrix is written a slice at a time, never held whole)."""
-    return max(1, QUANT_SLICE // k // PANEL) * PANEL
+    return max(1, QUANT_SLICE // k // layout_file.PANEL) * layout_file.PANEL
 
 
 def _table_rows(reader: Reader, p: EmbedPlan, r0: int, r1: int) -> torch.Tensor:
@@ -62,7 +61,7 @@ def _read(file: Path, offset: int, out: torch.Tensor) -> torch.Tensor:
     with file.open("rb") as f:
         f.seek(offset)
         if f.readinto(memoryview(out.view(torch.uint8).reshape(-1).numpy())) != out.numel() * out.element_size():
-            raise TurboError(f"{file}: truncated")
+            raise TurboError(f"{file}: truncated while reading its open layout's source")
     return out
 
 

@@ -1,6 +1,6 @@
-"""How each output tensor of a repack is produced: copied in bounded chunks, quantized one
-tensor at a time, or carried packed from an MLX-layout source. `plan_tensors` decides,
-`Planned` is the result; docs/DESIGN.md 4 has the formats and what is quantized."""
+"""How each output tensor of a repack is produced: copied in bounded chunks, quantized a slice
+of rows at a time, or carried packed from an MLX-layout source. `plan_tensors` decides, `Planned`
+is the result; docs/DESIGN.md 4 has the formats and what is quantized."""
 
 from __future__ import annotations
 
@@ -113,7 +113,7 @@ QUANT_SLICE = 1 << 20
 
 class _QuantJob:
     """Quantizes one source tensor a slice of rows at a time when its packed weight is written,
-    keeping the slices' scales and biases (1/16 of the source's bytes) for the two tensors
+    keeping the slices' scales and biases (1/32 of a bf16 source's bytes) for the two tensors
     written right after; then drops them."""
 
     def __init__(self, name: str, path: Path, pieces: Pieces, st: str, shape: list[int], fmt: q.QFormat):
@@ -132,7 +132,7 @@ class _QuantJob:
                     out.write(packed.contiguous().view(-1).view(torch.uint8).numpy())
                     self.parts[0].append(_tensor_bytes(scales))
                     self.parts[1].append(_tensor_bytes(biases))
-                    del w, packed
+                    del w, packed  # (before the next slice is read)
                 return
             for chunk in self.parts[i - 1]:
                 out.write(chunk)

@@ -3,8 +3,8 @@ it, so its peak resident set grows by about its largest tensor, not by the check
 by the fp32 intermediates of quantizing a vocab-sized head whole (issue 36: 13.4 GB on 5.4 GB).
 
 Measured from a fresh process (its peak resident set, /proc/self/status VmHWM), on a random MoE
-checkpoint of the 35B-A3B layer shapes cut to 16 experts of width 512 and a 32k vocab (bf16, ~150
-MB, 50 MB of experts), repacked to int4 with its open layout; and the slices' bytes equal the whole
+checkpoint of the 35B-A3B layer shapes cut to 16 experts of width 512 and a 16k vocab (bf16, ~110
+MB, 48 MB of experts), repacked to int4 with its open layout; and the slices' bytes equal the whole
 matrix's.
 """
 
@@ -24,10 +24,10 @@ from turbo import open_layout, repack_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 
-SHAPE = dict(SHAPES["qwen3.5-35b-a3b-2l"], vocab_size=32768, hidden_size=512, num_experts=16)
+SHAPE = dict(SHAPES["qwen3.5-35b-a3b-2l"], vocab_size=16384, hidden_size=512, num_experts=16)
 # What a repack may add beyond 1.5x its largest tensor: one slice being quantized (~40 bytes a
 # weight of repack_tensors.QUANT_SLICE), the tokenizer, the plans, the allocator's slack.
-SLACK = 96 << 20
+SLACK = 64 << 20
 
 PROBE = """
 import json, sys
@@ -52,8 +52,10 @@ def checkpoint(tmp_path_factory) -> Path:
 
 def test_repack_peak_is_bounded_by_its_largest_tensor(checkpoint, tmp_path):
     sizes = {n: t.end - t.begin for n, t in read_header(checkpoint / "model.safetensors").tensors.items()}
-    assert sum(s for n, s in sizes.items() if ".experts." in n) >= 48 << 20  # (a bound that means something)
-    largest = max(sizes.values())
+    assert sum(s for n, s in sizes.items() if ".experts." in n) >= 45 << 20  # (a bound that means something)
+    # the largest tensor it holds: the head (each expert is read out of its layer's stack on its own)
+    largest = max(s for n, s in sizes.items() if ".experts." not in n)
+    assert largest == SHAPE["vocab_size"] * SHAPE["hidden_size"] * 2
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", PROBE, str(checkpoint), str(tmp_path / "install")],
                           capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)

@@ -13,16 +13,19 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
-from . import layout_file
+from . import layout_file, quant
+from .backends import native_pack
 from .errors import ArgumentParser, TurboError
-from .install import Install, open_install, safetensors_files
-from .load_plan import COPY, Host, Matrix, TrunkPlan, layer_matrices, packed_target, plan_trunk
+from .install import ST_TORCH, Entry, Install, open_install, safetensors_files
+from .load_plan import (COPY, PACKED, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices, packed_target,
+                        plan_trunk)
 from .loader import Reader
 from .options import OpenOptions
-from .repack_tensors import Planned
+from .repack_tensors import QUANT_SLICE, Planned
 from .repack_write import write_safetensors
 from .trunk import PREFIX
 
@@ -40,13 +43,77 @@ def _matrices(plan: TrunkPlan) -> list[Matrix]:
     return head + [m for layer in plan.layers for m in layer_matrices(layer)]
 
 
+def _window(k: int) -> int:
+    """Rows packed per slice of a matrix of k inputs: whole panels, about QUANT_SLICE weights
+    (the packed matrix is written a slice at a time, never held whole)."""
+    return max(1, QUANT_SLICE // k // layout_file.PANEL) * layout_file.PANEL
+
+
+def _table_rows(reader: Reader, p: EmbedPlan, r0: int, r1: int) -> torch.Tensor:
+    """Rows r0..r1 of the embedding table as Reader.table reads it (stored, or read_as)."""
+    e = reader.entry(p.source)
+    rows = reader.index.rows(e.name, r0, r1, reader.scratch.setdefault(-1, {}))
+    kept = p.table or p.read_as
+    return rows if kept is None or ST_TORCH.get(e.st_dtype) == kept or p.read_as is None else rows.to(p.read_as)
+
+
+def _read(file: Path, offset: int, out: torch.Tensor) -> torch.Tensor:
+    with file.open("rb") as f:
+        f.seek(offset)
+        if f.readinto(memoryview(out.view(torch.uint8).reshape(-1).numpy())) != out.numel() * out.element_size():
+            raise TurboError(f"{file}: truncated while reading its open layout's source")
+    return out
+
+
+def _quantized_rows(entries: list[Entry], r0: int, r1: int, dtype: torch.dtype) -> quant.QuantizedWeight:
+    """Rows r0..r1 of the quantized `entries` fused by rows (as quant.fuse of their
+    ResidentIndex.load_quantized), read from their files on their own."""
+    parts, at = [], 0
+    for e in entries:
+        lo, hi = max(r0, at), min(r1, at + e.dims[0])
+        if lo < hi:
+            sdt, groups, words = ST_TORCH[e.scale_st_dtype], e.dims[1] // e.group, e.packed_dims[1]
+            parts.append(quant.QuantizedWeight(
+                _read(e.file, e.offset + (lo - at) * words * 4, torch.empty(hi - lo, words, dtype=torch.int32)),
+                *(_read(e.file, offset + (lo - at) * groups * sdt.itemsize, torch.empty(hi - lo, groups, dtype=sdt))
+                  for offset in (e.scale_offset, e.bias_offset)),
+                e.bits, e.group, dtype, float8=e.dtype in quant.FLOAT8_CODES))
+        at += e.dims[0]
+    return parts[0] if len(parts) == 1 else quant.fuse(parts)
+
+
+def _slices(reader: Reader, plan: TrunkPlan, m: Matrix) -> Iterator[torch.Tensor]:
+    """The packed matrix `m` as Reader.matrix / head_copy pack it, panel-major, a slice of whole
+    panels at a time (each slice packs to those panels on their own: the same bytes)."""
+    if m.form == COPY:
+        e = reader.entry(plan.embed.source)
+        step = _window(e.dims[1])
+        for r0 in range(0, e.dims[0], step):
+            rows = _table_rows(reader, plan.embed, r0, min(e.dims[0], r0 + step))
+            yield native_pack.quantized_copy(rows, m.bits).data
+        return
+    entries = [reader.entry(s) for s in m.sources]
+    n, step = sum(e.dims[0] for e in entries), _window(entries[0].dims[1])
+    if m.form == PACKED:
+        for r0 in range(0, n, step):
+            yield native_pack.quantized_panels(_quantized_rows(entries, r0, min(n, r0 + step), reader.dtype)).data
+        return
+    for r0 in range(0, n, step):  # PANELS: float sources only (layout_file.target), read a slice at a time
+        yield native_pack.pack_rows(lambda a, b: reader.rows(entries, {}, m.dtype, r0 + a, r0 + b),
+                                    min(n, r0 + step) - r0, m.dtype, m.layout).data
+
+
 def _writer(reader: Reader, plan: TrunkPlan, m: Matrix, dtype: str, shape: tuple[int, ...]):
     def write(out) -> None:
-        packed = reader.head_copy(plan.embed) if m.form == COPY else reader.matrix(m)
-        data = packed.data
-        if (tuple(data.shape), data.dtype.itemsize) != (shape, ST_BYTES[dtype]):
-            raise TurboError(f"{m.sources[0].name}: packed as {list(data.shape)}, the layout expects {list(shape)}")
-        out.write(data.contiguous().view(-1).view(torch.uint8).numpy())
+        panels = 0
+        for data in _slices(reader, plan, m):
+            if (tuple(data.shape[1:]), data.dtype.itemsize) != (shape[1:], ST_BYTES[dtype]):
+                raise TurboError(f"{m.sources[0].name}: packed as {list(data.shape)}, the layout expects "
+                                 f"{list(shape)}")
+            out.write(data.contiguous().view(-1).view(torch.uint8).numpy())
+            panels += data.shape[0]
+        if panels != shape[0]:
+            raise TurboError(f"{m.sources[0].name}: packed {panels} panels, the layout expects {shape[0]}")
     return write
 
 

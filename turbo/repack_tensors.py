@@ -1,6 +1,6 @@
-"""How each output tensor of a repack is produced: copied in bounded chunks, quantized one
-tensor at a time, or carried packed from an MLX-layout source. `plan_tensors` decides,
-`Planned` is the result; docs/DESIGN.md 4 has the formats and what is quantized."""
+"""How each output tensor of a repack is produced: copied in bounded chunks, quantized a slice
+of rows at a time, or carried packed from an MLX-layout source. `plan_tensors` decides, `Planned`
+is the result; docs/DESIGN.md 4 has the formats and what is quantized."""
 
 from __future__ import annotations
 
@@ -75,25 +75,46 @@ def quantizable(new: str, meta: dict, fmt: q.QFormat) -> bool:
     return meta["shape"][1] % fmt.group == 0
 
 
-def _load_source(path: Path, pieces: Pieces, st: str, shape: list[int], name: str) -> torch.Tensor:
-    data = bytearray(sum(n for _, n in pieces))  # the one copy of the source tensor in memory
-    at = 0
+def _read_span(path: Path, pieces: Pieces, begin: int, size: int, name: str) -> bytearray:
+    """Bytes begin..begin+size of a source tensor (counted over its pieces, in order)."""
+    data, at, skip = bytearray(size), 0, begin
     with path.open("rb") as f:
-        for offset, size in pieces:
-            f.seek(offset)
-            if f.readinto(memoryview(data)[at:at + size]) != size:
+        for offset, n in pieces:
+            if skip >= n:
+                skip -= n
+                continue
+            take = min(n - skip, size - at)
+            f.seek(offset + skip)
+            if f.readinto(memoryview(data)[at:at + take]) != take:
                 raise TurboError(f"{path}: truncated while reading {name}")
-            at += size
-    return torch.frombuffer(data, dtype=getattr(torch, FLOAT_ST[st])).reshape(shape)
+            at, skip = at + take, 0
+            if at == size:
+                break
+    return data
+
+
+def _load_source(path: Path, pieces: Pieces, st: str, shape: list[int], name: str, r0: int = 0,
+                 r1: int | None = None) -> torch.Tensor:
+    """Rows r0..r1 (all by default) of a source matrix: the one copy of them in memory."""
+    r1 = shape[0] if r1 is None else r1
+    row = ST_BYTES[st] * (int(torch.Size(shape[1:]).numel()) if len(shape) > 1 else 1)
+    data = _read_span(path, pieces, r0 * row, (r1 - r0) * row, name)
+    return torch.frombuffer(data, dtype=getattr(torch, FLOAT_ST[st])).reshape([r1 - r0, *shape[1:]])
 
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
 
 
+# Weights quantized per slice of rows (each row's groups are its own, so the bytes are those of the
+# whole matrix): quantizing holds ~40 bytes a weight, several GB for a vocab-sized head at once.
+QUANT_SLICE = 1 << 20
+
+
 class _QuantJob:
-    """Quantizes one source tensor when its packed weight is written and hands the scales
-    and biases, written right after, from the same result; then drops it (one tensor in memory)."""
+    """Quantizes one source tensor a slice of rows at a time when its packed weight is written,
+    keeping the slices' scales and biases (1/32 of a bf16 source's bytes) for the two tensors
+    written right after; then drops them."""
 
     def __init__(self, name: str, path: Path, pieces: Pieces, st: str, shape: list[int], fmt: q.QFormat):
         self.args = (path, pieces, st, shape, name)
@@ -101,11 +122,21 @@ class _QuantJob:
 
     def writer(self, i: int) -> Callable[[object], None]:
         def write(out) -> None:
-            if self.parts is None:
-                w = _load_source(*self.args)
-                self.parts = [_tensor_bytes(t) for t in q.quantize(w, self.fmt, self.name)]
-            out.write(self.parts[i])
-            self.parts[i] = b""
+            if i == 0:
+                rows, cols = self.args[3]
+                step = max(1, QUANT_SLICE // cols)
+                self.parts = [[], []]
+                for r0 in range(0, rows, step):
+                    w = _load_source(*self.args, r0, min(rows, r0 + step))
+                    packed, scales, biases = q.quantize(w, self.fmt, self.name)
+                    out.write(packed.contiguous().view(-1).view(torch.uint8).numpy())
+                    self.parts[0].append(_tensor_bytes(scales))
+                    self.parts[1].append(_tensor_bytes(biases))
+                    del w, packed  # (before the next slice is read)
+                return
+            for chunk in self.parts[i - 1]:
+                out.write(chunk)
+            self.parts[i - 1] = []
             if i == 2:
                 self.parts = None
         return write

@@ -662,9 +662,13 @@ static void products(const float *x, int R, int k, const void *P, int wtype, int
         packed_range(x, R, k, P, wtype, n, y, 0, panels);
         return;
     }
-#pragma omp parallel for num_threads(parts) schedule(static, 1)
-    for (int t = 0; t < parts; t++) {
-        int lo = (int)((long)groups * t / parts) * 4, hi = (int)((long)groups * (t + 1) / parts) * 4;
+    /* chunks of whole 4-panel groups handed out as threads free up, not one fixed share each: on
+     * shared cores (a server's event loop, other processes) a preempted thread's share no longer
+     * holds the others up at the barrier. An output's bits do not depend on the thread it runs on. */
+    int chunks = groups < parts * 8 ? groups : parts * 8;
+#pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
+    for (int c = 0; c < chunks; c++) {
+        int lo = (int)((long)groups * c / chunks) * 4, hi = (int)((long)groups * (c + 1) / chunks) * 4;
         packed_range(x, R, k, P, wtype, n, y, lo, hi < panels ? hi : panels);
     }
 }

@@ -335,3 +335,36 @@ def test_llama_cpp_runs_our_ggufs_as_turbo_does(dense, tmp_path, monkeypatch, qt
     quantized = np.array(llm.scores[len(prompt) - 1:len(prompt) + n - 1])
     assert np.abs(quantized[0] - ours[0]).max() <= 0.3 * np.abs(ours[0]).max()  # measured: 12%, 14%
     assert (quantized.argmax(-1) == np.array(mine)).mean() >= 0.7  # measured: 23 / 24, 20 / 24
+
+
+@pytest.mark.parametrize("n,k", [(37, 128), (300, 512)])
+def test_q8_0_products_form_each_weight_with_one_multiply(n, k):
+    """A Q8_0 matrix (f16 scale d, bias -128 d) is packed centered (native_exact.centered: levels
+    q - 128, each weight c * d, one exact multiply): the products' matrix is gguf's dequantization
+    bit for bit (a zero block's included), within fp32 rounding of the dense product, and a verify
+    row is the decode step bit for bit; a matrix of other scales keeps the two-rounding form."""
+    from test_native_formats import fp32_bound, needs_exact
+    from test_trunk_products import ROWS
+
+    from turbo import quant
+    from turbo.backends import native_exact, native_pack
+    from turbo.repack_gguf_tensors import _affine
+
+    needs_exact()
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k ** 0.5
+    w[3, 32:64] = 0  # a block of d = 0
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    a = _affine(raw, "Q8_0", n, k)
+    qw = quant.QuantizedWeight(quant.pack(a.levels, 8), a.scales, a.biases, 8, 32)
+    p = native_pack.pack_as(qw, torch.float32, "panels")
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).copy()).reshape(n, k)
+    assert native_exact.centered(qw) and p.data[8:12].view(torch.int32).item() == 1
+    assert torch.equal(p.dense().view(torch.int32), (ref + 0.0).view(torch.int32))
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(1))
+    y = native_pack.linear_packed(x, p)
+    assert ((y.double() - x.double() @ ref.double().T).abs() <= fp32_bound(x, ref)).all()
+    for rows in ROWS:
+        assert torch.equal(native_pack.linear_packed(x[rows - 1:rows], p), y[rows - 1:rows]), rows
+    off = quant.QuantizedWeight(qw.packed, qw.scales * 1.001, qw.biases, 8, 32)
+    assert not native_exact.centered(off) and native_pack.pack_as(off, torch.float32, "panels").data[8:12].view(
+        torch.int32).item() == 0

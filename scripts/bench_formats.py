@@ -11,7 +11,8 @@ into what it converts to (int4g128, int4g32, fp8, int4g32, int8g32: read as stor
 step, native_exact.py), and turbo's own installs by `--quant int4 / int8` and as stored (bf16).
 The GGUFs llama.cpp itself quantizes from the shape's bf16 GGUF (turbo.testing.shapes.gguf: Q8_0,
 Q4_0, Q4_K_M; where the bf16 GGUF is there or $LLAMA_CONVERT_DIR can make it) are repacked too
-(llama-*: Q4_K_M's Q6_K tensors re-quantized with --quant int8).
+(llama-*: the Q6_K tensors llama.cpp puts in its Q4_0 and Q4_K_M, the tied embedding among them,
+re-quantized with --quant int8).
 Every install decodes --tokens greedy tokens after a 32-token prompt in a fresh process, one
 system after the other, --reps times (scripts/benchlib.py); medians, spreads, step and bytes
 on disk are printed. llama.cpp (llama_cpp, where importable; --no-llama: not) decodes each GGUF the
@@ -50,7 +51,7 @@ SOURCES = {
 }
 GGUF = {"gguf-q4_k": ("Q4_K", "int4g32"), "gguf-q8_0": ("Q8_0", "int8g32")}  # written by gguf_writer
 # quantized by llama.cpp (shapes.gguf kinds): kind -> (repack's --quant for the types it re-quantizes, format)
-LLAMA = {"q8_0": ("none", "int8g32"), "q4_0": ("none", "int4g32"), "q4_k_m": ("int8", "int4g32+int8")}
+LLAMA = {"q8_0": ("none", "int8g32"), "q4_0": ("int8", "int4g32+int8"), "q4_k_m": ("int8", "int4g32+int8")}
 OWN = {"turbo-int4": "int4", "turbo-int8": "int8", "turbo-bf16": "none"}  # (bf16: the shape's own dtype; tiny's is fp32)
 WRITER = ROOT / "turbo" / "testing" / "gguf_writer.py"
 

@@ -425,24 +425,8 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
                         for (int b = 0; b < NR; b++) acc[a][b] += w[t] * xg[(size_t)b * k + j + t];
                 }
 #endif
-        } else if (kind == 10) { /* int8, centered: w = c * scale (see fpacked) */
+        } else { /* int8; kind 10 centered: w = c * scale (see fpacked) */
             const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-            __m512 s[4];
-            for (int a = 0; a < NP; a++) s[a] = _mm512_loadu_ps((const float *)W[a]);
-            for (int j = 0; j < group; j++) {
-                v16 w0[4];
-                for (int a = 0; a < NP; a++) {
-                    const uint8_t *at = W[a] + 128 + (size_t)16 * j;
-                    __builtin_prefetch(at + 1024);
-                    __m512i c = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)at));
-                    w0[a] = (v16)_mm512_mul_round_ps(_mm512_cvtepi32_ps(c), s[a], rn);
-                }
-                for (int b = 0; b < NR; b++) {
-                    float xb = xg[(size_t)b * k + j];
-                    for (int a = 0; a < NP; a++) acc[a][b] += w0[a] * xb;
-                }
-            }
-        } else {
             __m512 s[4], bias[4];
             for (int a = 0; a < NP; a++)
                 s[a] = _mm512_loadu_ps((const float *)W[a]), bias[a] = _mm512_loadu_ps((const float *)W[a] + 16);
@@ -451,7 +435,9 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
                 for (int a = 0; a < NP; a++) {
                     const uint8_t *at = W[a] + 128 + (size_t)16 * j;
                     __builtin_prefetch(at + 1024);
-                    w0[a] = (v16)affine_w(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)), s[a], bias[a]);
+                    __m128i c = _mm_loadu_si128((const __m128i *)at);
+                    w0[a] = kind == 10 ? (v16)_mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), s[a], rn)
+                                       : (v16)affine_w(_mm512_cvtepu8_epi32(c), s[a], bias[a]);
                 }
                 for (int b = 0; b < NR; b++) {
                     float xb = xg[(size_t)b * k + j];

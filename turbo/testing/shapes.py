@@ -116,7 +116,8 @@ def checkpoint(name: str, cache: Path = DEFAULT_CACHE) -> Path:
 
 
 # gguf()'s kinds quantized from the bf16 GGUF by llama.cpp itself (llama_model_quantize's ftype names)
-LLAMA_QUANT = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0", "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+LLAMA_QUANT = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
 
 
 def gguf(name: str, kind: str = "bf16", cache: Path = DEFAULT_CACHE) -> Path | None:

@@ -71,7 +71,7 @@ def centered(w: quant.QuantizedWeight) -> bool:
 
 def _affine_bytes(w: quant.QuantizedWeight, centre: bool = False) -> torch.Tensor:
     """int8: [panels, groups, group bytes], per panel and group the 16 scales, the 16 biases (fp32),
-    the levels (16 bytes an input; `centre`: as int8 q - 128). int4: _int4_bytes."""
+    the levels (16 bytes an input); `centre`: no biases, the levels as int8 q - 128. int4: _int4_bytes."""
     n, k = w.shape
     rows, groups = -(-n // PANEL) * PANEL, k // w.group
     q = torch.nn.functional.pad(quant.unpack(w.packed, w.bits), (0, 0, 0, rows - n))
@@ -82,7 +82,7 @@ def _affine_bytes(w: quant.QuantizedWeight, centre: bool = False) -> torch.Tenso
     q = q.reshape(-1, PANEL, groups, w.group).permute(0, 2, 3, 1)  # [panel, g, input, output]
     sb = [_padded(t.float(), rows).reshape(-1, PANEL, groups).transpose(1, 2).contiguous().view(torch.uint8)
           for t in (w.scales, w.biases)]
-    return torch.cat([*sb, q.reshape(*q.shape[:2], -1)], dim=2)
+    return torch.cat([*sb[:1 if centre else 2], q.reshape(*q.shape[:2], -1)], dim=2)
 
 
 def _superblocks(k: int, group: int) -> list[tuple[int, int, int]]:
@@ -209,10 +209,12 @@ def exact_dense(p) -> torch.Tensor:
         bits16 = torch.gather(t[:, None].expand(-1, PANEL, -1, -1), 3, c & 0x7F) | (c & 0x80) << 8
         w = (bits16.to(torch.int32) << 16).view(torch.float32)
     else:
-        s, b = (body[:, :, at:at + 64].contiguous().view(torch.float32) for at in (0, 64))  # [panel, g, out]
-        q = body[:, :, 128:].reshape(panels, groups, group, PANEL)
+        s = body[:, :, :64].contiguous().view(torch.float32)  # [panel, g, out]
         if int(h[2]) == 1:  # centered: c * scale (+ 0.0: a zero scale's -0.0 reads +0.0, as q * 0 + -0.0)
+            q = body[:, :, 64:].reshape(panels, groups, group, PANEL)
             w = (q.view(torch.int8).float() * s[:, :, None] + 0.0).permute(0, 3, 1, 2)
         else:
-            w = (q.float() * s[:, :, None] + b[:, :, None]).permute(0, 3, 1, 2)
+            b = body[:, :, 64:128].contiguous().view(torch.float32)
+            q = body[:, :, 128:].reshape(panels, groups, group, PANEL).float()
+            w = (q * s[:, :, None] + b[:, :, None]).permute(0, 3, 1, 2)
     return w.reshape(panels * PANEL, -1)[:p.n].contiguous()

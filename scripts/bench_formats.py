@@ -9,13 +9,20 @@ The shape's bf16 checkpoint (turbo.testing.shapes) is rewritten in each source f
 blocks; turbo.testing.gguf_writer: GGUF Q4_K and Q8_0), each repacked by `python -m turbo.repack`
 into what it converts to (int4g128, int4g32, fp8, int4g32, int8g32: read as stored by the native
 step, native_exact.py), and turbo's own installs by `--quant int4 / int8` and as stored (bf16).
+The GGUFs llama.cpp itself quantizes from the shape's bf16 GGUF (turbo.testing.shapes.gguf: Q8_0,
+Q4_0, Q4_K_M; where the bf16 GGUF is there or $LLAMA_CONVERT_DIR can make it) are repacked too
+(llama-*: the Q6_K tensors llama.cpp puts in its Q4_0 and Q4_K_M, the tied embedding among them,
+re-quantized with --quant int8).
 Every install decodes --tokens greedy tokens after a 32-token prompt in a fresh process, one
 system after the other, --reps times (scripts/benchlib.py); medians, spreads, step and bytes
 on disk are printed. llama.cpp (llama_cpp, where importable; --no-llama: not) decodes each GGUF the
 converted installs came from in the same round, same prompt, greedy, same threads: its line says
-where its tokens first differ from the converted install's. A GGUF llama.cpp does not open (the
-shapes' small tokenizers: a token list shorter than the vocab) is left out, saying why. Built sources and installs are cached
-beside the shape's.
+where its tokens first differ from the converted install's (reported, not a failure: llama.cpp
+rounds the activations to 8 bits in its quantized products). Each GGUF is first tried in a process
+of its own: where llama.cpp's weight repacking crashes (llama-cpp-python 0.3.36 on an AMX host) it
+runs without it (benchlib.LLAMA_PLAIN, said in one line), and a GGUF it does not open or run is
+left out, saying why. Built sources and installs are cached beside the shape's, rebuilt when
+turbo/repack*.py or backends/native_exact.py (or the GGUF writer, for its GGUFs) is newer.
 """
 
 from __future__ import annotations
@@ -42,21 +49,30 @@ SOURCES = {
     "gptq-g32": (lambda d: write_int4(d, "gptq", 32, sym=True, reference=False), "int4g32"),
     "fp8": (lambda d: write_fp8(d, reference=False), "fp8"),
 }
-GGUF = {"gguf-q4_k": ("Q4_K", "int4g32"), "gguf-q8_0": ("Q8_0", "int8g32")}
+GGUF = {"gguf-q4_k": ("Q4_K", "int4g32"), "gguf-q8_0": ("Q8_0", "int8g32")}  # written by gguf_writer
+# quantized by llama.cpp (shapes.gguf kinds): kind -> (repack's --quant for the types it re-quantizes, format)
+LLAMA = {"q8_0": ("none", "int8g32"), "q4_0": ("int8", "int4g32+int8"), "q4_k_m": ("int8", "int4g32+int8")}
 OWN = {"turbo-int4": "int4", "turbo-int8": "int8", "turbo-bf16": "none"}  # (bf16: the shape's own dtype; tiny's is fp32)
+WRITER = ROOT / "turbo" / "testing" / "gguf_writer.py"
 
 
-def stale(install: Path) -> bool:
-    """Missing, or built before the repack code last changed (the converted layouts move with it)."""
-    built = install / "model.safetensors"
-    return not built.is_file() or built.stat().st_mtime < max(f.stat().st_mtime for f in (ROOT / "turbo").glob("repack*.py"))
+def newer(path: Path, *than: Path) -> bool:
+    """`path` is missing or older than any of `than`."""
+    return not path.is_file() or path.stat().st_mtime < max(f.stat().st_mtime for f in than)
 
 
-def converted(shape: str, cache: Path) -> dict[str, tuple[Path, str]]:
-    """{name: (install, its format)} for every source, each written and repacked once (a GGUF's
-    file: `gguf_file`)."""
+def stale(install: Path, *sources: Path) -> bool:
+    """Missing, or built before the repack code, the exact formats' packing (its open layout) or
+    its source file last changed (the converted layouts move with them)."""
+    return newer(install / "model.safetensors", *(ROOT / "turbo").glob("repack*.py"),
+                 ROOT / "turbo" / "backends" / "native_exact.py", *sources)
+
+
+def converted(shape: str, cache: Path) -> tuple[dict[str, tuple[Path, str]], dict[str, Path]]:
+    """({name: (install, its format)}, {name: the GGUF it came from}) for every source, each
+    written and repacked once."""
     hf, base = shapes.checkpoint(shape, cache), cache / shape
-    out = {}
+    out, ggufs = {}, {}
     for name, (write, fmt) in SOURCES.items():
         src, install = base / f"src-{name}", base / f"install-{name}"
         if stale(install):
@@ -67,32 +83,53 @@ def converted(shape: str, cache: Path) -> dict[str, tuple[Path, str]]:
             repack(src, install, quiet=True)
         out[name] = (install, fmt)
     for name, (qtype, fmt) in GGUF.items():
-        path, install = gguf_file(shape, cache, qtype), base / f"install-{name}"
-        if stale(install):
-            shutil.rmtree(install, ignore_errors=True)
-            if not path.is_file():
-                write_gguf(hf, path, qtype, mtp="none")
-            repack(path, install, quiet=True)
+        path, install = base / f"model-{qtype}-writer.gguf", base / f"install-{name}"
+        if newer(path, WRITER):
+            write_gguf(hf, path, qtype, mtp="none")
+        ggufs[name] = path
         out[name] = (install, fmt)
+    for kind, (quant, fmt) in LLAMA.items():
+        path = shapes.gguf(shape, kind, cache)
+        if path is None:
+            print(f"llama-{kind} left out: no bf16 GGUF of {shape} (set ${shapes.CONVERTER_ENV})", file=sys.stderr)
+            continue
+        ggufs[f"llama-{kind}"] = path
+        out[f"llama-{kind}"] = (base / f"install-llama-{kind}", fmt)
+    for name, path in ggufs.items():
+        install = out[name][0]
+        if stale(install, path):
+            shutil.rmtree(install, ignore_errors=True)
+            repack(path, install, quiet=True, quant=LLAMA.get(name[6:], ("none",))[0])
     for name, quant in OWN.items():
         out[name] = (shapes.build(shape, cache, quant=quant), {"none": "as stored"}.get(quant, quant))
-    return out
+    return out, ggufs
 
 
-def gguf_file(shape: str, cache: Path, qtype: str) -> Path:
-    return cache / shape / f"model-{qtype}.gguf"
+LLAMA_TRY = ("import sys; from llama_cpp import Llama; import llama_cpp.llama as lib; sys.path.insert(0, {here!r}); "
+             "import benchlib; d = lib.llama_cpp.llama_model_default_params; "
+             "plain = sys.argv[2] == '1'; lib.llama_cpp.llama_model_default_params = "
+             "(lambda: benchlib._plain(d())) if plain else d; "
+             "m = Llama(model_path=sys.argv[1], n_ctx=16, verbose=False); m.eval([5, 17])")
 
 
-def llama_cpp_opens(path: Path) -> bool:
-    """Whether llama.cpp (llama_cpp, optional: pip install llama-cpp-python) opens the GGUF, tried in
-    a process of its own; if not, one line on stderr says why (a failing worker would end the run)."""
-    done = subprocess.run([sys.executable, "-c", "import sys; from llama_cpp import Llama; "
-                           "Llama(model_path=sys.argv[1], n_ctx=16, verbose=False)", str(path)],
-                          capture_output=True, text=True)
-    if done.returncode:
-        print(f"llama.cpp left out on {path.name}: {(done.stderr.strip().splitlines() or ['failed'])[-1]}",
-              file=sys.stderr)
-    return done.returncode == 0
+def llama_cpp_env(path: Path) -> dict | None:
+    """The environment llama.cpp (llama_cpp, optional: pip install llama-cpp-python) runs the GGUF
+    in, tried (opened, two tokens evaluated) in a process of its own, as it is, else with its weight
+    repacking off (one line says so); None, with one line saying why, where neither runs (a
+    failing worker would end the run)."""
+    code = LLAMA_TRY.format(here=str(Path(__file__).resolve().parent))
+    why = "failed"
+    for plain in (False, True):
+        done = subprocess.run([sys.executable, "-c", code, str(path), "1" if plain else "0"], capture_output=True,
+                              text=True)
+        if done.returncode == 0:
+            if plain:
+                print(f"llama.cpp on {path.name}: its weight repacking crashes here (exit {why}), "
+                      f"run without it ({benchlib.LLAMA_PLAIN}=1)", file=sys.stderr)
+            return {benchlib.LLAMA_PLAIN: "1"} if plain else {}
+        why = (done.stderr.strip().splitlines() or [str(done.returncode)])[-1]
+    print(f"llama.cpp left out on {path.name}: {why}", file=sys.stderr)
+    return None
 
 
 def main() -> None:
@@ -104,36 +141,35 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
     args = ap.parse_args()
-    installs = converted(args.shape, args.cache)
+    installs, ggufs = converted(args.shape, args.cache)
     specs = {name: benchlib.Spec("turbo", str(path), args.threads, [32], args.tokens, env={"PYTHONPATH": str(ROOT)})
              for name, (path, _) in installs.items()}
-    llama = {} if args.no_llama else {
-        f"llama.cpp-{name[5:]}": (name, path) for name, (qtype, _) in GGUF.items()
-        if llama_cpp_opens(path := gguf_file(args.shape, args.cache, qtype))}
-    specs |= {who: benchlib.Spec("llama.cpp", str(path), args.threads, [32], args.tokens)
-              for who, (_, path) in llama.items()}
+    llama = {} if args.no_llama else {f"llama.cpp-{name.split('-', 1)[1]}": (name, path, env)
+                                      for name, path in ggufs.items() if (env := llama_cpp_env(path)) is not None}
+    specs |= {who: benchlib.Spec("llama.cpp", str(path), args.threads, [32], args.tokens, env=env)
+              for who, (_, path, env) in llama.items()}
     records = benchlib.run(specs, args.reps, timeout=900)
     print(f"{args.shape}, {args.threads} threads, {args.tokens} tokens after 32, {args.reps} reps (interleaved)")
-    print(f"{'install':12s} {'format':9s} {'step':7s} {'GB':>6s}  decode tok/s: median [min, max]")
+    print(f"{'install':16s} {'format':12s} {'step':7s} {'GB':>6s}  decode tok/s: median [min, max]")
     for name, (path, fmt) in installs.items():
         mine = [r for r in records if r["system"] == name]
         if not mine:
-            print(f"{name:12s} {fmt:9s} (no run finished)")
+            print(f"{name:16s} {fmt:12s} (no run finished)")
             continue
         v = [r["32"]["decode_tps"] for r in mine]
         size = sum(f.stat().st_size for f in path.glob("*.safetensors")) / 1e9
-        print(f"{name:12s} {fmt:9s} {mine[0]['step']:7s} {size:6.2f}  {statistics.median(v):.1f} "
+        print(f"{name:16s} {fmt:12s} {mine[0]['step']:7s} {size:6.2f}  {statistics.median(v):.1f} "
               f"[{min(v):.1f}, {max(v):.1f}]")
-    for who, (name, path) in llama.items():
+    for who, (name, path, env) in llama.items():
         mine, theirs = ([r for r in records if r["system"] == s] for s in (who, name))
         if not mine:
-            print(f"{who:12s} (no run finished)")
+            print(f"{who:16s} (no run finished)")
             continue
         v = [r["32"]["decode_tps"] for r in mine]
         split = benchlib.first_divergence(mine[0]["32"]["tokens"], theirs[0]["32"]["tokens"]) if theirs else None
         same = "tokens: the same" if split is None else f"tokens differ from {name}'s at {split}"
-        print(f"{who:12s} {'gguf':9s} {'':7s} {path.stat().st_size / 1e9:6.2f}  {statistics.median(v):.1f} "
-              f"[{min(v):.1f}, {max(v):.1f}]  ({same})")
+        print(f"{who:16s} {'gguf':12s} {'plain' if env else '':7s} {path.stat().st_size / 1e9:6.2f}  "
+              f"{statistics.median(v):.1f} [{min(v):.1f}, {max(v):.1f}]  ({same})")
 
 
 if __name__ == "__main__":

@@ -12,7 +12,8 @@ product of R rows is from each limit. Medians of --reps interleaved runs (min..m
 product, with the bytes/s and multiply-adds/s they mean. Default shape: the 0.8B MLP's
 gate_up (7168 x 1024). Formats: turbo's own (bf16 panel pairs, wtype 6; int4 / int8 in groups
 of 64, wtypes 4 / 5), fp32 panels, and the converted installs' exact ones read as stored
-(native_exact.py: int4g32 / int4g128 / int8g32, wtype 8; fp8, wtype 9). A benchmark, not a
+(native_exact.py: int4g32 / int4g128 / int8g32, wtype 8; q8_0: int8g32 of Q8_0's scales, read
+centered; fp8, wtype 9). A benchmark, not a
 test: time it under the machine's bench lock.
 """
 
@@ -30,7 +31,17 @@ from turbo.backends import native_exact, native_lib, native_pack
 BITS = {"int4": 4, "int8": 8}
 CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)
 EXACT = {"int4g32": quant.EXACT_INT4[32], "int4g128": quant.EXACT_INT4[128], "int8g32": quant.GGUF_FORMATS["int8g32"]}
-FORMATS = ("bf16", "fp32", *BITS, *EXACT, "fp8")
+FORMATS = ("bf16", "fp32", *BITS, *EXACT, "q8_0", "fp8")
+
+
+def q8_0(w: torch.Tensor) -> quant.QuantizedWeight:
+    """int8g32 as a GGUF's Q8_0 converts to it (f16 scale d = amax / 127, bias -128 d): packed
+    centered (native_exact.centered), where int8g32 from turbo's quantizer is not."""
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    d = (g.abs().amax(-1) / 127).half().float()
+    q = (torch.round(g / torch.where(d == 0, 1, d)[..., None]).clamp(-128, 127) + 128).to(torch.uint8)
+    return quant.QuantizedWeight(quant.pack(q.reshape(n, k), 8), d, -128 * d, 8, 32)
 
 
 def fp8(n: int, k: int) -> quant.QuantizedWeight:
@@ -51,6 +62,8 @@ def packed(fmt: str, n: int, k: int) -> native_pack.Packed:
     if fmt in ("bf16", "fp32"):
         dtype, layout = (torch.bfloat16, "panel_pairs") if fmt == "bf16" else (torch.float32, "panels")
         return native_pack.pack_rows(lambda r0, r1: w[r0:r1], n, dtype, layout)
+    if fmt == "q8_0":
+        return native_exact.exact_panels(q8_0(w))
     f = EXACT.get(fmt) or quant.format_for(code=CODE[fmt])
     q = quant.QuantizedWeight(*quant.quantize(w, f), bits=f.bits, group=f.group)
     return native_exact.exact_panels(q) if fmt in EXACT else native_pack.quantized_panels(q)

@@ -116,12 +116,25 @@ class Transformers:
         del self.past
 
 
+# environment: llama.cpp without its extra buffer types (use_extra_bufts off), where they crash
+# (llama-cpp-python 0.3.36 on an AMX host: the first decode of a quantized GGUF segfaults)
+LLAMA_PLAIN = "TURBO_LLAMA_PLAIN"
+
+
+def _plain(params):
+    params.use_extra_bufts = False
+    return params
+
+
 class LlamaCpp:
     def __init__(self, gguf: str, threads: int, n_ctx: int):
-        from llama_cpp import Llama  # optional benchmark dependency (pip install llama-cpp-python)
+        import llama_cpp.llama as lib  # optional benchmark dependency (pip install llama-cpp-python)
 
-        self.llm = Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                         n_threads_batch=threads, verbose=False)
+        if os.environ.get(LLAMA_PLAIN):  # weight repacking (CPU repack / AMX buffers) off, see LLAMA_PLAIN
+            default = lib.llama_cpp.llama_model_default_params
+            lib.llama_cpp.llama_model_default_params = lambda: _plain(default())
+        self.llm = lib.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
+                             n_threads_batch=threads, verbose=False)
 
     def _logits(self):
         import numpy as np  # (llama_cpp's own dependency)

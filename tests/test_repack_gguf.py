@@ -1,6 +1,6 @@
 """GGUF -> install: random Qwen3.5 checkpoints written as llama.cpp GGUFs (gguf's GGUFWriter,
 turbo.testing.gguf_writer), repacked; weights against gguf's dequantization, greedy tokens against
-transformers on the dequantized model, lossless speculation, one-line refusals."""
+transformers and llama.cpp on the dequantized model, lossless speculation, one-line refusals."""
 
 import json
 
@@ -270,3 +270,101 @@ def test_a_tied_head_reads_the_ggufs_own_codes(tmp_path):
     nat = assert_native_agrees(inst, prompt, "exact")
     assert nat.lm_head.layout == "segments" and [p.layout for p in nat.lm_head.parts] == ["exact"]
     assert_rows_are_steps(nat, prompt, list(range(40, 52)))
+
+
+def _llama(path, monkeypatch):
+    """llama.cpp (llama_cpp) on the GGUF, every position's logits kept. Its weight repacking (the
+    extra buffer types: CPU repack / AMX) is off: in llama-cpp-python 0.3.36 on an AMX host it
+    crashes the first decode of a quantized GGUF; the plain path is the same arithmetic."""
+    import llama_cpp
+    import llama_cpp.llama as lib
+
+    plain = lib.llama_cpp.llama_model_default_params
+
+    def params():
+        p = plain()
+        p.use_extra_bufts = False
+        return p
+
+    monkeypatch.setattr(lib.llama_cpp, "llama_model_default_params", params)
+    return llama_cpp.Llama(model_path=str(path), n_ctx=64, logits_all=True, verbose=False, n_threads=1, seed=0)
+
+
+def _turbo_logits(inst, prompt, tokens):
+    """turbo's logits after the prompt and after each of `tokens` (decode steps), fp32."""
+    trunk = turbo.open(inst, backend="cpu").trunk
+    st = trunk.new_state(len(prompt) + len(tokens) + 1)
+    rows = [trunk.prefill(st, prompt).logits[-1]] + [trunk.step(st, [t], (), None).logits[-1] for t in tokens]
+    return torch.stack(rows).float().numpy()
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K"])
+def test_llama_cpp_runs_our_ggufs_as_turbo_does(dense, tmp_path, monkeypatch, qtype):
+    """llama.cpp opens the writer's GGUF (the token list padded to the vocab, a pre-tokenizer it
+    knows). On the GGUF's dequantized weights (the install's, written back as an F32 GGUF) its 24
+    greedy tokens are turbo's and its logits agree within 2e-3 of the largest (llama.cpp's own
+    float ops). On the quantized GGUF itself llama.cpp rounds the activations to 8 bits in every
+    quantized product (Q8_0 / Q8_K dot products) where turbo multiplies the fp32 activations, so
+    only closeness holds there (this random model amplifies rounding: a BF16 GGUF, activations
+    rounded to bf16, is 4% off): the logits after the prompt within 30% of their largest and the
+    top-1 of most steps, teacher-forced on turbo's tokens."""
+    pytest.importorskip("llama_cpp")
+    tmp, _ = dense
+    path = gguf_of(tmp, qtype, mtp="none")
+    inst = tmp / f"inst-native-{qtype}"
+    if not inst.exists():
+        repack(path, inst, quiet=True)
+    prompt, n = [5, 17, 99, 3, 250, 41, 8, 5, 17, 99], 24
+    mine = turbo.open(inst, backend="cpu").generate(prompt, max_new_tokens=n, policy="off", stop_at_eos=False).tokens
+    ours = _turbo_logits(inst, prompt, mine[:-1])
+
+    dequantized = write_gguf(tmp / "hf", tmp_path / "dequantized.gguf", "F32", mtp="none",
+                             tensors={k: v for k, v in hf_of(inst).items() if not k.startswith("mtp.")})
+    llm = _llama(dequantized, monkeypatch)
+    llm.eval(prompt)
+    theirs = []
+    for _ in range(n):  # llama.cpp's own greedy decode, a token at a time
+        theirs.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
+        llm.eval([theirs[-1]])
+    assert theirs == mine
+    both = np.array(llm.scores[len(prompt) - 1:len(prompt) + n - 1])
+    assert np.abs(both - ours).max() <= 2e-3 * np.abs(ours).max()  # measured: 3e-4 (Q8_0), 5e-4 (Q4_K)
+
+    llm = _llama(path, monkeypatch)
+    llm.eval(prompt + mine[:-1])
+    quantized = np.array(llm.scores[len(prompt) - 1:len(prompt) + n - 1])
+    assert np.abs(quantized[0] - ours[0]).max() <= 0.3 * np.abs(ours[0]).max()  # measured: 12%, 14%
+    assert (quantized.argmax(-1) == np.array(mine)).mean() >= 0.7  # measured: 23 / 24, 20 / 24
+
+
+@pytest.mark.parametrize("n,k", [(37, 128), (300, 512)])
+def test_q8_0_products_form_each_weight_with_one_multiply(n, k):
+    """A Q8_0 matrix (f16 scale d, bias -128 d) is packed centered (native_exact.centered: levels
+    q - 128, each weight c * d, one exact multiply): the products' matrix is gguf's dequantization
+    bit for bit (a zero block's included), within fp32 rounding of the dense product, and a verify
+    row is the decode step bit for bit; a matrix of other scales keeps the two-rounding form."""
+    from test_native_formats import fp32_bound, needs_exact
+    from test_trunk_products import ROWS
+
+    from turbo import quant
+    from turbo.backends import native_exact, native_pack
+    from turbo.repack_gguf_tensors import _affine
+
+    needs_exact()
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k ** 0.5
+    w[3, 32:64] = 0  # a block of d = 0
+    raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    a = _affine(raw, "Q8_0", n, k)
+    qw = quant.QuantizedWeight(quant.pack(a.levels, 8), a.scales, a.biases, 8, 32)
+    p = native_pack.pack_as(qw, torch.float32, "panels")
+    ref = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType.Q8_0).copy()).reshape(n, k)
+    assert native_exact.centered(qw) and p.data[8:12].view(torch.int32).item() == 1
+    assert torch.equal(p.dense().view(torch.int32), (ref + 0.0).view(torch.int32))
+    x = torch.randn(12, k, generator=torch.Generator().manual_seed(1))
+    y = native_pack.linear_packed(x, p)
+    assert ((y.double() - x.double() @ ref.double().T).abs() <= fp32_bound(x, ref)).all()
+    for rows in ROWS:
+        assert torch.equal(native_pack.linear_packed(x[rows - 1:rows], p), y[rows - 1:rows]), rows
+    off = quant.QuantizedWeight(qw.packed, qw.scales * 1.001, qw.biases, 8, 32)
+    assert not native_exact.centered(off) and native_pack.pack_as(off, torch.float32, "panels").data[8:12].view(
+        torch.int32).item() == 0

@@ -18,8 +18,9 @@ QWEN35_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\
                 r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 # tokenizer.ggml.pre -> the split before the byte-level mapping (None: GPT-2's own regex) and
 # whether text is NFC-normalised first (Qwen's tokenizers are)
-PRE = {"qwen35": (QWEN35_SPLIT, True), "qwen2": (QWEN2_SPLIT, True), "gpt2": (None, False)}
-CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types
+# ("gpt-2" is llama.cpp's name for GPT-2's split, "gpt2" an older spelling of turbo's test writer)
+PRE = {"qwen35": (QWEN35_SPLIT, True), "qwen2": (QWEN2_SPLIT, True), "gpt-2": (None, False), "gpt2": (None, False)}
+CONTROL, USER_DEFINED, UNUSED = 3, 4, 5  # llama.cpp's token types
 
 
 def build_tokenizer(src) -> Tokenizer:
@@ -36,7 +37,8 @@ def build_tokenizer(src) -> Tokenizer:
     added = {i for i, t in enumerate(types) if t in (CONTROL, USER_DEFINED)}
     vocab: dict[str, int] = {}
     for i, t in enumerate(tokens):  # every id in the model's vocabulary: added tokens then keep theirs
-        vocab.setdefault(t, i)
+        if types[i] != UNUSED:  # the converter's [PAD{i}] rows: ids the tokenizer never had
+            vocab.setdefault(t, i)
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
     split, nfc = PRE[pre]
     if nfc:

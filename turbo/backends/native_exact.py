@@ -56,18 +56,33 @@ def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, t[-1:].expand(rows - t.shape[0], *t.shape[1:])]) if rows > t.shape[0] else t
 
 
-def _affine_bytes(w: quant.QuantizedWeight) -> torch.Tensor:
+def centered(w: quant.QuantizedWeight) -> bool:
+    """Whether every int8 weight q * scale + bias (two roundings) is exactly c * scale, c = q - 128
+    (one): each bias is -128 * scale and each scale a normal float (or +0) of at most 16
+    significant bits, so that q * scale (8 + 16 bits), -128 * scale and their sum are exact in
+    fp32. GGUF's Q8_0 (an f16 scale d, bias -128 d) always is; the products then form each weight
+    with one multiply (native_products.c, fpacked)."""
+    s, b = w.scales.float(), w.biases.float()
+    bits = s.view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    return bool(w.bits == 8 and torch.equal(b, -128 * s) and ((bits & 0xFF) == 0).all()
+                and (((exponent >= 1) & (exponent <= 240)) | (bits == 0)).all())
+
+
+def _affine_bytes(w: quant.QuantizedWeight, centre: bool = False) -> torch.Tensor:
     """int8: [panels, groups, group bytes], per panel and group the 16 scales, the 16 biases (fp32),
-    the levels (16 bytes an input). int4: _int4_bytes."""
+    the levels (16 bytes an input); `centre`: no biases, the levels as int8 q - 128. int4: _int4_bytes."""
     n, k = w.shape
     rows, groups = -(-n // PANEL) * PANEL, k // w.group
     q = torch.nn.functional.pad(quant.unpack(w.packed, w.bits), (0, 0, 0, rows - n))
     if w.bits == 4:
         return _int4_bytes(q, *(_padded(t.float(), rows) for t in (w.scales, w.biases)), w.group)
+    if centre:
+        q = q ^ 0x80  # (q - 128 as a byte)
     q = q.reshape(-1, PANEL, groups, w.group).permute(0, 2, 3, 1)  # [panel, g, input, output]
     sb = [_padded(t.float(), rows).reshape(-1, PANEL, groups).transpose(1, 2).contiguous().view(torch.uint8)
           for t in (w.scales, w.biases)]
-    return torch.cat([*sb, q.reshape(*q.shape[:2], -1)], dim=2)
+    return torch.cat([*sb[:1 if centre else 2], q.reshape(*q.shape[:2], -1)], dim=2)
 
 
 def _superblocks(k: int, group: int) -> list[tuple[int, int, int]]:
@@ -142,8 +157,9 @@ def exact_panels(w: quant.QuantizedWeight, name: str = "matrix", rows: int = 163
     slices = [quant.QuantizedWeight(w.packed[r0:r0 + rows], w.scales[r0:r0 + rows], w.biases[r0:r0 + rows], w.bits,
                                     w.group, float8=w.float8) for r0 in range(0, n, rows)]
     if not w.float8:
-        body = [_affine_bytes(part).reshape(-1) for part in slices]
-        return Packed(torch.cat([_header(w.bits, w.group), *body]), n, k, "exact")
+        centre = centered(w)
+        body = [_affine_bytes(part, centre).reshape(-1) for part in slices]
+        return Packed(torch.cat([_header(w.bits, w.group, int(centre)), *body]), n, k, "exact")
     pb = _fp8_block(w, name)
     tables, codes = zip(*(_fp8_bytes(part, pb) for part in slices))
     tables = [t.reshape(-1) for t in tables]
@@ -193,7 +209,12 @@ def exact_dense(p) -> torch.Tensor:
         bits16 = torch.gather(t[:, None].expand(-1, PANEL, -1, -1), 3, c & 0x7F) | (c & 0x80) << 8
         w = (bits16.to(torch.int32) << 16).view(torch.float32)
     else:
-        s, b = (body[:, :, at:at + 64].contiguous().view(torch.float32) for at in (0, 64))  # [panel, g, out]
-        q = body[:, :, 128:].reshape(panels, groups, group, PANEL).float()
-        w = (q * s[:, :, None] + b[:, :, None]).permute(0, 3, 1, 2)
+        s = body[:, :, :64].contiguous().view(torch.float32)  # [panel, g, out]
+        if int(h[2]) == 1:  # centered: c * scale (+ 0.0: a zero scale's -0.0 reads +0.0, as q * 0 + -0.0)
+            q = body[:, :, 64:].reshape(panels, groups, group, PANEL)
+            w = (q.view(torch.int8).float() * s[:, :, None] + 0.0).permute(0, 3, 1, 2)
+        else:
+            b = body[:, :, 64:128].contiguous().view(torch.float32)
+            q = body[:, :, 128:].reshape(panels, groups, group, PANEL).float()
+            w = (q * s[:, :, None] + b[:, :, None]).permute(0, 3, 1, 2)
     return w.reshape(panels * PANEL, -1)[:p.n].contiguous()

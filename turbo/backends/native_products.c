@@ -354,7 +354,8 @@ static uint8_t *group_quads(const float *x, int R, int k) {
  * bf16 panels' products bit for bit). P starts with a 64-byte header (int32: wtype 8 bits,
  * group; wtype 9 group, panels per scale block pb, the codes' byte offset past the header), then
  *   wtype 8 int8, per panel of 16 outputs and per group g: the 16 scales, the 16 biases (fp32),
- *     then the levels, one byte an output per input; int4: see int4_lanes below (its sums run in
+ *     then the levels, one byte an output per input (centered, header field 2 = 1: no biases,
+ *     the levels signed c = q - 128, each weight c * scale); int4: see int4_lanes below (its sums run in
  *     16 lanes of inputs, then one fixed tree);
  *   wtype 9: per block of pb panels and group g its table, bf16(e4m3(c) * scale) for the 128
  *     codes c >= 0 as high bytes then low bytes (128 each; a negative code: the same with the
@@ -376,8 +377,8 @@ static uint8_t *group_quads(const float *x, int R, int k) {
 #endif
 
 #if EXACT_READS
-static inline size_t fgroup_bytes(int kind, int group) {
-    return kind == 9 ? (size_t)group * 16 : 128 + (size_t)group * 16;
+static inline size_t fgroup_bytes(int kind, int group) { /* (kind 10: int8 centered, no biases) */
+    return (kind == 9 ? 0 : kind == 10 ? 64 : 128) + (size_t)group * 16;
 }
 
 static inline __m512 affine_w(__m512i q, __m512 s, __m512 b) {
@@ -424,16 +425,20 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
                         for (int b = 0; b < NR; b++) acc[a][b] += w[t] * xg[(size_t)b * k + j + t];
                 }
 #endif
-        } else {
+        } else { /* int8; kind 10 centered: w = c * scale (see fpacked) */
+            const int rn = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
             __m512 s[4], bias[4];
             for (int a = 0; a < NP; a++)
-                s[a] = _mm512_loadu_ps((const float *)W[a]), bias[a] = _mm512_loadu_ps((const float *)W[a] + 16);
+                s[a] = _mm512_loadu_ps((const float *)W[a]),
+                bias[a] = kind == 10 ? s[a] : _mm512_loadu_ps((const float *)W[a] + 16);
             for (int j = 0; j < group; j++) {
                 v16 w0[4];
                 for (int a = 0; a < NP; a++) {
-                    const uint8_t *at = W[a] + 128 + (size_t)16 * j;
+                    const uint8_t *at = W[a] + (kind == 10 ? 64 : 128) + (size_t)16 * j;
                     __builtin_prefetch(at + 1024);
-                    w0[a] = (v16)affine_w(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)at)), s[a], bias[a]);
+                    __m128i c = _mm_loadu_si128((const __m128i *)at);
+                    w0[a] = kind == 10 ? (v16)_mm512_mul_round_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), s[a], rn)
+                                       : (v16)affine_w(_mm512_cvtepu8_epi32(c), s[a], bias[a]);
                 }
                 for (int b = 0; b < NR; b++) {
                     float xb = xg[(size_t)b * k + j];
@@ -470,6 +475,7 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
 #define FPANELS_FOR(KIND) FPANELS_AS(KIND, 4, 6) FPANELS_AS(KIND, 2, 6) FPANELS_AS(KIND, 1, 12) \
     FTILE_AS(KIND, 1) FTILE_AS(KIND, 2)
 FPANELS_FOR(8)
+FPANELS_FOR(10)
 #if FP8_READS
 FPANELS_FOR(9)
 #endif
@@ -490,6 +496,7 @@ FPANELS_FOR(9)
         fpanels_##KIND##_1(x, R, k, P, T, pb, group, n, y, p, p1);                                           \
     }
 FPACKED_AS(8)
+FPACKED_AS(10)
 #if FP8_READS
 FPACKED_AS(9)
 #endif
@@ -605,6 +612,10 @@ static void fpacked(const float *x, int R, int k, const void *P, int wtype, int 
 #endif
     if (h[0] == 4)
         int4_lanes(x, R, k, D, h[1], n, y, p0, p1);
+    else if (h[2] == 1) /* int8 centered (header field 2): the levels stored as c = q - 128, each
+                         * weight c * scale, one rounding that is exact, as q * scale and its sum
+                         * with bias = -128 scale are (native_exact.centered) */
+        fpacked_10(x, R, k, D, NULL, 1, h[1], n, y, p0, p1);
     else
         fpacked_8(x, R, k, D, NULL, 1, h[1], n, y, p0, p1);
 }

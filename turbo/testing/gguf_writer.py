@@ -16,6 +16,7 @@ import torch
 NEXTN = {"fc": "nextn.eh_proj", "pre_fc_norm_embedding": "nextn.enorm", "pre_fc_norm_hidden": "nextn.hnorm",
          "norm": "nextn.shared_head_norm"}
 KEEP_F32 = ("ssm_conv1d", "ffn_gate_inp")  # llama.cpp keeps these (and every 1-D tensor) in F32
+UNUSED = 5  # gguf.TokenType.UNUSED: the converter's padding tokens
 
 
 def _reorder(t: torch.Tensor, dim: int, k_heads: int, per_k: int, unit: int) -> torch.Tensor:
@@ -106,19 +107,23 @@ def quantized(t: torch.Tensor, qtype: str):
     return gguf.quants.quantize(a, kind), kind
 
 
-def _tokenizer(writer, directory: Path) -> None:
+def _tokenizer(writer, directory: Path, vocab_size: int) -> None:
+    """The tokenizer as llama.cpp's converter writes it (base.py: get_vocab_base): one token per row
+    of the embedding, ids the tokenizer lacks as `[PAD{i}]` of type UNUSED (llama.cpp refuses a
+    token list shorter than token_embd), added tokens CONTROL / USER_DEFINED."""
     spec = json.loads((directory / "tokenizer.json").read_text())
     vocab = spec["model"]["vocab"]
     added = {a["id"]: a for a in spec.get("added_tokens", [])}
-    size = max([*vocab.values(), *added]) + 1
-    tokens, types = [""] * size, [1] * size
+    size = max(vocab_size, max([*vocab.values(), *added]) + 1)
+    tokens, types = [f"[PAD{i}]" for i in range(size)], [UNUSED] * size
     for tok, i in vocab.items():
-        tokens[i] = tok
+        tokens[i], types[i] = tok, 1
     for i, a in added.items():
         tokens[i], types[i] = a["content"], 3 if a["special"] else 4
     merges = [m if isinstance(m, str) else " ".join(m) for m in spec["model"]["merges"]]
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt2")  # its ByteLevel pre-tokenizer splits with GPT-2's regex
+    # llama.cpp's name for GPT-2's split (its ByteLevel pre-tokenizer's regex); "gpt2" it does not know
+    writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
     writer.add_token_types(types)
     writer.add_token_merges(merges)
@@ -167,7 +172,7 @@ def write_gguf(src: Path, path: Path, qtype: str = "F32", mtp: str = "inline", c
     w.add_full_attention_interval(4)
     if n_mtp:
         w.add_nextn_predict_layers(n_mtp)
-    _tokenizer(w, src)
+    _tokenizer(w, src, cfg["vocab_size"])
     if chat_template is not None:
         w.add_chat_template(chat_template)
     names = gguf.get_tensor_name_map(arch, n + n_mtp)

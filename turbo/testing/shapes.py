@@ -115,28 +115,35 @@ def checkpoint(name: str, cache: Path = DEFAULT_CACHE) -> Path:
     return cache / name / "hf"
 
 
+# gguf()'s kinds quantized from the bf16 GGUF by llama.cpp itself (llama_model_quantize's ftype names)
+LLAMA_QUANT = {"q8_0": "LLAMA_FTYPE_MOSTLY_Q8_0", "q4_0": "LLAMA_FTYPE_MOSTLY_Q4_0",
+               "q4_k_m": "LLAMA_FTYPE_MOSTLY_Q4_K_M"}
+
+
 def gguf(name: str, kind: str = "bf16", cache: Path = DEFAULT_CACHE) -> Path | None:
     """Shape `name` as a GGUF for llama.cpp, made once: "bf16" converted with the converter
-    llama-cpp-python vendors ($LLAMA_CONVERT_DIR; None without it), "q4_0" quantized from the
-    bf16 one by llama.cpp's own llama_model_quantize. The shapes' tokenizer is a small BPE the
-    converter does not know by hash: the benchmarks' prompts are ids, so its pre-tokenizer is
-    named as Qwen's."""
+    llama-cpp-python vendors ($LLAMA_CONVERT_DIR; None without it), the `LLAMA_QUANT` kinds
+    (q8_0, q4_0, q4_k_m) quantized from the bf16 one by llama.cpp's own llama_model_quantize.
+    The shapes' tokenizer is a small BPE the converter does not know by hash: the benchmarks'
+    prompts are ids, so its pre-tokenizer is named as Qwen's."""
     out = cache / name / f"model-{kind}.gguf"
     if out.is_file():
         return out
-    if kind == "q4_0":
+    if kind in LLAMA_QUANT:
         import llama_cpp  # optional benchmark dependency (pip install llama-cpp-python)
 
         bf16 = gguf(name, "bf16", cache)
         if bf16 is None:
             return None
         params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0
+        params.ftype = getattr(llama_cpp, LLAMA_QUANT[kind])
         tmp = out.with_suffix(".tmp")
         if llama_cpp.llama_model_quantize(str(bf16).encode(), str(tmp).encode(), params) != 0:
             raise SystemExit("llama_model_quantize failed")
         tmp.rename(out)
         return out
+    if kind != "bf16":
+        raise SystemExit(f"GGUF kind {kind!r}: expected bf16 or one of {', '.join(LLAMA_QUANT)}")
     conv = os.environ.get(CONVERTER_ENV)
     if not conv:
         return None

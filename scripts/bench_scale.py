@@ -6,7 +6,8 @@ checkpoint's dtype) and, where `llama_cpp` imports, llama.cpp (bf16 GGUF), inter
     flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --prompts 4096 --reps 1 --out runs.jsonl
     flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --kv-cache float32 bfloat16 \
         --only "turbo kv=float32" "turbo kv=bfloat16" --reps 1
-    python scripts/bench_scale.py qwen3.5-35b-a3b-2l --quant int4 --only turbo --prompts 32   # load, RSS, decode
+    python scripts/bench_scale.py qwen3.5-35b-a3b-2l --quant int4 --only "turbo int4" --prompts 32   # load, RSS, decode
+    python scripts/bench_scale.py qwen3.5-0.8b --quant none int8 int4 --gguf bf16 q8_0 q4_0 --prompts 512 4096
     python scripts/bench_scale.py qwen3.5-0.8b --context --prompts 512 4096 --new 40   # decode vs context
 
 Systems mode (the default): every repetition runs each system in a fresh process, one after
@@ -52,34 +53,41 @@ KV_TAG = " kv="  # a turbo system's name carries its kv_cache after this ("turbo
 
 
 def systems(args) -> dict[str, benchlib.Spec]:
-    """Every system this machine can run, by name: turbo once per kv_cache asked."""
-    install = str(shapes.build(args.shape, quant=args.quant))
-    tag = "".join(f" {v}" for v in (args.quant if args.quant != "none" else None, args.dtype) if v)
+    """Every system this machine can run, by name: turbo once per --quant install and kv_cache
+    asked, llama.cpp once per --gguf kind (a quantized kind with its weight repacking off:
+    benchlib.LLAMA_PLAIN)."""
     spec = lambda system, path, **kw: benchlib.Spec(system, str(path), args.threads, args.prompts,  # noqa: E731
                                                     args.new, **({"env": {"PYTHONPATH": str(ROOT)}} | kw))
-    out = {f"turbo{tag}{KV_TAG}{kv}": spec("turbo", install, kv_cache=kv, dtype=args.dtype) for kv in args.kv_cache}
-    out = out or {f"turbo{tag}": spec("turbo", install, dtype=args.dtype)}
-    if args.baseline is not None:
-        out[f"turbo@{args.baseline.name}"] = spec("turbo", install, dtype=args.dtype,
-                                                  env={"PYTHONPATH": str(args.baseline)})
+    out = {}
+    for quant in args.quant:
+        install = str(shapes.build(args.shape, quant=quant))
+        tag = "".join(f" {v}" for v in (quant if quant != "none" else None, args.dtype) if v)
+        out |= {f"turbo{tag}{KV_TAG}{kv}": spec("turbo", install, kv_cache=kv, dtype=args.dtype) for kv in args.kv_cache}
+        out |= {} if args.kv_cache else {f"turbo{tag}": spec("turbo", install, dtype=args.dtype)}
+        if args.baseline is not None:
+            out[f"turbo{tag}@{args.baseline.name}"] = spec("turbo", install, dtype=args.dtype,
+                                                           env={"PYTHONPATH": str(args.baseline)})
     out["transformers"] = spec("transformers", shapes.checkpoint(args.shape))
     try:
         import llama_cpp  # noqa: F401  (optional: pip install llama-cpp-python)
-
-        gguf = shapes.gguf(args.shape)
-        if gguf is not None:
-            out["llama.cpp"] = spec("llama.cpp", gguf)
-        else:
-            print(f"llama.cpp: no GGUF and no converter (set {shapes.CONVERTER_ENV}; docs/llamacpp.md)",
-                  file=sys.stderr)
     except ImportError:
         print("llama.cpp: llama_cpp does not import (pip install llama-cpp-python)", file=sys.stderr)
+        args.gguf = []
+    for kind in args.gguf:
+        gguf = shapes.gguf(args.shape, kind)
+        if gguf is None:
+            print(f"llama.cpp: no GGUF and no converter (set {shapes.CONVERTER_ENV}; docs/llamacpp.md)",
+                  file=sys.stderr)
+            break
+        plain = {benchlib.LLAMA_PLAIN: "1"} if kind != "bf16" else {}  # (it crashes here with them on)
+        out["llama.cpp" if kind == "bf16" else f"llama.cpp {kind}"] = spec(
+            "llama.cpp", gguf, env={"PYTHONPATH": str(ROOT), **plain})
     return {name: s for name, s in out.items() if not args.only or name in args.only}
 
 
 def decode_vs_context(args) -> None:
     """The --context mode (module docstring)."""
-    install = shapes.build(args.shape, quant=args.quant)
+    install = shapes.build(args.shape, quant=args.quant[0])
     runs = {}  # (kv_cache, context) -> (trunk, state, step times)
     for kv in args.kv_cache or ["float32", "bfloat16"]:
         trunk = turbo.open(install, threads=args.threads, kv_cache=kv).trunk
@@ -185,7 +193,10 @@ def main() -> None:
     ap.add_argument("--kv-cache", nargs="+", default=[], choices=("auto", "float32", "bfloat16"),
                     help="turbo's K/V cache (OpenOptions.kv_cache), each value its own system 'turbo kv=VALUE' "
                          "(--context: default float32 bfloat16)")
-    ap.add_argument("--quant", default="none", help="turbo's install: the repack's --quant (none, int4, int8, ...)")
+    ap.add_argument("--quant", nargs="+", default=["none"],
+                    help="turbo's installs: the repack's --quant (none, int4, int8, ...), one system each")
+    ap.add_argument("--gguf", nargs="+", default=["bf16"],
+                    help="llama.cpp's GGUFs of the shape: bf16, q8_0, q4_0, q4_k_m, one system each")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="turbo's OpenOptions.dtype (default: its own)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a system's worker may take")
     ap.add_argument("--context", action="store_true", help="decode vs context in one process (module docstring)")

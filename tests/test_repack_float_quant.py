@@ -115,3 +115,7 @@ def test_refusals_are_one_line(tmp_path, capsys):
         repack_main([str(src), str(out), "--float-quant", "int2"])
     assert e.value.code == 2 and "invalid choice: 'int2'" in capsys.readouterr().err
     assert not out.exists()
+    pytest.importorskip("gguf")
+    from turbo.testing.gguf_writer import write_gguf
+    path = write_gguf(plain, tmp_path / "f32.gguf", "F32", mtp="none")
+    _refused(capsys, [str(path), str(out), "--float-quant", "int4"], "holds only float tensors (use --quant int4)", out)

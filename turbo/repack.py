@@ -53,8 +53,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     src, out = Path(src), Path(out)
     floats = float_format(float_quant, quant)
     if (gguf_file := find_gguf(src)) is not None:  # a llama.cpp GGUF (turbo/repack_gguf.py)
-        return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter), text_only,
-                           floats)
+        return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter),
+                           text_only, floats)
     if not src.is_dir():
         raise TurboError(f"{src}: no such checkpoint directory")
     if out.exists():
@@ -82,7 +82,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
             raise TurboError(f"{mtp_head}: no such MTP head directory")
         check_links(Path(mtp_head))
         trunk_quant = {k: v for k, v in trunk_quant.items() if not k.startswith(mtp.MTP_PREFIX)}
-        trunk = [p for p in trunk if not p.name.startswith(mtp.MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt or floats, trunk_quant)
+        trunk = [p for p in trunk if not p.name.startswith(mtp.MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt or floats,
+                                                                                       trunk_quant)
     declared = mtp.declared_layers(config)
     if declared and not any(p.name.startswith("mtp.") for p in trunk):  # still an install: the trunk is whole
         print(f"note: {mtp.missing_head(str(src / 'config.json'), declared)}", file=sys.stderr)

@@ -294,6 +294,8 @@ def repack_gguf(path: Path, out: Path, mtp_path: Path | None = None, quant: str 
     if quant not in ("none", *q.FORMATS):
         raise TurboError(f"--quant {quant!r} is not one of none, {', '.join(q.FORMATS)}")
     requant = Requant(q.FORMATS.get(quant), floats)
+    if floats is not None and not set(types) - set(FLOAT_TYPES):
+        raise TurboError(f"--float-quant: {path} holds only float tensors (use --quant {floats.name})")
     other = sorted(k for k in types if k not in EXACT_TYPES and k not in FLOAT_TYPES)
     if other and requant.fmt is None:
         raise TurboError(f"{path}: holds {', '.join(other)} tensors, which turbo's formats do not carry exactly: name "

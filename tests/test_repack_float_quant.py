@@ -10,7 +10,9 @@ import pytest
 import torch
 
 import turbo
-from turbo.install import open_install
+from turbo import quant
+from turbo.errors import TurboError
+from turbo.install import HEAD_COPY_KEY, open_install
 from turbo.load_plan import COPY, SEGMENTS, Host, layer_matrices, plan_trunk
 from turbo.loader import host
 from turbo.options import OpenOptions
@@ -21,7 +23,7 @@ from test_repack_formats import WIDE, assert_lossless_speculation
 
 CPU = torch.device("cpu")
 FULL = Host(None, ("pairs", "int8", "exact", "fp8"))  # a host whose native step reads every format as stored
-INT8 = 5  # turbo's int8 (quant.FORMATS["int8"].code)
+INT8 = quant.FORMATS["int8"].code  # 5
 
 
 def _tied_source(tmp, kind):
@@ -45,19 +47,20 @@ def _stored(idx, name: str) -> bytes:
     return out
 
 
-def assert_float_quant(plain, floats) -> None:
-    """`floats` (--float-quant int8) keeps `plain`'s quantized matrices byte for byte, has its
-    float projections in int8 and its table exact, and plans the tied head as an int8 COPY."""
+def assert_float_quant(plain, floats, fmt: str = "int8") -> None:
+    """`floats` (--float-quant `fmt`) keeps `plain`'s quantized matrices byte for byte, has its
+    float projections in `fmt` and its table exact, and plans the tied head as a `fmt` COPY."""
     a, b = open_install(plain), open_install(floats)
     kept = [n for n, e in a.index.entries.items() if e.bits]
     assert kept and all(b.index.need(n).dtype == a.index.need(n).dtype and _stored(a.index, n) == _stored(b.index, n)
                         for n in kept)
-    changed = [n for n, e in b.index.entries.items() if e.dtype == INT8]
-    assert changed and all(not a.index.need(n).bits for n in changed)  # the float ones, now int8
+    code = quant.FORMATS[fmt].code
+    changed = [n for n, e in b.index.entries.items() if e.dtype == code]
+    assert changed and all(not a.index.need(n).bits for n in changed)  # the float ones, now in `fmt`
     table = "trunk.embed_tokens.weight"
     assert b.index.need(table).dtype == a.index.need(table).dtype and _stored(a.index, table) == _stored(b.index, table)
     p, q = (plan_trunk(i.index.entries, i.arch, OpenOptions(), CPU, FULL) for i in (a, b))
-    assert (q.embed.head.form, q.embed.head.bits, q.embed.rows_of_head) == (COPY, 8, False)
+    assert (q.embed.head.form, q.embed.head.bits, q.embed.rows_of_head) == (COPY, quant.FORMATS[fmt].bits, False)
     assert p.embed.head.form != COPY and q.embed.table == q.storage
     assert any(m.form == SEGMENTS for layer in q.layers for m in layer_matrices(layer))  # layers mix formats
     here = plan_trunk(b.index.entries, b.arch, OpenOptions(), CPU, host(OpenOptions(), CPU), b.index.packed)
@@ -74,6 +77,30 @@ def test_float_matrices_and_the_tied_head_go_to_int8(kind, tmp_path, capsys):
     assert_float_quant(tmp_path / "plain", tmp_path / "fq")
     assert "quantization_config" not in json.loads((tmp_path / "fq" / "config.json").read_text())
     assert_lossless_speculation(turbo.open(tmp_path / "fq", backend="cpu"), mtp=False)
+    if kind == "awq":  # int4: the same, in turbo's int4
+        repack(src, tmp_path / "fq4", quiet=True, float_quant="int4")
+        assert_float_quant(tmp_path / "plain", tmp_path / "fq4", "int4")
+
+
+def _set_metadata(path, key: str, value: str) -> None:
+    """Rewrite one __metadata__ entry of a safetensors file (offsets are relative to the data)."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    header["__metadata__"][key] = value
+    new = json.dumps(header).encode()
+    path.write_bytes(len(new).to_bytes(8, "little") + new + raw[8 + n:])
+
+
+def test_a_malformed_recorded_head_is_refused(tmp_path):
+    src = _tied_source(tmp_path, "awq")
+    repack(src, tmp_path / "fq", quiet=True, float_quant="int8")
+    weights = tmp_path / "fq" / "model.safetensors"
+    for value, match in [("[8]", "is not a JSON object"), ('{"trunk.embed_tokens.weight": "int3"}', "does not name"),
+                         ('{"trunk.layers.0.mlp.up_proj.weight": "int8"}', "does not name")]:
+        _set_metadata(weights, HEAD_COPY_KEY, value)
+        with pytest.raises(TurboError, match=match):
+            open_install(tmp_path / "fq").index
 
 
 def test_gguf_keeps_its_q8_0_codes(tmp_path):

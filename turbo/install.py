@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 from typing import Mapping
@@ -37,6 +37,9 @@ DRAFTER_DIR = "dflash"
 # What each file of an install may hold: a name outside its file's prefixes would shadow (or
 # be shadowed by) the part that owns it. Quantized companions share their weight's prefix.
 TRUNK_PREFIXES = ("trunk.", "mtp.", "vision.")
+# safetensors __metadata__ key: json {table: "int8" | "int4"}, a tied head read as a copy of its float
+# table in that format (repack --float-quant: the layers may mix exact formats with turbo's own)
+HEAD_COPY_KEY = "turbo.head_copy"
 DRAFTER_PREFIXES = ("dflash.",)
 # The most elements one tensor may declare (32 GiB in bf16): the largest of a real Qwen3.5 (a
 # fused MoE block's experts, 512 x 2048 x 4096) is a quarter of it. A header past it (a sparse
@@ -65,6 +68,7 @@ class Entry:
     scale_st_dtype: str = ""
     bias_offset: int = 0
     bias_size: int = 0
+    head_bits: int = 0  # a float table whose tied head is read as turbo's int4 / int8 copy (HEAD_COPY_KEY)
 
 
 def shape4(dims: tuple[int, ...], name: str) -> tuple[int, int, int, int]:
@@ -109,6 +113,7 @@ class ResidentIndex:
         for path in files:
             self.add_file(path, (prefixes or {}).get(path))
         self._attach_quant_companions()
+        self._attach_head_copy()
 
     def add_file(self, path: Path, allowed: tuple[str, ...] | None, packed: bool = False) -> None:
         """Every tensor of `path` (only names under `allowed`, where given) into the index (`packed`:
@@ -140,19 +145,7 @@ class ResidentIndex:
         `__metadata__["turbo.quant"]` map lists ({name: {code, group, bits}}, written by
         python -m turbo.repack --quant): dtype 4 / 16 / 15, the logical shape, and the
         companions' offsets and sizes. Malformed entries are refused naming the tensor."""
-        declared: dict[str, dict] = {}
-        for header in self.headers:
-            path = header.path
-            raw = (header.metadata or {}).get(quant.METADATA_KEY)
-            if raw is None:
-                continue
-            try:
-                table = json.loads(raw)
-            except (ValueError, RecursionError):
-                table = None
-            if not isinstance(table, dict):
-                raise TurboError(f"{path}: __metadata__[{quant.METADATA_KEY!r}] is not a JSON object")
-            declared.update(table)
+        declared = self._metadata_map(quant.METADATA_KEY)
         for name, spec in declared.items():
             e = self.entries.get(name)
             if e is None:
@@ -181,6 +174,31 @@ class ResidentIndex:
                     and self.entries[name[:-len(".scales")]].st_dtype == "U32" and name[:-len(".scales")] not in declared:
                 raise TurboError(f"{name[:-len('.scales')]}: packed U32 with .scales but no {quant.METADATA_KEY} "
                                  f"metadata (repack it with python -m turbo.repack)")
+
+    def _metadata_map(self, key: str) -> dict:
+        """The JSON objects the files' `__metadata__[key]` hold, merged."""
+        merged: dict = {}
+        for header in self.headers:
+            raw = (header.metadata or {}).get(key)
+            if raw is None:
+                continue
+            try:
+                table = json.loads(raw)
+            except (ValueError, RecursionError):
+                table = None
+            if not isinstance(table, dict):
+                raise TurboError(f"{header.path}: __metadata__[{key!r}] is not a JSON object")
+            merged.update(table)
+        return merged
+
+    def _attach_head_copy(self) -> None:
+        """The tied head's format repack --float-quant recorded (HEAD_COPY_KEY), on its table's entry."""
+        for name, fmt in self._metadata_map(HEAD_COPY_KEY).items():
+            e = self.entries.get(name)
+            if fmt not in ("int8", "int4") or e is None or e.bits or e.st_dtype not in DTYPE_CODES or len(e.dims) != 2:
+                raise TurboError(f"{name}: {HEAD_COPY_KEY} {str(fmt)[:20]!r} does not name int8 / int4 for a float "
+                                 f"matrix of the install")
+            self.entries[name] = replace(e, head_bits=quant.FORMATS[fmt].bits)
 
     def __contains__(self, name: str) -> bool:
         return name in self.entries

@@ -305,10 +305,15 @@ def plan_trunk(entries: Mapping[str, Entry], a: Arch, opts: OpenOptions, device:
 def _plan_embed(r: _Rules, a: Arch, formats: list, parts: dict[str, list[tuple[str, Entry]]]) -> EmbedPlan:
     table = Source(PREFIX + EMBED, (a.vocab, a.hidden))
     packed_bits = {f for f in formats if isinstance(f, int)}
-    if a.tie_embeddings and packed_bits:
+    e = r.entries.get(table.name)
+    # repack --float-quant recorded the head's format (install.HEAD_COPY_KEY): the layers may mix exact formats
+    recorded = e.head_bits if (e is not None and e.head_bits and r.storage is not None and r.native_here and r.int8
+                               and quant.native_reads(r.mode, e.head_bits, r.dtype)) else 0
+    if a.tie_embeddings and (recorded or packed_bits):
         # the layers read packed: so is the lm_head, a copy in their format (the widest, if they
         # differ; at real scale the head is a third of a step's bytes); the table stays exact
-        return EmbedPlan(table, False, None, r.storage, r.mapped(Matrix((table,), COPY, bits=max(packed_bits))))
+        bits = recorded or max(packed_bits)
+        return EmbedPlan(table, False, None, r.storage, r.mapped(Matrix((table,), COPY, bits=bits)))
     if a.tie_embeddings and r.storage is not None and r.packed_format(r.present([table.name])) == MIXED:  # GGUF codes
         return EmbedPlan(table, False, r.dtype, r.storage, r.matrix([(table.name, table.shape)], MIXED))  # read as stored
     if a.tie_embeddings and r.storage is not None:  # the embedding rows read out of the packed lm_head: kept once

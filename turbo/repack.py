@@ -1,6 +1,7 @@
 """HF checkpoint (+ DFlash drafter) -> turbo install, streaming tensor by tensor.
 
     python -m turbo.repack SRC OUT [--drafter DIR] [--mtp DIR] [--text-only] [--quant none|int4|int8|int2|int1]
+        [--float-quant int8|int4]
 
 `repack` checks the sources, plans every part (repack_source, repack_moe, repack_tensors) and
 writes them into a temporary sibling renamed at the end (repack_write). docs/DESIGN.md 4.
@@ -23,7 +24,7 @@ from .install import DRAFTER_DIR
 from .open_layout import write_layout_of
 from .repack_gguf import find_gguf, repack_gguf
 from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
-from .repack_write import building, copy_file, write_safetensors
+from .repack_write import building, copy_file, head_copy, write_safetensors
 from . import quant as q
 
 # Copied as they are: the chat template (chat_template.jinja, or tokenizer_config.json's) and
@@ -31,14 +32,29 @@ from . import quant as q
 # preprocessor_config.json the image processor's settings (turbo/vision/image.py).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "preprocessor_config.json")
+FLOAT_QUANT = ("int8", "int4")  # --float-quant: turbo's formats the native step reads packed
+
+
+def float_format(float_quant: str, quant: str) -> q.QFormat | None:
+    """--float-quant's format for a quantized source's float matrices (None: kept float)."""
+    if float_quant == "none":
+        return None
+    if float_quant not in FLOAT_QUANT:
+        raise TurboError(f"--float-quant {float_quant!r} is not one of {', '.join(FLOAT_QUANT)}")
+    if quant != "none":
+        raise TurboError(f"--float-quant {float_quant} with --quant {quant}: --quant re-quantizes every matrix, "
+                         f"--float-quant only a quantized source's float ones (name one of them)")
+    return q.FORMATS[float_quant]
 
 
 def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, text_only: bool = False,
            quiet: bool = False, quant: str = "none", mtp_head: str | Path | None = None,
-           open_layout: bool = True) -> Path:
+           open_layout: bool = True, float_quant: str = "none") -> Path:
     src, out = Path(src), Path(out)
+    floats = float_format(float_quant, quant)
     if (gguf_file := find_gguf(src)) is not None:  # a llama.cpp GGUF (turbo/repack_gguf.py)
-        return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter), text_only)
+        return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter),
+                           text_only, floats)
     if not src.is_dir():
         raise TurboError(f"{src}: no such checkpoint directory")
     if out.exists():
@@ -53,15 +69,21 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     check_checkpoint(src, arch.vocab)  # a template that does not compile is refused now, not at the first chat
     fmt = q.FORMATS.get(quant)
     found = source_format(src, config)  # the format (FP8, AWQ, GPTQ, compressed-tensors: docs/formats.md)
+    if floats is not None and found.kind == "none":
+        raise TurboError(f"--float-quant: {src} is a float checkpoint (use --quant {floats.name})")
+    if floats is not None and found.kind == "mlx":
+        raise TurboError(f"--float-quant: {src} is an MLX checkpoint (it reads FP8, AWQ, GPTQ, compressed-tensors "
+                         f"and GGUF sources)")
     trunk_quant: dict[str, dict] = {}
     drafter_quant: dict[str, dict] = {}
-    trunk = plan_trunk(src, text_only, fmt, trunk_quant, found)
+    trunk = plan_trunk(src, text_only, fmt, trunk_quant, found, floats)
     if mtp_head is not None:
         if not Path(mtp_head).is_dir():
             raise TurboError(f"{mtp_head}: no such MTP head directory")
         check_links(Path(mtp_head))
         trunk_quant = {k: v for k, v in trunk_quant.items() if not k.startswith(mtp.MTP_PREFIX)}
-        trunk = [p for p in trunk if not p.name.startswith(mtp.MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt, trunk_quant)
+        trunk = [p for p in trunk if not p.name.startswith(mtp.MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt or floats,
+                                                                                       trunk_quant)
     declared = mtp.declared_layers(config)
     if declared and not any(p.name.startswith("mtp.") for p in trunk):  # still an install: the trunk is whole
         print(f"note: {mtp.missing_head(str(src / 'config.json'), declared)}", file=sys.stderr)
@@ -69,9 +91,9 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         raise TurboError(f"{drafter}: no such drafter directory")
     if drafter is not None:
         check_links(Path(drafter))
-    drafter_plan = plan_drafter(Path(drafter), arch.hidden, fmt, drafter_quant) if drafter is not None else []
+    drafter_plan = plan_drafter(Path(drafter), arch.hidden, fmt or floats, drafter_quant) if drafter is not None else []
     if not quiet:  # once the sources are checked: a refusal is one line
-        print("\n".join([found.describe(fmt), *found.notes]), file=sys.stderr)
+        print("\n".join([found.describe(fmt, floats), *found.notes]), file=sys.stderr)
     converted = found.kind not in ("none", "mlx")  # the install's matrices are no longer the source's format
     if text_only or converted:
         config = {k: v for k, v in config.items() if not (k == "vision_config" and text_only)
@@ -87,7 +109,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
             for f in TOKENIZER_FILES:
                 if (src / f).is_file():
                     copy_file(src / f, tmp / f)
-            write_safetensors(tmp / "model.safetensors", trunk, bar, trunk_quant)
+            write_safetensors(tmp / "model.safetensors", trunk, bar, trunk_quant,
+                              head_copy(trunk, trunk_quant, arch.tie_embeddings, floats))
             if drafter_plan:
                 (tmp / DRAFTER_DIR).mkdir()
                 copy_file(Path(drafter) / "config.json", tmp / DRAFTER_DIR / "config.json")
@@ -121,11 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quant", default="none", choices=("none", *q.FORMATS),
                         help="quantize the projection matrices: int4 / int8 (group 64, bf16 scales, dtypes 4 / 5), int2 / int1 "
                              "(group 128, f16 scales, dtypes 16 / 15)")
+    parser.add_argument("--float-quant", default="none", choices=FLOAT_QUANT,
+                        help="a quantized source (FP8, AWQ, GPTQ, compressed-tensors, GGUF): its codes kept exact, its "
+                             "float matrices (and the tied head's copy) to int8 / int4")
     args = parser.parse_args(argv)
     previous = signal.signal(signal.SIGTERM, _on_sigterm)
     try:
         path = repack(args.src, args.out, args.drafter, args.text_only, args.quiet, args.quant, args.mtp,
-                      not args.no_open_layout)
+                      not args.no_open_layout, args.float_quant)
     except TurboError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -42,8 +42,13 @@ class SourceFormat:
     zero_offset: int = 0  # GPTQ v1 stores zero - 1
     notes: list[str] = field(default_factory=list)
 
-    def describe(self, fmt: q.QFormat | None) -> str:
-        """The first line a repack prints: what it found and what it will write."""
+    def describe(self, fmt: q.QFormat | None, floats: q.QFormat | None = None) -> str:
+        """The first line a repack prints: what it found and what it will write (`floats`: the
+        format of the float matrices, repack --float-quant)."""
+        line = self._describe(fmt)
+        return line if floats is None else f"{line}, the float matrices (and the tied head's copy) as {floats.name}"
+
+    def _describe(self, fmt: q.QFormat | None) -> str:
         if self.kind == "none":
             return f"found a float checkpoint; writing {'a float install' if fmt is None else fmt.name + ' matrices'}"
         if self.kind == "mlx":

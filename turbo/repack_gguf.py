@@ -22,7 +22,7 @@ from .repack_gguf_vocab import write_tokenizer
 from .repack_tensors import Planned
 from .install import DRAFTER_DIR
 from .repack_source import check_links, plan_drafter
-from .repack_write import building, copy_file, write_safetensors
+from .repack_write import building, copy_file, head_copy, write_safetensors
 
 ARCHES = {"qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}
 NORM, HEADS, V_ROWS, QKV, V_COLS, A_LOG, CONV, ROW = range(8)
@@ -267,8 +267,9 @@ def a_log_from_ssm_a(a: torch.Tensor) -> torch.Tensor:
 
 
 def repack_gguf(path: Path, out: Path, mtp_path: Path | None = None, quant: str = "none", quiet: bool = False,
-                drafter: Path | None = None, text_only: bool = False) -> Path:
-    """python -m turbo.repack FILE.gguf OUT [--mtp MTP.gguf] [--drafter DIR] [--quant FORMAT]."""
+                drafter: Path | None = None, text_only: bool = False, floats: q.QFormat | None = None) -> Path:
+    """python -m turbo.repack FILE.gguf OUT [--mtp MTP.gguf] [--drafter DIR] [--quant FORMAT]
+    [--float-quant FORMAT: `floats`, the float matrices' format]."""
     if out.exists():
         raise TurboError(f"{out}: already exists (expected a new directory to write the install into)")
     if mtp_path is not None and not mtp_path.is_file():
@@ -292,7 +293,9 @@ def repack_gguf(path: Path, out: Path, mtp_path: Path | None = None, quant: str 
     types = {k: n for s, _ in sources for k, n in s.types().items()}
     if quant not in ("none", *q.FORMATS):
         raise TurboError(f"--quant {quant!r} is not one of none, {', '.join(q.FORMATS)}")
-    requant = Requant(q.FORMATS.get(quant))
+    requant = Requant(q.FORMATS.get(quant), floats)
+    if floats is not None and not set(types) - set(FLOAT_TYPES):
+        raise TurboError(f"--float-quant: {path} holds only float tensors (use --quant {floats.name})")
     other = sorted(k for k in types if k not in EXACT_TYPES and k not in FLOAT_TYPES)
     if other and requant.fmt is None:
         raise TurboError(f"{path}: holds {', '.join(other)} tensors, which turbo's formats do not carry exactly: name "
@@ -304,17 +307,19 @@ def repack_gguf(path: Path, out: Path, mtp_path: Path | None = None, quant: str 
         if not drafter.is_dir():
             raise TurboError(f"{drafter}: no such drafter directory")
         check_links(drafter)
-    drafter_plan = plan_drafter(drafter, cfg["hidden_size"], requant.fmt, drafter_quant) if drafter else []
+    drafter_plan = plan_drafter(drafter, cfg["hidden_size"], requant.fmt or floats, drafter_quant) if drafter else []
     if not quiet:
         print(f"{path.name}: GGUF {src.arch}, {', '.join(f'{n} {k}' for k, n in sorted(types.items()))} -> install "
               f"({'Q8_0/Q4_x as int8g32/int4g32 exactly' if set(types) & set(EXACT_TYPES) else 'floats as they are'}"
-              f"{f', {other} re-quantized to {quant}' if other else ''})", file=sys.stderr)
+              f"{f', {other} re-quantized to {quant}' if other else ''}"
+              f"{f', float matrices (and the tied head copy) as {floats.name}' if floats else ''})", file=sys.stderr)
     with building(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         write_tokenizer(src, tmp)
         with tqdm(total=sum(p.size for p in planned + drafter_plan), unit="B", unit_scale=True,
                   desc=f"repack {path.name}", disable=quiet, file=sys.stderr) as bar:
-            write_safetensors(tmp / "model.safetensors", planned, bar, quantized)
+            write_safetensors(tmp / "model.safetensors", planned, bar, quantized,
+                              head_copy(planned, quantized, bool(cfg.get("tie_word_embeddings")), floats))
             if drafter_plan:
                 (tmp / DRAFTER_DIR).mkdir()
                 copy_file(drafter / "config.json", tmp / DRAFTER_DIR / "config.json")

@@ -150,6 +150,7 @@ class Requant:
     max abs error against gguf's dequantization, by source type."""
 
     fmt: q.QFormat | None
+    floats: q.QFormat | None = None  # repack --float-quant: the float matrices' format
     worst: dict[str, float] = field(default_factory=dict)
 
 
@@ -191,6 +192,9 @@ def plan_gguf(name: str, tensor, shape: list[int], inverse: Inverse, requant: Re
             return [_tensor_bytes(q.pack(a.levels.to(torch.int64), a.bits)), _tensor_bytes(a.scales),
                     _tensor_bytes(a.biases)]
         return _parts(name, shape, fmt, make, quantized)
+    if kind in FLOAT_TYPES and matrix and requant.floats is not None and shape[1] % requant.floats.group == 0:
+        return _parts(name, shape, requant.floats, lambda: [_tensor_bytes(t) for t in q.quantize(
+            _dense(convert()).reshape(shape), requant.floats, name)], quantized)
     if kind in FLOAT_TYPES and inverse.elementwise is None:
         job = _Job(lambda: [_tensor_bytes(convert())])
         return [Planned(name, kind, shape, n * FLOAT_TYPES[kind][1], job.writer(0, 0))]

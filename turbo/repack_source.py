@@ -73,7 +73,10 @@ def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
 
 
 def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
-               quantized: dict[str, dict] | None = None, found: SourceFormat | None = None) -> list[Planned]:
+               quantized: dict[str, dict] | None = None, found: SourceFormat | None = None,
+               floats: q.QFormat | None = None) -> list[Planned]:
+    """The trunk's tensors: a quantized source's modules converted (in `fmt`, else exactly), the
+    float matrices quantized to `fmt` or `floats` (repack --float-quant), the rest copied."""
     config = read_config_json(src / "config.json")
     arch = arch_from_config(config, str(src / "config.json"))
     tensors = []
@@ -89,7 +92,7 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
     quantized = quantized if quantized is not None else {}
     found = found or detect(config, {n: m for n, m, _, _ in listed}, str(src / "config.json"))  # repack_formats
     done, tensors = plan_source(found, tensors, fmt, quantized, config)
-    return done + plan_tensors(tensors, fmt, quantized, config)
+    return done + plan_tensors(tensors, fmt or floats, quantized, config)
 
 
 def source_format(src: Path, config: dict) -> SourceFormat:

@@ -19,7 +19,8 @@ from typing import Iterator
 from tqdm import tqdm
 
 from .errors import TurboError
-from .repack_tensors import Planned
+from .install import HEAD_COPY_KEY
+from .repack_tensors import FLOAT_ST, Planned
 from . import quant as q
 
 # A repack writes into the hidden sibling `.OUT.repack-PID-RANDOM` and renames it when done; the
@@ -55,6 +56,15 @@ def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None 
                 raise TurboError(f"{p.name}: wrote {out.tell() - start} bytes, expected {p.size}")
             if progress is not None:
                 progress.update(p.size)
+
+
+def head_copy(planned: list[Planned], quantized: dict[str, dict], tied: bool, fmt: q.QFormat | None) -> dict[str, str]:
+    """The __metadata__ that has a tied head read as a `fmt` copy of its float table at open
+    (repack --float-quant: install.HEAD_COPY_KEY); nothing without one, or for a quantized table."""
+    table = next((p for p in planned if p.name == "trunk.embed_tokens.weight"), None)
+    if fmt is None or not tied or table is None or table.name in quantized or table.dtype not in FLOAT_ST:
+        return {}
+    return {HEAD_COPY_KEY: json.dumps({table.name: fmt.name})}
 
 
 @contextmanager

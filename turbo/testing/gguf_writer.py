@@ -131,9 +131,10 @@ def _tokenizer(writer, directory: Path, vocab_size: int) -> None:
 
 
 def write_gguf(src: Path, path: Path, qtype: str = "F32", mtp: str = "inline", chat_template: str | None = None,
-               tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """The HF checkpoint `src` as a GGUF at `path`, its 2-D weights in `qtype`. mtp: "inline"
-    (its mtp.* tensors as block num_hidden_layers, if any), "none", or "only" (the MTP GGUF)."""
+               tensors: dict[str, torch.Tensor] | None = None, types: dict[str, str] | None = None) -> Path:
+    """The HF checkpoint `src` as a GGUF at `path`, its 2-D weights in `qtype` (`types`: another
+    for some GGUF names, as llama-quantize's --token-embedding-type). mtp: "inline" (its mtp.*
+    tensors as block num_hidden_layers, if any), "none", or "only" (the MTP GGUF)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -196,9 +197,9 @@ def write_gguf(src: Path, path: Path, qtype: str = "F32", mtp: str = "inline", c
             experts.setdefault(f"{stem}.{proj}.weight", []).append((e, t.float()))
             continue
         name, t = converted(name, t, cfg)
-        _add(w, names, name, t, qtype)
+        _add(w, names, name, t, qtype, types or {})
     for name, parts in experts.items():
-        _add(w, names, name, torch.stack([t for _, t in sorted(parts, key=lambda p: p[0])]), qtype)
+        _add(w, names, name, torch.stack([t for _, t in sorted(parts, key=lambda p: p[0])]), qtype, types or {})
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -206,11 +207,11 @@ def write_gguf(src: Path, path: Path, qtype: str = "F32", mtp: str = "inline", c
     return path
 
 
-def _add(w, names, name: str, t: torch.Tensor, qtype: str) -> None:
+def _add(w, names, name: str, t: torch.Tensor, qtype: str, types: dict[str, str]) -> None:
     new = names.get_name(name, try_suffixes=(".weight", ".bias"))
     if new is None:
         raise ValueError(f"{name}: no GGUF name")
-    _put(w, new, t, qtype)
+    _put(w, new, t, types.get(new, qtype))
 
 
 def _put(w, new: str, t: torch.Tensor, qtype: str) -> None:

@@ -38,7 +38,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
            open_layout: bool = True) -> Path:
     src, out = Path(src), Path(out)
     if (gguf_file := find_gguf(src)) is not None:  # a llama.cpp GGUF (turbo/repack_gguf.py)
-        return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter), text_only)
+        return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter), text_only,
+                           open_layout)
     if not src.is_dir():
         raise TurboError(f"{src}: no such checkpoint directory")
     if out.exists():

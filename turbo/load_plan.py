@@ -231,8 +231,7 @@ class _Rules:
         """`m` read as is out of the install's packed file, where that holds it (packed_target) as planned."""
         want = packed_target(self.entries, m)
         packed = (self.packed or {}).get(want[0]) if want is not None else None
-        fits = packed is not None and packed.st_dtype == want[1] and (packed.dims == want[2]
-                                                                      or not want[2] and len(packed.dims) == 1)
+        fits = packed is not None and packed.st_dtype == want[1] and packed.dims == (want[2] or packed.dims[:1])  # (None: 1-D)
         return replace(m, mapped=packed.name) if fits else m
 
     def _kind(self, s: Source) -> tuple:
@@ -252,9 +251,8 @@ class _Rules:
 
 def packed_layout(entries: Mapping[str, Entry], m: Matrix) -> str | None:
     """The native_pack.Packed layout `m` is packed in (an EXACT one's: its first source's format's)."""
-    if m.form == EXACT:
-        return native_exact.exact_layout(entries[m.sources[0].name].dtype in quant.FLOAT8_CODES)
-    return "segments" if m.form == SEGMENTS else native_pack.LAYOUT_OF_BITS.get(m.bits) if m.bits else m.layout
+    return (native_exact.exact_layout(entries[m.sources[0].name].dtype in quant.FLOAT8_CODES) if m.form == EXACT
+            else "segments" if m.form == SEGMENTS else native_pack.LAYOUT_OF_BITS.get(m.bits) if m.bits else m.layout)
 
 
 def packed_target(entries: Mapping[str, Entry], m: Matrix) -> tuple[str, str, tuple[int, ...] | None] | None:

@@ -158,3 +158,21 @@ def test_the_command_writes_a_converted_installs_layout(installs, tmp_path, caps
     assert "wrote" in capsys.readouterr().out
     assert (install / layout_file.PACKED_FILE).read_bytes() == (installs[1] / layout_file.PACKED_FILE).read_bytes()
     assert all(m.mapped for m in _segments(_plan(open_install(install))))
+
+
+def test_segments_read_in_place_are_the_packed_ones_and_a_damaged_table_is_refused():
+    from turbo import quant
+    from turbo.errors import TurboError
+    g = torch.Generator().manual_seed(3)
+    w = [torch.randn(n, 128, generator=g) for n in (40, 24)]
+    exact = native_exact.exact_panels(quant.QuantizedWeight(*quant.quantize(w[0], quant.EXACT_INT4[32]), 4, 32))
+    parts = [exact, native_pack.pack_rows(lambda a, b: w[1][a:b], 24, torch.float32, "panels")]
+    whole = native_exact.segments(parts)
+    meta = [(40, "exact", torch.uint8, None), (24, "panels", torch.float32, (2, 128, 16))]
+    read = native_exact.read_segments(whole.data.clone(), 128, meta, "m")
+    assert (read.n, read.k) == (64, 128) and torch.equal(read.dense(), whole.dense())
+    assert [(p.layout, p.data.dtype, p.data.shape) for p in read.parts] == \
+        [(p.layout, p.data.dtype, p.data.shape) for p in whole.parts]
+    for damaged in (meta[::-1], [meta[0], (24, "panel_pairs", torch.bfloat16, (2, 64, 16, 2))], meta[:1]):
+        with pytest.raises(TurboError, match="segments table is not the plan's"):
+            native_exact.read_segments(whole.data.clone(), 128, damaged, "m")

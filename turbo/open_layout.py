@@ -125,13 +125,14 @@ def _segments(reader: Reader, plan: TrunkPlan, m: Matrix) -> tuple[int, object]:
     entries, parts = reader.index.entries, []
     for p in m.parts:
         if p.form == EXACT:
-            packed = reader.matrix(p)
-            parts.append((packed.n, packed.wtype, packed.data.numel()))
-            del packed
+            packed = reader.matrix(p)  # (dropped once sized)
+            parts.append((packed.n, packed.wtype, packed.data.numel() * packed.data.element_size()))
         else:
             _, dtype, shape = packed_target(entries, p)
             wtype = native_pack.LAYOUT_WTYPES.get(packed_layout(entries, p)) or native_lib.WTYPES[ST_TORCH[dtype]]
-            parts.append((sum(reader.entry(s).dims[0] for s in p.sources), wtype, ST_BYTES[dtype] * torch.Size(shape).numel()))
+            rows = sum(reader.entry(s).dims[0] for s in p.sources)
+            parts.append((rows, wtype, ST_BYTES[dtype] * int(torch.Size(shape).numel())))
+        packed = None
     head, offsets = native_exact.segments_table(parts)
 
     def write(out) -> None:

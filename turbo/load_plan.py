@@ -70,7 +70,7 @@ class Matrix:
     kernel: bool = False  # TENSOR: kept sources run quant's CPU kernel (QuantizedWeight.use_kernel)
     draft: str | None = None  # DRAFT: the drafter's products' layout (native_lib.draft_layout)
     parts: tuple[Matrix, ...] = ()  # SEGMENTS
-    mapped: str | None = None  # PANELS, PACKED, COPY: the install's packed tensor it is, read as is (layout_file)
+    mapped: str | None = None  # PANELS, PACKED, COPY, SEGMENTS: the install's packed tensor it is, read as is (layout_file)
 
     @property
     def layout(self) -> str:  # PANELS: bf16 in pairs (the same products, less widening)
@@ -222,8 +222,8 @@ class _Rules:
                           kernel=self.mode != "packed" and self.on_cpu)  # (on cuda: the quantized GEMV kernel)
         srcs = tuple(Source(n, s) for n, s in sources)
         if fmt == MIXED:  # (runs of sources read alike fused into one segment)
-            return Matrix(srcs, SEGMENTS, parts=tuple(self._segment(kind, tuple(run))
-                                                      for kind, run in groupby(srcs, key=self._kind)))
+            return self.mapped(Matrix(srcs, SEGMENTS, parts=tuple(self._segment(kind, tuple(run))
+                                                                  for kind, run in groupby(srcs, key=self._kind))))
         return self.mapped(Matrix(srcs, PACKED, bits=fmt) if isinstance(fmt, int)
                            else Matrix(srcs, PANELS, fmt or self.storage))
 
@@ -231,7 +231,8 @@ class _Rules:
         """`m` read as is out of the install's packed file, where that holds it (packed_target) as planned."""
         want = packed_target(self.entries, m)
         packed = (self.packed or {}).get(want[0]) if want is not None else None
-        return m if packed is None or (packed.st_dtype, packed.dims) != want[1:] else replace(m, mapped=packed.name)
+        fits = packed is not None and packed.st_dtype == want[1] and packed.dims == (want[2] or packed.dims[:1])  # (None: 1-D)
+        return replace(m, mapped=packed.name) if fits else m
 
     def _kind(self, s: Source) -> tuple:
         """How a source of a SEGMENTS matrix is read: its exact format, turbo's int4 / int8, or floats."""
@@ -248,13 +249,23 @@ class _Rules:
         return Matrix(run, PANELS, torch.float32 if len(kind) > 1 else self.storage)  # (dequantized: fp32, exact)
 
 
-def packed_target(entries: Mapping[str, Entry], m: Matrix) -> tuple[str, str, tuple[int, ...]] | None:
-    """Where the open layout keeps `m` (layout_file.target): a PANELS, PACKED or COPY matrix."""
-    if m.form not in (PANELS, PACKED, COPY):
-        return None
-    layout = native_pack.LAYOUT_OF_BITS.get(m.bits) if m.bits else m.layout
-    return layout_file.target(entries, layout, [s.name for s in m.sources], m.form == PANELS,
-                              "BF16" if m.dtype == torch.bfloat16 else "F32")
+def packed_layout(entries: Mapping[str, Entry], m: Matrix) -> str | None:
+    """The native_pack.Packed layout `m` is packed in (an EXACT one's: its first source's format's)."""
+    return (native_exact.exact_layout(entries[m.sources[0].name].dtype in quant.FLOAT8_CODES) if m.form == EXACT
+            else "segments" if m.form == SEGMENTS else native_pack.LAYOUT_OF_BITS.get(m.bits) if m.bits else m.layout)
+
+
+def packed_target(entries: Mapping[str, Entry], m: Matrix) -> tuple[str, str, tuple[int, ...] | None] | None:
+    """Where the open layout keeps `m` (layout_file.target): a PANELS, PACKED, COPY or SEGMENTS matrix (native_exact.
+    segments()' bytes, as many as its exact parts' data make: shape None, one dimension; named by its parts)."""
+    if m.form == SEGMENTS:
+        if any(p.form != EXACT and packed_target(entries, p) is None for p in m.parts):  # (EXACT: its sources are there)
+            return None  # (a part dequantized: not written, as no dequantized matrix is)
+        kinds = "-".join(f"{packed_layout(entries, p)}x{len(p.sources)}" for p in m.parts)
+        return layout_file.packed_name(f"segments-{kinds}", m.sources[0].name), "U8", None
+    return None if m.form not in (PANELS, PACKED, COPY) else layout_file.target(
+        entries, packed_layout(entries, m), [s.name for s in m.sources], m.form == PANELS,
+        "BF16" if m.dtype == torch.bfloat16 else "F32")
 
 
 def _by_part(matrices: Mapping[str, Entry]) -> dict[str, list[tuple[str, Entry]]]:

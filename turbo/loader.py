@@ -16,7 +16,7 @@ from functools import partial
 
 import torch
 
-from . import ops, quant
+from . import layout_file, ops, quant
 from .arch import Arch
 from .backends import native_dflash, native_exact, native_lib, native_pack, native_trunk
 from .backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
@@ -28,7 +28,7 @@ from .errors import TurboError
 from .install import ST_TORCH, Entry, Install, ResidentIndex
 from .load_plan import (COPY, DFLASH_BASES, DFLASH_SELECTOR, DRAFT, DRAFT_HEAD, EXACT, NATIVE_OFF, PACKED, SEGMENTS,
                         TENSOR, DrafterPlan, EmbedPlan, Host, LayerPlan, Matrix, MoePlan, Source, TrunkPlan, mtp_tensor_shapes,
-                        plan_dflash, plan_mtp, plan_trunk)
+                        packed_layout, plan_dflash, plan_mtp, plan_trunk)
 from .options import OpenOptions
 from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk, TrunkWeights
 
@@ -109,9 +109,11 @@ class Reader:
             return w if m.form == TENSOR else native_pack.pack_as(w, m.dtype, m.layout)
         entries = [self.entry(s) for s in m.sources]
         if m.mapped is not None:  # written at repack in this layout: a view of the mapped file, nothing packed
-            layout = native_pack.LAYOUT_OF_BITS[m.bits] if m.bits else m.layout
+            if m.form == SEGMENTS:  # (its parts: views of it, as native_exact.segments() lays them out)
+                return native_exact.read_segments(self.index.view(m.mapped), entries[0].dims[1],
+                                                  [self.segment(p) for p in m.parts], m.mapped)
             return native_pack.Packed(self.index.view(m.mapped), sum(e.dims[0] for e in entries), entries[0].dims[1],
-                                      layout)
+                                      packed_layout(self.index.entries, m))
         if m.form == SEGMENTS:
             return native_exact.segments([self.matrix(part) for part in m.parts])
         if m.form == EXACT:
@@ -123,6 +125,15 @@ class Reader:
         dense = {e.name: self.index.load(e.name, self.dtype) for e in entries if e.bits}  # (dequantized once)
         return native_pack.pack_rows(partial(self.rows, entries, dense, m.dtype), sum(e.dims[0] for e in entries),
                                 m.dtype, m.layout)
+
+    def segment(self, p: Matrix) -> tuple[int, str, torch.dtype, tuple[int, ...] | None]:
+        """A segment's rows, layout, dtype and shape as packed (None: an exact one's, as many bytes as its data make)."""
+        entries = [self.entry(s) for s in p.sources]
+        n, layout = sum(e.dims[0] for e in entries), packed_layout(self.index.entries, p)
+        if p.form == EXACT:
+            return n, layout, torch.uint8, None
+        st, shape = layout_file.packed_shape(layout, n, entries[0].dims[1], "BF16" if p.dtype == torch.bfloat16 else "F32")
+        return n, layout, ST_TORCH[st], shape
 
     def rows(self, entries: list[Entry], dense: dict[str, torch.Tensor], into: torch.dtype,
              r0: int, r1: int) -> torch.Tensor:
@@ -232,7 +243,7 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     device = torch.device(device)
     quant.cpu_mode(opts.quant_cpu)  # (refused before the library is built)
     here = host(opts, device)
-    if here.library is None and install.layout_note is None:  # an older install converts itself once
+    if here.library is None:  # an older install (none, or a stale open layout) converts itself once
         from .open_layout import convert_on_open  # (turbo/open_layout.py: it reads with this module's Reader)
         convert_on_open(install, here)
     trunk = read_trunk(install, plan_trunk(install.index.entries, install.arch, opts, device, here, install.index.packed),

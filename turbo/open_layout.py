@@ -4,8 +4,8 @@ pack at open, packed once, by the loader's own code, into `packed.safetensors`.
     python -m turbo.open_layout INSTALL
 
 repack writes it with every install (`write_layout`); this command adds it to an install written
-before, or rewrites one of another layout version. An older install of some size without it is
-converted once at its first open where its directory is writable (`convert_on_open`).
+before, or rewrites one of another layout version. An older install of some size without one
+this turbo reads is converted once at its first open where its directory is writable (`convert_on_open`).
 """
 
 from __future__ import annotations
@@ -18,20 +18,21 @@ from typing import Iterator
 import torch
 
 from . import layout_file, quant
-from .backends import native_pack
+from .backends import native_exact, native_lib, native_pack
 from .errors import ArgumentParser, TurboError
 from .install import ST_TORCH, Entry, Install, open_install, safetensors_files
-from .load_plan import (COPY, PACKED, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices, packed_target,
-                        plan_trunk)
+from .load_plan import (COPY, EXACT, PACKED, SEGMENTS, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices,
+                        packed_layout, packed_target, plan_trunk)
 from .loader import Reader
 from .options import OpenOptions
 from .repack_tensors import QUANT_SLICE, Planned
 from .repack_write import write_safetensors
 from .trunk import PREFIX
 
-# The host the layout is written for: products that read int4 / int8 packed (AVX512-VNNI). A
-# host without them plans other layouts for those matrices, and packs them at open as before.
-LAYOUT_HOST = Host(None, ("pairs", "int8"))
+# The host the layout is written for: products that read int4 / int8 packed (AVX512-VNNI) and the
+# converted formats as stored ("exact", "fp8": their bytes are the same on any CPU). A host without
+# them plans other layouts for those matrices (other names), and packs them at open as before.
+LAYOUT_HOST = Host(None, ("pairs", "int8", "exact", "fp8"))
 # An older install converts itself at open only past this many bytes of matrices (below it
 # packing at open takes well under a second, and the install is left as it is, unsaid).
 CONVERT_BYTES = 256 << 20
@@ -117,10 +118,40 @@ def _writer(reader: Reader, plan: TrunkPlan, m: Matrix, dtype: str, shape: tuple
     return write
 
 
+def _segments(reader: Reader, plan: TrunkPlan, m: Matrix) -> tuple[int, object]:
+    """A SEGMENTS matrix's bytes and their writer: its table, then each part as the loader packs it
+    (an exact one packed whole, once to be sized and again when written; the others a slice at a
+    time), the bytes of native_exact.segments() of them, never held whole."""
+    entries, parts = reader.index.entries, []
+    for p in m.parts:
+        if p.form == EXACT:
+            packed = reader.matrix(p)  # (dropped once sized)
+            parts.append((packed.n, packed.wtype, packed.data.numel() * packed.data.element_size()))
+        else:
+            _, dtype, shape = packed_target(entries, p)
+            wtype = native_pack.LAYOUT_WTYPES.get(packed_layout(entries, p)) or native_lib.WTYPES[ST_TORCH[dtype]]
+            rows = sum(reader.entry(s).dims[0] for s in p.sources)
+            parts.append((rows, wtype, ST_BYTES[dtype] * int(torch.Size(shape).numel())))
+        packed = None
+    head, offsets = native_exact.segments_table(parts)
+
+    def write(out) -> None:
+        out.write(head.numpy())
+        for p, (_, _, size), start, end in zip(m.parts, parts, offsets, offsets[1:]):
+            written = 0
+            for data in [reader.matrix(p).data] if p.form == EXACT else _slices(reader, plan, p):
+                out.write(data.contiguous().view(-1).view(torch.uint8).numpy())
+                written += data.numel() * data.element_size()
+            if written != size:
+                raise TurboError(f"{p.sources[0].name}: packed {written} bytes, sized {size}")
+            out.write(bytes(end - start - size))  # (each part 64-byte aligned)
+    return offsets[-1], write
+
+
 def write_layout(install: Install, host: Host = LAYOUT_HOST, matrices: bool = True) -> Path:
     """The install's open layout written into its directory (a temporary file renamed over
-    packed.safetensors): every PANELS, PACKED and COPY matrix of the trunk's plan for the default
-    options on `host`, as the loader packs it. An install the native step would not run, or
+    packed.safetensors): every PANELS, PACKED, COPY and SEGMENTS matrix of the trunk's plan for the
+    default options on `host`, as the loader packs it. An install the native step would not run, or
     `matrices` False (repack --no-open-layout), writes a layout of none: current, packed at open."""
     planned: list[Planned] = []
     try:
@@ -135,9 +166,13 @@ def write_layout(install: Install, host: Host = LAYOUT_HOST, matrices: bool = Tr
             if want is None:
                 continue
             name, dtype, shape = want
-            size = ST_BYTES[dtype] * int(torch.Size(shape).numel())
+            if m.form == SEGMENTS:
+                size, write = _segments(reader, plan, m)
+                shape = (size,)
+            else:
+                size, write = ST_BYTES[dtype] * int(torch.Size(shape).numel()), _writer(reader, plan, m, dtype, shape)
             layout_file.check_aligned(name, at)
-            planned.append(Planned(name, dtype, list(shape), size, _writer(reader, plan, m, dtype, shape)))
+            planned.append(Planned(name, dtype, list(shape), size, write))
             at += size
     meta = {layout_file.VERSION_KEY: str(layout_file.LAYOUT_VERSION),
             layout_file.SOURCE_KEY: layout_file.fingerprint(safetensors_files(install.path))}
@@ -162,24 +197,28 @@ def write_layout_of(directory: Path, matrices: bool = True) -> None:
 
 
 def convert_on_open(install: Install, host: Host) -> None:
-    """An install without an open layout, of CONVERT_BYTES of matrices or more: its layout
+    """An install of CONVERT_BYTES of matrices or more without an open layout this turbo reads
+    (none: an older repack's; one of another layout version, or of other weights): its layout
     written once (said in one line) and indexed, so this open and the next ones map it; where
     its directory is not writable, one line says the command that writes it."""
-    if install.packed or install.layout_note is not None or (install.path / layout_file.PACKED_FILE).exists():
+    if install.packed:
         return
     size = sum(e.size_bytes for e in install.index.entries.values() if e.name.startswith(PREFIX) and len(e.dims) == 2)
     if size < CONVERT_BYTES:
         return
+    stale = install.layout_note is not None
     try:
         path = write_layout(install, host)
     except OSError as e:
-        print(f"note: {install.path}: written by an older repack, its matrices are packed at every open (slower); "
-              f"cannot write its open layout there ({e.strerror}): {layout_file.upgrade_command(install.path)} "
-              "writes it", file=sys.stderr)
+        if not stale:  # (a stale one: its note says the command, once it opened)
+            print(f"note: {install.path}: written by an older repack, its matrices are packed at every open (slower); "
+                  f"cannot write its open layout there ({e.strerror}): {layout_file.upgrade_command(install.path)} "
+                  "writes it", file=sys.stderr)
         return
     install.index.add_file(path, (layout_file.PREFIX,), packed=True)
-    install.packed = True
-    print(f"note: {install.path}: written by an older repack; its open layout is written once into {path.name} "
+    install.packed, install.layout_note = True, None
+    why = "its open layout was not one this turbo reads" if stale else "written by an older repack"
+    print(f"note: {install.path}: {why}; its open layout is written once into {path.name} "
           f"({path.stat().st_size / 2**20:.0f} MiB): opens map it from now on", file=sys.stderr)
 
 

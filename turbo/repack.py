@@ -54,7 +54,7 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     floats = float_format(float_quant, quant)
     if (gguf_file := find_gguf(src)) is not None:  # a llama.cpp GGUF (turbo/repack_gguf.py)
         return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter),
-                           text_only, floats)
+                           text_only, floats, open_layout)
     if not src.is_dir():
         raise TurboError(f"{src}: no such checkpoint directory")
     if out.exists():

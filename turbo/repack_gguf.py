@@ -21,6 +21,7 @@ from .repack_gguf_tensors import EXACT_TYPES, FLOAT_TYPES, Inverse, Requant, pla
 from .repack_gguf_vocab import write_tokenizer
 from .repack_tensors import Planned
 from .install import DRAFTER_DIR
+from .open_layout import write_layout_of
 from .repack_source import check_links, plan_drafter
 from .repack_write import building, copy_file, head_copy, write_safetensors
 
@@ -267,9 +268,10 @@ def a_log_from_ssm_a(a: torch.Tensor) -> torch.Tensor:
 
 
 def repack_gguf(path: Path, out: Path, mtp_path: Path | None = None, quant: str = "none", quiet: bool = False,
-                drafter: Path | None = None, text_only: bool = False, floats: q.QFormat | None = None) -> Path:
+                drafter: Path | None = None, text_only: bool = False, floats: q.QFormat | None = None,
+                open_layout: bool = True) -> Path:
     """python -m turbo.repack FILE.gguf OUT [--mtp MTP.gguf] [--drafter DIR] [--quant FORMAT]
-    [--float-quant FORMAT: `floats`, the float matrices' format]."""
+    [--float-quant FORMAT: `floats`, the float matrices' format] [--no-open-layout]."""
     if out.exists():
         raise TurboError(f"{out}: already exists (expected a new directory to write the install into)")
     if mtp_path is not None and not mtp_path.is_file():
@@ -324,6 +326,7 @@ def repack_gguf(path: Path, out: Path, mtp_path: Path | None = None, quant: str 
                 (tmp / DRAFTER_DIR).mkdir()
                 copy_file(drafter / "config.json", tmp / DRAFTER_DIR / "config.json")
                 write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar, drafter_quant)
+        write_layout_of(tmp, open_layout)  # (turbo/open_layout.py: opens map the native step's matrices)
     for kind, err in sorted(requant.worst.items()):
         print(f"{kind} -> {quant}: max abs error {err:.3g} against gguf's dequantization", file=sys.stderr)
     return out

@@ -167,6 +167,20 @@ def exact_panels(w: quant.QuantizedWeight, name: str = "matrix", rows: int = 163
                              *(c.reshape(-1) for c in codes)]), n, k, "fp8")
 
 
+def segments_table(parts: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:
+    """The bytes before a segments matrix's parts (its header and table, padded to 64) and each
+    part's byte offset, for parts of (rows, wtype, bytes), each 64-byte aligned."""
+    at, offsets = -(-(HEADER + 16 * len(parts)) // 64) * 64, []
+    for _, _, size in parts:
+        offsets.append(at)
+        at += -(-size // 64) * 64
+    head = torch.zeros(offsets[0], dtype=torch.uint8)
+    head[:HEADER] = _header(len(parts))
+    table = torch.tensor([[n | wtype << 32, off] for (n, wtype, _), off in zip(parts, offsets)], dtype=torch.int64)
+    head[HEADER:HEADER + 16 * len(parts)] = table.view(torch.uint8).reshape(-1)
+    return head, offsets + [at]
+
+
 def segments(parts: list) -> object:
     """Packed matrices of one input width stacked by rows into one wtype 7 matrix: a table of
     (rows, wtype, byte offset), then each part's bytes (64-byte aligned). The parts keep views of
@@ -174,20 +188,39 @@ def segments(parts: list) -> object:
     from .native_pack import Packed
     k = parts[0].k
     assert all(p.k == k for p in parts) and all(p.layout != "segments" for p in parts)
-    at, offsets = -(-(HEADER + 16 * len(parts)) // 64) * 64, []
-    for p in parts:
-        offsets.append(at)
-        at += -(-p.data.numel() * p.data.element_size() // 64) * 64
-    buf = torch.zeros(at, dtype=torch.uint8)
-    buf[:HEADER] = _header(len(parts))
-    table = torch.tensor([[p.n | p.wtype << 32, off] for p, off in zip(parts, offsets)], dtype=torch.int64)
-    buf[HEADER:HEADER + 16 * len(parts)] = table.view(torch.uint8).reshape(-1)
+    sizes = [p.data.numel() * p.data.element_size() for p in parts]
+    head, offsets = segments_table([(p.n, p.wtype, size) for p, size in zip(parts, sizes)])
+    buf = torch.zeros(offsets[-1], dtype=torch.uint8)
+    buf[:head.numel()] = head
     views = []
-    for p, off in zip(parts, offsets):
-        size = p.data.numel() * p.data.element_size()
+    for p, off, size in zip(parts, offsets, sizes):
         buf[off:off + size] = p.data.contiguous().view(torch.uint8).reshape(-1)
         views.append(Packed(buf[off:off + size].view(p.data.dtype).reshape(p.data.shape), p.n, k, p.layout))
     return Packed(buf, sum(p.n for p in parts), k, "segments", views)
+
+
+def read_segments(buf: torch.Tensor, k: int, parts: list[tuple[int, str, torch.dtype, tuple[int, ...] | None]],
+                  name: str) -> object:
+    """A segments matrix read in place out of `buf` (bytes laid out by segments(), e.g. mapped:
+    nothing copied), its parts of (rows, layout, dtype, shape; None: an exact one, its bytes up to
+    the next part's) views of it; a table other than those parts' is refused."""
+    from .native_pack import LAYOUT_WTYPES, Packed
+    from .native_lib import WTYPES
+    count = len(parts)
+    damaged = buf.numel() < HEADER + 16 * count or int(buf[:4].view(torch.int32)) != count
+    table = [] if damaged else buf[HEADER:HEADER + 16 * count].view(torch.int64).reshape(count, 2).tolist()
+    want = [n | (LAYOUT_WTYPES.get(layout) or WTYPES[dtype]) << 32 for n, layout, dtype, _ in parts]
+    ends = [off for _, off in table[1:]] + [buf.numel()]
+    if damaged or [t[0] for t in table] != want or any(not 0 < off <= end or off % 64 for (_, off), end in zip(table, ends)):
+        raise TurboError(f"{name}: its segments table is not the plan's (a damaged open layout)")
+    views = []
+    for (n, layout, dtype, shape), (_, off), end in zip(parts, table, ends):
+        size = end - off if shape is None else dtype.itemsize * int(torch.Size(shape).numel())
+        if off + size > end:
+            raise TurboError(f"{name}: a segment overruns the next (a damaged open layout)")
+        data = buf[off:off + size].view(dtype)
+        views.append(Packed(data if shape is None else data.reshape(shape), n, k, layout))
+    return Packed(buf, sum(p[0] for p in parts), k, "segments", views)
 
 
 def exact_dense(p) -> torch.Tensor:

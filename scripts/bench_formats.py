@@ -3,12 +3,13 @@ turbo's own int4 / int8 / bf16 installs of the same random weights, interleaved.
 
     python scripts/bench_formats.py [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--tokens 64] [--no-llama]
     python scripts/bench_formats.py --shape tiny --reps 1 --tokens 4        # a quick check that it runs
+    python scripts/bench_formats.py --only fp8 fp8+int8 turbo-int8 awq-g128+int4 turbo-int4 --no-llama
 
 The shape's bf16 checkpoint (turbo.testing.shapes) is rewritten in each source format
 (turbo.testing.source_formats: AWQ int4 g128, GPTQ int4 g32 symmetric, Qwen's FP8 in 128 x 128
 blocks; turbo.testing.gguf_writer: GGUF Q4_K and Q8_0), each repacked by `python -m turbo.repack`
 into what it converts to (int4g128, int4g32, fp8, int4g32, int8g32: read as stored by the native
-step, native_exact.py), and turbo's own installs by `--quant int4 / int8` and as stored (bf16).
+step, native_exact.py; FP8 and AWQ / GPTQ also with --float-quant: "+int8" / "+int4"), and turbo's own installs by `--quant int4 / int8` and as stored (bf16).
 The GGUFs llama.cpp itself quantizes from the shape's bf16 GGUF (turbo.testing.shapes.gguf: Q8_0,
 Q4_0, Q4_K_M; where the bf16 GGUF is there or $LLAMA_CONVERT_DIR can make it) are repacked too
 (llama-*: the Q6_K tensors llama.cpp puts in its Q4_0 and Q4_K_M, the tied embedding among them,
@@ -49,6 +50,8 @@ SOURCES = {
     "gptq-g32": (lambda d: write_int4(d, "gptq", 32, sym=True, reference=False), "int4g32"),
     "fp8": (lambda d: write_fp8(d, reference=False), "fp8"),
 }
+# a source repacked with --float-quant too (its float matrices and tied head in turbo's own format)
+FLOATS = {"fp8": "int8", "awq-g128": "int4", "gptq-g32": "int4"}
 GGUF = {"gguf-q4_k": ("Q4_K", "int4g32"), "gguf-q8_0": ("Q8_0", "int8g32")}  # written by gguf_writer
 # quantized by llama.cpp (shapes.gguf kinds): kind -> (repack's --quant for the types it re-quantizes, format)
 LLAMA = {"q8_0": ("none", "int8g32"), "q4_0": ("int8", "int4g32+int8"), "q4_k_m": ("int8", "int4g32+int8")}
@@ -82,6 +85,12 @@ def converted(shape: str, cache: Path) -> tuple[dict[str, tuple[Path, str]], dic
             write(src)
             repack(src, install, quiet=True)
         out[name] = (install, fmt)
+        if name in FLOATS:
+            floats = base / f"install-{name}-floats-{FLOATS[name]}"
+            if stale(floats, install / "model.safetensors"):
+                shutil.rmtree(floats, ignore_errors=True)
+                repack(src, floats, quiet=True, float_quant=FLOATS[name])
+            out[f"{name}+{FLOATS[name]}"] = (floats, f"{fmt}+{FLOATS[name]}")
     for name, (qtype, fmt) in GGUF.items():
         path, install = base / f"model-{qtype}-writer.gguf", base / f"install-{name}"
         if newer(path, WRITER):
@@ -140,8 +149,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--no-llama", action="store_true", help="leave llama.cpp out")
+    ap.add_argument("--only", nargs="+", help="run only these installs (and llama.cpp on these GGUFs)")
     args = ap.parse_args()
     installs, ggufs = converted(args.shape, args.cache)
+    if args.only:
+        installs = {n: v for n, v in installs.items() if n in args.only}
+        ggufs = {n: v for n, v in ggufs.items() if n in args.only}
     specs = {name: benchlib.Spec("turbo", str(path), args.threads, [32], args.tokens, env={"PYTHONPATH": str(ROOT)})
              for name, (path, _) in installs.items()}
     llama = {} if args.no_llama else {f"llama.cpp-{name.split('-', 1)[1]}": (name, path, env)

@@ -17,7 +17,7 @@ from .safetensors_format import read_header
 
 # Bumped whenever a packed layout, or how the plan fuses sources into one matrix, changes: a
 # file of another version is not read (the install then packs at open, and says how to rewrite it).
-LAYOUT_VERSION = 1
+LAYOUT_VERSION = 2
 PACKED_FILE = "packed.safetensors"
 PREFIX = "packed."  # every packed tensor's name: packed.<layout>.<its first source's name>
 VERSION_KEY = "turbo.layout"

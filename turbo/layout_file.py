@@ -18,7 +18,8 @@ from .safetensors_format import read_header
 # Bumped whenever a packed layout, or how the plan fuses sources into one matrix, changes: a
 # file of another version is not read (the install then packs at open, and says how to rewrite it).
 # 2: the converted formats' matrices (native_exact's SEGMENTS), written for a host that reads them.
-LAYOUT_VERSION = 2
+# 3: FP8 codes two inputs a word (native_exact._fp8_bytes).
+LAYOUT_VERSION = 3
 PACKED_FILE = "packed.safetensors"
 PREFIX = "packed."  # every packed tensor's name: packed.<layout>.<its first source's name>
 VERSION_KEY = "turbo.layout"

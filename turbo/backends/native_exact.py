@@ -138,14 +138,15 @@ def _fp8_block(w: quant.QuantizedWeight, name: str) -> int:
 def _fp8_bytes(w: quant.QuantizedWeight, pb: int) -> tuple[torch.Tensor, torch.Tensor]:
     """[blocks, groups, 256]: per block of pb panels and group the table bf16(e4m3(c) * scale) of
     the codes c = 0..127 (high bytes, then low bytes); [panels, groups, group * 16]: the codes in
-    chunks of 4 inputs x 16 outputs, byte 16L + 4j + t = output 4L + t at input j (native_products.c)."""
+    chunks of 4 inputs x 16 outputs, byte 16L + 8h + 2d + e = output 4L + d at input 2h + e
+    (native_products.c)."""
     n, k = w.shape
     rows, groups, g = -(-n // PANEL) * PANEL, k // w.group, w.group
     s = _padded(w.scales.float(), rows)[::pb * PANEL]  # [blocks, g]
     table = (E4M3 * s[:, :, None]).to(torch.bfloat16).view(torch.int16)
     tables = torch.cat([((table >> 8) & 0xFF).to(torch.uint8), (table & 0xFF).to(torch.uint8)], dim=2)
     c = torch.nn.functional.pad(quant.unpack(w.packed, 8), (0, 0, 0, rows - n))
-    c = c.reshape(-1, 4, 4, groups, g // 4, 4).permute(0, 3, 4, 1, 5, 2)  # [panel, g, chunk, L, j, t]
+    c = c.reshape(-1, 4, 4, groups, g // 4, 2, 2).permute(0, 3, 4, 1, 5, 2, 6)  # [panel, g, chunk, L, h, d, e]
     return tables, c.reshape(*c.shape[:2], -1)
 
 
@@ -237,7 +238,7 @@ def exact_dense(p) -> torch.Tensor:
     if fp8:
         tb = p.data[HEADER:HEADER + int(h[2])].reshape(-1, groups, 256).to(torch.int32)
         t = (tb[:, :, :128] << 8 | tb[:, :, 128:]).repeat_interleave(int(h[1]), 0)[:panels]  # [panel, g, 128]
-        c = body.reshape(panels, groups, group // 4, 4, 4, 4).permute(0, 3, 5, 1, 2, 4)
+        c = body.reshape(panels, groups, group // 4, 4, 2, 4, 2).permute(0, 3, 5, 1, 2, 4, 6)
         c = c.reshape(panels, PANEL, groups, group).to(torch.int64)  # [panel, output, g, input]
         bits16 = torch.gather(t[:, None].expand(-1, PANEL, -1, -1), 3, c & 0x7F) | (c & 0x80) << 8
         w = (bits16.to(torch.int32) << 16).view(torch.float32)

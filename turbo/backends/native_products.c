@@ -359,9 +359,9 @@ static uint8_t *group_quads(const float *x, int R, int k) {
  *     16 lanes of inputs, then one fixed tree);
  *   wtype 9: per block of pb panels and group g its table, bf16(e4m3(c) * scale) for the 128
  *     codes c >= 0 as high bytes then low bytes (128 each; a negative code: the same with the
- *     sign bit); then per panel and group the codes in chunks of 4 inputs: byte 16L + 4j + t of
- *     a chunk is output 4L + t at input j, the order the byte / word interleaves below bring back
- *     to 16 outputs of one input.
+ *     sign bit); then per panel and group the codes in chunks of 4 inputs: byte 16L + 8h + 2d + e
+ *     of a chunk is output 4L + d at input 2h + e, the order in which the byte interleaves below
+ *     bring two inputs' words to each output's dword.
  * w = q * scale + bias is rounded twice, as torch's dequantization (mul then add, not fused). */
 #define FHEADER 64
 
@@ -408,7 +408,7 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
                 hi0[a] = _mm512_loadu_si512(tb), hi1[a] = _mm512_loadu_si512(tb + 64);
                 lo0[a] = _mm512_loadu_si512(tb + 128), lo1[a] = _mm512_loadu_si512(tb + 192);
             }
-            const __m512i sign = _mm512_set1_epi8((char)0x80), zero = _mm512_setzero_si512();
+            const __m512i sign = _mm512_set1_epi8((char)0x80), high = _mm512_set1_epi32((int)0xffff0000u);
             for (int j = 0; j < group; j += 4)
                 for (int a = 0; a < NP; a++) { /* (each panel's weights used at once: fewer live registers;
                                                 * the unrolled panels' chains still overlap) */
@@ -418,9 +418,11 @@ static inline __attribute__((always_inline)) void ftile(const float *x, int k, c
                     __m512i hi = _mm512_permutex2var_epi8(hi0[a], c, hi1[a]);
                     __m512i lo = _mm512_permutex2var_epi8(lo0[a], c, lo1[a]);
                     hi = _mm512_ternarylogic_epi32(hi, c, sign, 0xf8); /* hi | (c & 0x80) */
+                    /* the bf16 words, two inputs a dword: the low word's as an fp32 by a shift, the high
+                     * one's by an AND (port 0 or 5 where a third interleave would take port 5) */
                     __m512i wl = _mm512_unpacklo_epi8(lo, hi), wh = _mm512_unpackhi_epi8(lo, hi);
-                    v16 w[4] = {(v16)_mm512_unpacklo_epi16(zero, wl), (v16)_mm512_unpackhi_epi16(zero, wl),
-                                (v16)_mm512_unpacklo_epi16(zero, wh), (v16)_mm512_unpackhi_epi16(zero, wh)};
+                    v16 w[4] = {(v16)_mm512_slli_epi32(wl, 16), (v16)_mm512_and_si512(wl, high),
+                                (v16)_mm512_slli_epi32(wh, 16), (v16)_mm512_and_si512(wh, high)};
                     for (int t = 0; t < 4; t++)
                         for (int b = 0; b < NR; b++) acc[a][b] += w[t] * xg[(size_t)b * k + j + t];
                 }

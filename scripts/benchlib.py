@@ -216,13 +216,25 @@ def work(spec: Spec) -> dict:
 # ---- the driver -----------------------------------------------------------------------------
 
 
+def warm_page_cache(path: Path) -> None:
+    """Read the weights' files once (a turbo install's or a checkpoint's safetensors, a GGUF) so
+    that a system's steps map pages from memory, as on a machine that has run it before: many
+    installs in one run exceed the page cache, and a step faulting its pages in from disk
+    measures the disk."""
+    for f in ([path] if path.is_file() else sorted(path.rglob("*.safetensors"))):
+        with f.open("rb", buffering=0) as fh:
+            while fh.read(1 << 24):
+                pass
+
+
 def run(specs: dict[str, Spec], reps: int, timeout: float, out: Path | None = None) -> list[dict]:
     """Every system's worker once per repetition, each in a fresh process, one after another
-    (A, B, C, A, B, C, ...): its record, with `system` and `rep`, appended to `out` (JSON lines)
+    (A, B, C, A, B, C, ...), its weights read into the page cache first: its record, with `system` and `rep`, appended to `out` (JSON lines)
     and returned. A worker over `timeout` seconds is left out; one that fails ends the run."""
     records = []
     for rep in range(reps):
         for name, spec in specs.items():
+            warm_page_cache(Path(spec.path))
             cmd = [sys.executable, __file__, json.dumps(asdict(spec))]
             try:
                 done = subprocess.run(cmd, env=dict(os.environ, **spec.env), capture_output=True, text=True,

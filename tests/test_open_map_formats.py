@@ -16,7 +16,7 @@ from test_open_map import PACKING, PROMPT, tokens
 from test_repack_formats import _source
 
 import turbo
-from turbo import layout_file, loader, open_layout
+from turbo import layout_file, loader, open_layout, quant
 from turbo.backends import native_exact, native_lib, native_pack
 from turbo.install import open_install
 from turbo.load_plan import EXACT, PANELS, SEGMENTS, Host, layer_matrices, plan_trunk
@@ -109,6 +109,22 @@ def test_a_converted_install_opens_by_map_with_no_packing(installs, monkeypatch)
             assert all(base <= p.data.data_ptr() < base + len(mm) for p in w.parts)
     assert torch.equal(_logits(rt), want_logits)
     assert rt.generate(PROMPT, max_new_tokens=16, policy="off").tokens == want_tokens
+
+
+def test_a_quantized_table_is_dequantized_a_row_at_a_time(installs):
+    """A GGUF's tied Q8_0 token_embd stays quantized (its head is read as stored): a step
+    dequantizes the rows it embeds, each as the whole table's dequantization gives it."""
+    kind, new, _ = installs
+    if kind != "gguf-q8_0":
+        pytest.skip("a float table")
+    rt = turbo.open(str(new))
+    table = rt.trunk.embed
+    assert isinstance(table, quant.QuantizedRows) and rt.trunk.step_name == "native"
+    whole = table.weight.dequantize(torch.float32)
+    ids = torch.tensor([[0, 5], [17, table.shape[0] - 1]])
+    assert torch.equal(table[ids], whole[ids])
+    _logits(rt)
+    assert table._dense is None  # (never the whole table)
 
 
 def test_a_host_without_the_formats_packs_what_it_reads(installs, monkeypatch):

@@ -153,6 +153,10 @@ class Reader:
         if p.rows_of_head:
             head = self.matrix(p.head)
             return native_pack.PackedRows(head), head
+        e = self.entry(p.source)
+        if e.bits and p.head is not None and p.head.form != COPY:  # (kept quantized: only the rows a step embeds)
+            return (quant.QuantizedRows(self.index.load_quantized(e.name), p.table or p.read_as or torch.float32),
+                    self.matrix(p.head))
         table = self.table(p)
         copy = self.head_copy(p, table) if p.head is not None and p.head.form == COPY else None
         table = table.to(p.table) if p.table is not None else table

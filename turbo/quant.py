@@ -179,6 +179,34 @@ def dequantize(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
 
 
 @dataclass
+class QuantizedRows:
+    """An embedding table kept quantized (a GGUF's tied Q8_0 / Q4_x token_embd, whose head the
+    products read as stored): a step dequantizes only the rows it embeds, each exactly as the
+    whole table's dequantization would give it (the same elementwise arithmetic), where the whole
+    table in fp32 would cost seconds at every open and 4 bytes a weight."""
+
+    weight: "QuantizedWeight"
+    dtype: torch.dtype  # the rows'
+    _dense: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+    def __getitem__(self, ids) -> torch.Tensor:
+        ids = torch.as_tensor(ids)
+        flat, w = ids.reshape(-1), self.weight
+        rows = dequantize(w.packed[flat], w.scales[flat], w.biases[flat], w.bits, w.group, self.dtype, w.float8)
+        return rows.reshape(*ids.shape, rows.shape[-1])
+
+    def dense(self) -> torch.Tensor:
+        """The whole table, dequantized once (native code that needs a pointer to rows: a DFlash drafter's)."""
+        if self._dense is None:
+            self._dense = self.weight.dequantize(self.dtype).contiguous()
+        return self._dense
+
+
+@dataclass
 class QuantizedWeight:
     """A packed affine-quantized matrix. `shape` is the logical [out, in]; `dtype` the
     compute dtype ops.linear multiplies in (what `calibrate_rows` keys its padding on)."""

@@ -8,6 +8,7 @@ import ctypes
 
 import torch
 
+from .. import quant
 from ..drafters.dflash_math import select_candidates
 from .native_lib import WTYPES, DfLayer, Dflash, threaded
 from .native_pack import PackedRows, ptr, table_of
@@ -24,7 +25,8 @@ def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | Non
     if dtype != torch.float32:
         return f"activations are {str(dtype).removeprefix('torch.')}"
     plain_table = isinstance(embed, torch.Tensor) and embed.is_contiguous()
-    if not (plain_table or isinstance(embed, PackedRows)) or embed.dtype not in WTYPES:
+    # (a quantized table: dequantized whole for it, native_pack.table_of)
+    if not (plain_table or isinstance(embed, (PackedRows, quant.QuantizedRows))) or embed.dtype not in WTYPES:
         return "the embedding table is not a plain fp32 or bf16 one"
     return None
 

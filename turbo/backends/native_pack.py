@@ -115,6 +115,8 @@ def table_of(embed: torch.Tensor | PackedRows) -> tuple[int, int, int]:
     2 panel pairs)."""
     if isinstance(embed, PackedRows):
         return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 2 if embed.packed.layout == "panel_pairs" else 1
+    if isinstance(embed, quant.QuantizedRows):
+        embed = embed.dense()
     assert embed.is_contiguous() and embed.device.type == "cpu"
     return embed.data_ptr(), WTYPES[embed.dtype], 0
 

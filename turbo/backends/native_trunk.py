@@ -8,6 +8,7 @@ import ctypes
 
 import torch
 
+from .. import quant
 from .native_lib import WTYPES, Layer, Moe, library, threaded
 from .native_pack import ptr, table_of
 from .step import GdnTrace, StepOut, TrunkState
@@ -169,7 +170,10 @@ class NativeTrunkStep:
         total, offs = sum(rows), [sum(rows[:s]) for s in range(n)]
         x = torch.empty(total, a.hidden)  # [sum R, H]: the residual stream, updated in place layer by layer
         xp = x.data_ptr()
-        lib.embed_rows(*table_of(t.embed), (ctypes.c_int * total)(*flat), total, a.hidden, xp)
+        if isinstance(t.embed, quant.QuantizedRows):  # (rows dequantized here, not the whole table)
+            x.copy_(t.embed[flat])
+        else:
+            lib.embed_rows(*table_of(t.embed), (ctypes.c_int * total)(*flat), total, a.hidden, xp)
         rpos = [None] * n  # each sequence's rotation per row and frequency (None: at its positions)
         for s, st in enumerate(states):
             if mm is not None and mm[s] is not None:

@@ -178,6 +178,48 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
     }
 }
 
+/* weighted_sum's 64-column chains at c for NQ <= 4 queries at once (query a: out[a][c..c+64) =
+ * sum_t p[a][t] * V[t] over its first n[a] rows of V [*, stride]): the even t summed in one pass,
+ * the odd t in a second, each in registers, each V row loaded once for all NQ; then the two
+ * sums added, even + odd. Element for element weighted_sum's chains, so its bits. */
+static inline __attribute__((always_inline)) void strip64_sums(const int NQ, const float *const *p, const int *n,
+                                                               const float *V, int stride, int c,
+                                                               float *const *out) {
+    int lo = n[0], hi = n[0];
+    for (int a = 1; a < NQ; a++) lo = n[a] < lo ? n[a] : lo, hi = n[a] > hi ? n[a] : hi;
+    for (int odd = 0; odd < 2; odd++) {
+        v16 acc[4][4] = {{{0}}}, u0, u1, u2, u3;
+        int t = odd;
+        for (; t < lo; t += 2) {
+            const float *v = V + (size_t)t * stride + c;
+            memcpy(&u0, v, 64), memcpy(&u1, v + 16, 64), memcpy(&u2, v + 32, 64), memcpy(&u3, v + 48, 64);
+            for (int a = 0; a < NQ; a++) {
+                float pt = p[a][t];
+                acc[a][0] += pt * u0, acc[a][1] += pt * u1, acc[a][2] += pt * u2, acc[a][3] += pt * u3;
+            }
+        }
+        for (; t < hi; t += 2) { /* the rows only some queries see (a later row's last keys) */
+            const float *v = V + (size_t)t * stride + c;
+            memcpy(&u0, v, 64), memcpy(&u1, v + 16, 64), memcpy(&u2, v + 32, 64), memcpy(&u3, v + 48, 64);
+            for (int a = 0; a < NQ; a++)
+                if (t < n[a]) {
+                    float pt = p[a][t];
+                    acc[a][0] += pt * u0, acc[a][1] += pt * u1, acc[a][2] += pt * u2, acc[a][3] += pt * u3;
+                }
+        }
+        for (int a = 0; a < NQ; a++)
+            for (int k = 0; k < 4; k++) {
+                float *o = out[a] + c + 16 * k;
+                if (odd) {
+                    v16 e;
+                    memcpy(&e, o, 64);
+                    acc[a][k] = e + acc[a][k];
+                }
+                memcpy(o, &acc[a][k], 64);
+            }
+    }
+}
+
 /* Queries of a kv head (rows x its query heads) summed by weighted_sums, V read once for all. */
 #define FEW_QUERIES 64
 
@@ -355,11 +397,26 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
     { /* a prefill chunk's many queries: a bf16 V widened whole first ([N, hd], a chunk's rows share it) */
         float *wide = kt ? malloc(sizeof(float) * (size_t)N * hd) : NULL;
         const float *vf = kv_floats(V, kt, 0, (size_t)N * hd, wide);
+        int nq = R * groups;
         for (int c = 0; c < hd; c += V_STRIP)
-            for (int r = 0; r < R; r++)
-                for (int hq = j * groups; hq < (j + 1) * groups; hq++)
-                    weighted_sum(scores + ((size_t)r * nh + hq) * N, vf + c, p0 + r + 1 - start,
-                                 hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+            for (int q0 = 0; q0 < nq; q0 += 4) { /* queries in order (row, head), four at a time */
+                int g = nq - q0 < 4 ? nq - q0 : 4, n[4];
+                const float *p[4];
+                float *out[4];
+                for (int a = 0; a < g; a++) {
+                    int r = (q0 + a) / groups, hq = j * groups + (q0 + a) % groups;
+                    p[a] = scores + ((size_t)r * nh + hq) * N, n[a] = p0 + r + 1 - start;
+                    out[a] = att + ((size_t)r * nh + hq) * hd;
+                }
+                if (hd - c < V_STRIP) /* a last narrower strip: weighted_sum's one chain a column */
+                    for (int a = 0; a < g; a++) weighted_sum(p[a], vf + c, n[a], hd - c, hd, out[a] + c);
+                else switch (g) {
+                    case 4: strip64_sums(4, p, n, vf, hd, c, out); break;
+                    case 3: strip64_sums(3, p, n, vf, hd, c, out); break;
+                    case 2: strip64_sums(2, p, n, vf, hd, c, out); break;
+                    default: strip64_sums(1, p, n, vf, hd, c, out); break;
+                }
+            }
         free(wide);
     }
 gated:

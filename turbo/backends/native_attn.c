@@ -331,6 +331,8 @@ static void rope(float *x, int rot, const float *inv_freq, int pos, const int *p
 #define V_STRIP 64
 /* How far ahead of the scores the keys are fetched (keys; a few KB). */
 #define KEYS_AHEAD 16
+/* Keys scored against each quad of queries in turn (a multiple of 4). */
+#define KEY_TILE 16
 
 /* Kv head j of attn_layer: the scores of every row's queries on its keys K [N, hd], their
  * softmax, and the gated weighted sums of V [N, hd] into att (K, V of L->kv_type). */
@@ -342,26 +344,36 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
     float *keys = kt ? malloc(sizeof(float) * hd) : NULL; /* [hd]: a bf16 key widened (the last N % 4) */
     /* four keys at a time against four queries at a time, read from the cache (bf16 widened in
      * registers), each key and query read once for the others; each score is still one `dot`.
-     * A row also scores the block's keys past its own, never read. */
+     * A tile of KEY_TILE keys (a few KB: it stays in L1) against each quad of queries in turn,
+     * so a query comes from the outer caches once a tile, not once per four keys.
+     * A row also scores the tile's keys past its own, never read. */
     int t = 0;
     size_t kb = kv_bytes(kt), ahead = KEYS_AHEAD * (size_t)hd * kb; /* prefetch: a long cache comes from memory */
-    for (; t + 4 <= N; t += 4) {
-        const char *next = (const char *)K + ((size_t)t * hd) * kb + ahead;
-        for (size_t b = 0; b < 4 * (size_t)hd * kb; b += 64) __builtin_prefetch(next + b, 0, 2);
-        const float *q4[4];
-        float *s4[4];
-        int nq = 0;
-        for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
-            for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
-                size_t qi = (size_t)r * nh + hq;
-                q4[nq] = qs + qi * hd, s4[nq] = scores + qi * N + t;
-                if (++nq == 4) dot4x4(q4, K, kt, (size_t)t * hd, hd, scale, s4), nq = 0;
-            }
-        for (int a = 0; a < nq; a++) {
-            dot4(q4[a], K, kt, (size_t)t * hd, hd, s4[a]);
-            for (int e = 0; e < 4; e++) s4[a][e] *= scale;
+    for (int tile = KEY_TILE; tile; tile = tile > 4 ? 4 : 0) /* whole tiles, then four keys at a time */
+        for (; t + tile <= N; t += tile) {
+            const char *next = (const char *)K + ((size_t)t * hd) * kb + ahead;
+            for (size_t b = 0; b < (size_t)tile * hd * kb; b += 64) __builtin_prefetch(next + b, 0, 2);
+            const float *q4[4];
+            float *s4[4];
+            int nq = 0;
+            for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
+                for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+                    size_t qi = (size_t)r * nh + hq;
+                    q4[nq] = qs + qi * hd, s4[nq] = scores + qi * N + t;
+                    if (++nq == 4) {
+                        for (int k = 0; k < tile; k += 4) {
+                            float *s4k[4] = {s4[0] + k, s4[1] + k, s4[2] + k, s4[3] + k};
+                            dot4x4(q4, K, kt, (size_t)(t + k) * hd, hd, scale, s4k);
+                        }
+                        nq = 0;
+                    }
+                }
+            for (int a = 0; a < nq; a++)
+                for (int k = 0; k < tile; k += 4) {
+                    dot4(q4[a], K, kt, (size_t)(t + k) * hd, hd, s4[a] + k);
+                    for (int e = 0; e < 4; e++) s4[a][k + e] *= scale;
+                }
         }
-    }
     for (; t < N; t++) {
         const float *k1 = kv_floats(K, kt, (size_t)t * hd, hd, keys);
         for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)

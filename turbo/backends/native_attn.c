@@ -178,24 +178,26 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
     }
 }
 
-/* weighted_sum's 64-column chains at c for NQ <= 4 queries at once (query a: out[a][c..c+64) =
- * sum_t p[a][t] * V[t] over its first n[a] rows of V [*, stride]): the even t summed in one pass,
- * the odd t in a second, each in registers, each V row loaded once for all NQ; then the two
- * sums added, even + odd. Element for element weighted_sum's chains, so its bits. */
-static inline __attribute__((always_inline)) void strip64_sums(const int NQ, const float *const *p, const int *n,
-                                                               const float *V, int stride, int c,
-                                                               float *const *out) {
-    int lo = n[0], hi = n[0];
-    for (int a = 1; a < NQ; a++) lo = n[a] < lo ? n[a] : lo, hi = n[a] > hi ? n[a] : hi;
+/* Rows [t0, t1) of V [*, stride] (columns c..c+64) into the 64-column sums of NQ <= 4 queries
+ * (query a: p[a][t] * V[t] for t below its n[a]): acc[a] [2][64] holds its even-t and odd-t sums,
+ * each continued in registers over this block's even rows, then its odd rows, in ascending t:
+ * weighted_sum's two chains a column, each V row loaded once for all NQ. */
+static inline __attribute__((always_inline)) void strip64_block(const int NQ, const float *const *p, const int *n,
+                                                                const float *V, int stride, int c, int t0, int t1,
+                                                                float *const *acc) {
+    int lo = t1, hi = t0;
+    for (int a = 0; a < NQ; a++) lo = n[a] < lo ? n[a] : lo, hi = n[a] > hi ? n[a] : hi;
+    hi = hi < t1 ? hi : t1;
     for (int odd = 0; odd < 2; odd++) {
-        v16 acc[4][4] = {{{0}}}, u0, u1, u2, u3;
-        int t = odd;
+        v16 s[4][4], u0, u1, u2, u3;
+        for (int a = 0; a < NQ; a++) memcpy(s[a], acc[a] + 64 * odd, 256);
+        int t = t0 + odd;
         for (; t < lo; t += 2) {
             const float *v = V + (size_t)t * stride + c;
             memcpy(&u0, v, 64), memcpy(&u1, v + 16, 64), memcpy(&u2, v + 32, 64), memcpy(&u3, v + 48, 64);
             for (int a = 0; a < NQ; a++) {
                 float pt = p[a][t];
-                acc[a][0] += pt * u0, acc[a][1] += pt * u1, acc[a][2] += pt * u2, acc[a][3] += pt * u3;
+                s[a][0] += pt * u0, s[a][1] += pt * u1, s[a][2] += pt * u2, s[a][3] += pt * u3;
             }
         }
         for (; t < hi; t += 2) { /* the rows only some queries see (a later row's last keys) */
@@ -204,20 +206,44 @@ static inline __attribute__((always_inline)) void strip64_sums(const int NQ, con
             for (int a = 0; a < NQ; a++)
                 if (t < n[a]) {
                     float pt = p[a][t];
-                    acc[a][0] += pt * u0, acc[a][1] += pt * u1, acc[a][2] += pt * u2, acc[a][3] += pt * u3;
+                    s[a][0] += pt * u0, s[a][1] += pt * u1, s[a][2] += pt * u2, s[a][3] += pt * u3;
                 }
         }
-        for (int a = 0; a < NQ; a++)
-            for (int k = 0; k < 4; k++) {
-                float *o = out[a] + c + 16 * k;
-                if (odd) {
-                    v16 e;
-                    memcpy(&e, o, 64);
-                    acc[a][k] = e + acc[a][k];
-                }
-                memcpy(o, &acc[a][k], 64);
-            }
+        for (int a = 0; a < NQ; a++) memcpy(acc[a] + 64 * odd, s[a], 256);
     }
+}
+
+/* Queries summed together by strip64_sums (their sums stay in L1 with a block of V's strip). */
+#define STRIP_QUERIES 16
+/* V's rows a block: 64 x 64 columns (16 KB, fp32) stay in L1 while the queries reread them. */
+#define STRIP_ROWS 64
+
+/* weighted_sum's 64-column chains at c for nq <= STRIP_QUERIES queries (query a: out[a][c..c+64)
+ * = sum_t p[a][t] * V[t] over its first n[a] rows of V [*, stride]): even-t and odd-t sums
+ * (strip64_block, four queries at a time, a block of STRIP_ROWS rows of V after another), then
+ * even + odd. Element for element weighted_sum's chains, so its bits; V comes from L1. */
+static void strip64_sums(int nq, const float *const *p, const int *n, const float *V, int stride, int c,
+                         float *const *out) {
+    float sums[STRIP_QUERIES][2 * 64], *acc[STRIP_QUERIES];
+    int hi = 0;
+    for (int a = 0; a < nq; a++) hi = n[a] > hi ? n[a] : hi, acc[a] = sums[a];
+    memset(sums, 0, sizeof(float) * 2 * 64 * nq);
+    for (int t0 = 0; t0 < hi; t0 += STRIP_ROWS) {
+        int t1 = hi - t0 < STRIP_ROWS ? hi : t0 + STRIP_ROWS;
+        for (int q = 0; q < nq; q += 4) switch (nq - q < 4 ? nq - q : 4) {
+            case 4: strip64_block(4, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+            case 3: strip64_block(3, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+            case 2: strip64_block(2, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+            default: strip64_block(1, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+        }
+    }
+    for (int a = 0; a < nq; a++)
+        for (int k = 0; k < 64; k += 16) {
+            v16 e, o;
+            memcpy(&e, sums[a] + k, 64), memcpy(&o, sums[a] + 64 + k, 64);
+            e += o;
+            memcpy(out[a] + c + k, &e, 64);
+        }
 }
 
 /* Queries of a kv head (rows x its query heads) summed by weighted_sums, V read once for all. */
@@ -411,10 +437,10 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
         const float *vf = kv_floats(V, kt, 0, (size_t)N * hd, wide);
         int nq = R * groups;
         for (int c = 0; c < hd; c += V_STRIP)
-            for (int q0 = 0; q0 < nq; q0 += 4) { /* queries in order (row, head), four at a time */
-                int g = nq - q0 < 4 ? nq - q0 : 4, n[4];
-                const float *p[4];
-                float *out[4];
+            for (int q0 = 0; q0 < nq; q0 += STRIP_QUERIES) { /* queries in order (row, head) */
+                int g = nq - q0 < STRIP_QUERIES ? nq - q0 : STRIP_QUERIES, n[STRIP_QUERIES];
+                const float *p[STRIP_QUERIES];
+                float *out[STRIP_QUERIES];
                 for (int a = 0; a < g; a++) {
                     int r = (q0 + a) / groups, hq = j * groups + (q0 + a) % groups;
                     p[a] = scores + ((size_t)r * nh + hq) * N, n[a] = p0 + r + 1 - start;
@@ -422,12 +448,8 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
                 }
                 if (hd - c < V_STRIP) /* a last narrower strip: weighted_sum's one chain a column */
                     for (int a = 0; a < g; a++) weighted_sum(p[a], vf + c, n[a], hd - c, hd, out[a] + c);
-                else switch (g) {
-                    case 4: strip64_sums(4, p, n, vf, hd, c, out); break;
-                    case 3: strip64_sums(3, p, n, vf, hd, c, out); break;
-                    case 2: strip64_sums(2, p, n, vf, hd, c, out); break;
-                    default: strip64_sums(1, p, n, vf, hd, c, out); break;
-                }
+                else
+                    strip64_sums(g, p, n, vf, hd, c, out);
             }
         free(wide);
     }

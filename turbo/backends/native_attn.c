@@ -367,7 +367,8 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
     int nh = L->heads, hd = L->head_dim, groups = nh / L->kv_heads, P = 2 * nh * hd + 2 * L->kv_heads * hd;
     int kt = L->kv_type;
     float scale = 1.0f / sqrtf((float)hd);
-    float *keys = kt ? malloc(sizeof(float) * hd) : NULL; /* [hd]: a bf16 key widened (the last N % 4) */
+    /* [KEY_TILE, hd]: bf16 keys widened (a tile that many queries read, or the last N % 4) */
+    float *keys = kt ? malloc(sizeof(float) * KEY_TILE * hd) : NULL;
     /* four keys at a time against four queries at a time, read from the cache (bf16 widened in
      * registers), each key and query read once for the others; each score is still one `dot`.
      * A tile of KEY_TILE keys (a few KB: it stays in L1) against each quad of queries in turn,
@@ -381,22 +382,28 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
             for (size_t b = 0; b < (size_t)tile * hd * kb; b += 64) __builtin_prefetch(next + b, 0, 2);
             const float *q4[4];
             float *s4[4];
-            int nq = 0;
-            for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
+            int nq = 0, r0 = t < p0 - start ? 0 : t - (p0 - start);
+            /* a bf16 tile many quads read: widened once (exactly), not in registers once a quad */
+            const void *Kt = K;
+            int ktt = kt;
+            size_t at = (size_t)t * hd;
+            if (kt && tile == KEY_TILE && (R - r0) * groups >= 8)
+                Kt = kv_floats(K, kt, at, (size_t)tile * hd, keys), ktt = 0, at = 0;
+            for (int r = r0; r < R; r++)
                 for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                     size_t qi = (size_t)r * nh + hq;
                     q4[nq] = qs + qi * hd, s4[nq] = scores + qi * N + t;
                     if (++nq == 4) {
                         for (int k = 0; k < tile; k += 4) {
                             float *s4k[4] = {s4[0] + k, s4[1] + k, s4[2] + k, s4[3] + k};
-                            dot4x4(q4, K, kt, (size_t)(t + k) * hd, hd, scale, s4k);
+                            dot4x4(q4, Kt, ktt, at + (size_t)k * hd, hd, scale, s4k);
                         }
                         nq = 0;
                     }
                 }
             for (int a = 0; a < nq; a++)
                 for (int k = 0; k < tile; k += 4) {
-                    dot4(q4[a], K, kt, (size_t)(t + k) * hd, hd, s4[a] + k);
+                    dot4(q4[a], Kt, ktt, at + (size_t)k * hd, hd, s4[a] + k);
                     for (int e = 0; e < 4; e++) s4[a][k + e] *= scale;
                 }
         }

@@ -43,3 +43,24 @@ def test_a_verify_sized_call_and_a_chunk_sum_v_the_same_way(kv_cache):
     chunk = trunk.step(a, tokens[n - rows:], (), None)
     steps = [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
     assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))
+
+
+@pytest.mark.parametrize("heads,kv_cache", [(8, "bfloat16"), (6, "float32")])
+def test_a_long_chunk_at_head_dim_256_equals_decode_steps(tmp_path, heads, kv_cache):
+    """head_dim 256 (Qwen3.5's) with 4 or 3 query heads a kv head: a chunk's many queries sum V
+    four at a time (with 3 heads a quad spans two rows, which see different key counts), and
+    each row still equals its decode step bit for bit."""
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
+    from turbo.testing import make_install
+
+    _, path = make_install(tmp_path, seed=5, num_attention_heads=heads, num_key_value_heads=2, head_dim=256)
+    trunk = load_trunk(open_install(path), OpenOptions(kv_cache=kv_cache), "cpu")
+    n, rows = 300, 61
+    tokens = [(13 * i) % 300 + 3 for i in range(n)]
+    a, b = trunk.new_state(n), trunk.new_state(n)
+    trunk.prefill(a, tokens[:n - rows]), trunk.prefill(b, tokens[:n - rows])
+    chunk = trunk.step(a, tokens[n - rows:], (), None)
+    steps = [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
+    assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))
+    assert torch.equal(chunk.logits, torch.cat([s.logits for s in steps]))

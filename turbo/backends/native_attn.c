@@ -178,6 +178,74 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
     }
 }
 
+/* Rows [t0, t1) of V [*, stride] (columns c..c+64) into the 64-column sums of NQ <= 4 queries
+ * (query a: p[a][t] * V[t] for t below its n[a]): acc[a] [2][64] holds its even-t and odd-t sums,
+ * each continued in registers over this block's even rows, then its odd rows, in ascending t:
+ * weighted_sum's two chains a column, each V row loaded once for all NQ. */
+static inline __attribute__((always_inline)) void strip64_block(const int NQ, const float *const *p, const int *n,
+                                                                const float *V, int stride, int c, int t0, int t1,
+                                                                float *const *acc) {
+    int lo = t1, hi = t0;
+    for (int a = 0; a < NQ; a++) lo = n[a] < lo ? n[a] : lo, hi = n[a] > hi ? n[a] : hi;
+    hi = hi < t1 ? hi : t1;
+    for (int odd = 0; odd < 2; odd++) {
+        v16 s[4][4], u0, u1, u2, u3;
+        for (int a = 0; a < NQ; a++) memcpy(s[a], acc[a] + 64 * odd, 256);
+        int t = t0 + odd;
+        for (; t < lo; t += 2) {
+            const float *v = V + (size_t)t * stride + c;
+            memcpy(&u0, v, 64), memcpy(&u1, v + 16, 64), memcpy(&u2, v + 32, 64), memcpy(&u3, v + 48, 64);
+            for (int a = 0; a < NQ; a++) {
+                float pt = p[a][t];
+                s[a][0] += pt * u0, s[a][1] += pt * u1, s[a][2] += pt * u2, s[a][3] += pt * u3;
+            }
+        }
+        for (; t < hi; t += 2) { /* the rows only some queries see (a later row's last keys) */
+            const float *v = V + (size_t)t * stride + c;
+            memcpy(&u0, v, 64), memcpy(&u1, v + 16, 64), memcpy(&u2, v + 32, 64), memcpy(&u3, v + 48, 64);
+            for (int a = 0; a < NQ; a++)
+                if (t < n[a]) {
+                    float pt = p[a][t];
+                    s[a][0] += pt * u0, s[a][1] += pt * u1, s[a][2] += pt * u2, s[a][3] += pt * u3;
+                }
+        }
+        for (int a = 0; a < NQ; a++) memcpy(acc[a] + 64 * odd, s[a], 256);
+    }
+}
+
+/* Queries summed together by strip64_sums (their sums stay in L1 with a block of V's strip). */
+#define STRIP_QUERIES 16
+/* V's rows a block: 64 x 64 columns (16 KB, fp32) stay in L1 while the queries reread them. */
+#define STRIP_ROWS 64
+
+/* weighted_sum's 64-column chains at c for nq <= STRIP_QUERIES queries (query a: out[a][c..c+64)
+ * = sum_t p[a][t] * V[t] over its first n[a] rows of V [*, stride]): even-t and odd-t sums
+ * (strip64_block, four queries at a time, a block of STRIP_ROWS rows of V after another), then
+ * even + odd. Element for element weighted_sum's chains, so its bits; V comes from L1. */
+static void strip64_sums(int nq, const float *const *p, const int *n, const float *V, int stride, int c,
+                         float *const *out) {
+    float sums[STRIP_QUERIES][2 * 64], *acc[STRIP_QUERIES];
+    int hi = 0;
+    for (int a = 0; a < nq; a++) hi = n[a] > hi ? n[a] : hi, acc[a] = sums[a];
+    memset(sums, 0, sizeof(float) * 2 * 64 * nq);
+    for (int t0 = 0; t0 < hi; t0 += STRIP_ROWS) {
+        int t1 = hi - t0 < STRIP_ROWS ? hi : t0 + STRIP_ROWS;
+        for (int q = 0; q < nq; q += 4) switch (nq - q < 4 ? nq - q : 4) {
+            case 4: strip64_block(4, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+            case 3: strip64_block(3, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+            case 2: strip64_block(2, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+            default: strip64_block(1, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+        }
+    }
+    for (int a = 0; a < nq; a++)
+        for (int k = 0; k < 64; k += 16) {
+            v16 e, o;
+            memcpy(&e, sums[a] + k, 64), memcpy(&o, sums[a] + 64 + k, 64);
+            e += o;
+            memcpy(out[a] + c + k, &e, 64);
+        }
+}
+
 /* Queries of a kv head (rows x its query heads) summed by weighted_sums, V read once for all. */
 #define FEW_QUERIES 64
 
@@ -289,6 +357,8 @@ static void rope(float *x, int rot, const float *inv_freq, int pos, const int *p
 #define V_STRIP 64
 /* How far ahead of the scores the keys are fetched (keys; a few KB). */
 #define KEYS_AHEAD 16
+/* Keys scored against each quad of queries in turn (a multiple of 4). */
+#define KEY_TILE 16
 
 /* Kv head j of attn_layer: the scores of every row's queries on its keys K [N, hd], their
  * softmax, and the gated weighted sums of V [N, hd] into att (K, V of L->kv_type). */
@@ -297,29 +367,46 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
     int nh = L->heads, hd = L->head_dim, groups = nh / L->kv_heads, P = 2 * nh * hd + 2 * L->kv_heads * hd;
     int kt = L->kv_type;
     float scale = 1.0f / sqrtf((float)hd);
-    float *keys = kt ? malloc(sizeof(float) * hd) : NULL; /* [hd]: a bf16 key widened (the last N % 4) */
+    /* [KEY_TILE, hd]: bf16 keys widened (a tile that many queries read, or the last N % 4) */
+    float *keys = kt ? malloc(sizeof(float) * KEY_TILE * hd) : NULL;
     /* four keys at a time against four queries at a time, read from the cache (bf16 widened in
      * registers), each key and query read once for the others; each score is still one `dot`.
-     * A row also scores the block's keys past its own, never read. */
+     * A tile of KEY_TILE keys (a few KB: it stays in L1) against each quad of queries in turn,
+     * so a query comes from the outer caches once a tile, not once per four keys.
+     * A row also scores the tile's keys past its own, never read. */
     int t = 0;
     size_t kb = kv_bytes(kt), ahead = KEYS_AHEAD * (size_t)hd * kb; /* prefetch: a long cache comes from memory */
-    for (; t + 4 <= N; t += 4) {
-        const char *next = (const char *)K + ((size_t)t * hd) * kb + ahead;
-        for (size_t b = 0; b < 4 * (size_t)hd * kb; b += 64) __builtin_prefetch(next + b, 0, 2);
-        const float *q4[4];
-        float *s4[4];
-        int nq = 0;
-        for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
-            for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
-                size_t qi = (size_t)r * nh + hq;
-                q4[nq] = qs + qi * hd, s4[nq] = scores + qi * N + t;
-                if (++nq == 4) dot4x4(q4, K, kt, (size_t)t * hd, hd, scale, s4), nq = 0;
-            }
-        for (int a = 0; a < nq; a++) {
-            dot4(q4[a], K, kt, (size_t)t * hd, hd, s4[a]);
-            for (int e = 0; e < 4; e++) s4[a][e] *= scale;
+    for (int tile = KEY_TILE; tile; tile = tile > 4 ? 4 : 0) /* whole tiles, then four keys at a time */
+        for (; t + tile <= N; t += tile) {
+            const char *next = (const char *)K + ((size_t)t * hd) * kb + ahead;
+            for (size_t b = 0; b < (size_t)tile * hd * kb; b += 64) __builtin_prefetch(next + b, 0, 2);
+            const float *q4[4];
+            float *s4[4];
+            int nq = 0, r0 = t < p0 - start ? 0 : t - (p0 - start);
+            /* a bf16 tile many quads read: widened once (exactly), not in registers once a quad */
+            const void *Kt = K;
+            int ktt = kt;
+            size_t at = (size_t)t * hd;
+            if (kt && tile == KEY_TILE && (R - r0) * groups >= 8)
+                Kt = kv_floats(K, kt, at, (size_t)tile * hd, keys), ktt = 0, at = 0;
+            for (int r = r0; r < R; r++)
+                for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
+                    size_t qi = (size_t)r * nh + hq;
+                    q4[nq] = qs + qi * hd, s4[nq] = scores + qi * N + t;
+                    if (++nq == 4) {
+                        for (int k = 0; k < tile; k += 4) {
+                            float *s4k[4] = {s4[0] + k, s4[1] + k, s4[2] + k, s4[3] + k};
+                            dot4x4(q4, Kt, ktt, at + (size_t)k * hd, hd, scale, s4k);
+                        }
+                        nq = 0;
+                    }
+                }
+            for (int a = 0; a < nq; a++)
+                for (int k = 0; k < tile; k += 4) {
+                    dot4(q4[a], Kt, ktt, at + (size_t)k * hd, hd, s4[a] + k);
+                    for (int e = 0; e < 4; e++) s4[a][k + e] *= scale;
+                }
         }
-    }
     for (; t < N; t++) {
         const float *k1 = kv_floats(K, kt, (size_t)t * hd, hd, keys);
         for (int r = t < p0 - start ? 0 : t - (p0 - start); r < R; r++)
@@ -355,11 +442,22 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
     { /* a prefill chunk's many queries: a bf16 V widened whole first ([N, hd], a chunk's rows share it) */
         float *wide = kt ? malloc(sizeof(float) * (size_t)N * hd) : NULL;
         const float *vf = kv_floats(V, kt, 0, (size_t)N * hd, wide);
+        int nq = R * groups;
         for (int c = 0; c < hd; c += V_STRIP)
-            for (int r = 0; r < R; r++)
-                for (int hq = j * groups; hq < (j + 1) * groups; hq++)
-                    weighted_sum(scores + ((size_t)r * nh + hq) * N, vf + c, p0 + r + 1 - start,
-                                 hd - c < V_STRIP ? hd - c : V_STRIP, hd, att + ((size_t)r * nh + hq) * hd + c);
+            for (int q0 = 0; q0 < nq; q0 += STRIP_QUERIES) { /* queries in order (row, head) */
+                int g = nq - q0 < STRIP_QUERIES ? nq - q0 : STRIP_QUERIES, n[STRIP_QUERIES];
+                const float *p[STRIP_QUERIES];
+                float *out[STRIP_QUERIES];
+                for (int a = 0; a < g; a++) {
+                    int r = (q0 + a) / groups, hq = j * groups + (q0 + a) % groups;
+                    p[a] = scores + ((size_t)r * nh + hq) * N, n[a] = p0 + r + 1 - start;
+                    out[a] = att + ((size_t)r * nh + hq) * hd;
+                }
+                if (hd - c < V_STRIP) /* a last narrower strip: weighted_sum's one chain a column */
+                    for (int a = 0; a < g; a++) weighted_sum(p[a], vf + c, n[a], hd - c, hd, out[a] + c);
+                else
+                    strip64_sums(g, p, n, vf, hd, c, out);
+            }
         free(wide);
     }
 gated:

@@ -36,13 +36,16 @@ def test_a_verify_sized_call_and_a_chunk_sum_v_the_same_way(kv_cache):
     if native_lib.library() is None:
         pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     trunk = load_trunk(open_install("tiny"), OpenOptions(kv_cache=kv_cache), "cpu")
-    n, rows = 1200, native_trunk.PREFILL_CHUNK
+    chunk, steps = chunk_and_steps(trunk, 1200, native_trunk.PREFILL_CHUNK)
+    assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))
+
+
+def chunk_and_steps(trunk, n: int, rows: int):
+    """After the same n - rows tokens prefilled, the last `rows` as one call and as decode steps."""
     tokens = [(13 * i) % 300 + 3 for i in range(n)]
     a, b = trunk.new_state(n), trunk.new_state(n)
     trunk.prefill(a, tokens[:n - rows]), trunk.prefill(b, tokens[:n - rows])
-    chunk = trunk.step(a, tokens[n - rows:], (), None)
-    steps = [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
-    assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))
+    return trunk.step(a, tokens[n - rows:], (), None), [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
 
 
 @pytest.mark.parametrize("heads,kv_cache", [(8, "bfloat16"), (6, "float32")])
@@ -56,11 +59,6 @@ def test_a_long_chunk_at_head_dim_256_equals_decode_steps(tmp_path, heads, kv_ca
 
     _, path = make_install(tmp_path, seed=5, num_attention_heads=heads, num_key_value_heads=2, head_dim=256)
     trunk = load_trunk(open_install(path), OpenOptions(kv_cache=kv_cache), "cpu")
-    n, rows = 300, 61
-    tokens = [(13 * i) % 300 + 3 for i in range(n)]
-    a, b = trunk.new_state(n), trunk.new_state(n)
-    trunk.prefill(a, tokens[:n - rows]), trunk.prefill(b, tokens[:n - rows])
-    chunk = trunk.step(a, tokens[n - rows:], (), None)
-    steps = [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
+    chunk, steps = chunk_and_steps(trunk, 300, 61)
     assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))
     assert torch.equal(chunk.logits, torch.cat([s.logits for s in steps]))

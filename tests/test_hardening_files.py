@@ -222,6 +222,8 @@ STALLED = """
 import sys, time
 import turbo.repack as r
 import turbo.repack_tensors as t
+import signal
+signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: a background job ignores it)
 copier = t._copier
 def stalled(*a):
     write = copier(*a)

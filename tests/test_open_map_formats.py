@@ -112,14 +112,18 @@ def test_a_converted_install_opens_by_map_with_no_packing(installs, monkeypatch)
 
 
 def test_a_quantized_table_is_dequantized_a_row_at_a_time(installs):
-    """A GGUF's tied Q8_0 token_embd stays quantized (its head is read as stored): a step
-    dequantizes the rows it embeds, each as the whole table's dequantization gives it."""
+    """A GGUF's tied Q8_0 token_embd stays quantized (its head is read as stored) and mapped, not
+    read: a step dequantizes the rows it embeds, each as the whole table's dequantization gives it."""
     kind, new, _ = installs
     if kind != "gguf-q8_0":
         pytest.skip("a float table")
     rt = turbo.open(str(new))
     table = rt.trunk.embed
     assert isinstance(table, quant.QuantizedRows) and rt.trunk.step_name == "native"
+    mm = rt.install.index._maps[new / "model.safetensors"]
+    base = ctypes.addressof(ctypes.c_char.from_buffer(mm))
+    w = table.weight
+    assert all(base <= t.data_ptr() < base + len(mm) for t in (w.packed, w.scales, w.biases))
     whole = table.weight.dequantize(torch.float32)
     ids = torch.tensor([[0, 5], [17, table.shape[0] - 1]])
     assert torch.equal(table[ids], whole[ids])

@@ -236,20 +236,31 @@ class ResidentIndex:
             raise TurboError(f"{e.name}: stored as {e.st_dtype}, expected one of BF16, F16, F32")
         return torch_dtype
 
-    def load_quantized(self, name: str, dtype: torch.dtype = torch.float32):
-        """A quantized entry as a packed `quant.QuantizedWeight` (compute dtype `dtype`)."""
+    def load_quantized(self, name: str, dtype: torch.dtype = torch.float32, mapped: bool = False):
+        """A quantized entry as a packed `quant.QuantizedWeight` (compute dtype `dtype`). mapped:
+        its codes, scales and biases as views of the file mapped copy-on-write (pages read when
+        first touched: a table of which a step reads a few rows), where each is aligned for its
+        dtype; otherwise read."""
         e = self.need(name)
         if not e.bits:
             raise TurboError(f"{name}: dtype {e.dtype} is not a quantized format")
         sdt = TORCH_DTYPES[DTYPE_CODES[e.scale_st_dtype]]
         rows, groups = e.dims[0], e.dims[1] // e.group
+        parts = ((e.offset, torch.int32, tuple(e.packed_dims)), (e.scale_offset, sdt, (rows, groups)),
+                 (e.bias_offset, sdt, (rows, groups)))
+        if mapped and all(offset % tdtype.itemsize == 0 for offset, tdtype, _ in parts):
+            tensors = [torch.frombuffer(self._map(e.file), dtype=tdtype, count=math.prod(shape), offset=offset).view(shape)
+                       for offset, tdtype, shape in parts]  # (sizes: checked)
+        else:
+            tensors = [self._read_into(e.file, offset, torch.empty(shape, dtype=tdtype), name)
+                       for offset, tdtype, shape in parts]
+        return QuantizedWeight(*tensors, e.bits, e.group, dtype, float8=e.dtype in quant.FLOAT8_CODES)
 
-        def t(offset: int, tdtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-            return self._read_into(e.file, offset, torch.empty(shape, dtype=tdtype), name)  # (sizes: checked)
-
-        return QuantizedWeight(t(e.offset, torch.int32, e.packed_dims), t(e.scale_offset, sdt, (rows, groups)),
-                               t(e.bias_offset, sdt, (rows, groups)), e.bits, e.group, dtype,
-                               float8=e.dtype in quant.FLOAT8_CODES)
+    def _map(self, file: Path) -> mmap.mmap:
+        if file not in self._maps:
+            with file.open("rb") as f:
+                self._maps[file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._maps[file]
 
     def load(self, name: str, dtype: torch.dtype | None = None) -> torch.Tensor:
         """Read one tensor's bytes (and only those) from its file. A quantized weight is
@@ -268,10 +279,7 @@ class ResidentIndex:
         dtype = ST_TORCH.get(e.st_dtype)
         if dtype is None or e.bits or e.offset % dtype.itemsize or not e.size_bytes:
             return None
-        if e.file not in self._maps:
-            with e.file.open("rb") as f:
-                self._maps[e.file] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-        flat = torch.frombuffer(self._maps[e.file], dtype=dtype, count=e.size_bytes // dtype.itemsize, offset=e.offset)
+        flat = torch.frombuffer(self._map(e.file), dtype=dtype, count=e.size_bytes // dtype.itemsize, offset=e.offset)
         return flat.view(e.dims)
 
     def rows(self, name: str, r0: int, r1: int, scratch: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:

@@ -6,6 +6,7 @@ paths (dequant, packed, kernel, native, auto): docs/DESIGN.md 7.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -139,6 +140,9 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _levels(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    if bits in (4, 8) and sys.byteorder == "little":  # field j at bits j * bits: the words' own bytes
+        b = packed.contiguous().view(torch.uint8).reshape(packed.shape[0], -1)
+        return b if bits == 8 else torch.stack((b & 15, b >> 4), -1).reshape(packed.shape[0], -1)
     # int32 arithmetic shifts: the mask drops the sign bits the top field drags in
     shifts = torch.arange(32 // bits, dtype=torch.int32, device=packed.device) * bits
     return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).reshape(packed.shape[0], -1)

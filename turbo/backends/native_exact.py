@@ -146,8 +146,9 @@ def _fp8_bytes(w: quant.QuantizedWeight, pb: int) -> tuple[torch.Tensor, torch.T
     table = (E4M3 * s[:, :, None]).to(torch.bfloat16).view(torch.int16)
     tables = torch.cat([((table >> 8) & 0xFF).to(torch.uint8), (table & 0xFF).to(torch.uint8)], dim=2)
     c = torch.nn.functional.pad(quant.unpack(w.packed, 8), (0, 0, 0, rows - n))
-    c = c.reshape(-1, 4, 4, groups, g // 4, 2, 2).permute(0, 3, 4, 1, 5, 2, 6)  # [panel, g, chunk, L, h, d, e]
-    return tables, c.reshape(*c.shape[:2], -1)
+    # the input pairs (e) moved as one 16-bit element: half the elements of a byte-wise permute
+    c = c.contiguous().view(torch.int16).reshape(-1, 4, 4, groups, g // 4, 2).permute(0, 3, 4, 1, 5, 2)
+    return tables, c.contiguous().view(torch.uint8).reshape(c.shape[0], groups, -1)  # [panel, g, chunk, L, h, d, e]
 
 
 def exact_panels(w: quant.QuantizedWeight, name: str = "matrix", rows: int = 16384):

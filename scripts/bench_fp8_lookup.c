@@ -23,7 +23,9 @@
 
 typedef float v16 __attribute__((vector_size(64)));
 #define NP 4
-#define PF 2048
+#ifndef PF
+#define PF 2048 /* bytes ahead in a panel's stream (native_products.c's) */
+#endif
 
 static double now(void) {
     struct timespec t;

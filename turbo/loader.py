@@ -116,12 +116,9 @@ class Reader:
                                       packed_layout(self.index.entries, m))
         if m.form == SEGMENTS:
             return native_exact.segments([self.matrix(part) for part in m.parts])
-        if m.form == EXACT:
-            return native_exact.exact_panels(quant.fuse([self.index.load_quantized(e.name, self.dtype)
-                                                         for e in entries]), entries[0].name)
-        if m.form == PACKED:  # (quantized matrices are a fraction of the float size: fused whole)
-            return native_pack.quantized_panels(quant.fuse([self.index.load_quantized(e.name, self.dtype)
-                                                       for e in entries]))
+        if m.form in (EXACT, PACKED):  # (mapped, not read: the packing reads each byte once)
+            w = quant.fuse([self.index.load_quantized(e.name, self.dtype, mapped=True) for e in entries])
+            return native_exact.exact_panels(w, entries[0].name) if m.form == EXACT else native_pack.quantized_panels(w)
         dense = {e.name: self.index.load(e.name, self.dtype) for e in entries if e.bits}  # (dequantized once)
         return native_pack.pack_rows(partial(self.rows, entries, dense, m.dtype), sum(e.dims[0] for e in entries),
                                 m.dtype, m.layout)

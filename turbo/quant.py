@@ -129,6 +129,10 @@ def pack(q: torch.Tensor, bits: int) -> torch.Tensor:
     out, cols = q.shape
     if cols % per:
         raise TurboError(f"{cols} columns do not fill whole {bits}-bit words ({per} per uint32)")
+    if bits in (4, 8) and sys.byteorder == "little":  # the words' own bytes (as _levels reads them)
+        b = q.to(torch.uint8, copy=True)
+        b = b if bits == 8 else b[:, 0::2] | b[:, 1::2] << 4
+        return b.contiguous().view(torch.int32).reshape(out, cols // per)
     shifts = torch.arange(per, dtype=torch.int64) * bits
     words = (q.to(torch.int64).reshape(out, cols // per, per) << shifts).sum(-1)
     return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
@@ -270,6 +274,8 @@ def fuse(parts: list) -> torch.Tensor | QuantizedWeight:
     """Row-concatenate matrices (the trunk's qkv|z|b|a, q|k|v, gate|up fusions). Packed parts
     of one format fuse packed (groups run along the input dim, so rows concatenate as-is);
     a mix of formats or of packed and float parts falls back to float."""
+    if len(parts) == 1:
+        return parts[0]
     if not any(isinstance(p, QuantizedWeight) for p in parts):
         return torch.cat(parts)
     first = parts[0]

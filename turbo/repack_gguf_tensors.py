@@ -71,7 +71,7 @@ def _affine(raw: np.ndarray, kind: str, rows: int, cols: int) -> Affine:
         b = raw.reshape(-1, size)
         scales = _f16(b[:, 0:2])
         if kind == "Q8_0":
-            levels = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+            levels = b[:, 2:] ^ 0x80  # the int8 q as q + 128 (one byte a weight, no wider copy)
             biases = scales * -128.0
         elif kind == "Q4_0":
             levels, biases = _nibbles(b[:, 2:]), scales * -8.0
@@ -189,7 +189,7 @@ def plan_gguf(name: str, tensor, shape: list[int], inverse: Inverse, requant: Re
 
         def make() -> list[bytes]:
             a = convert()
-            return [_tensor_bytes(q.pack(a.levels.to(torch.int64), a.bits)), _tensor_bytes(a.scales),
+            return [_tensor_bytes(q.pack(a.levels, a.bits)), _tensor_bytes(a.scales),
                     _tensor_bytes(a.biases)]
         return _parts(name, shape, fmt, make, quantized)
     if kind in FLOAT_TYPES and matrix and requant.floats is not None and shape[1] % requant.floats.group == 0:

@@ -153,20 +153,42 @@ def _fp8_bytes(w: quant.QuantizedWeight, pb: int) -> tuple[torch.Tensor, torch.T
 
 def exact_panels(w: quant.QuantizedWeight, name: str = "matrix", rows: int = 16384):
     """`w` as wtype 8 (affine, fp32 scales) or 9 (FP8) reads it, `rows` (a multiple of 128)
-    outputs at a time (the unpacking holds several bytes a weight)."""
+    outputs at a time (the unpacking holds several bytes a weight), each slice's bytes written
+    into the one buffer as it is made (never a second copy of the whole)."""
     from .native_pack import Packed
     n, k = w.shape
-    slices = [quant.QuantizedWeight(w.packed[r0:r0 + rows], w.scales[r0:r0 + rows], w.biases[r0:r0 + rows], w.bits,
-                                    w.group, float8=w.float8) for r0 in range(0, n, rows)]
+    starts, padded = range(0, n, rows), -(-n // PANEL) * PANEL
+
+    def part(r0: int) -> quant.QuantizedWeight:
+        return quant.QuantizedWeight(w.packed[r0:r0 + rows], w.scales[r0:r0 + rows], w.biases[r0:r0 + rows], w.bits,
+                                     w.group, float8=w.float8)
+
+    def panel_rows(r0: int) -> int:
+        return -(-min(rows, n - r0) // PANEL) * PANEL
+
     if not w.float8:
-        centre = centered(w)
-        body = [_affine_bytes(part, centre).reshape(-1) for part in slices]
-        return Packed(torch.cat([_header(w.bits, w.group, int(centre)), *body]), n, k, "exact")
+        centre, out, at = centered(w), None, HEADER
+        for r0 in starts:
+            body = _affine_bytes(part(r0), centre).reshape(-1)
+            if out is None:  # (a panel row's bytes are the same in every slice)
+                out = torch.empty(HEADER + body.numel() // panel_rows(r0) * padded, dtype=torch.uint8)
+                out[:HEADER] = _header(w.bits, w.group, int(centre))
+            out[at:at + body.numel()] = body
+            at += body.numel()
+        assert at == out.numel()
+        return Packed(out, n, k, "exact")
     pb = _fp8_block(w, name)
-    tables, codes = zip(*(_fp8_bytes(part, pb) for part in slices))
-    tables = [t.reshape(-1) for t in tables]
-    return Packed(torch.cat([_header(w.group, pb, sum(t.numel() for t in tables)), *tables,
-                             *(c.reshape(-1) for c in codes)]), n, k, "fp8")
+    table_bytes = sum(-(-panel_rows(r0) // (pb * PANEL)) for r0 in starts) * (k // w.group) * 256
+    out = torch.empty(HEADER + table_bytes + padded * k, dtype=torch.uint8)
+    out[:HEADER] = _header(w.group, pb, table_bytes)
+    at_table, at_code = HEADER, HEADER + table_bytes
+    for r0 in starts:
+        table, codes = (t.reshape(-1) for t in _fp8_bytes(part(r0), pb))
+        out[at_table:at_table + table.numel()] = table
+        out[at_code:at_code + codes.numel()] = codes
+        at_table, at_code = at_table + table.numel(), at_code + codes.numel()
+    assert at_table == HEADER + table_bytes and at_code == out.numel()
+    return Packed(out, n, k, "fp8")
 
 
 def segments_table(parts: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[int]]:

@@ -249,7 +249,8 @@ class ResidentIndex:
         parts = ((e.offset, torch.int32, tuple(e.packed_dims)), (e.scale_offset, sdt, (rows, groups)),
                  (e.bias_offset, sdt, (rows, groups)))
         if mapped and all(offset % tdtype.itemsize == 0 for offset, tdtype, _ in parts):
-            tensors = [torch.frombuffer(self._map(e.file), dtype=tdtype, count=math.prod(shape), offset=offset).view(shape)
+            file = self._map(e.file)
+            tensors = [torch.frombuffer(file, dtype=tdtype, count=math.prod(shape), offset=offset).view(shape)
                        for offset, tdtype, shape in parts]  # (sizes: checked)
         else:
             tensors = [self._read_into(e.file, offset, torch.empty(shape, dtype=tdtype), name)

@@ -152,8 +152,8 @@ class Reader:
             return native_pack.PackedRows(head), head
         e = self.entry(p.source)
         if e.bits and p.head is not None and p.head.form != COPY:  # (kept quantized: only the rows a step embeds)
-            return (quant.QuantizedRows(self.index.load_quantized(e.name, mapped=True), p.table or p.read_as or torch.float32),
-                    self.matrix(p.head))
+            table = self.index.load_quantized(e.name, mapped=True)
+            return quant.QuantizedRows(table, p.table or p.read_as or torch.float32), self.matrix(p.head)
         table = self.table(p)
         copy = self.head_copy(p, table) if p.head is not None and p.head.form == COPY else None
         table = table.to(p.table) if p.table is not None else table

@@ -105,7 +105,7 @@ class Reader:
         """The planned matrix: its sources fused by rows, then (native) packed as read."""
         if m.form in (TENSOR, DRAFT):  # (DRAFT: read in the part's dtype, then packed for the drafter's products)
             parts = [self.plain(s, m.dtype if m.form == TENSOR else self.dtype, m.kernel) for s in m.sources]
-            w = parts[0] if len(parts) == 1 else quant.fuse(parts)
+            w = quant.fuse(parts)
             return w if m.form == TENSOR else native_pack.pack_as(w, m.dtype, m.layout)
         entries = [self.entry(s) for s in m.sources]
         if m.mapped is not None:  # written at repack in this layout: a view of the mapped file, nothing packed

@@ -80,7 +80,7 @@ def _quantized_rows(entries: list[Entry], r0: int, r1: int, dtype: torch.dtype) 
                   for offset in (e.scale_offset, e.bias_offset)),
                 e.bits, e.group, dtype, float8=e.dtype in quant.FLOAT8_CODES))
         at += e.dims[0]
-    return parts[0] if len(parts) == 1 else quant.fuse(parts)
+    return quant.fuse(parts)
 
 
 def _slices(reader: Reader, plan: TrunkPlan, m: Matrix) -> Iterator[torch.Tensor]:

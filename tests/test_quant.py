@@ -60,8 +60,10 @@ def test_quantize_dequantize_error_bounds(fmt):
     assert rel < {"int4": 0.15, "int2": 0.7, "int1": 2.5}[fmt]
 
 
-@pytest.mark.parametrize("bits", [4, 2, 1])
+@pytest.mark.parametrize("bits", [8, 4, 2, 1])
 def test_pack_is_the_mlx_little_endian_layout(bits):
+    """Field j of a word at bits j * bits, whichever way pack and unpack get there (8 and 4 bits:
+    the words' own bytes)."""
     per = 32 // bits
     g = torch.Generator().manual_seed(bits)
     q = torch.randint(0, 1 << bits, (3, 4 * per), generator=g)
@@ -70,6 +72,8 @@ def test_pack_is_the_mlx_little_endian_layout(bits):
         for j in range(4 * per):
             word = int(packed[r, j // per]) & 0xFFFFFFFF
             assert (word >> ((j % per) * bits)) & ((1 << bits) - 1) == int(q[r, j])
+    assert torch.equal(quant.unpack(packed, bits), q.to(torch.uint8))
+    assert torch.equal(quant.pack(q.to(torch.uint8), bits), packed)  # (uint8 levels, as a GGUF's)
 
 
 def _quant_install(tmp, fmt="int4", seed=0, drafter=True, **over):

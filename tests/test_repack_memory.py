@@ -43,6 +43,17 @@ print(json.dumps({"before": before, "peak": status("VmHWM")}))
 """
 
 
+def repack_growth(probe: str, src: Path, out: Path) -> int:
+    """Bytes the process running `probe` (a repack of src to out, open layout included) grew by."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", probe, str(src), str(out)],
+                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert (out / "packed.safetensors").is_file()
+    return got["peak"] - got["before"]
+
+
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
     src = tmp_path_factory.mktemp("moe") / "hf"
@@ -56,13 +67,7 @@ def test_repack_peak_is_bounded_by_its_largest_tensor(checkpoint, tmp_path):
     # the largest tensor it holds: the head (each expert is read out of its layer's stack on its own)
     largest = max(s for n, s in sizes.items() if ".experts." not in n)
     assert largest == SHAPE["vocab_size"] * SHAPE["hidden_size"] * 2
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", PROBE, str(checkpoint), str(tmp_path / "install")],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (tmp_path / "install" / "packed.safetensors").is_file()
-    grown = got["peak"] - got["before"]
+    grown = repack_growth(PROBE, checkpoint, tmp_path / "install")
     assert grown <= 1.5 * largest + SLACK, \
         f"the repack grew the process by {grown >> 20} MiB, its largest tensor is {largest >> 20} MiB"
 
@@ -118,12 +123,5 @@ def test_a_gguf_repack_holds_a_few_bytes_a_weight(tmp_path):
                     head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
     gguf_file = write_gguf(tmp_path / "hf", tmp_path / "m.gguf", "Q8_0", mtp="none")
     weights = 16384 * 1024
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", GGUF_PROBE, str(gguf_file), str(tmp_path / "install")],
-                          capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    got = json.loads(done.stdout.strip().splitlines()[-1])
-    assert (tmp_path / "install" / "packed.safetensors").is_file()
-    grown = got["peak"] - got["before"]
-    print(f"anonymous memory grown {grown >> 20} MiB, {grown / weights:.1f} bytes a weight of token_embd")
+    grown = repack_growth(GGUF_PROBE, gguf_file, tmp_path / "install")
     assert grown <= 12 * weights, f"the repack grew by {grown >> 20} MiB for a {weights >> 20} M-weight table"

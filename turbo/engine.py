@@ -10,6 +10,7 @@ it (docs/DESIGN.md 5).
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
@@ -19,13 +20,13 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native_lib, select_backend
 from .chat import ChatResult, run_chat, template_for
 from .chat_template import ChatTemplate
 from .drafters import Drafter
 from .drafters.seam import check_drafter_object
 from .drafters.ngram import NgramConfig, NgramDrafter
+from .driver import DrafterPool, Driver, Job, RoundEvent, Start
 from .errors import TurboError, checked_text
 from .install import Install, bundled_names, open_install
 from .install_check import check_install
@@ -33,11 +34,10 @@ from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions, integer
 from .policy import Plan, choose_drafter, plan, policy_from_env
 from .sampling import RejectionSampler, rejection_sampler
-from .session import DEFAULT_SNAPSHOTS, FRESH, Session, Start
-from .stats import Stats, TokenClock
-from .stops import Finish, Stopper
+from .session import DEFAULT_SNAPSHOTS, FRESH, Session
+from .stats import Stats
+from .stops import Finish
 from .trunk import KV_CHUNK
-from .rounds import play_round
 from .vision.runtime import image_prompt, refuse_unplaced
 from .vision.session import VisionSession
 
@@ -55,34 +55,12 @@ NO_WINDOW = {"object": "a drafter object keeps its own (drop window=)",
 
 
 @dataclass
-class RoundEvent:
-    tokens: list[int]  # committed this round
-    from_draft: list[bool]  # per token: True = an accepted proposal, False = the trunk's bonus token
-    text: str  # the text released this round (what may begin a stop string waits: turbo.stops)
-    stats: Stats  # the counters so far (a copy)
-    done: bool = False
-    finish: Finish | None = None  # on the last event: why it ended (turbo.stops)
-
-
-@dataclass
 class GenerateResult:
     tokens: list[int]
     text: str
     stats: Stats
     from_draft: list[bool] = field(default_factory=list)
     finish: Finish | None = None  # why it ended: reason "stop" or "length", and the stop matched
-
-
-@dataclass
-class Job:
-    """A checked generation request (Runtime.prepare): what its rounds run."""
-
-    ids: list[int]  # the prompt's token ids, as fitted to the context
-    options: GenerationOptions
-    plan: Plan
-    own: bool  # the drafter is the caller's object
-    sampler: RejectionSampler | None  # None: greedy
-    stats: Stats  # the counters, started
 
 
 # ---- the runtime ---------------------------------------------------------------------------
@@ -107,7 +85,9 @@ class Runtime:
         # the parts' agreement is read off the configs and the index: checked before any weight loads
         self.drafter_config = check_install(install, self.tokenizer)  # the DFlash drafter's, parsed (or None)
         self.trunk = load_trunk(install, opts, self.device)
-        self._drafters: dict[tuple[str, int | NgramConfig | None], Drafter] = {}  # (kind, window or ngram config)
+        # the install's drafters (built on first use) and their forks for the server's batches
+        self.drafters = DrafterPool(lambda kind, window, ngram: NgramDrafter(ngram) if kind == "ngram"
+                                    else load_drafter(kind, self.install, self.trunk, window, self.options))
         # One generation at a time (the drafters and the trunk's caches are the runtime's own):
         # `generate` holds _serial for its whole call, a stream only while it starts; each prefill
         # and round holds _step, and a round of a stream that a later generation took over refuses.
@@ -155,11 +135,7 @@ class Runtime:
     def drafter(self, kind: str, window: int | None, ngram: NgramConfig = NgramConfig()) -> Drafter:
         """The install's own drafter of `kind` (dflash | mtp) with that context window, or the
         n-gram drafter with that config (one per config: its begin() starts a generation afresh)."""
-        key = (kind, ngram if kind == "ngram" else window)
-        if key not in self._drafters:
-            self._drafters[key] = (NgramDrafter(ngram) if kind == "ngram"
-                                   else load_drafter(kind, self.install, self.trunk, window, self.options))
-        return self._drafters[key]
+        return self.drafters.base((kind, ngram if kind == "ngram" else window), ngram)
 
     def plan(self, policy: str | None, block: int | None, drafter: str | Drafter) -> Plan:
         if policy is None:
@@ -216,10 +192,15 @@ class Runtime:
     def _stream(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH,
                 **fields) -> Iterator[RoundEvent]:
         job = self.prepare(prompt, opts, start, **fields)
-        p, o = job.plan, job.options
-        draft = None if p.drafter is None else o.drafter if job.own else self.drafter(p.drafter, o.window, o.ngram)
-        job.stats.window = draft.window if draft is not None else None
-        return self._rounds(job.ids, o, p, draft, job.stats, job.sampler, start)
+        key = job.draft_key()
+        draft = job.options.drafter if job.own else self.drafters.base(key, job.options.ngram) if key else None
+        return self._rounds(self.driver(job, draft, cut_in_round=start.keeps_state), start)
+
+    def driver(self, job: Job, draft: Drafter | None, *, cut_in_round: bool = False,
+               logprobs: int | None = None) -> Driver:
+        """A driver for `job` with `draft` (turbo/driver.py): this runtime's trunk and tokenizer."""
+        return Driver(self.trunk, self.decode, self.install.arch.eos_token_ids, self.install.arch.vocab, job, draft,
+                      cut_in_round=cut_in_round, logprobs=logprobs)
 
     def prepare(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH, **fields) -> Job:
         """A generation's request checked against this install, and what it will run: every
@@ -265,52 +246,24 @@ class Runtime:
         raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
                          f"max_position_embeddings {limit}{hint}")
 
-    def _rounds(self, ids: list[int], o: GenerationOptions, p: Plan, draft: Drafter | None,
-                stats: Stats, sampler: RejectionSampler | None, origin: Start) -> Iterator[RoundEvent]:
-        """The loop around the round: limits, end of text, timing, detokenization, events."""
-        trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
-        eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
-        stops = Stopper(self.decode, o.stop or (), eos | set(o.stop_token_ids or ()), max_new)
-        clock = TokenClock()
+    def _rounds(self, d: Driver, origin: Start) -> Iterator[RoundEvent]:
+        """The sequence as a batch of one: its driver's rounds, each through `Trunk.step`."""
+        trunk, ids = self.trunk, d.job.ids
         with self._serial, self._step, self._round():  # this generation takes the runtime over
             self._generation += 1
             me = self._generation
-            st = origin.prime(trunk, draft, ids, len(ids) + min(max_new, KV_CHUNK))  # grows as it goes
-        chooser = None
-        if p.policy == "adaptive" and draft is not None:
-            # under sampling the blocks are chosen from counts (the seed repeats the text), and
-            # the seconds other generations measured are not read
-            chooser = AdaptiveChooser(p.block, memory=(draft, rollback) if sampler is None else None,
-                                      counted=sampler is not None)
-            draft = LazyContext(draft, chooser)  # plain rounds skip the drafter's work
-        anchor, generated = ids[-1], []
-        while len(generated) < max_new:
+            d.prime(origin, len(ids) + min(d.job.options.max_new_tokens, KV_CHUNK))  # the K/V grows as it goes
+        while not d.done:
             with self._step, self._round():
                 if self._generation != me:
                     raise TurboError(ABANDONED)
-                block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
-                r = play_round(trunk, st, draft, anchor, block, rollback, sampler,
-                               stops.cut if origin.keeps_state else None, self.install.arch.vocab)
-                if chooser is not None:
-                    chooser.observe(block, r.landed, r.draft_s, r.verify_s, r.rollback_s)
-            # the counters keep the trunk's verdict on the proposals: a stop decides what is
-            # committed, not how well the drafter guessed
-            stats.record_round(len(r.proposals), r.landed, r.replayed)
-            committed = r.proposals[:r.accepted] + [r.bonus]
-            if not origin.keeps_state:  # (else play_round cut the round at the stop already)
-                keep = stops.cut(committed)
-                committed = committed[:keep] if keep is not None else committed
-            committed = committed[:max_new - len(generated)]
-            flags = [i < r.landed for i in range(len(committed))]
-            generated += committed
-            stats.record_tokens(len(generated), clock)
-            done = stops.finish is not None
-            if done:
-                origin.finish(draft)
-            yield RoundEvent(committed, flags, stops.text(done), stats.snapshot(), done, stops.finish)
-            if done:
-                return
-            anchor = r.bonus
+                w = d.work()
+                t = time.perf_counter()
+                out = trunk.step(d.st, w.rows, d.aux_layers, w.rollback)
+                event = d.settle(w, out, time.perf_counter() - t)
+            if event.done and origin.keeps_state:
+                origin.finish(d)
+            yield event
 
 
 class OneThread:

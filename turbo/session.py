@@ -13,7 +13,7 @@ length cut back; the GDN and conv states and the drafter's context come from the
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -27,27 +27,13 @@ from .stats import Stats
 from .trunk import RecurrentSnapshot, Trunk, TrunkState
 
 if TYPE_CHECKING:
-    from .engine import RoundEvent, Runtime
+    from .driver import Driver, RoundEvent, Start
+    from .engine import Runtime
 
 # Snapshots a session keeps: one per assistant turn (the newest). At the 0.8B shape one is the
 # 18 GDN layers' state and conv window, 18 x (16*128*128 + 3*6144) x 4 bytes = 19.3 MiB,
 # plus the drafter's context (turbo.drafters: snapshot).
 DEFAULT_SNAPSHOTS = 4
-
-
-class Start(Protocol):
-    """How a stream's state comes to hold its prompt (Runtime.stream's `start`)."""
-
-    # the state goes on after the generation (a session's): a stop inside a round then cuts the
-    # state back to it; otherwise the state is dropped and the round is played whole
-    keeps_state: bool
-
-    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
-        """A state holding ids[:-1] (ids[-1] is the first anchor), the drafter begun on it."""
-
-    def finish(self, draft: Any) -> None:
-        """The generation is done: `draft` (the drafter, or the adaptive loop's wrapper of it)
-        as the last round left it."""
 
 
 class FreshStart:
@@ -61,7 +47,7 @@ class FreshStart:
             call(draft, "begin", draft.begin, prompt_out, ids)  # its exception: a TurboError naming it
         return st
 
-    def finish(self, draft: Any) -> None:
+    def finish(self, driver: Driver) -> None:
         pass
 
 
@@ -197,11 +183,9 @@ class Keeper:
         if draft is not None:
             call(draft, "resume", draft.resume, out, ids[:end + 1], p)
 
-    def finish(self, draft: Any) -> None:
-        flush = getattr(draft, "flush", None)  # the adaptive loop's wrapper keeps commits pending
-        if flush is not None:
-            flush()
-        self._end_draft = self._draft.snapshot() if self._draft is not None else None
+    def finish(self, driver: Driver) -> None:
+        draft = driver.context()
+        self._end_draft = draft.snapshot() if draft is not None else None
 
     def settle(self, ids: list[int], generated: list[int]) -> None:
         """The turn ended: the state goes on from here if it holds exactly ids + generated (a

@@ -1,6 +1,8 @@
 """The continuous-batching engine: requests join a running batch, and each step runs every running
 sequence's rows (its anchor and its drafter's proposals, or a chunk of its prompt) through one
-trunk pass (`Trunk.step_many`); acceptance, rollback and the drafter's commit are per sequence.
+trunk pass (`Trunk.step_many`). Each sequence is a turbo/driver.py `Driver`, the one that
+`Runtime.generate` runs alone: drafting, acceptance, rollback, stops and counters are its; the
+scheduler admits, batches, keeps states in the prefix cache (turbo/state_cache.py) and delivers.
 
     sched = Scheduler(rt, ServeLimits())
     sched.start()
@@ -23,10 +25,10 @@ from ..driver import DraftKey, Driver, Job, RoundEvent, Work
 from ..errors import TurboError
 from ..logprobs import MAX_TOP, TokenLogprob  # noqa: F401  (TokenLogprob: the protocol's import)
 from ..options import GenerationOptions
+from ..state_cache import StateCache
 from ..vision.runtime import ImageStart
 from .costs import StepCosts, sequence_bytes
 from .images import cache_key, prefill_request
-from .prefix_cache import PrefixCache
 
 if TYPE_CHECKING:
     from ..engine import Runtime
@@ -97,7 +99,7 @@ class Scheduler:
 
     def __init__(self, rt: Runtime, limits: ServeLimits = ServeLimits()):
         self.rt, self.trunk, self.limits = rt, rt.trunk, limits
-        self.cache = PrefixCache(int(limits.cache_gb * 2**30))
+        self.cache = StateCache(int(limits.cache_gb * 2**30))  # the prefix cache (LRU in bytes)
         self.budget = int(limits.memory_gb * 2**30)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -265,8 +267,8 @@ class Scheduler:
     def _keep(self, s: Sequence, tokens: list[int]) -> None:
         """The sequence's state (holding tokens[:-1]) and its drafter's context into the cache."""
         d = s.driver
-        self.cache.keep(self.trunk, d.st, cache_key(self.rt, tokens, s.req.images), s.draft_key,
-                        d.inner.snapshot() if s.draft_key else None)
+        self.cache.keep_copy(self.trunk, d.st, cache_key(self.rt, tokens, s.req.images), s.draft_key,
+                             d.inner.snapshot() if s.draft_key else None)
 
     def _send(self, s: Sequence, item: Delta | TurboError) -> None:
         try:

@@ -32,7 +32,7 @@ from .install import Install, bundled_names, open_install
 from .install_check import check_install
 from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions, integer
-from .policy import Plan, choose_drafter, plan, policy_from_env
+from .policy import DraftPolicy, Plan, decide
 from .sampling import RejectionSampler, rejection_sampler
 from .session import DEFAULT_SNAPSHOTS, FRESH, Session
 from .stats import Stats
@@ -48,10 +48,6 @@ REENTERED = ("a generation was started on this runtime from inside its own round
              "commit): a runtime runs one generation at a time; open another runtime for that")
 TWO_THREADS = "this stream is being iterated on another thread already: iterate a stream from one thread at a time"
 Prompt = str | list[int] | tuple[int, ...] | np.ndarray  # text, or token ids
-# the drafters that keep no DFlash context window, and what to say to window= with them
-NO_WINDOW = {"object": "a drafter object keeps its own (drop window=)",
-             "mtp": "the MTP head drafting here keeps none (drop window= or use drafter=dflash)",
-             "ngram": "the n-gram drafter looks through the whole history (drop window= or use drafter=dflash)"}
 
 
 @dataclass
@@ -84,6 +80,8 @@ class Runtime:
             raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
         # the parts' agreement is read off the configs and the index: checked before any weight loads
         self.drafter_config = check_install(install, self.tokenizer)  # the DFlash drafter's, parsed (or None)
+        # the policy a generation that names none takes, per drafter (the environment's, read at open)
+        self.draft_defaults = {kind: DraftPolicy(name, block) for kind, name, block in opts.draft_defaults}
         self.trunk = load_trunk(install, opts, self.device)
         # the install's drafters (built on first use) and their forks for the server's batches
         self.drafters = DrafterPool(lambda kind, window, ngram: NgramDrafter(ngram) if kind == "ngram"
@@ -137,13 +135,10 @@ class Runtime:
         n-gram drafter with that config (one per config: its begin() starts a generation afresh)."""
         return self.drafters.base((kind, ngram if kind == "ngram" else window), ngram)
 
-    def plan(self, policy: str | None, block: int | None, drafter: str | Drafter) -> Plan:
-        if policy is None:
-            kind = choose_drafter(self.install, drafter) if isinstance(drafter, str) else "dflash"
-            env = policy_from_env(kind)
-            policy, block = env.name, block if block is not None else env.block
-        trained = self.drafter_config.block_size if self.drafter_config is not None else None
-        return plan(self.install, policy, block, drafter, self.backend.verify_dtypes, trained)
+    def plan(self, policy: str | None, block: int | None, drafter: str | Drafter, window: int | None = None) -> Plan:
+        """What a generation with these options will do on this install (turbo/policy.py decides)."""
+        return decide(self.install, policy, block, drafter, window, self.draft_defaults, self.backend.verify_dtypes,
+                      self.drafter_config)
 
     # ---- the API -----------------------------------------------------------------------
 
@@ -217,15 +212,11 @@ class Runtime:
         vocab = self.install.arch.vocab
         bad = next((t for t in o.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
-            raise TurboError(f"stop_token_ids: {bad} is not an id in 0..{vocab - 1}")
+            raise TurboError(f"stop_token_ids: {bad} is not an id in 0..{vocab - 1}", field="stop_token_ids")
         own = not isinstance(o.drafter, str)  # the caller's drafter object
         if own:
             check_drafter_object(o.drafter, self.install.arch.num_layers)
-        p = self.plan(o.policy, o.block, o.drafter)
-        no_window = "object" if own else p.drafter
-        if o.window is not None and no_window in NO_WINDOW:
-            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and "
-                             f"{NO_WINDOW[no_window]}")
+        p = self.plan(o.policy, o.block, o.drafter, o.window)
         sampler = rejection_sampler(o.temperature, o.top_k, o.top_p, o.min_p, o.seed)  # None: greedy
         stats = Stats(prompt_tokens=len(ids), prompt_truncated_from=len(whole) if len(ids) < len(whole) else None,
                       policy=p.policy, drafter=p.drafter, block=p.block, rollback=o.rollback,

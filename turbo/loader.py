@@ -30,6 +30,7 @@ from .load_plan import (COPY, DFLASH_BASES, DFLASH_SELECTOR, DRAFT, DRAFT_HEAD, 
                         TENSOR, DrafterPlan, EmbedPlan, Host, LayerPlan, Matrix, MoePlan, Source, TrunkPlan, mtp_tensor_shapes,
                         packed_layout, plan_dflash, plan_mtp, plan_trunk)
 from .options import OpenOptions
+from .policy import check_window
 from .trunk import PREFIX, AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk, TrunkWeights
 
 
@@ -300,8 +301,8 @@ def _dflash_shape(install: Install, cfg: DflashConfig, window: int | None) -> Df
                          f"{len(cfg.target_layers)}")
     if cfg.has_selector and shape.rank != cfg.rank:
         raise TurboError(f"dflash/config.json: selector_rank is {cfg.rank}, the codebooks have rank {shape.rank}")
-    if window is not None and not 1 <= window <= cfg.window:
-        raise TurboError(f"window {window} is outside 1..{cfg.window} (the drafter's trained sliding_window)")
+    if window is not None:
+        check_window(window, cfg.window)
     return shape
 
 

@@ -118,16 +118,17 @@ class Scheduler:
         full) and returns its ticket; `sink` gets its deltas on the engine's thread."""
         o = req.options
         if not isinstance(o.drafter, str):
-            raise TurboError("drafter: a served request names a drafter (auto, dflash, mtp, ngram), not an object")
+            raise TurboError("drafter: a served request names a drafter (auto, dflash, mtp, ngram), not an object",
+                             field="drafter")
         if req.logprobs is not None and (not isinstance(req.logprobs, int) or not 0 <= req.logprobs <= MAX_TOP):
-            raise TurboError(f"logprobs {req.logprobs!r}: expected an integer in 0..{MAX_TOP}")
+            raise TurboError(f"logprobs {req.logprobs!r}: expected an integer in 0..{MAX_TOP}", field="logprobs")
         job = self.rt.prepare(req.ids, o, ImageStart(req.ids, None)) if req.images else self.rt.prepare(req.ids, o)
         block = job.plan.block or 0
         need = sequence_bytes(self.trunk, len(job.ids) + o.max_new_tokens + block + 1, block)
         if need > self.budget:
             raise TurboError(f"max_tokens: the request needs {need / 2**30:.2f} GiB of state (prompt "
                              f"{len(job.ids)} + {o.max_new_tokens} new tokens), over the server's "
-                             f"serve.memory_gb {self.limits.memory_gb:g}")
+                             f"serve.memory_gb {self.limits.memory_gb:g}", field="max_tokens")
         seq = Sequence(req, job, sink, Ticket(), need)
         with self.lock:
             if len(self.waiting) >= self.limits.max_waiting:

@@ -27,14 +27,13 @@ class Prepared:
     opened_think: bool = False  # chat: the generation prompt left a <think> open
 
 
-def param_of(message: str, max_tokens_param: str = "max_tokens") -> str | None:
-    """The request field a TurboError's message names (they begin with the option's name)."""
-    word = message.split(" ", 1)[0].rstrip(":")
-    if word in ("max_new_tokens", "max_tokens"):
+def param_of(e: TurboError, max_tokens_param: str = "max_tokens") -> str | None:
+    """The request field a TurboError concerns (its `field`: the option's name) as the request spells it."""
+    if e.field in ("max_new_tokens", "max_tokens"):
         return max_tokens_param
-    if word in TURBO_KEYS:
-        return f"turbo.{word}"
-    return word if word in GENERATION_FIELDS or word == "logprobs" else None
+    if e.field in TURBO_KEYS:
+        return f"turbo.{e.field}"
+    return e.field if e.field in GENERATION_FIELDS or e.field == "logprobs" else None
 
 
 class Engine:
@@ -99,16 +98,13 @@ class Engine:
                            "the length of the prompt or the completion.",
                            body.max_tokens_param if body.max_tokens is not None else
                            ("messages" if body.chat else "prompt"))
-        fields = dict(body.options)
-        if ("block" in fields and "policy" not in fields and self.defaults.policy in (None, "auto")
-                and fields["block"] is not None):  # a block asked for is served as asked
-            fields["policy"] = "fixed" if fields["block"] else "off"
+        fields = dict(body.options)  # (what they make of the speculation is turbo/policy.py's to decide)
         if stops:
             fields["stop_token_ids"] = tuple(dict.fromkeys(fields.get("stop_token_ids", ()) + stops))
         try:
             options = self.defaults.but(max_new_tokens=wanted, **fields)
         except TurboError as e:
-            raise ApiError(str(e), param_of(str(e), body.max_tokens_param)) from None
+            raise ApiError(str(e), param_of(e, body.max_tokens_param)) from None
         return Prepared(Request(ids, options, body.logprobs, images or None), opened)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str):
@@ -117,7 +113,7 @@ class Engine:
         except Overloaded as e:
             raise ApiError(str(e), None, 429, "requests", "rate_limit_exceeded") from None
         except TurboError as e:
-            raise ApiError(str(e), param_of(str(e), max_tokens_param)) from None
+            raise ApiError(str(e), param_of(e, max_tokens_param)) from None
 
     def _render(self, body: Body) -> str:
         if self.template is None:

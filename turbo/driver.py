@@ -25,7 +25,7 @@ import torch
 
 from .adaptive import AdaptiveChooser, LazyContext
 from .backends.step import StepOut
-from .drafters import Drafter
+from .drafters import Drafter, KeepsContext
 from .drafters.ngram import NgramConfig
 from .drafters.seam import call
 from .logprobs import TokenLogprob, token_logprobs
@@ -114,7 +114,7 @@ class DrafterPool:
             self.bases[key] = self.build(kind, None if kind == "ngram" else window, ngram)
         return self.bases[key]
 
-    def acquire(self, key: DraftKey, ngram: NgramConfig = NgramConfig()) -> Drafter:
+    def acquire(self, key: DraftKey, ngram: NgramConfig = NgramConfig()) -> KeepsContext | None:
         free = self.free.setdefault(key, [])
         return free.pop() if free else self.base(key, ngram).fork()
 

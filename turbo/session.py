@@ -20,7 +20,7 @@ import torch
 
 from .chat import assistant_message, turn_options, turn_stop_ids
 from .chat_template import ChatTemplate, encode
-from .drafters import Drafter, DrafterBase
+from .drafters import Drafter, keeps_context
 from .drafters.seam import call
 from .errors import TurboError
 from .options import GenerationOptions
@@ -54,12 +54,6 @@ class FreshStart:
 
 
 FRESH = FreshStart()
-
-
-def keeps_snapshots(draft: Drafter) -> bool:
-    """The drafter can snapshot, restore and resume its context (turbo.drafters)."""
-    snapshot = getattr(type(draft), "snapshot", DrafterBase.snapshot)
-    return snapshot is not DrafterBase.snapshot and callable(getattr(draft, "resume", None))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -117,7 +111,7 @@ class Keeper:
     def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
         # every turn afresh where a state prefilled in pieces would not be the one prefill gives (the
         # torch step), or where the drafter cannot snapshot its context (a caller's object)
-        if not trunk.stepper.prefill_rows_are_steps or (draft is not None and not keeps_snapshots(draft)):
+        if not trunk.stepper.prefill_rows_are_steps or (draft is not None and not keeps_context(draft)):
             self.kept, self._draft = StateCache(math.inf, max_entries=self.limit), None
             self.st = self.fresh.prime(trunk, draft, ids, capacity)
             self.report = TurnReport(len(ids), 0, len(ids) - 1, "fresh", 0, 0)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..chat import opens_think, turn_stop_ids
 from ..chat_template import ChatTemplate, encode, install_template
+from ..engine import open as open_runtime
 from ..errors import TurboError
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
 from .images import expand_images
@@ -41,8 +42,6 @@ class Engine:
     install); `start()` starts the scheduler's thread."""
 
     def __init__(self, install: str, opening: OpenOptions, defaults: GenerationOptions, config: ServeConfig):
-        from ..engine import open as open_runtime  # torch loads here, once the config is known good
-
         self.rt = rt = open_runtime(install, opening)
         self.config, self.defaults = config, defaults
         self.model = config.model_name or rt.install.path.name

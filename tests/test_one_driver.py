@@ -22,7 +22,7 @@ from turbo.options import GenerationOptions, OpenOptions  # noqa: E402
 from turbo.serve import protocol as P  # noqa: E402
 from turbo.serve.app import make_app  # noqa: E402
 from turbo.serve.settings import ServeConfig, server_defaults  # noqa: E402
-from turbo.serve.scheduler import ServeLimits  # noqa: E402
+from turbo.serve.settings import ServeLimits  # noqa: E402
 from turbo.serve.worker import Engine  # noqa: E402
 
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "# sort a list\n"]

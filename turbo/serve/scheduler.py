@@ -29,6 +29,7 @@ from ..state_cache import StateCache
 from ..vision.runtime import ImageStart
 from .costs import StepCosts, sequence_bytes
 from .images import cache_key, prefill_request
+from .settings import ServeLimits
 
 if TYPE_CHECKING:
     from ..engine import Runtime
@@ -36,15 +37,6 @@ if TYPE_CHECKING:
 
 class Overloaded(TurboError):
     """The waiting queue is full (the server answers 429)."""
-
-
-@dataclass(frozen=True)
-class ServeLimits:
-    max_running: int = 16  # sequences in the running batch
-    max_waiting: int = 64  # requests queued beyond it; more are refused (Overloaded)
-    memory_gb: float = 4.0  # K/V caches and recurrent states of the running sequences, reserved at admission
-    cache_gb: float = 1.0  # the prefix cache's snapshots (LRU)
-    prefill_chunk: int = 256  # prompt rows a sequence runs per step (long prompts do not stall the batch)
 
 
 @dataclass

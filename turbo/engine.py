@@ -33,7 +33,7 @@ from .install_check import check_install
 from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions, integer
 from .policy import DraftPolicy, Plan, decide
-from .sampling import RejectionSampler, rejection_sampler
+from .sampling import rejection_sampler
 from .session import DEFAULT_SNAPSHOTS, FRESH, Session
 from .stats import Stats
 from .stops import Finish

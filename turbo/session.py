@@ -16,8 +16,6 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
-
 from .chat import assistant_message, turn_options, turn_stop_ids
 from .chat_template import ChatTemplate, encode
 from .drafters import Drafter, keeps_context

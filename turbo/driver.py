@@ -29,6 +29,7 @@ from .drafters import Drafter, KeepsContext
 from .drafters.ngram import NgramConfig
 from .drafters.seam import call
 from .logprobs import TokenLogprob, token_logprobs
+from .penalties import PenaltyState
 from .policy import Plan
 from .rounds import close_round, draft_block, judge
 from .sampling import RejectionSampler
@@ -145,6 +146,8 @@ class Driver:
             sampled = job.sampler is not None
             self.chooser = AdaptiveChooser(job.plan.block, memory=(drafter, o.rollback) if not sampled else None,
                                            counted=sampled)
+        # repetition / frequency / presence penalties and logit_bias, at every committed position
+        self.penalties = PenaltyState(o.penalties, job.ids) if o.penalties.active else None
         self.clock = TokenClock()
         self.st: TrunkState | None = None
         self.anchor = job.ids[-1]
@@ -236,7 +239,9 @@ class Driver:
             return None
         job, o, stats, stops = self.job, self.job.options, self.job.stats, self.stopper
         t0 = time.perf_counter()
-        accepted, bonus, landed = judge(self.proposals, self.q, out.logits, job.sampler,
+        # row i judged as plain decoding would see it: after the proposals before it
+        logits = self.penalties.rows(out.logits, self.proposals) if self.penalties is not None else out.logits
+        accepted, bonus, landed = judge(self.proposals, self.q, logits, job.sampler,
                                         stops.cut if self.cut_in_round else None)
         committed = self.proposals[:accepted] + [bonus]
         lps = token_logprobs(out.logits, committed, self.logprobs) if self.logprobs is not None else None
@@ -252,6 +257,8 @@ class Driver:
             committed = committed[:keep] if keep is not None else committed
         committed = committed[:o.max_new_tokens - len(self.generated)]
         self.generated += committed
+        if self.penalties is not None:
+            self.penalties.commit(committed)
         stats.record_tokens(len(self.generated), self.clock)
         self.done = stops.finish is not None
         self.anchor = bonus

@@ -213,6 +213,9 @@ class Runtime:
         bad = next((t for t in o.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
             raise TurboError(f"stop_token_ids: {bad} is not an id in 0..{vocab - 1}", field="stop_token_ids")
+        bad = next((t for t, _ in o.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise TurboError(f"logit_bias: {bad} is not an id in 0..{vocab - 1}", field="logit_bias")
         own = not isinstance(o.drafter, str)  # the caller's drafter object
         if own:
             check_drafter_object(o.drafter, self.install.arch.num_layers)

@@ -13,12 +13,14 @@ from __future__ import annotations
 import math
 import operator
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .drafters import is_drafter
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
+from .penalties import BIAS_RANGE, PENALTY_RANGE, Penalties
 
 NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
 QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (turbo.quant.CPU_MODES)
@@ -110,6 +112,11 @@ class GenerationOptions:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None  # the generation's generator seed; None: a fresh one (reported in Stats.seed)
+    # turbo.penalties: applied at every committed position (speculation stays exact)
+    repetition_penalty: float = 1.0  # transformers' / vLLM's: > 1 discourages the prompt's and output's tokens
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this x the token's count in the output
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this when the token is in the output
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # {token id: bias in [-100, 100]} (a dict or pairs)
 
     def __post_init__(self) -> None:
         """Every check these fields allow on their own; numpy integers become ints and the
@@ -135,8 +142,14 @@ class GenerationOptions:
         object.__setattr__(self, "stop_token_ids", stop_ids(self.stop_token_ids))
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         check_seed(self.seed)
-        for name in ("temperature", "top_p", "min_p"):
+        check_penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty)
+        object.__setattr__(self, "logit_bias", logit_bias(self.logit_bias))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.logit_bias or ())
 
     def but(self, **changes) -> "GenerationOptions":
         return replace(self, **changes)
@@ -204,6 +217,34 @@ def check_sampling(temperature: object, top_k: object, top_p: object, min_p: obj
         raise TurboError(f"top_p is {top_p!r}, expected a number in (0, 1]", field="top_p")
     if not _number(min_p) or not 0 <= min_p < 1:
         raise TurboError(f"min_p is {min_p!r}, expected a number in [0, 1)", field="min_p")
+
+
+def check_penalties(repetition: object, frequency: object, presence: object) -> None:
+    if not _number(repetition) or not 0 < repetition < math.inf:
+        raise TurboError(f"repetition_penalty is {repetition!r}, expected a finite number > 0 (1: none)",
+                         field="repetition_penalty")
+    for name, v in (("frequency_penalty", frequency), ("presence_penalty", presence)):
+        if not _number(v) or not -PENALTY_RANGE <= v <= PENALTY_RANGE:
+            raise TurboError(f"{name} is {v!r}, expected a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]",
+                             field=name)
+
+
+def logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
+    """`bias` (None, a {token id: bias} mapping or (id, bias) pairs; ids as integers or their
+    decimal strings, as JSON keys are) as sorted (id, bias) pairs, or None when empty. The ids'
+    range needs the vocabulary: checked when a stream starts."""
+    if bias is None:
+        return None
+    items = list(bias.items()) if isinstance(bias, Mapping) else list(bias) if isinstance(bias, (list, tuple)) else None
+    out = {}
+    for item in items if items is not None else [None]:
+        tok, value = item if isinstance(item, (tuple, list)) and len(item) == 2 else (None, None)
+        tid = int(tok) if isinstance(tok, str) and tok.isdigit() else integer(tok)
+        if tid is None or tid < 0 or not _number(value) or not -BIAS_RANGE <= value <= BIAS_RANGE:
+            raise TurboError(f"logit_bias is {bias!r}, expected a map of token ids to biases in "
+                             f"[-{BIAS_RANGE:g}, {BIAS_RANGE:g}]", field="logit_bias")
+        out[tid] = float(value)
+    return tuple(sorted(out.items())) or None
 
 
 def stop_strings(stop: object) -> tuple[str, ...] | None:

@@ -24,8 +24,9 @@ LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
 TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window")
 SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
 # request fields turbo does not implement: refused unless they hold the value that means "off"
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
-               "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None, "tool_choice": "none"}
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tool_choice": "none"}
+# penalties (turbo/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 class ApiError(Exception):
@@ -217,6 +218,15 @@ def _options(body: dict) -> dict:
             raise ApiError(f"stop is {json.dumps(stop)[:200]}, expected a string or a list of strings", "stop")
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         o["stop"] = tuple(stop) or None
+    for name in PENALTIES:
+        v = body.get(name)
+        if v is not None:
+            if not _is_number(v):
+                raise ApiError(f"{name} is {json.dumps(v)[:200]}, expected a number", name)
+            o[name] = float(v)
+    bias = _kind(body, "logit_bias", dict, "an object of token ids (as strings) to biases in [-100, 100]")
+    if bias:
+        o["logit_bias"] = bias  # (its keys and values: GenerationOptions checks them)
     ids = _kind(body, "stop_token_ids", list, "a list of token ids")
     if ids:
         if not all(_is_int(t) and t >= 0 for t in ids):

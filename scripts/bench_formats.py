@@ -23,7 +23,7 @@ rounds the activations to 8 bits in its quantized products). Each GGUF is first 
 of its own: where llama.cpp's weight repacking crashes (llama-cpp-python 0.3.36 on an AMX host) it
 runs without it (benchlib.LLAMA_PLAIN, said in one line), and a GGUF it does not open or run is
 left out, saying why. Built sources and installs are cached beside the shape's, rebuilt when
-turbo/repack*.py or backends/native_exact.py (or the GGUF writer, for its GGUFs) is newer.
+turbo/repack/*.py or backends/native_exact.py (or the GGUF writer, for its GGUFs) is newer.
 """
 
 from __future__ import annotations

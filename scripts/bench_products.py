@@ -45,8 +45,8 @@ def q8_0(w: torch.Tensor) -> quant.QuantizedWeight:
 
 
 def fp8(n: int, k: int) -> quant.QuantizedWeight:
-    """Random e4m3 codes (no NaN) with a scale per 128 x 128 block, as repack_fp8 keeps them."""
-    from turbo import repack_fp8
+    """Random e4m3 codes (no NaN) with a scale per 128 x 128 block, as turbo/repack/fp8.py keeps them."""
+    from turbo.repack import fp8 as repack_fp8
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
     codes[(codes & 0x7F) == 0x7F] = 0x7E

@@ -22,7 +22,7 @@ from turbo.loader import Reader, host
 from turbo.options import OpenOptions
 from turbo.repack import repack
 from turbo.testing import make_checkpoint, make_moe_checkpoint
-from turbo.repack_write import write_safetensors
+from turbo.safetensors_format import write_safetensors
 
 WIDE = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=32)
 MOE = dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=64,

@@ -25,8 +25,8 @@ from .load_plan import (COPY, EXACT, PACKED, SEGMENTS, EmbedPlan, Host, Matrix, 
                         packed_layout, packed_target, plan_trunk)
 from .loader import Reader
 from .options import OpenOptions
-from .repack_tensors import QUANT_SLICE, Planned
-from .repack_write import write_safetensors
+from .quant import QUANT_SLICE
+from .safetensors_format import Planned, write_safetensors
 from .trunk import PREFIX
 
 # The host the layout is written for: products that read int4 / int8 packed (AVX512-VNNI) and the

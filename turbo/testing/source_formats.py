@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..repack_int4 import AWQ_REVERSE
+from ..repack.int4 import AWQ_REVERSE
 
 AWQ_ORDER = [AWQ_REVERSE.index(j) for j in range(8)]  # AutoAWQ's pack order, 0 2 4 6 1 3 5 7
 

@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from .errors import TurboError
-from .repack_tensors import Planned
-from . import quant as q
+from ..errors import TurboError
+from .tensors import Planned
+from .. import quant as q
 
 # The tensor suffixes each quantized format stores per module (the module's weight replaced by them).
 SUFFIXES = {
@@ -199,10 +199,10 @@ def plan_source(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | Non
                 config: dict) -> tuple[list[Planned], list[Source]]:
     """(the planned tensors of an FP8 / int4 source's quantized modules, the other tensors)."""
     if found.kind == "fp8":
-        from .repack_fp8 import plan_fp8
+        from .fp8 import plan_fp8
         return plan_fp8(found, tensors, fmt, quantized)
     if found.kind in ("awq", "gptq", "compressed-tensors"):
-        from .repack_int4 import plan_int4
+        from .int4 import plan_int4
         return plan_int4(found, tensors, fmt, quantized)
     return [], tensors
 

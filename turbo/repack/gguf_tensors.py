@@ -11,9 +11,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import quant as q
-from .errors import TurboError
-from .repack_tensors import Planned, _tensor_bytes, quantizable
+from .. import quant as q
+from ..errors import TurboError
+from .tensors import Planned, _tensor_bytes, quantizable
 
 FLOAT_TYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}  # carried as they are
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}  # affine per 32 columns: carried exactly

@@ -7,16 +7,16 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from .arch import arch_from_config, read_config_json
-from .drafters import mtp
-from .drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
-from .errors import TurboError
-from .install import safetensors_files
-from .repack_formats import SourceFormat, detect, plan_source
-from .repack_moe import moe_sources
-from .repack_tensors import Planned, plan_tensors
-from .safetensors_format import read_header
-from . import quant as q
+from ..arch import arch_from_config, read_config_json
+from ..drafters import mtp
+from ..drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
+from ..errors import TurboError
+from ..install import safetensors_files
+from .formats import SourceFormat, detect, plan_source
+from .moe import moe_sources
+from .tensors import Planned, plan_tensors
+from ..safetensors_format import read_header
+from .. import quant as q
 
 # Checkpoint name prefix -> install prefix, most specific first. A Qwen3_5ForConditionalGeneration
 # checkpoint's MTP head sits at the top level beside model.language_model.* and keeps its names
@@ -90,13 +90,13 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
         source = (name, new, meta, path, data_start)
         tensors += moe_sources(*source, arch) if arch.moe else [source]
     quantized = quantized if quantized is not None else {}
-    found = found or detect(config, {n: m for n, m, _, _ in listed}, str(src / "config.json"))  # repack_formats
+    found = found or detect(config, {n: m for n, m, _, _ in listed}, str(src / "config.json"))  # formats.py
     done, tensors = plan_source(found, tensors, fmt, quantized, config)
     return done + plan_tensors(tensors, fmt or floats, quantized, config)
 
 
 def source_format(src: Path, config: dict) -> SourceFormat:
-    """What `src` is (repack_formats.detect), for repack's first line."""
+    """What `src` is (formats.detect), for repack's first line."""
     return detect(config, {n: m for n, m, _, _ in source_tensors(src)}, str(src / "config.json"))
 
 

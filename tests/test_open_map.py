@@ -18,7 +18,8 @@ from turbo import layout_file, open_layout
 from turbo.backends import native_lib, native_pack
 from turbo.install import open_install
 from turbo.load_plan import COPY, PACKED, PANELS, layer_matrices, plan_trunk
-from turbo.loader import Reader, host
+from turbo.loader import host
+from turbo.reader import Reader
 from turbo.options import OpenOptions
 from turbo.repack import repack
 from turbo.testing import make_checkpoint, make_moe_checkpoint

@@ -12,7 +12,9 @@ from ..drafters import mtp
 from ..drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from ..errors import TurboError
 from ..install import safetensors_files
-from .formats import SourceFormat, detect, plan_source
+from .formats import Source, SourceFormat, detect
+from .fp8 import plan_fp8
+from .int4 import plan_int4
 from .moe import moe_sources
 from .tensors import Planned, plan_tensors
 from ..safetensors_format import read_header
@@ -70,6 +72,16 @@ def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
             seen[name] = path
             yield name, {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [t.begin, t.end]}, path, \
                 header.data_start
+
+
+def plan_source(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | None, quantized: dict[str, dict],
+                config: dict) -> tuple[list[Planned], list[Source]]:
+    """(the planned tensors of an FP8 / int4 source's quantized modules, the other tensors)."""
+    if found.kind == "fp8":
+        return plan_fp8(found, tensors, fmt, quantized)
+    if found.kind in ("awq", "gptq", "compressed-tensors"):
+        return plan_int4(found, tensors, fmt, quantized)
+    return [], tensors
 
 
 def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,

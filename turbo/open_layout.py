@@ -24,9 +24,9 @@ from .errors import ArgumentParser, TurboError
 from .install import ST_TORCH, Entry, Install, open_install, safetensors_files
 from .load_plan import (COPY, EXACT, PACKED, SEGMENTS, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices,
                         packed_layout, packed_target, plan_trunk)
-from .reader import Reader
 from .options import OpenOptions
 from .quant import QUANT_SLICE
+from .reader import Reader
 from .safetensors_format import Planned, write_safetensors
 from .trunk import PREFIX
 

@@ -67,7 +67,7 @@ class Reader:
                 return native_exact.read_segments(self.index.view(m.mapped), entries[0].dims[1],
                                                   [self.segment(p) for p in m.parts], m.mapped)
             return Packed(self.index.view(m.mapped), sum(e.dims[0] for e in entries), entries[0].dims[1],
-                                      packed_layout(self.index.entries, m))
+                          packed_layout(self.index.entries, m))
         if m.form == SEGMENTS:
             return native_exact.segments([self.matrix(part) for part in m.parts])
         if m.form in (EXACT, PACKED):  # (mapped, not read: the packing reads each byte once)

@@ -31,7 +31,6 @@ def ptr(t: torch.Tensor | Packed | None) -> int | None:
     return t.data_ptr()
 
 
-
 @dataclasses.dataclass
 class Packed:
     """A matrix w [n, k] laid out as native_products.c reads it (`layout`):
@@ -148,7 +147,7 @@ def superblocks(k: int, group: int) -> list[tuple[int, int, int]]:
 
 
 def _int4_dense(body: torch.Tensor, rows: int, k: int, group: int) -> torch.Tensor:
-    """The inverse of _int4_bytes, dequantized as the torch step does: q * scale + bias in fp32."""
+    """The inverse of native_exact._int4_bytes, dequantized as the torch step does: q * scale + bias in fp32."""
     body, out, at = body.reshape(rows // OCTET, -1), [], 0
     for _, m, ng in superblocks(k, group):
         sb = [body[:, at + 32 * ng * i:at + 32 * ng * (i + 1)].contiguous().view(torch.float32)

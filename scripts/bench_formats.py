@@ -67,7 +67,7 @@ def newer(path: Path, *than: Path) -> bool:
 def stale(install: Path, *sources: Path) -> bool:
     """Missing, or built before the repack code, the exact formats' packing (its open layout) or
     its source file last changed (the converted layouts move with them)."""
-    return newer(install / "model.safetensors", *(ROOT / "turbo").glob("repack*.py"),
+    return newer(install / "model.safetensors", *(ROOT / "turbo" / "repack").glob("*.py"),
                  ROOT / "turbo" / "backends" / "native_exact.py", *sources)
 
 

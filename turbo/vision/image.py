@@ -163,7 +163,7 @@ def decode(source: ImageInput):
 
 def prepare(source: ImageInput, spec: ImageSpec) -> PreparedImage:
     """The tensors transformers' processor gives for one image (pixel_values, image_grid_thw)."""
-    from PIL import Image
+    from PIL import Image  # (as in decode: an optional dependency)
 
     rgb = decode(source)
     h, w = smart_resize(rgb.height, rgb.width, spec.factor, spec.min_pixels, spec.max_pixels)

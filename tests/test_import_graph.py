@@ -12,13 +12,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("turbo", "tui")
 
-# Modules whose cycles (and function-level imports) the engine / scheduler rewrite is still
-# removing (issue 43, item 1): left out of both checks until then. Empty it as they are fixed.
-PENDING_LEAD = frozenset({
-    "turbo.engine", "turbo.serve.scheduler", "turbo.session", "turbo.chat", "turbo.serve.worker",
-    "turbo.serve.images", "turbo.serve.protocol",
-})
-
 # (importer, imported): why the import waits for the function that needs it.
 LAZY_ALLOWED = {
     ("turbo.__main__", "turbo.engine"): "torch and the engine load once the command line is known good "
@@ -140,10 +133,6 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     return found
 
 
-def without(edges: dict[str, set[str]], left_out: frozenset[str]) -> dict[str, set[str]]:
-    return {m: {t for t in ts if t not in left_out} for m, ts in edges.items() if m not in left_out}
-
-
 def test_the_graph_is_read_as_python_runs_imports():
     """The reader itself: a package's import runs its parents, TYPE_CHECKING imports do not run,
     and the repack package's cycle through open_layout (fixed in 22ba1ca) would be found."""
@@ -160,15 +149,14 @@ def test_the_graph_is_read_as_python_runs_imports():
 
 def test_no_import_cycle():
     edges, _ = graph()
-    assert PENDING_LEAD <= set(edges), "PENDING_LEAD names a module that is gone: drop it"
-    found = cycles(without(edges, PENDING_LEAD))
+    found = cycles(edges)
     assert found == [], "import cycles (break each by moving the shared piece, not by a function-level import): " + \
         "; ".join(" <-> ".join(c) for c in found)
 
 
 def test_function_level_imports_of_ours_are_listed():
     _, lazy = graph()
-    unlisted = [f"{a} line {line}: {b}" for a, b, line in lazy if a not in PENDING_LEAD and (a, b) not in LAZY_ALLOWED]
+    unlisted = [f"{a} line {line}: {b}" for a, b, line in lazy if (a, b) not in LAZY_ALLOWED]
     assert unlisted == [], ("imports of turbo / tui modules inside a function, not in LAZY_ALLOWED (import it at "
                             "the top, or move the shared piece out of the cycle): " + "; ".join(unlisted))
     used = {(a, b) for a, b, _ in lazy}

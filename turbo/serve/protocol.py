@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from ..chat import END_THINK, THINK, split_reasoning
 from ..stops import held_back
-from .scheduler import TokenLogprob
+from ..logprobs import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor

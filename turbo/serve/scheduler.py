@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable
 from ..drafters.ngram import NgramDrafter
 from ..driver import DraftKey, Driver, Job, RoundEvent, Work
 from ..errors import TurboError
-from ..logprobs import MAX_TOP, TokenLogprob  # noqa: F401  (TokenLogprob: the protocol's import)
+from ..logprobs import MAX_TOP
 from ..options import GenerationOptions
 from ..state_cache import StateCache
 from ..vision.runtime import ImageStart

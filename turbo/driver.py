@@ -29,6 +29,7 @@ from .drafters import Drafter, KeepsContext
 from .drafters.ngram import NgramConfig
 from .drafters.seam import call
 from .logprobs import TokenLogprob, token_logprobs
+from .grammar import GrammarState
 from .penalties import PenaltyState
 from .policy import Plan
 from .rounds import close_round, draft_block, judge
@@ -65,6 +66,7 @@ class Job:
     own: bool  # the drafter is the caller's object
     sampler: RejectionSampler | None  # None: greedy
     stats: Stats  # the counters, started
+    grammar: GrammarState | None = None  # the output's constraint (response_format), at its start
 
     def draft_key(self) -> DraftKey | None:
         """Which of the install's drafters this job drafts with (None: none, or the caller's own)."""
@@ -148,6 +150,7 @@ class Driver:
                                            counted=sampled)
         # repetition / frequency / presence penalties and logit_bias, at every committed position
         self.penalties = PenaltyState(o.penalties, job.ids) if o.penalties.active else None
+        self.grammar = job.grammar  # response_format: the mask, at every committed position too
         self.clock = TokenClock()
         self.st: TrunkState | None = None
         self.anchor = job.ids[-1]
@@ -222,6 +225,9 @@ class Driver:
         self.block = self.chooser.next_block() if self.chooser is not None else job.plan.block  # adaptive: 0 = plain
         t0 = time.perf_counter()
         self.proposals, self.q = draft_block(self.draft, self.anchor, self.st.pos, self.block, job.sampler, self.vocab)
+        if self.grammar is not None:  # what the grammar forbids could never be accepted: not verified
+            n = self.grammar.allowed_prefix(self.proposals)
+            self.proposals, self.q = self.proposals[:n], self.q[:n] if self.q is not None else None
         self.draft_s = time.perf_counter() - t0
         rows = [self.anchor] + self.proposals
         return Work(rows, job.options.rollback if self.proposals else None, len(rows))
@@ -241,6 +247,7 @@ class Driver:
         t0 = time.perf_counter()
         # row i judged as plain decoding would see it: after the proposals before it
         logits = self.penalties.rows(out.logits, self.proposals) if self.penalties is not None else out.logits
+        logits = self.grammar.rows(logits, self.proposals) if self.grammar is not None else logits
         accepted, bonus, landed = judge(self.proposals, self.q, logits, job.sampler,
                                         stops.cut if self.cut_in_round else None)
         committed = self.proposals[:accepted] + [bonus]
@@ -259,6 +266,8 @@ class Driver:
         self.generated += committed
         if self.penalties is not None:
             self.penalties.commit(committed)
+        if self.grammar is not None:
+            self.grammar.commit(committed)
         stats.record_tokens(len(self.generated), self.clock)
         self.done = stops.finish is not None
         self.anchor = bonus

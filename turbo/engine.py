@@ -28,6 +28,7 @@ from .drafters.seam import check_drafter_object
 from .drafters.ngram import NgramConfig, NgramDrafter
 from .driver import DrafterPool, Driver, Job, RoundEvent, Start
 from .errors import TurboError, checked_text
+from .grammar import Grammars
 from .install import Install, bundled_names, open_install
 from .install_check import check_install
 from .loader import load_drafter, load_trunk
@@ -83,6 +84,7 @@ class Runtime:
         # the policy a generation that names none takes, per drafter (the environment's, read at open)
         self.draft_defaults = {kind: DraftPolicy(name, block) for kind, name, block in opts.draft_defaults}
         self.trunk = load_trunk(install, opts, self.device)
+        self.grammars = Grammars(tok.read_text(encoding="utf-8"), install.arch.vocab)  # response_format's
         # the install's drafters (built on first use) and their forks for the server's batches
         self.drafters = DrafterPool(lambda kind, window, ngram: NgramDrafter(ngram) if kind == "ngram"
                                     else load_drafter(kind, self.install, self.trunk, window, self.options))
@@ -225,7 +227,12 @@ class Runtime:
                       policy=p.policy, drafter=p.drafter, block=p.block, rollback=o.rollback,
                       backend=self.backend.name, speculation_off_reason=p.off_reason,
                       seed=sampler.sampler.seed if sampler is not None else None)
-        return Job(ids, o, p, own, sampler, stats)
+        grammar = None
+        if o.response_format is not None:  # compiled (once per format) and checked before the first round
+            stops = tuple(sorted((set(self.install.arch.eos_token_ids) if o.stop_at_eos else set())
+                                 | set(o.stop_token_ids or ())))
+            grammar = self.grammars.state(o.response_format, stops)
+        return Job(ids, o, p, own, sampler, stats, grammar)
 
     def _fitted(self, ids: list[int], o: GenerationOptions, start: Start) -> list[int]:
         """`ids` when they leave room for max_new_tokens in the context; else their tail under

@@ -20,6 +20,7 @@ from pathlib import Path
 from .drafters import is_drafter
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
+from .grammar import ResponseFormat
 from .penalties import BIAS_RANGE, PENALTY_RANGE, Penalties
 
 NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
@@ -117,6 +118,9 @@ class GenerationOptions:
     frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this x the token's count in the output
     presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this when the token is in the output
     logit_bias: tuple[tuple[int, float], ...] | None = None  # {token id: bias in [-100, 100]} (a dict or pairs)
+    # turbo.grammar: OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema", ...}) or
+    # turbo's regex / Lark grammar ({"type": "regex", "regex": ...}, {"type": "grammar", "grammar": ...})
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         """Every check these fields allow on their own; numpy integers become ints and the
@@ -144,6 +148,7 @@ class GenerationOptions:
         check_seed(self.seed)
         check_penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty)
         object.__setattr__(self, "logit_bias", logit_bias(self.logit_bias))
+        object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
 

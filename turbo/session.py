@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from .chat import assistant_message, turn_options, turn_stop_ids
+from .chat import answer_opens_think, assistant_message, turn_options, turn_stop_ids
 from .chat_template import ChatTemplate, encode
 from .drafters import Drafter, keeps_context
 from .drafters.seam import call
@@ -237,17 +237,17 @@ class Session:
         prompt = self.render()
         ids = encode(self.rt.tokenizer, prompt)
         self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
-        # refuses here, before a turn starts
-        events = self.rt.stream(ids, turn_options(opts, fields, self.stop_ids), start=self.keeper)
-        return self._follow(ids, prompt, events)
+        options = turn_options(opts, fields, self.stop_ids)
+        events = self.rt.stream(ids, options, start=self.keeper)  # refuses here, before a turn starts
+        return self._follow(ids, answer_opens_think(prompt, options), events)
 
-    def _follow(self, ids: list[int], prompt: str, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
+    def _follow(self, ids: list[int], opened: bool, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
         generated: list[int] = []
         for event in events:
             generated += event.tokens
             if event.done:
                 self.keeper.settle(ids, generated)
-                self.history.append(assistant_message(self.rt.tokenizer, generated, self.stop_ids, prompt))
+                self.history.append(assistant_message(self.rt.tokenizer, generated, self.stop_ids, opened))
                 self.last_turn = self.keeper.report
                 self.last_turn.tokens, self.last_turn.stats = generated, event.stats
             yield event

@@ -21,7 +21,8 @@ from ..logprobs import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
-TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window")
+TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window", "regex", "grammar")
+CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a response_format of turbo's kinds
 SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
 # request fields turbo does not implement: refused unless they hold the value that means "off"
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tool_choice": "none"}
@@ -122,9 +123,6 @@ def parse(body: dict, chat: bool) -> Body:
         elif body.get("top_logprobs") is not None:
             _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
             raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
-        fmt = _kind(body, "response_format", dict, "an object")
-        if fmt and fmt.get("type") != "text":
-            raise ApiError(f"response_format {json.dumps(fmt)[:200]}: only type text is supported", "response_format")
     else:
         b.prompt = _prompt(body.get("prompt"))
         b.max_tokens = _int(body, "max_tokens", 1)
@@ -224,6 +222,9 @@ def _options(body: dict) -> dict:
             if not _is_number(v):
                 raise ApiError(f"{name} is {json.dumps(v)[:200]}, expected a number", name)
             o[name] = float(v)
+    fmt = _kind(body, "response_format", dict, "an object (OpenAI's response_format)")
+    if fmt:
+        o["response_format"] = fmt  # (its type and schema: turbo/grammar.py checks and compiles them)
     bias = _kind(body, "logit_bias", dict, "an object of token ids (as strings) to biases in [-100, 100]")
     if bias:
         o["logit_bias"] = bias  # (its keys and values: GenerationOptions checks them)
@@ -241,7 +242,13 @@ def _options(body: dict) -> dict:
         if k in ("block", "window"):
             v = _int(ext, k, 0, None, "turbo.")
         elif v is not None and not isinstance(v, str):
-            raise ApiError(f"turbo.{k} is {json.dumps(v)[:200]}, expected a name", f"turbo.{k}")
+            what = "a pattern" if k in CONSTRAINTS else "a name"
+            raise ApiError(f"turbo.{k} is {json.dumps(v)[:200]}, expected {what}", f"turbo.{k}")
+        if k in CONSTRAINTS:
+            if "response_format" in o:
+                raise ApiError(f"turbo.{k} and response_format: give one constraint", f"turbo.{k}")
+            o["response_format"] = {"type": k, k: v}
+            continue
         o[k] = v
     return o
 

@@ -104,7 +104,9 @@ class Engine:
             options = self.defaults.but(max_new_tokens=wanted, **fields)
         except TurboError as e:
             raise ApiError(str(e), param_of(e, body.max_tokens_param)) from None
-        return Prepared(Request(ids, options, body.logprobs, images or None), opened)
+        # a response_format holds the whole answer: it is content, not reasoning (chat.answer_opens_think)
+        return Prepared(Request(ids, options, body.logprobs, images or None),
+                        opened and options.response_format is None)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str):
         try:

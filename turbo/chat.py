@@ -8,6 +8,7 @@ place that says which tokens end a turn. Sessions that keep their state: turbo/s
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -15,7 +16,9 @@ from tokenizers import Tokenizer
 
 from .chat_template import ChatTemplate, encode, install_template
 from .install import Install
+from .errors import TurboError
 from .options import GENERATION_FIELDS, GenerationOptions
+from .tool_calls import XML_FORMAT, call_grammar, parse_tool_calls, tool_functions
 from .stats import Stats
 from .vision.runtime import check_placed, message_images
 
@@ -43,6 +46,31 @@ def template_for(install: Install, template: str | ChatTemplate | None) -> ChatT
     if template is None:
         return install_template(install)
     return ChatTemplate(template, "template argument", install.template_files.special_tokens)
+
+
+def template_messages(messages: list[dict]) -> list[dict]:
+    """The messages as chat templates take them: an assistant's tool calls with their arguments as
+    objects (OpenAI sends them as JSON text; Qwen's templates iterate them), as vLLM passes them."""
+    out = []
+    for m in messages if isinstance(messages, (list, tuple)) else ():
+        calls = m.get("tool_calls") if isinstance(m, dict) and m.get("role") == "assistant" else None
+        if isinstance(calls, list):
+            m = {**m, "tool_calls": [_with_object_arguments(c) for c in calls]}
+        out.append(m)
+    return out
+
+
+def _with_object_arguments(call: object) -> object:
+    f = call.get("function") if isinstance(call, dict) else None
+    args = f.get("arguments") if isinstance(f, dict) else None
+    if isinstance(args, str):
+        try:
+            value = json.loads(args)
+        except ValueError:
+            return call
+        if isinstance(value, dict):
+            return {**call, "function": {**f, "arguments": value}}
+    return call
 
 
 def split_keywords(kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -103,16 +131,32 @@ def assistant_message(tokenizer: Tokenizer, tokens: list[int], stop_ids: tuple[i
 
 
 def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools: list | None,
-             documents: list | None, template: str | ChatTemplate | None, kw: dict[str, Any]) -> ChatResult:
+             documents: list | None, template: str | ChatTemplate | None, kw: dict[str, Any],
+             tool_choice: str = "auto") -> ChatResult:
     """`Runtime.chat`: render with the generation prompt, generate, split the answer."""
     chat = template_for(rt.install, template)
     fields, template_kwargs = split_keywords(kw)
-    prompt = chat.render(messages, add_generation_prompt=True, tools=tools, documents=documents, **template_kwargs)
+    messages = template_messages(messages) if isinstance(messages, (list, tuple)) else messages
+    prompt = chat.render(messages, add_generation_prompt=True, tools=tools, documents=documents,
+                         **template_kwargs)
     ids, stop_ids = encode(rt.tokenizer, prompt), turn_stop_ids(rt.install, rt.tokenizer)
     images = message_images(messages)  # (turbo/vision: content parts of type image / image_url)
     if images:
         check_placed(rt, ids, images)
     options = turn_options(opts, fields, stop_ids)
+    if tool_choice not in ("none", "auto"):  # required, or a function's name: the call is constrained
+        only = None if tool_choice == "required" else tool_choice
+        if not tools or (only is not None and only not in tool_functions(tools)):
+            raise TurboError(f"tool_choice {tool_choice!r}: expected none, auto, required or one of the tools' names",
+                             field="tool_choice")
+        options = options.but(response_format={"type": "grammar",
+                                               "grammar": call_grammar(tools, only, XML_FORMAT in chat.source)})
     result = rt.generate(ids, options, images=images or None)
     message = assistant_message(rt.tokenizer, result.tokens, stop_ids, answer_opens_think(prompt, options))
+    if tools and tool_choice != "none":  # the calls the answer makes, in OpenAI's shape
+        message["content"], calls, why = parse_tool_calls(message["content"], tools)
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        elif why is not None:
+            message["tool_call_error"] = why
     return ChatResult(message, result.tokens, result.text, result.stats, ids)

@@ -157,11 +157,14 @@ class Runtime:
         return GenerateResult(tokens, "".join(text), event.stats, flags, event.finish)
 
     def chat(self, messages: list, opts: GenerationOptions | None = None, *, tools: list | None = None,
-             documents: list | None = None, template: str | ChatTemplate | None = None, **kw: Any) -> ChatResult:
+             tool_choice: str = "auto", documents: list | None = None, template: str | ChatTemplate | None = None,
+             **kw: Any) -> ChatResult:
         """The assistant's answer to `messages`, rendered by the install's chat template (or
         `template`). Keywords that are GenerationOptions fields are generation options, the
-        others go to the template (enable_thinking=False). turbo/chat.py."""
-        return run_chat(self, messages, opts, tools, documents, template, kw)
+        others go to the template (enable_thinking=False). With `tools`, the answer's calls are
+        read into message["tool_calls"] (OpenAI's shape); `tool_choice` "required" or a tool's
+        name makes it call one (turbo/tool_calls.py). turbo/chat.py."""
+        return run_chat(self, messages, opts, tools, documents, template, kw, tool_choice)
 
     def session(self, system: str | None = None, *, tools: list | None = None,
                 template: str | ChatTemplate | None = None, snapshots: int = DEFAULT_SNAPSHOTS,

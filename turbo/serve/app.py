@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException
 
 from ..chat import split_reasoning
 from ..errors import TurboError
+from ..tool_calls import CallStream, parse_tool_calls
 from . import protocol as P
 from .metrics import CONTENT_TYPE, Timing
 from .scheduler import Delta
@@ -36,6 +37,7 @@ class Call:
     body: P.Body
     prompt_tokens: int
     opened_think: bool
+    tools: list | None  # the tools whose calls the answer is read for (None: no calls)
     queue: asyncio.Queue
     timing: Timing
     rid: str = ""
@@ -111,8 +113,8 @@ async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
     # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other streams
     prepared = await asyncio.to_thread(engine.prepare, body)
     loop = asyncio.get_running_loop()
-    call = Call(body, len(prepared.request.ids), prepared.opened_think, asyncio.Queue(), engine.metrics.request(),
-                P.new_id(chat))
+    call = Call(body, len(prepared.request.ids), prepared.opened_think, prepared.tools, asyncio.Queue(),
+                engine.metrics.request(), P.new_id(chat))
 
     def sink(item: Delta | TurboError) -> None:  # on the scheduler's thread
         try:
@@ -173,9 +175,17 @@ async def whole(engine: Engine, call: Call, request: HttpRequest) -> dict:
         logprobs = P.chat_logprobs(lps, engine.piece) if body.chat else P.completion_logprobs(lps, engine.piece, 0)
     if body.chat:
         reasoning, content = split_reasoning(out, call.opened_think)
+        calls, why = [], None
+        if call.tools:
+            content, calls, why = parse_tool_calls(content, call.tools)
         choice["message"] = {"role": "assistant", "content": content}
         if reasoning is not None:
             choice["message"]["reasoning_content"] = reasoning
+        if calls:
+            choice["message"]["tool_calls"] = [c.openai() for c in calls]
+            choice["finish_reason"] = "tool_calls" if last.finish.reason == "stop" else last.finish.reason
+        elif why is not None:  # returned as text, with the reason beside it
+            choice["message"]["tool_call_error"] = why
     else:
         choice["text"] = out
     choice["logprobs"] = logprobs
@@ -194,6 +204,7 @@ async def stream(engine: Engine, call: Call) -> AsyncIterator[str]:
                       **usage_field})
 
     reasoning = P.ReasoningStream(call.opened_think)
+    calls = CallStream(call.tools) if call.tools else None
     offset, last = 0, None
     if body.chat:
         yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -208,7 +219,18 @@ async def stream(engine: Engine, call: Call) -> AsyncIterator[str]:
                             else P.completion_logprobs(d.logprobs, engine.piece, offset))
             if body.chat:
                 think, content = reasoning.feed(d.text, final)
+                made: list = []
+                if calls is not None:
+                    content = calls.feed(content)
+                    if final:
+                        rest, made, why = calls.end()
+                        content += rest
                 delta = {**({"reasoning_content": think} if think else {}), **({"content": content} if content else {})}
+                if made:  # the calls whole, each at its index, in the last chunk (as vLLM's parsers end)
+                    if delta or logprobs:
+                        yield chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+                    delta = {"tool_calls": [{"index": i, **c.openai()} for i, c in enumerate(made)]}
+                    logprobs, finish = None, "tool_calls" if finish == "stop" else finish
                 if delta or logprobs or final:
                     yield chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             else:  # a chunk per step that commits tokens, its text empty while a character is incomplete

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from ..chat import END_THINK, THINK, split_reasoning
 from ..stops import held_back
+from ..tool_calls import tool_functions
 from ..logprobs import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
@@ -25,7 +26,7 @@ TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window", "regex", "gram
 CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a response_format of turbo's kinds
 SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
 # request fields turbo does not implement: refused unless they hold the value that means "off"
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tool_choice": "none"}
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None}
 # penalties (turbo/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -52,6 +53,7 @@ class Body:
     messages: list[dict] | None = None
     template_kwargs: dict = field(default_factory=dict)
     tools: list | None = None
+    tool_choice: str = "none"  # none | auto | required | a function's name (chat with tools: auto by default)
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"  # the field the client used (named in a refusal)
     options: dict = field(default_factory=dict)  # GenerationOptions fields
@@ -107,13 +109,14 @@ def parse(body: dict, chat: bool) -> Body:
     b = Body(model=model, chat=chat)
     for name, off in UNSUPPORTED.items():
         v = body.get(name)
-        if v is not None and v != off and v != {} and not (name == "tool_choice" and v == "auto"):
+        if v is not None and v != off and v != {}:
             raise ApiError(f"{name} is {json.dumps(v)[:200]}: not supported by this server "
                            f"(leave it out{'' if off is None else f' or give {json.dumps(off)}'})", name)
     if chat:
         b.messages = _messages(body.get("messages"))
         b.template_kwargs = _kind(body, "chat_template_kwargs", dict, "an object (template keywords)") or {}
         b.tools = _kind(body, "tools", list, "a list of tools (JSON schemas)")
+        b.tool_choice = _tool_choice(body.get("tool_choice"), b.tools)
         for name in ("max_completion_tokens", "max_tokens"):
             if body.get(name) is not None:
                 b.max_tokens, b.max_tokens_param = _int(body, name, 1), name
@@ -133,6 +136,31 @@ def parse(body: dict, chat: bool) -> Body:
     if opts:
         b.include_usage = _flag(opts, "include_usage")
     return b
+
+
+def _tool_choice(choice: Any, tools: list | None) -> str:
+    """OpenAI's tool_choice: "none", "auto" (the default with tools), "required", or
+    {"type": "function", "function": {"name": NAME}} (NAME returned) of a tool the request offers."""
+    for i, t in enumerate(tools or []):
+        f = t.get("function") if isinstance(t, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
+                or not isinstance(f.get("parameters", {}), dict):
+            raise ApiError(f"tools[{i}] is {json.dumps(t)[:200]}, expected {{\"type\": \"function\", \"function\": "
+                           "{\"name\": NAME, \"parameters\": {JSON schema}}}", f"tools[{i}]")
+    names = list(tool_functions(tools))
+    if choice is None:
+        return "auto" if tools else "none"
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) and isinstance(
+        choice.get("function"), dict) else None
+    if choice not in ("none", "auto", "required") and not isinstance(named, str):
+        raise ApiError(f"tool_choice is {json.dumps(choice)[:200]}, expected none, auto, required or "
+                       "{\"type\": \"function\", \"function\": {\"name\": NAME}}", "tool_choice")
+    if choice != "none" and not tools:
+        raise ApiError(f"tool_choice {json.dumps(choice)[:100]} needs tools", "tool_choice")
+    if named is not None and named not in names:
+        raise ApiError(f"tool_choice names {named!r}, not one of the request's tools ({', '.join(names)})",
+                       "tool_choice")
+    return named if named is not None else choice
 
 
 def _prompt(p: Any) -> str | list[int]:

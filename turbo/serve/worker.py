@@ -8,10 +8,11 @@ import gc
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..chat import opens_think, turn_stop_ids
+from ..chat import opens_think, template_messages, turn_stop_ids
 from ..chat_template import ChatTemplate, encode, install_template
 from ..engine import open as open_runtime
 from ..errors import TurboError
+from ..tool_calls import XML_FORMAT, call_grammar
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
 from .images import expand_images
 from .metrics import Metrics
@@ -26,6 +27,7 @@ RENDER_ARGS = ("messages", "add_generation_prompt", "tools", "documents")  # not
 class Prepared:
     request: Request
     opened_think: bool = False  # chat: the generation prompt left a <think> open
+    tools: list | None = None  # chat: the tools whose calls the answer is read for (turbo/tool_calls.py)
 
 
 def param_of(e: TurboError, max_tokens_param: str = "max_tokens") -> str | None:
@@ -80,8 +82,9 @@ class Engine:
         the options over the server's defaults, the length checked against the context."""
         self.check_model(body.model)
         opened, stops, images = False, (), []
+        tools = body.tools if body.tool_choice != "none" else None  # (none: the prompt offers no tool)
         if body.chat:
-            prompt = self._render(body)
+            prompt = self._render(body, tools)
             opened, stops = opens_think(prompt), self.stop_ids
             ids = self._ids(lambda: encode(self.rt.tokenizer, prompt), "messages")
             ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
@@ -98,6 +101,12 @@ class Engine:
                            body.max_tokens_param if body.max_tokens is not None else
                            ("messages" if body.chat else "prompt"))
         fields = dict(body.options)  # (what they make of the speculation is turbo/policy.py's to decide)
+        if body.tool_choice not in ("none", "auto"):  # required, or a named function: the call is constrained
+            if "response_format" in fields:
+                raise ApiError(f"tool_choice {body.tool_choice!r} and response_format: give one of them", "tool_choice")
+            only = None if body.tool_choice == "required" else body.tool_choice
+            fields["response_format"] = {"type": "grammar",
+                                         "grammar": call_grammar(body.tools, only, XML_FORMAT in self.template.source)}
         if stops:
             fields["stop_token_ids"] = tuple(dict.fromkeys(fields.get("stop_token_ids", ()) + stops))
         try:
@@ -106,7 +115,7 @@ class Engine:
             raise ApiError(str(e), param_of(e, body.max_tokens_param)) from None
         # a response_format holds the whole answer: it is content, not reasoning (chat.answer_opens_think)
         return Prepared(Request(ids, options, body.logprobs, images or None),
-                        opened and options.response_format is None)
+                        opened and options.response_format is None, tools)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str):
         try:
@@ -116,7 +125,7 @@ class Engine:
         except TurboError as e:
             raise ApiError(str(e), param_of(e, max_tokens_param)) from None
 
-    def _render(self, body: Body) -> str:
+    def _render(self, body: Body, tools: list | None) -> str:
         if self.template is None:
             raise ApiError(f"this server's model {self.model} has no chat template (start it with "
                            "serve.chat_template=FILE.jinja); /v1/completions takes raw text", "messages")
@@ -125,7 +134,7 @@ class Engine:
             raise ApiError(f"chat_template_kwargs.{bad}: not a template keyword here (give it as a request "
                            "field)", f"chat_template_kwargs.{bad}")
         try:
-            return self.template.render(body.messages, add_generation_prompt=True, tools=body.tools,
+            return self.template.render(template_messages(body.messages), add_generation_prompt=True, tools=tools,
                                         **body.template_kwargs)
         except TurboError as e:
             raise ApiError(str(e), "tools" if "tools must be" in str(e) else "messages") from None

@@ -1,0 +1,168 @@
+"""Tool calls (turbo/tool_calls.py): the calls read from both Qwen formats, typed by the tool's
+schema, malformed ones returned as text with the reason; through the official `openai` client a
+round trip (tools -> tool_calls -> a `tool` result -> an answer), streamed and not, for every
+tool_choice; the same through `rt.chat`; bad tools and choices refused naming the field."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from turbo.chat import template_messages
+from turbo.tool_calls import CallStream, call_grammar, parse_tool_calls
+
+jsonschema = pytest.importorskip("jsonschema")
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                           "parameters": {"type": "object", "additionalProperties": False,
+                                                          "properties": {"city": {"type": "string", "maxLength": 12},
+                                                                         "days": {"type": "integer"}},
+                                                          "required": ["city", "days"]}}},
+         {"type": "function", "function": {"name": "add", "parameters": {
+             "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+             "required": ["a", "b"], "additionalProperties": False}}}]
+XML = ("Let me look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+       "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=add>\n<parameter=a>\n"
+       "1.5\n</parameter>\n<parameter=b>\n2\n</parameter>\n</function>\n</tool_call>")
+
+
+def test_both_formats_are_read_and_typed_by_the_schema():
+    content, calls, why = parse_tool_calls(XML, TOOLS)
+    assert why is None and content == "Let me look."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Paris", "days": 3}),
+                                                                  ("add", {"a": 1.5, "b": 2})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    content, calls, why = parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>',
+                                           TOOLS)
+    assert (content, why, calls[0].name, json.loads(calls[0].arguments)) == (None, None, "add", {"a": 1, "b": 2})
+    assert parse_tool_calls("no calls here", TOOLS) == ("no calls here", [], None)
+
+
+@pytest.mark.parametrize("text, says", [
+    ("<tool_call>\n<function=add>\n<parameter=a>\n1\n</parameter>\n</function>", "without its </tool_call>"),
+    ('<tool_call>\n{"name": "nope", "arguments": {}}\n</tool_call>', "'nope' is not one of the request's tools"),
+    ("<tool_call>\n{not json}\n</tool_call>", "not JSON"),
+    ('<tool_call>\n{"name": "add", "arguments": "[1]"}\n</tool_call>', "arguments are not a JSON object"),
+    ("<tool_call>\nadd(1, 2)\n</tool_call>", "expected <function=NAME>"),
+    ('<tool_call>\n{"name": "add", "arguments": {}}\n</tool_call> and then more', "text after the tool calls"),
+])
+def test_a_malformed_call_is_text_with_its_reason(text, says):
+    content, calls, why = parse_tool_calls(text, TOOLS)
+    assert content == text and calls == [] and says in why
+
+
+def test_a_streamed_answer_holds_back_what_may_begin_a_call():
+    stream, sent = CallStream(TOOLS), []
+    for piece in ["Let me", " look.\n<tool", "_call>\n<function=get", "_weather>\n<parameter=city>\nParis\n</parameter>",
+                  "\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>"]:
+        sent.append(stream.feed(piece))
+    rest, calls, why = stream.end()
+    assert "".join(sent) == "Let me look.\n" and rest == "" and why is None and calls[0].name == "get_weather"
+    held = CallStream(TOOLS)
+    assert held.feed("a <tool") == "a " and held.feed("box>") == "<toolbox>"  # not a call after all
+    assert held.end() == ("", [], None)
+
+
+@pytest.fixture(scope="module")
+def server():
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.serve.app import make_app
+    from turbo.serve.settings import ServeConfig, server_defaults
+    from turbo.serve.worker import Engine
+
+    engine = Engine("tiny", OpenOptions(backend="cpu", threads=1), server_defaults(GenerationOptions()), ServeConfig())
+    engine.start()
+    http = TestClient(make_app(engine))
+    yield engine, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
+    engine.stop()
+
+
+ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+
+
+def checked(call, tools=TOOLS) -> dict:
+    """A returned call's arguments, validated against its tool's schema."""
+    schema = next(t["function"]["parameters"] for t in tools if t["function"]["name"] == call.function.name)
+    args = json.loads(call.function.arguments)
+    jsonschema.validate(args, schema)
+    return args
+
+
+def test_a_tool_call_round_trip_streamed_and_not(server):
+    engine, _, client = server
+    first = client.chat.completions.create(model=engine.model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                           max_tokens=96, temperature=0)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    checked(call)
+    chunks = list(client.chat.completions.create(model=engine.model, messages=ASK, tools=TOOLS, tool_choice="required",
+                                                 max_tokens=96, temperature=0, stream=True))
+    streamed = [tc for c in chunks for tc in (c.choices[0].delta.tool_calls or []) if c.choices]
+    assert [(t.function.name, t.function.arguments) for t in streamed] == [(call.function.name,
+                                                                            call.function.arguments)]
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    turn = ASK + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                  {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "sunny"})}]
+    answer = client.chat.completions.create(model=engine.model, messages=turn, tools=TOOLS, max_tokens=16,
+                                            temperature=0)
+    assert answer.choices[0].finish_reason in ("stop", "length") and answer.choices[0].message.tool_calls is None
+    # the tool result reached the prompt, and the call's arguments are rendered as an object (not JSON text)
+    rendered = engine.template.render(template_messages(turn), add_generation_prompt=True, tools=TOOLS)
+    assert '<tool_response>\n{"forecast": "sunny"}' in rendered and '"arguments": {"' in rendered
+
+
+def test_each_tool_choice(server):
+    engine, _, client = server
+    named = client.chat.completions.create(model=engine.model, messages=ASK, tools=TOOLS, max_tokens=96, temperature=0,
+                                           tool_choice={"type": "function", "function": {"name": "add"}})
+    assert [c.function.name for c in named.choices[0].message.tool_calls] == ["add"]
+    assert set(checked(named.choices[0].message.tool_calls[0])) == {"a", "b"}
+    none = client.chat.completions.create(model=engine.model, messages=ASK, tools=TOOLS, tool_choice="none",
+                                          max_tokens=12, temperature=0)
+    plain = client.chat.completions.create(model=engine.model, messages=ASK, max_tokens=12, temperature=0)
+    assert none.choices[0].message.tool_calls is None and none.choices[0].message == plain.choices[0].message
+    auto = client.chat.completions.create(model=engine.model, messages=ASK, tools=TOOLS, max_tokens=12, temperature=0)
+    assert auto.choices[0].finish_reason in ("stop", "length")  # (tiny writes no call on its own)
+
+
+def test_rt_chat_reads_and_forces_calls(server):
+    engine, _, client = server
+    rt = engine.rt
+    got = rt.chat(ASK, tools=TOOLS, tool_choice="get_weather", max_new_tokens=96)
+    (call,) = got.message["tool_calls"]
+    assert call["function"]["name"] == "get_weather" and got.message["content"] is None
+    jsonschema.validate(json.loads(call["function"]["arguments"]), TOOLS[0]["function"]["parameters"])
+    served = client.chat.completions.create(model=engine.model, messages=ASK, tools=TOOLS, max_tokens=96,
+                                            temperature=0, tool_choice={"type": "function",
+                                                                        "function": {"name": "get_weather"}})
+    assert served.choices[0].message.tool_calls[0].function.arguments == call["function"]["arguments"]
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": 5}}]}, "tools[0]"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
+      "tool_choice": "required"}, "response_format"),
+])
+def test_bad_tools_and_choices_are_400_naming_the_field(server, body, param):
+    engine, http, client = server
+    resp = http.post("/v1/chat/completions", json={"model": engine.model, "messages": ASK, "max_tokens": 4, **body})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.json()
+    assert client.chat.completions.create(model=engine.model, messages=ASK, max_tokens=2).choices  # still serving
+
+
+def test_the_call_grammar_takes_both_formats():
+    llguidance = pytest.importorskip("llguidance")
+    for xml in (False, True):
+        for only in (None, "add"):
+            grammar = call_grammar(TOOLS, only, xml)
+            assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""

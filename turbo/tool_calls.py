@@ -1,0 +1,177 @@
+"""Tool calls: the calls a model writes in its chat template's format, parsed into OpenAI's shape,
+and the grammar that makes it write one (tool_choice "required" or a named function).
+
+Two formats are read, as the Qwen family writes them inside `<tool_call>...</tool_call>`:
+
+- Qwen3.5's (and Qwen3-Coder's): `<function=NAME>` then `<parameter=ARG>\nVALUE\n</parameter>` blocks,
+  then `</function>`; each value typed by the tool's JSON schema (a string as written, anything
+  else read as JSON);
+- the JSON-in-tag form of Qwen2.5 / Qwen3 templates: `{"name": NAME, "arguments": {...}}`.
+
+A call that cannot be read (no closing tag, bad JSON, a function the request did not offer) is
+not a call: the answer stays text and the reason is returned beside it, never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+XML_FORMAT = "<function="  # a template that writes calls this way says so in its source
+_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
+_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+
+
+@dataclass
+class ToolCall:
+    name: str
+    arguments: str  # JSON text of an object (OpenAI's form)
+    id: str = ""
+
+    def __post_init__(self) -> None:
+        self.id = self.id or f"call_{uuid.uuid4().hex[:24]}"
+
+    def openai(self) -> dict:
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def tool_functions(tools: list | None) -> dict[str, dict]:
+    """name -> its parameters' JSON schema, for OpenAI's tools ({"type": "function", "function":
+    {"name", "parameters"}}) or bare function objects."""
+    out = {}
+    for t in tools or []:
+        f = t.get("function", t) if isinstance(t, dict) else None
+        if isinstance(f, dict) and isinstance(f.get("name"), str):
+            params = f.get("parameters")
+            out[f["name"]] = params if isinstance(params, dict) else {"type": "object", "properties": {}}
+    return out
+
+
+def parse_tool_calls(content: str, tools: list | None) -> tuple[str | None, list[ToolCall], str | None]:
+    """(the content before the calls, or None when there is none; the calls; why what looked like
+    a call was not read, None when it was or when there is none). With a reason, the content is
+    the whole text and there are no calls."""
+    start = content.find(OPEN)
+    if start < 0:
+        return content, [], None
+    functions = tool_functions(tools)
+    calls = []
+    rest = content[start:]
+    for m in _CALL.finditer(rest):
+        try:
+            calls.append(_call(m.group(1).strip(), functions))
+        except ValueError as e:
+            return content, [], f"tool call {len(calls)}: {e}"
+    tail = _CALL.sub("", rest).strip()
+    if OPEN in tail or not calls:
+        return content, [], f"a {OPEN} without its {CLOSE}"
+    if tail:
+        return content, [], f"text after the tool calls: {tail[:60]!r}"
+    before = content[:start].strip()
+    return before or None, calls, None
+
+
+def _call(body: str, functions: dict[str, dict]) -> ToolCall:
+    if body.startswith("{"):
+        try:
+            value = json.loads(body)
+        except ValueError as e:
+            raise ValueError(f"not JSON ({e})") from None
+        name = value.get("name") if isinstance(value, dict) else None
+        args = value.get("arguments", {}) if isinstance(value, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except ValueError:
+                raise ValueError("its arguments are not a JSON object") from None
+    else:
+        m = _FUNCTION.fullmatch(body)
+        if m is None:
+            raise ValueError(f"expected <function=NAME>...</function> or a JSON object, got {body[:60]!r}")
+        name = m.group(1).strip()
+        props = functions.get(name, {}).get("properties", {})
+        args = {k.strip(): _typed(v, props.get(k.strip(), {})) for k, v in _PARAMETER.findall(m.group(2))}
+    if not isinstance(name, str) or name not in functions:
+        raise ValueError(f"{name!r} is not one of the request's tools ({', '.join(functions) or 'none'})")
+    if not isinstance(args, dict):
+        raise ValueError("its arguments are not a JSON object")
+    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def _typed(value: str, schema: Any) -> Any:
+    """A parameter's text as its schema's type: strings as written, anything else read as JSON
+    (a value that does not read stays the text)."""
+    kind = schema.get("type") if isinstance(schema, dict) else None
+    if kind == "string":
+        return value
+    try:
+        return json.loads(value)
+    except ValueError:
+        return value
+
+
+def held_back(text: str) -> int:
+    """How many characters at the end of streamed content may still begin a `<tool_call>`."""
+    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if text.endswith(OPEN[:k]):
+            return k
+    return 0
+
+
+# a parameter's value in the XML form, by its schema's type (a string or anything else: any text without a tag)
+VALUE_PATTERNS = {"integer": r"-?[0-9]{1,18}", "number": r"-?[0-9]{1,18}(\.[0-9]{1,18})?", "boolean": r"true|false"}
+
+
+def call_grammar(tools: list | None, only: str | None, xml: bool) -> str:
+    """A Lark grammar (llguidance's) for one tool call in the template's format: any of the tools
+    (tool_choice "required"), or `only` (a named function). JSON is compact and its arguments hold
+    to the tool's schema; XML values to their parameter's type."""
+    functions = tool_functions(tools)
+    names = [only] if only is not None else list(functions)
+    alts, values = [], {}
+    for name in names:
+        params = functions[name]
+        if xml:
+            props = params.get("properties", {}) if isinstance(params, dict) else {}
+            parts = []
+            for k, spec in props.items():
+                kind = spec.get("type") if isinstance(spec, dict) else None
+                values.setdefault(kind, f"VALUE{len(values)}")
+                parts.append(f'("<parameter={k}>\\n" {values[kind]} "\\n</parameter>\\n")?')
+            alts.append(f'"<function={name}>\\n" {" ".join(parts)} "</function>"')
+        else:
+            schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+                      "required": ["name", "arguments"], "additionalProperties": False,
+                      "x-guidance": {"whitespace_flexible": False}}
+            alts.append("%json " + json.dumps(schema))
+    rules = "\n".join(f"call{i}: {a}" for i, a in enumerate(alts))
+    terminals = "\n".join(f"{t}: /{VALUE_PATTERNS.get(kind, '[^<]*')}/" for kind, t in values.items())
+    return f'start: "{OPEN}\\n" ({" | ".join(f"call{i}" for i in range(len(alts)))}) "\\n{CLOSE}"\n{rules}\n{terminals}\n'
+
+
+class CallStream:
+    """A streamed answer's content with its tool calls held back: `feed` gives the content to send
+    now (never a piece of a call, nor what may begin one), `end` the rest and the calls."""
+
+    def __init__(self, tools: list | None):
+        self.tools, self.text, self.sent, self.inside = tools, "", 0, False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.inside:
+            return ""
+        at = self.text.find(OPEN, self.sent)
+        end = at if at >= 0 else len(self.text) - held_back(self.text)
+        self.inside = at >= 0
+        out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        return out
+
+    def end(self) -> tuple[str, list[ToolCall], str | None]:
+        """(the content not sent yet, the calls, why what looked like calls was not read)."""
+        _, calls, why = parse_tool_calls(self.text, self.tools)
+        return ("", calls, None) if calls else (self.text[self.sent:], [], why)

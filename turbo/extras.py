@@ -9,7 +9,8 @@ from .errors import TurboError
 
 # extra -> what it is for (pyproject.toml's optional-dependencies)
 EXTRAS = {"tui": "the terminal UI", "cuda": "the CUDA backend", "sweeps": "sweeps and reports",
-          "serve": "the OpenAI-compatible server", "ray": "Ray Serve replicas"}
+          "serve": "the OpenAI-compatible server", "ray": "Ray Serve replicas",
+          "gguf": "reading GGUF checkpoints", "vision": "decoding images"}
 
 
 def missing(extra: str, module: str) -> str:

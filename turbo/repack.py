@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + (signal.SIGTERM if isinstance(e, Interrupted) else signal.SIGINT)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"wrote install {path}")
+    print(f"wrote install {path}", file=sys.stderr)  # a report: standard output stays empty
     return 0
 
 

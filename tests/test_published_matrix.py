@@ -27,7 +27,8 @@ from turbo.chat_template import encode, render
 from turbo.drafters.mtp import declared_layers
 from turbo.install import open_install
 from turbo.testing import assert_lossless
-from turbo.testing.published import (IMAGE_ID, PUBLISHED, TEMPLATE, has_tower, make_published, mtp_layers,
+from turbo import quant
+from turbo.testing.published import (IMAGE_ID, LAYOUTS, TEMPLATE, has_tower, make_published, mtp_layers,
                                      published_config)
 from turbo.vision.runtime import Vision
 
@@ -52,7 +53,7 @@ def tied_as_transformers_writes() -> dict:
     return written
 
 
-ENTRIES = [*PUBLISHED, TIED_AS_TRANSFORMERS_WRITES]
+ENTRIES = [*LAYOUTS, TIED_AS_TRANSFORMERS_WRITES]
 
 
 def config_of(name: str) -> dict:
@@ -108,6 +109,8 @@ def test_repacks_and_opens_with_every_part(entry):
     assert inst.has_mtp == bool(mtp_layers(entry.config))
     tied = entry.config["tie_word_embeddings"]
     assert inst.arch.tie_embeddings == tied and ("trunk.lm_head.weight" in inst.index) == (not tied)
+    fp8 = "quantization_config" in entry.config  # an FP8 edition: its codes and block scales kept
+    assert (inst.index.need("trunk.layers.3.self_attn.q_proj.weight").dtype == quant.FP8.code) == fp8
 
 
 def test_32_greedy_tokens_equal_transformers(entry):
@@ -136,7 +139,13 @@ def test_sees_an_image_as_transformers_does(entry):
     ref = hf_greedy(entry.model, ids, 12, pixel_values=prep.pixels, image_grid_thw=torch.tensor([prep.grid]),
                     mm_token_type_ids=(torch.tensor([ids]) == IMAGE_ID).int())
     assert_answer_is(res.tokens, ref)
-    assert res.tokens != entry.rt.chat(image_chat(1), max_new_tokens=12, policy="off").tokens
+    # (and the image is seen: another image's pixels move the next token's logits)
+    other = Image.open(io.BytesIO(png(1))).convert("RGB")
+    trunk, last = entry.rt.trunk, []
+    for im in (image, other):
+        tokens, mm = vis.prompt(res.prompt_tokens, [im])
+        last.append(trunk.prefill(trunk.new_state(), tokens, want_logits=True, mm=mm).logits[-1])
+    assert (last[0] - last[1]).abs().max().item() > 1e-3
 
 
 def test_one_request_through_the_server(entry):

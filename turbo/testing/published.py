@@ -1,7 +1,7 @@
 """The published Qwen3.5-family checkpoint layouts, scaled down: each entry's config.json has the
 published file's keys, nesting, tie flag, MTP declaration, RoPE parameters and layer pattern
-(Qwen/Qwen3.5-0.8B ... Qwen/Qwen3.5-397B-A17B, Qwen/Qwen3-Next-80B-A3B-Instruct), its sizes cut
-so a random checkpoint weighs a few MB. `make_published` builds one by transformers' own classes
+(Qwen/Qwen3.5-0.8B ... Qwen/Qwen3.5-397B-A17B, Qwen/Qwen3-Next-80B-A3B-Instruct, and the FP8
+editions' quantization_config: `FP8`), its sizes cut so a random checkpoint weighs a few MB. `make_published` builds one by transformers' own classes
 (the model class the published `architectures` names, configured by AutoConfig from that file)
 and saves it as a download holds it: transformers' weights, an MTP head's `mtp.*` tensors where
 the config declares one (transformers' classes do not hold the head), the tokenizer, a chat
@@ -121,8 +121,27 @@ PUBLISHED: dict[str, dict] = {
 }
 
 
+# The FP8 editions (Qwen/Qwen3.5-27B-FP8, Qwen/Qwen3.5-35B-A3B-FP8): the float layout's matrices as
+# Qwen's block-wise e4m3 with fp32 weight_scale_inv (source_formats.write_fp8) in the published
+# 128 x 128 blocks; hidden and MLP widths 128, so that matrices span whole blocks (the others stay
+# bf16, as write_fp8 and Qwen's quantizer leave them).
+FP8 = {"qwen3.5-27b-fp8": "qwen3.5-27b", "qwen3.5-35b-a3b-fp8": "qwen3.5-35b-a3b"}
+FP8_BLOCK = 128
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+              "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+LAYOUTS = [*PUBLISHED, *FP8]
+
+
 def published_config(name: str) -> dict:
-    return copy.deepcopy(PUBLISHED[name])
+    if name not in FP8:
+        return copy.deepcopy(PUBLISHED[name])
+    config = published_config(FP8[name])
+    text = config["text_config"]
+    widths = ("moe_intermediate_size", "shared_expert_intermediate_size") if "num_experts" in text else \
+        ("intermediate_size",)
+    text |= {"hidden_size": FP8_BLOCK} | {k: FP8_BLOCK for k in widths}
+    config["vision_config"]["out_hidden_size"] = FP8_BLOCK
+    return config | {"quantization_config": dict(FP8_CONFIG)}
 
 
 def has_tower(config: dict) -> bool:
@@ -156,7 +175,8 @@ def make_published(directory: Path, name: str, seed: int = 0, config: dict | Non
     out of the written config.json; returns the fp32 transformers model (the reference)."""
     import transformers  # optional test dependency
 
-    config = published_config(name) if config is None else config
+    config = dict(published_config(name) if config is None else config)
+    quantized = config.pop("quantization_config", None)  # transformers builds the float model; FP8 below
     directory.mkdir(parents=True, exist_ok=True)
     text = json.dumps(config, indent=2)
     (directory / "config.json").write_text(text)
@@ -180,8 +200,36 @@ def make_published(directory: Path, name: str, seed: int = 0, config: dict | Non
     tok.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
     (directory / "chat_template.jinja").write_text(TEMPLATE)
+    if quantized is not None:
+        assert quantized == FP8_CONFIG, quantized
+        _to_fp8(directory, model)
     if has_tower(config):
         (directory / "preprocessor_config.json").write_text(json.dumps(
             {"patch_size": 4, "merge_size": 2, "temporal_patch_size": 2, "image_mean": [0.5] * 3,
              "image_std": [0.5] * 3, "size": {"shortest_edge": 64, "longest_edge": 64 * 64}}))
     return model
+
+
+def _to_fp8(directory: Path, model) -> None:
+    """The checkpoint's matrices as FP8, and the reference `model` given transformers' own bf16
+    dequantization of them (an expert's gate and up stacked as transformers holds them)."""
+    from turbo.testing.source_formats import write_fp8
+
+    deq = write_fp8(directory, FP8_BLOCK)
+    params = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, w in deq.items():
+            if name.startswith("mtp."):  # the MTP head: transformers' classes do not hold it
+                continue
+            if name in params:
+                params[name].copy_(w.float())
+            elif ".mlp.experts." in name:  # experts.E.{gate,up,down}_proj.weight
+                stem, expert, proj = name.rsplit(".", 3)[0], int(name.split(".")[-3]), name.split(".")[-2]
+                if proj == "down_proj":
+                    params[stem + ".down_proj"][expert].copy_(w.float())
+                else:
+                    rows = w.shape[0]
+                    at = slice(0, rows) if proj == "gate_proj" else slice(rows, 2 * rows)
+                    params[stem + ".gate_up_proj"][expert, at].copy_(w.float())
+            else:
+                raise AssertionError(f"{name}: no parameter of transformers' model")

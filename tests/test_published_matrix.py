@@ -179,6 +179,17 @@ def test_drafts_losslessly_with_its_mtp_head(entry):
         assert res.stats.drafter == "mtp"
 
 
+@pytest.mark.parametrize("entry", [TIED_AS_TRANSFORMERS_WRITES], indirect=True)
+def test_the_cli_generates_from_the_tied_checkpoint(entry, tmp_path):
+    """The report's own steps: `python -m turbo install.path=DST` (it refused to open before)."""
+    cmd = [sys.executable, "-m", "turbo", f"install.path={entry.install}", "backend=cpu", "threads=1", "prompt=def f",
+           "max_new_tokens=6", "stop_at_eos=false", "+policy=off"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    want = entry.rt.generate("def f", max_new_tokens=6, policy="off", stop_at_eos=False)
+    assert proc.stdout == want.text and "generated 6 tok" in proc.stderr
+
+
 def text_fields(arch) -> dict:
     return dict(hidden=arch.hidden, num_layers=arch.num_layers, num_heads=arch.num_heads, kv=arch.num_kv_heads,
                 head_dim=arch.head_dim, eps=arch.rms_eps, vocab=arch.vocab, layer_types=list(arch.layer_types),

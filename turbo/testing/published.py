@@ -198,8 +198,12 @@ def make_published(directory: Path, name: str, seed: int = 0, config: dict | Non
     assert [tok.token_to_id(t) for t in ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>")] == \
         [START_ID, IMAGE_ID, END_ID]
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
-    (directory / "chat_template.jinja").write_text(TEMPLATE)
+    tokenizer_config = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    if has_tower(config):  # Qwen3.5 ships its template as chat_template.jinja
+        (directory / "chat_template.jinja").write_text(TEMPLATE)
+    else:  # Qwen3-Next inside tokenizer_config.json
+        tokenizer_config["chat_template"] = TEMPLATE
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
     if quantized is not None:
         assert quantized == FP8_CONFIG, quantized
         _to_fp8(directory, model)

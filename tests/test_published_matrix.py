@@ -26,6 +26,7 @@ from turbo.arch import arch_from_config
 from turbo.chat_template import encode, render
 from turbo.drafters.mtp import declared_layers
 from turbo.install import open_install
+from turbo.repack import main as repack_main
 from turbo.testing import assert_lossless
 from turbo import quant
 from turbo.testing.published import (IMAGE_ID, LAYOUTS, TEMPLATE, has_tower, make_published, mtp_layers,
@@ -96,9 +97,7 @@ def entry(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(name)
     config = config_of(name)
     model = make_published(tmp / "hf", name, config=config)
-    repacked = subprocess.run([sys.executable, "-m", "turbo.repack", str(tmp / "hf"), str(tmp / "install"), "--quiet"],
-                              capture_output=True, text=True, timeout=300)
-    assert repacked.returncode == 0, repacked.stderr
+    assert repack_main([str(tmp / "hf"), str(tmp / "install"), "--quiet"]) == 0  # (python -m turbo.repack's)
     return SimpleNamespace(name=name, config=config, model=model, install=tmp / "install",
                            rt=turbo.open(tmp / "install", backend="cpu", threads=1))
 
@@ -248,15 +247,16 @@ def test_parsed_architecture_equals_transformers(name, form, tmp_path):
     assert declared_layers(config) == getattr(top.get_text_config(), "mtp_num_hidden_layers", 0)
 
 
-def test_an_untied_config_without_its_lm_head_is_refused_at_repack(tmp_path):
+def test_an_untied_config_without_its_lm_head_is_refused_at_repack(tmp_path, capsys):
     """A checkpoint whose config (read as transformers reads it) calls for a head it lacks is
     refused by repack in one line, before anything is written, not accepted and refused at open."""
     config = published_config("qwen3.5-0.8b")
     make_published(tmp_path / "hf", "qwen3.5-0.8b", config=config)
     config["tie_word_embeddings"] = False  # the top level: what transformers' model class reads
     (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
-    r = subprocess.run([sys.executable, "-m", "turbo.repack", str(tmp_path / "hf"), str(tmp_path / "out")],
-                       capture_output=True, text=True, timeout=300)
-    assert r.returncode == 2 and not (tmp_path / "out").exists() and r.stdout == ""
-    assert r.stderr.count("\n") == 1 and "tie_word_embeddings is false, but the checkpoint has no lm_head.weight" \
-        in r.stderr, r.stderr
+    capsys.readouterr()  # (what saving the checkpoint printed)
+    assert repack_main([str(tmp_path / "hf"), str(tmp_path / "out")]) == 2
+    said = capsys.readouterr()
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    assert said.out == "" and said.err.count("\n") == 1 and said.err.startswith("error: ") and \
+        "tie_word_embeddings is false, but the checkpoint has no lm_head.weight" in said.err, said.err

@@ -1,8 +1,9 @@
 """The published Qwen3.5-family checkpoint layouts, scaled down: each entry's config.json has the
 published file's keys, nesting, tie flag, MTP declaration, RoPE parameters and layer pattern
 (Qwen/Qwen3.5-0.8B ... Qwen/Qwen3.5-397B-A17B, Qwen/Qwen3-Next-80B-A3B-Instruct, and the FP8
-editions' quantization_config: `FP8`), its sizes cut so a random checkpoint weighs a few MB. `make_published` builds one by transformers' own classes
-(the model class the published `architectures` names, configured by AutoConfig from that file)
+editions' quantization_config: `FP8`), its sizes cut so a random checkpoint weighs a few MB.
+`make_published` builds one by transformers' own classes (the model class the published
+`architectures` names, configured by AutoConfig from that file)
 and saves it as a download holds it: transformers' weights, an MTP head's `mtp.*` tensors where
 the config declares one (transformers' classes do not hold the head), the tokenizer, a chat
 template and, with a tower, the image processor's settings. tests/test_published_matrix.py.
@@ -41,11 +42,11 @@ def _rope() -> dict:
             "rope_theta": 10000000, "rope_type": "default"}
 
 
-def _vision() -> dict:
-    """A published vision_config's keys (its model_type as Qwen3.5 ships it: "qwen3_5", which
-    transformers renames), sizes cut."""
+def _vision(model_type: str) -> dict:
+    """A published vision_config's keys (its model_type as Qwen3.5 ships it: the top level's,
+    which transformers renames to qwen3_5_vision / qwen3_5_moe_vision), sizes cut."""
     return {"deepstack_visual_indexes": [], "depth": 2, "hidden_act": "gelu_pytorch_tanh", "hidden_size": 32,
-            "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 48, "model_type": "qwen3_5",
+            "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 48, "model_type": model_type,
             "num_heads": 2, "num_position_embeddings": 16, "out_hidden_size": 64, "patch_size": 4,
             "spatial_merge_size": 2, "temporal_patch_size": 2}
 
@@ -71,7 +72,7 @@ def _text(model_type: str, heads: int, kv: int, lin_k: int, lin_v: int, tie: boo
 def _conditional(arch: str, model_type: str, text: dict) -> dict:
     return {"architectures": [arch], "image_token_id": IMAGE_ID, "model_type": model_type, "text_config": text,
             "tie_word_embeddings": text["tie_word_embeddings"], "transformers_version": "4.57.0.dev0",
-            "video_token_id": VIDEO_ID, "vision_config": _vision(), "vision_end_token_id": END_ID,
+            "video_token_id": VIDEO_ID, "vision_config": _vision(model_type), "vision_end_token_id": END_ID,
             "vision_start_token_id": START_ID}
 
 

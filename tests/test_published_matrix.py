@@ -29,7 +29,7 @@ from turbo.install import open_install
 from turbo.repack import main as repack_main
 from turbo.testing import assert_lossless
 from turbo import quant
-from turbo.testing.published import (IMAGE_ID, LAYOUTS, TEMPLATE, has_tower, make_published, mtp_layers,
+from turbo.testing.published import (IMAGE_ID, LAYOUTS, TEMPLATE, carries_mtp, has_tower, make_published,
                                      published_config)
 from turbo.vision.runtime import Vision
 
@@ -105,7 +105,7 @@ def entry(request, tmp_path_factory):
 def test_repacks_and_opens_with_every_part(entry):
     inst = entry.rt.install
     assert inst.has_vision == has_tower(entry.config)
-    assert inst.has_mtp == bool(mtp_layers(entry.config))
+    assert inst.has_mtp == carries_mtp(entry.config)
     tied = entry.config["tie_word_embeddings"]
     assert inst.arch.tie_embeddings == tied and ("trunk.lm_head.weight" in inst.index) == (not tied)
     fp8 = "quantization_config" in entry.config  # an FP8 edition: its codes and block scales kept
@@ -170,8 +170,8 @@ def test_one_request_through_the_server(entry):
 
 
 def test_drafts_losslessly_with_its_mtp_head(entry):
-    if not mtp_layers(entry.config):
-        pytest.skip("the layout declares no MTP head")
+    if not carries_mtp(entry.config):
+        pytest.skip("the layout ships no MTP head")
     ref = entry.rt.generate(PROMPT, max_new_tokens=16, policy="off", stop_at_eos=False).tokens
     for block in (1, 3):
         res = assert_lossless(entry.rt, PROMPT, ref, block, max_new_tokens=16, drafter="mtp", stop_at_eos=False)

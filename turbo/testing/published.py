@@ -12,7 +12,8 @@ What is cut, and how: hidden 64; 4 layers in the published pattern (3 linear : 1
 head_dim 64 with the published partial_rotary_factor 0.25 (so mrope_section [11, 11, 10] over 32
 frequencies becomes [3, 3, 2] over 8); the published ratios of query to key/value heads and of
 linear value to key heads; 8 or 16 experts; a tower of 2 blocks and 4-pixel patches; a 320-id
-vocabulary whose last three ids are the vision markers.
+vocabulary whose last three ids are the vision markers. The MTP head's tensors are random
+(transformers' classes do not hold it): its checks are losslessness, not parity.
 """
 
 from __future__ import annotations
@@ -89,7 +90,8 @@ def _moe(heads: int, kv: int, lin_k: int, lin_v: int, experts: int, top_k: int) 
 
 def _next() -> dict:
     """Qwen3-Next-80B-A3B: text only and flat, rope fields at the top level, no layer_types (the
-    interval says), experts renormalised by norm_topk_prob, no MTP declared."""
+    interval says), experts renormalised by norm_topk_prob, no MTP count declared (its files
+    carry the head all the same: `carries_mtp`)."""
     return {"architectures": ["Qwen3NextForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
             "bos_token_id": 0, "decoder_sparse_step": 1, "eos_token_id": 0, "full_attention_interval": 4,
             "head_dim": 64, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02,
@@ -153,6 +155,13 @@ def mtp_layers(config: dict) -> int:
     return config.get("text_config", config).get("mtp_num_hidden_layers", 0)
 
 
+def carries_mtp(config: dict) -> bool:
+    """Whether the published checkpoint ships an MTP head's `mtp.*` tensors: Qwen3.5's declare it
+    (mtp_num_hidden_layers 1); Qwen3-Next's ship one without a count in the config (vLLM's
+    qwen3_next_mtp loads it from the same files)."""
+    return bool(mtp_layers(config)) or config.get("model_type") == "qwen3_next"
+
+
 def _mtp_head(directory: Path, config: dict, seed: int) -> None:
     """The `mtp.*` tensors a published checkpoint carries beside the trunk (shapes from the
     trunk's architecture), written into its model.safetensors."""
@@ -192,7 +201,7 @@ def make_published(directory: Path, name: str, seed: int = 0, config: dict | Non
                     p.add_(1.0)
     model.save_pretrained(directory)
     (directory / "config.json").write_text(text)  # the file as published (save_pretrained rewrites it)
-    if mtp_layers(config):
+    if carries_mtp(config):
         _mtp_head(directory, config, seed)
     tok = tiny_tokenizer(VOCAB - 3)
     tok.add_special_tokens(["<|vision_start|>", "<|image_pad|>", "<|vision_end|>"])

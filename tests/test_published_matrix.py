@@ -2,8 +2,9 @@
 turbo/testing/published.py scales it down and transformers' own classes build and save it, goes
 through repack, opens, decodes 32 greedy tokens equal to transformers', chats through its own
 template, answers one server request, sees an image where it has a tower (as transformers sees
-it) and drafts losslessly with its MTP head where it declares one; and turbo reads every config
-field as transformers' config classes resolve it (top level vs text_config, defaults)."""
+it) and drafts losslessly with its MTP head where it ships one; and turbo reads every config
+field as transformers' config classes resolve it (top level vs text_config, defaults). A layout
+the runtime cannot open is refused by repack in one line."""
 
 from __future__ import annotations
 
@@ -22,13 +23,13 @@ import torch
 from PIL import Image
 
 import turbo
+from turbo import quant
 from turbo.arch import arch_from_config
 from turbo.chat_template import encode, render
 from turbo.drafters.mtp import declared_layers
 from turbo.install import open_install
 from turbo.repack import main as repack_main
 from turbo.testing import assert_lossless
-from turbo import quant
 from turbo.testing.published import (IMAGE_ID, LAYOUTS, TEMPLATE, carries_mtp, has_tower, make_published,
                                      published_config)
 from turbo.vision.runtime import Vision
@@ -134,7 +135,8 @@ def test_sees_an_image_as_transformers_does(entry):
     image = Image.open(io.BytesIO(png(0))).convert("RGB")
     ids, _ = vis.prompt(res.prompt_tokens, [image])  # one placeholder per merged patch, as transformers' processor
     (prep,) = vis.prepare([image])
-    assert res.prompt_tokens.count(IMAGE_ID) == 1 and ids.count(IMAGE_ID) == prep.grid[0] * prep.grid[1] * prep.grid[2] // 4
+    t, h, w = prep.grid
+    assert res.prompt_tokens.count(IMAGE_ID) == 1 and ids.count(IMAGE_ID) == t * h * w // 4  # 2 x 2 merged
     ref = hf_greedy(entry.model, ids, 12, pixel_values=prep.pixels, image_grid_thw=torch.tensor([prep.grid]),
                     mm_token_type_ids=(torch.tensor([ids]) == IMAGE_ID).int())
     assert_answer_is(res.tokens, ref)
@@ -196,7 +198,8 @@ def text_fields(arch) -> dict:
                 theta=arch.rope_theta, partial=arch.partial_rotary, max_positions=arch.max_positions,
                 experts=(arch.num_experts, arch.experts_per_token, arch.moe_intermediate, arch.shared_intermediate,
                          arch.norm_topk_prob, list(arch.moe_layers)),
-                intermediate=arch.intermediate, scaling=arch.rope_scaling, eos=list(arch.eos_token_ids))
+                intermediate=arch.intermediate, scaling=arch.rope_scaling and arch.rope_scaling.kind,
+                eos=list(arch.eos_token_ids))
 
 
 def transformers_fields(top, text) -> dict:
@@ -220,7 +223,7 @@ def transformers_fields(top, text) -> dict:
                          getattr(text, "shared_expert_intermediate_size", 0) if moe else 0,
                          getattr(text, "norm_topk_prob", True) if text.model_type == "qwen3_next" else True, layers),
                 intermediate=getattr(text, "intermediate_size", 0) if len(layers) < text.num_hidden_layers else 0,
-                scaling=None if rope.get("rope_type", "default") == "default" else "scaled",
+                scaling=None if rope.get("rope_type", "default") == "default" else rope["rope_type"],
                 eos=[] if eos is None else eos if isinstance(eos, list) else [eos])
 
 

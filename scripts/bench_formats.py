@@ -23,7 +23,7 @@ rounds the activations to 8 bits in its quantized products). Each GGUF is first 
 of its own: where llama.cpp's weight repacking crashes (llama-cpp-python 0.3.36 on an AMX host) it
 runs without it (benchlib.LLAMA_PLAIN, said in one line), and a GGUF it does not open or run is
 left out, saying why. Built sources and installs are cached beside the shape's, rebuilt when
-turbo/repack*.py or backends/native_exact.py (or the GGUF writer, for its GGUFs) is newer.
+turbo/repack/*.py or backends/native_exact.py (or the GGUF writer, for its GGUFs) is newer.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def newer(path: Path, *than: Path) -> bool:
 def stale(install: Path, *sources: Path) -> bool:
     """Missing, or built before the repack code, the exact formats' packing (its open layout) or
     its source file last changed (the converted layouts move with them)."""
-    return newer(install / "model.safetensors", *(ROOT / "turbo").glob("repack*.py"),
+    return newer(install / "model.safetensors", *(ROOT / "turbo" / "repack").glob("*.py"),
                  ROOT / "turbo" / "backends" / "native_exact.py", *sources)
 
 

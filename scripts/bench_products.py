@@ -27,6 +27,7 @@ import torch
 
 from turbo import quant
 from turbo.backends import native_exact, native_lib, native_pack
+from turbo.backends.packed import Packed
 
 BITS = {"int4": 4, "int8": 8}
 CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)
@@ -45,8 +46,8 @@ def q8_0(w: torch.Tensor) -> quant.QuantizedWeight:
 
 
 def fp8(n: int, k: int) -> quant.QuantizedWeight:
-    """Random e4m3 codes (no NaN) with a scale per 128 x 128 block, as repack_fp8 keeps them."""
-    from turbo import repack_fp8
+    """Random e4m3 codes (no NaN) with a scale per 128 x 128 block, as turbo/repack/fp8.py keeps them."""
+    from turbo.repack import fp8 as repack_fp8
     g = torch.Generator().manual_seed(0)
     codes = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=g)
     codes[(codes & 0x7F) == 0x7F] = 0x7E
@@ -55,7 +56,7 @@ def fp8(n: int, k: int) -> quant.QuantizedWeight:
                                  8, 128, float8=True)
 
 
-def packed(fmt: str, n: int, k: int) -> native_pack.Packed:
+def packed(fmt: str, n: int, k: int) -> Packed:
     if fmt == "fp8":
         return native_exact.exact_panels(fp8(n, k))
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.02
@@ -69,7 +70,7 @@ def packed(fmt: str, n: int, k: int) -> native_pack.Packed:
     return native_exact.exact_panels(q) if fmt in EXACT else native_pack.quantized_panels(q)
 
 
-def per_product(x: torch.Tensor, ws: list[native_pack.Packed], calls: int) -> float:
+def per_product(x: torch.Tensor, ws: list[Packed], calls: int) -> float:
     """Seconds per product, over `calls` passes through ws."""
     lib, y = native_lib.threaded(), torch.empty(x.shape[0], ws[0].n)
     t = time.perf_counter()
@@ -92,7 +93,7 @@ def main() -> None:
     if native_lib.library() is None:
         raise SystemExit(f"the native library is unavailable: {native_lib.why_not()}")
     one = {f: packed(f, args.n, args.k) for f in args.format}
-    copies = {f: [one[f]] + [native_pack.Packed(w.data.clone(), w.n, w.k, w.layout)
+    copies = {f: [one[f]] + [Packed(w.data.clone(), w.n, w.k, w.layout)
                              for _ in range(max(1, args.cold_mb * 2 ** 20 // w.data.nbytes) - 1)]
               for f, w in one.items()}
     xs = {r: torch.randn(r, args.k, generator=torch.Generator().manual_seed(1)) for r in args.rows}

@@ -17,7 +17,7 @@ from turbo.backends import native_build
 from turbo.errors import TurboError
 from turbo.install import BUNDLED_DIR, resolve
 from turbo.repack import repack
-from turbo.repack_write import MARKER
+from turbo.repack.write import MARKER
 
 
 @pytest.fixture(scope="module")

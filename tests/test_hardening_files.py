@@ -16,7 +16,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 import turbo
-from turbo import repack_tensors as repack_mod
+from turbo.repack import tensors as repack_mod
 from turbo.errors import TurboError
 from turbo.install import open_install
 from turbo.repack import repack
@@ -221,7 +221,7 @@ def checkpoint(tmp_path_factory):
 STALLED = """
 import sys, time
 import turbo.repack as r
-import turbo.repack_tensors as t
+import turbo.repack.tensors as t
 import signal
 signal.signal(signal.SIGINT, signal.default_int_handler)  # (as in a terminal: a background job ignores it)
 copier = t._copier

@@ -137,15 +137,21 @@ def test_auto_picks_the_head_at_the_default_block(rt):
     assert res.stats.speculation_off_reason is None
 
 
-def test_env_var_mirrors_dflash(rt, monkeypatch):
+def test_env_var_mirrors_dflash(mtp_install, monkeypatch):
+    # the environment is read when the runtime opens (OpenOptions.from_env), not at every generation
+    def opened():
+        return turbo.open(mtp_install[2], backend="cpu")
+
     monkeypatch.setenv("TURBO_MTP_DRAFT", "3")
     monkeypatch.setenv("TURBO_DFLASH_DRAFT", "0")  # read only for the DFlash2 drafter
+    rt = opened()
     res = rt.generate(PROMPTS[0], max_new_tokens=6, drafter="mtp", stop_at_eos=False)
     assert (res.stats.policy, res.stats.block) == ("fixed", 3)
     monkeypatch.setenv("TURBO_MTP_DRAFT", "0")
-    assert rt.generate(PROMPTS[0], max_new_tokens=6, drafter="mtp", stop_at_eos=False).stats.policy == "off"
+    assert rt.generate(PROMPTS[0], max_new_tokens=6, drafter="mtp", stop_at_eos=False).stats.policy == "fixed"
+    assert opened().generate(PROMPTS[0], max_new_tokens=6, drafter="mtp", stop_at_eos=False).stats.policy == "off"
     monkeypatch.setenv("TURBO_MTP_DRAFT", "two")  # unparsable: auto
-    assert rt.generate(PROMPTS[0], max_new_tokens=6, drafter="mtp", stop_at_eos=False).stats.policy == "auto"
+    assert opened().generate(PROMPTS[0], max_new_tokens=6, drafter="mtp", stop_at_eos=False).stats.policy == "auto"
 
 
 def test_install_without_head_refuses_a_named_mtp_and_auto_falls_back(plain_install):

@@ -12,7 +12,8 @@ from test_repack_formats import _source, assert_lossless_speculation
 from test_trunk_products import ROWS, assert_rows_are_steps, threads  # noqa: F401  (the fixture)
 
 import turbo
-from turbo import quant, repack_fp8
+from turbo import quant
+from turbo.repack import fp8 as repack_fp8
 from turbo.backends import native_exact, native_lib, native_pack
 from turbo.install import open_install
 from turbo.loader import load_trunk

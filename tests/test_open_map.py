@@ -18,11 +18,12 @@ from turbo import layout_file, open_layout
 from turbo.backends import native_lib, native_pack
 from turbo.install import open_install
 from turbo.load_plan import COPY, PACKED, PANELS, layer_matrices, plan_trunk
-from turbo.loader import Reader, host
+from turbo.loader import host
+from turbo.reader import Reader
 from turbo.options import OpenOptions
 from turbo.repack import repack
 from turbo.testing import make_checkpoint, make_moe_checkpoint
-from turbo.repack_write import write_safetensors
+from turbo.safetensors_format import write_safetensors
 
 WIDE = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=32)
 MOE = dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=64,

@@ -20,7 +20,7 @@ from turbo import layout_file, loader, open_layout, quant
 from turbo.backends import native_exact, native_lib, native_pack
 from turbo.install import open_install
 from turbo.load_plan import EXACT, PANELS, SEGMENTS, Host, layer_matrices, plan_trunk
-from turbo.loader import Reader
+from turbo.reader import Reader
 from turbo.options import OpenOptions
 from turbo.repack import repack
 

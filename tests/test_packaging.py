@@ -110,7 +110,7 @@ def test_no_test_module_skips_for_a_package_an_extra_brings():
 
 
 def test_a_missing_gguf_names_its_extra(monkeypatch, tmp_path):
-    from turbo.repack_gguf import _open
+    from turbo.repack.gguf import _open
 
     monkeypatch.setitem(sys.modules, "gguf", None)  # import gguf raises ImportError
     with pytest.raises(TurboError) as e:

@@ -108,7 +108,7 @@ def test_adaptive_lossless_against_off(install):
 def test_adaptive_loop_mixes_plain_and_speculative_rounds_losslessly(install, monkeypatch):
     """A scripted chooser drives every block, plain rounds (0) included, through the real loop."""
     import turbo
-    import turbo.engine as engine
+    import turbo.driver as driver
     from turbo.adaptive import AdaptiveChooser
 
     script = [0, 3, 1, 8, 0, 0, 2, 5, 0, 7, 4, 6]
@@ -125,7 +125,7 @@ def test_adaptive_loop_mixes_plain_and_speculative_rounds_losslessly(install, mo
             seen.append((block, accepted))
             super().observe(block, accepted, draft_s, verify_s, rollback_s)
 
-    monkeypatch.setattr(engine, "AdaptiveChooser", Scripted)
+    monkeypatch.setattr(driver, "AdaptiveChooser", Scripted)
     rt = turbo.open(str(install), backend="cpu")
     ids = list(range(20, 60))
     off = rt.generate(ids, max_new_tokens=30, policy="off", stop_at_eos=False)

@@ -194,11 +194,13 @@ def test_env_policy(monkeypatch, value, expected):
 
 
 def test_env_policy_drives_the_api(monkeypatch, spec_install):
-    rt = turbo.open(spec_install[1], backend="cpu")
+    # read when the runtime opens: one runtime's default policy does not change under it
     monkeypatch.setenv("TURBO_DFLASH_DRAFT", "3")
+    rt = turbo.open(spec_install[1], backend="cpu")
     assert rt.generate([5, 6, 7], max_new_tokens=4).stats.block == 3
     monkeypatch.setenv("TURBO_DFLASH_DRAFT", "0")
-    assert rt.generate([5, 6, 7], max_new_tokens=4).stats.drafter is None
+    assert rt.generate([5, 6, 7], max_new_tokens=4).stats.block == 3
+    assert turbo.open(spec_install[1], backend="cpu").generate([5, 6, 7], max_new_tokens=4).stats.drafter is None
 
 
 def test_auto_falls_back_and_says_why(plain_install):

@@ -9,7 +9,7 @@ from turbo.testing import make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from turbo import repack_tensors as repack_mod
+from turbo.repack import tensors as repack_mod
 from turbo.errors import TurboError
 from turbo.install import ResidentIndex, install_has_vision, open_install
 from turbo.repack import repack

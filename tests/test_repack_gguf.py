@@ -348,7 +348,7 @@ def test_q8_0_products_form_each_weight_with_one_multiply(n, k):
 
     from turbo import quant
     from turbo.backends import native_exact, native_pack
-    from turbo.repack_gguf_tensors import _affine
+    from turbo.repack.gguf_tensors import _affine
 
     needs_exact()
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k ** 0.5

@@ -20,13 +20,14 @@ from turbo.repack import repack
 from turbo.safetensors_format import read_header
 from turbo.testing.checkpoints import make_moe_checkpoint
 from turbo.testing.shapes import SHAPES, write_checkpoint
-from turbo import open_layout, repack_tensors
+from turbo import open_layout
+from turbo.repack import tensors as repack_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 
 SHAPE = dict(SHAPES["qwen3.5-35b-a3b-2l"], vocab_size=16384, hidden_size=512, num_experts=16)
 # What a repack may add beyond 1.5x its largest tensor: one slice being quantized (~40 bytes a
-# weight of repack_tensors.QUANT_SLICE), the tokenizer, the plans, the allocator's slack.
+# weight of repack/tensors.QUANT_SLICE), the tokenizer, the plans, the allocator's slack.
 SLACK = 64 << 20
 
 PROBE = """

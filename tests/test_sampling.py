@@ -24,7 +24,10 @@ from turbo.drafters import DrafterBase
 from turbo.drafters.ngram import NgramDrafter
 from turbo.rounds import play_round
 from turbo.repack import repack
+from turbo.options import GenerationOptions
+from turbo.penalties import PenaltyState
 from turbo.sampling import RejectionSampler, Sampler, SamplingParams, probabilities, rejection_sampler
+from test_penalties import reference_row
 
 ALPHA = 1e-3
 Z_ALPHA = 3.0902  # the standard normal's 1 - ALPHA quantile
@@ -233,15 +236,46 @@ def plain_target(rt) -> dict[tuple[int, ...], float]:
     return {(a, b): float(first[a] * pb) for a in range(VOCAB) for b, pb in enumerate(after(PROMPT + [a]))}
 
 
-def speculative_samples(rt, drafter, n: int) -> list[tuple[int, ...]]:
+def speculative_samples(rt, drafter, n: int, **extra) -> list[tuple[int, ...]]:
     """n generations of K tokens, seeds 0..n-1, going round the (block, rollback) configs."""
     out = []
     for seed in range(n):
         block, rollback = CONFIGS[seed % len(CONFIGS)]
         policy = dict(policy="off") if drafter is None else dict(policy="fixed", block=block, rollback=rollback,
                                                                   drafter=drafter)
-        out.append(tuple(rt.generate(PROMPT, max_new_tokens=K, seed=seed, **policy, **SAMPLING).tokens))
+        out.append(tuple(rt.generate(PROMPT, max_new_tokens=K, seed=seed, **policy, **SAMPLING, **extra).tokens))
     return out
+
+
+# strong enough that the second token's distribution depends on the first (turbo/penalties.py)
+PENALISED = dict(repetition_penalty=1.8, frequency_penalty=1.5, presence_penalty=1.0, logit_bias={1: 2.0})
+
+
+def penalised_target(rt) -> dict[tuple[int, ...], float]:
+    """plain_target with the penalties applied at each position, written out plainly
+    (tests/test_penalties.py's reference_row)."""
+    params = SamplingParams(SAMPLING["temperature"], top_p=SAMPLING["top_p"])
+    pen = GenerationOptions(**PENALISED).penalties
+
+    def after(ids, out):
+        logits = rt.trunk.prefill(rt.trunk.new_state(), ids).logits[-1]
+        return probabilities(reference_row(logits, PROMPT, out, pen)[None], params)[0]
+
+    first = after(PROMPT, [])
+    return {(a, b): float(first[a] * pb) for a in range(VOCAB) for b, pb in enumerate(after(PROMPT + [a], [a]))}
+
+
+@pytest.mark.parametrize("kind", ["dflash", "mtp"])
+def test_speculative_sampling_with_penalties_has_the_penalised_distribution(small, kind):
+    target = penalised_target(small)
+    assert fits(speculative_samples(small, kind, 1000, **PENALISED), target)
+    assert not fits(speculative_samples(small, kind, 1000), target)  # (the unpenalised one is not it)
+
+
+def test_the_check_rejects_rows_penalised_with_the_wrong_state(small, monkeypatch):
+    right = PenaltyState.rows
+    monkeypatch.setattr(PenaltyState, "rows", lambda self, logits, proposals: right(self, logits, []))
+    assert not fits(speculative_samples(small, "dflash", 1000, **PENALISED), penalised_target(small))
 
 
 @pytest.mark.parametrize("kind", ["off", "mtp", "dflash", "ngram"])

@@ -7,7 +7,8 @@ import turbo
 from turbo.testing import ScriptedDrafter
 
 from turbo import ops
-from turbo.backends import native_lib, native_pack
+from turbo.backends import native_lib
+from turbo.backends.packed import Packed
 from turbo.install import open_install
 from turbo.loader import load_dflash, load_trunk
 from turbo.options import OpenOptions
@@ -184,7 +185,7 @@ def test_matrices_take_the_layout_of_the_step(spec_install, step_path):
     inst = open_install(spec_install[1])
     trunk = Trunk(inst)
     if step_path == "native":  # panels of 16 outputs, holding exactly the checkpoint's matrix
-        assert all(isinstance(w, native_pack.Packed) for w in trunk.matrices())
+        assert all(isinstance(w, Packed) for w in trunk.matrices())
         down = inst.index.load("trunk.layers.0.mlp.down_proj.weight", torch.float32)
         assert torch.equal(trunk.layers[0].down.dense(), down)
     else:

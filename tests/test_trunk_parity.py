@@ -66,12 +66,12 @@ def test_a_tied_embedding_is_kept_once(tmp_path, step_path):
     """The native step reads the embedding rows out of the packed lm_head's panels; the torch
     step shares one tensor between the two."""
     from turbo import ops
-    from turbo.backends import native_pack
+    from turbo.backends import native_pack, packed
 
     model, path = make_install(tmp_path, 3, tie_word_embeddings=True)
     trunk = Trunk(open_install(path))
     if step_path == "native":
-        assert isinstance(trunk.embed, native_pack.PackedRows) and trunk.embed.packed is trunk.lm_head
+        assert isinstance(trunk.embed, packed.PackedRows) and trunk.embed.packed is trunk.lm_head
     else:
         assert trunk.embed is trunk.lm_head
     table = model.model.embed_tokens.weight.detach()

@@ -8,7 +8,7 @@ from turbo.testing import ScriptedDrafter, assert_lossless, make_install, make_m
 
 import turbo
 from turbo import ops, quant
-from turbo.backends import native_lib, native_pack
+from turbo.backends import native_lib, native_pack, packed
 from turbo.install import open_install
 from turbo.loader import load_trunk
 from turbo.options import OpenOptions
@@ -65,7 +65,7 @@ def test_panel_pairs_are_the_panels_products(threads, n, k):
     w = torch.randn(n, k).to(torch.bfloat16)
     pairs, panels = native_pack.pack_rows(lambda a, b: w[a:b], n, torch.bfloat16, "panel_pairs"), native_pack.pack(w)
     assert pairs.wtype == 6 and torch.equal(pairs.dense(), w)
-    assert torch.equal(native_pack.PackedRows(pairs)[torch.tensor([0, n - 1])], w[[0, n - 1]])
+    assert torch.equal(packed.PackedRows(pairs)[torch.tensor([0, n - 1])], w[[0, n - 1]])
     for rows in ROWS:
         x = torch.randn(rows, k)
         assert torch.equal(native_pack.linear_packed(x, pairs), native_pack.linear_packed(x, panels)), rows

@@ -69,6 +69,13 @@ def opens_think(prompt: str) -> bool:
     return prompt.rfind(THINK) > prompt.rfind(END_THINK)
 
 
+def answer_opens_think(prompt: str, o: GenerationOptions) -> bool:
+    """The answer starts inside a `<think>` the prompt opened, unless a response_format holds it:
+    then the whole answer is the constrained content (as vLLM's structured output without a
+    reasoning parser)."""
+    return opens_think(prompt) and o.response_format is None
+
+
 def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
     """(reasoning, content) as vLLM's Qwen3 reasoning parser: a `<think>` the model wrote is
     dropped, what comes before the first `</think>` is the reasoning, the rest the content;
@@ -83,13 +90,12 @@ def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
 
 
 def assistant_message(tokenizer: Tokenizer, tokens: list[int], stop_ids: tuple[int, ...],
-                      prompt: str) -> dict[str, Any]:
+                      opened: bool) -> dict[str, Any]:
     """The turn's message: the tokens up to a trailing end-of-turn token, decoded and split."""
     n = len(tokens)
     while n and tokens[n - 1] in stop_ids:
         n -= 1
-    reasoning, content = split_reasoning(tokenizer.decode(tokens[:n], skip_special_tokens=False),
-                                         opens_think(prompt))
+    reasoning, content = split_reasoning(tokenizer.decode(tokens[:n], skip_special_tokens=False), opened)
     message = {"role": "assistant", "content": content}
     if reasoning is not None:
         message["reasoning_content"] = reasoning
@@ -106,6 +112,7 @@ def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools:
     images = message_images(messages)  # (turbo/vision: content parts of type image / image_url)
     if images:
         check_placed(rt, ids, images)
-    result = rt.generate(ids, turn_options(opts, fields, stop_ids), images=images or None)
-    message = assistant_message(rt.tokenizer, result.tokens, stop_ids, prompt)
+    options = turn_options(opts, fields, stop_ids)
+    result = rt.generate(ids, options, images=images or None)
+    message = assistant_message(rt.tokenizer, result.tokens, stop_ids, answer_opens_think(prompt, options))
     return ChatResult(message, result.tokens, result.text, result.stats, ids)

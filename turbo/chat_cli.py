@@ -174,7 +174,7 @@ class Repl:
             if display is not None:
                 display.push("", final=True)
             if s.history and s.history[-1]["role"] == "user":
-                s.history.append(assistant_message(self.rt.tokenizer, generated, s.stop_ids, s.render()))
+                s.history.append(assistant_message(self.rt.tokenizer, generated, s.stop_ids, opens_think(s.render())))
         print(file=self.out, flush=True)  # each answer a line of its own in the transcript
         if stats is not None:  # a report: standard error (standard output holds the answers alone)
             print(stats_line(stats, s.keeper.report, interrupted), file=self.err, flush=True)

@@ -61,7 +61,8 @@ def _ngram(cfg: DictConfig) -> NgramConfig:
 # the keys that set an option of the same name; null (or absent) leaves the option's default
 OPEN_KEYS = ("backend", "dtype", "draft_products", "kv_cache", "threads", "verbose")
 GENERATION_KEYS = ("block", "window", "rollback", "drafter", "temperature", "top_k", "top_p", "min_p", "seed",
-                   "stop", "stop_token_ids", "stop_at_eos", "truncate_prompt")
+                   "stop", "stop_token_ids", "stop_at_eos", "truncate_prompt", "repetition_penalty",
+                   "frequency_penalty", "presence_penalty", "logit_bias", "response_format")
 # names, kept as text even where one reads as a number
 TEXT_KEYS = {"backend", "dtype", "draft_products", "kv_cache", "rollback", "drafter", "truncate_prompt"}
 
@@ -70,6 +71,8 @@ def _given(cfg: DictConfig, keys: tuple[str, ...]) -> dict[str, object]:
     """The keys' values the config sets, for the options to check (their defaults live there)."""
     values = ((key, cfg.get(key)) for key in keys)
     values = ((key, list(v) if isinstance(v, ListConfig) else v) for key, v in values)  # stop=[a,b]
+    values = ((key, OmegaConf.to_container(v) if isinstance(v, DictConfig) else v)  # logit_bias={13: -100}
+              for key, v in values)
     return {key: str(v) if key in TEXT_KEYS else v for key, v in values if v is not None}
 
 

@@ -10,6 +10,7 @@ it (docs/DESIGN.md 5).
 from __future__ import annotations
 
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path, PurePath
@@ -19,25 +20,25 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from .adaptive import AdaptiveChooser, LazyContext
 from .backends import Backend, native_lib, select_backend
 from .chat import ChatResult, run_chat, template_for
 from .chat_template import ChatTemplate
 from .drafters import Drafter
 from .drafters.seam import check_drafter_object
 from .drafters.ngram import NgramConfig, NgramDrafter
+from .driver import DrafterPool, Driver, Job, RoundEvent, Start
 from .errors import TurboError, checked_text
+from .grammar import Grammars
 from .install import Install, bundled_names, open_install
 from .install_check import check_install
 from .loader import load_drafter, load_trunk
 from .options import GenerationOptions, OpenOptions, integer
-from .policy import Plan, choose_drafter, plan, policy_from_env
-from .sampling import RejectionSampler, rejection_sampler
-from .session import DEFAULT_SNAPSHOTS, FRESH, Session, Start
-from .stats import Stats, TokenClock
-from .stops import Finish, Stopper
+from .policy import DraftPolicy, Plan, decide
+from .sampling import rejection_sampler
+from .session import DEFAULT_SNAPSHOTS, FRESH, Session
+from .stats import Stats
+from .stops import Finish
 from .trunk import KV_CHUNK
-from .rounds import play_round
 from .vision.runtime import image_prompt, refuse_unplaced
 from .vision.session import VisionSession
 
@@ -48,20 +49,6 @@ REENTERED = ("a generation was started on this runtime from inside its own round
              "commit): a runtime runs one generation at a time; open another runtime for that")
 TWO_THREADS = "this stream is being iterated on another thread already: iterate a stream from one thread at a time"
 Prompt = str | list[int] | tuple[int, ...] | np.ndarray  # text, or token ids
-# the drafters that keep no DFlash context window, and what to say to window= with them
-NO_WINDOW = {"object": "a drafter object keeps its own (drop window=)",
-             "mtp": "the MTP head drafting here keeps none (drop window= or use drafter=dflash)",
-             "ngram": "the n-gram drafter looks through the whole history (drop window= or use drafter=dflash)"}
-
-
-@dataclass
-class RoundEvent:
-    tokens: list[int]  # committed this round
-    from_draft: list[bool]  # per token: True = an accepted proposal, False = the trunk's bonus token
-    text: str  # the text released this round (what may begin a stop string waits: turbo.stops)
-    stats: Stats  # the counters so far (a copy)
-    done: bool = False
-    finish: Finish | None = None  # on the last event: why it ended (turbo.stops)
 
 
 @dataclass
@@ -71,18 +58,6 @@ class GenerateResult:
     stats: Stats
     from_draft: list[bool] = field(default_factory=list)
     finish: Finish | None = None  # why it ended: reason "stop" or "length", and the stop matched
-
-
-@dataclass
-class Job:
-    """A checked generation request (Runtime.prepare): what its rounds run."""
-
-    ids: list[int]  # the prompt's token ids, as fitted to the context
-    options: GenerationOptions
-    plan: Plan
-    own: bool  # the drafter is the caller's object
-    sampler: RejectionSampler | None  # None: greedy
-    stats: Stats  # the counters, started
 
 
 # ---- the runtime ---------------------------------------------------------------------------
@@ -106,8 +81,13 @@ class Runtime:
             raise TurboError(f"{tok}: not a tokenizers file ({e})") from None
         # the parts' agreement is read off the configs and the index: checked before any weight loads
         self.drafter_config = check_install(install, self.tokenizer)  # the DFlash drafter's, parsed (or None)
+        # the policy a generation that names none takes, per drafter (the environment's, read at open)
+        self.draft_defaults = {kind: DraftPolicy(name, block) for kind, name, block in opts.draft_defaults}
         self.trunk = load_trunk(install, opts, self.device)
-        self._drafters: dict[tuple[str, int | NgramConfig | None], Drafter] = {}  # (kind, window or ngram config)
+        self.grammars = Grammars(tok.read_text(encoding="utf-8"), install.arch.vocab)  # response_format's
+        # the install's drafters (built on first use) and their forks for the server's batches
+        self.drafters = DrafterPool(lambda kind, window, ngram: NgramDrafter(ngram) if kind == "ngram"
+                                    else load_drafter(kind, self.install, self.trunk, window, self.options))
         # One generation at a time (the drafters and the trunk's caches are the runtime's own):
         # `generate` holds _serial for its whole call, a stream only while it starts; each prefill
         # and round holds _step, and a round of a stream that a later generation took over refuses.
@@ -155,19 +135,12 @@ class Runtime:
     def drafter(self, kind: str, window: int | None, ngram: NgramConfig = NgramConfig()) -> Drafter:
         """The install's own drafter of `kind` (dflash | mtp) with that context window, or the
         n-gram drafter with that config (one per config: its begin() starts a generation afresh)."""
-        key = (kind, ngram if kind == "ngram" else window)
-        if key not in self._drafters:
-            self._drafters[key] = (NgramDrafter(ngram) if kind == "ngram"
-                                   else load_drafter(kind, self.install, self.trunk, window, self.options))
-        return self._drafters[key]
+        return self.drafters.base((kind, ngram if kind == "ngram" else window), ngram)
 
-    def plan(self, policy: str | None, block: int | None, drafter: str | Drafter) -> Plan:
-        if policy is None:
-            kind = choose_drafter(self.install, drafter) if isinstance(drafter, str) else "dflash"
-            env = policy_from_env(kind)
-            policy, block = env.name, block if block is not None else env.block
-        trained = self.drafter_config.block_size if self.drafter_config is not None else None
-        return plan(self.install, policy, block, drafter, self.backend.verify_dtypes, trained)
+    def plan(self, policy: str | None, block: int | None, drafter: str | Drafter, window: int | None = None) -> Plan:
+        """What a generation with these options will do on this install (turbo/policy.py decides)."""
+        return decide(self.install, policy, block, drafter, window, self.draft_defaults, self.backend.verify_dtypes,
+                      self.drafter_config)
 
     # ---- the API -----------------------------------------------------------------------
 
@@ -216,10 +189,15 @@ class Runtime:
     def _stream(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH,
                 **fields) -> Iterator[RoundEvent]:
         job = self.prepare(prompt, opts, start, **fields)
-        p, o = job.plan, job.options
-        draft = None if p.drafter is None else o.drafter if job.own else self.drafter(p.drafter, o.window, o.ngram)
-        job.stats.window = draft.window if draft is not None else None
-        return self._rounds(job.ids, o, p, draft, job.stats, job.sampler, start)
+        key = job.draft_key()
+        draft = job.options.drafter if job.own else self.drafters.base(key, job.options.ngram) if key else None
+        return self._rounds(self.driver(job, draft, cut_in_round=start.keeps_state), start)
+
+    def driver(self, job: Job, draft: Drafter | None, *, cut_in_round: bool = False,
+               logprobs: int | None = None) -> Driver:
+        """A driver for `job` with `draft` (turbo/driver.py): this runtime's trunk and tokenizer."""
+        return Driver(self.trunk, self.decode, self.install.arch.eos_token_ids, self.install.arch.vocab, job, draft,
+                      cut_in_round=cut_in_round, logprobs=logprobs)
 
     def prepare(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH, **fields) -> Job:
         """A generation's request checked against this install, and what it will run: every
@@ -236,21 +214,25 @@ class Runtime:
         vocab = self.install.arch.vocab
         bad = next((t for t in o.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
-            raise TurboError(f"stop_token_ids: {bad} is not an id in 0..{vocab - 1}")
+            raise TurboError(f"stop_token_ids: {bad} is not an id in 0..{vocab - 1}", field="stop_token_ids")
+        bad = next((t for t, _ in o.logit_bias or () if t >= vocab), None)
+        if bad is not None:
+            raise TurboError(f"logit_bias: {bad} is not an id in 0..{vocab - 1}", field="logit_bias")
         own = not isinstance(o.drafter, str)  # the caller's drafter object
         if own:
             check_drafter_object(o.drafter, self.install.arch.num_layers)
-        p = self.plan(o.policy, o.block, o.drafter)
-        no_window = "object" if own else p.drafter
-        if o.window is not None and no_window in NO_WINDOW:
-            raise TurboError(f"window {o.window}: the window is the DFlash drafter's context, and "
-                             f"{NO_WINDOW[no_window]}")
+        p = self.plan(o.policy, o.block, o.drafter, o.window)
         sampler = rejection_sampler(o.temperature, o.top_k, o.top_p, o.min_p, o.seed)  # None: greedy
         stats = Stats(prompt_tokens=len(ids), prompt_truncated_from=len(whole) if len(ids) < len(whole) else None,
                       policy=p.policy, drafter=p.drafter, block=p.block, rollback=o.rollback,
                       backend=self.backend.name, speculation_off_reason=p.off_reason,
                       seed=sampler.sampler.seed if sampler is not None else None)
-        return Job(ids, o, p, own, sampler, stats)
+        grammar = None
+        if o.response_format is not None:  # compiled (once per format) and checked before the first round
+            stops = tuple(sorted((set(self.install.arch.eos_token_ids) if o.stop_at_eos else set())
+                                 | set(o.stop_token_ids or ())))
+            grammar = self.grammars.state(o.response_format, stops)
+        return Job(ids, o, p, own, sampler, stats, grammar)
 
     def _fitted(self, ids: list[int], o: GenerationOptions, start: Start) -> list[int]:
         """`ids` when they leave room for max_new_tokens in the context; else their tail under
@@ -265,52 +247,24 @@ class Runtime:
         raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
                          f"max_position_embeddings {limit}{hint}")
 
-    def _rounds(self, ids: list[int], o: GenerationOptions, p: Plan, draft: Drafter | None,
-                stats: Stats, sampler: RejectionSampler | None, origin: Start) -> Iterator[RoundEvent]:
-        """The loop around the round: limits, end of text, timing, detokenization, events."""
-        trunk, max_new, rollback = self.trunk, o.max_new_tokens, o.rollback
-        eos = set(self.install.arch.eos_token_ids) if o.stop_at_eos else set()
-        stops = Stopper(self.decode, o.stop or (), eos | set(o.stop_token_ids or ()), max_new)
-        clock = TokenClock()
+    def _rounds(self, d: Driver, origin: Start) -> Iterator[RoundEvent]:
+        """The sequence as a batch of one: its driver's rounds, each through `Trunk.step`."""
+        trunk, ids = self.trunk, d.job.ids
         with self._serial, self._step, self._round():  # this generation takes the runtime over
             self._generation += 1
             me = self._generation
-            st = origin.prime(trunk, draft, ids, len(ids) + min(max_new, KV_CHUNK))  # grows as it goes
-        chooser = None
-        if p.policy == "adaptive" and draft is not None:
-            # under sampling the blocks are chosen from counts (the seed repeats the text), and
-            # the seconds other generations measured are not read
-            chooser = AdaptiveChooser(p.block, memory=(draft, rollback) if sampler is None else None,
-                                      counted=sampler is not None)
-            draft = LazyContext(draft, chooser)  # plain rounds skip the drafter's work
-        anchor, generated = ids[-1], []
-        while len(generated) < max_new:
+            d.prime(origin, len(ids) + min(d.job.options.max_new_tokens, KV_CHUNK))  # the K/V grows as it goes
+        while not d.done:
             with self._step, self._round():
                 if self._generation != me:
                     raise TurboError(ABANDONED)
-                block = chooser.next_block() if chooser is not None else p.block  # adaptive: 0 = a plain round
-                r = play_round(trunk, st, draft, anchor, block, rollback, sampler,
-                               stops.cut if origin.keeps_state else None, self.install.arch.vocab)
-                if chooser is not None:
-                    chooser.observe(block, r.landed, r.draft_s, r.verify_s, r.rollback_s)
-            # the counters keep the trunk's verdict on the proposals: a stop decides what is
-            # committed, not how well the drafter guessed
-            stats.record_round(len(r.proposals), r.landed, r.replayed)
-            committed = r.proposals[:r.accepted] + [r.bonus]
-            if not origin.keeps_state:  # (else play_round cut the round at the stop already)
-                keep = stops.cut(committed)
-                committed = committed[:keep] if keep is not None else committed
-            committed = committed[:max_new - len(generated)]
-            flags = [i < r.landed for i in range(len(committed))]
-            generated += committed
-            stats.record_tokens(len(generated), clock)
-            done = stops.finish is not None
-            if done:
-                origin.finish(draft)
-            yield RoundEvent(committed, flags, stops.text(done), stats.snapshot(), done, stops.finish)
-            if done:
-                return
-            anchor = r.bonus
+                w = d.work()
+                t = time.perf_counter()
+                out = trunk.step(d.st, w.rows, d.aux_layers, w.rollback)
+                event = d.settle(w, out, time.perf_counter() - t)
+            if event.done and origin.keeps_state:
+                origin.finish(d)
+            yield event
 
 
 class OneThread:

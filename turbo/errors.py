@@ -11,8 +11,13 @@ from typing import NoReturn
 class TurboError(Exception):
     """A problem with what the user gave us (install, config, prompt, block), not a bug.
 
-    The message names the thing (file, tensor, field, value) and what was expected.
+    The message names the thing (file, tensor, field, value) and what was expected; `field` is
+    the option it concerns, where one does (the server names it as the request's field).
     """
+
+    def __init__(self, message: str = "", field: str | None = None):
+        super().__init__(message)
+        self.field = field
 
 
 def checked_text(text: str, what: str) -> str:

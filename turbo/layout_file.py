@@ -39,7 +39,7 @@ def packed_name(layout: str, first_source: str) -> str:
 
 
 def packed_shape(layout: str, n: int, k: int, float_dtype: str) -> tuple[str, tuple[int, ...]]:
-    """(safetensors dtype, shape) of the matrix [n, k] packed in `layout` (native_pack.Packed's
+    """(safetensors dtype, shape) of the matrix [n, k] packed in `layout` (backends/packed.py, Packed's
     data): "panels" [panels, k, 16] of `float_dtype` (F32 / BF16), "panel_pairs" (BF16)
     [panels, ceil(k/2), 16, 2], "q4" / "q8" bytes [panels, k / 64, scales + biases + levels]."""
     panels = -(-n // PANEL)

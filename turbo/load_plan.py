@@ -16,6 +16,7 @@ import torch
 from . import layout_file, quant
 from .arch import Arch
 from .backends import native_dflash, native_exact, native_lib, native_pack, native_trunk
+from .backends.packed import LAYOUT_OF_BITS, QUANTIZED
 from .drafters.dflash_config import dflash_layer_tensor
 from .drafters.mtp import MTP_PREFIX
 from .errors import TurboError
@@ -183,7 +184,7 @@ class _Rules:
 
     def read_turbo(self, name: str, e: Entry) -> bool:
         """... as turbo's own int4 / int8 (groups of 64, bf16 scales: the products of int8 inputs)."""
-        return (self.native_here and bool(e.bits) and e.bits in native_pack.QUANTIZED.values() and e.group == quant.GROUP
+        return (self.native_here and bool(e.bits) and e.bits in QUANTIZED.values() and e.group == quant.GROUP
                 and e.scale_st_dtype == "BF16" and self.int8 and quant.native_reads(self.mode, e.bits, self.dtype)
                 and not moe_gate(name))
 
@@ -250,9 +251,9 @@ class _Rules:
 
 
 def packed_layout(entries: Mapping[str, Entry], m: Matrix) -> str | None:
-    """The native_pack.Packed layout `m` is packed in (an EXACT one's: its first source's format's)."""
+    """The packed.Packed layout `m` is packed in (an EXACT one's: its first source's format's)."""
     return (native_exact.exact_layout(entries[m.sources[0].name].dtype in quant.FLOAT8_CODES) if m.form == EXACT
-            else "segments" if m.form == SEGMENTS else native_pack.LAYOUT_OF_BITS.get(m.bits) if m.bits else m.layout)
+            else "segments" if m.form == SEGMENTS else LAYOUT_OF_BITS.get(m.bits) if m.bits else m.layout)
 
 
 def packed_target(entries: Mapping[str, Entry], m: Matrix) -> tuple[str, str, tuple[int, ...] | None] | None:

@@ -19,14 +19,15 @@ import torch
 
 from . import layout_file, quant
 from .backends import native_exact, native_lib, native_pack
+from .backends.packed import LAYOUT_WTYPES
 from .errors import ArgumentParser, TurboError
 from .install import ST_TORCH, Entry, Install, open_install, safetensors_files
 from .load_plan import (COPY, EXACT, PACKED, SEGMENTS, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices,
                         packed_layout, packed_target, plan_trunk)
-from .loader import Reader
 from .options import OpenOptions
-from .repack_tensors import QUANT_SLICE, Planned
-from .repack_write import write_safetensors
+from .quant import QUANT_SLICE
+from .reader import Reader
+from .safetensors_format import Planned, write_safetensors
 from .trunk import PREFIX
 
 # The host the layout is written for: products that read int4 / int8 packed (AVX512-VNNI) and the
@@ -129,7 +130,7 @@ def _segments(reader: Reader, plan: TrunkPlan, m: Matrix) -> tuple[int, object]:
             parts.append((packed.n, packed.wtype, packed.data.numel() * packed.data.element_size()))
         else:
             _, dtype, shape = packed_target(entries, p)
-            wtype = native_pack.LAYOUT_WTYPES.get(packed_layout(entries, p)) or native_lib.WTYPES[ST_TORCH[dtype]]
+            wtype = LAYOUT_WTYPES.get(packed_layout(entries, p)) or native_lib.WTYPES[ST_TORCH[dtype]]
             rows = sum(reader.entry(s).dims[0] for s in p.sources)
             parts.append((rows, wtype, ST_BYTES[dtype] * int(torch.Size(shape).numel())))
         packed = None

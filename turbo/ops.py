@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .arch import RopeScaling
 from .backends import cuda, native_lib, native_pack
+from .backends.packed import Packed
 from .quant import QuantizedWeight, rows_stand_alone
 
 # BLAS GEMM kernels work in row blocks, and a row in a partial block (or in a 1-row
@@ -60,7 +61,7 @@ def to_device(obj, device: torch.device):
 
 def dense(w):
     """A matrix as a plain [out, in] tensor, whatever form a product keeps it in."""
-    return w.dense() if isinstance(w, (native_pack.Packed, QuantizedWeight)) else w
+    return w.dense() if isinstance(w, (Packed, QuantizedWeight)) else w
 
 
 def _padded(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -90,7 +91,7 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [R, in] @ w[out, in]^T in w's dtype, returned as fp32; row-stable for the
     shapes `calibrate_rows` has seen (prefill-sized calls are not padded). A packed
     QuantizedWeight is dequantized first (deterministically), then takes the same path."""
-    if isinstance(w, native_pack.Packed):  # the native step's layout: native.c at every size (prefill too)
+    if isinstance(w, Packed):  # the native step's layout: native.c at every size (prefill too)
         return native_pack.linear_packed(x, w)
     if isinstance(w, QuantizedWeight):
         cb = cuda_kernels(x)

@@ -13,12 +13,15 @@ from __future__ import annotations
 import math
 import operator
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from .drafters import is_drafter
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
+from .grammar import ResponseFormat
+from .penalties import BIAS_RANGE, PENALTY_RANGE, Penalties
 
 NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
 QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (turbo.quant.CPU_MODES)
@@ -48,14 +51,17 @@ class OpenOptions:
     compiler: str | None = None  # native.c's C compiler (CC; None: cc, gcc or clang on PATH)
     ptx_dir: Path | None = None  # backend cuda's PTX (TURBO_PTX_DIR; None: kernels_ptx/ of the checkout)
     verbose: bool = False  # the CLI and the TUI say what auto chose (the backend's note)
+    # (drafter, policy, block): what a generation that names no policy takes (TURBO_DFLASH_DRAFT,
+    # TURBO_MTP_DRAFT: policy_from_env); none given: auto
+    draft_defaults: tuple[tuple[str, str, int | None], ...] = ()
 
     def __post_init__(self) -> None:
         check_threads(self.threads)
         check_flag("verbose", self.verbose)
         if self.dtype not in DTYPES:
-            raise TurboError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}")
+            raise TurboError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}", field="dtype")
         if self.kv_cache not in KV_CACHES:
-            raise TurboError(f"kv_cache {self.kv_cache!r} is not one of {', '.join(KV_CACHES)}")
+            raise TurboError(f"kv_cache {self.kv_cache!r} is not one of {', '.join(KV_CACHES)}", field="kv_cache")
 
     @classmethod
     def from_env(cls, **given) -> "OpenOptions":
@@ -70,6 +76,8 @@ class OpenOptions:
             env["cache_dir"] = Path(root) / "turbo" if root else None
         if "compiler" not in given:
             env["compiler"] = os.environ.get(COMPILER_ENV) or None
+        if "draft_defaults" not in given:
+            env["draft_defaults"] = tuple((kind, *policy_from_env(kind)) for kind in POLICY_ENVS)
         if "ptx_dir" not in given:
             env["ptx_dir"] = Path(os.environ[PTX_DIR_ENV]) if os.environ.get(PTX_DIR_ENV) else None
         return cls(**env, **given)
@@ -87,7 +95,7 @@ class GenerationOptions:
     """How one `generate` / `stream` call runs."""
 
     max_new_tokens: int = 256
-    policy: str | None = None  # auto | off | fixed | adaptive; None: the env var's (policy_from_env), else auto
+    policy: str | None = None  # auto | off | fixed | adaptive; None: OpenOptions.draft_defaults' (the env's), else auto
     block: int | None = None  # proposals per round (fixed; the widest for adaptive)
     rollback: str = "checkpoint"  # checkpoint | replay: how a rejected round restores the GDN state
     drafter: object = "auto"  # auto | dflash | mtp | ngram, or a Drafter object of the caller's (turbo.drafters)
@@ -105,6 +113,14 @@ class GenerationOptions:
     top_p: float = 1.0
     min_p: float = 0.0
     seed: int | None = None  # the generation's generator seed; None: a fresh one (reported in Stats.seed)
+    # turbo.penalties: applied at every committed position (speculation stays exact)
+    repetition_penalty: float = 1.0  # transformers' / vLLM's: > 1 discourages the prompt's and output's tokens
+    frequency_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this x the token's count in the output
+    presence_penalty: float = 0.0  # OpenAI's, in [-2, 2]: minus this when the token is in the output
+    logit_bias: tuple[tuple[int, float], ...] | None = None  # {token id: bias in [-100, 100]} (a dict or pairs)
+    # turbo.grammar: OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema", ...}) or
+    # turbo's regex / Lark grammar ({"type": "regex", "regex": ...}, {"type": "grammar", "grammar": ...})
+    response_format: ResponseFormat | None = None
 
     def __post_init__(self) -> None:
         """Every check these fields allow on their own; numpy integers become ints and the
@@ -112,24 +128,33 @@ class GenerationOptions:
         for name in INTEGER_FIELDS:
             object.__setattr__(self, name, as_integer(name, getattr(self, name)))
         if self.max_new_tokens is None or self.max_new_tokens < 1:
-            raise TurboError(f"max_new_tokens is {self.max_new_tokens!r}, expected a positive integer")
+            raise TurboError(f"max_new_tokens is {self.max_new_tokens!r}, expected a positive integer",
+                             field="max_new_tokens")
         if self.rollback not in ROLLBACKS:
-            raise TurboError(f"rollback {self.rollback!r} is not one of {', '.join(ROLLBACKS)}")
+            raise TurboError(f"rollback {self.rollback!r} is not one of {', '.join(ROLLBACKS)}", field="rollback")
         if self.truncate_prompt not in TRUNCATIONS:
-            raise TurboError(f"truncate_prompt {self.truncate_prompt!r} is not one of {', '.join(TRUNCATIONS)}")
+            raise TurboError(f"truncate_prompt {self.truncate_prompt!r} is not one of {', '.join(TRUNCATIONS)}",
+                             field="truncate_prompt")
         check_flag("stop_at_eos", self.stop_at_eos)
         if not isinstance(self.drafter, str) and not is_drafter(self.drafter):
             raise TurboError(f"drafter {self.drafter!r} is not one of {', '.join(OWN_DRAFTERS)} nor a "
                              "turbo.drafters.Drafter (turbo.drafters.DrafterBase has its defaults), "
-                             "nor ngram (the n-gram drafter, no weights)")
+                             "nor ngram (the n-gram drafter, no weights)", field="drafter")
         if not isinstance(self.ngram, NgramConfig):
-            raise TurboError(f"ngram {self.ngram!r} is not a turbo.drafters.ngram.NgramConfig")
+            raise TurboError(f"ngram {self.ngram!r} is not a turbo.drafters.ngram.NgramConfig", field="ngram")
         object.__setattr__(self, "stop", stop_strings(self.stop))
         object.__setattr__(self, "stop_token_ids", stop_ids(self.stop_token_ids))
         check_sampling(self.temperature, self.top_k, self.top_p, self.min_p)
         check_seed(self.seed)
-        for name in ("temperature", "top_p", "min_p"):
+        check_penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty)
+        object.__setattr__(self, "logit_bias", logit_bias(self.logit_bias))
+        object.__setattr__(self, "response_format", ResponseFormat.parse(self.response_format))
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty"):
             object.__setattr__(self, name, float(getattr(self, name)))
+
+    @property
+    def penalties(self) -> Penalties:
+        return Penalties(self.repetition_penalty, self.frequency_penalty, self.presence_penalty, self.logit_bias or ())
 
     def but(self, **changes) -> "GenerationOptions":
         return replace(self, **changes)
@@ -168,7 +193,7 @@ def as_integer(name: str, value: object) -> int | None:
     """`value` (None, or an integer as `integer` takes it) as an int or None; TurboError otherwise."""
     n = integer(value)
     if n is None and value is not None:
-        raise TurboError(f"{name} is {value!r}, expected an integer")
+        raise TurboError(f"{name} is {value!r}, expected an integer", field=name)
     return n
 
 
@@ -178,7 +203,8 @@ def check_threads(threads: object) -> None:
     n = as_integer("threads", threads)
     cores = os.cpu_count() or 1
     if n is not None and not 1 <= n <= 4 * cores:
-        raise TurboError(f"threads {n} is outside 1..{4 * cores} (up to 4x this machine's {cores} cores)")
+        raise TurboError(f"threads {n} is outside 1..{4 * cores} (up to 4x this machine's {cores} cores)",
+                         field="threads")
 
 
 def _number(x: object) -> bool:
@@ -188,13 +214,42 @@ def _number(x: object) -> bool:
 def check_sampling(temperature: object, top_k: object, top_p: object, min_p: object) -> None:
     """The sampling fields (turbo.sampling.SamplingParams), checked at temperature 0 too."""
     if not _number(temperature) or not 0 <= temperature < math.inf:
-        raise TurboError(f"temperature is {temperature!r}, expected a finite number >= 0")
+        raise TurboError(f"temperature is {temperature!r}, expected a finite number >= 0", field="temperature")
     if top_k is not None and (integer(top_k) is None or top_k < 0):
-        raise TurboError(f"top_k is {top_k!r}, expected a non-negative integer or null (0 and null: no cut)")
+        raise TurboError(f"top_k is {top_k!r}, expected a non-negative integer or null (0 and null: no cut)",
+                         field="top_k")
     if not _number(top_p) or not 0 < top_p <= 1:
-        raise TurboError(f"top_p is {top_p!r}, expected a number in (0, 1]")
+        raise TurboError(f"top_p is {top_p!r}, expected a number in (0, 1]", field="top_p")
     if not _number(min_p) or not 0 <= min_p < 1:
-        raise TurboError(f"min_p is {min_p!r}, expected a number in [0, 1)")
+        raise TurboError(f"min_p is {min_p!r}, expected a number in [0, 1)", field="min_p")
+
+
+def check_penalties(repetition: object, frequency: object, presence: object) -> None:
+    if not _number(repetition) or not 0 < repetition < math.inf:
+        raise TurboError(f"repetition_penalty is {repetition!r}, expected a finite number > 0 (1: none)",
+                         field="repetition_penalty")
+    for name, v in (("frequency_penalty", frequency), ("presence_penalty", presence)):
+        if not _number(v) or not -PENALTY_RANGE <= v <= PENALTY_RANGE:
+            raise TurboError(f"{name} is {v!r}, expected a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}]",
+                             field=name)
+
+
+def logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
+    """`bias` (None, a {token id: bias} mapping or (id, bias) pairs; ids as integers or their
+    decimal strings, as JSON keys are) as sorted (id, bias) pairs, or None when empty. The ids'
+    range needs the vocabulary: checked when a stream starts."""
+    if bias is None:
+        return None
+    items = list(bias.items()) if isinstance(bias, Mapping) else list(bias) if isinstance(bias, (list, tuple)) else None
+    out = {}
+    for item in items if items is not None else [None]:
+        tok, value = item if isinstance(item, (tuple, list)) and len(item) == 2 else (None, None)
+        tid = int(tok) if isinstance(tok, str) and tok.isdigit() else integer(tok)
+        if tid is None or tid < 0 or not _number(value) or not -BIAS_RANGE <= value <= BIAS_RANGE:
+            raise TurboError(f"logit_bias is {bias!r}, expected a map of token ids to biases in "
+                             f"[-{BIAS_RANGE:g}, {BIAS_RANGE:g}]", field="logit_bias")
+        out[tid] = float(value)
+    return tuple(sorted(out.items())) or None
 
 
 def stop_strings(stop: object) -> tuple[str, ...] | None:
@@ -203,7 +258,7 @@ def stop_strings(stop: object) -> tuple[str, ...] | None:
         return None
     given = (stop,) if isinstance(stop, str) else stop
     if not isinstance(given, (list, tuple)) or not all(isinstance(s, str) and s for s in given):
-        raise TurboError(f"stop is {stop!r}, expected a non-empty string or a list of them")
+        raise TurboError(f"stop is {stop!r}, expected a non-empty string or a list of them", field="stop")
     return tuple(given) or None
 
 
@@ -213,17 +268,19 @@ def stop_ids(ids: object) -> tuple[int, ...] | None:
         return None
     given = [integer(t) for t in ids] if isinstance(ids, (list, tuple)) else [None]
     if None in given or any(t < 0 for t in given):
-        raise TurboError(f"stop_token_ids is {ids!r}, expected a list of token ids (non-negative integers)")
+        raise TurboError(f"stop_token_ids is {ids!r}, expected a list of token ids (non-negative integers)",
+                         field="stop_token_ids")
     return tuple(given) or None
 
 
 def check_flag(name: str, value: object) -> None:
     """A yes/no field is a bool: a string such as "false" would read as true."""
     if not isinstance(value, bool):
-        raise TurboError(f"{name} is {value!r}, expected true or false")
+        raise TurboError(f"{name} is {value!r}, expected true or false", field=name)
 
 
 def check_seed(seed: object) -> None:
     # the generator's seed is 64 bits (torch.Generator.manual_seed): a larger one is refused, not wrapped
     if seed is not None and (integer(seed) is None or not 0 <= seed < 2**64):
-        raise TurboError(f"seed is {seed!r}, expected a non-negative integer or null (a fresh seed), below 2**64")
+        raise TurboError(f"seed is {seed!r}, expected a non-negative integer or null (a fresh seed), below 2**64",
+                         field="seed")

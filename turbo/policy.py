@@ -1,7 +1,13 @@
-"""Draft policies and speculation blockers, as the Rust module defined them (docs/DESIGN.md 3, 6, 10),
-and the one rule for a drafter that is not there (`plan`): policy `auto` with drafter `auto` decodes
-plainly and says why and what would speculate; a named drafter the install lacks, or `fixed` /
-`adaptive` with none, refuses in one line naming what is missing and what works on this install."""
+"""The one room where a generation's speculation is decided (`decide`): its policy (the caller's,
+else the environment's default read when the runtime opened), block, drafter and window, from the
+options and the install. The CLI, the API, sessions, the probe and the server all ask it; nobody
+else turns one policy into another.
+
+The rules are the Rust module's (docs/DESIGN.md 3, 6, 10), with one for a drafter that is not
+there (`plan`): policy `auto` with drafter `auto` decodes plainly and says why and what would
+speculate; a named drafter the install lacks, or `fixed` / `adaptive` with none, refuses in one
+line naming what is missing and what works on this install. A block asked for under `auto` is
+that block where the install speculates, and a plain decode (saying why) where it cannot."""
 
 from __future__ import annotations
 
@@ -9,6 +15,7 @@ from dataclasses import dataclass
 
 from . import options
 from .drafters import Drafter, mtp
+from .drafters.dflash_config import DflashConfig
 from .errors import TurboError
 from .install import CODE_NAMES, Install
 from .options import OWN_DRAFTERS
@@ -31,6 +38,12 @@ VISION_SPECULATION_BLOCKER_MARKER = "speculation blocked [vision]"
 MOE_SPECULATION_BLOCKER_MARKER = "speculation blocked [moe]"
 POLICIES = ("auto", "off", "fixed", "adaptive")
 DRAFTERS = OWN_DRAFTERS + ("ngram",)  # ngram: prompt lookup (no weights); auto never picks it
+
+
+# The drafters that keep no DFlash context window, and what to say to window= with them
+NO_WINDOW = {"object": "a drafter object keeps its own (drop window=)",
+             "mtp": "the MTP head drafting here keeps none (drop window= or use drafter=dflash)",
+             "ngram": "the n-gram drafter looks through the whole history (drop window= or use drafter=dflash)"}
 
 
 @dataclass(frozen=True)
@@ -117,7 +130,7 @@ def missing_drafter(install: Install, kind: str | None) -> bool:
 
 def choose_drafter(install: Install, drafter: str) -> str:
     if drafter not in DRAFTERS:
-        raise TurboError(f"drafter {drafter!r} is not one of {', '.join(DRAFTERS)}")
+        raise TurboError(f"drafter {drafter!r} is not one of {', '.join(DRAFTERS)}", field="drafter")
     if drafter != "auto":
         return drafter
     # the install's DFlash drafter (it files at most one, of either architecture, under dflash/),
@@ -129,20 +142,53 @@ def check_block(block: int, trained: int) -> None:
     widest = min(trained, WIDEST_BLOCK)
     if not 1 <= block <= widest:
         raise TurboError(f"block {block} is outside 1..{widest}: the drafter's trained block is {trained} "
-                         f"and this port builds at most {WIDEST_BLOCK}")
+                         f"and this port builds at most {WIDEST_BLOCK}", field="block")
+
+
+def check_policy(policy: object, block: int | None) -> None:
+    """What a policy name and a block say on their own (the install is `plan`'s to judge)."""
+    if policy not in POLICIES:
+        raise TurboError(f"policy {policy!r} is not one of {', '.join(POLICIES)}", field="policy")
+    if policy == "fixed" and block is None:
+        raise TurboError("policy fixed needs a block: +policy=fixed block=N", field="policy")
+
+
+def check_window(window: int, trained: int) -> None:
+    """A DFlash drafter's context window against its trained sliding_window."""
+    if not 1 <= window <= trained:
+        raise TurboError(f"window {window} is outside 1..{trained} (the drafter's trained sliding_window)",
+                         field="window")
+
+
+def decide(install: Install, policy: str | None, block: int | None, drafter: str | Drafter, window: int | None,
+           defaults: dict[str, DraftPolicy], covered_dtypes: tuple[int, ...], dflash: DflashConfig | None) -> Plan:
+    """A generation's plan from its options and the install: `policy` None takes `defaults`
+    (the environment's, read when the runtime opened: options.OpenOptions.draft_defaults) for
+    the drafter it would use; `dflash` the install's DFlash drafter's parsed config (its trained
+    block and window), None without one."""
+    if policy is None:
+        kind = choose_drafter(install, drafter) if isinstance(drafter, str) else "dflash"
+        default = defaults.get(kind, DraftPolicy("auto"))
+        policy, block = default.name, block if block is not None else default.block
+    p = plan(install, policy, block, drafter, covered_dtypes, dflash.block_size if dflash is not None else None)
+    if window is not None:
+        no_window = p.drafter if isinstance(drafter, str) else "object"
+        if no_window in NO_WINDOW:
+            raise TurboError(f"window {window}: the window is the DFlash drafter's context, and "
+                             f"{NO_WINDOW[no_window]}", field="window")
+        if p.drafter == "dflash" and dflash is not None:
+            check_window(window, dflash.window)
+    return p
 
 
 def plan(install: Install, policy: str, block: int | None, drafter: str | Drafter, covered_dtypes: tuple[int, ...],
          trained_block: int | None = None) -> Plan:
     """drafter: auto | dflash | mtp | ngram, or a caller's Drafter object (its kind names it in the plan)."""
-    if policy not in POLICIES:
-        raise TurboError(f"policy {policy!r} is not one of {', '.join(POLICIES)}")
+    check_policy(policy, block)
     if policy == "off":
         return Plan("off", None, 0, "policy is off")
     kind = choose_drafter(install, drafter) if isinstance(drafter, str) else None
     reason = speculation_blocker(install, kind, covered_dtypes)
-    if policy == "fixed" and block is None:
-        raise TurboError("policy fixed needs a block: +policy=fixed block=N")
     if reason is not None:
         # a verify blocker: `fixed` refuses, the others decode plainly; a drafter that is not
         # there: only `auto` with the drafter `auto` picks decodes plainly

@@ -23,7 +23,7 @@ from .config import RunConfig
 from .engine import Runtime
 from .engine import open as open_runtime
 from .errors import TurboError
-from .policy import POLICIES
+from .policy import check_policy
 from .sampling import sampling_label
 from .stats import COUNT_FIELDS, Counts
 
@@ -180,16 +180,14 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
     pc = cfg.get("probe") or OmegaConf.create({})
     blocks = _list(pc.get("blocks", list(DEFAULT_BLOCKS)), "probe.blocks") or []
     with_adaptive = bool(pc.get("adaptive", True))
+    if g.policy is not None:
+        check_policy(g.policy, g.block)  # (the probe's own configurations are decided below, by the same room)
     if g.policy == "fixed":
-        if g.block is None:
-            raise TurboError("policy fixed needs a block: +policy=fixed block=N")
         blocks, with_adaptive = [g.block], False
     elif g.policy == "adaptive":
         blocks, with_adaptive = [], True
     elif g.policy == "off":
         blocks, with_adaptive = [], False
-    elif g.policy not in POLICIES:
-        raise TurboError(f"policy {g.policy!r} is not one of {', '.join(POLICIES)}")
     for b in blocks:
         if isinstance(b, bool) or not isinstance(b, int):
             raise TurboError(f"probe.blocks: {b!r} is not an integer")
@@ -208,8 +206,8 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
     sampling = None if g.temperature == 0 else sampling_label(g)
     rt = runtime if runtime is not None else open_runtime(rc.install, rc.opening)
     # validate every configuration before decoding anything (a bad block fails in seconds)
-    plans = {b: rt.plan("fixed", b, g.drafter) for b in blocks}
-    adaptive_plan = rt.plan("adaptive", None, g.drafter) if with_adaptive else None
+    plans = {b: rt.plan("fixed", b, g.drafter, g.window) for b in blocks}
+    adaptive_plan = rt.plan("adaptive", None, g.drafter, g.window) if with_adaptive else None
     if adaptive_plan is not None and adaptive_plan.drafter is None:
         raise TurboError(f"adaptive cannot speculate: {adaptive_plan.off_reason}")
     if rt.backend.note and rt.options.verbose and not quiet:  # after the checks: a refusal stays one line

@@ -33,12 +33,12 @@ FORMATS = {
 }
 GROUP = 64  # the group of the formats the native CPU step reads packed (int4, int8)
 # Affine int4 with fp32 scales and biases in a source's own group: what AWQ / GPTQ / compressed-tensors
-# int4 convert into exactly (turbo/repack_int4.py, docs/formats.md); repack writes them, --quant does not.
+# int4 convert into exactly (turbo/repack/int4.py, docs/formats.md); repack writes them, --quant does not.
 EXACT_INT4 = {g: QFormat(f"int4g{g}", code, 4, g, torch.float32, "F32") for g, code in ((32, 17), (64, 18), (128, 19))}
-# GGUF's Q8_0, Q4_0, Q4_1 and Q4_K blocks held exactly (turbo/repack_gguf.py, docs/formats.md): group 32,
+# GGUF's Q8_0, Q4_0, Q4_1 and Q4_K blocks held exactly (turbo/repack/gguf.py, docs/formats.md): group 32,
 # fp32 scales and biases (the int4 one is EXACT_INT4's). Not --quant choices.
 GGUF_FORMATS = {"int4g32": EXACT_INT4[32], "int8g32": QFormat("int8g32", 25, 8, 32, torch.float32, "F32")}
-# FP8 block-wise sources (turbo/repack_fp8.py): the e4m3 codes as 8-bit levels, each row's fp32 block scale
+# FP8 block-wise sources (turbo/repack/fp8.py): the e4m3 codes as 8-bit levels, each row's fp32 block scale
 # per group of 128 columns (its 128x128 block's), biases 0; w = bf16(e4m3(q) * scale) (transformers').
 FP8 = QFormat("fp8", 26, 8, 128, torch.float32, "F32")
 FLOAT8_CODES = (FP8.code,)
@@ -48,6 +48,10 @@ QUANT_CODES = tuple(sorted(BY_CODE))
 # The formats (bits, group) alone may name, without a code: an MLX-layout source's. int8 is
 # named by its code only (repack --quant int8 writes it); an 8-bit MLX source is not carried.
 BITS_NAMED = (4, 2, 1)
+# Weights quantized or packed per slice of rows (each row's groups are its own, so the bytes are those
+# of the whole matrix): quantizing holds ~40 bytes a weight, several GB for a vocab-sized head at once.
+# A repack (turbo/repack/tensors.py) and an open layout's writer (turbo/open_layout.py) both slice by it.
+QUANT_SLICE = 1 << 20
 METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
 
 # The CPU representation of a quantized matrix in the trunk (docs/DESIGN.md 7): auto,

@@ -139,7 +139,7 @@ def markdown(rows: list[dict], files: list[Path]) -> str:
 
 def plot(rows: list[dict], path: Path) -> None:
     require("matplotlib", "sweeps").use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # the sweeps extra, named by require() above when missing
 
     strategies = sorted({r["rollback"] for r in rows if r["policy"] != "off"}) or ["-"]
     workloads = sorted({r["workload"] for r in rows})

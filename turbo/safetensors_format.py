@@ -1,7 +1,8 @@
-"""Safetensors headers, read exactly as strictly as the safetensors library reads them
-(`read_header` -> `Header` of `TensorInfo`s), only headers, never tensor data. The format, what
-the library accepts, and the one deliberate difference (a name given twice is refused):
-docs/hardening.md, "Safetensors headers".
+"""Safetensors files: headers read exactly as strictly as the safetensors library reads them
+(`read_header` -> `Header` of `TensorInfo`s; only headers, never tensor data), and files written
+(`write_tensors` from tensors at hand; `write_safetensors` streamed from `Planned` parts: a
+repack's, an open layout's). The format, what the library accepts, and the one deliberate
+difference (a name given twice is refused): docs/hardening.md, "Safetensors headers".
 """
 
 from __future__ import annotations
@@ -10,10 +11,13 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
+from tqdm import tqdm
 
 from .errors import TurboError
+from .quant import METADATA_KEY
 
 MAX_HEADER_BYTES = 100_000_000  # the library's limit
 # serde_json's recursion limit: the library refuses JSON nested 128 containers deep.
@@ -220,3 +224,40 @@ def write_tensors(path: Path, tensors: dict, metadata: dict[str, str] | None = N
         out.write(struct.pack("<Q", len(raw)) + raw)
         for blob in blobs:
             out.write(blob)
+
+
+@dataclass
+class Planned:
+    """One output tensor: where it goes and how its bytes are produced."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    size: int
+    write: Callable[[object], None]  # writes exactly `size` bytes to the open output file
+
+
+def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None = None,
+                      quantized: dict[str, dict] | None = None, metadata: dict[str, str] | None = None,
+                      align: int = 8) -> None:
+    """`planned` written in order into one safetensors file, the data section `align`-aligned
+    in the file (8, as the safetensors library writes; the open layout's 64: mapped as is)."""
+    header: dict = {"__metadata__": {"format": "pt", "writer": "turbo.repack", **(metadata or {})}}
+    if quantized:
+        header["__metadata__"][METADATA_KEY] = json.dumps(quantized, separators=(",", ":"))
+    offset = 0
+    for p in planned:
+        header[p.name] = {"dtype": p.dtype, "shape": p.shape, "data_offsets": [offset, offset + p.size]}
+        offset += p.size
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % align)  # the data section aligned (8 + len(raw): where it starts)
+    with path.open("wb") as out:
+        out.write(struct.pack("<Q", len(raw)))
+        out.write(raw)
+        for p in planned:
+            start = out.tell()
+            p.write(out)
+            if out.tell() - start != p.size:
+                raise TurboError(f"{p.name}: wrote {out.tell() - start} bytes, expected {p.size}")
+            if progress is not None:
+                progress.update(p.size)

@@ -12,42 +12,28 @@ length cut back; the GDN and conv states and the drafter's context come from the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Protocol
+from typing import TYPE_CHECKING, Any, Iterator
 
-import torch
-
-from .chat import assistant_message, turn_options, turn_stop_ids
+from .chat import answer_opens_think, assistant_message, turn_options, turn_stop_ids
 from .chat_template import ChatTemplate, encode
-from .drafters import Drafter, DrafterBase
+from .drafters import Drafter, keeps_context
 from .drafters.seam import call
 from .errors import TurboError
 from .options import GenerationOptions
+from .state_cache import StateCache, tensor_bytes
 from .stats import Stats
-from .trunk import RecurrentSnapshot, Trunk, TrunkState
+from .trunk import Trunk, TrunkState
 
 if TYPE_CHECKING:
-    from .engine import RoundEvent, Runtime
+    from .driver import Driver, RoundEvent, Start
+    from .engine import Runtime
 
 # Snapshots a session keeps: one per assistant turn (the newest). At the 0.8B shape one is the
 # 18 GDN layers' state and conv window, 18 x (16*128*128 + 3*6144) x 4 bytes = 19.3 MiB,
 # plus the drafter's context (turbo.drafters: snapshot).
 DEFAULT_SNAPSHOTS = 4
-
-
-class Start(Protocol):
-    """How a stream's state comes to hold its prompt (Runtime.stream's `start`)."""
-
-    # the state goes on after the generation (a session's): a stop inside a round then cuts the
-    # state back to it; otherwise the state is dropped and the round is played whole
-    keeps_state: bool
-
-    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
-        """A state holding ids[:-1] (ids[-1] is the first anchor), the drafter begun on it."""
-
-    def finish(self, draft: Any) -> None:
-        """The generation is done: `draft` (the drafter, or the adaptive loop's wrapper of it)
-        as the last round left it."""
 
 
 class FreshStart:
@@ -61,27 +47,11 @@ class FreshStart:
             call(draft, "begin", draft.begin, prompt_out, ids)  # its exception: a TurboError naming it
         return st
 
-    def finish(self, draft: Any) -> None:
+    def finish(self, driver: Driver) -> None:
         pass
 
 
 FRESH = FreshStart()
-
-
-def tensor_bytes(obj: Any) -> int:
-    if isinstance(obj, torch.Tensor):
-        return obj.nbytes
-    if isinstance(obj, (tuple, list)):
-        return sum(tensor_bytes(x) for x in obj)
-    if isinstance(obj, dict):
-        return sum(tensor_bytes(x) for x in obj.values())
-    return 0
-
-
-def keeps_snapshots(draft: Drafter) -> bool:
-    """The drafter can snapshot, restore and resume its context (turbo.drafters)."""
-    snapshot = getattr(type(draft), "snapshot", DrafterBase.snapshot)
-    return snapshot is not DrafterBase.snapshot and callable(getattr(draft, "resume", None))
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -89,26 +59,20 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i in range(n) if a[i] != b[i]), n)
 
 
-@dataclass
-class Held:
-    """A state to go on from: tokens[:-1] through the trunk, tokens[-1] the anchor after them."""
+class ByIdentity:
+    """A drafter as the cache's key for its context: the object itself (kept alive), compared by
+    identity (a caller's drafter need not be hashable, nor equal only to itself)."""
 
-    tokens: list[int]
-    trunk: RecurrentSnapshot | None  # None: the session's state as the last turn left it
-    draft: Any  # the drafter's snapshot (None: none, or no drafter)
-    drafter: Drafter | None  # whose context `draft` is
+    __slots__ = ("obj",)
 
-    @property
-    def pos(self) -> int:
-        return len(self.tokens) - 1
+    def __init__(self, obj: Drafter):
+        self.obj = obj
 
-    @property
-    def nbytes(self) -> int:
-        return (self.trunk.nbytes if self.trunk is not None else 0) + tensor_bytes(self.draft)
+    def __hash__(self) -> int:
+        return id(self.obj)
 
-    def serves(self, ids: list[int], draft: Drafter | None) -> bool:
-        fits = len(self.tokens) <= len(ids) and ids[:len(self.tokens)] == self.tokens
-        return fits and (draft is None or (self.drafter is draft and self.draft is not None))
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ByIdentity) and other.obj is self.obj
 
 
 @dataclass
@@ -124,7 +88,9 @@ class TurnReport:
 
 
 class Keeper:
-    """A session's trunk state, its snapshots and the state the last turn left (a `Start`)."""
+    """A session's trunk state and the states kept in it (a `Start`): the live one, as the last
+    complete turn left it, and a snapshot at the start of each of the last `limit` assistant
+    turns' generation prompts (turbo/state_cache.py; their K/V rows are the state's own)."""
 
     keeps_state = True
 
@@ -133,8 +99,7 @@ class Keeper:
             raise TurboError(f"snapshots {limit!r}: expected a non-negative integer")
         self.limit = limit
         self.st: TrunkState | None = None
-        self.snaps: list[Held] = []  # oldest first; each one's tokens begin the state's
-        self.live: Held | None = None  # the state as the last complete turn left it
+        self.kept = StateCache(math.inf, max_entries=limit)  # each entry's tokens begin the state's
         self.mark = 0  # where this turn's snapshot goes: the start of its generation prompt
         self.fresh: Start = FRESH  # how a turn that cannot go on from a kept state prefills
         self.report = TurnReport(0, 0, 0, "fresh", 0, 0)
@@ -144,39 +109,38 @@ class Keeper:
     def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
         # every turn afresh where a state prefilled in pieces would not be the one prefill gives (the
         # torch step), or where the drafter cannot snapshot its context (a caller's object)
-        if not trunk.stepper.prefill_rows_are_steps or (draft is not None and not keeps_snapshots(draft)):
-            self.snaps, self.live, self._draft = [], None, None
+        if not trunk.stepper.prefill_rows_are_steps or (draft is not None and not keeps_context(draft)):
+            self.kept, self._draft = StateCache(math.inf, max_entries=self.limit), None
             self.st = self.fresh.prime(trunk, draft, ids, capacity)
             self.report = TurnReport(len(ids), 0, len(ids) - 1, "fresh", 0, 0)
             return self.st
-        key = self.keyed(ids)
-        held = [h for h in ([self.live] if self.live is not None else []) + self.snaps if h.serves(key, draft)]
-        base = max(held, key=lambda h: h.pos, default=None)  # the live state first among equals
-        self._draft, self._end_draft, self.live = draft, None, None
+        key, dkey = self.keyed(ids), ByIdentity(draft) if draft is not None else None
+        base = self.kept.lookup(key, dkey)
+        self._draft, self._end_draft = draft, None
         if base is None:
             st = self.st = trunk.new_state(capacity)
-            self.snaps, p, how = [], 0, "fresh"
+            self.kept, p, how = StateCache(math.inf, max_entries=self.limit), 0, "fresh"
             if draft is not None:
                 call(draft, "begin", draft.begin, None, ids[:1])
         else:
             st, p, how = self.st, base.pos, "last turn" if base.trunk is None else "snapshot"
             if base.trunk is not None:
                 trunk.restore(st, base.trunk)
-                self.snaps = [h for h in self.snaps if h.pos <= p]  # later ones hold K/V this turn overwrites
+                self.kept.drop_past(p)  # later ones hold K/V this turn overwrites
             if draft is not None:
-                draft.restore(base.draft)
+                draft.restore(base.drafts[dkey])
+        self.kept.drop_live()  # the state moves on from here
         trunk.reserve(st, capacity)
         mark = min(self.mark, len(ids) - 1)
-        if p <= mark and not any(h.pos == mark and h.tokens == key[:mark + 1] for h in self.snaps):
+        if p <= mark and tuple(key[:mark + 1]) not in self.kept.entries:
             self._run(trunk, st, draft, ids, p, mark)
             p = mark
-            self.snaps = (self.snaps + [Held(key[:mark + 1], trunk.snapshot(st),
-                                             draft.snapshot() if draft is not None else None, draft)])
-            self.snaps = self.snaps[-self.limit:] if self.limit else []
+            if self.limit:
+                self.kept.keep(key[:mark + 1], trunk.snapshot(st), None, dkey,
+                               draft.snapshot() if draft is not None else None)
         self._run(trunk, st, draft, ids, p, len(ids) - 1)
-        self.report = TurnReport(len(ids), base.pos if base is not None else 0,
-                                 len(ids) - 1 - (base.pos if base is not None else 0), how, len(self.snaps),
-                                 sum(h.nbytes for h in self.snaps))
+        held = base.pos if base is not None else 0
+        self.report = TurnReport(len(ids), held, len(ids) - 1 - held, how, len(self.kept), self.kept.nbytes)
         return st
 
     def keyed(self, ids: list[int]) -> list:
@@ -197,18 +161,17 @@ class Keeper:
         if draft is not None:
             call(draft, "resume", draft.resume, out, ids[:end + 1], p)
 
-    def finish(self, draft: Any) -> None:
-        flush = getattr(draft, "flush", None)  # the adaptive loop's wrapper keeps commits pending
-        if flush is not None:
-            flush()
-        self._end_draft = self._draft.snapshot() if self._draft is not None else None
+    def finish(self, driver: Driver) -> None:
+        draft = driver.context()
+        self._end_draft = draft.snapshot() if draft is not None else None
 
     def settle(self, ids: list[int], generated: list[int]) -> None:
         """The turn ended: the state goes on from here if it holds exactly ids + generated (a
         last round cut short by max_new_tokens or a stop ran the trunk past the answer)."""
         st = self.st
         if st is not None and st.pos == len(ids) - 1 + len(generated):
-            self.live = Held(self.keyed(ids) + list(generated), None, self._end_draft, self._draft)
+            dkey = ByIdentity(self._draft) if self._draft is not None else None
+            self.kept.keep(self.keyed(ids) + list(generated), None, None, dkey, self._end_draft)
         self.report.snapshot_bytes += tensor_bytes(self._end_draft)
 
 
@@ -274,17 +237,17 @@ class Session:
         prompt = self.render()
         ids = encode(self.rt.tokenizer, prompt)
         self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
-        # refuses here, before a turn starts
-        events = self.rt.stream(ids, turn_options(opts, fields, self.stop_ids), start=self.keeper)
-        return self._follow(ids, prompt, events)
+        options = turn_options(opts, fields, self.stop_ids)
+        events = self.rt.stream(ids, options, start=self.keeper)  # refuses here, before a turn starts
+        return self._follow(ids, answer_opens_think(prompt, options), events)
 
-    def _follow(self, ids: list[int], prompt: str, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
+    def _follow(self, ids: list[int], opened: bool, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
         generated: list[int] = []
         for event in events:
             generated += event.tokens
             if event.done:
                 self.keeper.settle(ids, generated)
-                self.history.append(assistant_message(self.rt.tokenizer, generated, self.stop_ids, prompt))
+                self.history.append(assistant_message(self.rt.tokenizer, generated, self.stop_ids, opened))
                 self.last_turn = self.keeper.report
                 self.last_turn.tokens, self.last_turn.stats = generated, event.stats
             yield event

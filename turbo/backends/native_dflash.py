@@ -11,7 +11,7 @@ import torch
 from .. import quant
 from ..drafters.dflash_math import select_candidates
 from .native_lib import WTYPES, DfLayer, Dflash, threaded
-from .native_pack import PackedRows, ptr, table_of
+from .packed import PackedRows, ptr, table_of
 
 # native_dflash.c's dflash_select keeps at most this many candidates per row.
 SELECT_MAX_K = 64
@@ -25,7 +25,7 @@ def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | Non
     if dtype != torch.float32:
         return f"activations are {str(dtype).removeprefix('torch.')}"
     plain_table = isinstance(embed, torch.Tensor) and embed.is_contiguous()
-    # (a quantized table: dequantized whole for it, native_pack.table_of)
+    # (a quantized table: dequantized whole for it, packed.table_of)
     if not (plain_table or isinstance(embed, (PackedRows, quant.QuantizedRows))) or embed.dtype not in WTYPES:
         return "the embedding table is not a plain fp32 or bf16 one"
     return None

@@ -3,7 +3,8 @@ int8 with fp32 scales and biases in any group ("exact": quant.EXACT_INT4, quant.
 e4m3 codes with a scale per 128 x 128 block ("fp8": quant.FP8), and "segments", a matrix whose row
 segments keep layouts of their own (a layer mixing those with bf16 matrices, as Qwen's FP8
 checkpoints do). Their products are float products of exactly the torch step's dequantized weights
-(FP8: bit for bit the bf16 panels' products). The other layouts: native_pack.py.
+(FP8: bit for bit the bf16 panels' products). Read back to dense: packed.py (`exact_dense`); the
+other layouts: native_pack.py.
 """
 
 from __future__ import annotations
@@ -12,12 +13,9 @@ import torch
 
 from .. import quant
 from ..errors import TurboError
-from .native_lib import dot_layouts
+from .native_lib import WTYPES, dot_layouts
+from .packed import HEADER, LAYOUT_WTYPES, OCTET, PANEL, SUPER, Packed, superblocks
 
-HEADER = 64  # bytes before a matrix's panels (int32 fields) or a segment table
-PANEL = 16
-OCTET = 8  # int4: outputs a block (two a panel)
-SUPER = 128  # int4: inputs a superblock (native_products.c)
 E4M3 = torch.arange(128, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # the codes >= 0, as transformers reads them
 
 
@@ -85,18 +83,13 @@ def _affine_bytes(w: quant.QuantizedWeight, centre: bool = False) -> torch.Tenso
     return torch.cat([*sb[:1 if centre else 2], q.reshape(*q.shape[:2], -1)], dim=2)
 
 
-def _superblocks(k: int, group: int) -> list[tuple[int, int, int]]:
-    """(first input, slices of 16, groups) of each superblock of 128 inputs (the last maybe shorter)."""
-    return [(i0, min(SUPER, k - i0) // 16, min(SUPER, k - i0) // group) for i0 in range(0, k, SUPER)]
-
-
 def _int4_bytes(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int) -> torch.Tensor:
     """[blocks of 8 outputs, bytes]: per superblock its groups' scales [ng, 8] and biases [ng, 8]
     (fp32), then per output 64 bytes, dword l nibble j = the level of input 16j + l
     (native_products.c, int4_lanes)."""
     rows, k = q.shape
     parts = []
-    for i0, m, ng in _superblocks(k, group):
+    for i0, m, ng in superblocks(k, group):
         g0 = i0 // group
         sb = [t[:, g0:g0 + ng].reshape(-1, OCTET, ng).transpose(1, 2).contiguous().view(torch.uint8).reshape(rows // OCTET, -1)
               for t in (scales, biases)]
@@ -104,21 +97,6 @@ def _int4_bytes(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, gro
         words = (lv << (4 * torch.arange(8, dtype=torch.int32))[:, None]).sum(1, dtype=torch.int32)  # [rows, 16]
         parts += [*sb, words.contiguous().view(torch.uint8).reshape(rows // OCTET, -1)]
     return torch.cat(parts, dim=1)
-
-
-def _int4_dense(body: torch.Tensor, rows: int, k: int, group: int) -> torch.Tensor:
-    """The inverse of _int4_bytes, dequantized as the torch step does: q * scale + bias in fp32."""
-    body, out, at = body.reshape(rows // OCTET, -1), [], 0
-    for _, m, ng in _superblocks(k, group):
-        sb = [body[:, at + 32 * ng * i:at + 32 * ng * (i + 1)].contiguous().view(torch.float32)
-              .reshape(-1, ng, OCTET).transpose(1, 2).reshape(rows, ng) for i in (0, 1)]
-        at += 64 * ng
-        words = body[:, at:at + 512].contiguous().view(torch.int32).reshape(rows, 1, 16)
-        at += 512
-        lv = (words >> (4 * torch.arange(m, dtype=torch.int32))[:, None]) & 15  # [rows, m, 16]
-        q = lv.reshape(rows, ng, -1).float()
-        out.append((q * sb[0][:, :, None] + sb[1][:, :, None]).reshape(rows, -1))
-    return torch.cat(out, dim=1)
 
 
 def _fp8_block(w: quant.QuantizedWeight, name: str) -> int:
@@ -155,7 +133,6 @@ def exact_panels(w: quant.QuantizedWeight, name: str = "matrix", rows: int = 163
     """`w` as wtype 8 (affine, fp32 scales) or 9 (FP8) reads it, `rows` (a multiple of 128)
     outputs at a time (the unpacking holds several bytes a weight), each slice's bytes written
     into the one buffer as it is made (never a second copy of the whole)."""
-    from .native_pack import Packed
     n, k = w.shape
     starts, padded = range(0, n, rows), -(-n // PANEL) * PANEL
 
@@ -205,11 +182,10 @@ def segments_table(parts: list[tuple[int, int, int]]) -> tuple[torch.Tensor, lis
     return head, offsets + [at]
 
 
-def segments(parts: list) -> object:
+def segments(parts: list) -> Packed:
     """Packed matrices of one input width stacked by rows into one wtype 7 matrix: a table of
     (rows, wtype, byte offset), then each part's bytes (64-byte aligned). The parts keep views of
     the one buffer (dense() reads them)."""
-    from .native_pack import Packed
     k = parts[0].k
     assert all(p.k == k for p in parts) and all(p.layout != "segments" for p in parts)
     sizes = [p.data.numel() * p.data.element_size() for p in parts]
@@ -224,12 +200,10 @@ def segments(parts: list) -> object:
 
 
 def read_segments(buf: torch.Tensor, k: int, parts: list[tuple[int, str, torch.dtype, tuple[int, ...] | None]],
-                  name: str) -> object:
+                  name: str) -> Packed:
     """A segments matrix read in place out of `buf` (bytes laid out by segments(), e.g. mapped:
     nothing copied), its parts of (rows, layout, dtype, shape; None: an exact one, its bytes up to
     the next part's) views of it; a table other than those parts' is refused."""
-    from .native_pack import LAYOUT_WTYPES, Packed
-    from .native_lib import WTYPES
     count = len(parts)
     damaged = buf.numel() < HEADER + 16 * count or int(buf[:4].view(torch.int32)) != count
     table = [] if damaged else buf[HEADER:HEADER + 16 * count].view(torch.int64).reshape(count, 2).tolist()
@@ -245,33 +219,3 @@ def read_segments(buf: torch.Tensor, k: int, parts: list[tuple[int, str, torch.d
         data = buf[off:off + size].view(dtype)
         views.append(Packed(data if shape is None else data.reshape(shape), n, k, layout))
     return Packed(buf, sum(p[0] for p in parts), k, "segments", views)
-
-
-def exact_dense(p) -> torch.Tensor:
-    """The [n, k] fp32 matrix a wtype 7-9 matrix multiplies by (what its products compute with)."""
-    if p.layout == "segments":
-        return torch.cat([part.dense().float() for part in p.parts])
-    h = p.data[:HEADER].view(torch.int32)
-    fp8 = p.layout == "fp8"
-    bits, group = (8, int(h[0])) if fp8 else (int(h[0]), int(h[1]))
-    panels, groups = -(-p.n // PANEL), p.k // group
-    if bits == 4:
-        return _int4_dense(p.data[HEADER:], panels * PANEL, p.k, group)[:p.n].contiguous()
-    body = p.data[HEADER + (int(h[2]) if fp8 else 0):].reshape(panels, groups, -1)
-    if fp8:
-        tb = p.data[HEADER:HEADER + int(h[2])].reshape(-1, groups, 256).to(torch.int32)
-        t = (tb[:, :, :128] << 8 | tb[:, :, 128:]).repeat_interleave(int(h[1]), 0)[:panels]  # [panel, g, 128]
-        c = body.reshape(panels, groups, group // 4, 4, 2, 4, 2).permute(0, 3, 5, 1, 2, 4, 6)
-        c = c.reshape(panels, PANEL, groups, group).to(torch.int64)  # [panel, output, g, input]
-        bits16 = torch.gather(t[:, None].expand(-1, PANEL, -1, -1), 3, c & 0x7F) | (c & 0x80) << 8
-        w = (bits16.to(torch.int32) << 16).view(torch.float32)
-    else:
-        s = body[:, :, :64].contiguous().view(torch.float32)  # [panel, g, out]
-        if int(h[2]) == 1:  # centered: c * scale (+ 0.0: a zero scale's -0.0 reads +0.0, as q * 0 + -0.0)
-            q = body[:, :, 64:].reshape(panels, groups, group, PANEL)
-            w = (q.view(torch.int8).float() * s[:, :, None] + 0.0).permute(0, 3, 1, 2)
-        else:
-            b = body[:, :, 64:128].contiguous().view(torch.float32)
-            q = body[:, :, 128:].reshape(panels, groups, group, PANEL).float()
-            w = (q * s[:, :, None] + b[:, :, None]).permute(0, 3, 1, 2)
-    return w.reshape(panels * PANEL, -1)[:p.n].contiguous()

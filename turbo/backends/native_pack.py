@@ -1,124 +1,19 @@
-"""Weights as the native products (native_products.c, native_qproducts.c) read them: `Packed` (a
-matrix in one of its layouts), `PackedRows` (an embedding table read out of a packed lm_head),
-packing from dense, quantized or streamed rows, and `linear_packed`, the product itself. The
+"""Packing weights as the native products (native_products.c, native_qproducts.c) read them, into
+a `Packed` matrix (turbo/backends/packed.py: the layouts): from dense, quantized or streamed rows
+(an exact format's through native_exact.py), and `linear_packed`, the product itself. The
 library: native_lib.py.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import torch
 
 from .. import quant
-from .native_lib import WTYPES, dot_layouts, threaded
-
-def ptr(t: torch.Tensor | Packed | None) -> int | None:
-    """A contiguous tensor's (or packed matrix's) data pointer for a ctypes call (None for NULL)."""
-    if t is None:
-        return None
-    if isinstance(t, Packed):
-        t = t.data
-    assert t.is_contiguous() and t.device.type == "cpu"
-    return t.data_ptr()
-
-
-PANEL = 16  # outputs per panel of a packed matrix (native_products.c: one vector register)
-
-
-@dataclasses.dataclass
-class Packed:
-    """A matrix w [n, k] laid out as native_products.c reads it (`layout`):
-    - "panels": panels of 16 outputs, data[p, i, l] = w[16p + l, i] ([ceil(n/16), k, 16],
-      the last panel zero-padded); fp32 or bf16 (widened exactly: the fp32 products);
-    - "panel_pairs" (bf16, wtype 6): the panels two inputs at a time, data[p, j, l, t] =
-      w[16p + l, 2j + t] ([ceil(n/16), ceil(k/2), 16, 2]): the same products bit for bit,
-      each load widening two inputs' weights (a verify's many rows are arithmetic-bound);
-    - "pairs" (bf16): data[p, j, l, t] = w[16p + l, 2j + t], for bf16 dot products (wtype 2,
-      inputs rounded to bf16);
-    - "int8": per output a scale max|w| / 127 (fp32), 128 x the sum of its int8 values
-      (int32), then data[p, j, l, t] = round(w[16p + l, 4j + t] / scale) as int8, all in one
-      byte buffer, for int8 dot products (wtype 3, inputs quantised per row).
-    - "q4", "q8" (wtype 4, 5): an affine int4 / int8 matrix (turbo.quant, groups of 64) read
-      packed, `quantized_panels`;
-    - "exact" (wtype 8): affine int4 / int8 with fp32 scales in any group, "fp8" (wtype 9): e4m3
-      codes and block scales, both read as stored in float products (`exact_panels`: the torch
-      step's dequantized weights exactly); "segments" (wtype 7): row segments of their own layouts.
-    "pairs", "int8", "q4" and "q8" are not the fp32 function: "pairs" and "int8" are for drafters, "q4" and "q8"
-    (the trunk's quantized installs) round the inputs to 8 bits per group of 64."""
-
-    data: torch.Tensor
-    n: int
-    k: int
-    layout: str = "panels"
-    parts: list | None = None  # "segments": the segments (views of `data`)
-
-    @property
-    def wtype(self) -> int:
-        return LAYOUT_WTYPES.get(self.layout) or WTYPES[self.data.dtype]
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.n, self.k)
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.data.dtype
-
-    def dense(self) -> torch.Tensor:
-        """The [n, k] matrix back (a copy; int8: the dequantised values)."""
-        n_pad = -(-self.n // PANEL) * PANEL
-        if self.layout in EXACT_LAYOUTS:
-            return exact_dense(self)
-        if self.layout in QUANTIZED:
-            return quant.dequantize(*quantized_unpanel(self), QUANTIZED[self.layout], quant.GROUP)[:self.n]
-        if self.layout == "int8":
-            scale = self.data[:4 * n_pad].view(torch.float32)
-            q = self.data[8 * n_pad:].view(torch.int8).reshape(n_pad // PANEL, -1, PANEL, 4)
-            w = q.permute(0, 2, 1, 3).reshape(n_pad, -1).float() * scale[:, None]
-            return w[:self.n, :self.k].contiguous()
-        if self.layout in ("pairs", "panel_pairs"):
-            return self.data.permute(0, 2, 1, 3).reshape(n_pad, -1)[:self.n, :self.k].contiguous()
-        return self.data.transpose(1, 2).reshape(-1, self.k)[:self.n].contiguous()
-
-
-LAYOUT_WTYPES = {"pairs": 2, "int8": 3, "q4": 4, "q8": 5, "panel_pairs": 6, "segments": 7, "exact": 8, "fp8": 9}
-EXACT_LAYOUTS = ("segments", "exact", "fp8")  # native_exact.py
-
-
-@dataclasses.dataclass
-class PackedRows:
-    """An embedding table read out of a packed matrix's panels: with tied embeddings the
-    table and the lm_head are one matrix, kept once. Row t is packed.data[t // 16, :, t % 16]."""
-
-    packed: Packed
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.packed.shape
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.packed.dtype
-
-    def __getitem__(self, ids) -> torch.Tensor:
-        ids = torch.as_tensor(ids)
-        if self.packed.layout == "panel_pairs":
-            rows = self.packed.data[ids // PANEL, :, ids % PANEL]  # [..., ceil(k/2), 2]
-            return rows.reshape(*rows.shape[:-2], -1)[..., :self.packed.k]
-        return self.packed.data[ids // PANEL, :, ids % PANEL]
-
-
-def table_of(embed: torch.Tensor | PackedRows) -> tuple[int, int, int]:
-    """An embedding table as native code reads it: (pointer, wtype, layout: 0 row-major, 1 panels,
-    2 panel pairs)."""
-    if isinstance(embed, PackedRows):
-        return embed.packed.data.data_ptr(), WTYPES[embed.dtype], 2 if embed.packed.layout == "panel_pairs" else 1
-    if isinstance(embed, quant.QuantizedRows):
-        embed = embed.dense()
-    assert embed.is_contiguous() and embed.device.type == "cpu"
-    return embed.data_ptr(), WTYPES[embed.dtype], 0
+from .native_exact import exact_panels, reads_exact
+from .native_lib import dot_layouts, threaded
+from .packed import LAYOUT_OF_BITS, PANEL, QUANTIZED, Packed
 
 
 def storage_dtype(dtype: torch.dtype, stored: set[str]) -> torch.dtype:
@@ -138,10 +33,6 @@ def panels_into(dst: torch.Tensor, w: torch.Tensor) -> None:
     if m % PANEL:
         dst[full].zero_()
         dst[full, :, :m % PANEL].copy_(w[full * PANEL:].T)
-
-
-QUANTIZED = {"q4": 4, "q8": 8}  # the affine layouts read packed, and their bits
-LAYOUT_OF_BITS = {bits: layout for layout, bits in QUANTIZED.items()}
 
 
 def quantized_panels(w: quant.QuantizedWeight, rows: int = 16384) -> Packed:
@@ -179,18 +70,6 @@ def _panels_of(packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
           for t in (scales, biases)]  # [panel, g, out]
     parts = [t.contiguous().view(torch.uint8) for t in sb] + [q.reshape(*q.shape[:2], -1)]
     return torch.cat(parts, dim=2)
-
-
-def quantized_unpanel(p: Packed) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """quantized_panels backwards: (packed levels, scales, biases) of the padded matrix."""
-    bits, panels, groups = QUANTIZED[p.layout], p.data.shape[0], p.data.shape[1]
-    scales, biases = (p.data[:, :, at:at + 2 * PANEL].contiguous().view(torch.bfloat16).transpose(1, 2)
-                      .reshape(-1, groups) for at in (0, 2 * PANEL))
-    q = p.data[:, :, 4 * PANEL:].reshape(panels, groups, -1, PANEL, 4)
-    if bits == 4:
-        q = torch.cat([q & 15, q >> 4], dim=2)
-    q = q.permute(0, 3, 1, 2, 4).reshape(panels * PANEL, -1)
-    return quant.pack(q, bits), scales, biases
 
 
 def pack(w: torch.Tensor, layout: str = "panels") -> Packed:
@@ -266,9 +145,6 @@ def linear_packed(x: torch.Tensor, w: Packed) -> torch.Tensor:
     y = torch.empty(x.shape[0], w.n)
     threaded().linear_packed(x.data_ptr(), x.shape[0], w.k, w.data.data_ptr(), w.wtype, w.n, y.data_ptr())
     return y
-
-
-from .native_exact import exact_dense, exact_panels, reads_exact  # noqa: E402  (they build Packed)
 
 
 def reads_packed(bits: int, group: int) -> bool:

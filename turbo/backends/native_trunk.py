@@ -10,7 +10,7 @@ import torch
 
 from .. import quant
 from .native_lib import WTYPES, Layer, Moe, library, threaded
-from .native_pack import ptr, table_of
+from .packed import ptr, table_of
 from .step import GdnTrace, StepOut, TrunkState
 
 # Rows per call of the native prefill: its working set (activations [chunk, ...], attention

@@ -1,11 +1,15 @@
-"""Drafters propose a block of tokens for the trunk to verify: the `Drafter` protocol (all the
-engine calls), `DrafterBase` (its defaults), and the shipped ones: `dflash` (DFlash2 or the
-published DFlash), `mtp` (the model's MTP head), `ngram` (no weights). A caller's own object works
-too: the trunk verifies every proposal. A generation calls begin, then per round propose
-(propose_sampled under sampling) and commit, or defer / commit_deferred through the adaptive
-policy's plain rounds (docs/DESIGN.md 5).
-A chat session (turbo/session.py) goes on from an earlier state through snapshot / restore / resume
-(snapshot() None: the session prefills every turn afresh).
+"""Drafters propose a block of tokens for the trunk to verify. The whole API is declared here:
+
+- `Drafter`: what every drafter has, a caller's own object too (the trunk verifies every
+  proposal). A generation calls begin, then per round propose (propose_sampled under sampling)
+  and commit, or defer / commit_deferred through the adaptive policy's plain rounds
+  (docs/DESIGN.md 5; turbo/driver.py is the one caller).
+- `KeepsContext`: a drafter whose context outlives a generation: snapshot / restore / resume (a
+  chat session's next turn and the server's prefix cache go on from a kept state), and fork (one
+  context per sequence of a batch). `keeps_context` says whether a drafter has it.
+
+`DrafterBase` holds defaults only; the shipped drafters: `dflash` (DFlash2 or the published
+DFlash), `mtp` (the model's MTP head), `ngram` (no weights).
 """
 
 from __future__ import annotations
@@ -51,8 +55,36 @@ class Drafter(Protocol):
         """The same as `commit` for each deferred item in order, in one batch if it can."""
 
 
+@runtime_checkable
+class KeepsContext(Drafter, Protocol):
+    def snapshot(self) -> Any:
+        """The context, detached: what `restore` takes back, unchanged by later rounds (None:
+        this drafter cannot be snapshotted, and `keeps_context` is False)."""
+
+    def restore(self, snap: Any) -> None:
+        """The context as `snapshot` returned it (from this drafter or a fork of it)."""
+
+    def resume(self, out: Any, prompt: list[int], start: int) -> None:
+        """The context holds prompt[:start + 1] (the trunk rows before `start`, and prompt[start]
+        as the anchor); out: the trunk's rows over prompt[start:-1]. Leaves what
+        begin(prefill over prompt[:-1], prompt) leaves: those rows committed, each followed by
+        the next prompt token."""
+
+    def fork(self) -> KeepsContext | None:
+        """Another drafter of the same weights with a context of its own, for another sequence
+        of a batch (turbo/driver.py's DrafterPool); None: this one cannot."""
+
+
+def keeps_context(d: Drafter) -> bool:
+    """Whether `d` can snapshot, restore and resume its context (DrafterBase's snapshot, which
+    returns None, does not count)."""
+    snapshot = getattr(type(d), "snapshot", DrafterBase.snapshot)
+    return snapshot is not DrafterBase.snapshot and isinstance(d, KeepsContext)
+
+
 class DrafterBase:
-    """Defaults for the lazy-context hooks: keep the whole step output, commit each in turn."""
+    """Defaults for both protocols: the lazy-context hooks keep the whole step output and commit
+    each in turn; no snapshot (a session prefills every turn afresh), no fork."""
 
     kind = "custom"
     aux_layers: tuple[int, ...] = ()
@@ -76,22 +108,15 @@ class DrafterBase:
             self.commit(out, kept, tokens)
 
     def snapshot(self) -> Any:
-        """The context, detached (None: this drafter cannot be snapshotted)."""
         return None
 
     def fork(self) -> DrafterBase | None:
-        """Another drafter of the same weights with a context of its own, for another sequence
-        of a batch (turbo/serve/scheduler.py); None: this one cannot."""
         return None
 
     def restore(self, snap: Any) -> None:
         raise NotImplementedError(f"{self.kind} drafter keeps no snapshots")
 
     def resume(self, out: Any, prompt: list[int], start: int) -> None:
-        """The context holds prompt[:start + 1] (the trunk rows before `start`, and prompt[start]
-        as the anchor); out: the trunk's rows over prompt[start:-1]. Leaves what
-        begin(prefill over prompt[:-1], prompt) leaves: those rows committed, each followed by
-        the next prompt token."""
         self.commit(out, out.hidden.shape[0], list(prompt[start + 1:]))
 
 

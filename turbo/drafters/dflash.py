@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from ..backends.native_pack import Packed
+from ..backends.packed import Packed
 from ..backends.step import DflashStep
 from . import DrafterBase
 from .dflash_config import DflashConfig, DflashShape

@@ -32,6 +32,7 @@ from ..errors import TurboError
 from ..vision.image import MAX_BYTES, PreparedImage
 from ..vision.positions import expand_placeholders
 from ..vision.runtime import check_placed, keyed_rows, prefill_images, vision_of
+from .protocol import ApiError
 
 
 def image_urls(messages: list[dict]) -> list[tuple[str, str]]:
@@ -47,8 +48,6 @@ FETCH_TIMEOUT_S = 10.0  # a remote image's whole fetch (serve.remote_images)
 def image_source(url: str, param: str, dirs: tuple[str, ...] = (), remote: bool = False) -> str | bytes:
     """What a request's image URL lets the server decode: a data: URL as it is, a file's or a
     fetched image's bytes; refused (an ApiError naming `param`) unless the settings allow it."""
-    from .protocol import ApiError  # (protocol imports the scheduler, which imports this module)
-
     scheme = url.split(":", 1)[0].lower()
     if scheme == "data":
         return url
@@ -75,8 +74,6 @@ def image_source(url: str, param: str, dirs: tuple[str, ...] = (), remote: bool 
 
 def _local(url: str, param: str, dirs: tuple[str, ...]) -> bytes:
     """A file:// URL's bytes, read only where its real path lies inside one of `dirs`."""
-    from .protocol import ApiError
-
     allow = "serve.image_dirs=[DIR,...] lists the directories file:// URLs may name"
     if not dirs:
         raise ApiError(f"{param}: this server reads no local image ({allow})", param)
@@ -103,8 +100,6 @@ def expand_images(rt, messages: list[dict], ids: list[int], dirs: tuple[str, ...
     """The rendered prompt's ids with each image's placeholder expanded, and the images read (as
     serve.image_dirs and serve.remote_images allow: image_source) and decoded (none: `ids` as
     they are)."""
-    from .protocol import ApiError
-
     urls = image_urls(messages)
     if not urls:
         return ids, []

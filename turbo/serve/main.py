@@ -5,13 +5,14 @@ stops it (the CLI's `interrupted`, 130)."""
 
 from __future__ import annotations
 
-import socket
 import sys
 
 from omegaconf import DictConfig
 
 from ..config import RunConfig
 from ..extras import require
+from .listen import address, listening
+from .ray_app import run_ray
 from .settings import ServeConfig, serve_config, server_defaults
 
 
@@ -21,38 +22,19 @@ def run_serve(cfg: DictConfig, rc: RunConfig) -> int:
         require(module, "serve")
     defaults = server_defaults(rc.generation)
     if config.engine == "ray":
-        from .ray_app import run_ray
-
         return run_ray(rc, defaults, config)
     return run_local(rc, defaults, config)
 
 
-def listening(config: ServeConfig) -> socket.socket:
-    """The bound socket (a port in use is one line here, not uvicorn's log and exit 1)."""
-    family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((config.host, config.port))
-    except OSError as e:
-        sock.close()
-        raise OSError(f"serve.host={config.host} serve.port={config.port}: cannot listen there "
-                      f"({e.strerror or e})") from None
-    sock.set_inheritable(True)
-    return sock
-
-
-def address(host: str, port: int) -> str:
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
-
-
 def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
+    # uvicorn, and fastapi / prometheus_client under app and worker: the serve extra, imported
+    # once run_serve's `require` has checked it (a missing one is one line, not a traceback)
     import uvicorn
 
     from .app import make_app
     from .worker import Engine
 
-    sock = listening(config)  # before the model loads: a port in use is refused at once
+    sock = listening(config.host, config.port)  # before the model loads: a port in use is refused at once
     engine = Engine(rc.install, rc.opening, defaults, config)
     port = sock.getsockname()[1]
 

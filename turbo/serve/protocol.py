@@ -17,15 +17,17 @@ from typing import Any, Callable
 
 from ..chat import END_THINK, THINK, split_reasoning
 from ..stops import held_back
-from .scheduler import TokenLogprob
+from ..logprobs import TokenLogprob
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
-TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window")
+TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window", "regex", "grammar")
+CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a response_format of turbo's kinds
 SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
 # request fields turbo does not implement: refused unless they hold the value that means "off"
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "presence_penalty": 0,
-               "frequency_penalty": 0, "repetition_penalty": 1, "logit_bias": None, "tool_choice": "none"}
+UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None, "tool_choice": "none"}
+# penalties (turbo/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
+PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 class ApiError(Exception):
@@ -121,9 +123,6 @@ def parse(body: dict, chat: bool) -> Body:
         elif body.get("top_logprobs") is not None:
             _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
             raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
-        fmt = _kind(body, "response_format", dict, "an object")
-        if fmt and fmt.get("type") != "text":
-            raise ApiError(f"response_format {json.dumps(fmt)[:200]}: only type text is supported", "response_format")
     else:
         b.prompt = _prompt(body.get("prompt"))
         b.max_tokens = _int(body, "max_tokens", 1)
@@ -217,6 +216,18 @@ def _options(body: dict) -> dict:
             raise ApiError(f"stop is {json.dumps(stop)[:200]}, expected a string or a list of strings", "stop")
         stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
         o["stop"] = tuple(stop) or None
+    for name in PENALTIES:
+        v = body.get(name)
+        if v is not None:
+            if not _is_number(v):
+                raise ApiError(f"{name} is {json.dumps(v)[:200]}, expected a number", name)
+            o[name] = float(v)
+    fmt = _kind(body, "response_format", dict, "an object (OpenAI's response_format)")
+    if fmt:
+        o["response_format"] = fmt  # (its type and schema: turbo/grammar.py checks and compiles them)
+    bias = _kind(body, "logit_bias", dict, "an object of token ids (as strings) to biases in [-100, 100]")
+    if bias:
+        o["logit_bias"] = bias  # (its keys and values: GenerationOptions checks them)
     ids = _kind(body, "stop_token_ids", list, "a list of token ids")
     if ids:
         if not all(_is_int(t) and t >= 0 for t in ids):
@@ -231,7 +242,13 @@ def _options(body: dict) -> dict:
         if k in ("block", "window"):
             v = _int(ext, k, 0, None, "turbo.")
         elif v is not None and not isinstance(v, str):
-            raise ApiError(f"turbo.{k} is {json.dumps(v)[:200]}, expected a name", f"turbo.{k}")
+            what = "a pattern" if k in CONSTRAINTS else "a name"
+            raise ApiError(f"turbo.{k} is {json.dumps(v)[:200]}, expected {what}", f"turbo.{k}")
+        if k in CONSTRAINTS:
+            if "response_format" in o:
+                raise ApiError(f"turbo.{k} and response_format: give one constraint", f"turbo.{k}")
+            o["response_format"] = {"type": k, k: v}
+            continue
         o[k] = v
     return o
 

@@ -12,7 +12,7 @@ import time
 from ..config import RunConfig
 from ..extras import require
 from ..options import GenerationOptions, OpenOptions
-from .main import address, listening
+from .listen import address, listening
 from .settings import ServeConfig
 
 APP_NAME = "turbo"
@@ -23,13 +23,15 @@ class Replica:
     runs after the constructor, in the replica's process)."""
 
     def __init__(self, install: str, opening: OpenOptions, defaults: GenerationOptions, config: ServeConfig):
+        # worker and app import the serve extra (prometheus_client, fastapi): here, in the replica,
+        # once run_serve's `require` has checked it; main.py imports this module before that
         from .worker import Engine
 
         self.engine = Engine(install, opening, defaults, config)
         self.engine.start()
 
     def __serve_build_asgi_app__(self):
-        from .app import make_app
+        from .app import make_app  # (fastapi: as the Engine above)
 
         return make_app(self.engine)
 
@@ -52,7 +54,7 @@ def deployment(rc: RunConfig, defaults: GenerationOptions, config: ServeConfig):
 def run_ray(rc: RunConfig, defaults: GenerationOptions, config: ServeConfig) -> int:
     ray = require("ray", "ray")
     serve = require("ray.serve", "ray")
-    probe = listening(config)  # a port in use is refused before Ray starts; port 0 picks a free one
+    probe = listening(config.host, config.port)  # a port in use is refused before Ray starts; port 0 picks a free one
     port = probe.getsockname()[1]
     probe.close()
     ray.init(address=config.ray_address, include_dashboard=False, log_to_driver=False)

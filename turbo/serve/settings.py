@@ -10,9 +10,22 @@ from omegaconf import DictConfig, ListConfig
 
 from ..errors import TurboError
 from ..options import GenerationOptions, integer
-from .scheduler import ServeLimits
 
 ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What a server's scheduler holds to (the defaults conf/task/serve.yaml repeats for Hydra;
+    tests/test_config_keys.py holds the two equal)."""
+
+    max_running: int = 16  # sequences in the running batch
+    max_waiting: int = 64  # requests queued beyond it; more are refused (Overloaded)
+    memory_gb: float = 4.0  # K/V caches and recurrent states of the running sequences, reserved at admission
+    cache_gb: float = 1.0  # the prefix cache's snapshots (LRU)
+    prefill_chunk: int = 256  # prompt rows a sequence runs per step (long prompts do not stall the batch)
+
+
 LIMIT_KEYS = tuple(f.name for f in fields(ServeLimits))
 
 

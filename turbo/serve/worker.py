@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..chat import opens_think, turn_stop_ids
 from ..chat_template import ChatTemplate, encode, install_template
+from ..engine import open as open_runtime
 from ..errors import TurboError
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
 from .images import expand_images
@@ -27,14 +28,13 @@ class Prepared:
     opened_think: bool = False  # chat: the generation prompt left a <think> open
 
 
-def param_of(message: str, max_tokens_param: str = "max_tokens") -> str | None:
-    """The request field a TurboError's message names (they begin with the option's name)."""
-    word = message.split(" ", 1)[0].rstrip(":")
-    if word in ("max_new_tokens", "max_tokens"):
+def param_of(e: TurboError, max_tokens_param: str = "max_tokens") -> str | None:
+    """The request field a TurboError concerns (its `field`: the option's name) as the request spells it."""
+    if e.field in ("max_new_tokens", "max_tokens"):
         return max_tokens_param
-    if word in TURBO_KEYS:
-        return f"turbo.{word}"
-    return word if word in GENERATION_FIELDS or word == "logprobs" else None
+    if e.field in TURBO_KEYS:
+        return f"turbo.{e.field}"
+    return e.field if e.field in GENERATION_FIELDS or e.field == "logprobs" else None
 
 
 class Engine:
@@ -42,8 +42,6 @@ class Engine:
     install); `start()` starts the scheduler's thread."""
 
     def __init__(self, install: str, opening: OpenOptions, defaults: GenerationOptions, config: ServeConfig):
-        from ..engine import open as open_runtime  # torch loads here, once the config is known good
-
         self.rt = rt = open_runtime(install, opening)
         self.config, self.defaults = config, defaults
         self.model = config.model_name or rt.install.path.name
@@ -99,17 +97,16 @@ class Engine:
                            "the length of the prompt or the completion.",
                            body.max_tokens_param if body.max_tokens is not None else
                            ("messages" if body.chat else "prompt"))
-        fields = dict(body.options)
-        if ("block" in fields and "policy" not in fields and self.defaults.policy in (None, "auto")
-                and fields["block"] is not None):  # a block asked for is served as asked
-            fields["policy"] = "fixed" if fields["block"] else "off"
+        fields = dict(body.options)  # (what they make of the speculation is turbo/policy.py's to decide)
         if stops:
             fields["stop_token_ids"] = tuple(dict.fromkeys(fields.get("stop_token_ids", ()) + stops))
         try:
             options = self.defaults.but(max_new_tokens=wanted, **fields)
         except TurboError as e:
-            raise ApiError(str(e), param_of(str(e), body.max_tokens_param)) from None
-        return Prepared(Request(ids, options, body.logprobs, images or None), opened)
+            raise ApiError(str(e), param_of(e, body.max_tokens_param)) from None
+        # a response_format holds the whole answer: it is content, not reasoning (chat.answer_opens_think)
+        return Prepared(Request(ids, options, body.logprobs, images or None),
+                        opened and options.response_format is None)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str):
         try:
@@ -117,7 +114,7 @@ class Engine:
         except Overloaded as e:
             raise ApiError(str(e), None, 429, "requests", "rate_limit_exceeded") from None
         except TurboError as e:
-            raise ApiError(str(e), param_of(str(e), max_tokens_param)) from None
+            raise ApiError(str(e), param_of(e, max_tokens_param)) from None
 
     def _render(self, body: Body) -> str:
         if self.template is None:

@@ -92,7 +92,7 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
 
 def quantized(t: torch.Tensor, qtype: str):
     """(array, raw dtype) for GGUFWriter.add_tensor: `qtype`, or F16 where its blocks do not fit."""
-    import gguf
+    import gguf  # an optional test dependency
 
     kind = gguf.GGMLQuantizationType[qtype]
     a = t.numpy().astype(np.float32)
@@ -135,7 +135,7 @@ def write_gguf(src: Path, path: Path, qtype: str = "F32", mtp: str = "inline", c
     """The HF checkpoint `src` as a GGUF at `path`, its 2-D weights in `qtype` (`types`: another
     for some GGUF names, as llama-quantize's --token-embedding-type). mtp: "inline" (its mtp.*
     tensors as block num_hidden_layers, if any), "none", or "only" (the MTP GGUF)."""
-    import gguf
+    import gguf  # an optional test dependency
     from safetensors.torch import load_file
 
     cfg = json.loads((src / "config.json").read_text())

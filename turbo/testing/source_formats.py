@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..repack_int4 import AWQ_REVERSE
+from ..repack.int4 import AWQ_REVERSE
 
 AWQ_ORDER = [AWQ_REVERSE.index(j) for j in range(8)]  # AutoAWQ's pack order, 0 2 4 6 1 3 5 7
 
@@ -52,7 +52,7 @@ def write_int4(src: Path, kind: str, group: int, sym: bool = False, act_order: b
                reference: bool = True) -> dict:
     """Rewrite the checkpoint at `src` as `kind` int4; returns {module: fp32 dequantization}
     (empty without `reference`)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # an optional test dependency
 
     path = src / "model.safetensors"
     state = load_file(str(path))
@@ -93,7 +93,7 @@ def write_fp8(src: Path, block: int = 128, reference: bool = True) -> dict:
     """Rewrite as Qwen's FP8: e4m3 codes and fp32 weight_scale_inv per block (transformers' own
     quantizer's arithmetic: scale = max|w| / 448); returns {module: bf16 dequantization by
     transformers' own function} (empty without `reference`)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # an optional test dependency
 
     path = src / "model.safetensors"
     state = load_file(str(path))
@@ -106,7 +106,7 @@ def write_fp8(src: Path, block: int = 128, reference: bool = True) -> dict:
         codes = (blocks / scale[:, None, :, None]).clamp(-448, 448).to(torch.float8_e4m3fn).reshape(w.shape)
         state[name], state[name[:-len("weight")] + "weight_scale_inv"] = codes, scale.float()
         if reference:
-            from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+            from transformers.integrations.finegrained_fp8 import Fp8Dequantize  # (as safetensors)
             deq[name] = Fp8Dequantize(None)._dequantize_one(codes, scale, output_dtype=torch.bfloat16)
     save_file(state, str(path), metadata={"format": "pt"})
     set_config(src, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",

@@ -24,10 +24,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer
 
 from ..chat_template import GENERATION_CONFIG, TEMPLATE_FILE, render
 from ..errors import TurboError
 from ..install import open_install
+from ..repack import repack
 from .data import draw, read_groups
 from .loop import Schedule, train
 
@@ -36,8 +38,6 @@ MEAN_NOISE = 0.02  # new rows: the mean row plus this much of the rows' spread, 
 
 def grow_tokenizer(src: Path, tokens: list[str]):
     """The install's tokenizer with `tokens` added as special tokens (those it has already kept)."""
-    from tokenizers import AddedToken, Tokenizer
-
     tok = Tokenizer.from_file(str(src / "tokenizer.json"))
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens
                             if tok.token_to_id(t) is None])
@@ -122,8 +122,6 @@ def is_chat(path: Path) -> bool:
 def write_install(model, src, out: Path, tok, template: str | None, stop_ids: list[int]) -> None:
     """--out: the install's files with the trained trunk (bf16), the grown tokenizer, the template
     and the eos ids; its MTP head and DFlash drafter carried over (their vocab rows grown)."""
-    from ..repack import repack
-
     vocab = model.config.vocab_size
     with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
         stage, drafter = Path(tmp) / "trunk", Path(tmp) / "drafter"

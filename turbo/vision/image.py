@@ -164,7 +164,7 @@ def decode(source: ImageInput):
 
 def prepare(source: ImageInput, spec: ImageSpec) -> PreparedImage:
     """The tensors transformers' processor gives for one image (pixel_values, image_grid_thw)."""
-    Image = require("PIL.Image", "vision")
+    Image = require("PIL.Image", "vision")  # (as in decode: the `vision` extra)
 
     rgb = decode(source)
     h, w = smart_resize(rgb.height, rgb.width, spec.factor, spec.min_pixels, spec.max_pixels)

@@ -137,7 +137,7 @@ class ImageStart:
             draft.begin(prompt_out, ids)
         return st
 
-    def finish(self, draft) -> None:
+    def finish(self, driver) -> None:
         pass
 
 

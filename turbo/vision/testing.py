@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ..repack import repack
 from ..testing.checkpoints import MOE_BASE, hf_config, randomize_, tiny_tokenizer
@@ -23,8 +24,6 @@ def marker_ids(vocab: int) -> tuple[int, int, int]:
 
 def word_level(vocab: int):
     """A tokenizer of words t0..t{vocab-1} (a small vocabulary: the sampling tests')."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     return tok
@@ -49,7 +48,7 @@ def make_vl_checkpoint(directory: Path, seed: int = 0, patch: int = 4, merge: in
     """A Qwen3_5ForConditionalGeneration (moe: Qwen3_5MoeForConditionalGeneration) with random
     weights saved as an HF checkpoint: the tiny trunk with a rotary of 8 dims in mrope sections
     (2, 1, 1); returns the model."""
-    import transformers
+    import transformers  # an optional test dependency
 
     torch.manual_seed(seed)
     text = hf_config(**({"rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5,

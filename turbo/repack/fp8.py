@@ -15,10 +15,10 @@ from __future__ import annotations
 
 import torch
 
-from .errors import TurboError
-from .repack_formats import Parts, SourceFormat, Source, modules, quantized_planned, read
-from .repack_tensors import Planned, quantizable
-from . import quant as q
+from ..errors import TurboError
+from .formats import Parts, SourceFormat, Source, modules, quantized_planned, read
+from .tensors import Planned, quantizable
+from .. import quant as q
 
 
 def dequantize(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

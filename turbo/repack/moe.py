@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .arch import Arch
-from .errors import TurboError
-from .repack_tensors import ST_BYTES
+from ..arch import Arch
+from ..errors import TurboError
+from .tensors import ST_BYTES
 
 FUSED_EXPERTS = re.compile(r"((?:trunk|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?")
 EXPERT = re.compile(r"(?:trunk|mtp)\.layers\.\d+\.mlp\.experts\.(\d+)\..+")

@@ -3,8 +3,8 @@
     python -m turbo.repack SRC OUT [--drafter DIR] [--mtp DIR] [--text-only] [--quant none|int4|int8|int2|int1]
         [--float-quant int8|int4]
 
-`repack` checks the sources, plans every part (repack_source, repack_moe, repack_tensors) and
-writes them into a temporary sibling renamed at the end (repack_write). docs/DESIGN.md 4.
+`repack` checks the sources, plans every part (source, moe, tensors) and
+writes them into a temporary sibling renamed at the end (write). docs/DESIGN.md 4.
 """
 
 from __future__ import annotations
@@ -16,16 +16,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from .arch import arch_from_config, read_config_json
-from .chat_template import check_checkpoint
-from .drafters import mtp
-from .errors import ArgumentParser, TurboError
-from .install import DRAFTER_DIR
-from .open_layout import write_layout_of
-from .repack_gguf import find_gguf, repack_gguf
-from .repack_source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
-from .repack_write import building, copy_file, head_copy, write_safetensors
-from . import quant as q
+from ..arch import arch_from_config, read_config_json
+from ..chat_template import check_checkpoint
+from ..drafters import mtp
+from ..errors import ArgumentParser, TurboError
+from ..install import DRAFTER_DIR
+from ..open_layout import write_layout_of
+from ..safetensors_format import write_safetensors
+from .gguf import find_gguf, repack_gguf
+from .source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
+from .write import building, copy_file, head_copy
+from .. import quant as q
 
 # Copied as they are: the chat template (chat_template.jinja, or tokenizer_config.json's) and
 # generation_config.json's eos ids travel with the install (turbo/chat_template.py reads them);
@@ -52,7 +53,7 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
            open_layout: bool = True, float_quant: str = "none") -> Path:
     src, out = Path(src), Path(out)
     floats = float_format(float_quant, quant)
-    if (gguf_file := find_gguf(src)) is not None:  # a llama.cpp GGUF (turbo/repack_gguf.py)
+    if (gguf_file := find_gguf(src)) is not None:  # a llama.cpp GGUF (turbo/repack/gguf.py)
         return repack_gguf(gguf_file, out, mtp_head and Path(mtp_head), quant, quiet, drafter and Path(drafter),
                            text_only, floats, open_layout)
     if not src.is_dir():
@@ -172,6 +173,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"wrote install {path}", file=sys.stderr)  # a report: standard output stays empty
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

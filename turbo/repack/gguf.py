@@ -14,17 +14,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from . import quant as q
-from .arch import arch_from_config
-from .errors import TurboError
-from .extras import missing
-from .repack_gguf_tensors import EXACT_TYPES, FLOAT_TYPES, Inverse, Requant, plan_gguf
-from .repack_gguf_vocab import write_tokenizer
-from .repack_tensors import Planned
-from .install import DRAFTER_DIR
-from .open_layout import write_layout_of
-from .repack_source import check_links, plan_drafter
-from .repack_write import building, copy_file, head_copy, write_safetensors
+from .. import quant as q
+from ..arch import arch_from_config
+from ..errors import TurboError
+from ..extras import missing
+from .gguf_tensors import EXACT_TYPES, FLOAT_TYPES, Inverse, Requant, plan_gguf
+from .gguf_vocab import write_tokenizer
+from .tensors import Planned
+from ..install import DRAFTER_DIR
+from ..open_layout import write_layout_of
+from ..safetensors_format import write_safetensors
+from .source import check_links, plan_drafter
+from .write import building, copy_file, head_copy
 
 ARCHES = {"qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}
 NORM, HEADS, V_ROWS, QKV, V_COLS, A_LOG, CONV, ROW = range(8)

@@ -11,9 +11,9 @@ from typing import Callable
 import numpy as np
 import torch
 
-from . import quant as q
-from .errors import TurboError
-from .repack_tensors import Planned, _tensor_bytes, quantizable
+from .. import quant as q
+from ..errors import TurboError
+from .tensors import Planned, _tensor_bytes, quantizable
 
 FLOAT_TYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}  # carried as they are
 EXACT_TYPES = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4}  # affine per 32 columns: carried exactly
@@ -56,7 +56,7 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
 def _affine(raw: np.ndarray, kind: str, rows: int, cols: int) -> Affine:
     """The blocks of an exact type as levels, scales and biases per 32 columns (ggml-common.h's
     block layouts, as gguf.quants reads them)."""
-    import gguf
+    import gguf  # optional (pip install gguf): only GGUF sources need it, gguf._open says so
 
     if kind == "Q4_K":
         b = raw.reshape(-1, 144)
@@ -85,7 +85,7 @@ def _affine(raw: np.ndarray, kind: str, rows: int, cols: int) -> Affine:
 def decode(tensor, rows: slice | None = None) -> Decoded:
     """A GGUF tensor (gguf.ReaderTensor) as a rank-2 (or rank-1) float tensor or `Affine`,
     `rows` of its leading 2-D view only (an expert out of a stack)."""
-    import gguf
+    import gguf  # optional (pip install gguf): only GGUF sources need it, gguf._open says so
 
     kind = tensor.tensor_type.name
     shape = [int(n) for n in reversed(tensor.shape.tolist())]  # ggml's ne, reversed: torch's order

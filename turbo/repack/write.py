@@ -1,4 +1,4 @@
-"""Writing a repack's output: `write_safetensors` streams planned tensors into one file, and
+"""Writing a repack's output (each file streamed by safetensors_format.write_safetensors):
 `building(out)` gives the temporary sibling directory the install is written into, renamed to
 `out` at the end and removed on any failure (`remove_stale_temporaries`: those of a killed repack)."""
 
@@ -10,18 +10,16 @@ import re
 import secrets
 import shutil
 import stat
-import struct
 import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
-from tqdm import tqdm
-
-from .errors import TurboError
-from .install import HEAD_COPY_KEY
-from .repack_tensors import FLOAT_ST, Planned
-from . import quant as q
+from ..errors import TurboError
+from ..install import HEAD_COPY_KEY
+from ..safetensors_format import Planned
+from .tensors import FLOAT_ST
+from .. import quant as q
 
 # A repack writes into the hidden sibling `.OUT.repack-PID-RANDOM` and renames it when done; the
 # MARKER file inside says it is repack's own (only such a directory is ever removed as stale).
@@ -30,32 +28,6 @@ from . import quant as q
 TMP_MARK = ".repack-"
 MARKER = ".turbo-repack"
 TMP_PATTERN = re.compile(r"\..+\.repack-(\d+)-[0-9a-f]{8}")
-
-
-def write_safetensors(path: Path, planned: list[Planned], progress: tqdm | None = None,
-                      quantized: dict[str, dict] | None = None, metadata: dict[str, str] | None = None,
-                      align: int = 8) -> None:
-    """`planned` written in order into one safetensors file, the data section `align`-aligned
-    in the file (8, as the safetensors library writes; the open layout's 64: mapped as is)."""
-    header: dict = {"__metadata__": {"format": "pt", "writer": "turbo.repack", **(metadata or {})}}
-    if quantized:
-        header["__metadata__"][q.METADATA_KEY] = json.dumps(quantized, separators=(",", ":"))
-    offset = 0
-    for p in planned:
-        header[p.name] = {"dtype": p.dtype, "shape": p.shape, "data_offsets": [offset, offset + p.size]}
-        offset += p.size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-(8 + len(raw)) % align)  # the data section aligned (8 + len(raw): where it starts)
-    with path.open("wb") as out:
-        out.write(struct.pack("<Q", len(raw)))
-        out.write(raw)
-        for p in planned:
-            start = out.tell()
-            p.write(out)
-            if out.tell() - start != p.size:
-                raise TurboError(f"{p.name}: wrote {out.tell() - start} bytes, expected {p.size}")
-            if progress is not None:
-                progress.update(p.size)
 
 
 def head_copy(planned: list[Planned], quantized: dict[str, dict], tied: bool, fmt: q.QFormat | None) -> dict[str, str]:

@@ -7,16 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from .arch import arch_from_config, read_config_json
-from .drafters import mtp
-from .drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
-from .errors import TurboError
-from .install import safetensors_files
-from .repack_formats import SourceFormat, detect, plan_source
-from .repack_moe import moe_sources
-from .repack_tensors import Planned, plan_tensors
-from .safetensors_format import read_header
-from . import quant as q
+from ..arch import arch_from_config, read_config_json
+from ..drafters import mtp
+from ..drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
+from ..errors import TurboError
+from ..install import safetensors_files
+from .formats import Source, SourceFormat, detect
+from .fp8 import plan_fp8
+from .int4 import plan_int4
+from .moe import moe_sources
+from .tensors import Planned, plan_tensors
+from ..safetensors_format import read_header
+from .. import quant as q
 
 # Checkpoint name prefix -> install prefix, most specific first. A Qwen3_5ForConditionalGeneration
 # checkpoint's MTP head sits at the top level beside model.language_model.* and keeps its names
@@ -72,6 +74,16 @@ def source_tensors(directory: Path) -> Iterator[tuple[str, dict, Path, int]]:
                 header.data_start
 
 
+def plan_source(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | None, quantized: dict[str, dict],
+                config: dict) -> tuple[list[Planned], list[Source]]:
+    """(the planned tensors of an FP8 / int4 source's quantized modules, the other tensors)."""
+    if found.kind == "fp8":
+        return plan_fp8(found, tensors, fmt, quantized)
+    if found.kind in ("awq", "gptq", "compressed-tensors"):
+        return plan_int4(found, tensors, fmt, quantized)
+    return [], tensors
+
+
 def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
                quantized: dict[str, dict] | None = None, found: SourceFormat | None = None,
                floats: q.QFormat | None = None) -> list[Planned]:
@@ -90,13 +102,13 @@ def plan_trunk(src: Path, text_only: bool, fmt: q.QFormat | None = None,
         source = (name, new, meta, path, data_start)
         tensors += moe_sources(*source, arch) if arch.moe else [source]
     quantized = quantized if quantized is not None else {}
-    found = found or detect(config, {n: m for n, m, _, _ in listed}, str(src / "config.json"))  # repack_formats
+    found = found or detect(config, {n: m for n, m, _, _ in listed}, str(src / "config.json"))  # formats.py
     done, tensors = plan_source(found, tensors, fmt, quantized, config)
     return done + plan_tensors(tensors, fmt or floats, quantized, config)
 
 
 def source_format(src: Path, config: dict) -> SourceFormat:
-    """What `src` is (repack_formats.detect), for repack's first line."""
+    """What `src` is (formats.detect), for repack's first line."""
     return detect(config, {n: m for n, m, _, _ in source_tensors(src)}, str(src / "config.json"))
 
 

@@ -1,32 +1,22 @@
 """How each output tensor of a repack is produced: copied in bounded chunks, quantized a slice
 of rows at a time, or carried packed from an MLX-layout source. `plan_tensors` decides, `Planned`
-is the result; docs/DESIGN.md 4 has the formats and what is quantized."""
+(turbo/safetensors_format.py) is the result; docs/DESIGN.md 4 has the formats and what is quantized."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-from .errors import TurboError
-from . import quant as q
+from ..errors import TurboError
+from ..quant import QUANT_SLICE
+from ..safetensors_format import Planned
+from .. import quant as q
 
 COPY_CHUNK = 4 * 1024 * 1024
 FLOAT_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4}
-
-
-@dataclass
-class Planned:
-    """One output tensor: where it goes and how its bytes are produced."""
-
-    name: str
-    dtype: str
-    shape: list[int]
-    size: int
-    write: Callable[[object], None]  # writes exactly `size` bytes to the open output file
 
 
 Pieces = list[tuple[int, int]]  # a tensor's bytes: (absolute offset, size) ranges of its file, in order
@@ -49,7 +39,7 @@ def _copier(path: Path, pieces: Pieces) -> Callable[[object], None]:
 
 def _pieces(meta: dict, data_start: int) -> Pieces:
     """A source tensor's bytes: its data_offsets, or the ranges of a tensor cut out of another
-    (`pieces`, relative to the data start: an expert out of a fused stack, see repack_moe)."""
+    (`pieces`, relative to the data start: an expert out of a fused stack, see moe)."""
     spans = meta["pieces"] if "pieces" in meta else [meta["data_offsets"]]
     return [(data_start + b, e - b) for b, e in spans]
 
@@ -104,11 +94,6 @@ def _load_source(path: Path, pieces: Pieces, st: str, shape: list[int], name: st
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
-
-
-# Weights quantized per slice of rows (each row's groups are its own, so the bytes are those of the
-# whole matrix): quantizing holds ~40 bytes a weight, several GB for a vocab-sized head at once.
-QUANT_SLICE = 1 << 20
 
 
 class _QuantJob:

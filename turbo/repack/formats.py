@@ -1,7 +1,7 @@
 """Which checkpoint a repack reads: `detect` names the source format from config.json's
 `quantization_config` and the tensors present (bf16/fp32, MLX affine, FP8 block-wise, AWQ, GPTQ,
-compressed-tensors pack-quantized), refusing an unknown or mixed one; `plan_source` turns the
-quantized modules of an FP8 / int4 source into planned install tensors (repack_fp8, repack_int4).
+compressed-tensors pack-quantized), refusing an unknown or mixed one; fp8.py and int4.py turn the
+quantized modules of an FP8 / int4 source into planned install tensors (source.py: `plan_source`).
 docs/formats.md has each format and what the conversion keeps exactly."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Callable
 
 import torch
 
-from .errors import TurboError
-from .repack_tensors import Planned
-from . import quant as q
+from ..errors import TurboError
+from .tensors import Planned
+from .. import quant as q
 
 # The tensor suffixes each quantized format stores per module (the module's weight replaced by them).
 SUFFIXES = {
@@ -193,18 +193,6 @@ def quantized_planned(new: str, compute: Callable[[], tuple[torch.Tensor, ...]],
     return Parts(lambda: list(compute())).planned(
         [new, new + ".scales", new + ".biases"], ["U32", fmt.scale_st, fmt.scale_st],
         [[rows, cols * fmt.bits // 32], [rows, groups], [rows, groups]])
-
-
-def plan_source(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | None, quantized: dict[str, dict],
-                config: dict) -> tuple[list[Planned], list[Source]]:
-    """(the planned tensors of an FP8 / int4 source's quantized modules, the other tensors)."""
-    if found.kind == "fp8":
-        from .repack_fp8 import plan_fp8
-        return plan_fp8(found, tensors, fmt, quantized)
-    if found.kind in ("awq", "gptq", "compressed-tensors"):
-        from .repack_int4 import plan_int4
-        return plan_int4(found, tensors, fmt, quantized)
-    return [], tensors
 
 
 def modules(tensors: list[Source], suffixes: tuple[str, ...]) -> tuple[dict[str, dict[str, Source]], list[Source]]:

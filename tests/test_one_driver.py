@@ -1,0 +1,138 @@
+"""One path for every sequence (turbo/driver.py): the same requests through `Runtime.generate` and
+through the server (its scheduler batching them) commit the same tokens and end for the same
+reasons; the CLI and the server decide every policy / block / drafter / window case alike, since
+turbo/policy.py decides for both."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+from fastapi.testclient import TestClient  # noqa: E402
+
+import turbo  # noqa: E402
+from turbo.__main__ import composed  # noqa: E402
+from turbo.config import run_config  # noqa: E402
+from turbo.errors import TurboError  # noqa: E402
+from turbo.options import GenerationOptions, OpenOptions  # noqa: E402
+from turbo.serve import protocol as P  # noqa: E402
+from turbo.serve.app import make_app  # noqa: E402
+from turbo.serve.settings import ServeConfig, server_defaults  # noqa: E402
+from turbo.serve.settings import ServeLimits  # noqa: E402
+from turbo.serve.worker import Engine  # noqa: E402
+
+PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "# sort a list\n"]
+# (generation options, the server's body fields for the same): greedy and seeded sampling, every
+# drafter, blocks 1..8, both rollbacks, stop strings and ids, a length end
+REQUESTS = [
+    (dict(policy="off", stop=["file"]), dict(temperature=0, stop=["file"], turbo={"policy": "off"})),
+    (dict(policy="fixed", block=4, drafter="dflash"), dict(temperature=0, turbo={"policy": "fixed", "block": 4,
+                                                                                 "drafter": "dflash"})),
+    (dict(policy="fixed", block=3, drafter="mtp", rollback="replay"),
+     dict(temperature=0, turbo={"policy": "fixed", "block": 3, "drafter": "mtp", "rollback": "replay"})),
+    (dict(policy="fixed", block=8, drafter="ngram"), dict(temperature=0, turbo={"policy": "fixed", "block": 8,
+                                                                                "drafter": "ngram"})),
+    (dict(policy="adaptive"), dict(temperature=0, turbo={"policy": "adaptive"})),
+    (dict(policy="fixed", block=1, drafter="dflash", rollback="replay", stop_token_ids=(15,)),
+     dict(temperature=0, stop_token_ids=[15], turbo={"policy": "fixed", "block": 1, "drafter": "dflash",
+                                                     "rollback": "replay"})),
+    (dict(temperature=0.8, seed=7, policy="fixed", block=4), dict(temperature=0.8, seed=7,
+                                                                  turbo={"policy": "fixed", "block": 4})),
+    (dict(temperature=1.0, top_p=0.9, seed=3, drafter="mtp", policy="fixed", block=2),
+     dict(temperature=1.0, top_p=0.9, seed=3, turbo={"drafter": "mtp", "policy": "fixed", "block": 2})),
+    (dict(stop=["self"]), dict(temperature=0, stop=["self"])),
+    (dict(policy="fixed", block=2, drafter="dflash", max_new_tokens=5),
+     dict(temperature=0, max_tokens=5, turbo={"policy": "fixed", "block": 2, "drafter": "dflash"})),
+    (dict(temperature=0.7, top_k=20, seed=11, drafter="ngram", policy="fixed", block=3),
+     dict(temperature=0.7, top_k=20, seed=11, turbo={"drafter": "ngram", "policy": "fixed", "block": 3})),
+    (dict(policy="fixed", block=8, drafter="dflash", stop=["answer"]),
+     dict(temperature=0, stop=["answer"], turbo={"policy": "fixed", "block": 8, "drafter": "dflash"})),
+]
+MAX_TOKENS = 24
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = Engine("tiny", OpenOptions(backend="cpu", threads=1), server_defaults(GenerationOptions()),
+               ServeConfig(limits=ServeLimits(max_running=12)))
+    e.start()
+    yield e
+    e.stop()
+
+
+def test_twelve_requests_through_generate_and_the_server_agree(engine):
+    rt = engine.rt
+    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
+                           http_client=TestClient(make_app(engine)))
+
+    def served(i: int):
+        body = {"max_tokens": MAX_TOKENS, **REQUESTS[i][1]}
+        ext = {k: body.pop(k) for k in ("turbo", "top_k", "stop_token_ids") if k in body}
+        return client.completions.create(model=engine.model, prompt=PROMPTS[i % len(PROMPTS)], logprobs=0,
+                                         extra_body=ext, **body)
+
+    with ThreadPoolExecutor(len(REQUESTS)) as pool:  # all at once: the scheduler batches them
+        answers = list(pool.map(served, range(len(REQUESTS))))
+    finishes = set()
+    for i, ((fields, _), answer) in enumerate(zip(REQUESTS, answers)):
+        alone = rt.generate(PROMPTS[i % len(PROMPTS)], **{"max_new_tokens": MAX_TOKENS, **fields})
+        choice = answer.choices[0]
+        pieces = [rt.decode([t]) for t in alone.tokens]
+        assert choice.logprobs.tokens == pieces, i  # one entry per committed token, token for token
+        assert choice.text == alone.text and answer.usage.completion_tokens == len(alone.tokens), i
+        assert (choice.finish_reason, getattr(choice, "stop_reason", None)) == (alone.finish.reason,
+                                                                                alone.finish.matched), i
+        finishes.add((alone.finish.reason, type(alone.finish.matched).__name__))
+    assert finishes == {("stop", "str"), ("stop", "int"), ("length", "NoneType")}  # every kind of end came up
+
+
+# (policy, block, drafter, window) as the CLI's overrides and the server's `turbo` fields
+CASES = [dict(), dict(block=4), dict(policy="off"), dict(policy="off", block=4), dict(policy="fixed", block=3),
+         dict(policy="fixed"), dict(policy="adaptive"), dict(drafter="mtp"), dict(drafter="ngram", block=5),
+         dict(drafter="ngram", window=8), dict(block=99), dict(policy="fixed", block=2, drafter="dflash", window=0),
+         dict(drafter="dflash", window=4), dict(drafter="bogus"), dict(policy="adaptive", block=4)]
+
+
+def outcome(decide) -> tuple:
+    try:
+        p = decide()
+    except (TurboError, P.ApiError) as e:
+        return "refused", str(e)
+    return p.policy, p.drafter, p.block, p.off_reason
+
+
+def cli_plan(rt, install: str, case: dict):
+    overrides = [f"install.path={install}"] if install != "tiny" else []
+    overrides += [f"+policy={v}" if k == "policy" else f"{k}={v}" for k, v in case.items()]
+    cfg, problem = composed(overrides)
+    assert cfg is not None, problem
+    rc = run_config(cfg)
+    return rt.prepare(rc.prompt, rc.generation).plan
+
+
+def served_plan(engine, case: dict):
+    prepared = engine.prepare(P.parse({"model": engine.model, "prompt": "def f(x):", "max_tokens": 8,
+                                       "turbo": case}, chat=False))
+    return engine.rt.prepare(prepared.request.ids, prepared.request.options).plan  # as the scheduler's submit
+
+
+@pytest.mark.parametrize("which", ["tiny", "plain"])
+def test_the_cli_and_the_server_decide_every_case_alike(which, plain_install, engine):
+    if which == "tiny":
+        rt, serving, install = engine.rt, engine, "tiny"
+    else:
+        install = str(plain_install[1])
+        rt = turbo.open(install, backend="cpu", threads=1)
+        serving = Engine(install, OpenOptions(backend="cpu", threads=1), server_defaults(GenerationOptions()),
+                         ServeConfig())
+    seen = set()
+    for case in CASES:
+        cli, server = outcome(lambda: cli_plan(rt, install, case)), outcome(lambda: served_plan(serving, case))
+        assert cli == server, case
+        seen.add(cli[0])
+    # each kind of answer came up: a refusal, a plain decode and speculation
+    assert "refused" in seen and "off" in seen and (which == "plain" or {"fixed", "auto", "adaptive"} <= seen)

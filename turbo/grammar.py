@@ -1,0 +1,161 @@
+"""Constrained decoding: the output held to any JSON object, a JSON schema, a regex or a Lark
+grammar (OpenAI's `response_format`, turbo's `regex` / `grammar` kinds), through llguidance
+(the `grammar` extra; it takes all four, compiles a schema in milliseconds, and its matcher
+rolls back, which a speculative round needs).
+
+The mask is applied where every other processing is (turbo/penalties.py): row i of a verify is
+masked with the grammar's state after the committed tokens and the proposals before it, so greedy
+output is the unspeculated constrained output token for token and sampled output follows the masked
+distribution exactly. Proposals the grammar forbids are cut before the verify (they could never be
+accepted). The grammar's end lets only the generation's stop tokens through.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import TurboError
+from .extras import require
+
+KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
+COMPILED_KEPT = 64  # grammars kept compiled per runtime (LRU)
+# JSON as json.dumps writes it: no whitespace a model could repeat for ever between tokens
+COMPACT = {"whitespace_flexible": False}
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What the output must be: kind json_object | json_schema | regex | grammar (Lark), and its source."""
+
+    kind: str
+    source: str = ""  # the schema as JSON text, the regex, the Lark grammar
+
+    @staticmethod
+    def parse(value: object) -> ResponseFormat | None:
+        """OpenAI's response_format ({"type": "json_object"}, {"type": "json_schema", "json_schema":
+        {"schema": {...}}}, {"type": "text"}) or turbo's ({"type": "regex", "regex": "..."},
+        {"type": "grammar", "grammar": "LARK"}), or a ResponseFormat; None: unconstrained."""
+        if value is None or isinstance(value, ResponseFormat):
+            return None if value is None or value.kind == "text" else value
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind not in KINDS:
+            raise TurboError(f"response_format is {_shown(value)}, expected {{\"type\": one of {', '.join(KINDS)}}}",
+                             field="response_format")
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return ResponseFormat(kind)
+        if kind == "json_schema":
+            spec = value.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise TurboError("response_format.json_schema.schema: expected a JSON schema object",
+                                 field="response_format")
+            return ResponseFormat(kind, json.dumps(schema, sort_keys=True))
+        source = value.get(kind)
+        if not isinstance(source, str) or not source:
+            raise TurboError(f"response_format.{kind}: expected a non-empty string", field="response_format")
+        return ResponseFormat(kind, source)
+
+
+def _shown(value: object) -> str:
+    try:
+        return json.dumps(value)[:200]
+    except (TypeError, ValueError):
+        return repr(value)[:200]
+
+
+class Grammars:
+    """A runtime's grammars: its vocabulary for llguidance (one per set of stop tokens) and the
+    grammars compiled from response formats, kept LRU."""
+
+    def __init__(self, tokenizer_json: str, vocab: int):
+        self.tokenizer_json, self.vocab = tokenizer_json, vocab
+        self.tokenizers: dict[tuple[int, ...], Any] = {}
+        self.compiled: OrderedDict[ResponseFormat, str] = OrderedDict()
+
+    def _tokenizer(self, stops: tuple[int, ...]) -> Any:
+        if stops not in self.tokenizers:
+            llg = require("llguidance", "grammar")
+            self.tokenizers[stops] = llg.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab, eos_token=list(stops))
+        return self.tokenizers[stops]
+
+    def grammar(self, fmt: ResponseFormat, stops: tuple[int, ...]) -> str:
+        """The format compiled (once) and checked: a TurboError naming response_format when it is not a
+        grammar llguidance takes."""
+        if fmt in self.compiled:
+            self.compiled.move_to_end(fmt)
+            return self.compiled[fmt]
+        llg = require("llguidance", "grammar")
+        m = llg.LLMatcher
+        try:
+            text = {"json_object": lambda: m.grammar_from_json_schema({"type": "object"}, overrides=COMPACT),
+                    "json_schema": lambda: m.grammar_from_json_schema(fmt.source, overrides=COMPACT),
+                    "regex": lambda: m.grammar_from_regex(fmt.source),
+                    "grammar": lambda: m.grammar_from_lark(fmt.source)}[fmt.kind]()
+        except ValueError as e:
+            raise TurboError(f"response_format ({fmt.kind}): {str(e).splitlines()[0]}", field="response_format") \
+                from None
+        error = m.validate_grammar(text, self._tokenizer(stops))
+        if error:
+            raise TurboError(f"response_format ({fmt.kind}): {error.splitlines()[0][:300]}", field="response_format")
+        self.compiled[fmt] = text
+        while len(self.compiled) > COMPILED_KEPT:
+            self.compiled.popitem(last=False)
+        return text
+
+    def state(self, fmt: ResponseFormat, stops: tuple[int, ...]) -> GrammarState:
+        """A sequence's matcher, at the start of its output."""
+        if not stops:
+            raise TurboError("response_format: a constrained generation ends at a stop token, and this one has none "
+                             "(keep stop_at_eos, or give stop_token_ids)", field="response_format")
+        llg = require("llguidance", "grammar")
+        matcher = llg.LLMatcher(self._tokenizer(stops), self.grammar(fmt, stops), log_level=0)
+        if matcher.is_error():
+            raise TurboError(f"response_format ({fmt.kind}): {matcher.get_error().splitlines()[0][:300]}",
+                             field="response_format")
+        return GrammarState(matcher, self.vocab)
+
+
+class GrammarState:
+    """One sequence's grammar: its matcher as the committed tokens left it."""
+
+    def __init__(self, matcher: Any, vocab: int):
+        self.matcher, self.vocab = matcher, vocab
+
+    def allowed_prefix(self, proposals: list[int]) -> int:
+        """How many of a round's proposals the grammar lets through, in order."""
+        return self.matcher.validate_tokens(proposals) if proposals else 0
+
+    def allowed(self) -> torch.Tensor:
+        """The next token's mask [vocab] (True: allowed)."""
+        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        return torch.from_numpy(bits[:self.vocab].astype(bool))
+
+    def rows(self, logits: torch.Tensor, proposals: list[int]) -> torch.Tensor:
+        """The masked logits of a round's rows (every proposal allowed: `allowed_prefix` cut them),
+        row i with the state after proposals[:i]; the matcher is left as it was."""
+        out = logits.float().clone()
+        consumed = 0
+        for i in range(out.shape[0]):
+            out[i].masked_fill_(~self.allowed().to(out.device), float("-inf"))
+            if i < len(proposals) and i < out.shape[0] - 1:
+                if not self.matcher.consume_token(proposals[i]):
+                    raise RuntimeError(f"the grammar refused proposal {i} after letting it through")
+                consumed += 1
+        if consumed:
+            self.matcher.rollback(consumed)
+        return out
+
+    def commit(self, tokens: list[int]) -> None:
+        for t in tokens:
+            if self.matcher.is_stopped():
+                return  # (the stop token that ends the output)
+            if not self.matcher.consume_token(t):
+                raise RuntimeError(f"the grammar refused committed token {t}: {self.matcher.get_error()}")

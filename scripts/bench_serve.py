@@ -23,6 +23,7 @@ import tempfile
 from pathlib import Path
 
 from turbo.testing import shapes
+from turbo.testing.checks import served_address
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"plain": ("code", {"policy": "off"}),
@@ -34,10 +35,10 @@ CONFIGS = {"plain": ("code", {"policy": "off"}),
 
 def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
-    line = proc.stdout.readline()
-    if "http://127.0.0.1:" not in line:
-        proc.kill()
-        sys.exit(f"the server did not start: {line!r} {proc.stderr.read()[-2000:]}")
+    try:
+        line = served_address(proc)  # its address, on stderr
+    except AssertionError as e:
+        sys.exit(f"the server did not start: {e}")
     return proc, line.split("http://", 1)[1].split()[0]
 
 

@@ -2,7 +2,7 @@
 # The package as a user installs it: in a fresh virtual environment that cannot see the system's
 # site-packages, `pip install <clone>` (not editable: a built wheel, which must carry conf/ and
 # kernels_ptx/), then, from another directory:
-#   - `python -m turbo max_new_tokens=8` streams and ends with its stats line;
+#   - `python -m turbo max_new_tokens=8` streams its text on stdout and its stats line on stderr;
 #   - the PTX directory the cuda backend reads holds the kernels;
 #   - `python -m tui` stops with one line naming the extra (exit status 2);
 #   - with the tui extra installed, `python -m tui` starts (drawn on a pseudo-terminal, quit with ctrl+q).
@@ -24,7 +24,7 @@ python3 -m venv "$venv"  # no --system-site-packages: the extras installed there
 "$py" -m pip install -q "$repo"
 
 for module in textual cuda.bindings matplotlib hydra_plugins.hydra_joblib_launcher \
-              hydra_plugins.hydra_submitit_launcher; do
+              hydra_plugins.hydra_submitit_launcher gguf PIL; do
     if "$py" -c "import importlib.util as u, sys; sys.exit(u.find_spec('${module%%.*}') is None)"; then
         fail "$module is importable in the core install"
     fi
@@ -39,8 +39,10 @@ echo "\$ python -c 'import turbo; print(turbo.__file__)'"
 grep -q "^$venv/" "$work/where" || fail "turbo was imported from outside $venv"
 
 echo "\$ python -m turbo max_new_tokens=8"
-"$py" -m turbo max_new_tokens=8 2>&1 | tee "$work/gen.out"
-grep -q "tok/s" "$work/gen.out" || fail "python -m turbo printed no stats line"
+"$py" -m turbo max_new_tokens=8 >"$work/gen.out" 2>"$work/gen.err"
+cat "$work/gen.out"; echo; cat "$work/gen.err"
+grep -q "tok/s" "$work/gen.err" || fail "python -m turbo printed no stats line on stderr"
+grep -q "tok/s" "$work/gen.out" && fail "python -m turbo printed its stats line on stdout (the text's)"
 
 echo "\$ python -c 'import turbo.backends.cuda_kernels as k; print(k.ptx_dir())'"
 ptx=$("$py" -c "import turbo.backends.cuda_kernels as k; print(k.ptx_dir())")

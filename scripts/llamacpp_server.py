@@ -1,5 +1,5 @@
 """llama.cpp's OpenAI-compatible server (llama-cpp-python's) on 127.0.0.1, a free port, for
-scripts/bench_serve.py: prints `serving on http://127.0.0.1:PORT` once it answers.
+scripts/bench_serve.py: prints `serving on http://127.0.0.1:PORT` on stderr once it answers.
 
     python scripts/llamacpp_server.py MODEL.gguf THREADS
 
@@ -35,7 +35,7 @@ def main() -> None:
             break
         except OSError:
             time.sleep(0.2)
-    print(f"serving on http://127.0.0.1:{port}", flush=True)
+    print(f"serving on http://127.0.0.1:{port}", file=sys.stderr, flush=True)  # as turbo's task=serve
     try:
         while True:
             time.sleep(3600)

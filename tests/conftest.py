@@ -1,7 +1,15 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
 from turbo.testing import make_install, make_spec_install
+
+# Subprocesses (python -m turbo ..., run from a temporary directory) import the checkout under
+# test, not whichever one the environment's editable install points at.
+ROOT = Path(__file__).resolve().parents[1]
+os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
 
 # Tiny models: intra-op threads only add barrier waits, and on a shared machine they can
 # stall badly. One thread also keeps the timing-free tests fast and steady.

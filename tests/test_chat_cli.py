@@ -41,11 +41,10 @@ def chat(tmp_path, *overrides, turns=()):
                           cwd=tmp_path, timeout=120)
 
 
-def replies(stdout):
-    """[(the answer as shown, prefilled tokens)] per turn, from the answers and stats lines."""
-    chunks = re.split(r"^\[stats\].*\n", stdout, flags=re.M)
-    assert chunks[-1] == "", stdout  # the output ends with a stats line
-    return list(zip(chunks[:-1], map(int, re.findall(r"^\[stats\].* \| prefilled (\d+) tok", stdout, re.M))))
+def prefilled(stderr):
+    """The tokens each turn prefilled, from its stats line (standard error: standard output holds
+    the answers alone)."""
+    return list(map(int, re.findall(r"^\[stats\].* \| prefilled (\d+) tok", stderr, re.M)))
 
 
 def expected(rt, turns, system=None, **template_kwargs):
@@ -87,11 +86,11 @@ def template(tmp_path):
 def test_turns_through_a_pipe_match_the_session_api(tiny, template, tmp_path):
     proc = chat(tmp_path, f"chat_template={template}", turns=TURNS + ["/nope"])
     assert proc.returncode == 0, proc.stderr  # EOF ends it
-    got, want = replies(proc.stdout), expected(tiny, TURNS)
-    assert len(got) == len(want) == 6  # one answer and one stats line per turn, none for commands
-    assert got == [(shown(text, thinking), prefilled) for text, prefilled, thinking in want]
+    got, want = prefilled(proc.stderr), expected(tiny, TURNS)
+    assert got == [p for _, p, _ in want] and len(got) == 6  # one stats line per turn, none for commands
+    assert proc.stdout == "".join(shown(text, thinking) for text, _, thinking in want)  # the answers alone
     # /reset: the turn prefills what a fresh conversation's first turn does; the others went on
-    assert got[2][1] == got[0][1]
+    assert got[2] == got[0]
     assert "/nope: not a command" in proc.stderr
     assert "> " not in proc.stdout  # no prompt on a pipe
 
@@ -99,8 +98,8 @@ def test_turns_through_a_pipe_match_the_session_api(tiny, template, tmp_path):
 def test_system_and_think_keys(tiny, template, tmp_path):
     proc = chat(tmp_path, f"chat_template={template}", "system='Be brief.'", "think=false", turns=["def fib(n):"])
     assert proc.returncode == 0, proc.stderr
-    (text, prefilled, thinking), = expected(tiny, ["def fib(n):"], "Be brief.", enable_thinking=False)
-    assert replies(proc.stdout) == [(shown(text, False), prefilled)]
+    (text, tokens, thinking), = expected(tiny, ["def fib(n):"], "Be brief.", enable_thinking=False)
+    assert proc.stdout == shown(text, False) and prefilled(proc.stderr) == [tokens]
 
 
 def one_line_refusal(proc, *needles):
@@ -145,14 +144,14 @@ def test_ctrl_c_stops_a_turn_keeps_its_partial_answer_and_the_next_turn_is_exact
         return first_round_then_ctrl_c()
 
     s.send, shown_first = interrupted_send, []
-    out = io.StringIO()
+    out, err = io.StringIO(), io.StringIO()
     opts = GenerationOptions(**OPTS)
-    assert Repl(tiny, s, opts, out=out, err=io.StringIO()).run(["stop me\n", "go on\n"]) == 0
-    stats = [line for line in out.getvalue().splitlines() if line.startswith("[stats]")]
+    assert Repl(tiny, s, opts, out=out, err=err).run(["stop me\n", "go on\n"]) == 0
+    stats = [line for line in err.getvalue().splitlines() if line.startswith("[stats]")]
     assert len(stats) == 2 and stats[0].endswith("| interrupted") and "interrupted" not in stats[1]
     assert [m["role"] for m in s.history] == ["user", "assistant", "user", "assistant"]
     assert s.history[1]["reasoning_content"] == shown_first[0]  # the prompt opened <think>
-    assert out.getvalue().startswith(THINKING + shown_first[0] + "\n[stats]")
+    assert out.getvalue().startswith(THINKING + shown_first[0] + "\n") and "[stats]" not in out.getvalue()
     # the turn after the interrupted one: a fresh generation over the whole conversation
     prompt = s.template.render(s.history[:-1], add_generation_prompt=True)
     fresh = tiny.generate(encode(tiny.tokenizer, prompt), opts, stop_token_ids=s.stop_ids)
@@ -162,7 +161,7 @@ def test_ctrl_c_stops_a_turn_keeps_its_partial_answer_and_the_next_turn_is_exact
 def test_a_turn_the_template_refuses_ends_the_repl(tiny):
     """(The CLI prints the refusal as one line and exits 2: turbo.__main__.guarded.)"""
     one_turn = "{% if messages|length > 1 %}{{ raise_exception('one turn only') }}{% endif %}" + TEMPLATE
-    s, out = tiny.session(template=one_turn), io.StringIO()
+    s, err = tiny.session(template=one_turn), io.StringIO()
     with pytest.raises(TurboError, match="one turn only"):
-        Repl(tiny, s, GenerationOptions(**OPTS), out=out, err=io.StringIO()).run(["hello\n", "again\n"])
-    assert out.getvalue().count("[stats]") == 1
+        Repl(tiny, s, GenerationOptions(**OPTS), out=io.StringIO(), err=err).run(["hello\n", "again\n"])
+    assert err.getvalue().count("[stats]") == 1

@@ -1,4 +1,5 @@
-"""python -m turbo as a user runs it: a stats line on success; one line and exit 2 on a user error."""
+"""python -m turbo as a user runs it: the continuation alone on stdout and a stats line on stderr on
+success; one line and exit 2 on a user error."""
 
 import json
 import shutil
@@ -43,7 +44,8 @@ def copy(plain_install, tmp_path):
 def test_generate_streams_text_and_ends_with_stats_line(plain_install, tmp_path):
     proc = run(tmp_path, f"install.path={plain_install[1]}", "prompt=hello", "max_new_tokens=8")
     assert proc.returncode == 0, proc.stderr
-    last = proc.stdout.strip().splitlines()[-1]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "[stats]" not in proc.stdout
     for field in ("prompt", "generated 8 tok", "ttft", "prefill", "decode"):
         assert field in last
     assert "no DFlash2 drafter" in proc.stderr  # auto says once why it is not speculating
@@ -53,7 +55,7 @@ def test_speculative_stats_line(spec_install, tmp_path):
     proc = run(tmp_path, f"install.path={spec_install[1]}", "prompt=hello", "max_new_tokens=9", "+policy=fixed",
                "block=3", "rollback=replay")
     assert proc.returncode == 0, proc.stderr
-    last = proc.stdout.strip().splitlines()[-1]
+    last = proc.stderr.strip().splitlines()[-1]
     for field in ("dflash block 3", "rounds", "accepted/round", "mean acceptance length", "rollback rate",
                   "replayed rows", "per-position"):
         assert field in last
@@ -63,7 +65,24 @@ def test_ngram_drafter_speculates_on_an_install_without_one(plain_install, tmp_p
     proc = run(tmp_path, f"install.path={plain_install[1]}", "prompt=" + "a b c d e f " * 8, "max_new_tokens=16",
                "drafter=ngram", "+policy=fixed", "block=4")
     assert proc.returncode == 0, proc.stderr
-    assert "ngram block 4" in proc.stdout.strip().splitlines()[-1]
+    assert "ngram block 4" in proc.stderr.strip().splitlines()[-1]
+
+
+def test_stdout_holds_the_continuation_alone(plain_install, tmp_path):
+    """`python -m turbo prompt=- < in.txt > out.txt`: out.txt is the continuation, byte for byte
+    the API's text (no prompt, no stats, no trailing newline); the reports are on stderr."""
+    import turbo
+
+    (tmp_path / "in.txt").write_text("def fib(n):\n")
+    cmd = [sys.executable, "-m", "turbo", "threads=1", "backend=cpu", f"install.path={plain_install[1]}", "prompt=-",
+           "max_new_tokens=12"]
+    with open(tmp_path / "in.txt") as stdin, open(tmp_path / "out.txt", "w") as stdout:
+        proc = subprocess.run(cmd, stdin=stdin, stdout=stdout, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                              timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    want = turbo.open(plain_install[1], backend="cpu").generate("def fib(n):\n", max_new_tokens=12).text
+    assert want and (tmp_path / "out.txt").read_text() == want
+    assert proc.stderr.strip().splitlines()[-1].startswith("[stats] prompt")
 
 
 def test_missing_install(tmp_path):
@@ -177,7 +196,7 @@ def test_an_output_dir_under_a_file(spec_install, tmp_path):
     # generate writes nothing: Hydra's output directory is not needed at all
     gen = subprocess.run(cmd + ["prompt=hi", "max_new_tokens=4", where], capture_output=True, text=True,
                          cwd=tmp_path, timeout=120)
-    assert gen.returncode == 0 and "generated 4 tok" in gen.stdout, gen.stderr
+    assert gen.returncode == 0 and "generated 4 tok" in gen.stderr, gen.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
 
 
@@ -185,13 +204,13 @@ def test_ctrl_c_ends_with_the_stats_line_and_exit_130(plain_install, tmp_path):
     cmd = [sys.executable, "-m", "turbo", "threads=1", "backend=cpu", f"install.path={plain_install[1]}",
            "prompt=hello", "max_new_tokens=2000"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
-    assert proc.stdout.read(9).startswith("hello")  # the prompt and the first tokens: the decode is under way
+    assert proc.stdout.read(1)  # the first token: the decode is under way
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 130, err
-    assert "Traceback" not in err and err.strip().splitlines()[-1] == "interrupted", err
-    last = out.strip().splitlines()[-1]
-    assert last.startswith("[stats] prompt") and "generated 2000 tok" not in last, out
+    lines = err.strip().splitlines()
+    assert "Traceback" not in err and lines[-1] == "interrupted", err
+    assert lines[-2].startswith("[stats] prompt") and "generated 2000 tok" not in lines[-2] and "[stats]" not in out
 
 
 def test_unknown_kv_cache(tmp_path):

@@ -23,7 +23,7 @@ def clis(tmp_path, *calls: tuple) -> list[subprocess.CompletedProcess]:
 
 def stats_line(proc) -> str:
     assert proc.returncode == 0, proc.stderr
-    return proc.stdout.strip().splitlines()[-1]
+    return proc.stderr.strip().splitlines()[-1]  # (stdout: the continuation alone)
 
 
 def test_the_backend_note_only_under_verbose(tmp_path):

@@ -138,7 +138,7 @@ def test_the_command_line_takes_them_and_refuses_in_one_line(tiny, tmp_path):
     assert ok.returncode == 0, ok.stderr
     want = tiny.generate(_default_prompt(), policy="off", max_new_tokens=12, repetition_penalty=1.3,
                          logit_bias={267: 4})
-    assert want.text in ok.stdout
+    assert ok.stdout == want.text  # (stdout: the continuation alone)
     bad = run("presence_penalty=9")
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "presence_penalty is 9" in bad.stderr
 

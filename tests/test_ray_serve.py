@@ -12,6 +12,7 @@ pytest.importorskip("ray.serve")
 openai = pytest.importorskip("openai")
 
 import turbo  # noqa: E402
+from turbo.testing.checks import served_address  # noqa: E402
 
 PROMPTS = ["def fib(n):", "The quick brown fox", "import numpy as np\n", "Once upon a time"]
 
@@ -21,9 +22,8 @@ def test_two_replicas_answer_as_one_runtime(tmp_path):
            "threads=1", "backend=cpu"]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stdout.readline()
-        assert line.startswith("serving on http://127.0.0.1:") and "2 Ray Serve replicas" in line, \
-            (line, proc.poll() is not None and proc.stderr.read())
+        line = served_address(proc)
+        assert line.startswith("serving on http://127.0.0.1:") and "2 Ray Serve replicas" in line, line
         client = openai.OpenAI(base_url=line.split()[2] + "/v1", api_key="none", max_retries=0)
         ask = lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=12, temperature=0)  # noqa: E731
         with ThreadPoolExecutor(len(PROMPTS)) as pool:

@@ -21,7 +21,8 @@ def test_report_table_and_png_from_fixtures(tmp_path, capsys):
     shutil.copytree(FIXTURE, d)
     assert main([str(d)]) == 0
     text = (d / "report.md").read_text()
-    assert text == capsys.readouterr().out.split("[report] wrote")[0]
+    said = capsys.readouterr()
+    assert text == said.out and said.err.startswith("[report] wrote")
     assert "# Probe report (24 metrics.json)" in text
     assert "| workload | rollback | policy | block | accepted per round |" in text
     assert "| prose | replay | fixed | 8 | 1.84 | 96% |" in text

@@ -18,6 +18,7 @@ httpx = pytest.importorskip("httpx")
 pytest.importorskip("fastapi")
 
 import turbo  # noqa: E402
+from turbo.testing.checks import served_address  # noqa: E402
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
@@ -33,10 +34,8 @@ def server(tmp_path_factory):
     cmd = [sys.executable, "-m", "turbo", "task=serve", "serve.port=0", "threads=1", "backend=cpu",
            f"serve.chat_template={tmp / 'chatml.jinja'}", "serve.max_running=2", f"serve.max_waiting={MAX_WAITING}"]
     proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()  # the address, once it answers
-    if not line.startswith("serving on http://127.0.0.1:"):
-        proc.kill()
-        pytest.fail(f"no address printed: {line!r} {proc.stderr.read()}")
+    line = served_address(proc)  # the address (stderr), once it answers
+    assert line.startswith("serving on http://127.0.0.1:"), line
     url = line.split()[-1]
     yield SimpleNamespace(url=url, client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0),
                           proc=proc, template=CHATML)

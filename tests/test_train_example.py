@@ -51,7 +51,7 @@ def run_example(install: Path, where: Path, capsys) -> list[str]:
     # a finished run keeps its log and record, not its training set and checkpoint
     assert sorted(p.name for p in (out / "train").iterdir()) == ["log.jsonl", "run.json"]
     said = capsys.readouterr()
-    assert "removed its training set and checkpoint" in said.out
+    assert "removed its training set and checkpoint" in said.err
     return said.err.splitlines()
 
 
@@ -161,7 +161,7 @@ def test_a_run_stopped_before_its_steps_keeps_its_work(plain_install, tmp_path, 
            "--steps", "3", *SMALL]
     assert main(run + ["--minutes", "1e-9"]) == 0  # the budget ends it after one step of three
     assert {"dataset.pt", "checkpoint.pt"} <= {p.name for p in (tmp_path / "o" / "train").iterdir()}
-    assert "kept" in capsys.readouterr().out
+    assert "kept" in capsys.readouterr().err
     assert main(run + ["--resume"]) == 0
     assert not (tmp_path / "o" / "train" / "checkpoint.pt").exists()
     assert main(run + ["--out", str(tmp_path / "k"), "--keep-work"]) == 0

@@ -20,6 +20,7 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 import turbo  # noqa: E402
+from turbo.testing.checks import served_address  # noqa: E402
 from turbo.vision.testing import IMAGE_ID, make_vl_install  # noqa: E402
 
 from test_vision_doors import TEMPLATE, png  # noqa: E402
@@ -52,10 +53,8 @@ def vl(tmp_path_factory):
     cmd = [sys.executable, "-m", "turbo", "task=serve", "serve.port=0", "threads=1", "backend=cpu",
            f"install.path={path}", f"serve.chat_template={tmp / 'vl.jinja'}", "serve.max_running=4"]
     proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    if not line.startswith("serving on http://127.0.0.1:"):
-        proc.kill()
-        pytest.fail(f"no address printed: {line!r} {proc.stderr.read()}")
+    line = served_address(proc)  # (stderr: stdout carries generated text alone)
+    assert line.startswith("serving on http://127.0.0.1:"), line
     url = line.split()[-1]
     yield SimpleNamespace(client=openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0),
                           rt=turbo.open(path, backend="cpu", threads=1), model=path.name)

@@ -1,4 +1,5 @@
-"""python -m turbo [Hydra overrides]: task=generate streams text and a stats line;
+"""python -m turbo [Hydra overrides]: task=generate streams the continuation (standard output)
+and a stats line (standard error);
 task=chat reads a conversation from standard input (turbo.chat_cli); task=serve is the
 OpenAI-compatible server (turbo.serve.main); task=probe measures
 acceptance per block (turbo.probe). --help is turbo's page (conf/hydra/help/turbo.yaml),
@@ -84,18 +85,20 @@ def run(cfg: DictConfig) -> int:
     if rt.backend.note and rc.opening.verbose:  # once the request is known valid: a refusal stays one line
         print(rt.backend.note, file=sys.stderr)
     stats = None
-    sys.stdout.write(rc.prompt)
+    # Standard output carries the continuation alone (`prompt=- < in.txt > out.txt` holds just
+    # it, as llama.cpp's tools and `ollama run` keep theirs); every report goes to stderr.
     try:
         for i, event in enumerate(events):
             if i == 0 and event.stats.speculation_off_reason and rc.generation.policy != "off":
-                print(f"\n[turbo] speculation off: {event.stats.speculation_off_reason}", file=sys.stderr)
+                print(f"[turbo] speculation off: {event.stats.speculation_off_reason}", file=sys.stderr)
+            stats = event.stats  # (first: a Ctrl-C once any text is out still prints its stats line)
             sys.stdout.write(event.text)
             sys.stdout.flush()
-            stats = event.stats
     finally:  # Ctrl-C too: the stats of what was generated
-        print()
+        if sys.stdout.isatty():  # on a terminal the stats line starts a line of its own; a file gets no newline
+            print(flush=True)
         if stats is not None:
-            print(stats.line(), flush=True)
+            print(stats.line(), file=sys.stderr, flush=True)
     return 0
 
 

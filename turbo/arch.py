@@ -205,9 +205,7 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
     _refuse_unimplemented(text, model_type, w)
     partial = need_real({"partial_rotary_factor": text.get("partial_rotary_factor", 0.25)} | rope,
                         "partial_rotary_factor", w, lambda v: 0 < v <= 1, "a number in (0, 1]")
-    tie = text.get("tie_word_embeddings", cfg.get("tie_word_embeddings"))
-    if not isinstance(tie, bool):
-        raise TurboError(f"{w}: missing required field 'tie_word_embeddings' (expected true or false)")
+    tie = tie_word_embeddings(cfg, text, where)
     vocab = need_positive(text, "vocab_size", w)
     head_dim = need_positive(text, "head_dim", w)
     num_heads = need_positive(text, "num_attention_heads", w)
@@ -258,6 +256,22 @@ def arch_from_config(cfg: dict, where: str = "config.json") -> Arch:
         # the context the factor declares: transformers sets none, and past it the scaling goes on growing
         arch = replace(arch, max_positions=min(int(s.factor * s.original_max_positions), MAX_POSITIONS))
     return arch
+
+
+def tie_word_embeddings(cfg: dict, text: dict, where: str) -> bool:
+    """Whether the lm_head is the embedding, read where transformers reads it: in the config of
+    the class that holds the head. A nested checkpoint (ForConditionalGeneration) ties by its top
+    level (Qwen3_5Config's field); the text config's own flag is what its sub-model would do
+    alone, and transformers writes no lm_head when the top level ties, whatever the text config
+    says. A flat one (ForCausalLM) ties by its only level. Required either way: transformers
+    writes it, and a guess would pick the wrong head."""
+    tie = cfg.get("tie_word_embeddings")
+    if tie is None:
+        raise TurboError(f"{where}: missing required field 'tie_word_embeddings'"
+                         f"{' at the top level' if text is not cfg else ''} (expected true or false)")
+    if not isinstance(tie, bool):
+        raise TurboError(f"{where}: field 'tie_word_embeddings' is {show(tie)}, expected true or false")
+    return tie
 
 
 def _moe_fields(text: dict, model_type: str, num_layers: int, w: str) -> dict:

@@ -5,8 +5,8 @@ Each line is a user turn, or a command: /reset, /system [TEXT], /think on|off, /
 PATH (attaches an image to the next turn: an install with a vision tower; a refused image is one
 line on stderr and the conversation goes on). The
 answer streams to stdout -- reasoning marked (dim on a terminal, `[thinking] ` before it
-otherwise) -- then one `[stats]` line (as task=generate's, plus what the turn prefilled and the
-state it went on from). EOF ends it (0). Ctrl-C in a turn stops that turn and keeps its partial
+otherwise) -- then one `[stats]` line on stderr (as task=generate's, plus what the turn prefilled
+and the state it went on from). EOF ends it (0). Ctrl-C in a turn stops that turn and keeps its partial
 answer as the assistant's message (/retry redoes it); Ctrl-C at the prompt ends it (130, the
 CLI's). A template that is missing, not Jinja or raises, and any refused turn, end it: one line, 2.
 """
@@ -175,10 +175,9 @@ class Repl:
                 display.push("", final=True)
             if s.history and s.history[-1]["role"] == "user":
                 s.history.append(assistant_message(self.rt.tokenizer, generated, s.stop_ids, opens_think(s.render())))
-        print(file=self.out)
-        if stats is not None:
-            print(stats_line(stats, s.keeper.report, interrupted), file=self.out)
-        self.out.flush()
+        print(file=self.out, flush=True)  # each answer a line of its own in the transcript
+        if stats is not None:  # a report: standard error (standard output holds the answers alone)
+            print(stats_line(stats, s.keeper.report, interrupted), file=self.err, flush=True)
 
     def _note(self, stats: Stats) -> None:
         self.noted = True
@@ -190,7 +189,7 @@ class Repl:
 
 def read_lines(stdin: TextIO, tty: bool) -> Iterator[str]:
     """The lines typed: with a `> ` prompt (and line editing) only where stdin and stdout are a
-    terminal, so that piped output holds the answers and stats lines alone."""
+    terminal, so that piped output holds the answers alone."""
     if not tty:
         yield from stdin
         return

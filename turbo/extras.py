@@ -10,7 +10,8 @@ from .errors import TurboError
 # extra -> what it is for (pyproject.toml's optional-dependencies)
 EXTRAS = {"tui": "the terminal UI", "cuda": "the CUDA backend", "sweeps": "sweeps and reports",
           "serve": "the OpenAI-compatible server", "ray": "Ray Serve replicas",
-          "grammar": "constrained output (response_format)"}
+          "grammar": "constrained output (response_format)", "gguf": "reading GGUF checkpoints",
+          "vision": "decoding images"}
 
 
 def missing(extra: str, module: str) -> str:

@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {directory}: {e}", file=sys.stderr)
         return 2
     print(text, end="")
-    print(f"[report] wrote {directory / 'report.md'} and {directory / 'report.png'}")
+    print(f"[report] wrote {directory / 'report.md'} and {directory / 'report.png'}", file=sys.stderr)
     return 0
 
 

@@ -85,6 +85,7 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         trunk_quant = {k: v for k, v in trunk_quant.items() if not k.startswith(mtp.MTP_PREFIX)}
         trunk = [p for p in trunk if not p.name.startswith(mtp.MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt or floats,
                                                                                        trunk_quant)
+    check_head(trunk, arch.tie_embeddings, src / "config.json")
     declared = mtp.declared_layers(config)
     if declared and not any(p.name.startswith("mtp.") for p in trunk):  # still an install: the trunk is whole
         print(f"note: {mtp.missing_head(str(src / 'config.json'), declared)}", file=sys.stderr)
@@ -119,6 +120,14 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         # the native step's matrices as it reads them, beside the weights: opens map them (turbo/layout_file.py)
         write_layout_of(tmp, open_layout)
     return out
+
+
+def check_head(trunk: list, tied: bool, config: Path) -> None:
+    """An untied config's lm_head (the tie flag read as transformers reads it: turbo/arch.py) is
+    there, or refused now rather than at the first open (an install the runtime cannot open)."""
+    if not tied and not any(p.name.startswith("trunk.lm_head.") for p in trunk):
+        raise TurboError(f"{config}: tie_word_embeddings is false, but the checkpoint has no lm_head.weight "
+                         f"(expected a separate lm_head, or tie_word_embeddings true)")
 
 
 class Interrupted(BaseException):
@@ -161,6 +170,6 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + (signal.SIGTERM if isinstance(e, Interrupted) else signal.SIGINT)
     finally:
         signal.signal(signal.SIGTERM, previous)
-    print(f"wrote install {path}")
+    print(f"wrote install {path}", file=sys.stderr)  # a report: standard output stays empty
     return 0
 

@@ -17,6 +17,7 @@ from tqdm import tqdm
 from .. import quant as q
 from ..arch import arch_from_config
 from ..errors import TurboError
+from ..extras import missing
 from .gguf_tensors import EXACT_TYPES, FLOAT_TYPES, Inverse, Requant, plan_gguf
 from .gguf_vocab import write_tokenizer
 from .tensors import Planned
@@ -86,7 +87,7 @@ def _open(path: Path):
     try:
         import gguf
     except ImportError:
-        raise TurboError("the gguf package is not installed (reading GGUF files needs it): pip install gguf") from None
+        raise TurboError(missing("gguf", "gguf")) from None
     try:
         reader = gguf.GGUFReader(path)
     except (ValueError, KeyError, IndexError, OSError, EOFError) as e:

@@ -1,6 +1,7 @@
 """python -m turbo task=serve: the server in this process (uvicorn over app.make_app), or Ray
-Serve replicas (serve.engine=ray: ray_app.py). It prints `serving on http://HOST:PORT` once it
-answers; Ctrl-C stops it (the CLI's `interrupted`, 130)."""
+Serve replicas (serve.engine=ray: ray_app.py). It prints `serving on http://HOST:PORT` on stderr
+once it answers (stdout carries generated text alone, and a server generates none there); Ctrl-C
+stops it (the CLI's `interrupted`, 130)."""
 
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
-                print(f"serving on {address(config.host, port)}", flush=True)
+                print(f"serving on {address(config.host, port)}", file=sys.stderr, flush=True)
 
     server = Server(uvicorn.Config(make_app(engine), log_level="warning", access_log=False,
                                    timeout_graceful_shutdown=5))

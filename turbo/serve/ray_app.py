@@ -6,6 +6,7 @@ machines."""
 
 from __future__ import annotations
 
+import sys
 import time
 
 from ..config import RunConfig
@@ -60,7 +61,8 @@ def run_ray(rc: RunConfig, defaults: GenerationOptions, config: ServeConfig) -> 
     try:
         serve.start(http_options={"host": config.host, "port": port})
         serve.run(deployment(rc, defaults, config), name=APP_NAME, route_prefix="/")
-        print(f"serving on {address(config.host, port)} ({config.replicas} Ray Serve replicas)", flush=True)
+        print(f"serving on {address(config.host, port)} ({config.replicas} Ray Serve replicas)", file=sys.stderr,
+              flush=True)
         while True:
             time.sleep(3600)
     finally:

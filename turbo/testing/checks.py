@@ -67,6 +67,21 @@ def assert_64_greedy_tokens_match(model, install: Path) -> None:
     assert ours.tokens == hf
 
 
+def served_address(proc: subprocess.Popen, lines: int = 200) -> str:
+    """The `serving on http://...` line a server process (task=serve, scripts/llamacpp_server.py)
+    prints on stderr once it answers, read past what it logs before; AssertionError with what it
+    said when it ends (or says `lines` others) first."""
+    said = []
+    for line in proc.stderr:
+        if line.startswith("serving on http://"):
+            return line
+        said.append(line)
+        if len(said) >= lines:
+            break
+    proc.kill()
+    raise AssertionError(f"no address printed: {''.join(said)[-2000:]}")
+
+
 def run_clis(cwd: Path, calls: list[tuple], base: tuple[str, ...] = (),
              text: bool = False) -> list[subprocess.CompletedProcess]:
     """`python -m turbo *base *call` for every call, all at once (each mostly imports torch: they

@@ -315,7 +315,7 @@ def run(args: argparse.Namespace) -> int:
     kept = ("removed its training set and checkpoint (--keep-work keeps them)" if removed
             else f"kept {work} for --resume")
     print(f"wrote {args.out} ({steps} steps; {kept}); file it: python -m turbo.repack {install.path} NEW {flag} "
-          f"{args.out}")
+          f"{args.out}", file=sys.stderr)  # a report: stdout holds the held-out table alone
     if prompts:
         result = heldout.evaluate(install.path, args.out, args.kind, prompts,
                                   heldout.blocks_for(record.get("block") if args.kind == "dflash2" else None),

@@ -17,6 +17,7 @@ import argparse
 import json
 import random
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -192,7 +193,7 @@ def run(args: argparse.Namespace, device: torch.device, work: Path) -> int:
             groups.append(("raw:" + raw.name, raw.documents))
     model = hf_model(src, vocab, args.seed).to(device)
     print(f"trunk: {sum(p.numel() for p in model.parameters()):,} parameters, vocab {src.arch.vocab} -> {vocab}; "
-          + ", ".join(f"{n} {len(x)}" for n, x in groups), flush=True)
+          + ", ".join(f"{n} {len(x)}" for n, x in groups), file=sys.stderr, flush=True)  # reports: stderr
 
     def step_loss(step: int, gen: torch.Generator):
         name, items = groups[step % len(groups)]
@@ -218,5 +219,5 @@ def run(args: argparse.Namespace, device: torch.device, work: Path) -> int:
     model.eval()
     write_install(model, src, args.out / "install", tok, template, stop_ids)
     print(f"wrote {args.out / 'install'} ({steps} steps); file it with retrained drafters: python -m turbo.repack "
-          f"{args.out / 'install'} NEW --drafter DFLASH2_OUT --mtp MTP_OUT")
+          f"{args.out / 'install'} NEW --drafter DFLASH2_OUT --mtp MTP_OUT", file=sys.stderr)
     return 0

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from ..errors import TurboError
+from ..extras import require
 
 MAX_PIXELS = 40_000_000  # the decode budget, read off the header: a 100,000 x 100,000 PNG never decodes
 MAX_BYTES = 64 << 20  # an image file or data: URL payload
@@ -128,7 +129,7 @@ def _bytes_of(source: str | Path | bytes) -> tuple[bytes, str]:
 
 def decode(source: ImageInput):
     """An RGB PIL image from any accepted input, every limit checked (the header's first)."""
-    from PIL import Image  # an optional dependency: only images need it
+    Image = require("PIL.Image", "vision")  # an optional dependency (the `vision` extra): only images need it
 
     if not isinstance(source, (str, Path, bytes, Image.Image)):
         raise TurboError(f"image of type {type(source).__name__}: expected a path, bytes, a PIL image or a data: URL")
@@ -163,7 +164,7 @@ def decode(source: ImageInput):
 
 def prepare(source: ImageInput, spec: ImageSpec) -> PreparedImage:
     """The tensors transformers' processor gives for one image (pixel_values, image_grid_thw)."""
-    from PIL import Image  # (as in decode: an optional dependency)
+    Image = require("PIL.Image", "vision")  # (as in decode: the `vision` extra)
 
     rgb = decode(source)
     h, w = smart_resize(rgb.height, rgb.width, spec.factor, spec.min_pixels, spec.max_pixels)

@@ -71,3 +71,41 @@ def test_a_gguf_table_that_cannot_be_right_is_refused_before_writing(dense, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and says in err[0], err
     assert [p.name for p in tmp_path.iterdir()] == ["bad.gguf"]
+
+
+def _hf_source(tmp_path, kind: str):
+    from test_repack_formats import _source
+
+    return _source(tmp_path, kind, group=128)[1]
+
+
+def _refused(tmp_path, capsys, src, says: str) -> None:
+    capsys.readouterr()
+    assert main([str(src), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and says in err[0] and "Traceback" not in err[0], err
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_an_awq_module_without_qzeros_is_one_line(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    src = _hf_source(tmp_path, "awq")
+    state = load_file(str(src / "model.safetensors"))
+    name = next(n for n in state if n.endswith(".qzeros"))
+    del state[name]
+    save_file(state, str(src / "model.safetensors"))
+    _refused(tmp_path, capsys, src, f"its module has no {name.rsplit('.', 2)[-2]}.qzeros tensor")
+
+
+@pytest.mark.parametrize("text, says", [
+    ("{not json", "not a tokenizers file"),
+    ('{"version": "1.0", "model": {"type": "Nope"}}', "not a tokenizers file"),
+])
+def test_a_malformed_tokenizer_json_is_refused_at_repack(tmp_path, capsys, text, says):
+    from turbo.testing import make_checkpoint
+
+    src = tmp_path / "src"
+    make_checkpoint(src, 0, num_hidden_layers=2)
+    (src / "tokenizer.json").write_text(text)
+    _refused(tmp_path, capsys, src, says)

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .arch import _token_ids, read_config_json, show
@@ -280,6 +281,18 @@ def _compiled(source: str) -> jinja2.Template:
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
                        namespace=_Namespace)
     return env.from_string(source)
+
+
+@lru_cache(maxsize=16)
+def _variables(source: str) -> frozenset[str]:
+    return frozenset(jinja2.meta.find_undeclared_variables(_compiled(source).environment.parse(source)))
+
+
+def template_variables(chat: ChatTemplate) -> frozenset[str]:
+    """The names a template reads from its context (Jinja's undeclared variables: enable_thinking,
+    tools, bos_token...) and the special tokens it is given: what a template keyword may be."""
+    compile_template(chat.source, chat.where)  # (refused in one line if it does not compile)
+    return _variables(chat.source) | frozenset(chat.special_tokens)
 
 
 def compile_template(source: str, where: str = "chat template") -> jinja2.Template:

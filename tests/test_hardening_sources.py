@@ -38,6 +38,8 @@ def damaged(path, damage: str) -> bytes:
         data[b["offset"]:b["offset"] + 8] = data[a["offset"]:a["offset"] + 8]
     elif damage == "retyped":  # Q8_0 -> F32: its bytes now run over its neighbour's
         data[a["type"]:a["type"] + 4] = (0).to_bytes(4, "little")
+    elif damage == "retyped smaller":  # Q8_0 -> Q4_0: same shape, fewer bytes, its neighbour where it was
+        data[a["type"]:a["type"] + 4] = (2).to_bytes(4, "little")
     elif damage == "zero dim":
         data[a["dims"]:a["dims"] + 8] = (0).to_bytes(8, "little")
     elif damage == "swapped dims":
@@ -59,6 +61,7 @@ def damaged(path, damage: str) -> bytes:
     ("misaligned", "expected a multiple of general.alignment 32"),
     ("overlap", "overlap (bytes"),
     ("retyped", "overlap (bytes"),
+    ("retyped smaller", "bytes unaccounted for between tensors"),
     ("zero dim", "expected every dimension >= 1"),
     ("swapped dims", "from the metadata's config"),
     ("block count", "which the metadata's config needs (a block count larger than the tensors present?)"),

@@ -189,10 +189,15 @@ class GgufSource:
                     new, kind = GLOBAL[name]
                     planned += self._one(new, t, kind, cfg, requant, quantized)
                 continue
+            if name.count(".") < 2:
+                raise TurboError(f"{self.path}: unexpected tensor {name} (not one llama.cpp writes for {self.arch})")
             _, block, rest = name.split(".", 2)
             if not block.isdecimal() or int(block) not in layers:
                 if not block.isdecimal():
                     raise TurboError(f"{self.path}: unexpected tensor {name}")
+                if int(block) >= self.value("{arch}.block_count"):  # (skipped, it would drop a block unsaid)
+                    raise TurboError(f"{self.path}: tensor {name} of block {block}, past the metadata's "
+                                     f"{self.arch}.block_count {self.value('{arch}.block_count')}")
                 continue
             i = int(block)
             stem = f"trunk.layers.{i}." if i < n_trunk else f"mtp.layers.{i - n_trunk}."

@@ -1,6 +1,6 @@
 """A GGUF's tensor table checked before repack writes anything (repack_gguf.py): each tensor's
 data offset aligned to general.alignment, its bytes inside the data section and overlapping no
-other tensor's, no zero dimension; and, against the config rebuilt from the metadata, every tensor
+other tensor's, the tensors tiling the section (no gap wider than the padding), no zero dimension; and, against the config rebuilt from the metadata, every tensor
 the architecture needs present with the shape it implies. The gguf package's reader takes all of
 these as they come (a misaligned or overlapping table reads other tensors' bytes as weights: the
 install generates garbage; a missing block fails only when the install opens)."""
@@ -41,6 +41,14 @@ def check_table(path: Path, reader, size: int) -> None:
         if begin < end:
             raise TurboError(f"{path}: tensors {name} and {other} overlap (bytes {begin}..{end}), expected each "
                              "tensor's bytes its own")
+        # writers (gguf-py's, llama.cpp's) lay tensors end to end, each padded to the alignment: any
+        # other gap is a table that does not describe its data (a tensor retyped to a smaller type)
+        if begin != -(-(end - start) // align) * align + start:
+            raise TurboError(f"{path}: {begin - end} bytes unaccounted for between tensors {name} and {other}, "
+                             f"expected the tensors to tile the data section (each padded to {align} bytes)")
+    if spans and spans[0][0] - start >= align:
+        raise TurboError(f"{path}: the first tensor {spans[0][2]} starts {spans[0][0] - start} bytes into the data "
+                         "section, expected at its start")
 
 
 def expected_shapes(a: Arch, mtp_layers: int) -> dict[str, tuple[int, ...]]:

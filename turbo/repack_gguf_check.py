@@ -18,6 +18,8 @@ DEFAULT_ALIGNMENT = 32  # GGUF's, when general.alignment is absent
 
 def check_table(path: Path, reader, size: int) -> None:
     """Offsets aligned, byte ranges inside the data section and disjoint, no zero dimension."""
+    from gguf import GGML_QUANT_SIZES  # (the optional package _open has already imported)
+
     field = reader.fields.get("general.alignment")
     align = int(field.contents()) if field is not None else DEFAULT_ALIGNMENT
     if align <= 0 or align & (align - 1):
@@ -28,6 +30,15 @@ def check_table(path: Path, reader, size: int) -> None:
         dims = [int(n) for n in t.shape.tolist()]
         if not dims or any(n <= 0 for n in dims):
             raise TurboError(f"{path}: tensor {t.name} has shape {dims[::-1]}, expected every dimension >= 1")
+        block = GGML_QUANT_SIZES.get(t.tensor_type, (1, 0))[0]
+        if dims[0] % block:  # (ggml's own rule: a row is whole blocks)
+            raise TurboError(f"{path}: tensor {t.name} is {t.tensor_type.name} with rows of {dims[0]} values, "
+                             f"expected whole blocks of {block}")
+        if len(dims) == 1 and t.tensor_type.name != "F32":
+            # llama.cpp's converter writes every 1-D tensor as F32 and llama-quantize leaves them so;
+            # a small one retyped would still fit its padded slot, and be read as other numbers
+            raise TurboError(f"{path}: tensor {t.name} is a 1-D {t.tensor_type.name} tensor, expected F32 (as "
+                             "llama.cpp writes every 1-D tensor)")
         begin, end = int(t.data_offset), int(t.data_offset) + int(t.n_bytes)
         if (begin - start) % align:
             raise TurboError(f"{path}: tensor {t.name} starts at data offset {begin - start}, expected a multiple of "

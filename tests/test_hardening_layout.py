@@ -82,16 +82,17 @@ def test_weights_changed_anywhere_make_the_layout_stale(built, tmp_path, capsys)
     assert fresh.packed and tokens(other) == tokens(other)  # (the changed weights' own layout, in use)
 
 
-def test_touched_weights_cost_one_digest_then_none(built, tmp_path, monkeypatch):
+def test_touched_weights_cost_one_full_check_then_none(built, tmp_path, monkeypatch):
     inst, want = built
-    same = copied(inst, tmp_path / "same")
-    weights = same / "model.safetensors"
-    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    same = copied(inst, tmp_path / "same")  # (a copy: new inodes and ctimes, the first open checks in full)
     calls = []
     real = layout_file.digest
     monkeypatch.setattr(layout_file, "digest", lambda files: calls.append(1) or real(files))
-    assert open_install(same).packed and calls == [1]  # the bytes are the same: still its layout
-    assert open_install(same).packed and calls == [1]  # the new mtime recorded: no digest again
+    assert open_install(same).packed and calls == [1]  # the same bytes: still its layout
+    assert open_install(same).packed and calls == [1]  # its stat recorded: no full check again
+    weights = same / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # touched
+    assert open_install(same).packed and calls == [1, 1]
     assert tokens(same) == want
 
 

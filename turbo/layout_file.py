@@ -31,8 +31,11 @@ PACKED_FILE = "packed.safetensors"
 PREFIX = "packed."  # every packed tensor's name: packed.<layout>.<its first source's name>
 VERSION_KEY = "turbo.layout"
 SOURCE_KEY = "turbo.layout.source"  # digest() of the weights it was packed from: every byte
-STAT_KEY = "turbo.layout.source_stat"  # stat_signature() of them: an open that finds it equal trusts the digest
 CRC_KEY = "turbo.layout.crc32"  # each packed tensor's CRC-32, 8 hex digits each, in the header's order
+# Beside it: what the last full check (or the write) found, by the files' stat; an open that finds
+# the same stat trusts it, any write to the weights or the layout (a new ctime) makes the next
+# open check in full again.
+VERIFIED_FILE = ".packed.verified"
 ALIGN = 64  # the data section's alignment in the file (every packed matrix is a multiple of 64 bytes)
 PANEL = 16
 GROUP = 64  # turbo's int4 / int8 (quant.GROUP)
@@ -112,12 +115,36 @@ def digest(files: list[Path]) -> str:
 
 
 def stat_signature(files: list[Path]) -> str:
-    """Each weight file's name, size and mtime (ns, fixed width: a rewrite keeps its length)."""
+    """Each file's name, size, inode, mtime and ctime (ns). Whatever writes a file changes its
+    ctime, which no tool sets back (touch and cp -p set the mtime only)."""
     out = []
     for p in files:
         st = p.stat()
-        out.append(f"{p.name}:{st.st_size}:{st.st_mtime_ns:020d}")
+        out.append(f"{p.name}:{st.st_size}:{st.st_ino}:{st.st_mtime_ns}:{st.st_ctime_ns}")
     return ";".join(out)
+
+
+def _verified(packed: Path, weights: list[Path], meta: dict) -> dict:
+    return {"weights": stat_signature(weights), "packed": stat_signature([packed]),
+            "source": meta.get(SOURCE_KEY), "crc32": hashlib.sha256((meta.get(CRC_KEY) or "").encode()).hexdigest()}
+
+
+def record_verified(packed: Path, weights: list[Path], meta: dict) -> None:
+    """The stat of a layout just written or checked in full, beside it (best effort: an install
+    directory that is not writable checks in full at every open)."""
+    tmp = packed.with_name(f"{VERIFIED_FILE}.{os.getpid()}")
+    try:
+        tmp.write_text(json.dumps(_verified(packed, weights, meta)))
+        os.replace(tmp, packed.with_name(VERIFIED_FILE))
+    except OSError:
+        tmp.unlink(missing_ok=True)
+
+
+def _still_verified(packed: Path, weights: list[Path], meta: dict) -> bool:
+    try:
+        return json.loads(packed.with_name(VERIFIED_FILE).read_text()) == _verified(packed, weights, meta)
+    except (OSError, ValueError):
+        return False
 
 
 def segment_crcs(path: Path, header) -> str:
@@ -143,8 +170,7 @@ def segment_crcs(path: Path, header) -> str:
 
 def patch_metadata(path: Path, key: str, value: str) -> bool:
     """`key`'s value in `path`'s header rewritten in place, where it keeps its length (the header
-    is not moved: the data stays where it is); False where it cannot be (not writable, another
-    length)."""
+    is not moved: the data stays where it is); False where it cannot be."""
     try:
         with path.open("r+b") as f:
             n = int.from_bytes(f.read(8), "little")
@@ -166,9 +192,9 @@ def patch_metadata(path: Path, key: str, value: str) -> bool:
 def check(root: Path, weights: list[Path]) -> tuple[Path | None, str | None]:
     """The install's packed file to index (None: there is none it can use) and, where one is
     there but not used, the one line that says why and how to rewrite it. Its cost at open: the
-    weights' stat() (a full digest() only after they changed: their size or mtime is not the one
-    recorded; an unchanged digest then records the new stat, so the next open is fast again) and
-    one CRC-32 pass over the packed file (each tensor's bytes checked before any is used)."""
+    stat of the weights and of the layout, equal to those of its last full check (VERIFIED_FILE);
+    else, once, a full check: the weights' digest() against the one it was built from and a CRC-32
+    pass over every packed tensor (docs/hardening.md: the figures)."""
     path = root / PACKED_FILE
     if not path.exists():
         return None, None
@@ -181,16 +207,17 @@ def check(root: Path, weights: list[Path]) -> tuple[Path | None, str | None]:
         version = meta.get(VERSION_KEY)
         if version != str(LAYOUT_VERSION):
             why = f"layout version {version}, this turbo reads {LAYOUT_VERSION}"
-        elif meta.get(STAT_KEY) != stat_signature(weights) and meta.get(SOURCE_KEY) != digest(weights):
+        elif _still_verified(path, weights, meta):
+            return path, None
+        elif meta.get(SOURCE_KEY) != digest(weights):
             why = "written from other weights than the install's"
         else:
-            if meta.get(STAT_KEY) != stat_signature(weights):  # the same bytes, touched or copied
-                patch_metadata(path, STAT_KEY, stat_signature(weights))
             crcs = segment_crcs(path, header)
-            if crcs == meta.get(CRC_KEY):
+            recorded = meta.get(CRC_KEY) or ""
+            if crcs == recorded:
+                record_verified(path, weights, meta)
                 return path, None
             names = list(header.tensors)
-            recorded = meta.get(CRC_KEY) or ""
             bad = next((names[i] for i in range(len(names)) if crcs[8 * i:8 * i + 8] != recorded[8 * i:8 * i + 8]),
                        "its checksum table")
             why = f"damaged: {bad}'s bytes do not match the checksum recorded when it was written"

@@ -178,7 +178,6 @@ def write_layout(install: Install, host: Host = LAYOUT_HOST, matrices: bool = Tr
     weights = safetensors_files(install.path)
     meta = {layout_file.VERSION_KEY: str(layout_file.LAYOUT_VERSION),
             layout_file.SOURCE_KEY: layout_file.digest(weights),  # every byte (read here anyway: hot in the cache)
-            layout_file.STAT_KEY: layout_file.stat_signature(weights),
             layout_file.CRC_KEY: "0" * 8 * len(planned)}  # (filled in once the bytes are written)
     out = install.path / layout_file.PACKED_FILE
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
@@ -188,6 +187,7 @@ def write_layout(install: Install, host: Host = LAYOUT_HOST, matrices: bool = Tr
         if not layout_file.patch_metadata(tmp, layout_file.CRC_KEY, crcs):
             raise TurboError(f"{tmp}: cannot record its checksums")
         os.replace(tmp, out)
+        layout_file.record_verified(out, weights, meta | {layout_file.CRC_KEY: crcs})  # (checked as written)
     finally:
         tmp.unlink(missing_ok=True)
     return out

@@ -47,6 +47,8 @@ class Call:
 
 def error(e: P.ApiError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status == 429 else None
+    if e.status == 413:  # the rest of the body is not read: closing spares draining it
+        headers = {"Connection": "close"}
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 

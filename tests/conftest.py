@@ -1,3 +1,6 @@
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -6,6 +9,11 @@ from turbo.testing import make_install, make_spec_install
 # Tiny models: intra-op threads only add barrier waits, and on a shared machine they can
 # stall badly. One thread also keeps the timing-free tests fast and steady.
 torch.set_num_threads(1)
+
+# Subprocesses (python -m turbo ... with another cwd) import this checkout's turbo, not whichever
+# an editable install points at: the files the tests write and the code that reads them agree.
+_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
 
 
 @pytest.fixture(scope="session")

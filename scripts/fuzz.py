@@ -45,11 +45,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-from turbo.install import resolve
-from turbo.layout_file import PACKED_FILE
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's turbo, not an installed one
+from turbo.install import resolve  # noqa: E402
+from turbo.layout_file import PACKED_FILE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_classes  # noqa: E402 (scripts/ is not a package)
+import fuzz_inputs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
@@ -57,7 +59,7 @@ NEW_TOKENS = 4
 STARTUP_S = 600.0
 MARK = "@@fuzz "  # prefixes the worker's replies: anything else on its stdout is not ours
 BAD = ("generated-changed", "other-exception", "accepted-but-library-refuses", "accepted-should-refuse", "crash",
-       "hang", "silent-change")
+       "hang", "silent-change", "error-5xx", "error-malformed", "served-changed", "repacked-changed")
 # The library keeps the last of a name given twice; turbo refuses it (turbo/safetensors_format.py).
 STRICTER_THAN_LIBRARY = ("duplicate-tensor",)
 
@@ -702,6 +704,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{target}", type=int, default=0, metavar="N", help=f"N {target} mutations")
     parser.add_argument("--fields", type=int, default=0, metavar="N",
                         help="N config.json field mutations on a small checkpoint, judged against transformers")
+    parser.add_argument("--bodies", type=int, default=0, metavar="N",
+                        help="N server request bodies against the app in process (scripts/fuzz_inputs.py)")
+    parser.add_argument("--gguf", type=int, default=0, metavar="N",
+                        help="N GGUF tensor tables repacked in process (scripts/fuzz_inputs.py)")
     parser.add_argument("--install", default="tiny", help="the install to mutate (a directory or a shipped name)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a case counts as a hang")
@@ -711,14 +717,17 @@ def main(argv: list[str] | None = None) -> int:
         worker()
         return 0
     base = resolve(args.install).resolve()
-    if not any(getattr(args, t) for t in TARGETS) and not args.fields:
-        parser.error(f"nothing to do: give one of {', '.join('--' + t for t in [*TARGETS, 'fields'])} N")
+    if not any(getattr(args, t) for t in TARGETS) and not (args.fields or args.bodies or args.gguf):
+        parser.error(f"nothing to do: give one of {', '.join('--' + t for t in [*TARGETS, 'fields', 'bodies', 'gguf'])} N")
     cases = (c for t, make in TARGETS.items() for c in make(base, getattr(args, t), args.seed))
     outcomes = run_cases(base, cases, args.timeout) if any(getattr(args, t) for t in TARGETS) else []
     if args.fields:
         with tempfile.TemporaryDirectory(prefix="turbo-fuzz-fields-") as tmp:
             hf_dir, install = fuzz_classes.field_base(Path(tmp))
             outcomes += run_cases(install, field_cases(hf_dir, install, args.fields, args.seed), args.timeout)
+    for run, n in ((fuzz_inputs.run_bodies, args.bodies), (fuzz_inputs.run_gguf, args.gguf)):
+        if n:
+            outcomes += [Outcome(Case(cls, "", b""), outcome, detail=detail) for cls, outcome, detail in run(n, args.seed)]
     print(table(outcomes))
     bad = [o for o in outcomes if o.outcome in BAD]
     for o in bad:

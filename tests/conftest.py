@@ -15,6 +15,11 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ
 # stall badly. One thread also keeps the timing-free tests fast and steady.
 torch.set_num_threads(1)
 
+# Subprocesses (python -m turbo ... with another cwd) import this checkout's turbo, not whichever
+# an editable install points at: the files the tests write and the code that reads them agree.
+_ROOT = str(Path(__file__).resolve().parents[1])
+os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
+
 
 @pytest.fixture(scope="session")
 def spec_install(tmp_path_factory):

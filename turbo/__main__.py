@@ -167,6 +167,19 @@ def output_dir_problem(overrides: list[str]) -> str | None:
         return f"hydra.run.dir {path}: {first} is not a directory"
     if not os.access(first, os.W_OK):
         return f"hydra.run.dir {path}: {first} is not writable (pass hydra.run.dir=A_WRITABLE_DIR)"
+    # access() says yes to root, where /proc or a read-only mount still refuses: the directories
+    # made here and removed again (Hydra makes them next, its ${now:...} perhaps a second later)
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"hydra.run.dir {path}: cannot create it ({e.strerror}; pass hydra.run.dir=A_WRITABLE_DIR)"
+    finally:
+        for p in made:  # deepest first
+            try:
+                p.rmdir()
+            except OSError:
+                pass
     return None
 
 

@@ -8,15 +8,16 @@ place that says which tokens end a turn. Sessions that keep their state: turbo/s
 
 from __future__ import annotations
 
+import difflib
 import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
-from .chat_template import ChatTemplate, encode, install_template
-from .install import Install
+from .chat_template import ChatTemplate, encode, install_template, template_variables
 from .errors import TurboError
+from .install import Install
 from .options import GENERATION_FIELDS, GenerationOptions
 from .tool_calls import XML_FORMAT, call_grammar, parse_tool_calls, tool_functions
 from .stats import Stats
@@ -73,10 +74,24 @@ def _with_object_arguments(call: object) -> object:
     return call
 
 
-def split_keywords(kw: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(generation options, template keyword arguments): a GenerationOptions field is an option."""
+def split_keywords(kw: dict[str, Any], chat: ChatTemplate) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(generation options, template keyword arguments): a GenerationOptions field is an option,
+    a variable the template reads (enable_thinking) a template keyword; any other is refused by
+    name (`max_tokens=` must not vanish into the template's context)."""
+    check_template_kwargs({k: v for k, v in kw.items() if k not in GENERATION_FIELDS}, chat, options_too=True)
     return ({k: v for k, v in kw.items() if k in GENERATION_FIELDS},
             {k: v for k, v in kw.items() if k not in GENERATION_FIELDS})
+
+
+def check_template_kwargs(kw: dict[str, Any], chat: ChatTemplate, options_too: bool = False) -> None:
+    """Every keyword a variable `chat` reads (template_variables), else a refusal naming it."""
+    variables = template_variables(chat)
+    bad = next((k for k in kw if k not in variables), None)
+    if bad is not None:
+        near = difflib.get_close_matches(bad, [*variables, *(GENERATION_FIELDS if options_too else ())], n=1)
+        raise TurboError(f"{bad} is neither a generation option nor a variable {chat.where} reads"
+                         + (f" (nearest: {near[0]})" if near else "")
+                         + f"; its variables: {', '.join(sorted(variables)) or 'none'}")
 
 
 def turn_stop_ids(install: Install, tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -135,7 +150,7 @@ def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools:
              tool_choice: str = "auto") -> ChatResult:
     """`Runtime.chat`: render with the generation prompt, generate, split the answer."""
     chat = template_for(rt.install, template)
-    fields, template_kwargs = split_keywords(kw)
+    fields, template_kwargs = split_keywords(kw, chat)
     messages = template_messages(messages) if isinstance(messages, (list, tuple)) else messages
     prompt = chat.render(messages, add_generation_prompt=True, tools=tools, documents=documents,
                          **template_kwargs)

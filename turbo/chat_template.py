@@ -10,7 +10,10 @@ read what an install (or a checkpoint, at repack) carries; `install_template` is
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import threading
+import time
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .arch import _token_ids, read_config_json, show
@@ -49,25 +53,45 @@ class ChatTemplate:
     where: str = "chat template"
     special_tokens: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
-    def render(self, messages: list, *, add_generation_prompt: bool = False, tools: list | None = None,
+    def render(self, messages: list, /, *, add_generation_prompt: bool = False, tools: list | None = None,
                documents: list | None = None, **template_kwargs: Any) -> str:
         """The prompt text for `messages`; keyword arguments (enable_thinking=...) go to the
-        template and override a special token of the same name, as in transformers."""
+        template and override a special token of the same name, as in transformers. (`self` and
+        `messages` are positional-only, so a template keyword of that name is a keyword, not a
+        TypeError.)"""
         template = compile_template(self.source, self.where)
         if tools is not None and not all(isinstance(t, Mapping) for t in tools):
             raise TurboError(f"{self.where}: tools must be JSON schemas (dicts), got {show(tools)}")
         if documents is not None and not all(isinstance(d, Mapping) for d in documents):
             raise TurboError(f"{self.where}: documents must be dicts (title, text), got {show(documents)}")
+        if "messages" in template_kwargs:
+            raise TurboError(f"{self.where}: messages is the messages, not a template keyword")
         chat = _alias_reasoning(plain(_drop_none(messages, self.where)))
         kwargs = plain({**self.special_tokens, **template_kwargs})
+        # one dict, not keywords: Jinja's own render(self, ...) would take a `self` keyword as itself
+        context = {**kwargs, "messages": chat, "tools": plain(tools), "documents": plain(documents),
+                   "add_generation_prompt": add_generation_prompt}
+        _bounds.deadline, out, size = time.monotonic() + RENDER_SECONDS, [], 0
         try:
-            return template.render(messages=chat, tools=plain(tools), documents=plain(documents),
-                                   add_generation_prompt=add_generation_prompt, **kwargs)
+            for piece in template.generate(context):  # the output counted as it grows
+                size += len(piece)
+                if size > RENDER_CHARS:
+                    raise RenderLimit(f"its output passed {RENDER_CHARS} characters")
+                out.append(piece)
+            _tick()
+        except RenderLimit as e:
+            raise TurboError(f"{self.where}: refused to render: {e} (a template's render is bounded to "
+                             f"{RENDER_SECONDS:g} s and {RENDER_CHARS} characters)") from None
+        except MemoryError:
+            raise TurboError(f"{self.where}: refused to render: it ran out of memory") from None
         except RENDER_ERRORS as e:
             raise TurboError(f"{self.where}: refused to render ({_one_line(e)})") from None
+        finally:
+            _bounds.deadline = None
+        return "".join(out)
 
 
-def render(template: str | ChatTemplate, messages: list, *, add_generation_prompt: bool = False,
+def render(template: str | ChatTemplate, messages: list, /, *, add_generation_prompt: bool = False,
            tools: list | None = None, documents: list | None = None, **template_kwargs: Any) -> str:
     """`template` (its text, or a ChatTemplate with its special tokens) rendered over `messages`."""
     chat = template if isinstance(template, ChatTemplate) else ChatTemplate(template)
@@ -150,14 +174,125 @@ class _Generation(jinja2.ext.Extension):
         return caller()
 
 
+# ---- bounds: a template is code from a checkpoint or a client's server; its render must end --------
+
+RENDER_SECONDS = 10.0  # a render's time (a real template over a long conversation: milliseconds)
+RENDER_CHARS = 32 << 20  # the rendered text, and any one string a template builds on the way
+_bounds = threading.local()  # this thread's render deadline (servers render on several threads at once)
+
+
+class RenderLimit(Exception):
+    """A render past RENDER_SECONDS or RENDER_CHARS (refused in one line by `ChatTemplate.render`)."""
+
+
+def _tick() -> None:
+    deadline = getattr(_bounds, "deadline", None)
+    if deadline is not None and time.monotonic() > deadline:
+        raise RenderLimit(f"it ran past {RENDER_SECONDS:g} s")
+
+
+def _sized(value: Any) -> Any:
+    if isinstance(value, (str, list, tuple, dict)) and len(value) > RENDER_CHARS:
+        raise RenderLimit(f"it built a value of {len(value)} items, over the {RENDER_CHARS} limit")
+    return value
+
+
+def _check_args(args: tuple, kwargs: dict) -> None:
+    """An integer argument past RENDER_CHARS (`'x'|center(10**10)`, `s.ljust(...)`) is refused
+    before the call allocates it."""
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, int) and not isinstance(a, bool) and abs(a) > RENDER_CHARS:
+            raise RenderLimit(f"an argument of {a} is over the {RENDER_CHARS} limit")
+
+
+def _bounded_loop(iterable: Any):
+    """What every {% for %} iterates: the same items, the deadline checked on each (nested loops
+    over short lists make billions of iterations with no call and no output)."""
+    for item in iterable:
+        _tick()
+        yield item
+
+
+def _bounded_concat(items: list) -> str:
+    parts = [str(x) for x in items]
+    if sum(map(len, parts)) > RENDER_CHARS:
+        raise RenderLimit(f"a ~ concatenation is over the {RENDER_CHARS} character limit")
+    return "".join(parts)
+
+
+def _bounded_filter(f):
+    @functools.wraps(f)  # (keeps Jinja's pass_context / pass_eval_context marks)
+    def bounded(*args, **kwargs):
+        _tick()
+        _check_args(args, kwargs)
+        return _sized(f(*args, **kwargs))
+    return bounded
+
+
+class _BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """The sandbox with every loop, call, filter, `+`, `*`, `**` and `~` bounded in time and size:
+    no template can render for ever or build a string past RENDER_CHARS (a MemoryError, or swap)."""
+
+    intercepted_binops = frozenset(["+", "*", "**"])
+
+    def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
+        _tick()
+        if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 and abs(left) > 1:
+            raise RenderLimit(f"{left!r} ** {right!r} is over the limit of an exponent of 64")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > RENDER_CHARS:
+                    raise RenderLimit(f"a repetition of {len(seq)} x {n} is over the {RENDER_CHARS} limit")
+        if operator == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
+            if len(left) + len(right) > RENDER_CHARS:
+                raise RenderLimit(f"a + of {len(left)} and {len(right)} items is over the {RENDER_CHARS} limit")
+        return super().call_binop(context, operator, left, right)
+
+    def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 (Jinja's own signature)
+        _tick()
+        _check_args(args, kwargs)
+        if getattr(__obj, "__name__", None) == "replace" and isinstance(getattr(__obj, "__self__", None), str) \
+                and len(args) >= 2 and isinstance(args[0], str) and isinstance(args[1], str):
+            text = __obj.__self__  # the result's length is known before it is built
+            if len(text) + (text.count(args[0]) if args[0] else len(text) + 1) * len(args[1]) > RENDER_CHARS:
+                raise RenderLimit(f"a replace() is over the {RENDER_CHARS} character limit")
+        return _sized(super().call(__context, __obj, *args, **kwargs))
+
+    def _parse(self, source, name, filename):
+        tree = super()._parse(source, name, filename)
+        for loop in tree.find_all(jinja2.nodes.For):
+            loop.iter = jinja2.nodes.Filter(loop.iter, "_bounded_loop", [], [], None, None).set_lineno(loop.lineno)
+        for node in list(tree.find_all(jinja2.nodes.Concat)):  # a ~ b ~ c: through a bounded join
+            node.__class__ = jinja2.nodes.Filter  # (in place: the parent keeps its reference)
+            items = jinja2.nodes.List(node.nodes, lineno=node.lineno)
+            del node.nodes
+            node.node, node.name, node.args, node.kwargs, node.dyn_args, node.dyn_kwargs = (
+                items, "_bounded_concat", [], [], None, None)
+        return tree
+
+
 @lru_cache(maxsize=16)
 def _compiled(source: str) -> jinja2.Template:
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[_Generation, jinja2.ext.loopcontrols])
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                              extensions=[_Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters.update({k: _bounded_filter(f) for k, f in env.filters.items()})
+    env.filters.update(_bounded_loop=_bounded_loop, _bounded_concat=_bounded_concat)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
                        namespace=_Namespace)
     return env.from_string(source)
+
+
+@lru_cache(maxsize=16)
+def _variables(source: str) -> frozenset[str]:
+    return frozenset(jinja2.meta.find_undeclared_variables(_compiled(source).environment.parse(source)))
+
+
+def template_variables(chat: ChatTemplate) -> frozenset[str]:
+    """The names a template reads from its context (Jinja's undeclared variables: enable_thinking,
+    tools, bos_token...) and the special tokens it is given: what a template keyword may be."""
+    compile_template(chat.source, chat.where)  # (refused in one line if it does not compile)
+    return _variables(chat.source) | frozenset(chat.special_tokens)
 
 
 def compile_template(source: str, where: str = "chat template") -> jinja2.Template:

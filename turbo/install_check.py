@@ -28,6 +28,19 @@ def check_tokenizer(tokenizer: Tokenizer, vocab: int, where: str) -> None:
                          f"the model's vocab_size {vocab}")
 
 
+def load_tokenizer(path, vocab: int) -> Tokenizer:
+    """`path` (a tokenizer.json) loaded by `tokenizers` and its ids checked against `vocab`, as an
+    install's is when it opens: repack refuses a malformed one before writing anything, rather
+    than copying it into an install that then fails to open."""
+    try:
+        tokenizer = Tokenizer.from_file(str(path))
+    except Exception as e:  # tokenizers raises a bare Exception on malformed files
+        why = " ".join(str(e).split())
+        raise TurboError(f"{path}: not a tokenizers file ({why[:200]})") from None
+    check_tokenizer(tokenizer, vocab, str(path))
+    return tokenizer
+
+
 def check_install(install: Install, tokenizer: Tokenizer) -> DflashConfig | None:
     """Refuse parts that disagree; returns the drafter's parsed config (None without one)."""
     arch, root = install.arch, install.path

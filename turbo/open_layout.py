@@ -27,7 +27,7 @@ from .load_plan import (COPY, EXACT, PACKED, SEGMENTS, EmbedPlan, Host, Matrix, 
 from .options import OpenOptions
 from .quant import QUANT_SLICE
 from .reader import Reader
-from .safetensors_format import Planned, write_safetensors
+from .safetensors_format import Planned, read_header, write_safetensors
 from .trunk import PREFIX
 
 # The host the layout is written for: products that read int4 / int8 packed (AVX512-VNNI) and the
@@ -175,13 +175,19 @@ def write_layout(install: Install, host: Host = LAYOUT_HOST, matrices: bool = Tr
             layout_file.check_aligned(name, at)
             planned.append(Planned(name, dtype, list(shape), size, write))
             at += size
+    weights = safetensors_files(install.path)
     meta = {layout_file.VERSION_KEY: str(layout_file.LAYOUT_VERSION),
-            layout_file.SOURCE_KEY: layout_file.fingerprint(safetensors_files(install.path))}
+            layout_file.SOURCE_KEY: layout_file.digest(weights),  # every byte (read here anyway: hot in the cache)
+            layout_file.CRC_KEY: "0" * 8 * len(planned)}  # (filled in once the bytes are written)
     out = install.path / layout_file.PACKED_FILE
     tmp = out.with_name(f".{out.name}.{os.getpid()}")
     try:
         write_safetensors(tmp, planned, metadata=meta, align=layout_file.ALIGN)
+        crcs = layout_file.segment_crcs(tmp, read_header(tmp))
+        if not layout_file.patch_metadata(tmp, layout_file.CRC_KEY, crcs):
+            raise TurboError(f"{tmp}: cannot record its checksums")
         os.replace(tmp, out)
+        layout_file.record_verified(out, weights, meta | {layout_file.CRC_KEY: crcs})  # (checked as written)
     finally:
         tmp.unlink(missing_ok=True)
     return out

@@ -13,15 +13,17 @@ length cut back; the GDN and conv states and the drafter's context come from the
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
-from .chat import answer_opens_think, assistant_message, turn_options, turn_stop_ids
+from .arch import show
+from .chat import answer_opens_think, assistant_message, check_template_kwargs, turn_options, turn_stop_ids
 from .chat_template import ChatTemplate, encode
 from .drafters import Drafter, keeps_context
 from .drafters.seam import call
 from .errors import TurboError
-from .options import GenerationOptions
+from .options import GENERATION_FIELDS, GenerationOptions
 from .state_cache import StateCache, tensor_bytes
 from .stats import Stats
 from .trunk import Trunk, TrunkState
@@ -175,6 +177,30 @@ class Keeper:
         self.report.snapshot_bytes += tensor_bytes(self._end_draft)
 
 
+PART_FIELDS = {"text": "text", "image": "image", "image_url": "image_url"}  # a part's type -> the field it needs
+
+
+def check_content(content: Any) -> str | list:
+    """A user message's content: a str, or a non-empty list of content parts ({"type": "text",
+    "text": str}, {"type": "image", "image": ...}, {"type": "image_url", "image_url": {"url": str}});
+    anything else (bytes, a set, None) would render as "<bytes>" or nothing."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list) or not content:
+        raise TurboError(f"message content of type {type(content).__name__}: expected a str or a non-empty list of "
+                         "content parts (text, image, image_url)")
+    for j, part in enumerate(content):
+        kind = part.get("type") if isinstance(part, dict) else None
+        value = part.get(PART_FIELDS[kind]) if kind in PART_FIELDS else None
+        if kind == "image_url":
+            value = value.get("url") if isinstance(value, dict) else value
+        if value is None or kind in ("text", "image_url") and not isinstance(value, str):
+            raise TurboError(f"message content part {j} is {show(part)}: expected {{\"type\": \"text\", \"text\": "
+                             "str}, {\"type\": \"image\", \"image\": PATH}, or {\"type\": \"image_url\", "
+                             "\"image_url\": {\"url\": str}}")
+    return list(content)
+
+
 class Session:
     """A conversation with the runtime (Runtime.session): `send`, `retry` and `edit` stream a
     turn's round events and append the assistant's message to `history` when it completes."""
@@ -185,6 +211,7 @@ class Session:
                  template_kwargs: dict[str, Any] | None = None, snapshots: int = DEFAULT_SNAPSHOTS):
         self.rt, self.template, self.tools = rt, template, tools
         self.template_kwargs = dict(template_kwargs or {})
+        check_template_kwargs(self.template_kwargs, template)  # (a typo must not vanish into the template)
         self.keeper = self.keeper_kind(snapshots)
         # what ends a turn, besides the caller's stop_token_ids (turbo.chat.turn_stop_ids)
         self.stop_ids = turn_stop_ids(rt.install, rt.tokenizer)
@@ -210,24 +237,46 @@ class Session:
         self.keeper = self.keeper_kind(self.keeper.limit)
         self.system = system
 
-    def send(self, text: str, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
-        self.history.append({"role": "user", "content": text})
-        return self._turn(opts, fields)
+    def send(self, text: str | list, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+        """A user message (a str, or content parts: text and images) and the assistant's answer."""
+        return self._attempt(self.history + [{"role": "user", "content": check_content(text)}], opts, fields)
 
     def retry(self, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
         """The last assistant turn again (a sampled one draws anew, with a fresh or given seed)."""
-        if self.history and self.history[-1]["role"] == "assistant":
-            self.history.pop()
-        if not self.history or self.history[-1]["role"] != "user":
+        history = self.history[:-1] if self.history and self.history[-1]["role"] == "assistant" else self.history
+        if not history or history[-1]["role"] != "user":
             raise TurboError("nothing to retry: the conversation does not end with a user message")
-        return self._turn(opts, fields)
+        return self._attempt(list(history), opts, fields)
 
-    def edit(self, index: int, text: str, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+    def edit(self, index: int, text: str | list, opts: GenerationOptions | None = None,
+             **fields) -> Iterator[RoundEvent]:
         """history[index] (a user message) becomes `text`; the turns after it are dropped."""
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral):  # (True is not history[1])
+            raise TurboError(f"edit index {index!r}: expected an integer index into history")
+        index = int(index)
         if not -len(self.history) <= index < len(self.history) or self.history[index]["role"] != "user":
             raise TurboError(f"history[{index}] is not a user message of this session")
-        del self.history[index:]
-        return self.send(text, opts, **fields)
+        cut = self.history[:index % len(self.history)]
+        return self._attempt(cut + [{"role": "user", "content": check_content(text)}], opts, fields)
+
+    def _attempt(self, history: list[dict[str, Any]], opts: GenerationOptions | None,
+                 fields: dict[str, Any]) -> Iterator[RoundEvent]:
+        """The turn over `history`, which becomes the session's only once everything a turn can
+        refuse before its first round has passed (the options, the render, the length, the
+        images): a refused turn leaves the history and the keeper exactly as they were."""
+        unknown = next((k for k in fields if k not in GENERATION_FIELDS), None)
+        if unknown is not None:
+            raise TurboError(f"{unknown} is not a generation option (expected GenerationOptions fields: "
+                             f"{', '.join(GENERATION_FIELDS)}); template keywords are given to Runtime.session")
+        before, kept = self.history, dict(vars(self.keeper))  # (a shallow copy: what _turn sets, it replaces)
+        self.history = history
+        try:
+            return self._turn(opts, fields)
+        except BaseException:
+            self.history = before
+            vars(self.keeper).clear()
+            vars(self.keeper).update(kept)
+            raise
 
     def render(self, add_generation_prompt: bool = True) -> str:
         return self.template.render(self.history, add_generation_prompt=add_generation_prompt, tools=self.tools,

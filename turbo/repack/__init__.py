@@ -21,6 +21,7 @@ from ..chat_template import check_checkpoint
 from ..drafters import mtp
 from ..errors import ArgumentParser, TurboError
 from ..install import DRAFTER_DIR
+from ..install_check import load_tokenizer
 from ..open_layout import write_layout_of
 from ..safetensors_format import write_safetensors
 from .gguf import find_gguf, repack_gguf
@@ -65,6 +66,7 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     arch = arch_from_config(config, str(src / "config.json"))  # refuse what the runtime could not open
     if not (src / "tokenizer.json").is_file():
         raise TurboError(f"{src / 'tokenizer.json'}: missing (the install needs the checkpoint's tokenizer)")
+    load_tokenizer(src / "tokenizer.json", arch.vocab)  # malformed: refused now, not when the install opens
     if quant not in ("none", *q.FORMATS):
         raise TurboError(f"--quant {quant!r} is not one of none, {', '.join(q.FORMATS)}")
     check_checkpoint(src, arch.vocab)  # a template that does not compile is refused now, not at the first chat

@@ -26,7 +26,7 @@ FOREIGN = {".qweight", ".qzeros", ".g_idx", ".weight_packed", ".weight_zero_poin
            ".weight_shape"}
 ST_TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I32": torch.int32,
             "I64": torch.int64, "I8": torch.int8, "U8": torch.uint8, "F8_E4M3": torch.float8_e4m3fn}
-Source = tuple  # (source name, install name, meta, file, data start), as repack_source plans them
+Source = tuple  # (source name, install name, meta, file, data start), as repack/source.py plans them
 
 
 @dataclass

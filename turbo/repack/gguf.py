@@ -18,6 +18,7 @@ from .. import quant as q
 from ..arch import arch_from_config
 from ..errors import TurboError
 from ..extras import missing
+from .gguf_check import check_planned, check_table, expected_shapes
 from .gguf_tensors import EXACT_TYPES, FLOAT_TYPES, Inverse, Requant, plan_gguf
 from .gguf_vocab import write_tokenizer
 from .tensors import Planned
@@ -98,6 +99,7 @@ def _open(path: Path):
         if t.data_offset + t.n_bytes > size or t.data.nbytes != t.n_bytes:
             raise TurboError(f"{path}: tensor {t.name} ends at byte {t.data_offset + t.n_bytes}, past the end of the "
                              f"file ({size} bytes): truncated")
+    check_table(path, reader, size)  # (gguf_check.py: alignment, overlaps, zero dims)
     return reader
 
 
@@ -108,6 +110,8 @@ class GgufSource:
         self.path = path
         self.reader = _open(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
+        self.shapes: dict[str, list[int]] = {}  # each planned install tensor's logical shape (checked against the config)
+        self.expected: dict[str, tuple[int, ...]] = {}  # the shapes the config implies (gguf_check.py)
         self.arch = self.value("general.architecture")
         if self.arch not in ARCHES:
             raise TurboError(f"{path}: general.architecture is {self.arch!r}, expected one of {', '.join(ARCHES)} "
@@ -187,10 +191,15 @@ class GgufSource:
                     new, kind = GLOBAL[name]
                     planned += self._one(new, t, kind, cfg, requant, quantized)
                 continue
+            if name.count(".") < 2:
+                raise TurboError(f"{self.path}: unexpected tensor {name} (not one llama.cpp writes for {self.arch})")
             _, block, rest = name.split(".", 2)
             if not block.isdecimal() or int(block) not in layers:
                 if not block.isdecimal():
                     raise TurboError(f"{self.path}: unexpected tensor {name}")
+                if int(block) >= self.value("{arch}.block_count"):  # (skipped, it would drop a block unsaid)
+                    raise TurboError(f"{self.path}: tensor {name} of block {block}, past the metadata's "
+                                     f"{self.arch}.block_count {self.value('{arch}.block_count')}")
                 continue
             i = int(block)
             stem = f"trunk.layers.{i}." if i < n_trunk else f"mtp.layers.{i - n_trunk}."
@@ -212,14 +221,27 @@ class GgufSource:
             raise TurboError(f"{self.path}: {t.name} has shape {shape}, expected a stack of num_experts "
                              f"{cfg.get('num_experts')} matrices")
         per = shape[1]
+        for e in range(shape[0]):
+            self._shape(f"{stem}mlp.experts.{e}.{proj}.weight", shape[1:], t.name)
         return [p for e in range(shape[0])
                 for p in plan_gguf(f"{stem}mlp.experts.{e}.{proj}.weight", t, shape[1:], Inverse(), requant, quantized,
                                    slice(e * per, (e + 1) * per))]
 
     def _one(self, new: str, t, kind: int | None, cfg: dict, requant: Requant, quantized: dict) -> list[Planned]:
         shape = [int(n) for n in reversed(t.shape.tolist())]
+        # the install's shape, checked before the inverse reorders heads by it
+        self._shape(new, [shape[0], 1, shape[1]] if kind == CONV and len(shape) == 2 else [1, shape[-1]]
+                    if kind == ROW else shape, t.name)
         inverse = _inverse(kind, shape, cfg)
         return plan_gguf(new, t, inverse.shape or shape, inverse, requant, quantized)
+
+    def _shape(self, new: str, shape: list[int], gguf_name: str) -> None:
+        """Record install tensor `new`'s shape, refused unless the config implies it."""
+        want = self.expected.get(new)
+        if want is not None and tuple(shape) != want:
+            raise TurboError(f"{self.path}: {gguf_name} has shape {shape[::-1]} (GGUF order; {shape} as {new}), "
+                             f"expected {list(want)} from the metadata's config")
+        self.shapes[new] = shape
 
 
 def _tiled_to_grouped(n: int, k_heads: int, unit: int) -> torch.Tensor:
@@ -305,7 +327,11 @@ def repack_gguf(path: Path, out: Path, mtp_path: Path | None = None, quant: str 
         raise TurboError(f"{path}: holds {', '.join(other)} tensors, which turbo's formats do not carry exactly: name "
                          f"the format to re-quantize them to (--quant {' | '.join(q.FORMATS)})")
     quantized: dict[str, dict] = {}
+    expected = expected_shapes(arch_from_config(cfg, f"{path} (metadata)"), cfg.get("mtp_num_hidden_layers", 0))
+    for s, _ in sources:
+        s.expected = expected
     planned = [p for s, layers in sources for p in s.plan(cfg, requant, quantized, layers)]
+    check_planned(str(path), {k: v for s, _ in sources for k, v in s.shapes.items()}, expected)
     drafter_quant: dict[str, dict] = {}
     if drafter is not None:  # a DFlash drafter (HF layout) rides along, as with any source
         if not drafter.is_dir():

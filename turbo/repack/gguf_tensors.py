@@ -200,7 +200,7 @@ def plan_gguf(name: str, tensor, shape: list[int], inverse: Inverse, requant: Re
         return [Planned(name, kind, shape, n * FLOAT_TYPES[kind][1], job.writer(0, 0))]
     if kind not in EXACT_TYPES and kind not in FLOAT_TYPES and matrix:
         if requant.fmt is None:
-            raise TurboError(f"{name}: stored as {kind}")  # repack_gguf names every such type at once
+            raise TurboError(f"{name}: stored as {kind}")  # repack/gguf.py names every such type at once
         fmt = requant.fmt
         if shape[1] % fmt.group == 0:
             def make() -> list[bytes]:

@@ -116,6 +116,12 @@ def convert(lv: Levels, group: int, fmt: q.QFormat, g_idx: torch.Tensor | None =
     return q.pack(qv.to(torch.uint8), 4), s32.to(fmt.scale_dtype), bias.to(fmt.scale_dtype)
 
 
+# the companions each format's module must carry (GPTQ's g_idx and compressed-tensors' zero point
+# are optional: contiguous groups, symmetric codes)
+REQUIRED = {"awq": (".qweight", ".qzeros", ".scales"), "gptq": (".qweight", ".qzeros", ".scales"),
+            "compressed-tensors": (".weight_packed", ".weight_scale", ".weight_shape")}
+
+
 def plan_int4(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | None,
               quantized: dict[str, dict]) -> tuple[list[Planned], list[Source]]:
     suffixes = {"awq": (".qweight", ".qzeros", ".scales"), "gptq": (".qweight", ".qzeros", ".scales", ".g_idx"),
@@ -126,6 +132,11 @@ def plan_int4(found: SourceFormat, tensors: list[Source], fmt: q.QFormat | None,
     for base, m in by_module.items():
         if first not in m:
             raise TurboError(f"{next(iter(m.values()))[0]}: without its module's {first[1:]}")
+        lacking = [x for x in REQUIRED[found.kind] if x not in m]
+        if lacking:  # (else a KeyError where the module is read)
+            raise TurboError(f"{m[first][0]}: its module has no {base.rsplit('.', 1)[-1]}{lacking[0]} tensor, expected "
+                             f"{', '.join(base.rsplit('.', 1)[-1] + x for x in REQUIRED[found.kind])} "
+                             f"({found.kind})")
         if m[first][2]["dtype"] != "I32" or len(m[first][2]["shape"]) != 2:
             raise TurboError(f"{m[first][0]}: {m[first][2]['dtype']} {m[first][2]['shape']}, expected a rank-2 I32 "
                              f"packed int4 matrix")

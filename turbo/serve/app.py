@@ -23,6 +23,7 @@ from ..chat import split_reasoning
 from ..errors import TurboError
 from ..tool_calls import CallStream, parse_tool_calls
 from . import protocol as P
+from .limits import MIB, read_body
 from .metrics import CONTENT_TYPE, Timing
 from .scheduler import Delta
 from .worker import Engine
@@ -48,6 +49,8 @@ class Call:
 
 def error(e: P.ApiError) -> JSONResponse:
     headers = {"Retry-After": "1"} if e.status == 429 else None
+    if e.status == 413:  # the rest of the body is not read: closing spares draining it
+        headers = {"Connection": "close"}
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
@@ -108,8 +111,13 @@ def make_app(engine: Engine) -> FastAPI:
     return app
 
 
+DEFAULT_MAX_BODY_MB = 32.0  # ServeConfig's (an engine whose config has none: a test's stand-in)
+
+
 async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
-    body = P.parse(P.parse_json(await request.body()), chat)
+    limit = int(getattr(engine.config, "max_body_mb", DEFAULT_MAX_BODY_MB) * MIB)
+    raw = await read_body(request.stream(), limit, request.headers.get("content-length"))
+    body = P.parse(P.parse_json(raw), chat)
     # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other streams
     prepared = await asyncio.to_thread(engine.prepare, body)
     loop = asyncio.get_running_loop()

@@ -22,6 +22,7 @@ prefill of just them), one with another image in the same place only from before
 from __future__ import annotations
 
 import os
+import stat
 import time
 import urllib.error
 import urllib.parse
@@ -32,7 +33,7 @@ from ..errors import TurboError
 from ..vision.image import MAX_BYTES, PreparedImage
 from ..vision.positions import expand_placeholders
 from ..vision.runtime import check_placed, keyed_rows, prefill_images, vision_of
-from .protocol import ApiError
+from .api_error import ApiError
 
 
 def image_urls(messages: list[dict]) -> list[tuple[str, str]]:
@@ -80,19 +81,47 @@ def _local(url: str, param: str, dirs: tuple[str, ...]) -> bytes:
     parts = urllib.parse.urlsplit(url)
     if parts.netloc not in ("", "localhost"):
         raise ApiError(f"{param}: {url[:60]!r}: a file:// URL names a file on this host (file:///PATH)", param)
-    real = os.path.realpath(urllib.parse.unquote(parts.path))
+    path = urllib.parse.unquote(parts.path)
+    if "\0" in path:  # (os.path.realpath raises ValueError on it)
+        raise ApiError(f"{param}: {url[:60]!r}: a path with a NUL character names no file", param)
+    real = os.path.realpath(path)
     roots = [os.path.realpath(d) for d in dirs]
     if not any(os.path.commonpath([real, root]) == root for root in roots):
         raise ApiError(f"{param}: {url[:60]!r} lies outside serve.image_dirs ({allow})", param)
+    return _read_regular(real, url, param)
+
+
+READ_TIMEOUT_S = 10.0  # a local image's whole read (a slow network file system must not hold a worker longer)
+
+
+def _read_regular(real: str, url: str, param: str) -> bytes:
+    """A regular file's bytes, at most MAX_BYTES, read within READ_TIMEOUT_S. Opened without
+    blocking (O_NONBLOCK: opening a named pipe nobody writes would wait forever, and a few such
+    requests would hold every thread that prepares requests) and refused unless fstat says it is
+    a regular file (a pipe, a device, a socket: /dev/zero never ends)."""
     try:
-        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
-        with os.fdopen(fd, "rb") as f:
-            data = f.read(MAX_BYTES + 1)
+        fd = os.open(real, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
     except OSError as e:
         raise ApiError(f"{param}: {url[:60]!r}: not readable ({e.strerror or e})", param) from None
-    if len(data) > MAX_BYTES:
-        raise ApiError(f"{param}: {url[:60]!r} is over the {MAX_BYTES >> 20} MiB image limit", param)
-    return data
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ApiError(f"{param}: {url[:60]!r} is not a regular file", param)
+        if st.st_size > MAX_BYTES:
+            raise ApiError(f"{param}: {url[:60]!r} is over the {MAX_BYTES >> 20} MiB image limit", param)
+        deadline, chunks, size = time.monotonic() + READ_TIMEOUT_S, [], 0
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > MAX_BYTES:  # (it grew since fstat)
+                raise ApiError(f"{param}: {url[:60]!r} is over the {MAX_BYTES >> 20} MiB image limit", param)
+            if time.monotonic() > deadline:
+                raise ApiError(f"{param}: {url[:60]!r}: not read within {READ_TIMEOUT_S:g} s", param)
+    except OSError as e:
+        raise ApiError(f"{param}: {url[:60]!r}: not readable ({e.strerror or e})", param) from None
+    finally:
+        os.close(fd)
+    return b"".join(chunks)
 
 
 def expand_images(rt, messages: list[dict], ids: list[int], dirs: tuple[str, ...] = (),

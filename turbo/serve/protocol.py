@@ -17,8 +17,9 @@ from typing import Any, Callable
 
 from ..chat import END_THINK, THINK, split_reasoning
 from ..stops import held_back
-from ..tool_calls import tool_functions
 from ..logprobs import TokenLogprob
+from ..tool_calls import tool_functions
+from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
@@ -29,18 +30,6 @@ SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0)
 UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None}
 # penalties (turbo/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
-
-
-class ApiError(Exception):
-    """An answer other than 200: OpenAI's error object."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error", code: str | None = None):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type, self.code = message, param, status, type, code
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
 @dataclass
@@ -69,7 +58,41 @@ def parse_json(raw: bytes) -> dict:
         raise ApiError(f"the request body is not valid JSON ({e})") from None
     if not isinstance(body, dict):
         raise ApiError(f"the request body is a JSON {type(body).__name__}, expected an object")
+    _check_tree(body)
     return body
+
+
+MAX_DEPTH = 64  # JSON nesting a body may have (tool schemas are the deepest honest part)
+
+
+def _check_tree(body: dict) -> None:
+    """Every string of the body (keys too) encodable as UTF-8, and nesting at most MAX_DEPTH: a
+    lone surrogate (JSON's "\\udcff") would fail when echoed in an answer, and deep nesting would
+    overflow the recursion of what renders or copies it, both as a 500 long after parsing. The
+    walk is a loop, not a recursion, for the same reason."""
+    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
+    while stack:
+        value, where, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ApiError(f"{where} is nested more than {MAX_DEPTH} levels deep", where)
+        if isinstance(value, dict):
+            for k, v in value.items():
+                path = f"{where}.{k}" if where else k
+                _utf8(k, path)
+                stack.append((v, path, depth + 1))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, str):
+            _utf8(value, where)
+
+
+def _utf8(text: str, where: str) -> None:
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ApiError(f"{ascii(where)[1:-1]}: not valid Unicode text (a lone surrogate at character {e.start})",
+                           ascii(where)[1:-1]) from None
 
 
 def _is_int(v: Any) -> bool:

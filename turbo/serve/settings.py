@@ -34,6 +34,7 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free port (the printed address says which)
     api_key: str | None = None  # a bearer token the /v1 routes require
+    api_key_file: str | None = None  # a file holding it (not in the process list, as api_key= is)
     engine: str = "local"  # local (this process) | ray (Ray Serve replicas)
     replicas: int = 1  # engine=ray: how many (one runtime and scheduler each)
     ray_address: str | None = None  # engine=ray: an existing cluster's address; None: a local one
@@ -42,6 +43,7 @@ class ServeConfig:
     chat_template: str | None = None  # a .jinja file over the install's template
     image_dirs: tuple[str, ...] = ()  # the directories file:// image URLs may name (turbo/serve/images.py)
     remote_images: bool = False  # fetch http(s) image URLs (else a 400 naming this option)
+    max_body_mb: float = 32.0  # a request body over it is answered 413 (a data: image of ~24 MiB fits)
 
 
 def serve_config(cfg: DictConfig) -> ServeConfig:
@@ -55,21 +57,59 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
         if n is None or n < lo or (name == "port" and n > 65535):
             raise TurboError(f"config: serve.{name}={s.get(name)!r}, expected an integer >= {lo}"
                              + (" and <= 65535" if name == "port" else ""))
-    for name in ("memory_gb", "cache_gb"):
+    for name in ("memory_gb", "cache_gb", "max_body_mb"):
         v = s.get(name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
-            raise TurboError(f"config: serve.{name}={v!r}, expected a number of GB >= 0")
+            raise TurboError(f"config: serve.{name}={v!r}, expected a number of "
+                             f"{'MB > 0' if name == 'max_body_mb' else 'GB >= 0'}")
+        if name == "max_body_mb" and v == 0:
+            raise TurboError(f"config: serve.{name}=0, expected a number of MB > 0")
     if s.get("engine") not in ENGINES:
         raise TurboError(f"config: serve.engine={s.get('engine')!r} is not one of {', '.join(ENGINES)}")
     if not isinstance(s.get("host"), str) or not s["host"]:
         raise TurboError(f"config: serve.host={s.get('host')!r}, expected an address to listen on")
     text = {k: str(s[k]) if s.get(k) is not None else None
-            for k in ("api_key", "ray_address", "model_name", "chat_template")}
+            for k in ("ray_address", "model_name", "chat_template", "api_key_file")}
+    text["api_key"] = api_key(s.get("api_key"), text["api_key_file"])
     if not isinstance(s.get("remote_images", False), bool):
         raise TurboError(f"config: serve.remote_images={s.get('remote_images')!r}, expected true or false")
     return ServeConfig(host=s["host"], port=int(s["port"]), engine=s["engine"], replicas=int(s["replicas"]),
                        limits=ServeLimits(**{k: s[k] for k in LIMIT_KEYS}), image_dirs=image_dirs(s.get("image_dirs")),
-                       remote_images=s.get("remote_images", False), **text)
+                       remote_images=s.get("remote_images", False), max_body_mb=float(s["max_body_mb"]), **text)
+
+
+API_KEY_ENV = "TURBO_API_KEY"
+
+
+def api_key(given, file: str | None) -> str | None:
+    """The bearer token: serve.api_key, or the first line of serve.api_key_file, or the
+    TURBO_API_KEY environment variable (the last two keep it out of the process list, where every
+    local user reads a command line); two of the first are refused, an empty key too."""
+    if given is not None and file is not None:
+        raise TurboError("config: serve.api_key and serve.api_key_file are both set, expected one of them")
+    if file is not None:
+        path = os.path.expanduser(file)
+        try:
+            with open(path, "rb") as f:
+                raw = f.read(4097)
+            text = raw.decode("utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise TurboError(f"config: serve.api_key_file={file}: not readable UTF-8 text "
+                             f"({getattr(e, 'strerror', None) or e})") from None
+        lines = text.splitlines()
+        key, where = (lines[0].strip() if lines else ""), f"serve.api_key_file={file}"
+        if len(raw) > 4096:
+            raise TurboError(f"config: {where}: over 4096 bytes, expected one line holding the key")
+    elif given is not None:
+        key, where = str(given), "serve.api_key"
+    elif os.environ.get(API_KEY_ENV) is not None:
+        key, where = os.environ[API_KEY_ENV].strip(), API_KEY_ENV
+    else:
+        return None
+    if not key or any(c.isspace() or not c.isprintable() for c in key):
+        raise TurboError(f"config: {where}: the key is empty or holds spaces or control characters, expected "
+                         "one printable word")
+    return key
 
 
 def image_dirs(value) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from ..errors import TurboError
 from ..tool_calls import XML_FORMAT, call_grammar
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
 from .images import expand_images
+from .limits import check_prompt_chars, max_token_chars
 from .metrics import Metrics
 from .protocol import TURBO_KEYS, ApiError, Body
 from .scheduler import Overloaded, Request, Scheduler
@@ -48,6 +49,7 @@ class Engine:
         self.config, self.defaults = config, defaults
         self.model = config.model_name or rt.install.path.name
         self.max_positions = rt.install.arch.max_positions
+        self.max_prompt_chars = self.max_positions * max_token_chars(rt.tokenizer)  # (limits.py: before tokenizing)
         if config.chat_template is not None:
             path = Path(config.chat_template).expanduser()
             try:
@@ -86,10 +88,13 @@ class Engine:
         if body.chat:
             prompt = self._render(body, tools)
             opened, stops = opens_think(prompt), self.stop_ids
+            check_prompt_chars(prompt, self.max_prompt_chars, self.max_positions, "messages")
             ids = self._ids(lambda: encode(self.rt.tokenizer, prompt), "messages")
             ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
                                         self.config.remote_images)  # (turbo/serve/images.py)
         else:
+            if isinstance(body.prompt, str):
+                check_prompt_chars(body.prompt, self.max_prompt_chars, self.max_positions, "prompt")
             ids = self._ids(lambda: self.rt.encode(body.prompt), "prompt")
         room = self.max_positions - len(ids)
         wanted = body.max_tokens if body.max_tokens is not None else room

@@ -113,6 +113,11 @@ def check(args: argparse.Namespace) -> None:
         v = getattr(args, name)
         if v is not None and v < 1:  # (a 0 must not pass for "unset": --heads 0 took the default)
             raise TurboError(f"--{name.replace('_', '-')} {v}: expected a positive integer")
+    if args.block is not None and args.seq_len is not None and args.block >= args.seq_len:
+        # (a block's rows are positions of one example: a wider one predicts nothing it can check,
+        # and sizes tensors past memory)
+        raise TurboError(f"--block {args.block}: expected fewer than --seq-len {args.seq_len} tokens (a block is "
+                         "drafted inside one example)")
     for name in ("lr", "gamma", "step2_weight"):
         v = getattr(args, name)
         if v is not None and not (math.isfinite(v) and (v > 0 or name == "step2_weight" and v == 0)):

@@ -74,6 +74,8 @@ def read_groups(paths: list[str], encode) -> list[Group]:
         path = Path(p)
         if not path.exists():
             raise TurboError(f"{path}: no such file or directory (expected text to train on)")
+        if not path.is_dir() and not path.is_file():  # /dev/zero, a pipe: no size to check, no end to read
+            raise TurboError(f"{path}: not a regular file or a directory (expected text to train on)")
         if (size := _size(path)) > MAX_GROUP_BYTES:
             raise TurboError(f"{path}: {size / 2**30:.1f} GiB of data, over the {MAX_GROUP_BYTES >> 30} GiB one data "
                              "path may hold (it is read whole): split it into several paths or pass a sample")

@@ -1,0 +1,52 @@
+"""What bounds a request before the model sees it: the body's size (read with a cap, whatever
+the client's Content-Length says: 413) and the prompt's length in characters against what the
+context could hold (a 400 before the tokenizer runs: tokenizing megabytes costs gigabytes)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, AsyncIterator
+
+from .api_error import ApiError
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+MIB = 1 << 20
+# A normalizer can make one token of several input characters: NFC composes at most 3 into one
+# (a base letter and two marks, a Hangul L+V+T syllable); 4 leaves room.
+NORMALIZED_CHARS_PER_CHAR = 4
+
+
+def too_large(limit: int) -> ApiError:
+    return ApiError(f"the request body is over this server's {limit / MIB:g} MiB limit (serve.max_body_mb)",
+                    None, 413, code="request_too_large")
+
+
+async def read_body(chunks: AsyncIterator[bytes], limit: int, declared: str | None) -> bytes:
+    """The body, refused (413) as soon as it is known to pass `limit` bytes: at once from a
+    Content-Length over it, else when the bytes read pass it (nothing more is buffered)."""
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+        raise too_large(limit)
+    parts, size = [], 0
+    async for chunk in chunks:
+        size += len(chunk)
+        if size > limit:
+            raise too_large(limit)
+        parts.append(chunk)
+    return b"".join(parts)
+
+
+def max_token_chars(tokenizer: Tokenizer) -> int:
+    """The most input characters one token can stand for: the longest vocab entry (a byte-level
+    entry's characters are bytes, and an input character is at least one byte), times the most a
+    normalizer can shrink the input. A prompt longer than max_positions times this cannot fit."""
+    longest = max((len(k) for k in tokenizer.get_vocab(with_added_tokens=True)), default=1)
+    return max(1, longest) * (1 if tokenizer.normalizer is None else NORMALIZED_CHARS_PER_CHAR)
+
+
+def check_prompt_chars(text: str, max_chars: int, max_positions: int, param: str) -> None:
+    """A 400 naming `param` when `text` is longer than any prompt that fits the context."""
+    if len(text) > max_chars:
+        raise ApiError(f"{param} is {len(text)} characters: more than this model's context of {max_positions} "
+                       f"tokens can hold (at most {max_chars} characters). Please reduce the length of the "
+                       f"{param}.", param)

@@ -25,7 +25,8 @@ def drain(events) -> list[int]:
 def kept(s) -> tuple:
     """What a refused turn must leave as it was: the history and the keeper's kept states."""
     k = s.keeper
-    return [dict(m) for m in s.history], id(k.st), [id(h) for h in k.snaps], id(k.live), k.mark, id(s.last_turn)
+    return ([dict(m) for m in s.history], id(k.st), id(k.kept), [(key, id(e)) for key, e in k.kept.entries.items()],
+            k.mark, id(s.last_turn))
 
 
 REFUSALS = {

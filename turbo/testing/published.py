@@ -24,7 +24,10 @@ from pathlib import Path
 
 import torch
 
+from turbo.arch import arch_from_config
+from turbo.tensor_shapes import mtp_tensor_shapes
 from turbo.testing.checkpoints import randomize_, tiny_tokenizer
+from turbo.testing.source_formats import write_fp8
 
 VOCAB = 320
 START_ID, IMAGE_ID, END_ID, VIDEO_ID = VOCAB - 3, VOCAB - 2, VOCAB - 1, VOCAB - 4
@@ -167,9 +170,6 @@ def _mtp_head(directory: Path, config: dict, seed: int) -> None:
     trunk's architecture), written into its model.safetensors."""
     from safetensors.torch import load_file, save_file  # optional test dependency
 
-    from turbo.arch import arch_from_config
-    from turbo.tensor_shapes import mtp_tensor_shapes
-
     g = torch.Generator().manual_seed(3000 + seed)
     head = {}
     for name, shape in mtp_tensor_shapes(arch_from_config(config)).items():
@@ -227,8 +227,6 @@ def make_published(directory: Path, name: str, seed: int = 0, config: dict | Non
 def _to_fp8(directory: Path, model) -> None:
     """The checkpoint's matrices as FP8, and the reference `model` given transformers' own bf16
     dequantization of them (an expert's gate and up stacked as transformers holds them)."""
-    from turbo.testing.source_formats import write_fp8
-
     deq = write_fp8(directory, FP8_BLOCK)
     params = dict(model.named_parameters())
     with torch.no_grad():

@@ -30,6 +30,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from test_vision_doors import TEMPLATE  # noqa: E402
+from turbo.testing.checks import served_address  # noqa: E402
 from turbo.vision.testing import make_vl_install  # noqa: E402
 
 CLIENTS = 8
@@ -58,7 +59,7 @@ def main() -> int:
            "serve.max_body_mb=1", f"serve.image_dirs=[{tmp / 'images'}]"]
     proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
-    url = proc.stdout.readline().split()[-1]
+    url = served_address(proc).split()[-1]  # the address line, on stderr
     model = install.name
 
     def ask(i: int) -> tuple[str, float]:

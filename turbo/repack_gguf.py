@@ -108,7 +108,7 @@ class GgufSource:
         self.path = path
         self.reader = _open(path)
         self.tensors = {t.name: t for t in self.reader.tensors}
-        self.shapes: dict[str, list[int]] = {}  # each planned install tensor's logical shape (checked against the config)
+        self.shapes: dict[str, list[int]] = {}  # each planned install tensor's logical shape (checked)
         self.expected: dict[str, tuple[int, ...]] = {}  # the shapes the config implies (repack_gguf_check.py)
         self.arch = self.value("general.architecture")
         if self.arch not in ARCHES:

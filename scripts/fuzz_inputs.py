@@ -30,7 +30,6 @@ import json
 import random
 import shutil
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"

@@ -175,6 +175,29 @@ def test_other_clients_are_served_right_under_attack(server, want):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+def test_a_long_prompt_is_counted_in_pieces_and_never_tokenized_whole(monkeypatch):
+    """Past COUNT_FROM characters a prompt is counted a piece at a time and refused once over the
+    context (a real vocabulary's longest token makes the character bound loose): the pieces'
+    counts are the whole's, and the engine never tokenizes the refused prompt whole."""
+    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.serve import limits
+    from turbo.serve.protocol import parse
+    from turbo.serve.settings import ServeConfig
+    from turbo.serve.worker import Engine
+
+    engine = Engine("tiny", OpenOptions(backend="cpu", threads=1), GenerationOptions(), ServeConfig())
+    tok = engine.rt.tokenizer
+    text = "Hello world, this is a prompt; déjà vu — 数字 123. " * 8000  # 410,000 characters
+    whole = len(tok.encode(text, add_special_tokens=False).ids)
+    assert sum(len(tok.encode(p, add_special_tokens=False).ids) for p in limits.pieces(text)) == whole
+    limits.check_prompt_tokens(tok, text, whole, "prompt")  # exactly the context: not refused
+    engine.max_prompt_chars = 10**9  # (as a real vocabulary's bound: the characters alone do not refuse)
+    monkeypatch.setattr(engine.rt, "encode", lambda *a: pytest.fail("tokenized whole"))
+    with pytest.raises(ApiError) as e:
+        engine.prepare(parse({"model": engine.model, "prompt": text, "max_tokens": 4}, chat=False))
+    assert e.value.param == "prompt" and "holds more than 2048 tokens (counted before" in e.value.message
+
+
 # ---- images: a pipe or a NUL among the allowed paths ------------------------------------------
 
 

@@ -132,3 +132,31 @@ def test_the_settings_are_checked_in_one_line(tmp_path):
             serve_config(OmegaConf.merge(base, {"serve": {"image_dirs": value}}))
     with pytest.raises(TurboError, match="serve.remote_images='yes', expected true or false"):
         serve_config(OmegaConf.merge(base, {"serve": {"remote_images": "yes"}}))
+
+
+def test_a_named_pipe_among_the_images_is_refused_and_others_are_served(served):
+    """A FIFO inside serve.image_dirs: opened without blocking and refused as not a regular file
+    (it held the thread that read it for ever, and a few held every later chat request)."""
+    import os
+    import threading
+
+    pipe = served.allowed / "pipe.png"
+    os.mkfifo(pipe)
+    try:
+        out: list = []
+
+        def attack() -> None:
+            try:
+                ask(served.open, served.model, f"file://{pipe}")
+            except openai.BadRequestError as e:
+                out.append(e.body)
+
+        threads = [threading.Thread(target=attack, daemon=True) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        assert len(out) == 6 and all("is not a regular file" in e["message"] and e["param"] == FIELD for e in out)
+        assert ask(served.open, served.model, f"file://{served.allowed}/cat.png").choices[0].message.content
+    finally:
+        pipe.unlink()

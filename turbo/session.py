@@ -12,6 +12,7 @@ length cut back; the GDN and conv states and the drafter's context come from the
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -268,14 +269,14 @@ class Session:
         if unknown is not None:
             raise TurboError(f"{unknown} is not a generation option (expected GenerationOptions fields: "
                              f"{', '.join(GENERATION_FIELDS)}); template keywords are given to Runtime.session")
-        before, kept = self.history, dict(vars(self.keeper))  # (a shallow copy: what _turn sets, it replaces)
+        # a shallow copy of the keeper: what a refused _turn sets (the mark, an image turn's rows) it
+        # sets as new attributes, the kept states themselves are untouched until the first round
+        before, kept = self.history, copy.copy(self.keeper)
         self.history = history
         try:
             return self._turn(opts, fields)
         except BaseException:
-            self.history = before
-            vars(self.keeper).clear()
-            vars(self.keeper).update(kept)
+            self.history, self.keeper = before, kept
             raise
 
     def render(self, add_generation_prompt: bool = True) -> str:

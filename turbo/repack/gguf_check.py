@@ -1,7 +1,8 @@
 """A GGUF's tensor table checked before repack writes anything (repack/gguf.py): each tensor's
 data offset aligned to general.alignment, its bytes inside the data section and overlapping no
-other tensor's, the tensors tiling the section (no gap wider than the padding), no zero dimension; and, against the config rebuilt from the metadata, every tensor
-the architecture needs present with the shape it implies. The gguf package's reader takes all of
+other tensor's, the tensors tiling the section exactly (each padded to the alignment), rows whole
+blocks, 1-D tensors F32, no zero dimension; and, against the config rebuilt from the metadata,
+every tensor the architecture needs present with the shape it implies. The gguf package's reader takes all of
 these as they come (a misaligned or overlapping table reads other tensors' bytes as weights: the
 install generates garbage; a missing block fails only when the install opens)."""
 
@@ -100,8 +101,9 @@ def check_planned(where: str, shapes: dict[str, tuple[int, ...]], expected: dict
     of another shape (an extra one is refused where it is planned, by its GGUF name)."""
     missing = [n for n in expected if n not in shapes]
     if missing:
-        raise TurboError(f"{where}: no tensor for {missing[0]}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}"
-                         f", which the metadata's config needs (a block count larger than the tensors present?)")
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise TurboError(f"{where}: no tensor for {missing[0]}{more}, which the metadata's config needs (a block "
+                         "count larger than the tensors present?)")
     for name, shape in shapes.items():
         want = expected.get(name)
         if want is not None and tuple(shape) != want:

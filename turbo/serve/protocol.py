@@ -63,6 +63,7 @@ def parse_json(raw: bytes) -> dict:
 
 
 MAX_DEPTH = 64  # JSON nesting a body may have (tool schemas are the deepest honest part)
+SCALARS = {int, float, bool, type(None)}
 
 
 def _check_tree(body: dict) -> None:
@@ -80,8 +81,10 @@ def _check_tree(body: dict) -> None:
                 path = f"{where}.{k}" if where else k
                 _utf8(k, path)
                 stack.append((v, path, depth + 1))
-        elif isinstance(value, list):
-            stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value))
+        elif isinstance(value, list):  # (a prompt of ids is millions of ints: nothing of them to walk)
+            if not set(map(type, value)) <= SCALARS:
+                stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)
+                             if isinstance(v, (dict, list, str)))
         elif isinstance(value, str):
             _utf8(value, where)
 

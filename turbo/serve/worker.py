@@ -15,7 +15,7 @@ from ..errors import TurboError
 from ..tool_calls import XML_FORMAT, call_grammar
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
 from .images import expand_images
-from .limits import check_prompt_chars, max_token_chars
+from .limits import check_prompt_chars, check_prompt_tokens, max_token_chars
 from .metrics import Metrics
 from .protocol import TURBO_KEYS, ApiError, Body
 from .scheduler import Overloaded, Request, Scheduler
@@ -89,12 +89,14 @@ class Engine:
             prompt = self._render(body, tools)
             opened, stops = opens_think(prompt), self.stop_ids
             check_prompt_chars(prompt, self.max_prompt_chars, self.max_positions, "messages")
+            check_prompt_tokens(self.rt.tokenizer, prompt, self.max_positions, "messages")
             ids = self._ids(lambda: encode(self.rt.tokenizer, prompt), "messages")
             ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
                                         self.config.remote_images)  # (turbo/serve/images.py)
         else:
             if isinstance(body.prompt, str):
                 check_prompt_chars(body.prompt, self.max_prompt_chars, self.max_positions, "prompt")
+                check_prompt_tokens(self.rt.tokenizer, body.prompt, self.max_positions, "prompt")
             ids = self._ids(lambda: self.rt.encode(body.prompt), "prompt")
         room = self.max_positions - len(ids)
         wanted = body.max_tokens if body.max_tokens is not None else room

@@ -1,0 +1,157 @@
+"""Build llama.cpp's own tools (llama-bench, llama-server, llama-cli) from the source that
+llama-cpp-python's sdist vendors, as llama.cpp's users build them: CMake Release, its defaults
+(GGML_NATIVE on: -march=native; GGML_CPU_REPACK on: Q4_0 / Q8_0 weights repacked at load).
+
+    nice -n 19 python scripts/build_llamacpp.py [--version 0.3.36] [--jobs 2] [--binding]
+
+Into ~/.cache/turbo/llamacpp/<version>/ (--cache): the sdist and its source under src/, the
+build under build/, the binaries in build/bin/ beside build-info.json (the CMake flags as
+configured and as CMake resolved them, the compiler, the llama.cpp commit the sdist vendors,
+`llama-bench --version`, the CPU). Idempotent: a build whose build-info.json is there is
+reported, not rebuilt. --binding also installs the Python binding (pip install of the same
+sdist, its own default CMake flags) when `llama_cpp` is missing or another version.
+
+The sdist carries no .git, so llama.cpp's build-info would say "unknown": the commit is read
+from the sdist's CHANGELOG ("update llama.cpp to ggml-org/llama.cpp@<commit>") and passed as
+LLAMA_BUILD_COMMIT, which `llama-bench -o json` then reports as build_commit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+DEFAULT_VERSION = "0.3.36"
+DEFAULT_CACHE = Path.home() / ".cache" / "turbo" / "llamacpp"
+TOOLS = ("llama-bench", "llama-server", "llama-cli")
+FLAGS = [
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DGGML_NATIVE=ON",  # llama.cpp's default outside cross builds; explicit so the record says it
+    "-DGGML_CPU_REPACK=ON",  # default: Q4_0 / Q8_0 repacked to the interleaved layouts at load
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    # the server's web UI would be fetched from the network (none here) or built with npm; the
+    # benchmark talks to its API only
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+]
+# what CMakeCache.txt resolved, recorded beside the flags passed
+RESOLVED = re.compile(r"^(CMAKE_BUILD_TYPE|CMAKE_C_COMPILER|CMAKE_CXX_COMPILER|CMAKE_C_FLAGS|CMAKE_CXX_FLAGS"
+                      r"|CMAKE_C_FLAGS_RELEASE|BUILD_SHARED_LIBS|GGML_[A-Z0-9_]+|LLAMA_[A-Z0-9_]+):[A-Z]+=(.*)$")
+
+
+def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
+    print("+", " ".join(cmd), file=sys.stderr, flush=True)
+    return subprocess.run(cmd, check=True, **kw)
+
+
+def niced(cmd: list[str]) -> list[str]:
+    # the machine is shared (and benchmarks may run on it): builds run at the lowest priority
+    return ["nice", "-n", "19", *cmd] if os.nice(0) < 19 else cmd
+
+
+def sdist(version: str, src: Path) -> tuple[Path, Path]:
+    """The downloaded sdist and its unpacked tree (both under `src`), fetched once."""
+    src.mkdir(parents=True, exist_ok=True)
+    archive = src / f"llama_cpp_python-{version}.tar.gz"
+    if not archive.is_file():
+        sh([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-d", str(src),
+            f"llama-cpp-python=={version}"])
+    tree = src / f"llama_cpp_python-{version}"
+    if not (tree / "vendor" / "llama.cpp" / "CMakeLists.txt").is_file():
+        with tarfile.open(archive) as tar:
+            tar.extractall(src, filter="data")
+    return archive, tree
+
+
+def vendored_commit(tree: Path) -> str:
+    """The llama.cpp commit the sdist's CHANGELOG names for this version (its first entry)."""
+    m = re.search(r"llama\.cpp to ggml-org/llama\.cpp@([0-9a-f]{7,40})", (tree / "CHANGELOG.md").read_text())
+    return m.group(1) if m else "unknown"
+
+
+def compiler(path: str) -> str:
+    return subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
+
+
+def cpu() -> str:
+    with open("/proc/cpuinfo") as f:
+        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
+
+
+def build(version: str, cache: Path, jobs: int) -> Path:
+    """The tools built under cache/version; the path of their build-info.json."""
+    dest = cache / version
+    bindir = dest / "build" / "bin"
+    info_path = bindir / "build-info.json"
+    if info_path.is_file() and all((bindir / t).is_file() for t in TOOLS):
+        print(f"already built: {bindir}", file=sys.stderr)
+        return info_path
+    archive, tree = sdist(version, dest / "src")
+    commit = vendored_commit(tree)
+    flags = [*FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}"]
+    sh(niced(["cmake", "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(dest / "build"), *flags]))
+    sh(niced(["cmake", "--build", str(dest / "build"), "--config", "Release", "-j", str(jobs),
+              "--target", *TOOLS]))
+    resolved = {}
+    for line in (dest / "build" / "CMakeCache.txt").read_text().splitlines():
+        if m := RESOLVED.match(line):
+            resolved[m.group(1)] = m.group(2)
+    bench = subprocess.run([str(bindir / "llama-bench"), "--version"], capture_output=True, text=True)
+    info = {
+        "llama_cpp_python": version,
+        "sdist": archive.name,
+        "sdist_sha256": hashlib.sha256(archive.read_bytes()).hexdigest(),
+        "llama_cpp_commit": commit,
+        "cmake_flags": flags,
+        "cmake_resolved": resolved,
+        "compiler": compiler(resolved.get("CMAKE_C_COMPILER", "cc")),
+        "cxx_compiler": compiler(resolved.get("CMAKE_CXX_COMPILER", "c++")),
+        "llama_bench_version": (bench.stdout + bench.stderr).strip(),
+        "cpu": cpu(),
+        "bin": str(bindir),
+        "tools": {t: str(bindir / t) for t in TOOLS},
+    }
+    info_path.write_text(json.dumps(info, indent=1) + "\n")
+    return info_path
+
+
+def binding(version: str, cache: Path, jobs: int) -> None:
+    """The Python binding from the same sdist with its own default CMake flags, unless this
+    version is installed already."""
+    try:
+        import llama_cpp
+
+        if llama_cpp.__version__ == version:
+            print(f"llama_cpp {version} installed: {llama_cpp.__file__}", file=sys.stderr)
+            return
+    except ImportError:
+        pass
+    archive, _ = sdist(version, cache / version / "src")
+    env = dict(os.environ, CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
+    sh(niced([sys.executable, "-m", "pip", "install", "--verbose", str(archive)]), env=env)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--version", default=DEFAULT_VERSION, help="llama-cpp-python's version (its sdist's llama.cpp)")
+    ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    ap.add_argument("--jobs", type=int, default=2)
+    ap.add_argument("--binding", action="store_true", help="also pip install the binding from the same sdist")
+    args = ap.parse_args()
+    info = build(args.version, args.cache, args.jobs)
+    print(info.read_text())
+    if args.binding:
+        binding(args.version, args.cache, args.jobs)
+
+
+if __name__ == "__main__":
+    main()

@@ -130,6 +130,11 @@ def _plain(params):
     return params
 
 
+# environment: llama.cpp's flash attention on (=1) in the binding, whose default is off
+# (llama-bench's and llama-server's default, auto, turns it on for the CPU)
+LLAMA_FLASH_ATTN = "TURBO_LLAMA_FLASH_ATTN"
+
+
 class LlamaCpp:
     def __init__(self, gguf: str, threads: int, n_ctx: int):
         import llama_cpp.llama as lib  # optional benchmark dependency (pip install llama-cpp-python)
@@ -138,7 +143,8 @@ class LlamaCpp:
             default = lib.llama_cpp.llama_model_default_params
             lib.llama_cpp.llama_model_default_params = lambda: _plain(default())
         self.llm = lib.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                             n_threads_batch=threads, verbose=False)
+                             n_threads_batch=threads, flash_attn=os.environ.get(LLAMA_FLASH_ATTN) == "1",
+                             verbose=False)
 
     def _logits(self):
         import numpy as np  # (llama_cpp's own dependency)
@@ -381,7 +387,7 @@ class Guard:
 
 def kept(records: list[dict]) -> list[dict]:
     """The records of undisturbed repetitions (a record without a guard's is kept: older runs)."""
-    return [r for r in records if not r.get("guard", {}).get("disturbed")]
+    return [r for r in records if not (r.get("guard") or {}).get("disturbed")]
 
 
 def guard_summary(records: list[dict]) -> str:

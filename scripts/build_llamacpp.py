@@ -32,6 +32,7 @@ from pathlib import Path
 DEFAULT_VERSION = "0.3.36"
 DEFAULT_CACHE = Path.home() / ".cache" / "turbo" / "llamacpp"
 TOOLS = ("llama-bench", "llama-server", "llama-cli")
+BIN_ENV = "TURBO_LLAMACPP_BIN"
 FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DGGML_NATIVE=ON",  # llama.cpp's default outside cross builds; explicit so the record says it
@@ -122,6 +123,26 @@ def build(version: str, cache: Path, jobs: int) -> Path:
     }
     info_path.write_text(json.dumps(info, indent=1) + "\n")
     return info_path
+
+
+def bindir(version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> Path:
+    """Where the tools are: $TURBO_LLAMACPP_BIN (a build of one's own), else this script's build."""
+    return Path(os.environ.get(BIN_ENV) or cache / version / "build" / "bin")
+
+
+def tool(name: str, version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> Path:
+    """The path of a built tool (llama-bench, llama-server, llama-cli); a one-line error naming
+    the build command where it is not built."""
+    path = bindir(version, cache) / name
+    if not path.is_file():
+        raise SystemExit(f"{path}: not built (nice -n 19 python scripts/build_llamacpp.py, or set {BIN_ENV})")
+    return path
+
+
+def build_info(version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> dict:
+    """The build's build-info.json ({} for a build of one's own without it)."""
+    path = bindir(version, cache) / "build-info.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def binding(version: str, cache: Path, jobs: int) -> None:

@@ -87,7 +87,9 @@ def main() -> None:
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's llama-server --parallel N per N")
     ap.add_argument("--gguf", default="bf16", help="--llamacpp: the shape's GGUF kind (bf16, q8_0, q4_0)")
     args = ap.parse_args()
-    install = "tiny" if args.shape == "tiny" else str(shapes.build(args.shape, quant=args.quant))
+    # tiny: the shipped install, unless beside llama.cpp, whose GGUF is of the random tiny shape
+    same = args.shape != "tiny" or args.llamacpp
+    install = str(shapes.build(args.shape, quant=args.quant)) if same else "tiny"
     procs = []
     widest = max(args.concurrency)
     proc, url = start([sys.executable, "-m", "turbo", "task=serve", f"install.path={install}" if install != "tiny"
@@ -98,7 +100,7 @@ def main() -> None:
     runs = [(f"turbo {name}", dict.fromkeys(args.concurrency, url), *CONFIGS[name]) for name in args.configs]
     try:
         if args.llamacpp:
-            gguf = shapes.gguf(args.shape, args.gguf) if args.shape != "tiny" else None
+            gguf = shapes.gguf(args.shape, args.gguf)
             if gguf is None:
                 sys.exit(f"llama.cpp: no {args.gguf} GGUF of this shape (turbo.testing.shapes.gguf; docs/llamacpp.md)")
             urls = {}

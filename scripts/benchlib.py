@@ -315,6 +315,7 @@ class RepGuard:
     others_during: float = 0.0
     load1_after: float = 0.0
     disturbed: bool = False
+    guard_on: bool = True  # False: TURBO_BENCH_GUARD=off, nothing dropped (a smoke run, not a result)
 
 
 @dataclass
@@ -369,7 +370,7 @@ class Guard:
     def rep(self, label: str = "") -> Iterator[RepGuard]:
         """Around one timed repetition: wait for a quiet machine, then time the body, then mark
         the repetition disturbed if it started loud or others used the CPUs while it ran."""
-        g = RepGuard()
+        g = RepGuard(guard_on=self.enabled)
         self.wait_quiet(g)
         if not g.quiet_before:
             print(f"guard{' ' + label if label else ''}: not quiet after {g.waited_s:.0f} s (others "
@@ -398,7 +399,9 @@ def guard_summary(records: list[dict]) -> str:
     dropped = sum(g["disturbed"] for g in gs)
     loads = [g["load1_before"] for g in gs] + [g["load1_after"] for g in gs]
     others = [g["others_during"] for g in gs]
-    return (f"guard: kept {len(records) - dropped} of {len(records)} repetitions, dropped {dropped} (disturbed); "
+    off = "guard OFF (TURBO_BENCH_GUARD=off: a smoke run, not a result), " if not all(
+        g.get("guard_on", True) for g in gs) else ""
+    return (f"{off}guard: kept {len(records) - dropped} of {len(records)} repetitions, dropped {dropped} (disturbed); "
             f"load average {min(loads):.2f}-{max(loads):.2f}, others' CPUs during a repetition "
             f"<= {max(others):.2f}, waited <= {max(g['waited_s'] for g in gs):.0f} s")
 

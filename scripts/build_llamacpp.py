@@ -44,9 +44,15 @@ FLAGS = [
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_BUILD_UI=OFF",
 ]
-# what CMakeCache.txt resolved, recorded beside the flags passed
+# what CMakeCache.txt resolved, recorded beside the flags passed: the build type and compilers,
+# and the CPU backend's options (not the GPU backends', all off)
 RESOLVED = re.compile(r"^(CMAKE_BUILD_TYPE|CMAKE_C_COMPILER|CMAKE_CXX_COMPILER|CMAKE_C_FLAGS|CMAKE_CXX_FLAGS"
-                      r"|CMAKE_C_FLAGS_RELEASE|BUILD_SHARED_LIBS|GGML_[A-Z0-9_]+|LLAMA_[A-Z0-9_]+):[A-Z]+=(.*)$")
+                      r"|CMAKE_C_FLAGS_RELEASE|CMAKE_CXX_FLAGS_RELEASE|BUILD_SHARED_LIBS|GGML_NATIVE|GGML_CPU\w*"
+                      r"|GGML_AVX\w*|GGML_AMX\w*|GGML_F16C|GGML_FMA|GGML_BMI2|GGML_SSE42|GGML_OPENMP\w*|GGML_LLAMAFILE"
+                      r"|GGML_BLAS|GGML_LTO|GGML_BACKEND_DL|GGML_AVAILABLE_BACKENDS|LLAMA_BUILD_COMMIT|LLAMA_OPENSSL)"
+                      r":[A-Z]+=(.*)$")
+# the instruction sets -march=native turns on here (ggml's CPU backend picks its kernels by these)
+ISA = re.compile(r"#define __(AVX2|AVX512\w*|AMX_\w+|AVXVNNI|F16C|FMA|BMI2)__ 1")
 
 
 def sh(cmd: list[str], **kw) -> subprocess.CompletedProcess:
@@ -83,6 +89,13 @@ def compiler(path: str) -> str:
     return subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
 
 
+def native_isa(cc: str) -> list[str]:
+    """The ISA macros `cc -march=native` defines (AVX2, AVX512*, AMX_*, ...)."""
+    out = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+                         text=True).stdout
+    return sorted(m.group(1) for m in ISA.finditer(out))
+
+
 def cpu() -> str:
     with open("/proc/cpuinfo") as f:
         return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
@@ -114,7 +127,10 @@ def build(version: str, cache: Path, jobs: int) -> Path:
         "llama_cpp_commit": commit,
         "cmake_flags": flags,
         "cmake_resolved": resolved,
+        # (with GGML_NATIVE on, ggml-cpu builds with -march=native and its GGML_AVX* / GGML_AMX*
+        # options, off, do not apply: the ISA below is what it gets)
         "compiler": compiler(resolved.get("CMAKE_C_COMPILER", "cc")),
+        "native_isa": native_isa(resolved.get("CMAKE_C_COMPILER", "cc")),
         "cxx_compiler": compiler(resolved.get("CMAKE_CXX_COMPILER", "c++")),
         "llama_bench_version": (bench.stdout + bench.stderr).strip(),
         "cpu": cpu(),

@@ -14,6 +14,7 @@ runs one request at a time (a lock around its one context).
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 import subprocess
 import sys
@@ -90,12 +91,12 @@ def main() -> None:
     if args.parallel is None:
         return binding_server(args.gguf, args.threads)
     proc, url = start_llama_server(args.gguf, args.threads, args.parallel, args.ctx_per_slot)
+    # SIGINT or SIGTERM stops the server with this process (a shell's background job ignores
+    # SIGINT unless a handler is set, so set one for both)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: proc.terminate())
     print(f"serving on http://{url}", flush=True)
-    try:
-        proc.wait()
-    except KeyboardInterrupt:
-        proc.terminate()
-        proc.wait(timeout=60)
+    proc.wait()
 
 
 if __name__ == "__main__":

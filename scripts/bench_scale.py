@@ -22,7 +22,9 @@ run. Records are appended to --out (JSON lines), and the table is printed over e
 there: medians with [min, max], so runs split over several invocations (each under the bench
 lock, each short) still make one table. Every repetition runs under benchlib's quiet-machine
 guard: the table takes the undisturbed ones, and the line under it says how many were kept and
-dropped and the load they saw.
+dropped and the load they saw. --cotenants N runs N controlled co-tenants (benchlib.cotenant:
+a process spinning on one CPU each) beside every worker, the systems named "+N co-tenant": how
+each behaves beside a co-tenant, a row of its own (the guard counts them as the benchmark's).
 
 --context: decode at a short and a long context (the two --prompts) per K/V cache dtype, in
 one process. A step's cost does not depend on the cached values, only on how many there are:
@@ -206,6 +208,8 @@ def main() -> None:
                     help="llama.cpp's GGUFs of the shape: bf16, q8_0, q4_0, q4_k_m, one system each")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="turbo's OpenOptions.dtype (default: its own)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a system's worker may take")
+    ap.add_argument("--cotenants", type=int, default=0,
+                    help="run this many controlled co-tenants (a CPU-bound spin loop each) beside every worker")
     ap.add_argument("--context", action="store_true", help="decode vs context in one process (module docstring)")
     ap.add_argument("--prefill-states", action="store_true",
                     help="--context: fill each state by a prefill of random ids (~35 s at 4096), not random rows")
@@ -216,9 +220,11 @@ def main() -> None:
         return decode_vs_context(args)
     chosen = systems(args)
     print(f"load: {os.getloadavg()}", file=sys.stderr)
-    guard = benchlib.Guard.from_env(args.threads)
-    benchlib.run(chosen, args.reps, args.timeout, args.out, guard)
-    with guard.rep("bandwidth") as g:
+    if args.cotenants:  # their own columns: "turbo +1 co-tenant"
+        chosen = {f"{name} +{args.cotenants} co-tenant": spec for name, spec in chosen.items()}
+    benchlib.run(chosen, args.reps, args.timeout, args.out, benchlib.Guard.from_env(args.threads + args.cotenants),
+                 cotenants=args.cotenants)
+    with benchlib.Guard.from_env(args.threads).rep("bandwidth") as g:
         bw = {"bandwidth": True, "one": benchlib.bandwidth(1), "all": benchlib.bandwidth(args.threads),
               "threads": args.threads}
     with args.out.open("a") as f:

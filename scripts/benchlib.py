@@ -386,6 +386,25 @@ class Guard:
                   file=sys.stderr)
 
 
+# A controlled co-tenant (how each system behaves beside one is a row of its own, not a speed
+# ratio): `n` processes each keeping one CPU busy with a Python spin loop (the CPU taken, little
+# memory traffic), at the benchmark's priority. They are this process's children, so the guard
+# counts their CPU as the benchmark's own (its load threshold takes their n) and still catches
+# anyone else.
+COTENANT = "while True:\n    pass"
+
+
+@contextlib.contextmanager
+def cotenant(n: int) -> Iterator[list[subprocess.Popen]]:
+    procs = [subprocess.Popen([sys.executable, "-c", COTENANT]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
 def kept(records: list[dict]) -> list[dict]:
     """The records of undisturbed repetitions (a record without a guard's is kept: older runs)."""
     return [r for r in records if not (r.get("guard") or {}).get("disturbed")]
@@ -421,21 +440,22 @@ def warm_page_cache(path: Path) -> None:
 
 
 def run(specs: dict[str, Spec], reps: int, timeout: float, out: Path | None = None,
-        guard: Guard | None = None) -> list[dict]:
+        guard: Guard | None = None, cotenants: int = 0) -> list[dict]:
     """Every system's worker once per repetition, each in a fresh process, one after another
     (A, B, C, A, B, C, ...), its weights read into the page cache first, under the quiet-machine
-    guard (default: Guard.from_env with the specs' threads): its record, with `system`, `rep` and
-    `guard` (RepGuard's fields), appended to `out` (JSON lines) and returned -- disturbed ones
-    too, for the record; tables take `kept(records)`. A worker over `timeout` seconds is left
-    out; one that fails ends the run."""
-    guard = guard or Guard.from_env(max(s.threads for s in specs.values()))
+    guard (default: Guard.from_env with the specs' threads and the co-tenants): its record, with
+    `system`, `rep`, `guard` (RepGuard's fields) and `cotenants`, appended to `out` (JSON lines)
+    and returned -- disturbed ones too, for the record; tables take `kept(records)`. With
+    `cotenants`, that many controlled co-tenants (`cotenant`) run beside each worker. A worker
+    over `timeout` seconds is left out; one that fails ends the run."""
+    guard = guard or Guard.from_env(max(s.threads for s in specs.values()) + cotenants)
     records = []
     for rep in range(reps):
         for name, spec in specs.items():
             warm_page_cache(Path(spec.path))  # (before the guard: reading the files is not the machine's noise)
             cmd = [sys.executable, __file__, json.dumps(asdict(spec))]
             try:
-                with guard.rep(f"rep {rep} {name}") as g:
+                with guard.rep(f"rep {rep} {name}") as g, cotenant(cotenants):
                     done = subprocess.run(cmd, env=dict(os.environ, **spec.env), capture_output=True, text=True,
                                           timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -444,7 +464,7 @@ def run(specs: dict[str, Spec], reps: int, timeout: float, out: Path | None = No
             if done.returncode != 0:
                 raise SystemExit(f"{name}: {done.stderr.strip()[-2000:]}")
             rec = json.loads(done.stdout.strip().splitlines()[-1])
-            rec |= {"system": name, "rep": rep, "threads": spec.threads, "guard": asdict(g)}
+            rec |= {"system": name, "rep": rep, "threads": spec.threads, "guard": asdict(g), "cotenants": cotenants}
             if out is not None:
                 with out.open("a") as f:
                     f.write(json.dumps(rec) + "\n")

@@ -105,8 +105,9 @@ def test_co_tenant_during_the_rep_marks_it_disturbed():
 def test_guard_off_never_waits_and_keeps_everything():
     m = FakeMachine([(0, 1.5, 4.0)])
     r = timed_rep(guard(m, enabled=False), m)
-    assert m.slept == [0.5] and not r.quiet_before and not r.disturbed
+    assert m.slept == [0.5] and not r.quiet_before and not r.disturbed and not r.guard_on
     assert r.others_during == pytest.approx(1.5)  # still measured and recorded
+    assert benchlib.guard_summary([{"guard": asdict(r)}]).startswith("guard OFF")
 
 
 def test_from_env_overrides(monkeypatch):
@@ -129,7 +130,8 @@ def test_kept_and_summary():
     records = [rec(False, 0.2, 0.01), rec(True, 3.0, 1.2), rec(False, 0.4, 0.03), {"old": 1}]
     assert benchlib.kept(records) == [records[0], records[2], records[3]]
     line = benchlib.guard_summary(records[:3])
-    assert "kept 2 of 3" in line and "dropped 1" in line and "0.20-3.50" in line and "<= 1.20" in line
+    assert line.startswith("guard: ") and "kept 2 of 3" in line and "dropped 1" in line
+    assert "0.20-3.50" in line and "<= 1.20" in line  # the load average's range, the most others used
 
 
 def test_real_counters_see_this_process_as_own():
@@ -142,3 +144,16 @@ def test_real_counters_see_this_process_as_own():
     b = benchlib.read_counters()
     assert b.own - a.own >= 0.25  # (/proc's ticks: 10 ms)
     assert benchlib.others_cpus(a, b) < (b.busy - a.busy) / (b.t - a.t)
+
+
+def test_controlled_cotenant_is_own_cpu_and_ends_with_the_block():
+    a = benchlib.read_counters()
+    with benchlib.cotenant(1) as procs:
+        pid = procs[0].pid
+        deadline = time.monotonic() + 30  # (a shared machine may give the spin loop little CPU)
+        while benchlib.read_counters().own - a.own < 0.05 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        b = benchlib.read_counters()
+        assert procs[0].poll() is None  # spinning while the block runs
+    assert b.own - a.own >= 0.05  # its CPU is this tree's: the guard does not call it someone else
+    assert not Path(f"/proc/{pid}").exists()  # killed and reaped on the way out

@@ -105,7 +105,7 @@ def main() -> None:
         seen.append({"guard": dataclasses.asdict(g)})
         for pair in pairs if not g.disturbed else []:  # a disturbed repetition's times are dropped
             for which in (0, 1):
-                times[pair][which] += got[pair][which]
+                times[pair][which].extend(got[pair][which])
     print(f"{args.shape}, {args.threads} threads, context {args.context}, {args.reps} reps x {args.calls} calls")
     print(benchlib.guard_summary(seen))
     if not times[pairs[0]][0]:

@@ -115,6 +115,8 @@ def decode_vs_context(args) -> None:
                 trunk.step(st, [(31 * i) % 4000 + 3])
                 times.append(time.perf_counter() - t0)
     print(benchlib.guard_summary([{"guard": dataclasses.asdict(g)}]))
+    if g.disturbed:
+        raise SystemExit("the steps were disturbed (benchlib.Guard): rerun on a quiet machine")
     short, long = args.prompts
     for kv in dict.fromkeys(kv for kv, _ in runs):
         median = {n: statistics.median(runs[(kv, n)][2]) for n in args.prompts}

@@ -4,6 +4,7 @@ runs workers rep after rep, interleaved; the quiet-machine guard every timed rep
 under (`Guard`); and small timing and formatting helpers.
 
     python scripts/benchlib.py '{"system": "turbo", "path": "...", ...}'   # one worker (a Spec as JSON)
+    python scripts/benchlib.py --quiet-check [THREADS]    # what the quiet-machine guard sees now
 
 The worker takes paths, not shape names, and imports only torch and the system it runs, so a
 turbo from another checkout (PYTHONPATH=/that/checkout) runs in it as well as this one.
@@ -529,5 +530,18 @@ def step_times(rt, prompt: list[int], rows: list[int], calls: int) -> dict:
     return out
 
 
+def quiet_check(threads: int = 2, samples: int = 5) -> None:
+    """Print what the guard sees now, a sample a second: the check before a comparison."""
+    guard = Guard.from_env(threads)
+    for _ in range(samples):
+        others, load1 = guard.sample()
+        print(f"others {others:.2f} CPUs, load {load1:.2f}: {'quiet' if guard.quiet(others, load1) else 'NOT quiet'} "
+              f"(thresholds: others <= {guard.max_others}, load <= {guard.max_load})")
+        time.sleep(0.5)
+
+
 if __name__ == "__main__":
-    print(json.dumps(work(Spec(**json.loads(sys.argv[1])))))
+    if sys.argv[1] == "--quiet-check":  # python scripts/benchlib.py --quiet-check [THREADS]
+        quiet_check(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    else:
+        print(json.dumps(work(Spec(**json.loads(sys.argv[1])))))

@@ -14,7 +14,9 @@ the binding's worker (benchlib.work: prefill of each prompt length, then --new g
 steps at that context; a 1-token prompt for decode at depth 0). Prints, from the undisturbed
 repetitions, each figure's medians [min, max] side by side and binding / llama-bench, with
 llama-bench's build and settings. The binding runs flash attention off (its default) unless
---binding-flash-attn; llama-bench's --fa is passed through (-fa).
+--binding-flash-attn; llama-bench's --fa is passed through (-fa). By default the binding loads the
+very libraries llama-bench runs (LLAMA_CPP_LIB_PATH, same commit: the figures then differ by the
+harness alone); --binding-lib own: the ones pip built it with.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import benchlib  # scripts/benchlib.py, beside this file
 import build_llamacpp
 
 ROOT = Path(__file__).resolve().parent.parent
+LIB_PATH = "LLAMA_CPP_LIB_PATH"  # llama-cpp-python's: the directory it loads libllama.so from
 
 
 def llama_bench(gguf: Path, args, prompts: list[int], new: int, depth: int) -> list[dict]:
@@ -59,6 +62,9 @@ def run(ggufs: dict[str, Path], args) -> tuple[dict, list[dict], list[dict]]:
     seen: dict[tuple[str, str, str], list[float]] = {}
     bench_recs, guards = [], []
     env = {benchlib.LLAMA_FLASH_ATTN: "1"} if args.binding_flash_attn else {}
+    if args.binding_lib != "own":  # llama-cpp-python loads libllama (and its ggml) from there
+        lib = build_llamacpp.bindir() if args.binding_lib == "tools" else Path(args.binding_lib)
+        env[LIB_PATH] = str(lib)
     for rep in range(args.reps):
         for kind, gguf in ggufs.items():
             runs = [(args.prompts, args.new, 0)] + [([], args.new, d) for d in args.depths]
@@ -99,7 +105,8 @@ def table(seen: dict, bench_recs: list[dict], guards: list[dict], args) -> str:
     lines = [f"llama-bench: {', '.join(f'{k} {first[k]}' for k in keys if k in first)}",
              f"binding: llama-cpp-python (benchlib.LlamaCpp: n_batch 512, n_ubatch 512, flash attention "
              f"{'on' if args.binding_flash_attn else 'off'}, weight repacking "
-             f"{'off' if os.environ.get(benchlib.LLAMA_PLAIN) else 'on'}), {args.threads} threads",
+             f"{'off' if os.environ.get(benchlib.LLAMA_PLAIN) else 'on'}), {args.threads} threads, "
+             f"its llama.cpp: {args.binding_lib if args.binding_lib != 'tools' else build_llamacpp.bindir()}",
              benchlib.guard_summary(guards), "",
              "| GGUF | figure, tok/s | llama-bench | binding | binding / llama-bench |",
              "| --- | --- | ---: | ---: | ---: |"]
@@ -124,6 +131,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--fa", help="llama-bench -fa (on, off, auto; default: its own, auto)")
     ap.add_argument("--binding-flash-attn", action="store_true", help="the binding with flash attention on")
+    ap.add_argument("--binding-lib", default="tools",
+                    help="the binding's llama.cpp: tools (the libraries llama-bench runs, default), own (those "
+                         "pip built it with), or a directory of libllama.so")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one process may take")
     ap.add_argument("--out", type=Path, help="also write llama-bench's records and the table's figures (JSON)")
     args = ap.parse_args()

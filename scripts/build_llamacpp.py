@@ -32,6 +32,12 @@ from pathlib import Path
 DEFAULT_VERSION = "0.3.36"
 DEFAULT_CACHE = Path.home() / ".cache" / "turbo" / "llamacpp"
 TOOLS = ("llama-bench", "llama-server", "llama-cli")
+# --no-amx: ggml's AMX kernels left out (explicit -mno-* flags win over -march=native's), the rest
+# of the native ISA and the CPU repacking kept. On this development VM the CPU reports AMX and the
+# kernel grants it, yet ggml's AMX path faults on the first quantized prefill (Q4_0: SIGSEGV in
+# ggml_backend_amx_mul_mat; Q8_0: SIGILL), which the default build takes for Q4_0 / Q8_0 weights.
+NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+NO_AMX = [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
 BIN_ENV = "TURBO_LLAMACPP_BIN"
 FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -89,9 +95,9 @@ def compiler(path: str) -> str:
     return subprocess.run([path, "--version"], capture_output=True, text=True).stdout.splitlines()[0]
 
 
-def native_isa(cc: str) -> list[str]:
-    """The ISA macros `cc -march=native` defines (AVX2, AVX512*, AMX_*, ...)."""
-    out = subprocess.run([cc, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
+def native_isa(cc: str, extra: list[str]) -> list[str]:
+    """The ISA macros `cc -march=native` (with the `extra` flags) defines (AVX2, AVX512*, AMX_*, ...)."""
+    out = subprocess.run([cc, *extra, "-march=native", "-dM", "-E", "-x", "c", "/dev/null"], capture_output=True,
                          text=True).stdout
     return sorted(m.group(1) for m in ISA.finditer(out))
 
@@ -101,22 +107,24 @@ def cpu() -> str:
         return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
 
 
-def build(version: str, cache: Path, jobs: int) -> Path:
-    """The tools built under cache/version; the path of their build-info.json."""
+def build(version: str, cache: Path, jobs: int, no_amx: bool = False) -> Path:
+    """The tools built under cache/version/build (build-noamx: `no_amx`); the path of their
+    build-info.json."""
     dest = cache / version
-    bindir = dest / "build" / "bin"
+    build_dir = dest / ("build-noamx" if no_amx else "build")
+    bindir = build_dir / "bin"
     info_path = bindir / "build-info.json"
     if info_path.is_file() and all((bindir / t).is_file() for t in TOOLS):
         print(f"already built: {bindir}", file=sys.stderr)
         return info_path
     archive, tree = sdist(version, dest / "src")
     commit = vendored_commit(tree)
-    flags = [*FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}"]
-    sh(niced(["cmake", "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(dest / "build"), *flags]))
-    sh(niced(["cmake", "--build", str(dest / "build"), "--config", "Release", "-j", str(jobs),
+    flags = [*FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}", *(NO_AMX if no_amx else [])]
+    sh(niced(["cmake", "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(build_dir), *flags]))
+    sh(niced(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
               "--target", *TOOLS]))
     resolved = {}
-    for line in (dest / "build" / "CMakeCache.txt").read_text().splitlines():
+    for line in (build_dir / "CMakeCache.txt").read_text().splitlines():
         if m := RESOLVED.match(line):
             resolved[m.group(1)] = m.group(2)
     bench = subprocess.run([str(bindir / "llama-bench"), "--version"], capture_output=True, text=True)
@@ -130,7 +138,7 @@ def build(version: str, cache: Path, jobs: int) -> Path:
         # (with GGML_NATIVE on, ggml-cpu builds with -march=native and its GGML_AVX* / GGML_AMX*
         # options, off, do not apply: the ISA below is what it gets)
         "compiler": compiler(resolved.get("CMAKE_C_COMPILER", "cc")),
-        "native_isa": native_isa(resolved.get("CMAKE_C_COMPILER", "cc")),
+        "native_isa": native_isa(resolved.get("CMAKE_C_COMPILER", "cc"), NO_AMX_FLAGS.split() if no_amx else []),
         "cxx_compiler": compiler(resolved.get("CMAKE_CXX_COMPILER", "c++")),
         "llama_bench_version": (bench.stdout + bench.stderr).strip(),
         "cpu": cpu(),
@@ -142,8 +150,13 @@ def build(version: str, cache: Path, jobs: int) -> Path:
 
 
 def bindir(version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> Path:
-    """Where the tools are: $TURBO_LLAMACPP_BIN (a build of one's own), else this script's build."""
-    return Path(os.environ.get(BIN_ENV) or cache / version / "build" / "bin")
+    """Where the tools are: $TURBO_LLAMACPP_BIN (a build of one's own), else this script's
+    --no-amx build where there is one (it is made only where the default one faults), else its
+    default build."""
+    if os.environ.get(BIN_ENV):
+        return Path(os.environ[BIN_ENV])
+    no_amx = cache / version / "build-noamx" / "bin"
+    return no_amx if (no_amx / "build-info.json").is_file() else cache / version / "build" / "bin"
 
 
 def tool(name: str, version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> Path:
@@ -183,8 +196,10 @@ def main() -> None:
     ap.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     ap.add_argument("--jobs", type=int, default=2)
     ap.add_argument("--binding", action="store_true", help="also pip install the binding from the same sdist")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="without ggml's AMX kernels (where they fault), into build-noamx/ (NO_AMX above)")
     args = ap.parse_args()
-    info = build(args.version, args.cache, args.jobs)
+    info = build(args.version, args.cache, args.jobs, args.no_amx)
     print(info.read_text())
     if args.binding:
         binding(args.version, args.cache, args.jobs)

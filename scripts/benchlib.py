@@ -122,7 +122,9 @@ class Transformers:
 
 
 # environment: llama.cpp without its extra buffer types (use_extra_bufts off), where they crash
-# (llama-cpp-python 0.3.36 on an AMX host: the first decode of a quantized GGUF segfaults)
+# (llama-cpp-python 0.3.36 on this AMX VM: ggml's AMX path faults on the first quantized
+# prefill; LLAMA_CPP_LIB_PATH=<scripts/build_llamacpp.py --no-amx's bin> keeps repacking on
+# without it, docs/llamacpp.md)
 LLAMA_PLAIN = "TURBO_LLAMA_PLAIN"
 
 

@@ -22,6 +22,7 @@ harness alone); --binding-lib own: the ones pip built it with.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -55,6 +56,16 @@ def figure_of(rec: dict) -> str:
     return f"decode {rec['n_gen']} @ {rec['n_depth']}"
 
 
+def binding_lib(which: str) -> Path:
+    """The directory the binding's libllama.so is loaded from: tools (llama-bench's), own (the
+    package's lib/, named outright: an exported LLAMA_CPP_LIB_PATH would win otherwise), or a path."""
+    if which == "tools":
+        return build_llamacpp.bindir()
+    if which == "own":
+        return Path(importlib.util.find_spec("llama_cpp").origin).parent / "lib"
+    return Path(which)
+
+
 def run(ggufs: dict[str, Path], args) -> tuple[dict, list[dict], list[dict]]:
     """({(kind, figure, who): [tok/s per undisturbed repetition]}, llama-bench's records, every
     repetition's guard record)."""
@@ -62,9 +73,7 @@ def run(ggufs: dict[str, Path], args) -> tuple[dict, list[dict], list[dict]]:
     seen: dict[tuple[str, str, str], list[float]] = {}
     bench_recs, guards = [], []
     env = {benchlib.LLAMA_FLASH_ATTN: "1"} if args.binding_flash_attn else {}
-    if args.binding_lib != "own":  # llama-cpp-python loads libllama (and its ggml) from there
-        lib = build_llamacpp.bindir() if args.binding_lib == "tools" else Path(args.binding_lib)
-        env[LIB_PATH] = str(lib)
+    env[LIB_PATH] = str(binding_lib(args.binding_lib))  # llama-cpp-python loads libllama (and its ggml) from there
     for rep in range(args.reps):
         for kind, gguf in ggufs.items():
             runs = [(args.prompts, args.new, 0)] + [([], args.new, d) for d in args.depths]
@@ -106,7 +115,7 @@ def table(seen: dict, bench_recs: list[dict], guards: list[dict], args) -> str:
              f"binding: llama-cpp-python (benchlib.LlamaCpp: n_batch 512, n_ubatch 512, flash attention "
              f"{'on' if args.binding_flash_attn else 'off'}, weight repacking "
              f"{'off' if os.environ.get(benchlib.LLAMA_PLAIN) else 'on'}), {args.threads} threads, "
-             f"its llama.cpp: {args.binding_lib if args.binding_lib != 'tools' else build_llamacpp.bindir()}",
+             f"its llama.cpp: {binding_lib(args.binding_lib)}",
              benchlib.guard_summary(guards), "",
              "| GGUF | figure, tok/s | llama-bench | binding | binding / llama-bench |",
              "| --- | --- | ---: | ---: | ---: |"]

@@ -3,6 +3,7 @@ llama-cpp-python's sdist vendors, as llama.cpp's users build them: CMake Release
 (GGML_NATIVE on: -march=native; GGML_CPU_REPACK on: Q4_0 / Q8_0 weights repacked at load).
 
     nice -n 19 python scripts/build_llamacpp.py [--version 0.3.36] [--jobs 2] [--binding]
+    nice -n 19 python scripts/build_llamacpp.py --no-amx     # where ggml's AMX kernels fault (NO_AMX)
 
 Into ~/.cache/turbo/llamacpp/<version>/ (--cache): the sdist and its source under src/, the
 build under build/, the binaries in build/bin/ beside build-info.json (the CMake flags as

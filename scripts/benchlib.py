@@ -413,11 +413,22 @@ def kept(records: list[dict]) -> list[dict]:
     return [r for r in records if not (r.get("guard") or {}).get("disturbed")]
 
 
+def provenance() -> str:
+    """When, on which commit of this checkout, and by which command a table was made."""
+    root = Path(__file__).resolve().parent.parent
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"run: {when}, commit {commit}{dirty}: python {' '.join(sys.argv)}"
+
+
 def guard_summary(records: list[dict]) -> str:
-    """One line for a table: repetitions kept / dropped and the machine's load around them."""
+    """Two lines for a table: repetitions kept / dropped and the machine's load around them; then
+    `provenance()`."""
     gs = [r["guard"] for r in records if "guard" in r]
     if not gs:
-        return f"{len(records)} repetitions, no guard record"
+        return f"{len(records)} repetitions, no guard record\n{provenance()}"
     dropped = sum(g["disturbed"] for g in gs)
     loads = [g["load1_before"] for g in gs] + [g["load1_after"] for g in gs]
     others = [g["others_during"] for g in gs]
@@ -425,7 +436,7 @@ def guard_summary(records: list[dict]) -> str:
         g.get("guard_on", True) for g in gs) else ""
     return (f"{off}guard: kept {len(records) - dropped} of {len(records)} repetitions, dropped {dropped} (disturbed); "
             f"load average {min(loads):.2f}-{max(loads):.2f}, others' CPUs during a repetition "
-            f"<= {max(others):.2f}, waited <= {max(g['waited_s'] for g in gs):.0f} s")
+            f"<= {max(others):.2f}, waited <= {max(g['waited_s'] for g in gs):.0f} s\n{provenance()}")
 
 
 # ---- the driver -----------------------------------------------------------------------------

@@ -132,6 +132,8 @@ def test_kept_and_summary():
     line = benchlib.guard_summary(records[:3])
     assert line.startswith("guard: ") and "kept 2 of 3" in line and "dropped 1" in line
     assert "0.20-3.50" in line and "<= 1.20" in line  # the load average's range, the most others used
+    run = line.splitlines()[1]  # then when, on which commit, by which command
+    assert run.startswith("run: ") and " UTC, commit " in run and "python " in run
 
 
 def test_real_counters_see_this_process_as_own():

@@ -16,6 +16,7 @@ import contextlib
 import gc
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
@@ -420,7 +421,7 @@ def provenance() -> str:
     commit = git("rev-parse", "--short", "HEAD") or "unknown"
     dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    return f"run: {when}, commit {commit}{dirty}: python {' '.join(sys.argv)}"
+    return f"run: {when}, commit {commit}{dirty}: python {shlex.join(sys.argv)}"
 
 
 def guard_summary(records: list[dict]) -> str:

@@ -50,7 +50,7 @@ def wait_ready(url: str, proc: subprocess.Popen | None = None, timeout: float = 
 def start_llama_server(gguf: str, threads: int, parallel: int, ctx_per_slot: int = 2048,
                        extra: list[str] | None = None) -> tuple[subprocess.Popen, str]:
     """llama.cpp's llama-server on `gguf` with `parallel` slots, started and answering: (the
-    process, its host:port). Its log goes to its stderr (a pipe nobody reads would fill up)."""
+    process, its host:port). Its log is discarded (a pipe nobody reads would fill up)."""
     port = free_port()
     cmd = [str(build_llamacpp.tool("llama-server")), "--model", gguf, "--host", "127.0.0.1", "--port", str(port),
            "--threads", str(threads), "--threads-batch", str(threads), "--parallel", str(parallel),

@@ -17,6 +17,7 @@ overwritten next time; the recurrent state drifts, which costs the same). Prints
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -93,12 +94,22 @@ def main() -> None:
             sys.exit(f"{n} x {r} rows: the batch's logits are not the sequential steps'")
         runs[n, r] = runners(trunk, copies(trunk, first, n), rows, rollback)
     times = {pair: ([], []) for pair in pairs}
+    guard, seen = benchlib.Guard.from_env(args.threads), []
     for rep in range(args.reps):
-        for pair in pairs:
-            order = (0, 1) if rep % 2 == 0 else (1, 0)
-            for which in order:
-                times[pair][which].append(mean_seconds(runs[pair][which], args.calls))
+        got = {pair: ([], []) for pair in pairs}
+        with guard.rep(f"rep {rep}") as g:
+            for pair in pairs:
+                order = (0, 1) if rep % 2 == 0 else (1, 0)
+                for which in order:
+                    got[pair][which].append(mean_seconds(runs[pair][which], args.calls))
+        seen.append({"guard": dataclasses.asdict(g)})
+        for pair in pairs if not g.disturbed else []:  # a disturbed repetition's times are dropped
+            for which in (0, 1):
+                times[pair][which].extend(got[pair][which])
     print(f"{args.shape}, {args.threads} threads, context {args.context}, {args.reps} reps x {args.calls} calls")
+    print(benchlib.guard_summary(seen))
+    if not times[pairs[0]][0]:
+        sys.exit("every repetition was disturbed: rerun on a quiet machine")
     print(f"{'seqs':>5} {'rows':>5} {'step_many ms':>24} {'sequential ms':>24} {'speedup':>8} {'rows/s':>9}")
     for n, r in pairs:
         b, s = times[n, r]

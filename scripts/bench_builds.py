@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import dataclasses
 import statistics
 import subprocess
 import tempfile
@@ -27,7 +28,8 @@ import turbo
 from turbo.backends import native_build, native_lib
 from turbo.testing import shapes
 
-from benchlib import step_times  # scripts/benchlib.py, beside this file
+import benchlib  # scripts/benchlib.py, beside this file
+from benchlib import step_times
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
@@ -91,15 +93,23 @@ def main() -> None:
         prompt = torch.randint(0, 4000, (128,), generator=torch.Generator().manual_seed(0)).tolist()
         got: dict[tuple[str, str], list[tuple[float, float, float]]] = {}
         filled: dict[tuple[str, str], list[float]] = {}
-        for _ in range(args.reps):
+        guard, seen = benchlib.Guard.from_env(args.threads), []
+        for rep in range(args.reps):
             for f, rt in rts.items():
                 for rev, lib in libs.items():
                     native_lib._lib, native_lib._threads = lib, 0  # threaded() sets the count on this library
-                    t = step_times(rt, prompt, [args.rows], args.calls)
+                    with guard.rep(f"rep {rep} {f} {rev}") as g:
+                        t = step_times(rt, prompt, [args.rows], args.calls)
+                        tps = args.prefill / prefill_time(rt, args.prefill) if args.prefill else None
+                    seen.append({"guard": dataclasses.asdict(g)})
+                    if g.disturbed:  # dropped (benchlib.Guard)
+                        continue
                     got.setdefault((f, rev), []).append((t["decode"], t[args.rows, None], t[args.rows, "checkpoint"]))
-                    if args.prefill:
-                        filled.setdefault((f, rev), []).append(args.prefill / prefill_time(rt, args.prefill))
-    print(f"{args.shape}, {args.threads} threads, medians of {args.reps} interleaved runs (min..max), ms")
+                    if tps is not None:
+                        filled.setdefault((f, rev), []).append(tps)
+    print(f"{args.shape}, {args.threads} threads, medians of the undisturbed of {args.reps} interleaved runs "
+          f"(min..max), ms")
+    print(benchlib.guard_summary(seen))
     print(f"| format | revision | decode step | verify {args.rows} rows | with checkpoints | "
           f"verify / step | with checkpoints |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")

@@ -161,8 +161,10 @@ def main() -> None:
                                       for name, path in ggufs.items() if (env := llama_cpp_env(path)) is not None}
     specs |= {who: benchlib.Spec("llama.cpp", str(path), args.threads, [32], args.tokens, env=env)
               for who, (_, path, env) in llama.items()}
-    records = benchlib.run(specs, args.reps, timeout=900)
+    ran = benchlib.run(specs, args.reps, timeout=900)
+    records = benchlib.kept(ran)  # undisturbed repetitions only (benchlib.Guard)
     print(f"{args.shape}, {args.threads} threads, {args.tokens} tokens after 32, {args.reps} reps (interleaved)")
+    print(benchlib.guard_summary(ran))
     print(f"{'install':16s} {'format':12s} {'step':7s} {'GB':>6s}  decode tok/s: median [min, max]")
     for name, (path, fmt) in installs.items():
         mine = [r for r in records if r["system"] == name]

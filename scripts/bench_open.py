@@ -18,6 +18,8 @@ each system once before timing (--warm, default 1) so every one reads its files 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -70,17 +72,25 @@ def weights(path: Path) -> tuple[int, int]:
 
 
 def run(paths: list[Path], reps: int, warm: int, threads: int, timeout: float) -> dict[str, list[dict]]:
+    """Every path's worker per repetition, interleaved; the timed ones under benchlib's
+    quiet-machine guard (each record's `guard`)."""
+    import benchlib  # scripts/benchlib.py, beside this file (here, not in the worker: it imports torch)
+
     records: dict[str, list[dict]] = {str(p): [] for p in paths}
+    guard = benchlib.Guard.from_env(threads)
     for rep in range(-warm, reps):
         for p in paths:
             cmd = [sys.executable, __file__, "--worker", str(p), "--threads", str(threads)]
             env = dict(os.environ, PYTHONPATH=str(ROOT))
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            with guard.rep(f"rep {rep} {p.name}") if rep >= 0 else contextlib.nullcontext() as g:
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0:
                 raise SystemExit(f"{p}: {done.stderr.strip()[-2000:]}")
             rec = json.loads(done.stdout.strip().splitlines()[-1])
+            rec["guard"] = dataclasses.asdict(g) if g is not None else None
             said = [line for line in done.stderr.splitlines() if line.startswith("note:")]
-            print(f"{'warm' if rep < 0 else f'rep {rep}'} {p.name}: open {rec['open_s']:.2f} s, grown "
+            tag = "warm" if rep < 0 else f"rep {rep}" + (" (disturbed)" if g.disturbed else "")
+            print(f"{tag} {p.name}: open {rec['open_s']:.2f} s, grown "
                   f"{rec['open_grown'] / 2**20:.0f} MiB, first token {rec['first_token_s']:.2f} s"
                   + "".join(f"\n  {line}" for line in said), file=sys.stderr)
             if rep >= 0:
@@ -92,7 +102,12 @@ def med(values: list[float], fmt: str = "{:.2f}") -> str:
     return f"{fmt.format(statistics.median(values))} [{fmt.format(min(values))}, {fmt.format(max(values))}]"
 
 
-def table(records: dict[str, list[dict]], threads: int) -> None:
+def table(ran: dict[str, list[dict]], threads: int) -> None:
+    """The undisturbed repetitions' medians (benchlib.Guard), and how many were kept."""
+    import benchlib
+
+    records = {path: benchlib.kept(recs) for path, recs in ran.items()}
+    print(benchlib.guard_summary([r for recs in ran.values() for r in recs]))
     print(f"| system ({threads} threads) | open s | peak RSS grown while opening / weights | first token s "
           f"| weights MiB (+ open layout) | open vs the first |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")

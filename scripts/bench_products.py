@@ -20,6 +20,7 @@ test: time it under the machine's bench lock.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -28,6 +29,8 @@ import torch
 from turbo import quant
 from turbo.backends import native_exact, native_lib, native_pack
 from turbo.backends.packed import Packed
+
+import benchlib  # scripts/benchlib.py, beside this file
 
 BITS = {"int4": 4, "int8": 8}
 CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)
@@ -99,15 +102,26 @@ def main() -> None:
     xs = {r: torch.randn(r, args.k, generator=torch.Generator().manual_seed(1)) for r in args.rows}
     cases = [(f, r, t) for f in args.format for r in args.rows for t in args.threads]
     times = {c: {"memory": [], "cached": []} for c in cases}
-    for _ in range(args.reps):
+    guard, seen = benchlib.Guard.from_env(max(args.threads)), []
+    for rep in range(args.reps):
         for f, r, t in cases:
             torch.set_num_threads(t)
-            times[f, r, t]["memory"].append(per_product(xs[r], copies[f], 1))
-            times[f, r, t]["cached"].append(per_product(xs[r], [one[f]], max(2, min(200, 2 ** 28 // one[f].data.nbytes))))
-    print(f"{args.n} x {args.k}, copies past the caches: {args.cold_mb} MB; medians of {args.reps} (min..max)")
+            with guard.rep(f"rep {rep} {f} {r} rows {t} threads") as g:
+                mem = per_product(xs[r], copies[f], 1)
+                hot = per_product(xs[r], [one[f]], max(2, min(200, 2 ** 28 // one[f].data.nbytes)))
+            seen.append({"guard": dataclasses.asdict(g)})
+            if not g.disturbed:  # a disturbed one is dropped (benchlib.Guard)
+                times[f, r, t]["memory"].append(mem)
+                times[f, r, t]["cached"].append(hot)
+    print(f"{args.n} x {args.k}, copies past the caches: {args.cold_mb} MB; medians of the undisturbed of "
+          f"{args.reps} (min..max)")
+    print(benchlib.guard_summary(seen))
     print("| format | rows | threads | from memory, ms | GB/s | from the caches, ms | GMAC/s | memory / cached |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for (f, r, t), d in times.items():
+        if not d["memory"]:
+            print(f"| {f} | {r} | {t} | - (every repetition disturbed) | | | | |")
+            continue
         mem, hot = statistics.median(d["memory"]), statistics.median(d["cached"])
         spread = lambda xs: f"{statistics.median(xs) * 1e3:.3f} ({min(xs) * 1e3:.3f}..{max(xs) * 1e3:.3f})"  # noqa: E731
         print(f"| {f} | {r} | {t} | {spread(d['memory'])} | {one[f].data.nbytes / mem / 1e9:.1f} | "

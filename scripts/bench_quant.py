@@ -160,8 +160,12 @@ def against_llamacpp(shape: str, threads: int, reps: int, tokens: int) -> None:
     int4 = str(shapes.build(shape, quant="int4"))
     specs = {"turbo": benchlib.Spec("turbo", int4, threads, [32], tokens, env={"PYTHONPATH": str(ROOT)}),
              "llama.cpp": benchlib.Spec("llama.cpp", str(gguf), threads, [32], tokens)}
-    records = benchlib.run(specs, reps, timeout=600)
+    ran = benchlib.run(specs, reps, timeout=600)
+    records = benchlib.kept(ran)  # undisturbed repetitions only (benchlib.Guard)
+    print(benchlib.guard_summary(ran))
     seen = {name: [r["32"]["decode_tps"] for r in records if r["system"] == name] for name in specs}
+    if not all(seen.values()):
+        raise SystemExit("a system has no undisturbed repetition: rerun on a quiet machine")
     for system, v in seen.items():
         print(f"{system:10s} int4 / Q4_0 decode tok/s: median {statistics.median(v):.1f} "
               f"[{min(v):.1f}, {max(v):.1f}] over {len(v)}")

@@ -16,6 +16,7 @@ benchmark, not a test: time it under the machine's bench lock.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import statistics
 
@@ -24,7 +25,8 @@ import torch
 import turbo
 from turbo.testing import ScriptedDrafter, shapes
 
-from benchlib import step_times  # scripts/benchlib.py, beside this file
+import benchlib  # scripts/benchlib.py, beside this file
+from benchlib import step_times
 
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
 
@@ -68,25 +70,38 @@ def main() -> None:
     times = {f: [] for f in rts}
     speed = {(f, rb): {} for f in rts for rb in args.rollback}
     landed = {}  # block -> accepted per round (the same every run: the schedule is fixed)
-    for _ in range(args.reps):
+    guard, seen = benchlib.Guard.from_env(args.threads), []
+    for rep in range(args.reps):
         for f, rt in rts.items():
-            times[f].append(step_times(rt, prompt, args.rows, args.calls))
+            with guard.rep(f"rep {rep} {f} steps") as g:
+                t = step_times(rt, prompt, args.rows, args.calls)
+            seen.append({"guard": dataclasses.asdict(g)})
+            if not g.disturbed:  # a disturbed one is dropped (benchlib.Guard)
+                times[f].append(t)
         if args.skip_tokens:
             continue
         for f, rt in rts.items():
-            off = rt.generate(prompt, max_new_tokens=args.new, policy="off", stop_at_eos=False)
-            for rb in args.rollback:
-                speed[f, rb].setdefault("plain", []).append(off.stats.decode_tokens_per_s)
-            for block in args.blocks:
+            got = {}  # (rollback, "plain" or block) -> tok/s, kept together or dropped together
+            with guard.rep(f"rep {rep} {f} generations") as g:
+                off = rt.generate(prompt, max_new_tokens=args.new, policy="off", stop_at_eos=False)
                 for rb in args.rollback:
-                    scripted = ScriptedDrafter(prompt + off.tokens, [min(n, block) for n in schedule], vocab)
-                    res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block,
-                                      rollback=rb, drafter=scripted, stop_at_eos=False)
-                    assert res.tokens == off.tokens, "speculation changed the output"
-                    speed[f, rb].setdefault(block, []).append(res.stats.decode_tokens_per_s)
-                    landed[block] = res.stats.accepted / res.stats.rounds
-    print(f"shape {args.shape}, dtype {args.dtype}, {args.threads} thread(s), medians of {args.reps} "
-          f"interleaved runs (min..max)")
+                    got[rb, "plain"] = off.stats.decode_tokens_per_s
+                for block in args.blocks:
+                    for rb in args.rollback:
+                        scripted = ScriptedDrafter(prompt + off.tokens, [min(n, block) for n in schedule], vocab)
+                        res = rt.generate(prompt, max_new_tokens=args.new, policy="fixed", block=block,
+                                          rollback=rb, drafter=scripted, stop_at_eos=False)
+                        assert res.tokens == off.tokens, "speculation changed the output"
+                        got[rb, block] = res.stats.decode_tokens_per_s
+                        landed[block] = res.stats.accepted / res.stats.rounds
+            seen.append({"guard": dataclasses.asdict(g)})
+            for (rb, which), tps in got.items() if not g.disturbed else ():
+                speed[f, rb].setdefault(which, []).append(tps)
+    print(f"shape {args.shape}, dtype {args.dtype}, {args.threads} thread(s), medians of the undisturbed of "
+          f"{args.reps} interleaved runs (min..max)")
+    print(benchlib.guard_summary(seen))
+    if not all(times.values()) or not (args.skip_tokens or all(speed.values())):
+        raise SystemExit("a cell has no undisturbed repetition: rerun on a quiet machine")
     print("\n| format | decode step ms | " + " | ".join(f"verify {n} rows / step (plain; checkpoints)"
                                                     for n in args.rows) + " |")
     print("| --- | ---: |" + " ---: |" * len(args.rows))

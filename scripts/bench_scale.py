@@ -20,7 +20,11 @@ MoE trunk the weight bytes a decode step reads against a dense trunk of the same
 turbo. The machine's read bandwidth (a GEMV over 1 GB, 1 and all threads) is measured in the
 run. Records are appended to --out (JSON lines), and the table is printed over every record
 there: medians with [min, max], so runs split over several invocations (each under the bench
-lock, each short) still make one table.
+lock, each short) still make one table. Every repetition runs under benchlib's quiet-machine
+guard: the table takes the undisturbed ones, and the line under it says how many were kept and
+dropped and the load they saw. --cotenants N runs N controlled co-tenants (benchlib.cotenant:
+a process spinning on one CPU each) beside every worker, the systems named "+N co-tenant": how
+each behaves beside a co-tenant, a row of its own (the guard counts them as the benchmark's).
 
 --context: decode at a short and a long context (the two --prompts) per K/V cache dtype, in
 one process. A step's cost does not depend on the cached values, only on how many there are:
@@ -34,6 +38,7 @@ times, and the ratio long / short per cache.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -54,7 +59,7 @@ KV_TAG = " kv="  # a turbo system's name carries its kv_cache after this ("turbo
 
 def systems(args) -> dict[str, benchlib.Spec]:
     """Every system this machine can run, by name: turbo once per --quant install and kv_cache
-    asked, llama.cpp once per --gguf kind (a quantized kind with its weight repacking off:
+    asked, llama.cpp once per --gguf kind (its weight repacking on unless TURBO_LLAMA_PLAIN=1:
     benchlib.LLAMA_PLAIN)."""
     spec = lambda system, path, **kw: benchlib.Spec(system, str(path), args.threads, args.prompts,  # noqa: E731
                                                     args.new, **({"env": {"PYTHONPATH": str(ROOT)}} | kw))
@@ -79,9 +84,9 @@ def systems(args) -> dict[str, benchlib.Spec]:
             print(f"llama.cpp: no GGUF and no converter (set {shapes.CONVERTER_ENV}; docs/llamacpp.md)",
                   file=sys.stderr)
             break
-        plain = {benchlib.LLAMA_PLAIN: "1"} if kind != "bf16" else {}  # (it crashes here with them on)
-        out["llama.cpp" if kind == "bf16" else f"llama.cpp {kind}"] = spec(
-            "llama.cpp", gguf, env={"PYTHONPATH": str(ROOT), **plain})
+        # llama.cpp's default weight repacking on, as its users run it (TURBO_LLAMA_PLAIN=1 in the
+        # environment turns it off, where it crashes: benchlib.LLAMA_PLAIN)
+        out["llama.cpp" if kind == "bf16" else f"llama.cpp {kind}"] = spec("llama.cpp", gguf)
     return {name: s for name, s in out.items() if not args.only or name in args.only}
 
 
@@ -103,11 +108,15 @@ def decode_vs_context(args) -> None:
             trunk.step(st, [7])  # a warm-up step
             runs[(kv, n)] = (trunk, st, [])
     print(f"load: {os.getloadavg()}, threads {args.threads}", file=sys.stderr)
-    for i in range(args.new):
-        for trunk, st, times in runs.values():
-            t0 = time.perf_counter()
-            trunk.step(st, [(31 * i) % 4000 + 3])
-            times.append(time.perf_counter() - t0)
+    with benchlib.Guard.from_env(args.threads).rep("--context") as g:  # (one repetition: all the steps)
+        for i in range(args.new):
+            for trunk, st, times in runs.values():
+                t0 = time.perf_counter()
+                trunk.step(st, [(31 * i) % 4000 + 3])
+                times.append(time.perf_counter() - t0)
+    print(benchlib.guard_summary([{"guard": dataclasses.asdict(g)}]))
+    if g.disturbed:
+        raise SystemExit("the steps were disturbed (benchlib.Guard): rerun on a quiet machine")
     short, long = args.prompts
     for kv in dict.fromkeys(kv for kv, _ in runs):
         median = {n: statistics.median(runs[(kv, n)][2]) for n in args.prompts}
@@ -120,6 +129,8 @@ def decode_vs_context(args) -> None:
 
 def report(records: list[dict], bw: list[dict]) -> str:
     gb = 1e9
+    if not records:
+        return "no undisturbed repetition to tabulate"
     names = list(dict.fromkeys(r["system"] for r in records))
     by = {s: [r for r in records if r["system"] == s] for s in names}
     lines = ["| | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
@@ -199,6 +210,8 @@ def main() -> None:
                     help="llama.cpp's GGUFs of the shape: bf16, q8_0, q4_0, q4_k_m, one system each")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), help="turbo's OpenOptions.dtype (default: its own)")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a system's worker may take")
+    ap.add_argument("--cotenants", type=int, default=0,
+                    help="run this many controlled co-tenants (a CPU-bound spin loop each) beside every worker")
     ap.add_argument("--context", action="store_true", help="decode vs context in one process (module docstring)")
     ap.add_argument("--prefill-states", action="store_true",
                     help="--context: fill each state by a prefill of random ids (~35 s at 4096), not random rows")
@@ -209,13 +222,20 @@ def main() -> None:
         return decode_vs_context(args)
     chosen = systems(args)
     print(f"load: {os.getloadavg()}", file=sys.stderr)
-    benchlib.run(chosen, args.reps, args.timeout, args.out)
+    if args.cotenants:  # their own columns: "turbo +1 co-tenant"
+        chosen = {f"{name} +{args.cotenants} co-tenant": spec for name, spec in chosen.items()}
+    benchlib.run(chosen, args.reps, args.timeout, args.out, benchlib.Guard.from_env(args.threads + args.cotenants),
+                 cotenants=args.cotenants)
+    with benchlib.Guard.from_env(args.threads).rep("bandwidth") as g:
+        bw = {"bandwidth": True, "one": benchlib.bandwidth(1), "all": benchlib.bandwidth(args.threads),
+              "threads": args.threads}
     with args.out.open("a") as f:
-        f.write(json.dumps({"bandwidth": True, "one": benchlib.bandwidth(1), "all": benchlib.bandwidth(args.threads),
-                            "threads": args.threads}) + "\n")
+        f.write(json.dumps(bw | {"guard": dataclasses.asdict(g)}) + "\n")
     records = [json.loads(line) for line in args.out.read_text().splitlines()]
-    print(report([r for r in records if "system" in r and r["threads"] == args.threads],
-                 [r for r in records if "bandwidth" in r]))
+    runs = [r for r in records if "system" in r and r["threads"] == args.threads]
+    # the table: undisturbed repetitions only (benchlib.Guard); the line under it says how many
+    print(report(benchlib.kept(runs), benchlib.kept([r for r in records if "bandwidth" in r])))
+    print(benchlib.guard_summary(runs))
 
 
 if __name__ == "__main__":

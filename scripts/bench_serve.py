@@ -1,20 +1,26 @@
 """Throughput of `python -m turbo task=serve` under N concurrent clients (scripts/load.py), beside
-llama.cpp's OpenAI-compatible server on the same weights when llama_cpp is importable.
+llama.cpp's own `llama-server --parallel N` on the same weights (--llamacpp).
 
     python scripts/bench_serve.py [--shape qwen3.5-0.8b] [--threads 2] [--concurrency 1 4 8] [--reps 3]
+    python scripts/bench_serve.py --configs plain --llamacpp [--quant int4 --gguf q4_0]
 
 One turbo server (serve.max_running = the widest concurrency) serves every configuration: each is
 a request's "turbo" field (plain decode on the code workload; the n-gram drafter, fixed and
-adaptive, on repetitive prompts). The first load of each configuration checks every answer
-against the same request alone (a mismatch stops the run); then repetitions at each concurrency,
-interleaved over the configurations and the servers, print the medians (min..max) of aggregate
-tokens/s, and p50 / p99 of time to first token and per-token latency. A benchmark, not a test:
-time it on a quiet machine.
+adaptive, on repetitive prompts). --llamacpp: llama.cpp's llama-server (scripts/build_llamacpp.py
+builds it) on the shape's GGUF (--gguf), one server per concurrency N with --parallel N slots
+(continuous batching, its default), plain decode on the code workload. The first load of each
+configuration (each llama-server) checks every answer against the same request alone: a turbo
+mismatch stops the run, a llama.cpp one is counted and printed (its batched numerics are its
+own). Then repetitions at each concurrency, interleaved over the configurations and the servers,
+each under benchlib's quiet-machine guard, print the medians (min..max) of the undisturbed ones:
+aggregate tokens/s, and p50 / p99 of time to first token and per-token latency, and how many
+repetitions were kept and dropped. A benchmark, not a test: time it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import subprocess
@@ -24,6 +30,9 @@ from pathlib import Path
 
 from turbo.testing import shapes
 from turbo.testing.checks import served_address
+
+import benchlib  # scripts/benchlib.py, beside this file
+from llamacpp_server import start_llama_server
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"plain": ("code", {"policy": "off"}),
@@ -42,7 +51,10 @@ def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, line.split("http://", 1)[1].split()[0]
 
 
-def load(url: str, prompts: str, turbo: dict | None, concurrency: int, args, check: bool) -> dict:
+def load(url: str, prompts: str, turbo: dict | None, concurrency: int, args, check: bool,
+         mismatch_ok: bool = False) -> dict:
+    """scripts/load.py's figures for one load; a failure stops the run, and so does a mismatch
+    against the solo answers unless `mismatch_ok` (then it is printed and counted in the figures)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, str(ROOT / "scripts" / "load.py"), "--base-url", f"http://{url}/v1",
                "--concurrency", str(concurrency), "--requests", str(args.requests), "--max-tokens",
@@ -50,9 +62,13 @@ def load(url: str, prompts: str, turbo: dict | None, concurrency: int, args, che
         cmd += ["--turbo", json.dumps(turbo)] if turbo is not None else []
         cmd += [] if check else ["--no-check"]
         p = subprocess.run(cmd, capture_output=True, text=True)
-        if p.returncode != 0:
+        written = Path(out.name).read_text()
+        figures = json.loads(written) if written else {}
+        if p.returncode != 0 and not (mismatch_ok and figures.get("mismatches")):
             sys.exit(f"load.py failed: {p.stderr[-2000:]}")
-        return json.loads(Path(out.name).read_text())
+        if figures.get("mismatches"):
+            print(p.stderr.strip()[-4000:], file=sys.stderr)
+        return figures
 
 
 def med(xs: list[float], fmt: str = "{:.1f}") -> str:
@@ -68,51 +84,76 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--configs", nargs="+", default=["plain", "ngram b4", "ngram adaptive"], choices=list(CONFIGS))
-    ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's server on the shape's bf16 GGUF")
+    ap.add_argument("--quant", default="none", help="turbo's install of the shape: the repack's --quant")
+    ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's llama-server --parallel N per N")
+    ap.add_argument("--gguf", default="bf16", help="--llamacpp: the shape's GGUF kind (bf16, q8_0, q4_0)")
     args = ap.parse_args()
-    install = "tiny" if args.shape == "tiny" else str(shapes.build(args.shape))
-    servers = {}
+    # tiny: the shipped install, unless beside llama.cpp, whose GGUF is of the random tiny shape
+    same = args.shape != "tiny" or args.llamacpp
+    install = str(shapes.build(args.shape, quant=args.quant)) if same else "tiny"
+    procs = []
     widest = max(args.concurrency)
     proc, url = start([sys.executable, "-m", "turbo", "task=serve", f"install.path={install}" if install != "tiny"
                        else "install=tiny", f"threads={args.threads}", "backend=cpu", "serve.port=0",
                        f"serve.max_running={widest}", f"serve.max_waiting={4 * widest}", "serve.memory_gb=8"])
-    servers["turbo"] = (proc, url)
-    runs = [(f"turbo {name}", url, *CONFIGS[name]) for name in args.configs]
-    if args.llamacpp:
-        gguf = shapes.gguf(args.shape, "bf16") if args.shape != "tiny" else None
-        if gguf is None:
-            sys.exit("llama.cpp: no GGUF of this shape (llama_cpp importable? turbo.testing.shapes.gguf)")
-        lproc, lurl = start([sys.executable, str(ROOT / "scripts" / "llamacpp_server.py"), str(gguf),
-                             str(args.threads)])
-        servers["llama.cpp"] = (lproc, lurl)
-        runs.append(("llama.cpp plain", lurl, "code", None))
+    procs.append(proc)
+    # (name, {concurrency: server}, prompts, the request's turbo field)
+    runs = [(f"turbo {name}", dict.fromkeys(args.concurrency, url), *CONFIGS[name]) for name in args.configs]
     try:
-        for name, u, prompts, turbo in runs:  # the checked load: every answer equals its solo run
-            load(u, prompts, turbo, widest, args, check=True)
+        if args.llamacpp:
+            gguf = shapes.gguf(args.shape, args.gguf)
+            if gguf is None:
+                sys.exit(f"llama.cpp: no {args.gguf} GGUF of this shape (turbo.testing.shapes.gguf; docs/llamacpp.md)")
+            urls = {}
+            for c in args.concurrency:
+                lproc, urls[c] = start_llama_server(str(gguf), args.threads, parallel=c)
+                procs.append(lproc)
+            runs.append((f"llama-server --parallel N, {args.gguf}", urls, "code", None))
+        # the checked loads, every answer against its solo run: turbo's one server at the widest
+        # concurrency, each llama-server at its own N
+        checked = {}  # (name, concurrency) -> (mismatches, answers)
+        for name, urls, prompts, turbo in runs:
+            own = name.startswith("turbo")
+            for c in [widest] if own else args.concurrency:
+                f = load(urls[c], prompts, turbo, c, args, check=True, mismatch_ok=not own)
+                checked[(name, c)] = (f["mismatches"], f["requests_done"])
+        guard = benchlib.Guard.from_env(args.threads)
         figures = {(name, c): [] for name, *_ in runs for c in args.concurrency}
         for rep in range(args.reps):
             order = runs if rep % 2 == 0 else runs[::-1]
-            for name, u, prompts, turbo in order:
+            for name, urls, prompts, turbo in order:
                 for c in args.concurrency:
-                    figures[(name, c)].append(load(u, prompts, turbo, c, args, check=False))
+                    with guard.rep(f"rep {rep} {name} x{c}") as g:
+                        f = load(urls[c], prompts, turbo, c, args, check=False, mismatch_ok=True)
+                    figures[(name, c)].append(f | {"guard": dataclasses.asdict(g)})
+        every = [f for fs in figures.values() for f in fs]
         print(f"shape {args.shape}, {args.threads} threads, {args.requests} requests x {args.max_tokens} tokens "
-              f"(ignore_eos), medians of {args.reps} interleaved repetitions (min..max)")
-        print("| server, configuration | clients | tokens/s | x one client | TTFT p50 / p99 ms | per-token p50 / p99 ms |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: |")
-        for name, *_ in runs:
-            one = statistics.median(f["tokens_per_s"] for f in figures[(name, min(args.concurrency))])
+              f"(ignore_eos), medians of the undisturbed of {args.reps} interleaved repetitions (min..max)")
+        print(benchlib.guard_summary(every))
+        print("| server, configuration | clients | tokens/s | x one client | TTFT p50 / p99 ms "
+              "| per-token p50 / p99 ms | answers = alone |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for name, urls, *_ in runs:
+            ones = [f["tokens_per_s"] for f in benchlib.kept(figures[(name, min(args.concurrency))])]
+            one = statistics.median(ones) if ones else float("nan")
             for c in args.concurrency:
-                fs = figures[(name, c)]
+                fs = benchlib.kept(figures[(name, c)])
+                at = c if (name, c) in checked else widest
+                bad, done = checked[(name, at)]
+                same = f"{done - bad} / {done}" + ("" if at == c else f" (at {widest} clients)")
+                if not fs:
+                    print(f"| {name} | {c} | - (every repetition disturbed) | | | | {same} |")
+                    continue
                 tps = [f["tokens_per_s"] for f in fs]
                 print(f"| {name} | {c} | {med(tps)} | {statistics.median(tps) / one:.2f}x | "
                       f"{statistics.median(f['ttft_p50_ms'] for f in fs):.0f} / "
                       f"{statistics.median(f['ttft_p99_ms'] for f in fs):.0f} | "
                       f"{statistics.median(f['tpot_p50_ms'] for f in fs):.0f} / "
-                      f"{statistics.median(f['tpot_p99_ms'] for f in fs):.0f} |")
+                      f"{statistics.median(f['tpot_p99_ms'] for f in fs):.0f} | {same} |")
     finally:
-        for proc, _ in servers.values():
-            proc.send_signal(2)
-            proc.wait(timeout=60)
+        for p in procs:
+            p.send_signal(2)
+            p.wait(timeout=60)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ a cold engine's. Prints medians (min..max). A benchmark, not a test: time it on 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 
@@ -25,6 +26,8 @@ from turbo.chat_template import ChatTemplate, encode
 from turbo.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler
 from turbo.testing import shapes
+
+import benchlib  # scripts/benchlib.py, beside this file
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -53,6 +56,7 @@ def server_turns(rt, args) -> None:
     against a cold engine's, interleaved."""
     template, opts = ChatTemplate(CHATML, "chatml"), GenerationOptions(max_new_tokens=args.new, policy="off")
     warm, cold, cached, prompt_tokens = [], [], 0, 0
+    guard, seen = benchlib.Guard.from_env(args.threads), []
     for rep in range(args.reps):
         sched = Scheduler(rt)
         history = [{"role": "system", "content": "You are a helpful assistant."}]
@@ -62,17 +66,24 @@ def server_turns(rt, args) -> None:
             if i < args.turns - 1:
                 tokens = served(sched, ids, opts)[0]
                 history.append({"role": "assistant", "content": rt.decode(tokens)})
-        if rep % 2 == 0:
-            (a, ta, cached), (b, tb, _) = served(sched, ids, opts), served(Scheduler(rt), ids, opts)
-        else:
-            (b, tb, _), (a, ta, cached) = served(Scheduler(rt), ids, opts), served(sched, ids, opts)
+        with guard.rep(f"rep {rep}") as g:  # the timed pair
+            if rep % 2 == 0:
+                (a, ta, cached), (b, tb, _) = served(sched, ids, opts), served(Scheduler(rt), ids, opts)
+            else:
+                (b, tb, _), (a, ta, cached) = served(Scheduler(rt), ids, opts), served(sched, ids, opts)
+        seen.append({"guard": dataclasses.asdict(g)})
         if a != b:
             sys.exit("the cached turn and the cold one disagree")
-        warm.append(ta)
-        cold.append(tb)
+        if not g.disturbed:  # a disturbed pair is dropped (benchlib.Guard)
+            warm.append(ta)
+            cold.append(tb)
         prompt_tokens = len(ids)
     print(f"shape {args.shape}, {args.threads} thread(s), turn {args.turns} resent whole: {prompt_tokens} prompt "
-          f"tokens, {cached} from the prefix cache; medians of {args.reps} interleaved runs (min..max)")
+          f"tokens, {cached} from the prefix cache; medians of the undisturbed of {args.reps} interleaved runs "
+          f"(min..max)")
+    print(benchlib.guard_summary(seen))
+    if not warm:
+        sys.exit("every repetition was disturbed: rerun on a quiet machine")
     print("| TTFT ms, prefix cache | TTFT ms, cold engine | cold / cached |")
     print("| ---: | ---: | ---: |")
     ratio = [c / w for c, w in zip(cold, warm)]
@@ -94,6 +105,7 @@ def main() -> None:
         return server_turns(rt, args)
     opts = dict(max_new_tokens=args.new, policy="off")
     kept, fresh, prompt_tokens, prefilled = [], [], 0, 0
+    guard, seen = benchlib.Guard.from_env(args.threads), []
     for rep in range(args.reps):
         s = rt.session(system="You are a helpful assistant.", template=CHATML)
         for i in range(args.turns - 1):
@@ -113,15 +125,22 @@ def main() -> None:
             fresh.append(r.stats.ttft_s * 1e3)
             return r.tokens
 
-        if rep % 2 == 0:
-            mine, theirs = session_turn(), fresh_turn()
-        else:
-            theirs, mine = fresh_turn(), session_turn()
+        with guard.rep(f"rep {rep}") as g:  # the timed pair
+            if rep % 2 == 0:
+                mine, theirs = session_turn(), fresh_turn()
+            else:
+                theirs, mine = fresh_turn(), session_turn()
+        seen.append({"guard": dataclasses.asdict(g)})
         if mine != theirs:
             sys.exit("the session's turn and the fresh generation disagree")
+        if g.disturbed:  # the pair is dropped (benchlib.Guard)
+            kept.pop(), fresh.pop()
         prompt_tokens, prefilled = len(ids), s.last_turn.prefilled_tokens
     print(f"shape {args.shape}, {args.threads} thread(s), turn {args.turns} of a session: {prompt_tokens} prompt "
-          f"tokens, {prefilled} prefilled; medians of {args.reps} interleaved runs (min..max)")
+          f"tokens, {prefilled} prefilled; medians of the undisturbed of {args.reps} interleaved runs (min..max)")
+    print(benchlib.guard_summary(seen))
+    if not kept:
+        sys.exit("every repetition was disturbed: rerun on a quiet machine")
     print("| TTFT ms, session (kept state) | TTFT ms, fresh prefill | fresh / session |")
     print("| ---: | ---: | ---: |")
     ratio = [f / k for f, k in zip(fresh, kept)]

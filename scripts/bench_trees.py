@@ -12,6 +12,7 @@ pairwise new/old ratios. A benchmark, not a test: run it on a quiet machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -69,18 +70,31 @@ def main() -> None:
     from turbo.install import BUNDLED_DIR
     from turbo.testing import shapes
 
+    import benchlib  # scripts/benchlib.py, beside this file (the driver's: the workers import their tree)
+
     installs = {"tiny": (str(BUNDLED_DIR / "tiny"), 200, 256), args.shape: (str(shapes.build(args.shape)), 8, 48)}
     runs: dict[tuple[str, str], list[dict]] = {}
+    guard, seen = benchlib.Guard.from_env(args.threads), []
     for rep in range(args.reps):
         for shape, (path, calls, new) in installs.items():
+            pair, quiet = {}, True
             for name, tree in (("old", args.old), ("new", args.new)):
                 env = dict(os.environ, PYTHONPATH=str(tree.resolve()), OMP_NUM_THREADS=str(args.threads))
-                done = subprocess.run([sys.executable, __file__, "--worker", path, str(calls), str(new)], env=env,
-                                      cwd=tree, capture_output=True, text=True, check=True)
-                runs.setdefault((shape, name), []).append(json.loads(done.stdout.strip().splitlines()[-1]))
+                with guard.rep(f"rep {rep} {shape} {name}") as g:
+                    done = subprocess.run([sys.executable, __file__, "--worker", path, str(calls), str(new)],
+                                          env=env, cwd=tree, capture_output=True, text=True, check=True)
+                seen.append({"guard": dataclasses.asdict(g)})
+                pair[name], quiet = json.loads(done.stdout.strip().splitlines()[-1]), quiet and not g.disturbed
+            for name, rec in pair.items() if quiet else ():  # a pair with a disturbed half is dropped
+                runs.setdefault((shape, name), []).append(rec)
         print(f"rep {rep + 1}/{args.reps} done, load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+    print(benchlib.guard_summary(seen))
     for shape in installs:
-        print(f"\n{shape}: {args.reps} interleaved pairs, {args.threads} thread(s)\n")
+        if (shape, "old") not in runs:
+            print(f"\n{shape}: every pair disturbed")
+            continue
+        print(f"\n{shape}: {len(runs[shape, 'old'])} undisturbed of {args.reps} interleaved pairs, "
+              f"{args.threads} thread(s)\n")
         print("| figure | old | new | new / old |\n| --- | ---: | ---: | ---: |")
         for k in FIGURES:
             old, new = ([r[k] for r in runs[shape, n]] for n in ("old", "new"))

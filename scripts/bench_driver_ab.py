@@ -3,10 +3,13 @@ scripted drafter landing each proposal with probability 0.8, so only the engine'
 and the server's scheduler under 1 / 4 / 8 concurrent requests, at one shape.
 
     python scripts/bench_driver_ab.py --vs OTHER_CHECKOUT [--shape tiny|qwen3.5-0.8b] [--reps 3]
+        [--installs THIS_DIR OTHER_DIR]
 
 Each repetition runs this checkout, then OTHER_CHECKOUT (its turbo imported through PYTHONPATH),
-each a fresh process timing every figure once; medians over --reps with the spread (min..max) and
-the ratio of the medians. Every figure is checked against the same request alone (tokens equal),
+each a fresh process timing every figure once, after one untimed run of each (its native build,
+its open layout written); medians over --reps with the spread (min..max) and the ratio of the
+medians. --installs: a copy of the shape's install for each (two checkouts may write different
+open layouts into it). Every figure is checked against the same request alone (tokens equal),
 so a faster run is never a different answer. A benchmark, not a test: run it on a quiet machine.
 """
 
@@ -26,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = (1, 4, 8)
 
 
-def measure(shape: str, threads: int, new: int) -> dict:
+def measure(shape: str, threads: int, new: int, install: str | None) -> dict:
     """One checkout's figures (the turbo on sys.path), in this process."""
     import torch
 
@@ -38,7 +41,7 @@ def measure(shape: str, threads: int, new: int) -> dict:
     from bench_round import landed_schedule  # scripts/, beside this file
 
     torch.set_num_threads(threads)
-    rt = turbo.open(str(shapes.build(shape)), backend="cpu")
+    rt = turbo.open(install or str(shapes.build(shape)), backend="cpu")
     vocab = rt.trunk.arch.vocab
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, min(vocab, 4000), (64,), generator=g).tolist() for _ in range(max(CLIENTS))]
@@ -89,28 +92,38 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--new", type=int, default=96, help="tokens a generation (the served ones half)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--installs", nargs=2, metavar=("THIS", "OTHER"), help="an install directory for each")
+    ap.add_argument("--install", help=argparse.SUPPRESS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        figures = measure(args.shape, args.threads, args.new)
+        figures = measure(args.shape, args.threads, args.new, args.install)
         import turbo  # (imported by measure: which checkout's it was)
         print(json.dumps({"tree": str(Path(turbo.__file__).resolve().parents[1]), **figures}))
         return
     trees = {"this": ROOT, "other": Path(args.vs).resolve()}
+    installs = dict(zip(trees, args.installs)) if args.installs else {}
     runs: dict[str, list[dict]] = {k: [] for k in trees}
+
+    def child(name: str) -> dict:
+        tree = trees[name]
+        env = {**os.environ, "PYTHONPATH": str(tree)}
+        cmd = [sys.executable, __file__, "--child", "--shape", args.shape, "--threads", str(args.threads),
+               "--new", str(args.new)] + (["--install", installs[name]] if name in installs else [])
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if proc.returncode != 0:
+            sys.exit(f"{name} ({tree}) failed: {proc.stderr.strip().splitlines()[-1:]}")
+        figures = json.loads(proc.stdout.strip().splitlines()[-1])
+        if Path(figures.pop("tree")) != tree:
+            sys.exit(f"{name}: imported turbo from outside {tree} (is {tree} a checkout?)")
+        return figures
+
+    for name in trees:  # untimed: each checkout's native build and open layout in place
+        child(name)
     for rep in range(args.reps):
-        for name, tree in trees.items():
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            cmd = [sys.executable, __file__, "--child", "--shape", args.shape, "--threads", str(args.threads),
-                   "--new", str(args.new)]
+        for name in trees:
             load = os.getloadavg()[0]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            if proc.returncode != 0:
-                sys.exit(f"{name} ({tree}) failed: {proc.stderr.strip().splitlines()[-1:]}")
-            figures = json.loads(proc.stdout.strip().splitlines()[-1])
-            if Path(figures.pop("tree")) != tree:
-                sys.exit(f"{name}: imported turbo from outside {tree} (is {tree} a checkout?)")
-            runs[name].append(figures)
+            runs[name].append(child(name))
             print(f"rep {rep + 1} {name}: load {load:.2f} before", file=sys.stderr)
     print(f"shape {args.shape}, {args.threads} threads, {args.new} tokens, medians of {args.reps} interleaved "
           f"runs (min..max); this = {trees['this']}, other = {trees['other']}\n")

@@ -1,5 +1,6 @@
 import os
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,11 +16,6 @@ os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), *filter(None, [os.environ
 # stall badly. One thread also keeps the timing-free tests fast and steady.
 torch.set_num_threads(1)
 
-# Subprocesses (python -m turbo ... with another cwd) import this checkout's turbo, not whichever
-# an editable install points at: the files the tests write and the code that reads them agree.
-_ROOT = str(Path(__file__).resolve().parents[1])
-os.environ["PYTHONPATH"] = os.pathsep.join([_ROOT, *filter(None, [os.environ.get("PYTHONPATH")])])
-
 
 @pytest.fixture(scope="session")
 def spec_install(tmp_path_factory):
@@ -33,6 +29,29 @@ def plain_install(tmp_path_factory):
     """A random trunk without a drafter."""
     model, path = make_install(tmp_path_factory.mktemp("plain"), 1)
     return model, path
+
+
+@pytest.fixture(scope="module")
+def tiny_server():
+    """The server in process on the shipped tiny install: its worker.Engine (scheduler running),
+    fastapi's TestClient over the app, and the official `openai` client through that."""
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from fastapi.testclient import TestClient
+
+    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.serve.app import make_app
+    from turbo.serve.settings import ServeConfig, server_defaults
+    from turbo.serve.worker import Engine
+
+    engine = Engine("tiny", OpenOptions(backend="cpu", threads=1), server_defaults(GenerationOptions()), ServeConfig())
+    engine.start()
+    http = TestClient(make_app(engine))
+    try:
+        yield SimpleNamespace(engine=engine, http=http, client=openai.OpenAI(
+            base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http))
+    finally:
+        engine.stop()
 
 
 @pytest.fixture(scope="module", params=["native", "torch"])

@@ -132,43 +132,28 @@ def test_the_command_line_takes_a_constraint(tiny, tmp_path):
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "response_format (regex)" in bad.stderr
 
 
-def test_the_server_holds_every_answer_of_a_seeded_batch(tiny):
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
+def test_the_server_holds_every_answer_of_a_seeded_batch(tiny, tiny_server):
+    engine, http, client = tiny_server.engine, tiny_server.http, tiny_server.client
+    ask = [{"role": "user", "content": "Describe a fib function as JSON."}]
 
-    from turbo.options import GenerationOptions, OpenOptions
-    from turbo.serve.app import make_app
-    from turbo.serve.settings import ServeConfig, server_defaults
-    from turbo.serve.worker import Engine
+    def chat(seed: int):
+        return client.chat.completions.create(model=engine.model, messages=ask, max_tokens=200, seed=seed,
+                                              temperature=0.8, response_format=FORMATS["json_schema"],
+                                              extra_body={"turbo": {"policy": "fixed", "block": 4}})
 
-    engine = Engine("tiny", OpenOptions(backend="cpu", threads=1), server_defaults(GenerationOptions()), ServeConfig())
-    engine.start()
-    try:
-        http = TestClient(make_app(engine))
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
-        ask = [{"role": "user", "content": "Describe a fib function as JSON."}]
-
-        def chat(seed: int):
-            return client.chat.completions.create(model=engine.model, messages=ask, max_tokens=200, seed=seed,
-                                                  temperature=0.8, response_format=FORMATS["json_schema"],
-                                                  extra_body={"turbo": {"policy": "fixed", "block": 4}})
-
-        with ThreadPoolExecutor(8) as pool:  # concurrent: the scheduler batches them
-            answers = list(pool.map(chat, range(8)))
-        for a in answers:
-            assert a.choices[0].finish_reason == "stop" and holds("json_schema", a.choices[0].message.content)
-        for kind in ("regex", "grammar"):
-            r = client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=48, temperature=0,
-                                          extra_body={"turbo": {kind: FORMATS[kind][kind]}})
-            assert holds(kind, r.choices[0].text), r.choices[0].text
-            assert r.choices[0].text == tiny.generate(PROMPT, max_new_tokens=48, response_format=FORMATS[kind]).text
-        for body, param in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
-                             "response_format"),
-                            ({"response_format": {"type": "xml"}}, "response_format"),
-                            ({"turbo": {"regex": "(["}}, "response_format"),
-                            ({"turbo": {"grammar": 5}}, "turbo.grammar")]:
-            resp = http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 4, **body})
-            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.json())
-    finally:
-        engine.stop()
+    with ThreadPoolExecutor(8) as pool:  # concurrent: the scheduler batches them
+        answers = list(pool.map(chat, range(8)))
+    for a in answers:
+        assert a.choices[0].finish_reason == "stop" and holds("json_schema", a.choices[0].message.content)
+    for kind in ("regex", "grammar"):
+        r = client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=48, temperature=0,
+                                      extra_body={"turbo": {kind: FORMATS[kind][kind]}})
+        assert holds(kind, r.choices[0].text), r.choices[0].text
+        assert r.choices[0].text == tiny.generate(PROMPT, max_new_tokens=48, response_format=FORMATS[kind]).text
+    for body, param in [({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": 7}}}},
+                         "response_format"),
+                        ({"response_format": {"type": "xml"}}, "response_format"),
+                        ({"turbo": {"regex": "(["}}, "response_format"),
+                        ({"turbo": {"grammar": 5}}, "turbo.grammar")]:
+        resp = http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 4, **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.json())

@@ -63,7 +63,7 @@ def test_a_damaged_layout_is_not_used_and_is_rewritten(built, tmp_path, capsys, 
     assert tokens(bad) == want
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "damaged" in err[0] and f"python -m turbo.open_layout {bad} rewrites it" in err[0], err
-    assert open_layout.main([str(bad)]) == 0 and "wrote" in capsys.readouterr().out
+    assert open_layout.main([str(bad)]) == 0 and "wrote" in capsys.readouterr().err
     assert open_install(bad).packed and tokens(bad) == want
 
 
@@ -77,7 +77,7 @@ def test_weights_changed_anywhere_make_the_layout_stale(built, tmp_path, capsys)
     _flip(weights, header.data_start + span * 5 // 64 + 5000)
     install = open_install(other)
     assert not install.packed and "written from other weights" in install.layout_note
-    assert open_layout.main([str(other)]) == 0 and "wrote" in capsys.readouterr().out
+    assert open_layout.main([str(other)]) == 0 and "wrote" in capsys.readouterr().err
     fresh = open_install(other)
     assert fresh.packed and tokens(other) == tokens(other)  # (the changed weights' own layout, in use)
 
@@ -101,5 +101,5 @@ def test_open_layout_calls_a_stale_layout_stale(built, tmp_path, capsys):
     other = copied(inst, tmp_path / "stale")
     _flip(other / "model.safetensors", read_header(other / "model.safetensors").data_start + 9)
     assert open_layout.main([str(other)]) == 0
-    out = capsys.readouterr().out
-    assert "is current" not in out and out.startswith("wrote")
+    err = capsys.readouterr().err
+    assert "is current" not in err and err.startswith("wrote")

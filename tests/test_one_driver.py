@@ -12,7 +12,6 @@ import pytest
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
-from fastapi.testclient import TestClient  # noqa: E402
 
 import turbo  # noqa: E402
 from turbo.__main__ import composed  # noqa: E402
@@ -20,9 +19,7 @@ from turbo.config import run_config  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
 from turbo.options import GenerationOptions, OpenOptions  # noqa: E402
 from turbo.serve import protocol as P  # noqa: E402
-from turbo.serve.app import make_app  # noqa: E402
 from turbo.serve.settings import ServeConfig, server_defaults  # noqa: E402
-from turbo.serve.settings import ServeLimits  # noqa: E402
 from turbo.serve.worker import Engine  # noqa: E402
 
 PROMPTS = ["def fib(n):", "import os\n", "class Stack:", "# sort a list\n"]
@@ -56,18 +53,13 @@ MAX_TOKENS = 24
 
 
 @pytest.fixture(scope="module")
-def engine():
-    e = Engine("tiny", OpenOptions(backend="cpu", threads=1), server_defaults(GenerationOptions()),
-               ServeConfig(limits=ServeLimits(max_running=12)))
-    e.start()
-    yield e
-    e.stop()
+def engine(tiny_server):
+    assert tiny_server.engine.config.limits.max_running >= len(REQUESTS)  # all twelve in one batch
+    return tiny_server.engine
 
 
-def test_twelve_requests_through_generate_and_the_server_agree(engine):
-    rt = engine.rt
-    client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0,
-                           http_client=TestClient(make_app(engine)))
+def test_twelve_requests_through_generate_and_the_server_agree(engine, tiny_server):
+    rt, client = engine.rt, tiny_server.client
 
     def served(i: int):
         body = {"max_tokens": MAX_TOKENS, **REQUESTS[i][1]}

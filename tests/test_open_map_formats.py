@@ -167,7 +167,7 @@ def test_a_layout_written_for_a_host_without_them_is_rewritten_once(installs, tm
         said = capsys.readouterr().err.strip().splitlines()
         assert len(said) == 1 and "written once into packed.safetensors" in said[0], said
     assert open_install(stale).packed and all(m.mapped for m in _segments(_plan(open_install(stale))))
-    assert open_layout.main([str(stale)]) == 0 and "is current" in capsys.readouterr().out
+    assert open_layout.main([str(stale)]) == 0 and "is current" in capsys.readouterr().err
     assert tokens(stale) == want and capsys.readouterr().err == ""
 
 
@@ -175,7 +175,7 @@ def test_the_command_writes_a_converted_installs_layout(installs, tmp_path, caps
     _, _, old = installs
     install = shutil.copytree(old, tmp_path / "install")
     assert open_layout.main([str(install)]) == 0
-    assert "wrote" in capsys.readouterr().out
+    assert "wrote" in capsys.readouterr().err
     assert (install / layout_file.PACKED_FILE).read_bytes() == (installs[1] / layout_file.PACKED_FILE).read_bytes()
     assert all(m.mapped for m in _segments(_plan(open_install(install))))
 

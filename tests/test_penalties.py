@@ -150,35 +150,20 @@ def _default_prompt() -> str:
     return run_config(composed([])[0]).prompt
 
 
-def test_the_server_takes_them_and_answers_400_naming_the_field(tiny):
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    from turbo.options import GenerationOptions, OpenOptions
-    from turbo.serve.app import make_app
-    from turbo.serve.settings import ServeConfig, server_defaults
-    from turbo.serve.worker import Engine
-
-    engine = Engine("tiny", OpenOptions(backend="cpu", threads=1), server_defaults(GenerationOptions()), ServeConfig())
-    engine.start()
-    try:
-        http = TestClient(make_app(engine))
-        client = openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
-        fields = dict(frequency_penalty=1.2, presence_penalty=0.5, logit_bias={"309": -100})
-        r = client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=16, temperature=0,
-                                      extra_body={"repetition_penalty": 1.1, "turbo": {"policy": "fixed", "block": 4}},
-                                      **fields)
-        want = tiny.generate(PROMPT, max_new_tokens=16, policy="off", repetition_penalty=1.1,
-                             **{**fields, "logit_bias": {309: -100}})
-        assert r.choices[0].text == want.text
-        for body, param in [({"presence_penalty": 3}, "presence_penalty"), ({"logit_bias": {"5": 500}}, "logit_bias"),
-                            ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"repetition_penalty": -1},
-                                                                            "repetition_penalty"),
-                            ({"n": 2}, "n"), ({"best_of": 3}, "best_of")]:
-            resp = http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 4, **body})
-            assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.json())
-        assert client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=16, temperature=0,
-                                         extra_body={"repetition_penalty": 1.1}, **fields).choices[0].text == want.text
-    finally:
-        engine.stop()
+def test_the_server_takes_them_and_answers_400_naming_the_field(tiny, tiny_server):
+    engine, http, client = tiny_server.engine, tiny_server.http, tiny_server.client
+    fields = dict(frequency_penalty=1.2, presence_penalty=0.5, logit_bias={"309": -100})
+    r = client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=16, temperature=0,
+                                  extra_body={"repetition_penalty": 1.1, "turbo": {"policy": "fixed", "block": 4}},
+                                  **fields)
+    want = tiny.generate(PROMPT, max_new_tokens=16, policy="off", repetition_penalty=1.1,
+                         **{**fields, "logit_bias": {309: -100}})
+    assert r.choices[0].text == want.text
+    for body, param in [({"presence_penalty": 3}, "presence_penalty"), ({"logit_bias": {"5": 500}}, "logit_bias"),
+                        ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"repetition_penalty": -1},
+                                                                        "repetition_penalty"),
+                        ({"n": 2}, "n"), ({"best_of": 3}, "best_of")]:
+        resp = http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 4, **body})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.json())
+    assert client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=16, temperature=0,
+                                     extra_body={"repetition_penalty": 1.1}, **fields).choices[0].text == want.text

@@ -65,21 +65,8 @@ def test_a_streamed_answer_holds_back_what_may_begin_a_call():
 
 
 @pytest.fixture(scope="module")
-def server():
-    openai = pytest.importorskip("openai")
-    pytest.importorskip("fastapi")
-    from fastapi.testclient import TestClient
-
-    from turbo.options import GenerationOptions, OpenOptions
-    from turbo.serve.app import make_app
-    from turbo.serve.settings import ServeConfig, server_defaults
-    from turbo.serve.worker import Engine
-
-    engine = Engine("tiny", OpenOptions(backend="cpu", threads=1), server_defaults(GenerationOptions()), ServeConfig())
-    engine.start()
-    http = TestClient(make_app(engine))
-    yield engine, http, openai.OpenAI(base_url="http://testserver/v1", api_key="none", max_retries=0, http_client=http)
-    engine.stop()
+def server(tiny_server):
+    return tiny_server.engine, tiny_server.http, tiny_server.client
 
 
 ASK = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]

@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         install = open_install(Path(args.install))
         if install.packed:
-            print(f"{install.path}: its open layout is current (version {layout_file.LAYOUT_VERSION})")
+            print(f"{install.path}: its open layout is current (version {layout_file.LAYOUT_VERSION})", file=sys.stderr)
             return 0
         path = write_layout(install)
     except TurboError as e:
@@ -245,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"error: {args.install}: cannot write its open layout ({e.strerror})", file=sys.stderr)
         return 2
-    print(f"wrote {path} (layout version {layout_file.LAYOUT_VERSION}, {path.stat().st_size / 2**20:.0f} MiB)")
+    print(f"wrote {path} (layout version {layout_file.LAYOUT_VERSION}, {path.stat().st_size / 2**20:.0f} MiB)",
+          file=sys.stderr)
     return 0
 
 

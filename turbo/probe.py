@@ -276,6 +276,6 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
     tmp.write_text(json.dumps(metrics, indent=2) + "\n")
     os.replace(tmp, path)
     if not quiet:
-        print(f"[probe] {TIMING_NOTE}; counts are deterministic")
-        print(f"[probe] wrote {path}")
+        print(f"[probe] {TIMING_NOTE}; counts are deterministic", file=sys.stderr)  # (reports: stderr)
+        print(f"[probe] wrote {path}", file=sys.stderr)
     return 1 if lossless is False else 0

@@ -49,7 +49,7 @@ class RoundEvent:
     tokens: list[int]  # committed this round
     from_draft: list[bool]  # per token: True = an accepted proposal, False = the trunk's bonus token
     text: str  # the text released this round (what may begin a stop string waits: turbo.stops)
-    stats: Stats  # the counters so far (a copy)
+    stats: Stats | None  # the counters so far (a copy; a batched request's: on its last event only)
     done: bool = False
     finish: Finish | None = None  # on the last event: why it ended (turbo.stops)
     logprobs: list[TokenLogprob] | None = None  # one per token when the request asked
@@ -129,7 +129,8 @@ class Driver:
     """One sequence: its state, drafter, chooser, stopper and counters, round after round."""
 
     def __init__(self, trunk: Trunk, decode: Callable[[list[int]], str], eos_ids: tuple[int, ...], vocab: int,
-                 job: Job, drafter: Drafter | None, *, cut_in_round: bool = False, logprobs: int | None = None):
+                 job: Job, drafter: Drafter | None, *, cut_in_round: bool = False, logprobs: int | None = None,
+                 live_stats: bool = True):
         o = job.options
         self.trunk, self.vocab, self.job, self.logprobs = trunk, vocab, job, logprobs
         self.inner = drafter  # the drafter itself; `draft` may wrap it for the adaptive policy
@@ -141,6 +142,9 @@ class Driver:
         # a stop inside a round cuts the round there (the state ends at the stop) where the state
         # outlives the generation (a session, the server's cache); else the round is played whole
         self.cut_in_round = cut_in_round
+        # every event carries a copy of the counters (a stream's reader shows them live), or the
+        # last one only (a batch's: a copy a round per sequence is a step's cost at small shapes)
+        self.live_stats = live_stats
         self.chooser: AdaptiveChooser | None = None
         if job.plan.policy == "adaptive" and drafter is not None:
             # under sampling the blocks are chosen from counts (the seed repeats the text), and
@@ -272,7 +276,8 @@ class Driver:
         self.done = stops.finish is not None
         self.anchor = bonus
         return RoundEvent(committed, [i < landed for i in range(len(committed))], stops.text(self.done),
-                          stats.snapshot(), self.done, stops.finish, lps[:len(committed)] if lps else lps, self.held)
+                          stats.snapshot() if self.live_stats or self.done else None, self.done, stops.finish,
+                          lps[:len(committed)] if lps else lps, self.held)
 
     # ---- the end -------------------------------------------------------------------------
 

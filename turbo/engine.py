@@ -196,11 +196,11 @@ class Runtime:
         draft = job.options.drafter if job.own else self.drafters.base(key, job.options.ngram) if key else None
         return self._rounds(self.driver(job, draft, cut_in_round=start.keeps_state), start)
 
-    def driver(self, job: Job, draft: Drafter | None, *, cut_in_round: bool = False,
-               logprobs: int | None = None) -> Driver:
+    def driver(self, job: Job, draft: Drafter | None, *, cut_in_round: bool = False, logprobs: int | None = None,
+               live_stats: bool = True) -> Driver:
         """A driver for `job` with `draft` (turbo/driver.py): this runtime's trunk and tokenizer."""
         return Driver(self.trunk, self.decode, self.install.arch.eos_token_ids, self.install.arch.vocab, job, draft,
-                      cut_in_round=cut_in_round, logprobs=logprobs)
+                      cut_in_round=cut_in_round, logprobs=logprobs, live_stats=live_stats)
 
     def prepare(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH, **fields) -> Job:
         """A generation's request checked against this install, and what it will run: every

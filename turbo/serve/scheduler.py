@@ -221,7 +221,7 @@ class Scheduler:
         # the n-gram drafter's context is the token ids alone: begin rebuilds it from the prompt
         s.draft_key = s.pool_key if own is not None and not isinstance(own, NgramDrafter) else None
         # a stop inside a round cuts the state there: at the end it holds exactly prompt + answer (the cache's)
-        s.driver = d = self.rt.driver(job, own, cut_in_round=True, logprobs=s.req.logprobs)
+        s.driver = d = self.rt.driver(job, own, cut_in_round=True, logprobs=s.req.logprobs, live_stats=False)
         hit = self.cache.lookup(cache_key(self.rt, job.ids, s.req.images), s.draft_key) if self.chunked else None
         if hit is not None:
             d.open(self.cache.restore(self.trunk, hit, capacity), len(hit.tokens) - 1, s.draft_key is not None)

@@ -162,7 +162,7 @@ def test_the_server_takes_them_and_answers_400_naming_the_field(tiny, tiny_serve
     for body, param in [({"presence_penalty": 3}, "presence_penalty"), ({"logit_bias": {"5": 500}}, "logit_bias"),
                         ({"logit_bias": {"999999": 1}}, "logit_bias"), ({"repetition_penalty": -1},
                                                                         "repetition_penalty"),
-                        ({"n": 2}, "n"), ({"best_of": 3}, "best_of")]:
+                        ({"n": 17}, "n"), ({"best_of": 3}, "best_of")]:
         resp = http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 4, **body})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.json())
     assert client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=16, temperature=0,

@@ -121,7 +121,7 @@ def test_logprobs(server):
     ({"prompt": ["one", "two"]}, 400, "prompt"),
     ({"prompt": [1, 10**9]}, 400, "prompt"),
     ({"stop": 3}, 400, "stop"),
-    ({"n": 2}, 400, "n"),
+    ({"n": 17}, 400, "n"),  # (over MAX_N)
     ({"extra_body": {"turbo": {"blok": 4}}}, 400, "turbo.blok"),
     ({"extra_body": {"turbo": {"rollback": "later"}}}, 400, "turbo.rollback"),
 ])

@@ -11,9 +11,10 @@ frees the sequence at its next step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 from dataclasses import dataclass, field
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -42,9 +43,12 @@ class Call:
     queue: asyncio.Queue
     timing: Timing
     rid: str = ""
+    index: int = 0  # which choice (n > 1)
     created: int = field(default_factory=P.now)
     ticket: object = None
     done: bool = False
+    generated: int = 0  # completion tokens, once its last delta has come
+    cached: int = 0
 
 
 def error(e: P.ApiError) -> JSONResponse:
@@ -121,20 +125,34 @@ async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
     # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other streams
     prepared = await asyncio.to_thread(engine.prepare, body)
     loop = asyncio.get_running_loop()
-    call = Call(body, len(prepared.request.ids), prepared.opened_think, prepared.tools, asyncio.Queue(),
-                engine.metrics.request(), P.new_id(chat))
+    rid, calls = P.new_id(chat), []
+    try:
+        for i in range(body.n):  # choice i: seed + i where a seed is given; each after the first shares its prefill
+            seed = prepared.request.options.seed
+            request = prepared.request if i == 0 or seed is None else dataclasses.replace(
+                prepared.request, options=prepared.request.options.but(seed=(seed + i) % 2**64))
+            call = Call(body, len(prepared.request.ids), prepared.opened_think, prepared.tools, asyncio.Queue(),
+                        engine.metrics.request(), rid, index=i)
+            call.ticket = engine.submit(dataclasses.replace(prepared, request=request), sink_of(loop, call),
+                                        body.max_tokens_param, calls[0].ticket if calls else None)
+            calls.append(call)
+    except P.ApiError:  # (the queue filled part way: none of the choices runs)
+        for c in calls:
+            c.ticket.cancel()
+        raise
+    if body.stream:
+        return StreamingResponse(stream(engine, calls), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+    return JSONResponse(await whole(engine, calls, request))
 
+
+def sink_of(loop: asyncio.AbstractEventLoop, call: Call) -> Callable[[Delta | TurboError], None]:
     def sink(item: Delta | TurboError) -> None:  # on the scheduler's thread
         try:
             loop.call_soon_threadsafe(call.queue.put_nowait, item)
         except RuntimeError:  # the event loop has closed (the server is stopping)
             pass
-
-    call.ticket = engine.submit(prepared, sink, body.max_tokens_param)
-    if body.stream:
-        return StreamingResponse(stream(engine, call), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
-    return JSONResponse(await whole(engine, call, request))
+    return sink
 
 
 async def deltas(engine: Engine, call: Call, request: HttpRequest | None = None) -> AsyncIterator[Delta]:
@@ -168,44 +186,86 @@ async def deltas(engine: Engine, call: Call, request: HttpRequest | None = None)
             engine.metrics.finished(None, None, 0, call.timing)
 
 
-async def whole(engine: Engine, call: Call, request: HttpRequest) -> dict:
+async def whole(engine: Engine, calls: list[Call], request: HttpRequest) -> dict:
+    choices = await asyncio.gather(*(choice_of(engine, c, request) for c in calls))
+    if any(c is None for c in choices):
+        return {}  # the client has gone: nobody reads this
+    first = calls[0]
+    return {**P.envelope(first.rid, first.body.chat, first.body.model, first.created, choices, chunk=False),
+            "usage": P.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached)}
+
+
+async def choice_of(engine: Engine, call: Call, request: HttpRequest) -> dict | None:
+    """One choice of a non-streamed answer (None: the client went away)."""
     text, lps, last = [], [], None
     async for d in deltas(engine, call, request):
         text.append(d.text)
         lps += d.logprobs or []
         last = d
     if last is None or last.finish is None:
-        return {}  # the client has gone: nobody reads this
+        return None
     body, out = call.body, "".join(text)
-    choice: dict = {"index": 0, "finish_reason": last.finish.reason, "stop_reason": last.finish.matched}
+    choice: dict = {"index": call.index, "finish_reason": last.finish.reason, "stop_reason": last.finish.matched}
     logprobs = None
     if body.logprobs is not None:
         logprobs = P.chat_logprobs(lps, engine.piece) if body.chat else P.completion_logprobs(lps, engine.piece, 0)
     if body.chat:
         reasoning, content = split_reasoning(out, call.opened_think)
-        calls, why = [], None
+        tool_calls, why = [], None
         if call.tools:
-            content, calls, why = parse_tool_calls(content, call.tools)
+            content, tool_calls, why = parse_tool_calls(content, call.tools)
         choice["message"] = {"role": "assistant", "content": content}
         if reasoning is not None:
             choice["message"]["reasoning_content"] = reasoning
-        if calls:
-            choice["message"]["tool_calls"] = [c.openai() for c in calls]
+        if tool_calls:
+            choice["message"]["tool_calls"] = [c.openai() for c in tool_calls]
             choice["finish_reason"] = "tool_calls" if last.finish.reason == "stop" else last.finish.reason
         elif why is not None:  # returned as text, with the reason beside it
             choice["message"]["tool_call_error"] = why
     else:
         choice["text"] = out
     choice["logprobs"] = logprobs
-    generated = last.stats.generated_tokens if last.stats is not None else call.timing.tokens
-    return {**P.envelope(call.rid, body.chat, body.model, call.created, [choice], chunk=False),
-            "usage": P.usage(call.prompt_tokens, generated, last.cached_tokens)}
+    call.generated = last.stats.generated_tokens if last.stats is not None else call.timing.tokens
+    call.cached = last.cached_tokens
+    return choice
 
 
-async def stream(engine: Engine, call: Call) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending `data: [DONE]`."""
+async def stream(engine: Engine, calls: list[Call]) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, every choice's as they come, ending `data: [DONE]`."""
+    first = calls[0]
+    body = first.body
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(call: Call) -> None:
+        try:
+            async for line in choice_chunks(engine, call):
+                await queue.put(line)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.create_task(pump(c)) for c in calls]
+    try:
+        ended = 0
+        while ended < len(calls):
+            line = await queue.get()
+            if line is None:
+                ended += 1
+            else:
+                yield line
+    finally:
+        for t in tasks:
+            t.cancel()
+    if body.include_usage and all(c.done for c in calls):
+        yield P.sse({**P.envelope(first.rid, body.chat, body.model, first.created, [], chunk=True),
+                     "usage": P.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached)})
+    yield P.sse("[DONE]")
+
+
+async def choice_chunks(engine: Engine, call: Call) -> AsyncIterator[str]:
+    """One choice's chunks (its `index`); an error after admission as an error event."""
     body = call.body
     usage_field = {"usage": None} if body.include_usage else {}
+    i = call.index
 
     def chunk(choice: dict) -> str:
         return P.sse({**P.envelope(call.rid, body.chat, body.model, call.created, [choice], chunk=True),
@@ -213,13 +273,13 @@ async def stream(engine: Engine, call: Call) -> AsyncIterator[str]:
 
     reasoning = P.ReasoningStream(call.opened_think)
     calls = CallStream(call.tools) if call.tools else None
-    offset, last = 0, None
+    offset = 0
     if body.chat:
-        yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None})
     try:
         async for d in deltas(engine, call):
-            last, final = d, d.finish is not None
+            final = d.finish is not None
             finish = d.finish.reason if final else None
             logprobs = None
             if body.logprobs is not None and d.logprobs:
@@ -236,20 +296,17 @@ async def stream(engine: Engine, call: Call) -> AsyncIterator[str]:
                 delta = {**({"reasoning_content": think} if think else {}), **({"content": content} if content else {})}
                 if made:  # the calls whole, each at its index, in the last chunk (as vLLM's parsers end)
                     if delta or logprobs:
-                        yield chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None})
-                    delta = {"tool_calls": [{"index": i, **c.openai()} for i, c in enumerate(made)]}
+                        yield chunk({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None})
+                    delta = {"tool_calls": [{"index": k, **c.openai()} for k, c in enumerate(made)]}
                     logprobs, finish = None, "tool_calls" if finish == "stop" else finish
                 if delta or logprobs or final:
-                    yield chunk({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+                    yield chunk({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             else:  # a chunk per step that commits tokens, its text empty while a character is incomplete
-                yield chunk({"index": 0, "text": d.text, "logprobs": logprobs, "finish_reason": finish,
+                yield chunk({"index": i, "text": d.text, "logprobs": logprobs, "finish_reason": finish,
                              **({"stop_reason": d.finish.matched} if final else {})})
             offset += len(d.text)
+            if final:
+                call.generated = d.stats.generated_tokens if d.stats is not None else call.timing.tokens
+                call.cached = d.cached_tokens
     except P.ApiError as e:
         yield P.sse(e.body())
-    else:
-        if body.include_usage and last is not None:
-            generated = last.stats.generated_tokens if last.stats is not None else call.timing.tokens
-            yield P.sse({**P.envelope(call.rid, body.chat, body.model, call.created, [], chunk=True),
-                         "usage": P.usage(call.prompt_tokens, generated, last.cached_tokens)})
-    yield P.sse("[DONE]")

@@ -27,7 +27,8 @@ TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window", "regex", "gram
 CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a response_format of turbo's kinds
 SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
 # request fields turbo does not implement: refused unless they hold the value that means "off"
-UNSUPPORTED = {"n": 1, "best_of": 1, "echo": False, "suffix": None}
+UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None}
+MAX_N = 16  # choices a request may ask for (n): each is a sequence of the running batch
 # penalties (turbo/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 
@@ -49,6 +50,7 @@ class Body:
     logprobs: int | None = None  # None: none; k: each token's logprob and the top k
     stream: bool = False
     include_usage: bool = False
+    n: int = 1  # choices: sequences sharing the prompt's prefill (seeds seed, seed + 1, ... when given)
 
 
 def parse_json(raw: bytes) -> dict:
@@ -157,6 +159,7 @@ def parse(body: dict, chat: bool) -> Body:
         b.max_tokens = _int(body, "max_tokens", 1)
         b.logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     b.options = _options(body)
+    b.n = _int(body, "n", 1, MAX_N) or 1
     b.stream = _flag(body, "stream")
     opts = _kind(body, "stream_options", dict, "an object")
     if opts:

@@ -59,9 +59,15 @@ class Ticket:
 
     def __init__(self) -> None:
         self.cancelled = False
+        self.begun = False  # its prompt is through the trunk (and in the prefix cache where there is one)
 
     def cancel(self) -> None:
         self.cancelled = True
+
+    @property
+    def settled(self) -> bool:
+        """A sequence submitted `after` this one may start: this one's prompt state is there to share."""
+        return self.begun or self.cancelled
 
 
 @dataclass
@@ -81,6 +87,7 @@ class Sequence:
     sink: Sink
     ticket: Ticket
     need: int  # bytes reserved at admission
+    after: Ticket | None = None  # admitted once that one's prompt is through (it shares the prefill: n > 1)
     driver: Driver | None = None  # made at admission, with the drafter fork it takes then
     pool_key: DraftKey | None = None  # the drafter fork it holds (back to the pool when it ends)
     draft_key: DraftKey | None = None  # whose context the prefix cache keeps for it (None: none)
@@ -105,9 +112,11 @@ class Scheduler:
 
     # ---- the callers' side --------------------------------------------------------------------
 
-    def submit(self, req: Request, sink: Sink) -> Ticket:
+    def submit(self, req: Request, sink: Sink, after: Ticket | None = None) -> Ticket:
         """Checks the request (TurboError naming the field), queues it (Overloaded when the queue is
-        full) and returns its ticket; `sink` gets its deltas on the engine's thread."""
+        full) and returns its ticket; `sink` gets its deltas on the engine's thread. `after`: a
+        ticket whose prompt this one begins with (a choice of the same request): it is admitted
+        once that prompt is through, and starts from its state in the prefix cache."""
         o = req.options
         if not isinstance(o.drafter, str):
             raise TurboError("drafter: a served request names a drafter (auto, dflash, mtp, ngram), not an object",
@@ -121,7 +130,7 @@ class Scheduler:
             raise TurboError(f"max_tokens: the request needs {need / 2**30:.2f} GiB of state (prompt "
                              f"{len(job.ids)} + {o.max_new_tokens} new tokens), over the server's "
                              f"serve.memory_gb {self.limits.memory_gb:g}", field="max_tokens")
-        seq = Sequence(req, job, sink, Ticket(), need)
+        seq = Sequence(req, job, sink, Ticket(), need, after)
         with self.lock:
             if len(self.waiting) >= self.limits.max_waiting:
                 raise Overloaded(f"the server is at capacity: {len(self.running)} running, "
@@ -194,14 +203,17 @@ class Scheduler:
 
     def _admit(self) -> None:
         with self.lock:
-            while self.waiting and len(self.running) < self.limits.max_running:
-                s = self.waiting[0]
+            for s in list(self.waiting):
+                if len(self.running) >= self.limits.max_running:
+                    return
                 if s.ticket.cancelled:
-                    self.waiting.popleft()
+                    self.waiting.remove(s)
                     continue
+                if s.after is not None and not s.after.settled:
+                    continue  # it shares a prefill still running: the ones behind it go first
                 if self.reserved + s.need > self.budget:
                     return  # it waits for memory (it fits alone: submit checked)
-                self.waiting.popleft()
+                self.waiting.remove(s)
                 self.reserved += s.need
                 self.running.append(s)
                 admitted = s
@@ -241,14 +253,17 @@ class Scheduler:
         s.driver.begin()
         if self.chunked:
             self._keep(s, s.driver.job.ids)
+        s.ticket.begun = True
 
     def _settle(self, s: Sequence, w: Work, out, share_s: float) -> None:
         d = s.driver
         was_prefilling = d.prefilling
         event = d.settle(w, out, share_s)
         if event is None:
-            if was_prefilling and not d.prefilling and self.chunked:  # the prompt's last chunk: begun
-                self._keep(s, d.job.ids)
+            if was_prefilling and not d.prefilling:  # the prompt's last chunk: begun
+                if self.chunked:
+                    self._keep(s, d.job.ids)
+                s.ticket.begun = True
             return
         if event.done:
             if self.chunked and d.ends_at_answer():  # a chat client's next turn resends both
@@ -274,6 +289,7 @@ class Scheduler:
         self._send(s, e if isinstance(e, TurboError) else TurboError(f"the request failed: {e}"))
 
     def _end(self, s: Sequence) -> None:
+        s.ticket.begun = True  # (whatever waits on it goes on without it)
         with self.lock:
             if s in self.running:
                 self.running.remove(s)

@@ -124,9 +124,9 @@ class Engine:
         return Prepared(Request(ids, options, body.logprobs, images or None),
                         opened and options.response_format is None, tools)
 
-    def submit(self, prepared: Prepared, sink, max_tokens_param: str):
+    def submit(self, prepared: Prepared, sink, max_tokens_param: str, after=None):
         try:
-            return self.scheduler.submit(prepared.request, sink)
+            return self.scheduler.submit(prepared.request, sink, after)
         except Overloaded as e:
             raise ApiError(str(e), None, 429, "requests", "rate_limit_exceeded") from None
         except TurboError as e:

@@ -1,0 +1,71 @@
+"""`n` > 1: a request's choices are sequences of the running batch that share its prompt's prefill
+(the followers start from the leader's prompt state in the prefix cache); choice i samples with
+seed + i and equals that request alone, streamed or not."""
+
+from __future__ import annotations
+
+import pytest
+
+from turbo.options import GenerationOptions
+from turbo.serve.scheduler import Request, Scheduler
+
+PROMPT = "def fib(n):"
+
+
+def test_choices_equal_their_requests_alone_streamed_or_not(tiny_server):
+    engine, client, rt = tiny_server.engine, tiny_server.client, tiny_server.engine.rt
+    kw = dict(model=engine.model, prompt=PROMPT, max_tokens=20, temperature=0.9, seed=11,
+              extra_body={"turbo": {"policy": "fixed", "block": 3}})
+    whole = client.completions.create(n=4, **kw)
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3]
+    alone = [rt.generate(PROMPT, max_new_tokens=20, temperature=0.9, seed=11 + i, policy="fixed", block=3)
+             for i in range(4)]
+    assert [c.text for c in whole.choices] == [a.text for a in alone]
+    assert len({a.text for a in alone}) > 1  # the seeds differ: so do the choices
+    assert whole.usage.completion_tokens == sum(len(a.tokens) for a in alone)
+    parts: dict[int, str] = {}
+    for chunk in client.completions.create(n=4, stream=True, **kw):
+        for c in chunk.choices:
+            parts[c.index] = parts.get(c.index, "") + c.text
+    assert [parts[i] for i in range(4)] == [a.text for a in alone]
+    chat = client.chat.completions.create(model=engine.model, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=8, temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message == chat.choices[1].message  # greedy: the same
+
+
+def test_followers_start_from_the_leaders_prefill(tiny_server):
+    rt = tiny_server.engine.rt
+    sched = Scheduler(rt)
+    ids = rt.encode("class Stack:\n    def push(self, x):")
+    got: dict[int, list] = {}
+
+    def sink(i):
+        return lambda d: got.setdefault(i, []).append(d)
+
+    opts = GenerationOptions(max_new_tokens=8, temperature=0.8, seed=1, policy="off")
+    lead = sched.submit(Request(ids, opts), sink(0))
+    for i in (1, 2, 3):
+        sched.submit(Request(ids, opts.but(seed=1 + i)), sink(i), after=lead)
+    sched.step()  # admits the leader alone: the followers wait for its prompt
+    assert len(sched.running) == 1 and len(sched.waiting) == 3
+    for _ in range(200):
+        if all(i in got and got[i][-1].finish is not None for i in range(4)):
+            break
+        sched.step()
+    for i in range(4):
+        assert not isinstance(got[i][-1], Exception)
+        want = rt.generate(ids, opts.but(seed=1 + i))
+        assert [t for d in got[i] for t in d.tokens] == want.tokens
+        # the leader prefilled; each follower started from its state in the prefix cache
+        assert got[i][-1].cached_tokens == (0 if i == 0 else len(ids) - 1)
+
+
+def test_n_past_the_limit_is_refused(tiny_server):
+    from turbo.serve.protocol import MAX_N
+
+    resp = tiny_server.http.post("/v1/completions", json={"model": tiny_server.engine.model, "prompt": PROMPT,
+                                                           "max_tokens": 2, "n": MAX_N + 1})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "n"
+    openai = pytest.importorskip("openai")
+    with pytest.raises(openai.BadRequestError, match="best_of"):
+        tiny_server.client.completions.create(model=tiny_server.engine.model, prompt=PROMPT, max_tokens=2, best_of=3)

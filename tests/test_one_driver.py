@@ -128,3 +128,44 @@ def test_the_cli_and_the_server_decide_every_case_alike(which, plain_install, en
         seen.add(cli[0])
     # each kind of answer came up: a refusal, a plain decode and speculation
     assert "refused" in seen and "off" in seen and (which == "plain" or {"fixed", "auto", "adaptive"} <= seen)
+
+
+# (GenerationOptions fields, the request's body fields): constraints and penalties beside plain
+# requests in one batch
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string", "maxLength": 8}},
+          "required": ["a", "b"], "additionalProperties": False}
+MIXED = [
+    (dict(), dict()),
+    (dict(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}}),
+     dict(response_format={"type": "json_schema", "json_schema": {"schema": SCHEMA}})),
+    (dict(repetition_penalty=1.3, policy="fixed", block=4), dict(extra={"repetition_penalty": 1.3},
+                                                                 turbo={"policy": "fixed", "block": 4})),
+    (dict(frequency_penalty=1.0, presence_penalty=0.5, drafter="ngram", policy="fixed", block=3),
+     dict(frequency_penalty=1.0, presence_penalty=0.5, turbo={"drafter": "ngram", "policy": "fixed", "block": 3})),
+    (dict(logit_bias={309: -100}, policy="fixed", block=2, drafter="mtp"),
+     dict(logit_bias={"309": -100}, turbo={"policy": "fixed", "block": 2, "drafter": "mtp"})),
+    (dict(response_format={"type": "regex", "regex": "[a-z]{2,6}( [a-z]{2,6}){1,4}"}, policy="fixed", block=4),
+     dict(turbo={"regex": "[a-z]{2,6}( [a-z]{2,6}){1,4}", "policy": "fixed", "block": 4})),
+    (dict(temperature=0.8, seed=5, presence_penalty=1.0, policy="fixed", block=3),
+     dict(temperature=0.8, seed=5, presence_penalty=1.0, turbo={"policy": "fixed", "block": 3})),
+    (dict(temperature=0.7, seed=9, response_format={"type": "json_object"}),
+     dict(temperature=0.7, seed=9, response_format={"type": "json_object"})),
+]
+
+
+def test_sixteen_mixed_requests_in_one_batch_each_equal_its_solo_run(engine, tiny_server):
+    rt, client = engine.rt, tiny_server.client
+
+    def served(i: int):
+        body = {"temperature": 0, "max_tokens": 32, **MIXED[i % len(MIXED)][1]}
+        extra = {**body.pop("extra", {}), **{k: body.pop(k) for k in ("turbo", "response_format") if k in body}}
+        return client.completions.create(model=engine.model, prompt=PROMPTS[i % len(PROMPTS)], extra_body=extra,
+                                         **body)
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(served, range(16)))
+    for i, answer in enumerate(answers):
+        fields = {"max_new_tokens": 32, **MIXED[i % len(MIXED)][0]}
+        alone = rt.generate(PROMPTS[i % len(PROMPTS)], **fields)
+        assert answer.choices[0].text == alone.text and answer.usage.completion_tokens == len(alone.tokens), i
+        assert answer.choices[0].finish_reason == alone.finish.reason, i

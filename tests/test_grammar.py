@@ -177,3 +177,35 @@ def test_a_seeded_batch_holds_on_the_real_qwen35_vocabulary(qwen35_install):
     spec = rt.generate("Give the record:", max_new_tokens=96, policy="fixed", block=4, drafter="ngram",
                        response_format=fmt)
     assert spec.tokens == plain.tokens and plain.finish.reason == "stop"
+
+
+def test_constrained_greedy_equals_a_torch_loop_over_transformers_logits(tmp_path_factory):
+    """The reference: transformers' logits, llguidance's mask for the tokens so far applied with
+    plain torch, argmax; turbo plain and speculative commit the same tokens."""
+    import numpy as np
+    import torch
+
+    from turbo.testing import make_spec_install
+
+    model, path = make_spec_install(tmp_path_factory.mktemp("grammar_ref"), seed=7)
+    model = model.float().eval()
+    rt = turbo.open(path, backend="cpu")
+    vocab, stop = rt.install.arch.vocab, 1
+    regex = "[a-z]{1,5}( [a-z]{1,5}){2,5}"
+    tok = llguidance.LLTokenizer((path / "tokenizer.json").read_text(), n_vocab=vocab, eos_token=[stop])
+    matcher = llguidance.LLMatcher(tok, llguidance.LLMatcher.grammar_from_regex(regex))
+    prompt, out = [5, 9, 17, 23, 9, 40], []
+    with torch.no_grad():
+        while not matcher.is_stopped() and len(out) < 40:
+            logits = model(torch.tensor([prompt + out])).logits[0, -1].float()
+            allowed = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), np.uint8), bitorder="little")[:vocab]
+            logits[~torch.from_numpy(allowed.astype(bool))] = float("-inf")
+            out.append(int(logits.argmax()))
+            assert matcher.consume_token(out[-1])
+    assert out[-1] == stop and len(out) > 3
+    fmt = {"type": "regex", "regex": regex}
+    for spec in [dict(policy="off"), dict(policy="fixed", block=4, drafter="dflash"),
+                 dict(policy="fixed", block=2, drafter="dflash", rollback="replay")]:
+        got = rt.generate(prompt, max_new_tokens=40, stop_at_eos=False, stop_token_ids=[stop], response_format=fmt,
+                          **spec)
+        assert got.tokens == out, spec

@@ -22,7 +22,7 @@ from test_mtp import add_mtp, mtp_tensors
 from turbo import engine
 from turbo.drafters import DrafterBase
 from turbo.drafters.ngram import NgramDrafter
-from turbo.rounds import play_round
+from turbo.testing.checks import play_round
 from turbo.repack import repack
 from turbo.options import GenerationOptions
 from turbo.penalties import PenaltyState

@@ -10,7 +10,7 @@ import pytest
 
 import turbo
 from turbo import engine
-from turbo.rounds import play_round
+from turbo.testing.checks import play_round
 from turbo.errors import TurboError
 from turbo.stops import Finish, Stopper
 

@@ -1,15 +1,13 @@
 """The speculative round (docs/DESIGN.md 5): draft a block, verify it with the anchor in one
 trunk step, accept a prefix, roll the state back to it, tell the drafter what was kept.
 
-`play_round` is one sequence's round (turbo/engine.py loops it); a batch of sequences plays the
-same three parts -- `draft_block`, `judge`, `close_round` -- around one `Trunk.step_many`
-(turbo/serve/scheduler.py).
+The round's three parts -- `draft_block`, `judge`, `close_round` -- are played around a trunk
+pass by turbo/driver.py: one sequence's through `Trunk.step`, a batch's through one
+`Trunk.step_many` (turbo/serve/scheduler.py).
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -20,20 +18,6 @@ from .drafters import Drafter
 from .drafters.seam import call, propose
 from .sampling import RejectionSampler
 from .trunk import Trunk, TrunkState
-
-
-@dataclass(slots=True)
-class RoundResult:
-    """What one round committed (proposals[:accepted] + [bonus]) and what its parts took."""
-
-    proposals: list[int]  # the drafter's block (empty in a plain round)
-    accepted: int  # how many of them are committed (the trunk confirmed them; a stop may keep fewer)
-    bonus: int  # the trunk's own token after them: committed too, and the next anchor
-    replayed: int  # rows the rollback ran again
-    draft_s: float
-    verify_s: float
-    rollback_s: float
-    landed: int  # how many proposals the trunk confirmed (the counters' acceptance)
 
 
 def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]:
@@ -85,22 +69,3 @@ def close_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, out: Step
         call(drafter, "commit", drafter.commit, out, accepted + 1, proposals[:accepted] + [bonus])
     return replayed
 
-
-def play_round(trunk: Trunk, st: TrunkState, drafter: Drafter | None, anchor: int, block: int, rollback: str,
-               sampler: RejectionSampler | None = None,
-               cut: Callable[[list[int]], int | None] | None = None, vocab: int | None = None) -> RoundResult:
-    """Draft `block` proposals after `anchor` (none at block 0), verify them with the anchor in
-    one trunk step, accept a prefix (`judge`), roll the state back to it and tell the drafter
-    what was kept. `vocab`: what the proposals are checked against (None: ids >= 0, for a
-    stand-in trunk). A batch of sequences plays the same three parts around one
-    `Trunk.step_many` (turbo/serve/scheduler.py)."""
-    t0 = time.perf_counter()
-    proposals, q = draft_block(drafter, anchor, st.pos, block, sampler, vocab)
-    t1 = time.perf_counter()
-    out = trunk.step(st, [anchor] + proposals, drafter.aux_layers if drafter is not None else (),
-                     rollback if proposals else None)
-    accepted, bonus, landed = judge(proposals, q, out.logits, sampler, cut)
-    t2 = time.perf_counter()
-    replayed = close_round(trunk, st, drafter, out, proposals, accepted, bonus, rollback)
-    t3 = time.perf_counter()
-    return RoundResult(proposals, accepted, bonus, replayed, t1 - t0, t2 - t1, t3 - t2, landed)

@@ -1,7 +1,7 @@
 """Where a generation stops and what text it may emit: stop token ids (the eos ids with
 stop_at_eos, plus GenerationOptions.stop_token_ids) and stop strings, found in the text across
 token boundaries and never emitted, not even partly (as vLLM does). After each round's
-acceptance the engine asks `Stopper.cut` how many of its tokens to commit (turbo.rounds.play_round
+acceptance the engine asks `Stopper.cut` how many of its tokens to commit (turbo.rounds.judge
 then plays the round as if fewer proposals had landed), and `Stopper.text` what to emit.
 """
 
@@ -22,6 +22,11 @@ class Finish:
 
     reason: str
     matched: str | int | None = None
+
+
+def stop_token_set(eos_ids: tuple[int, ...], stop_at_eos: bool, stop_token_ids: tuple[int, ...] | None) -> set[int]:
+    """The token ids that end a generation: the eos ids (with stop_at_eos) and the caller's."""
+    return (set(eos_ids) if stop_at_eos else set()) | set(stop_token_ids or ())
 
 
 def held_back(text: str, strings: tuple[str, ...]) -> int:

@@ -1,4 +1,4 @@
-"""The engine's checks on a drafter at the seam (turbo.rounds.play_round): the trunk verifies every
+"""The engine's checks on a drafter at the seam (turbo/rounds.py, played by turbo/driver.py): the trunk verifies every
 proposal, but what is not a proposal at all (a float, None, an id off the vocabulary), a q that is
 not a distribution, or a drafter's own exception stops here as a TurboError naming the drafter,
 not as an IndexError deep in a kernel or a sampler that a bad q quietly steers.

@@ -6,11 +6,32 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable, NamedTuple
 
 import torch
 
 import turbo
 from turbo.drafters import DrafterBase
+from turbo.rounds import close_round, draft_block, judge
+
+
+class Round(NamedTuple):
+    proposals: list[int]  # the drafter's block (empty in a plain round)
+    accepted: int  # how many of them are committed
+    bonus: int  # the trunk's own token after them: committed too, and the next anchor
+
+
+def play_round(trunk, st, drafter, anchor: int, block: int, rollback: str, sampler=None,
+               cut: Callable[[list[int]], int | None] | None = None, vocab: int | None = None) -> Round:
+    """One sequence's round by hand, as turbo/driver.py plays it (draft, one trunk step, judge,
+    roll back), for tests that drive rounds themselves (a stand-in trunk, a chosen cut or rule).
+    `vocab`: what the proposals are checked against (None: ids >= 0)."""
+    proposals, q = draft_block(drafter, anchor, st.pos, block, sampler, vocab)
+    out = trunk.step(st, [anchor] + proposals, drafter.aux_layers if drafter is not None else (),
+                     rollback if proposals else None)
+    accepted, bonus, _ = judge(proposals, q, out.logits, sampler, cut)
+    close_round(trunk, st, drafter, out, proposals, accepted, bonus, rollback)
+    return Round(proposals, accepted, bonus)
 
 
 class ScriptedDrafter(DrafterBase):

@@ -19,7 +19,7 @@ from .chat_template import ChatTemplate, encode, install_template, template_vari
 from .errors import TurboError
 from .install import Install
 from .options import GENERATION_FIELDS, GenerationOptions
-from .tool_calls import XML_FORMAT, call_grammar, parse_tool_calls, tool_functions
+from .tool_calls import forced_call, parse_tool_calls, tool_functions
 from .stats import Stats
 from .vision.runtime import check_placed, message_images
 
@@ -159,13 +159,12 @@ def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools:
     if images:
         check_placed(rt, ids, images)
     options = turn_options(opts, fields, stop_ids)
-    if tool_choice not in ("none", "auto"):  # required, or a function's name: the call is constrained
-        only = None if tool_choice == "required" else tool_choice
-        if not tools or (only is not None and only not in tool_functions(tools)):
-            raise TurboError(f"tool_choice {tool_choice!r}: expected none, auto, required or one of the tools' names",
-                             field="tool_choice")
-        options = options.but(response_format={"type": "grammar",
-                                               "grammar": call_grammar(tools, only, XML_FORMAT in chat.source)})
+    if tool_choice not in ("none", "auto") and (not tools or tool_choice not in ("required", *tool_functions(tools))):
+        raise TurboError(f"tool_choice {tool_choice!r}: expected none, auto, required or one of the tools' names",
+                         field="tool_choice")
+    forced = forced_call(tools, tool_choice, chat.source)
+    if forced is not None:  # required, or a function's name: the call is constrained
+        options = options.but(response_format=forced)
     result = rt.generate(ids, options, images=images or None)
     message = assistant_message(rt.tokenizer, result.tokens, stop_ids, answer_opens_think(prompt, options))
     if tools and tool_choice != "none":  # the calls the answer makes, in OpenAI's shape

@@ -35,7 +35,7 @@ from .policy import Plan
 from .rounds import close_round, draft_block, judge
 from .sampling import RejectionSampler
 from .stats import Stats, TokenClock
-from .stops import Finish, Stopper
+from .stops import Finish, Stopper, stop_token_set
 from .trunk import Trunk, TrunkState
 
 if TYPE_CHECKING:
@@ -137,8 +137,8 @@ class Driver:
         self.draft: Drafter | LazyContext | None = drafter
         self.aux_layers: tuple[int, ...] = tuple(drafter.aux_layers) if drafter is not None else ()
         job.stats.window = drafter.window if drafter is not None else None
-        eos = set(eos_ids) if o.stop_at_eos else set()
-        self.stopper = Stopper(decode, o.stop or (), eos | set(o.stop_token_ids or ()), o.max_new_tokens)
+        self.stopper = Stopper(decode, o.stop or (), stop_token_set(eos_ids, o.stop_at_eos, o.stop_token_ids),
+                               o.max_new_tokens)
         # a stop inside a round cuts the round there (the state ends at the stop) where the state
         # outlives the generation (a session, the server's cache); else the round is played whole
         self.cut_in_round = cut_in_round

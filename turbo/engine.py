@@ -37,7 +37,7 @@ from .policy import DraftPolicy, Plan, decide
 from .sampling import rejection_sampler
 from .session import DEFAULT_SNAPSHOTS, FRESH, Session
 from .stats import Stats
-from .stops import Finish
+from .stops import Finish, stop_token_set
 from .trunk import KV_CHUNK
 from .vision.runtime import image_prompt, refuse_unplaced
 from .vision.session import VisionSession
@@ -232,9 +232,8 @@ class Runtime:
                       seed=sampler.sampler.seed if sampler is not None else None)
         grammar = None
         if o.response_format is not None:  # compiled (once per format) and checked before the first round
-            stops = tuple(sorted((set(self.install.arch.eos_token_ids) if o.stop_at_eos else set())
-                                 | set(o.stop_token_ids or ())))
-            grammar = self.grammars.state(o.response_format, stops)
+            stops = stop_token_set(self.install.arch.eos_token_ids, o.stop_at_eos, o.stop_token_ids)
+            grammar = self.grammars.state(o.response_format, tuple(sorted(stops)))  # (the grammar's end lets these)
         return Job(ids, o, p, own, sampler, stats, grammar)
 
     def _fitted(self, ids: list[int], o: GenerationOptions, start: Start) -> list[int]:

@@ -127,6 +127,15 @@ def held_back(text: str) -> int:
 VALUE_PATTERNS = {"integer": r"-?[0-9]{1,18}", "number": r"-?[0-9]{1,18}(\.[0-9]{1,18})?", "boolean": r"true|false"}
 
 
+def forced_call(tools: list | None, tool_choice: str, template_source: str) -> dict | None:
+    """The response_format that makes the answer one call in the template's format (tool_choice
+    "required": any of the tools; a tool's name: that one), or None (none, auto)."""
+    if tool_choice in ("none", "auto"):
+        return None
+    only = None if tool_choice == "required" else tool_choice
+    return {"type": "grammar", "grammar": call_grammar(tools, only, XML_FORMAT in template_source)}
+
+
 def call_grammar(tools: list | None, only: str | None, xml: bool) -> str:
     """A Lark grammar (llguidance's) for one tool call in the template's format: any of the tools
     (tool_choice "required"), or `only` (a named function). JSON is compact and its arguments hold

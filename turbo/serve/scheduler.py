@@ -249,8 +249,12 @@ class Scheduler:
             self._begin(s)
 
     def _begin(self, s: Sequence) -> None:
-        """The prompt is through the trunk: the drafter takes its context, the cache keeps the state."""
+        """The prompt is through the trunk at once: the drafter takes its context (`_begun`)."""
         s.driver.begin()
+        self._begun(s)
+
+    def _begun(self, s: Sequence) -> None:
+        """The sequence's prompt state goes into the cache, and what waits on it may start."""
         if self.chunked:
             self._keep(s, s.driver.job.ids)
         s.ticket.begun = True
@@ -260,10 +264,8 @@ class Scheduler:
         was_prefilling = d.prefilling
         event = d.settle(w, out, share_s)
         if event is None:
-            if was_prefilling and not d.prefilling:  # the prompt's last chunk: begun
-                if self.chunked:
-                    self._keep(s, d.job.ids)
-                s.ticket.begun = True
+            if was_prefilling and not d.prefilling:  # the prompt's last chunk (the driver began its rounds)
+                self._begun(s)
             return
         if event.done:
             if self.chunked and d.ends_at_answer():  # a chat client's next turn resends both

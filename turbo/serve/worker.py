@@ -12,7 +12,7 @@ from ..chat import opens_think, template_messages, turn_stop_ids
 from ..chat_template import ChatTemplate, encode, install_template
 from ..engine import open as open_runtime
 from ..errors import TurboError
-from ..tool_calls import XML_FORMAT, call_grammar
+from ..tool_calls import forced_call
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
 from .images import expand_images
 from .limits import check_prompt_chars, check_prompt_tokens, max_token_chars
@@ -108,12 +108,11 @@ class Engine:
                            body.max_tokens_param if body.max_tokens is not None else
                            ("messages" if body.chat else "prompt"))
         fields = dict(body.options)  # (what they make of the speculation is turbo/policy.py's to decide)
-        if body.tool_choice not in ("none", "auto"):  # required, or a named function: the call is constrained
+        forced = forced_call(body.tools, body.tool_choice, self.template.source) if body.chat else None
+        if forced is not None:  # required, or a named function: the call is constrained
             if "response_format" in fields:
                 raise ApiError(f"tool_choice {body.tool_choice!r} and response_format: give one of them", "tool_choice")
-            only = None if body.tool_choice == "required" else body.tool_choice
-            fields["response_format"] = {"type": "grammar",
-                                         "grammar": call_grammar(body.tools, only, XML_FORMAT in self.template.source)}
+            fields["response_format"] = forced
         if stops:
             fields["stop_token_ids"] = tuple(dict.fromkeys(fields.get("stop_token_ids", ()) + stops))
         try:

@@ -6,11 +6,15 @@ tool_choice; the same through `rt.chat`; bad tools and choices refused naming th
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
 import pytest
 
 from turbo.chat import template_messages
-from turbo.tool_calls import CallStream, call_grammar, parse_tool_calls
+from turbo.errors import TurboError
+from turbo.tool_calls import CallStream, call_grammar, parse_tool_calls, tool_functions
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -137,8 +141,13 @@ def test_rt_chat_reads_and_forces_calls(server):
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}],
-      "tool_choice": "required"}, "response_format"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "frob"}}}]}, "tools[0]"),
+    ({"tools": [TOOLS[0], {"type": "function", "function": {"name": "f", "parameters": {"properties": {"a": 5}}}}]},
+     "tools[1]"),
+    ({"tools": [TOOLS[1], TOOLS[1]]}, "tools[1]"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "(unclosed"}}}}}],
+      "tool_choice": "required", "response_format": None}, "tools"),
 ])
 def test_bad_tools_and_choices_are_400_naming_the_field(server, body, param):
     engine, http, client = server
@@ -153,3 +162,75 @@ def test_the_call_grammar_takes_both_formats():
         for only in (None, "add"):
             grammar = call_grammar(TOOLS, only, xml)
             assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""
+
+
+SPECULATE = dict(policy="fixed", drafter="dflash", block=4)
+
+
+def test_a_session_reads_calls_and_answers_them_exactly(server):
+    """Calls as objects (Session.pending_calls), results as `tool` messages (send_tool_results), each
+    turn's tokens those of rt.chat over the same messages alone, unspeculated."""
+    rt = server[0].rt
+    s = rt.session(tools=TOOLS, tool_choice="required")
+    list(s.send(ASK[0]["content"], max_new_tokens=96, **SPECULATE))
+    (call,) = s.pending_calls
+    assert s.history[-1]["content"] is None and s.history[-1]["tool_calls"] == [call.openai()]
+    checked_args = json.loads(call.arguments)
+    jsonschema.validate(checked_args, dict(tool_functions(TOOLS))[call.name])
+    alone = rt.chat(ASK, tools=TOOLS, tool_choice="required", max_new_tokens=96, policy="off")
+    assert s.last_turn.tokens == alone.tokens and [c.openai()["function"] for c in alone.calls] == [
+        call.openai()["function"]]
+    list(s.send_tool_results({call.id: {"forecast": "sunny"}}, tool_choice="auto", max_new_tokens=12, **SPECULATE))
+    assert s.history[-2] == {"role": "tool", "tool_call_id": call.id, "name": call.name,
+                             "content": '{"forecast": "sunny"}'}
+    assert s.last_turn.reused_tokens > 0 and s.pending_calls == []
+    plain = rt.chat(s.history[:-1], tools=TOOLS, max_new_tokens=12, policy="off")
+    assert s.last_turn.tokens == plain.tokens and s.history[-1]["content"] == plain.message["content"]
+
+
+def test_a_session_refuses_bad_results_and_choices_leaving_it_as_it_was(server):
+    rt = server[0].rt
+    with pytest.raises(TurboError) as e:
+        rt.session(tools=[{"type": "function"}])
+    assert e.value.field == "tools[0]"
+    with pytest.raises(TurboError) as e:
+        rt.session(tools=TOOLS, tool_choice="nope")
+    assert e.value.field == "tool_choice"
+    s = rt.session(tools=TOOLS)
+    with pytest.raises(TurboError, match="no tool calls to answer"):
+        s.send_tool_results(["x"])
+    list(s.send(ASK[0]["content"], max_new_tokens=96, tool_choice="add"))
+    (call,) = s.pending_calls
+    before = [dict(m) for m in s.history]
+    for bad, says in [({"call_nope": "x"}, "not a call of the last turn"), ([], "no tool result for"),
+                      (["1", "2"], "2 tool results"), ({call.id: object()}, "expected a str or a JSON value"),
+                      ("3", "expected a dict")]:
+        with pytest.raises(TurboError, match=says):
+            s.send_tool_results(bad)
+        assert s.history == before
+    with pytest.raises(TurboError) as e:
+        s.send_tool_results(["3"], tool_choice="sometimes")
+    assert e.value.field == "tool_choice" and s.history == before and s.pending_calls == [call]
+
+
+def test_task_chat_shows_calls_and_takes_typed_results(server, tmp_path):
+    """task=chat tools=FILE: the calls shown on stdout, the next line typed their result, the
+    answer to it following -- each call the Python session's."""
+    rt = server[0].rt
+    (tmp_path / "tools.json").write_text(json.dumps(TOOLS))
+    lines = [ASK[0]["content"], '{"forecast": "sunny"}']
+    run = subprocess.run([sys.executable, "-m", "turbo", "task=chat", "threads=1", "backend=cpu", "max_new_tokens=96",
+                          "tools=tools.json", "tool_choice=required"], input="".join(t + "\n" for t in lines),
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300)
+    assert run.returncode == 0, run.stderr
+    shown = re.findall(r"^\[tool call (call_\w+)\] (\S+) (.*)$", run.stdout, re.M)
+    s = rt.session(tools=TOOLS, tool_choice="required")
+    list(s.send(lines[0], max_new_tokens=96))
+    first = s.pending_calls
+    list(s.send_tool_results([lines[1]], max_new_tokens=96))
+    assert [(n, a) for _, n, a in shown] == [(c.name, c.arguments) for c in first + s.pending_calls]
+    assert "<tool_call>" not in run.stdout and run.stderr.count("[stats]") == 2
+    assert f"[tool result for {shown[0][0]}" in run.stderr
+    bad = subprocess.run([sys.executable, "-m", "turbo", "task=chat", "threads=1", "tools=missing.json"],
+                         input="", capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tools file" in bad.stderr

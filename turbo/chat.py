@@ -19,7 +19,7 @@ from .chat_template import ChatTemplate, encode, install_template, template_vari
 from .errors import TurboError
 from .install import Install
 from .options import GENERATION_FIELDS, GenerationOptions
-from .tool_calls import forced_call, parse_tool_calls, tool_functions
+from .tool_calls import ToolCall, check_tools, forced_call, parse_tool_calls, tool_functions
 from .stats import Stats
 from .vision.runtime import check_placed, message_images
 
@@ -37,6 +37,7 @@ class ChatResult:
     text: str  # the generated text as is (reasoning and all)
     stats: Stats
     prompt_tokens: list[int] = field(default_factory=list)  # the rendered conversation's ids
+    calls: list[ToolCall] = field(default_factory=list)  # the answer's tool calls (message["tool_calls"])
 
 
 def template_for(install: Install, template: str | ChatTemplate | None) -> ChatTemplate:
@@ -145,6 +146,44 @@ def assistant_message(tokenizer: Tokenizer, tokens: list[int], stop_ids: tuple[i
     return message
 
 
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def check_tool_choice(tools: list | None, tool_choice: str) -> None:
+    """The tools well formed (turbo/tool_calls.check_tools); tool_choice none, auto, required (with
+    tools) or one of the tools' names; else refused naming the field."""
+    check_tools(tools)
+    if tool_choice not in ("none", "auto") and (not tools or tool_choice not in ("required", *tool_functions(tools))):
+        raise TurboError(f"tool_choice {tool_choice!r}: expected none, auto, required or one of the tools' names",
+                         field="tool_choice")
+
+
+def call_options(options: GenerationOptions, tools: list | None, tool_choice: str,
+                 chat: ChatTemplate) -> GenerationOptions:
+    """The options with the call constrained where tool_choice asks for one (required, or a tool's
+    name: turbo/tool_calls.py's grammar in the template's format)."""
+    check_tool_choice(tools, tool_choice)
+    forced = forced_call(tools, tool_choice, chat.source)
+    if forced is None:
+        return options
+    if options.response_format is not None:
+        raise TurboError(f"tool_choice {tool_choice!r} and response_format: give one of them", field="tool_choice")
+    return options.but(response_format=forced)
+
+
+def read_calls(message: dict[str, Any], tools: list | None, tool_choice: str) -> list[ToolCall]:
+    """The answer's tool calls, moved from message["content"] into message["tool_calls"] (OpenAI's
+    shape); a call written malformed stays text, with the reason in message["tool_call_error"]."""
+    if not tools or tool_choice == "none":
+        return []
+    message["content"], calls, why = parse_tool_calls(message["content"], tools)
+    if calls:
+        message["tool_calls"] = [c.openai() for c in calls]
+    elif why is not None:
+        message["tool_call_error"] = why
+    return calls
+
+
 def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools: list | None,
              documents: list | None, template: str | ChatTemplate | None, kw: dict[str, Any],
              tool_choice: str = "auto") -> ChatResult:
@@ -152,25 +191,16 @@ def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools:
     chat = template_for(rt.install, template)
     fields, template_kwargs = split_keywords(kw, chat)
     messages = template_messages(messages) if isinstance(messages, (list, tuple)) else messages
-    prompt = chat.render(messages, add_generation_prompt=True, tools=tools, documents=documents,
+    check_tool_choice(tools, tool_choice)
+    offered = tools if tool_choice != "none" else None  # (none: the prompt offers no tool, as the server's)
+    prompt = chat.render(messages, add_generation_prompt=True, tools=offered, documents=documents,
                          **template_kwargs)
     ids, stop_ids = encode(rt.tokenizer, prompt), turn_stop_ids(rt.install, rt.tokenizer)
     images = message_images(messages)  # (turbo/vision: content parts of type image / image_url)
     if images:
         check_placed(rt, ids, images)
-    options = turn_options(opts, fields, stop_ids)
-    if tool_choice not in ("none", "auto") and (not tools or tool_choice not in ("required", *tool_functions(tools))):
-        raise TurboError(f"tool_choice {tool_choice!r}: expected none, auto, required or one of the tools' names",
-                         field="tool_choice")
-    forced = forced_call(tools, tool_choice, chat.source)
-    if forced is not None:  # required, or a function's name: the call is constrained
-        options = options.but(response_format=forced)
+    options = call_options(turn_options(opts, fields, stop_ids), tools, tool_choice, chat)
     result = rt.generate(ids, options, images=images or None)
     message = assistant_message(rt.tokenizer, result.tokens, stop_ids, answer_opens_think(prompt, options))
-    if tools and tool_choice != "none":  # the calls the answer makes, in OpenAI's shape
-        message["content"], calls, why = parse_tool_calls(message["content"], tools)
-        if calls:
-            message["tool_calls"] = [c.openai() for c in calls]
-        elif why is not None:
-            message["tool_call_error"] = why
-    return ChatResult(message, result.tokens, result.text, result.stats, ids)
+    calls = read_calls(message, tools, tool_choice)
+    return ChatResult(message, result.tokens, result.text, result.stats, ids, calls)

@@ -3,7 +3,10 @@
 
 Each line is a user turn, or a command: /reset, /system [TEXT], /think on|off, /retry, /image
 PATH (attaches an image to the next turn: an install with a vision tower; a refused image is one
-line on stderr and the conversation goes on). The
+line on stderr and the conversation goes on). With tools=FILE.json (OpenAI's tools list) the
+template offers them and an answer's calls are shown as `[tool call ID] NAME ARGUMENTS` lines;
+the next lines typed are their results, one a call in order, and the answer to them follows
+(tool_choice=auto | required | none | a tool's name, every turn's). The
 answer streams to stdout -- reasoning marked (dim on a terminal, `[thinking] ` before it
 otherwise) -- then one `[stats]` line on stderr (as task=generate's, plus what the turn prefilled
 and the state it went on from). EOF ends it (0). Ctrl-C in a turn stops that turn and keeps its partial
@@ -13,6 +16,7 @@ CLI's). A template that is missing, not Jinja or raises, and any refused turn, e
 
 from __future__ import annotations
 
+import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +30,7 @@ from .options import GenerationOptions
 from .session import Session, TurnReport
 from .stats import Stats
 from .stops import held_back
+from .tool_calls import CallStream, ToolCall
 from .vision.runtime import vision_of
 
 if TYPE_CHECKING:
@@ -50,12 +55,26 @@ def chat_template(rt: Runtime, chat: ChatConfig) -> ChatTemplate | None:
     return ChatTemplate(source, where, rt.install.template_files.special_tokens)
 
 
+def load_tools(path: str | None) -> list | None:
+    """tools=FILE.json: OpenAI's tools list (checked when the session takes it)."""
+    if path is None:
+        return None
+    where = Path(path).expanduser()
+    try:
+        return json.loads(where.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as e:
+        raise TurboError(f"tools file {where}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    except ValueError as e:
+        raise TurboError(f"tools file {where}: not JSON ({e}); expected OpenAI's tools list") from None
+
+
 def open_session(rt: Runtime, chat: ChatConfig) -> Session:
     """The session, its template checked by rendering a first turn (a refusal comes before any
     output, not at the first answer)."""
     kwargs = {"enable_thinking": chat.think} if chat.think is not None else {}
     try:
-        s = rt.session(chat.system, template=chat_template(rt, chat), **kwargs)
+        s = rt.session(chat.system, template=chat_template(rt, chat), tools=load_tools(chat.tools),
+                       tool_choice=chat.tool_choice, **kwargs)
     except TurboError as e:
         if chat.template is None:  # the install has none: say how to give one
             raise TurboError(f"{e}; give one with chat_template=FILE.jinja") from None
@@ -114,12 +133,20 @@ class Repl:
     tty: bool = False  # stdout is a terminal: dim reasoning
     noted: bool = False  # the backend's note and why speculation is off, said once
     images: list = field(default_factory=list)  # /image's, for the next turn (turbo.vision PreparedImage)
+    results: list = field(default_factory=list)  # typed results of the last answer's calls, so far
 
     def run(self, lines: Iterable[str]) -> int:
         for line in lines:
             text = line.rstrip("\n")
             if text.startswith("/"):
                 self.command(*text.partition(" ")[::2])
+            elif self.session.pending_calls:  # a line is a call's result
+                self.results.append(text)
+                if len(self.results) == len(self.session.pending_calls):
+                    results, self.results = self.results, []
+                    self.turn(lambda: self.session.send_tool_results(results, self.opts))
+                else:
+                    self.ask_result()
             elif text.strip():
                 content = [{"type": "image", "image": im} for im in self.images] + [{"type": "text", "text": text}]
                 self.images = []
@@ -130,14 +157,14 @@ class Repl:
         s, arg = self.session, arg.strip()
         if name == "/reset":
             s.reset()
-            self.images = []
+            self.images, self.results = [], []
         elif name == "/image" and arg:
             self.attach(arg)
         elif name == "/system":
             s.system = arg or None
         elif name == "/think" and arg in ("on", "off"):
             s.template_kwargs["enable_thinking"] = arg == "on"
-        elif name == "/retry" and any(m["role"] == "user" for m in s.history[-2:]):
+        elif name == "/retry" and any(m["role"] in ("user", "tool") for m in s.history[-2:]):
             self.turn(lambda: s.retry(self.opts))
         else:
             print(f"{name} {arg}".strip() + f": not a command here ({COMMANDS})", file=self.err, flush=True)
@@ -159,6 +186,8 @@ class Repl:
         s = self.session
         generated: list[int] = []
         stats, events, display, interrupted = None, None, None, False
+        calls = CallStream(s.tools) if s.tools else None  # a call's text is held back, then shown parsed
+        self.results = []
         try:
             events = start()
             display = Display(self.out, self.tty, opens_think(s.render()))  # the history ends with the user's turn
@@ -167,7 +196,10 @@ class Repl:
                     self._note(event.stats)
                 generated += event.tokens
                 stats = event.stats
-                display.push(event.text, final=event.done)
+                text = calls.feed(event.text) if calls is not None else event.text
+                if event.done and calls is not None:
+                    text += calls.end()[0]  # (a call not read is text: shown as written)
+                display.push(text, final=event.done)
         except KeyboardInterrupt:
             interrupted = True
             getattr(events, "close", lambda: None)()
@@ -176,8 +208,20 @@ class Repl:
             if s.history and s.history[-1]["role"] == "user":
                 s.history.append(assistant_message(self.rt.tokenizer, generated, s.stop_ids, opens_think(s.render())))
         print(file=self.out, flush=True)  # each answer a line of its own in the transcript
+        last = s.history[-1] if s.history else {}
+        for call in s.pending_calls:
+            print(f"[tool call {call.id}] {call.name} {call.arguments}", file=self.out, flush=True)
+        if last.get("tool_call_error"):
+            print(f"[tool call not read] {last['tool_call_error']}", file=self.err, flush=True)
         if stats is not None:  # a report: standard error (standard output holds the answers alone)
             print(stats_line(stats, s.keeper.report, interrupted), file=self.err, flush=True)
+        if s.pending_calls:
+            self.ask_result()
+
+    def ask_result(self) -> None:
+        """Which call's result the next line is (standard error: stdout holds the answers alone)."""
+        call: ToolCall = self.session.pending_calls[len(self.results)]
+        print(f"[tool result for {call.id} ({call.name})? one line]", file=self.err, flush=True)
 
     def _note(self, stats: Stats) -> None:
         self.noted = True

@@ -26,6 +26,8 @@ class ChatConfig:
     system: str | None = None  # the system prompt
     think: bool | None = None  # the template's enable_thinking; None: not passed
     template: str | None = None  # a .jinja file for an install without a template (or over its own)
+    tools: str | None = None  # a JSON file: OpenAI's tools list the template offers
+    tool_choice: str = "auto"  # none | auto | required | a tool's name
 
 
 @dataclass(frozen=True)
@@ -80,14 +82,18 @@ THINK_VALUES = {True: True, False: False, "on": True, "off": False}
 
 
 def _chat(cfg: DictConfig) -> ChatConfig:
-    """The `system`, `think` and `chat_template` keys (task=chat)."""
+    """The `system`, `think`, `chat_template`, `tools` and `tool_choice` keys (task=chat)."""
     system, think, template = cfg.get("system"), cfg.get("think"), cfg.get("chat_template")
+    tools, tool_choice = cfg.get("tools"), cfg.get("tool_choice", "auto")
+    if not isinstance(tool_choice, str):
+        raise TurboError(f"config: tool_choice={tool_choice!r}, expected none, auto, required or a tool's name")
     if think is not None and (isinstance(think, (int, float)) and not isinstance(think, bool)
                               or think not in THINK_VALUES):
         raise TurboError(f"config: think={think!r}, expected true, false, on, off or null")
     return ChatConfig(system=str(system) if system is not None else None,
                       think=THINK_VALUES[think] if think is not None else None,
-                      template=str(template) if template is not None else None)
+                      template=str(template) if template is not None else None,
+                      tools=str(tools) if tools is not None else None, tool_choice=tool_choice)
 
 
 def _images(cfg: DictConfig, task: str) -> tuple[str, ...]:

@@ -166,13 +166,16 @@ class Runtime:
         name makes it call one (turbo/tool_calls.py). turbo/chat.py."""
         return run_chat(self, messages, opts, tools, documents, template, kw, tool_choice)
 
-    def session(self, system: str | None = None, *, tools: list | None = None,
+    def session(self, system: str | None = None, *, tools: list | None = None, tool_choice: str = "auto",
                 template: str | ChatTemplate | None = None, snapshots: int = DEFAULT_SNAPSHOTS,
                 **template_kwargs: Any) -> Session:
         """A conversation that keeps its state between turns (turbo/session.py); keywords go to
-        the template. `snapshots`: how many assistant turns' starting states it keeps."""
+        the template. `snapshots`: how many assistant turns' starting states it keeps. With
+        `tools`, answers' calls are read (Session.pending_calls) and answered with
+        Session.send_tool_results; `tool_choice` is every turn's unless a turn gives its own."""
         kind = VisionSession if self.install.has_vision else Session  # (turbo/vision/session.py: image parts)
-        return kind(self, template_for(self.install, template), system, tools, template_kwargs, snapshots)
+        return kind(self, template_for(self.install, template), system, tools, template_kwargs, snapshots,
+                    tool_choice)
 
     def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
                images: list | None = None, **fields) -> Iterator[RoundEvent]:

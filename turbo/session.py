@@ -13,13 +13,15 @@ length cut back; the GDN and conv states and the drafter's context come from the
 from __future__ import annotations
 
 import copy
+import json
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from .arch import show
-from .chat import answer_opens_think, assistant_message, check_template_kwargs, turn_options, turn_stop_ids
+from .chat import (answer_opens_think, assistant_message, call_options, check_template_kwargs, check_tool_choice,
+                   read_calls, template_messages, turn_options, turn_stop_ids)
 from .chat_template import ChatTemplate, encode
 from .drafters import Drafter, keeps_context
 from .drafters.seam import call
@@ -27,6 +29,7 @@ from .errors import TurboError
 from .options import GENERATION_FIELDS, GenerationOptions
 from .state_cache import StateCache, tensor_bytes
 from .stats import Stats
+from .tool_calls import ToolCall
 from .trunk import Trunk, TrunkState
 
 if TYPE_CHECKING:
@@ -202,15 +205,53 @@ def check_content(content: Any) -> str | list:
     return list(content)
 
 
+def tool_messages(calls: list[ToolCall], results: Any) -> list[dict[str, Any]]:
+    """The `tool` messages answering `calls`: `results` maps each call's id to its result, or lists
+    them in the calls' order; a result is a str (a JSON value is sent as its JSON text)."""
+    if isinstance(results, dict):
+        unknown = next((k for k in results if k not in {c.id for c in calls}), None)
+        if unknown is not None:
+            raise TurboError(f"tool result for {unknown!r}: not a call of the last turn "
+                             f"({', '.join(c.id for c in calls)})")
+        missing = [c.id for c in calls if c.id not in results]
+        values = [results.get(c.id) for c in calls]
+    elif isinstance(results, (list, tuple)):
+        missing = [c.id for c in calls[len(results):]]
+        if len(results) > len(calls):
+            raise TurboError(f"{len(results)} tool results for the last turn's {len(calls)} calls")
+        values = list(results)
+    else:
+        raise TurboError(f"tool results of type {type(results).__name__}: expected a dict (call id -> result) "
+                         "or a list in the calls' order")
+    if missing:
+        raise TurboError(f"no tool result for {', '.join(missing)}: every call of the last turn needs one")
+    out = []
+    for c, v in zip(calls, values):
+        if not isinstance(v, str):
+            try:
+                v = json.dumps(v, ensure_ascii=False)
+            except (TypeError, ValueError):
+                raise TurboError(f"tool result for {c.id} of type {type(v).__name__}: expected a str or a JSON "
+                                 "value") from None
+        out.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": v})
+    return out
+
+
 class Session:
     """A conversation with the runtime (Runtime.session): `send`, `retry` and `edit` stream a
-    turn's round events and append the assistant's message to `history` when it completes."""
+    turn's round events and append the assistant's message to `history` when it completes. With
+    `tools`, an answer's calls are read into that message's "tool_calls" (`pending_calls` gives them
+    as objects) and `send_tool_results` answers them and streams the next turn."""
 
     keeper_kind = Keeper
 
     def __init__(self, rt: Runtime, template: ChatTemplate, system: str | None = None, tools: list | None = None,
-                 template_kwargs: dict[str, Any] | None = None, snapshots: int = DEFAULT_SNAPSHOTS):
+                 template_kwargs: dict[str, Any] | None = None, snapshots: int = DEFAULT_SNAPSHOTS,
+                 tool_choice: str = "auto"):
+        check_tool_choice(tools, tool_choice)
         self.rt, self.template, self.tools = rt, template, tools
+        self.tool_choice = tool_choice  # every turn's, unless the turn gives its own
+        self._choice = tool_choice  # the turn's
         self.template_kwargs = dict(template_kwargs or {})
         check_template_kwargs(self.template_kwargs, template)  # (a typo must not vanish into the template)
         self.keeper = self.keeper_kind(snapshots)
@@ -238,19 +279,39 @@ class Session:
         self.keeper = self.keeper_kind(self.keeper.limit)
         self.system = system
 
-    def send(self, text: str | list, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+    def send(self, text: str | list, opts: GenerationOptions | None = None, *, tool_choice: str | None = None,
+             **fields) -> Iterator[RoundEvent]:
         """A user message (a str, or content parts: text and images) and the assistant's answer."""
-        return self._attempt(self.history + [{"role": "user", "content": check_content(text)}], opts, fields)
+        return self._attempt(self.history + [{"role": "user", "content": check_content(text)}], opts, fields,
+                             tool_choice)
 
-    def retry(self, opts: GenerationOptions | None = None, **fields) -> Iterator[RoundEvent]:
+    @property
+    def pending_calls(self) -> list[ToolCall]:
+        """The last answer's tool calls, while they wait for their results (send_tool_results)."""
+        last = self.history[-1] if self.history else None
+        if last is None or last["role"] != "assistant" or not last.get("tool_calls"):
+            return []
+        return [ToolCall(c["function"]["name"], c["function"]["arguments"], c["id"]) for c in last["tool_calls"]]
+
+    def send_tool_results(self, results: dict[str, Any] | list, opts: GenerationOptions | None = None, *,
+                          tool_choice: str | None = None, **fields) -> Iterator[RoundEvent]:
+        """The results of the last answer's tool calls (a dict: call id -> result, or a list in
+        the calls' order; each a str or a JSON value) as `tool` messages, and the answer to them."""
+        calls = self.pending_calls
+        if not calls:
+            raise TurboError("no tool calls to answer: the last turn made none")
+        return self._attempt(self.history + tool_messages(calls, results), opts, fields, tool_choice)
+
+    def retry(self, opts: GenerationOptions | None = None, *, tool_choice: str | None = None,
+              **fields) -> Iterator[RoundEvent]:
         """The last assistant turn again (a sampled one draws anew, with a fresh or given seed)."""
         history = self.history[:-1] if self.history and self.history[-1]["role"] == "assistant" else self.history
-        if not history or history[-1]["role"] != "user":
-            raise TurboError("nothing to retry: the conversation does not end with a user message")
-        return self._attempt(list(history), opts, fields)
+        if not history or history[-1]["role"] not in ("user", "tool"):
+            raise TurboError("nothing to retry: the conversation does not end with a user message or tool results")
+        return self._attempt(list(history), opts, fields, tool_choice)
 
-    def edit(self, index: int, text: str | list, opts: GenerationOptions | None = None,
-             **fields) -> Iterator[RoundEvent]:
+    def edit(self, index: int, text: str | list, opts: GenerationOptions | None = None, *,
+             tool_choice: str | None = None, **fields) -> Iterator[RoundEvent]:
         """history[index] (a user message) becomes `text`; the turns after it are dropped."""
         if isinstance(index, bool) or not isinstance(index, numbers.Integral):  # (True is not history[1])
             raise TurboError(f"edit index {index!r}: expected an integer index into history")
@@ -258,10 +319,11 @@ class Session:
         if not -len(self.history) <= index < len(self.history) or self.history[index]["role"] != "user":
             raise TurboError(f"history[{index}] is not a user message of this session")
         cut = self.history[:index % len(self.history)]
-        return self._attempt(cut + [{"role": "user", "content": check_content(text)}], opts, fields)
+        return self._attempt(cut + [{"role": "user", "content": check_content(text)}], opts, fields,
+                             tool_choice)
 
     def _attempt(self, history: list[dict[str, Any]], opts: GenerationOptions | None,
-                 fields: dict[str, Any]) -> Iterator[RoundEvent]:
+                 fields: dict[str, Any], tool_choice: str | None = None) -> Iterator[RoundEvent]:
         """The turn over `history`, which becomes the session's only once everything a turn can
         refuse before its first round has passed (the options, the render, the length, the
         images): a refused turn leaves the history and the keeper exactly as they were."""
@@ -271,8 +333,10 @@ class Session:
                              f"{', '.join(GENERATION_FIELDS)}); template keywords are given to Runtime.session")
         # a shallow copy of the keeper: what a refused _turn sets (the mark, an image turn's rows) it
         # sets as new attributes, the kept states themselves are untouched until the first round
+        choice = self.tool_choice if tool_choice is None else tool_choice
+        check_tool_choice(self.tools, choice)
         before, kept = self.history, copy.copy(self.keeper)
-        self.history = history
+        self.history, self._choice = history, choice
         try:
             return self._turn(opts, fields)
         except BaseException:
@@ -280,14 +344,18 @@ class Session:
             raise
 
     def render(self, add_generation_prompt: bool = True) -> str:
-        return self.template.render(self.history, add_generation_prompt=add_generation_prompt, tools=self.tools,
-                                    **self.template_kwargs)
+        return self.template.render(template_messages(self.history), add_generation_prompt=add_generation_prompt,
+                                    tools=self.tools, **self.template_kwargs)
+
+    def turn_options(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> GenerationOptions:
+        """The turn's options: the caller's, the turn's stop tokens, the call its tool_choice forces."""
+        return call_options(turn_options(opts, fields, self.stop_ids), self.tools, self._choice, self.template)
 
     def _turn(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator[RoundEvent]:
         prompt = self.render()
         ids = encode(self.rt.tokenizer, prompt)
         self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
-        options = turn_options(opts, fields, self.stop_ids)
+        options = self.turn_options(opts, fields)
         events = self.rt.stream(ids, options, start=self.keeper)  # refuses here, before a turn starts
         return self._follow(ids, answer_opens_think(prompt, options), events)
 
@@ -297,7 +365,9 @@ class Session:
             generated += event.tokens
             if event.done:
                 self.keeper.settle(ids, generated)
-                self.history.append(assistant_message(self.rt.tokenizer, generated, self.stop_ids, opened))
+                message = assistant_message(self.rt.tokenizer, generated, self.stop_ids, opened)
+                read_calls(message, self.tools, self._choice)
+                self.history.append(message)
                 self.last_turn = self.keeper.report
                 self.last_turn.tokens, self.last_turn.stats = generated, event.stats
             yield event

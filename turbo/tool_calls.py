@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .errors import TurboError
+
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 XML_FORMAT = "<function="  # a template that writes calls this way says so in its source
 _CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
@@ -38,6 +40,36 @@ class ToolCall:
 
     def openai(self) -> dict:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
+
+
+def check_tools(tools: Any) -> None:
+    """OpenAI's tools: a list of {"type": "function", "function": {"name": NAME, "parameters": an
+    object's JSON schema}}, names unique; else a TurboError naming the tool (field "tools[i]")."""
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise TurboError(f"tools is {type(tools).__name__}, expected a list of tools", field="tools")
+    seen = set()
+    for i, t in enumerate(tools):
+        f = t.get("function") if isinstance(t, dict) else None
+        params = f.get("parameters", {}) if isinstance(f, dict) else None
+        props = params.get("properties", {}) if isinstance(params, dict) else None
+        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
+                or not isinstance(params, dict) or params.get("type", "object") != "object" \
+                or not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
+            raise TurboError(f"tools[{i}] is {_shown(t)}, expected {{\"type\": \"function\", \"function\": "
+                             "{\"name\": NAME, \"parameters\": {\"type\": \"object\", \"properties\": "
+                             "{NAME: {JSON schema}}}}}", field=f"tools[{i}]")
+        if f["name"] in seen:
+            raise TurboError(f"tools[{i}] names {f['name']!r} again: each tool's name once", field=f"tools[{i}]")
+        seen.add(f["name"])
+
+
+def _shown(value: Any) -> str:
+    try:
+        return json.dumps(value)[:200]
+    except (TypeError, ValueError):
+        return repr(value)[:200]
 
 
 def tool_functions(tools: list | None) -> dict[str, dict]:

@@ -18,7 +18,8 @@ from typing import Any, Callable
 from ..chat import END_THINK, THINK, split_reasoning
 from ..stops import held_back
 from ..logprobs import TokenLogprob
-from ..tool_calls import tool_functions
+from ..errors import TurboError
+from ..tool_calls import check_tools, tool_functions
 from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
@@ -170,12 +171,10 @@ def parse(body: dict, chat: bool) -> Body:
 def _tool_choice(choice: Any, tools: list | None) -> str:
     """OpenAI's tool_choice: "none", "auto" (the default with tools), "required", or
     {"type": "function", "function": {"name": NAME}} (NAME returned) of a tool the request offers."""
-    for i, t in enumerate(tools or []):
-        f = t.get("function") if isinstance(t, dict) else None
-        if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
-                or not isinstance(f.get("parameters", {}), dict):
-            raise ApiError(f"tools[{i}] is {json.dumps(t)[:200]}, expected {{\"type\": \"function\", \"function\": "
-                           "{\"name\": NAME, \"parameters\": {JSON schema}}}", f"tools[{i}]")
+    try:
+        check_tools(tools)
+    except TurboError as e:
+        raise ApiError(str(e), e.field) from None
     names = list(tool_functions(tools))
     if choice is None:
         return "auto" if tools else "none"

@@ -29,10 +29,14 @@ class Prepared:
     request: Request
     opened_think: bool = False  # chat: the generation prompt left a <think> open
     tools: list | None = None  # chat: the tools whose calls the answer is read for (turbo/tool_calls.py)
+    forced: bool = False  # tool_choice required or named: the response_format is the tools' call grammar
 
 
-def param_of(e: TurboError, max_tokens_param: str = "max_tokens") -> str | None:
-    """The request field a TurboError concerns (its `field`: the option's name) as the request spells it."""
+def param_of(e: TurboError, max_tokens_param: str = "max_tokens", forced: bool = False) -> str | None:
+    """The request field a TurboError concerns (its `field`: the option's name) as the request spells it
+    (`forced`: the response_format is the grammar of the tools' call, so theirs)."""
+    if forced and e.field == "response_format":
+        return "tools"
     if e.field in ("max_new_tokens", "max_tokens"):
         return max_tokens_param
     if e.field in TURBO_KEYS:
@@ -118,10 +122,10 @@ class Engine:
         try:
             options = self.defaults.but(max_new_tokens=wanted, **fields)
         except TurboError as e:
-            raise ApiError(str(e), param_of(e, body.max_tokens_param)) from None
+            raise ApiError(str(e), param_of(e, body.max_tokens_param, forced is not None)) from None
         # a response_format holds the whole answer: it is content, not reasoning (chat.answer_opens_think)
         return Prepared(Request(ids, options, body.logprobs, images or None),
-                        opened and options.response_format is None, tools)
+                        opened and options.response_format is None, tools, forced is not None)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str, after=None):
         try:
@@ -129,7 +133,7 @@ class Engine:
         except Overloaded as e:
             raise ApiError(str(e), None, 429, "requests", "rate_limit_exceeded") from None
         except TurboError as e:
-            raise ApiError(str(e), param_of(e, max_tokens_param)) from None
+            raise ApiError(str(e), param_of(e, max_tokens_param, prepared.forced)) from None
 
     def _render(self, body: Body, tools: list | None) -> str:
         if self.template is None:

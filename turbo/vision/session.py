@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from ..chat import answer_opens_think, turn_options
+from ..chat import answer_opens_think
 from ..chat_template import encode
 from ..options import GenerationOptions
 from ..session import FRESH, Keeper, Session, common_prefix
@@ -55,6 +55,6 @@ class VisionSession(Session):
         before = prepared[:ids[:mark].count(vis.ids.image)]
         self.keeper.mark = mark + sum(p.tokens(vis.config.merge) - 1 for p in before)
         self.keeper.images(tokens, mm, keyed_rows(tokens, prepared, vis.ids.image))
-        options = turn_options(opts, fields, self.stop_ids)
+        options = self.turn_options(opts, fields)
         events = self.rt.stream(tokens, options, start=self.keeper)
         return self._follow(tokens, answer_opens_think(prompt, options), events)

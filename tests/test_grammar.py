@@ -17,6 +17,7 @@ llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
 import turbo  # noqa: E402
+from turbo.drafters.ngram import NgramDrafter  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
 from turbo.grammar import GrammarState  # noqa: E402
 from test_train_example import qwen35_install  # noqa: E402,F401  (a random trunk over the real vocabulary)
@@ -28,9 +29,12 @@ FORMATS = {"json_schema": {"type": "json_schema", "json_schema": {"name": "x", "
            "json_object": {"type": "json_object"},
            "regex": {"type": "regex", "regex": r"[0-9]{2,4}-[a-z]{1,8}( [a-z]{1,8}){0,3}"},
            "grammar": {"type": "grammar", "grammar": 'start: "x = " num ("+" num)? ("+" num)?\nnum: /[0-9]{1,3}/\n'}}
+# blocks 1..8, every drafter (the install's DFlash2 and MTP head, the n-gram matcher, a caller's own
+# object), both rollbacks
 SPECULATION = [dict(policy="fixed", block=b, drafter=d, rollback=rb)
-               for b, d, rb in [(1, "dflash", "replay"), (4, "dflash", "checkpoint"), (8, "dflash", "replay"),
-                                (3, "mtp", "checkpoint"), (2, "mtp", "replay"), (8, "ngram", "checkpoint")]]
+               for b, d, rb in [(1, "dflash", "replay"), (2, "mtp", "replay"), (3, "mtp", "checkpoint"),
+                                (4, "dflash", "checkpoint"), (5, "ngram", "replay"), (6, "dflash", "replay"),
+                                (7, NgramDrafter(), "checkpoint"), (8, "ngram", "checkpoint"), (8, "mtp", "replay")]]
 PROMPT = "def fib(n):"
 
 

@@ -12,6 +12,7 @@ import math
 from collections import Counter
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -25,6 +26,7 @@ from turbo.drafters.ngram import NgramDrafter
 from turbo.testing.checks import play_round
 from turbo.repack import repack
 from turbo.options import GenerationOptions
+from turbo.grammar import GrammarState
 from turbo.penalties import PenaltyState
 from turbo.sampling import RejectionSampler, Sampler, SamplingParams, probabilities, rejection_sampler
 from test_penalties import reference_row
@@ -48,7 +50,7 @@ def fits(samples: list[tuple[int, ...]], expected: dict[tuple[int, ...], float])
     if any(expected.get(s, 0.0) <= 0.0 for s in counts):
         return False
     big = [c for c, p in expected.items() if p * n >= 5]
-    small = [c for c, p in expected.items() if p * n < 5]
+    small = [c for c, p in expected.items() if 0 < p * n < 5]  # (cells of probability 0 hold no sample)
     bins = [([c], expected[c]) for c in big] + ([(small, sum(expected[c] for c in small))] if small else [])
     stat = sum((sum(counts[c] for c in cells) - n * p) ** 2 / (n * p) for cells, p in bins)
     return stat < chi_square_critical(len(bins) - 1)
@@ -324,3 +326,91 @@ def test_the_probe_samples_and_compares_no_tokens(small, tmp_path):
     counts = ("generated_tokens", "rounds", "drafted", "accepted", "per_position_acceptance")
     assert [{k: r[k] for k in counts} for r in a["runs"]] == [{k: r[k] for k in counts} for r in b["runs"]]
     assert a["runs"][1]["drafted"] == 2 * a["runs"][1]["rounds"]
+
+
+# a constraint over the 8-token vocabulary, by position: {1, 2, 5}, then {0, 3, 5, 6}, then any but 7; 7 ends it
+ALLOWED = ({1, 2, 5}, {0, 3, 5, 6})
+CONSTRAINED = dict(response_format={"type": "regex", "regex": "(set by PositionalMatcher)"}, stop_token_ids=[7])
+
+
+class PositionalMatcher:
+    """llguidance's matcher interface (what turbo/grammar.GrammarState calls) over a language
+    given by position: ALLOWED[i] at position i, then anything but the stop token 7, which ends it.
+    (llguidance cannot read a word-level vocabulary's bytes; the masking under test is turbo's.)"""
+
+    def __init__(self):
+        self.tokens: list[int] = []
+
+    def _allowed(self, at: int) -> set[int]:
+        return ALLOWED[at] if at < len(ALLOWED) else set(range(VOCAB))
+
+    def compute_bitmask(self) -> bytes:
+        mask = np.zeros(32, dtype=bool)
+        mask[list(self._allowed(len(self.tokens)))] = True
+        return np.packbits(mask, bitorder="little").tobytes()
+
+    def validate_tokens(self, tokens: list[int]) -> int:
+        n = 0
+        while n < len(tokens) and tokens[n] in self._allowed(len(self.tokens) + n):
+            n += 1
+        return n
+
+    def consume_token(self, t: int) -> bool:
+        ok = t in self._allowed(len(self.tokens))
+        self.tokens += [t] if ok else []
+        return ok
+
+    def rollback(self, k: int) -> None:
+        del self.tokens[len(self.tokens) - k:]
+
+    def is_stopped(self) -> bool:
+        return bool(self.tokens) and self.tokens[-1] == 7
+
+    def get_error(self) -> str:
+        return ""
+
+
+def masked_target(rt) -> dict[tuple[int, ...], float]:
+    """plain_target with each position's logits masked to what the grammar allows there, before
+    temperature and top-p (as turbo/grammar.py's rows are)."""
+    params = SamplingParams(SAMPLING["temperature"], top_p=SAMPLING["top_p"])
+
+    def after(ids, allowed):
+        logits = rt.trunk.prefill(rt.trunk.new_state(), ids).logits[-1].clone()
+        logits[[t for t in range(VOCAB) if t not in allowed]] = float("-inf")
+        return probabilities(logits[None], params)[0]
+
+    first = after(PROMPT, ALLOWED[0])
+    return {(a, b): float(first[a] * pb) for a in range(VOCAB) for b, pb in enumerate(after(PROMPT + [a], ALLOWED[1]))}
+
+
+@pytest.mark.parametrize("kind", ["off", "dflash", "mtp", "ngram"])
+def test_speculative_sampling_under_a_grammar_has_the_masked_distribution(small, kind, monkeypatch):
+    """Each row masked with the grammar's state after the proposals before it, and the first
+    proposal the grammar refused judged (rejected) so its row draws from the residual: speculative
+    samples follow the masked distribution (every block of 1, 2, 4, 8 and both rollbacks pooled;
+    drawing that row from p instead fails this for dflash and mtp)."""
+    monkeypatch.setattr(small.grammars, "state", lambda fmt, stops: GrammarState(PositionalMatcher(), VOCAB))
+    drafter = {"off": None, "ngram": NgramDrafter()}.get(kind, kind)
+    samples = speculative_samples(small, drafter, 1000, **CONSTRAINED)
+    assert all(a in ALLOWED[0] and b in ALLOWED[1] for a, b in samples)
+    assert fits(samples, masked_target(small))
+    assert not fits(samples, plain_target(small))  # (the unmasked one is not it)
+
+
+def test_the_check_rejects_rows_masked_with_the_wrong_state(small, monkeypatch):
+    """Every row masked with the state before the round: samples leave the masked distribution."""
+    monkeypatch.setattr(small.grammars, "state", lambda fmt, stops: GrammarState(PositionalMatcher(), VOCAB))
+
+    def stale(self, logits, proposals):
+        return logits.float().masked_fill(~self.allowed(), float("-inf"))
+
+    monkeypatch.setattr(GrammarState, "rows", stale)
+    samples = []
+    for seed in range(400):  # (a row masked wrongly can accept a token the grammar refuses: found out too)
+        try:
+            samples.append(tuple(small.generate(PROMPT, max_new_tokens=K, seed=seed, policy="fixed", block=4,
+                                                drafter="mtp", **SAMPLING, **CONSTRAINED).tokens))
+        except (RuntimeError, IndexError):
+            samples.append((-1, -1))
+    assert not fits(samples, masked_target(small))

@@ -167,6 +167,8 @@ class Driver:
         # this round's
         self.proposals: list[int] = []
         self.q: torch.Tensor | None = None
+        # the first proposal the grammar refused and its q row [1, V], under sampling (see work)
+        self.refused: tuple[list[int], torch.Tensor] | None = None
         self.block = 0
         self.draft_s = 0.0
 
@@ -229,8 +231,15 @@ class Driver:
         self.block = self.chooser.next_block() if self.chooser is not None else job.plan.block  # adaptive: 0 = plain
         t0 = time.perf_counter()
         self.proposals, self.q = draft_block(self.draft, self.anchor, self.st.pos, self.block, job.sampler, self.vocab)
+        self.refused = None
         if self.grammar is not None:  # what the grammar forbids could never be accepted: not verified
             n = self.grammar.allowed_prefix(self.proposals)
+            if self.q is not None and n < len(self.proposals):
+                # but the acceptance rule still judges the first refused one (p = 0 there: rejected
+                # for sure), so that its row draws from the residual max(0, p - q) as the rule must;
+                # drawing from p would not keep the target distribution (a point-mass drafter's
+                # residual is p: q None needs nothing)
+                self.refused = (self.proposals[n:n + 1], self.q[n:n + 1])
             self.proposals, self.q = self.proposals[:n], self.q[:n] if self.q is not None else None
         self.draft_s = time.perf_counter() - t0
         rows = [self.anchor] + self.proposals
@@ -252,8 +261,10 @@ class Driver:
         # row i judged as plain decoding would see it: after the proposals before it
         logits = self.penalties.rows(out.logits, self.proposals) if self.penalties is not None else out.logits
         logits = self.grammar.rows(logits, self.proposals) if self.grammar is not None else logits
-        accepted, bonus, landed = judge(self.proposals, self.q, logits, job.sampler,
-                                        stops.cut if self.cut_in_round else None)
+        judged, q = self.proposals, self.q
+        if self.refused is not None:
+            judged, q = judged + self.refused[0], torch.cat([q, self.refused[1].to(q.dtype)])
+        accepted, bonus, landed = judge(judged, q, logits, job.sampler, stops.cut if self.cut_in_round else None)
         committed = self.proposals[:accepted] + [bonus]
         lps = token_logprobs(out.logits, committed, self.logprobs) if self.logprobs is not None else None
         t1 = time.perf_counter()

@@ -83,7 +83,12 @@ class Grammars:
     def _tokenizer(self, stops: tuple[int, ...]) -> Any:
         if stops not in self.tokenizers:
             llg = require("llguidance", "grammar")
-            self.tokenizers[stops] = llg.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab, eos_token=list(stops))
+            try:
+                self.tokenizers[stops] = llg.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab,
+                                                         eos_token=list(stops))
+            except ValueError as e:  # (a tokenizer whose tokens' bytes llguidance cannot tell)
+                raise TurboError(f"response_format: llguidance cannot read this install's tokenizer.json "
+                                 f"({str(e).splitlines()[0][:200]})", field="response_format") from None
         return self.tokenizers[stops]
 
     def grammar(self, fmt: ResponseFormat, stops: tuple[int, ...]) -> str:

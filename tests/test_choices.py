@@ -1,11 +1,17 @@
 """`n` > 1: a request's choices are sequences of the running batch that share its prompt's prefill
 (the followers start from the leader's prompt state in the prefix cache); choice i samples with
-seed + i and equals that request alone, streamed or not."""
+seed + i and equals that request alone, streamed or not. The same through Runtime.choices and
+task=generate's n=."""
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
+
 import pytest
 
+from turbo.errors import TurboError
 from turbo.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler
 
@@ -69,3 +75,38 @@ def test_n_past_the_limit_is_refused(tiny_server):
     openai = pytest.importorskip("openai")
     with pytest.raises(openai.BadRequestError, match="best_of"):
         tiny_server.client.completions.create(model=tiny_server.engine.model, prompt=PROMPT, max_tokens=2, best_of=3)
+
+
+def test_runtime_choices_prefill_once_and_equal_each_alone(tiny_server, monkeypatch):
+    """Runtime.choices: the prompt through the trunk once, choice i that of seed + i alone, every
+    drafter and rollback; greedy choices are one."""
+    rt = tiny_server.engine.rt
+    prefilled, prefill = [], rt.trunk.prefill
+    monkeypatch.setattr(rt.trunk, "prefill", lambda st, ids, *a, **k: prefilled.append(len(ids)) or prefill(
+        st, ids, *a, **k))
+    for spec in (dict(policy="off"), dict(policy="fixed", block=3, drafter="dflash", rollback="replay"),
+                 dict(policy="fixed", block=5, drafter="mtp", rollback="checkpoint")):
+        prefilled.clear()
+        got = rt.choices(PROMPT, 4, max_new_tokens=16, temperature=0.9, seed=7, **spec)
+        assert len(prefilled) == 1  # one prefill for the four
+        alone = [rt.generate(PROMPT, max_new_tokens=16, temperature=0.9, seed=7 + i, **spec) for i in range(4)]
+        assert [c.tokens for c in got] == [a.tokens for a in alone] and len({tuple(a.tokens) for a in alone}) > 1
+    greedy = rt.choices(PROMPT, 3, max_new_tokens=12, policy="fixed", block=4)
+    assert all(c.tokens == rt.generate(PROMPT, max_new_tokens=12).tokens for c in greedy)
+
+
+@pytest.mark.parametrize("n", [0, 17, True, "2", 2.0])
+def test_n_out_of_range_is_refused_naming_it(tiny_server, n):
+    with pytest.raises(TurboError) as e:
+        tiny_server.engine.rt.choices(PROMPT, n, max_new_tokens=4)
+    assert e.value.field == "n"
+
+
+def test_the_command_line_writes_n_choices(tmp_path):
+    cmd = [sys.executable, "-m", "turbo", "threads=1", "max_new_tokens=6", "temperature=0.8", "seed=3"]
+    run = subprocess.run(cmd + ["n=3"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert re.findall(r"^\[choice (\d)\]$", run.stdout, re.M) == ["0", "1", "2"]
+    assert re.findall(r"^\[choice \d\] \[stats\].* seed (\d+)", run.stderr, re.M) == ["3", "4", "5"]
+    bad = subprocess.run(cmd + ["n=17"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert bad.returncode == 2 and bad.stdout == "" and bad.stderr.count("\n") == 1 and "n is 17" in bad.stderr

@@ -1,6 +1,6 @@
 """python -m turbo [Hydra overrides]: task=generate streams the continuation (standard output)
-and a stats line (standard error);
-task=chat reads a conversation from standard input (turbo.chat_cli); task=serve is the
+and a stats line (standard error); with n=K (2..16) it writes K choices of the prompt, each under
+a `[choice i]` line; task=chat reads a conversation from standard input (turbo.chat_cli); task=serve is the
 OpenAI-compatible server (turbo.serve.main); task=probe measures
 acceptance per block (turbo.probe). --help is turbo's page (conf/hydra/help/turbo.yaml),
 --hydra-help Hydra's.
@@ -81,6 +81,12 @@ def run(cfg: DictConfig) -> int:
     if rc.task == "chat":
         from .chat_cli import run_chat_cli  # (as the engine above)
         return run_chat_cli(rc, rt)
+    if rc.n > 1:  # n= choices, one prefill: each under a `[choice i]` line, its stats line on stderr
+        for i, r in enumerate(rt.choices(rc.prompt, rc.n, rc.generation, images=list(rc.images) or None)):
+            sys.stdout.write(f"[choice {i}]\n{r.text}\n")
+            sys.stdout.flush()
+            print(f"[choice {i}] {r.stats.line()}", file=sys.stderr, flush=True)
+        return 0
     events = rt.stream(rc.prompt, rc.generation, images=list(rc.images) or None)  # (turbo/vision)
     if rt.backend.note and rc.opening.verbose:  # once the request is known valid: a refusal stays one line
         print(rt.backend.note, file=sys.stderr)

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
-from .options import GenerationOptions, OpenOptions
+from .options import GenerationOptions, OpenOptions, check_n
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,7 @@ class RunConfig:
     task: str
     chat: ChatConfig = ChatConfig()
     images: tuple[str, ...] = ()  # task=generate's image= files (turbo/vision), in order
+    n: int = 1  # task=generate's choices (Runtime.choices)
 
 
 
@@ -170,10 +171,11 @@ def run_config(cfg: DictConfig, stdin: BinaryIO | None = None) -> RunConfig:
         max_new_tokens=max_new if max_new is not None else workload.max_new_tokens, policy=str(name),
         ngram=_ngram(cfg), **_given(cfg, GENERATION_KEYS))
     chat, images = _chat(cfg), _images(cfg, str(task))
+    n = check_n(cfg.get("n", 1))
     return RunConfig(install=str(install), opening=opening, generation=generation,
                      prompt=_prompt(cfg, prompts, stdin),  # last: every other refusal comes before stdin is read
                      workload=str(workload.get("name", "")), prompts=prompts, task=str(task), chat=chat,
-                     images=images)
+                     images=images, n=n)
 
 
 def known_keys(conf_dir: str) -> set[str]:

@@ -32,10 +32,10 @@ from .grammar import Grammars
 from .install import Install, bundled_names, open_install
 from .install_check import check_install
 from .loader import load_drafter, load_trunk
-from .options import GenerationOptions, OpenOptions, integer
+from .options import GenerationOptions, OpenOptions, check_n, integer
 from .policy import DraftPolicy, Plan, decide
 from .sampling import rejection_sampler
-from .session import DEFAULT_SNAPSHOTS, FRESH, Session
+from .session import DEFAULT_SNAPSHOTS, FRESH, Keeper, Session
 from .stats import Stats
 from .stops import Finish, stop_token_set
 from .trunk import KV_CHUNK
@@ -155,6 +155,31 @@ class Runtime:
                 flags += event.from_draft
                 text.append(event.text)
         return GenerateResult(tokens, "".join(text), event.stats, flags, event.finish)
+
+    def choices(self, prompt: Prompt, n: int, opts: GenerationOptions | None = None, *,
+                images: list | None = None, **fields) -> list[GenerateResult]:
+        """n generations of one prompt (OpenAI's `n`): the prompt prefilled once, each choice
+        going on from a snapshot of that state (a session's Keeper, marked at the prompt's end);
+        choice i samples with seed + i where a seed is given (greedy choices are all one).
+        Each choice's tokens are those `generate` gives it alone."""
+        n = check_n(n)
+        o = self.prepare(prompt, opts, **fields).options  # refused here, before any choice runs
+        seeds = [None if o.seed is None else (o.seed + i) % 2**64 for i in range(n)]
+        if images is not None:  # (an image prompt's rows are expanded per generation: each its own prefill)
+            return [self.generate(prompt, o.but(seed=seed), images=images) for seed in seeds]
+        ids = self.encode(prompt)
+        shared = Keeper(1)
+        shared.mark = len(ids) - 1  # the snapshot: the prompt's state, its last token the first anchor
+        out = []
+        for seed in seeds:
+            tokens, flags, text, event = [], [], [], None
+            with self._serial:
+                for event in self.stream(ids, o.but(seed=seed), start=shared):
+                    tokens += event.tokens
+                    flags += event.from_draft
+                    text.append(event.text)
+            out.append(GenerateResult(tokens, "".join(text), event.stats, flags, event.finish))
+        return out
 
     def chat(self, messages: list, opts: GenerationOptions | None = None, *, tools: list | None = None,
              tool_choice: str = "auto", documents: list | None = None, template: str | ChatTemplate | None = None,

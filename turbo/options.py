@@ -178,6 +178,17 @@ def policy_from_env(drafter: str) -> tuple[str, int | None]:
     return ("off", None) if n == 0 else ("fixed", n)
 
 
+MAX_N = 16  # choices one request may ask for (n): Runtime.choices, task=generate's n=, the server's n
+
+
+def check_n(n: object) -> int:
+    """n, the number of choices: an integer 1..MAX_N, else a TurboError naming n."""
+    k = integer(n)
+    if k is None or not 1 <= k <= MAX_N:
+        raise TurboError(f"n is {n!r}, expected an integer from 1 to {MAX_N} (the choices of one request)", field="n")
+    return k
+
+
 def integer(value: object) -> int | None:
     """`value` as an int when it is a Python or numpy integer, else None. bool is an int subclass
     in Python, and True as a block or a token id is a mistake rather than a 1: None too."""

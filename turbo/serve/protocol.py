@@ -19,6 +19,7 @@ from ..chat import END_THINK, THINK, split_reasoning
 from ..stops import held_back
 from ..logprobs import TokenLogprob
 from ..errors import TurboError
+from ..options import MAX_N  # (choices: each a sequence of the running batch)
 from ..tool_calls import check_tools, tool_functions
 from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
 
@@ -29,7 +30,6 @@ CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a resp
 SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
 # request fields turbo does not implement: refused unless they hold the value that means "off"
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None}
-MAX_N = 16  # choices a request may ask for (n): each is a sequence of the running batch
 # penalties (turbo/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 

@@ -87,7 +87,7 @@ def test_rows_masked_with_the_wrong_state_break_the_equality(tiny, monkeypatch):
     def tokens(spec):
         try:
             return tiny.generate(PROMPT, max_new_tokens=48, response_format=fmt, **spec).tokens
-        except RuntimeError:  # (the grammar refused a committed token: found out too)
+        except TurboError:  # (the grammar refused a committed token: found out too)
             return None
 
     monkeypatch.setattr(GrammarState, "rows", stale)
@@ -112,11 +112,30 @@ def test_sampled_answers_hold_and_repeat_by_seed(tiny):
     ({"type": "grammar", "grammar": "start: missing_rule\n"}, "response_format (grammar)"),
     ({"type": "yaml"}, "response_format is"),
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema.schema"),
+    ({"type": "json_schema", "json_schema": {"schema": {"type": "integer", "minimum": 5, "maximum": 3}}},
+     "Unsatisfiable schema"),
+    ({"type": "regex", "regex": r"a[^\s\S]b"}, "no output satisfies it"),
 ])
 def test_bad_constraints_are_refused_naming_the_field(tiny, fmt, says):
     with pytest.raises(TurboError) as e:
         tiny.generate(PROMPT, max_new_tokens=4, response_format=fmt)
     assert says in str(e.value) and e.value.field == "response_format" and "\n" not in str(e.value)
+
+
+def test_a_grammar_whose_strings_never_end_stops_in_one_line(tiny, tiny_server):
+    """`a: "x" a` has no finite string: its parser gives up mid-generation. Python: a TurboError
+    naming response_format; the server: a 400 for that request, the next served."""
+    endless = {"type": "grammar", "grammar": 'start: a\na: "x" a\n'}
+    with pytest.raises(TurboError) as e:
+        tiny.generate(PROMPT, max_new_tokens=64, response_format=endless)
+    assert e.value.field == "response_format" and "\n" not in str(e.value)
+    engine, http = tiny_server.engine, tiny_server.http
+    resp = http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 64,
+                                              "response_format": endless})
+    assert resp.status_code in (200, 400), resp.text  # (a 200 stream's error event, or a 400 before any token)
+    if resp.status_code == 400:
+        assert resp.json()["error"]["param"] == "response_format"
+    assert http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 4}).status_code == 200
 
 
 def test_a_constraint_without_a_stop_token_is_refused(tiny):

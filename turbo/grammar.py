@@ -122,10 +122,16 @@ class Grammars:
                              "(keep stop_at_eos, or give stop_token_ids)", field="response_format")
         llg = require("llguidance", "grammar")
         matcher = llg.LLMatcher(self._tokenizer(stops), self.grammar(fmt, stops), log_level=0)
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # (a language with no string in it is found at its first mask)
         if matcher.is_error():
-            raise TurboError(f"response_format ({fmt.kind}): {matcher.get_error().splitlines()[0][:300]}",
-                             field="response_format")
+            raise TurboError(f"response_format ({fmt.kind}): no output satisfies it "
+                             f"({first_line(matcher.get_error())})", field="response_format")
         return GrammarState(matcher, self.vocab)
+
+
+def first_line(error: str) -> str:
+    return (error.splitlines() or [""])[0][:300]
 
 
 class GrammarState:
@@ -140,8 +146,17 @@ class GrammarState:
 
     def allowed(self) -> torch.Tensor:
         """The next token's mask [vocab] (True: allowed)."""
-        bits = np.unpackbits(np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
+        mask = self.matcher.compute_bitmask()
+        if self.matcher.is_error():
+            raise self.failed("its parser stopped")
+        bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
         return torch.from_numpy(bits[:self.vocab].astype(bool))
+
+    def failed(self, what: str) -> TurboError:
+        """The generation ends: the grammar could not go on (a parser limit, a language whose
+        strings never end); one line naming response_format."""
+        return TurboError(f"response_format: {what} ({first_line(self.matcher.get_error())})",
+                          field="response_format")
 
     def rows(self, logits: torch.Tensor, proposals: list[int]) -> torch.Tensor:
         """The masked logits of a round's rows (every proposal allowed: `allowed_prefix` cut them),
@@ -152,7 +167,7 @@ class GrammarState:
             out[i].masked_fill_(~self.allowed().to(out.device), float("-inf"))
             if i < len(proposals) and i < out.shape[0] - 1:
                 if not self.matcher.consume_token(proposals[i]):
-                    raise RuntimeError(f"the grammar refused proposal {i} after letting it through")
+                    raise self.failed(f"the grammar refused proposal {i} after letting it through")
                 consumed += 1
         if consumed:
             self.matcher.rollback(consumed)
@@ -163,4 +178,4 @@ class GrammarState:
             if self.matcher.is_stopped():
                 return  # (the stop token that ends the output)
             if not self.matcher.consume_token(t):
-                raise RuntimeError(f"the grammar refused committed token {t}: {self.matcher.get_error()}")
+                raise self.failed(f"the grammar refused output token {t}")

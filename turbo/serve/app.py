@@ -27,7 +27,7 @@ from . import protocol as P
 from .limits import MIB, read_body
 from .metrics import CONTENT_TYPE, Timing
 from .scheduler import Delta
-from .worker import Engine
+from .worker import Engine, param_of
 
 DISCONNECT_POLL_S = 1.0  # a non-streaming answer looks this often whether its client is still there
 
@@ -171,6 +171,8 @@ async def deltas(engine: Engine, call: Call, request: HttpRequest | None = None)
                     continue
             if isinstance(item, Exception):
                 call.done = True
+                if isinstance(item, TurboError) and item.field is not None:  # the request's (a grammar's parser
+                    raise P.ApiError(str(item), param_of(item))               # gave up): a 400 naming the field
                 raise P.ApiError(str(item), None, 500, "server_error")
             call.timing.tokens_out(len(item.tokens))
             if item.finish is not None:

@@ -105,7 +105,7 @@ class Keeper:
             raise TurboError(f"snapshots {limit!r}: expected a non-negative integer")
         self.limit = limit
         self.st: TrunkState | None = None
-        self.kept = StateCache(math.inf, max_entries=limit)  # each entry's tokens begin the state's
+        self.kept = self.emptied()  # each entry's tokens begin the state's
         self.mark = 0  # where this turn's snapshot goes: the start of its generation prompt
         self.fresh: Start = FRESH  # how a turn that cannot go on from a kept state prefills
         self.report = TurnReport(0, 0, 0, "fresh", 0, 0)
@@ -116,7 +116,7 @@ class Keeper:
         # every turn afresh where a state prefilled in pieces would not be the one prefill gives (the
         # torch step), or where the drafter cannot snapshot its context (a caller's object)
         if not trunk.stepper.prefill_rows_are_steps or (draft is not None and not keeps_context(draft)):
-            self.kept, self._draft = StateCache(math.inf, max_entries=self.limit), None
+            self.kept, self._draft = self.emptied(), None
             self.st = self.fresh.prime(trunk, draft, ids, capacity)
             self.report = TurnReport(len(ids), 0, len(ids) - 1, "fresh", 0, 0)
             return self.st
@@ -125,7 +125,7 @@ class Keeper:
         self._draft, self._end_draft = draft, None
         if base is None:
             st = self.st = trunk.new_state(capacity)
-            self.kept, p, how = StateCache(math.inf, max_entries=self.limit), 0, "fresh"
+            self.kept, p, how = self.emptied(), 0, "fresh"
             if draft is not None:
                 call(draft, "begin", draft.begin, None, ids[:1])
         else:
@@ -148,6 +148,10 @@ class Keeper:
         held = base.pos if base is not None else 0
         self.report = TurnReport(len(ids), held, len(ids) - 1 - held, how, len(self.kept), self.kept.nbytes)
         return st
+
+    def emptied(self) -> StateCache:
+        """No kept state: the live one and `limit` snapshots, bounded in entries, not bytes."""
+        return StateCache(math.inf, max_entries=self.limit)
 
     def keyed(self, ids: list[int]) -> list:
         """What a kept state is matched by: the ids (a session with images tags their rows with

@@ -13,7 +13,6 @@ length cut back; the GDN and conv states and the drafter's context come from the
 from __future__ import annotations
 
 import copy
-import json
 import math
 import numbers
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from .errors import TurboError
 from .options import GENERATION_FIELDS, GenerationOptions
 from .state_cache import StateCache, tensor_bytes
 from .stats import Stats
-from .tool_calls import ToolCall
+from .tool_calls import ToolCall, tool_messages
 from .trunk import Trunk, TrunkState
 
 if TYPE_CHECKING:
@@ -207,38 +206,6 @@ def check_content(content: Any) -> str | list:
                              "str}, {\"type\": \"image\", \"image\": PATH}, or {\"type\": \"image_url\", "
                              "\"image_url\": {\"url\": str}}")
     return list(content)
-
-
-def tool_messages(calls: list[ToolCall], results: Any) -> list[dict[str, Any]]:
-    """The `tool` messages answering `calls`: `results` maps each call's id to its result, or lists
-    them in the calls' order; a result is a str (a JSON value is sent as its JSON text)."""
-    if isinstance(results, dict):
-        unknown = next((k for k in results if k not in {c.id for c in calls}), None)
-        if unknown is not None:
-            raise TurboError(f"tool result for {unknown!r}: not a call of the last turn "
-                             f"({', '.join(c.id for c in calls)})")
-        missing = [c.id for c in calls if c.id not in results]
-        values = [results.get(c.id) for c in calls]
-    elif isinstance(results, (list, tuple)):
-        missing = [c.id for c in calls[len(results):]]
-        if len(results) > len(calls):
-            raise TurboError(f"{len(results)} tool results for the last turn's {len(calls)} calls")
-        values = list(results)
-    else:
-        raise TurboError(f"tool results of type {type(results).__name__}: expected a dict (call id -> result) "
-                         "or a list in the calls' order")
-    if missing:
-        raise TurboError(f"no tool result for {', '.join(missing)}: every call of the last turn needs one")
-    out = []
-    for c, v in zip(calls, values):
-        if not isinstance(v, str):
-            try:
-                v = json.dumps(v, ensure_ascii=False)
-            except (TypeError, ValueError):
-                raise TurboError(f"tool result for {c.id} of type {type(v).__name__}: expected a str or a JSON "
-                                 "value") from None
-        out.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": v})
-    return out
 
 
 class Session:

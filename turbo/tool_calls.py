@@ -147,6 +147,38 @@ def _typed(value: str, schema: Any) -> Any:
         return value
 
 
+def tool_messages(calls: list[ToolCall], results: Any) -> list[dict[str, Any]]:
+    """The `tool` messages answering `calls`: `results` maps each call's id to its result, or lists
+    them in the calls' order; a result is a str (a JSON value is sent as its JSON text)."""
+    if isinstance(results, dict):
+        unknown = next((k for k in results if k not in {c.id for c in calls}), None)
+        if unknown is not None:
+            raise TurboError(f"tool result for {unknown!r}: not a call of the last turn "
+                             f"({', '.join(c.id for c in calls)})")
+        missing = [c.id for c in calls if c.id not in results]
+        values = [results.get(c.id) for c in calls]
+    elif isinstance(results, (list, tuple)):
+        missing = [c.id for c in calls[len(results):]]
+        if len(results) > len(calls):
+            raise TurboError(f"{len(results)} tool results for the last turn's {len(calls)} calls")
+        values = list(results)
+    else:
+        raise TurboError(f"tool results of type {type(results).__name__}: expected a dict (call id -> result) "
+                         "or a list in the calls' order")
+    if missing:
+        raise TurboError(f"no tool result for {', '.join(missing)}: every call of the last turn needs one")
+    out = []
+    for c, v in zip(calls, values):
+        if not isinstance(v, str):
+            try:
+                v = json.dumps(v, ensure_ascii=False)
+            except (TypeError, ValueError):
+                raise TurboError(f"tool result for {c.id} of type {type(v).__name__}: expected a str or a JSON "
+                                 "value") from None
+        out.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": v})
+    return out
+
+
 def held_back(text: str) -> int:
     """How many characters at the end of streamed content may still begin a `<tool_call>`."""
     for k in range(min(len(OPEN) - 1, len(text)), 0, -1):

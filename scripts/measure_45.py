@@ -9,8 +9,8 @@ output directory; scripts/report_45.py turns that directory into the tables.
 
 Each step is one of the bench scripts (docs/llamacpp.md, "Re-measuring against llama.cpp"), its
 stdout (the tables) in DIR/NAME.log and stderr (progress) in DIR/NAME.err, its JSON output (where the script writes one) in DIR, and
-DIR/NAME.json: the command, start and end (UTC), seconds, exit status, commit and the load
-average before it. A step whose NAME.json says exit 0 is skipped (resumable); a failed or
+DIR/NAME.meta.json: the command, start and end (UTC), seconds, exit status, commit and the load
+average before it. A step whose NAME.meta.json says exit 0 is skipped (resumable); a failed or
 interrupted one is rerun from scratch. A step whose estimate (minutes, from a quiet machine)
 does not fit the budget left is skipped and said so; the next, shorter ones may still run.
 Before the first step the quiet-machine guard's check (scripts/benchlib.py --quiet-check) must
@@ -48,21 +48,21 @@ STEPS = [
                               "llama.cpp q4_0", "--out", "{dir}/scale4096.jsonl"],
      SCALE + ["--prompts", "64", "--new", "4", "--reps", "1", "--only", "turbo", "turbo int8", "turbo int4",
               "llama.cpp", "llama.cpp q8_0", "llama.cpp q4_0", "--out", "{dir}/scale4096.jsonl"]),
-    ("serve_bf16", 8, ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "4", "8",
-                       "--reps", "3", "--requests", "16", "--max-tokens", "32", "--configs", "plain", "--llamacpp",
+    ("serve_bf16", 12, ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "4", "8",
+                        "--reps", "2", "--requests", "16", "--max-tokens", "32", "--configs", "plain", "--llamacpp",
                        "--out", "{dir}/serve_bf16.json"],
      ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "2", "--reps", "1",
       "--requests", "2", "--max-tokens", "4", "--configs", "plain", "--llamacpp", "--out", "{dir}/serve_bf16.json"]),
-    ("llamabench_bf16", 7, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "bf16", "--reps", "3",
+    ("llamabench_bf16", 9, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "bf16", "--reps", "2",
                             "--out", "{dir}/llamabench_bf16.json"],
      ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "bf16", "--prompts", "32", "--new", "8", "--depths", "32",
       "--reps", "1", "--out", "{dir}/llamabench_bf16.json"]),
-    ("llamabench_q4_0", 6, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q4_0", "--reps", "3",
+    ("llamabench_q4_0", 8, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q4_0", "--reps", "2",
                             "--out", "{dir}/llamabench_q4_0.json"],
      ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q4_0", "--prompts", "32", "--new", "8", "--depths", "32",
       "--reps", "1", "--out", "{dir}/llamabench_q4_0.json"]),
     # the README's row: block 8 against plain decode (blocks 1 / 2 / 4 and the verify rows cut)
-    ("round", 3, ["bench_round.py", "--shape", SHAPE, "--format", "bf16", "int4", "--threads", "2", "--reps", "3",
+    ("round", 2, ["bench_round.py", "--shape", SHAPE, "--format", "bf16", "int4", "--threads", "2", "--reps", "3",
                   "--blocks", "4", "8", "--rows", "9"],
      ["bench_round.py", "--shape", SHAPE, "--format", "bf16", "int4", "--threads", "2", "--reps", "1",
       "--blocks", "8", "--rows", "9", "--new", "16", "--calls", "1"]),
@@ -70,25 +70,25 @@ STEPS = [
      ["bench_open.py", "--shape", SHAPE, "--quant", "int4", "--gguf", "q4_0", "--reps", "1", "--warm", "0"]),
     ("open_bf16", 1, ["bench_open.py", "--shape", SHAPE, "--gguf", "bf16", "--reps", "3"],
      ["bench_open.py", "--shape", SHAPE, "--gguf", "bf16", "--reps", "1", "--warm", "0"]),
-    ("moe", 5, ["bench_scale.py", MOE, "--quant", "none", "int4", "--gguf", "bf16", "q4_0", "--prompts", "32",
+    ("context", 2, ["bench_scale.py", SHAPE, "--context", "--threads", "2", "--new", "40", "--prompts", "512", "4096"],
+     ["bench_scale.py", SHAPE, "--context", "--threads", "2", "--new", "4", "--prompts", "32", "64"]),
+    ("moe", 3, ["bench_scale.py", MOE, "--quant", "none", "int4", "--gguf", "bf16", "q4_0", "--prompts", "32",
                 "--new", "32", "--reps", "3", "--only", "turbo", "turbo int4", "llama.cpp", "llama.cpp q4_0",
                 "--out", "{dir}/moe.jsonl"],
      ["bench_scale.py", MOE, "--quant", "none", "int4", "--gguf", "bf16", "q4_0", "--prompts", "16", "--new", "4",
       "--reps", "1", "--only", "turbo", "turbo int4", "llama.cpp", "llama.cpp q4_0", "--out", "{dir}/moe.jsonl"]),
     # beside one controlled co-tenant; its undisturbed counterpart is scale512's (same settings)
-    ("cotenant", 3, ["bench_scale.py", SHAPE, "--prompts", "512", "--new", "32", "--reps", "3", "--only", "turbo",
+    ("cotenant", 3, ["bench_scale.py", SHAPE, "--prompts", "512", "--new", "32", "--reps", "2", "--only", "turbo",
                      "llama.cpp", "--cotenants", "1", "--out", "{dir}/cotenant.jsonl"],
      ["bench_scale.py", SHAPE, "--prompts", "32", "--new", "4", "--reps", "1", "--only", "turbo", "llama.cpp",
       "--cotenants", "1", "--out", "{dir}/cotenant.jsonl"]),
-    ("context", 2, ["bench_scale.py", SHAPE, "--context", "--threads", "2", "--new", "40", "--prompts", "512", "4096"],
-     ["bench_scale.py", SHAPE, "--context", "--threads", "2", "--new", "4", "--prompts", "32", "64"]),
     # if time is left: the rest of the table
-    ("llamabench_q8_0", 6, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q8_0", "--reps", "3",
+    ("llamabench_q8_0", 8, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q8_0", "--reps", "2",
                             "--out", "{dir}/llamabench_q8_0.json"],
      ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q8_0", "--prompts", "32", "--new", "8", "--depths", "32",
       "--reps", "1", "--out", "{dir}/llamabench_q8_0.json"]),
-    ("serve_int4", 8, ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "4", "8",
-                       "--reps", "3", "--requests", "16", "--max-tokens", "32", "--configs", "plain", "--llamacpp",
+    ("serve_int4", 10, ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "4", "8",
+                        "--reps", "2", "--requests", "16", "--max-tokens", "32", "--configs", "plain", "--llamacpp",
                        "--quant", "int4", "--gguf", "q4_0", "--out", "{dir}/serve_int4.json"],
      ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "2", "--reps", "1",
       "--requests", "2", "--max-tokens", "4", "--configs", "plain", "--llamacpp", "--quant", "int4", "--gguf",
@@ -152,7 +152,7 @@ def main() -> None:
     for name, est, full, dry in STEPS:
         if args.only and name not in args.only:
             continue
-        meta_path = args.dir / f"{name}.json"
+        meta_path = args.dir / f"{name}.meta.json"
         if meta_path.is_file() and json.loads(meta_path.read_text()).get("rc") == 0:
             print(f"{name}: done before, skipped", flush=True)
             continue

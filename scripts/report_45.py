@@ -31,7 +31,7 @@ NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 def meta(step: str) -> dict | None:
     """The step's record if it ran to exit 0."""
-    p = DIR / f"{step}.json"
+    p = DIR / f"{step}.meta.json"
     m = json.loads(p.read_text()) if p.is_file() else None
     return m if m and m.get("rc") == 0 else None
 
@@ -139,7 +139,8 @@ def rows() -> list[dict]:
         row("scale512", "load s, bf16 / int8 / int4 (a fresh process)", slash(loads(t), "{:.2f}"),
             f"llama.cpp bf16 / Q8_0 / Q4_0 {slash(loads(ll), '{:.2f}')}",
             " / ".join(ratio(b, a) for a, b in zip(loads(t), loads(ll))) + " (llama.cpp's / turbo's)", reps, load)
-        row("scale512", "peak RSS GB, prompt 512, bf16 / int8 / int4", slash(peaks(t), "{:.2f}"),
+        n512 = min(int(k) for r in s512 for k in r if k.isdigit())
+        row("scale512", f"peak RSS GB, whole process (prompt {n512}), bf16 / int8 / int4", slash(peaks(t), "{:.2f}"),
             f"llama.cpp bf16 / Q8_0 / Q4_0 {slash(peaks(ll), '{:.2f}')}",
             " / ".join(ratio(b, a) for a, b in zip(peaks(t), peaks(ll))) + " (llama.cpp's / turbo's)", reps, load)
 
@@ -262,8 +263,7 @@ def machine() -> str:
 def main() -> None:
     if DIR is None or not DIR.is_dir():
         raise SystemExit("usage: python scripts/report_45.py DIR (scripts/measure_45.py's output)")
-    metas = {p.stem: json.loads(p.read_text()) for p in sorted(DIR.glob("*.json"))
-             if "cmd" in p.read_text()[:4000]}
+    metas = {p.name.removesuffix(".meta.json"): json.loads(p.read_text()) for p in DIR.glob("*.meta.json")}
     metas = dict(sorted(metas.items(), key=lambda kv: kv[1]["start"]))
     if any(m.get("dry") for m in metas.values()):
         print("**DRY RUN (smallest settings, guard off): the figures below mean nothing.**\n")

@@ -178,7 +178,9 @@ def rows() -> list[dict]:
         what = (f"serving {fmt}, 0.8B shape, 2 threads, {a['requests']} requests x {a['max_tokens']} tokens: "
                 f"aggregate tok/s at {clients} clients")
         t, ll = [fig(True, c, "tokens_per_s") for c in cs], [fig(False, c, "tokens_per_s") for c in cs]
-        row(step, what, slash(t), f"llama-server --parallel {clients} ({a['gguf']}) {slash(ll)}",
+        scaling = lambda xs: (" (" + " / ".join(ratio(x, xs[0]) for x in xs[1:]) + " one client's)"  # noqa: E731
+                              if len(xs) > 1 else "")
+        row(step, what, slash(t) + scaling(t), f"llama-server --parallel {clients} ({a['gguf']}) {slash(ll)}{scaling(ll)}",
             " / ".join(ratio(x, y) for x, y in zip(t, ll)), reps, load)
         lat = lambda own: "; ".join(  # noqa: E731
             f"{c}: {f(fig(own, c, 'ttft_p50_ms'), '{:.0f}')} / {f(fig(own, c, 'ttft_p99_ms'), '{:.0f}')}, "
@@ -223,10 +225,10 @@ def rows() -> list[dict]:
         figs = list(dict.fromkeys(fig for fig, _ in seen))
         b = [seen.get((fig, "binding")) for fig in figs]
         lb = [seen.get((fig, "llama-bench")) for fig in figs]
-        reps, load = guard_of(data["llama_bench"])
+        reps, load = guard_of_log(log(step))  # (every llama-bench run and binding worker)
         row(step, f"llama.cpp {kind}: the Python binding (turbo column) beside llama-bench, {' / '.join(figs)} tok/s",
             slash(b), f"llama-bench {slash(lb)}", " / ".join(ratio(x, y) for x, y in zip(b, lb))
-            + " (binding / llama-bench)", reps + " (llama-bench runs)", load)
+            + " (binding / llama-bench)", reps, load)
 
     if (co := jsonl("cotenant")) and s512:
         n = min(int(k) for r in co for k in r if k.isdigit())

@@ -132,9 +132,9 @@ def main() -> None:
             args.out.write_text(json.dumps({
                 "args": vars(args) | {"out": str(args.out)},
                 "runs": [{"name": name, "clients": c, "reps": fs,
-                          "checked": dict(zip(("mismatches", "requests"), checked.get((name, c), checked[(name, widest)])),
-                                          at=c if (name, c) in checked else widest)}
-                         for (name, c), fs in figures.items()]}, indent=1) + "\n")
+                          "checked": dict(zip(("mismatches", "requests"), checked[(name, at)]), at=at)}
+                         for (name, c), fs in figures.items()
+                         for at in [c if (name, c) in checked else widest]]}, indent=1) + "\n")
         print(f"shape {args.shape}, {args.threads} threads, {args.requests} requests x {args.max_tokens} tokens "
               f"(ignore_eos), medians of the undisturbed of {args.reps} interleaved repetitions (min..max)")
         print(benchlib.guard_summary(every))

@@ -7,10 +7,10 @@ output directory; scripts/report_45.py turns that directory into the tables.
     python scripts/measure_45.py /tmp/m45-dry --dry              # every step with the smallest settings, guard off
     python scripts/report_45.py /tmp/m45
 
-Each step is one of the bench scripts (docs/llamacpp.md, "Re-measuring against llama.cpp"), its
-stdout (the tables) in DIR/NAME.log and stderr (progress) in DIR/NAME.err, its JSON output (where the script writes one) in DIR, and
-DIR/NAME.meta.json: the command, start and end (UTC), seconds, exit status, commit and the load
-average before it. A step whose NAME.meta.json says exit 0 is skipped (resumable); a failed or
+Each step is one of the bench scripts (docs/llamacpp.md, "Re-measuring against llama.cpp"): its
+stdout (the tables) in DIR/NAME.log, its stderr (progress) in DIR/NAME.err, its JSON output (where
+the script writes one) in DIR, and DIR/NAME.meta.json: the command, start and end (UTC), seconds,
+exit status, commit and the load average before and after it. A step whose NAME.meta.json says exit 0 is skipped (resumable); a failed or
 interrupted one is rerun from scratch. A step whose estimate (minutes, from a quiet machine)
 does not fit the budget left is skipped and said so; the next, shorter ones may still run.
 Before the first step the quiet-machine guard's check (scripts/benchlib.py --quiet-check) must

@@ -148,8 +148,8 @@ def rows() -> list[dict]:
         m = re.findall(r"kv_cache (\S+): decode at (\d+) / at (\d+) = ([\d.]+)", text)
         cells = "; ".join(f"kv {kv} {r}" for kv, _, _, r in m)
         if m:
-            row("context", f"decode at context {m[0][1]} / at {m[0][2]}, same shape, bf16", cells, "", "",
-                *guard_of_log(text))
+            row("context", f"decode at context {m[0][1]} / at {m[0][2]}, same shape, per K/V cache dtype", cells,
+                "", "", *guard_of_log(text))
 
     if text := log("round"):
         recs = table_rows(text, "tok/s at acceptance")
@@ -180,7 +180,8 @@ def rows() -> list[dict]:
         t, ll = [fig(True, c, "tokens_per_s") for c in cs], [fig(False, c, "tokens_per_s") for c in cs]
         scaling = lambda xs: (" (" + " / ".join(ratio(x, xs[0]) for x in xs[1:]) + " one client's)"  # noqa: E731
                               if len(xs) > 1 else "")
-        row(step, what, slash(t) + scaling(t), f"llama-server --parallel {clients} ({a['gguf']}) {slash(ll)}{scaling(ll)}",
+        row(step, what, slash(t) + scaling(t),
+            f"llama-server --parallel {clients} ({a['gguf']}) {slash(ll)}{scaling(ll)}",
             " / ".join(ratio(x, y) for x, y in zip(t, ll)), reps, load)
         lat = lambda own: "; ".join(  # noqa: E731
             f"{c}: {f(fig(own, c, 'ttft_p50_ms'), '{:.0f}')} / {f(fig(own, c, 'ttft_p99_ms'), '{:.0f}')}, "
@@ -214,6 +215,11 @@ def rows() -> list[dict]:
             ll = [median(moe, s, n, key) for s in ("llama.cpp", "llama.cpp q4_0")]
             row("moe", f"MoE shape (Qwen3.5-35B-A3B, 2 layers), bf16 / int4, {what}", slash(t),
                 f"llama.cpp bf16 / Q4_0 {slash(ll)}", " / ".join(ratio(a, b) for a, b in zip(t, ll)), reps, load)
+        pk = lambda s_: statistics.median(peak(r) for r in moe if r["system"] == s_) / 1e9  # noqa: E731
+        t, ll = [pk("turbo"), pk("turbo int4")], [pk("llama.cpp"), pk("llama.cpp q4_0")]
+        row("moe", "MoE shape, bf16 / int4, peak RSS GB, whole process", slash(t, "{:.2f}"),
+            f"llama.cpp bf16 / Q4_0 {slash(ll, '{:.2f}')}",
+            " / ".join(ratio(b, a) for a, b in zip(t, ll)) + " (llama.cpp's / turbo's)", reps, load)
 
     for kind in ("bf16", "q8_0", "q4_0"):
         step = f"llamabench_{kind}"

@@ -10,12 +10,12 @@ output directory; scripts/report_45.py turns that directory into the tables.
 Each step is one of the bench scripts (docs/llamacpp.md, "Re-measuring against llama.cpp"): its
 stdout (the tables) in DIR/NAME.log, its stderr (progress) in DIR/NAME.err, its JSON output (where
 the script writes one) in DIR, and DIR/NAME.meta.json: the command, start and end (UTC), seconds,
-exit status, commit and the load average before and after it. A step whose NAME.meta.json says exit 0 is skipped (resumable); a failed or
-interrupted one is rerun from scratch. A step whose estimate (minutes, from a quiet machine)
-does not fit the budget left is skipped and said so; the next, shorter ones may still run.
-Before the first step the quiet-machine guard's check (scripts/benchlib.py --quiet-check) must
-say quiet, else nothing runs (--force: run anyway; the guard still drops disturbed repetitions).
-First every install is opened once, untimed (PREPARE).
+exit status, commit and the load average before and after it. A step whose NAME.meta.json says
+exit 0 is skipped (resumable); a failed or interrupted one is rerun from scratch. A step whose
+estimate (minutes on a quiet machine) does not fit the budget left is skipped and said so; the
+next, shorter ones may still run. Before the first step the quiet-machine guard's check
+(scripts/benchlib.py --quiet-check) must say quiet, else nothing runs (--force: run anyway; the
+guard still drops disturbed repetitions); then every install is opened once, untimed (PREPARE).
 LLAMA_CONVERT_DIR and LLAMA_CPP_LIB_PATH default to the prepared build's (docs/llamacpp.md).
 """
 
@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--force", action="store_true", help="start even if the machine is not quiet")
     ap.add_argument("--only", nargs="+", help="these steps only (names: --list)")
     ap.add_argument("--list", action="store_true", help="print the steps and their estimates")
+    ap.add_argument("--no-prepare", action="store_true", help="do not open every install first (PREPARE)")
     args = ap.parse_args()
     if args.list:
         for name, est, full, _ in STEPS:
@@ -146,9 +147,10 @@ def main() -> None:
     if not args.dry and not quiet(args.dry) and not args.force:
         raise SystemExit("the machine is not quiet (benchlib --quiet-check): stop what runs, or --force")
     deadline = time.monotonic() + 60 * args.budget_min
-    with (args.dir / "prepare.log").open("w") as log:
-        if subprocess.run([sys.executable, "-c", PREPARE], cwd=ROOT, env=env, stdout=log, stderr=log).returncode:
-            raise SystemExit(f"opening the installs failed: {args.dir / 'prepare.log'}")
+    if not args.no_prepare:
+        with (args.dir / "prepare.log").open("w") as log:
+            if subprocess.run([sys.executable, "-c", PREPARE], cwd=ROOT, env=env, stdout=log, stderr=log).returncode:
+                raise SystemExit(f"opening the installs failed: {args.dir / 'prepare.log'}")
     for name, est, full, dry in STEPS:
         if args.only and name not in args.only:
             continue

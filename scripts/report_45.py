@@ -26,6 +26,24 @@ GUARD_LINE = re.compile(r"kept (\d+) of (\d+) repetitions, dropped (\d+).*?load 
 NUM = re.compile(r"-?\d+(?:\.\d+)?")
 
 
+TITLES = {"scale512": "Qwen3.5-0.8B shape: bf16 / int8 / int4 against llama.cpp bf16 / Q8_0 / Q4_0 (and transformers), "
+                        "load, memory, prefill and decode at 512",
+          "scale4096": "The same at 4096 (llama.cpp only)",
+          "serve_bf16": "Serving bf16 at 1 / 4 / 8 clients against llama-server --parallel 1 / 4 / 8",
+          "llamabench_bf16": "llama-bench beside the Python binding, bf16 GGUF",
+          "llamabench_q4_0": "llama-bench beside the Python binding, Q4_0 GGUF",
+          "round": "Speculation end to end (scripted drafter)",
+          "open_int4": "Open time, int4 install against the Q4_0 GGUF",
+          "open_bf16": "Open time, bf16 install against the bf16 GGUF",
+          "context": "Decode at 4096 against at 512",
+          "moe": "The MoE shape (Qwen3.5-35B-A3B, 2 layers) against llama.cpp bf16 / Q4_0",
+          "cotenant": "Beside one controlled co-tenant (against scale512's rows without it)",
+          "llamabench_q8_0": "llama-bench beside the Python binding, Q8_0 GGUF",
+          "serve_int4": "Serving int4 against llama-server on the Q4_0 GGUF",
+          "session": "Chat session: TTFT of a later turn",
+          "session_server": "Server prefix cache: TTFT of a later turn resent whole"}
+
+
 # ---- reading the directory ---------------------------------------------------------------------
 
 
@@ -246,11 +264,13 @@ def rows() -> list[dict]:
                 "(in brackets: with / without it)", f"{f(t)} ({ratio(t, t0)})", f"llama.cpp {f(ll)} ({ratio(ll, l0)})",
                 ratio(t, ll), reps, load)
 
-    for step, label in (("session", "chat session, turn 5: TTFT ms, kept state / fresh prefill"),
-                        ("session_server", "server prefix cache, turn 5 resent whole: TTFT ms, cached / cold")):
+    for step, label in (("session", "chat session, turn {}: TTFT ms, kept state / fresh prefill"),
+                        ("session_server", "server prefix cache, turn {} resent whole: TTFT ms, cached / cold")):
         if text := log(step):
             r = table_rows(text)[1]
-            row(step, f"{label}, 0.8B shape", r[0], f"{r[1]} (its own cold path)", r[2], *guard_of_log(text))
+            turn, tokens = re.search(r"turn (\d+)\D+?(\d+) prompt", text).groups()
+            row(step, f"{label.format(turn)} ({tokens} prompt tokens), 0.8B shape", r[0],
+                f"{r[1]} (its own cold path)", r[2], *guard_of_log(text))
     return out
 
 
@@ -291,7 +311,7 @@ def main() -> None:
           "libraries. Every step by `python scripts/measure_45.py`, in this order:\n")
     for name, m in metas.items():
         ok = "" if m["rc"] == 0 else f" **(exit {m['rc']}: no figures)**"
-        print(f"### {name}{ok}\n")
+        print(f"### {TITLES.get(name, name)}{ok}\n")
         print(f"`{m['cmd']}`  \n{m['start']} to {m['end']} ({m['seconds'] / 60:.1f} min), commit {m['commit']}"
               f"{' (+ uncommitted changes)' if m['dirty'] else ''}, load average before "
               f"{m['load_before'][0]:.2f}, after {m['load_after'][0]:.2f}\n")

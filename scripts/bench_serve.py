@@ -87,6 +87,7 @@ def main() -> None:
     ap.add_argument("--quant", default="none", help="turbo's install of the shape: the repack's --quant")
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's llama-server --parallel N per N")
     ap.add_argument("--gguf", default="bf16", help="--llamacpp: the shape's GGUF kind (bf16, q8_0, q4_0)")
+    ap.add_argument("--out", type=Path, help="also write every repetition's figures and the checks (JSON)")
     args = ap.parse_args()
     # tiny: the shipped install, unless beside llama.cpp, whose GGUF is of the random tiny shape
     same = args.shape != "tiny" or args.llamacpp
@@ -127,6 +128,13 @@ def main() -> None:
                         f = load(urls[c], prompts, turbo, c, args, check=False, mismatch_ok=True)
                     figures[(name, c)].append(f | {"guard": dataclasses.asdict(g)})
         every = [f for fs in figures.values() for f in fs]
+        if args.out:
+            args.out.write_text(json.dumps({
+                "args": vars(args) | {"out": str(args.out)},
+                "runs": [{"name": name, "clients": c, "reps": fs,
+                          "checked": dict(zip(("mismatches", "requests"), checked[(name, at)]), at=at)}
+                         for (name, c), fs in figures.items()
+                         for at in [c if (name, c) in checked else widest]]}, indent=1) + "\n")
         print(f"shape {args.shape}, {args.threads} threads, {args.requests} requests x {args.max_tokens} tokens "
               f"(ignore_eos), medians of the undisturbed of {args.reps} interleaved repetitions (min..max)")
         print(benchlib.guard_summary(every))

@@ -981,6 +981,22 @@ def test_row_independence_check_catches_a_shape_dependent_order(host):
     assert not torch.equal(shape_dependent(x)[:1], _rows_alone(shape_dependent, x)[:1])
 
 
+def test_gpu_check_rows_products_section_runs(host, monkeypatch, tmp_path):
+    """scripts/gpu_check.py's rows_products section, on the host-compiled kernels at a small shape:
+    it runs and reports the fields a device session reads."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    res = gc.rows_products(tmp_path, dev="cpu", shapes={"small_40x128": (40, 128)}, copy_bytes=1 << 16, iters=1)
+    for fmt in ("bf16", "int8"):
+        r = res[f"{fmt}.small_40x128"]
+        assert r["batch_invariant"] is True
+        assert r["max_abs_err_vs_fp64"] < 1e-3 * r["max_abs_ref"]
+        assert {"rows1_weight_GBps", "rows9_of_copy", "rows16_us"} <= set(r)
+    assert res["d2d_copy_GBps"] > 0 and (tmp_path / "rows_products.json").is_file()
+
+
 # ---- on a GPU: each kernel against its CPU reference --------------------------------------------
 
 

@@ -54,7 +54,7 @@ bp = _build_ptx()
 LAUNCHED = [("gdn", "gdn_recurrence_f32"), ("conv", "conv_window_silu_f32"), ("norm", "gated_rms_norm_f32"),
             ("dflash", "grouped_conv_f32"), ("dflash", "select_candidates_f32"),
             *(("qgemv", name) for name in cb.QUANT_KERNELS.values()),
-            *(("bgemv", name) for name in cb.ROWS_KERNELS.values())]
+            *(("bgemv", name) for names in cb.ROWS_KERNELS.values() for name in names.values())]
 
 
 # ---- the checked-in PTX ----------------------------------------------------------------------
@@ -544,7 +544,7 @@ class Emulator:
         assert [PTX_TYPES[type(a)] for a in args] == ptx_params(module, kernel), kernel
         vals = [a.value for a in args]
         self.launches.append(kernel)
-        name = kernel.removesuffix("_f32")
+        name = re.sub(r"_r\d+$", "", kernel.removesuffix("_f32"))  # bgemv's pass sizes: one semantics
         getattr(self, "gemv" if name.startswith("affine_gemv_q") else name)(grid, block, args, vals)
 
     def gdn_recurrence(self, grid, block, a, v):
@@ -899,7 +899,7 @@ def test_wrapped_bf16_rows_product(emulated, cols):
     w = torch.randn(13, cols, generator=gen).to(torch.bfloat16)  # 13 outputs: a partial block
     x = torch.randn(5, cols, generator=gen)
     got = cb.bf16_rows_product(x, w)
-    assert emulated.launches[-1] == cb.ROWS_KERNELS["bf16"] and got.dtype == torch.float32
+    assert emulated.launches[-1] == "bf16_rows_gemv_r8_f32" and got.dtype == torch.float32
     torch.testing.assert_close(got, x @ w.float().T, rtol=1e-4, atol=1e-4)
     assert torch.equal(cb.bf16_rows_product(x, w.view(torch.int16)), got)  # the raw storage, as installed
 
@@ -909,7 +909,7 @@ def test_wrapped_int8_rows_product(emulated, cols, group):
     packed, scales, biases = int8_inputs(11, cols, group)
     x = torch.randn(3, cols)
     got = cb.int8_rows_product(x, packed, scales, biases, group)
-    assert emulated.launches[-1] == cb.ROWS_KERNELS["int8"]
+    assert emulated.launches[-1] == "int8_rows_gemv_r4_f32"
     torch.testing.assert_close(got, dequantized_linear(x, packed, scales, biases, 8, group), rtol=1e-4, atol=1e-4)
 
 
@@ -933,21 +933,28 @@ def test_rows_products_launch_nothing_for_zero_rows(emulated):
     assert len(emulated.launches) == n
 
 
+def test_rows_kernel_takes_the_smallest_pass_that_holds_the_rows():
+    assert [cb.rows_kernel("bf16", r) for r in (1, 2, 4, 5, 8, 9, 16, 17, 40)] == [
+        f"bf16_rows_gemv_r{p}_f32" for p in (1, 4, 4, 8, 8, 16, 16, 16, 16)]
+    assert cb.rows_kernel("int8", 3) == "int8_rows_gemv_r4_f32"
+
+
 def _rows_alone(fn, x):
     return torch.cat([fn(x[r:r + 1]) for r in range(x.shape[0])])
 
 
 @pytest.mark.parametrize("cols", [1024, 552, 300])
 def test_bf16_rows_product_row_is_independent_of_the_rows_beside_it(host, cols):
-    """Through the kernel's own C: row r of a 1-, 9-, 16- or 17-row product (17: two passes) is
-    bit for bit the product of row r alone, and so whatever rows share its pass."""
+    """Through the kernel's own C: row r of a 1- to 17-row product (every pass size: r1 alone, r4,
+    r8, r16; 17: two passes of r16) is bit for bit the product of row r alone, and so whatever
+    rows share its pass and whichever entry runs it."""
     gen = torch.Generator().manual_seed(100 + cols)
     w = torch.randn(13, cols, generator=gen).to(torch.bfloat16)
     x = torch.randn(17, cols, generator=gen) * torch.logspace(-3, 3, cols)  # cancellation: order shows
     fn = lambda rows: cb.bf16_rows_product(rows, w)  # noqa: E731
     alone = _rows_alone(fn, x)
     torch.testing.assert_close(alone, x @ w.float().T, rtol=1e-3, atol=1e-2)
-    for rows in (1, 9, 16, 17):
+    for rows in (1, 3, 6, 9, 16, 17):
         assert torch.equal(fn(x[:rows]), alone[:rows]), rows
     perm = torch.randperm(17, generator=gen)  # other neighbours, same rows
     assert torch.equal(fn(x[perm]), alone[perm])
@@ -960,7 +967,7 @@ def test_int8_rows_product_row_is_independent_of_the_rows_beside_it(host, cols, 
     x = torch.randn(17, cols, generator=gen) * torch.logspace(-3, 3, cols)
     fn = lambda rows: cb.int8_rows_product(rows, packed, scales, biases, group)  # noqa: E731
     alone = _rows_alone(fn, x)
-    for rows in (1, 9, 16, 17):
+    for rows in (1, 3, 6, 9, 16, 17):
         assert torch.equal(fn(x[:rows]), alone[:rows]), rows
     perm = torch.randperm(17, generator=gen)
     assert torch.equal(fn(x[perm]), alone[perm])
@@ -1091,7 +1098,7 @@ def test_gpu_select_candidates_ties_to_lower_id():
 
 
 @gpu
-@pytest.mark.parametrize("rows", [1, 9, 16, 17])
+@pytest.mark.parametrize("rows", [1, 3, 6, 9, 16, 17])
 def test_gpu_rows_products_are_batch_invariant(rows):
     gen = torch.Generator().manual_seed(rows)
     w = torch.randn(1000, 1024, generator=gen).to(torch.bfloat16).cuda()

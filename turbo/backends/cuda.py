@@ -27,8 +27,15 @@ QUANT_KERNELS = {4: "affine_gemv_q4_f32", 2: "affine_gemv_q2_f32", 1: "affine_ge
 # tests/test_cuda.py's host-compiled emulation and scripts/gpu_check.py's `rows_products` section
 # has not run yet; nothing in the engine calls them while ROWS_PRODUCTS is False
 ROWS_PRODUCTS = False
-ROWS_KERNELS = {"bf16": "bf16_rows_gemv_f32", "int8": "int8_rows_gemv_f32"}
-ROWS_PASS = 16  # bgemv.cu BG_MAX_ROWS: input rows per read of the weights
+# per format, per pass size (input rows per read of the weights): the wrapper takes the smallest
+# pass that holds R (16 past that); the four compute every row bit for bit alike (bgemv.cu)
+ROWS_PASSES = (1, 4, 8, 16)
+ROWS_KERNELS = {fmt: {p: f"{fmt}_rows_gemv_r{p}_f32" for p in ROWS_PASSES} for fmt in ("bf16", "int8")}
+
+
+def rows_kernel(fmt: str, rows: int) -> str:
+    """The bgemv.cu entry a product of `rows` input rows launches."""
+    return ROWS_KERNELS[fmt][next((p for p in ROWS_PASSES if rows <= p), ROWS_PASSES[-1])]
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -278,7 +285,7 @@ def bf16_rows_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out_features = w.shape[0]
     y = torch.empty(rows, out_features, device=x.device, dtype=torch.float32)
     if rows and out_features:
-        _k(x).launch("bgemv", ROWS_KERNELS["bf16"], (-(-out_features // 8),), (256,),
+        _k(x).launch("bgemv", rows_kernel("bf16", rows), (-(-out_features // 8),), (256,),
                      [ptr(x), ptr(w), ptr(y), i32(rows), i32(cols), i32(out_features)])
     return y
 
@@ -302,7 +309,7 @@ def int8_rows_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     s, b = scales.contiguous().view(torch.int16), biases.contiguous().view(torch.int16)
     y = torch.empty(rows, out_features, device=x.device, dtype=torch.float32)
     if rows and out_features:
-        _k(x).launch("bgemv", ROWS_KERNELS["int8"], (-(-out_features // 8),), (256,),
+        _k(x).launch("bgemv", rows_kernel("int8", rows), (-(-out_features // 8),), (256,),
                      [ptr(x), ptr(packed), ptr(s), ptr(b), ptr(y), i32(rows), i32(cols), i32(out_features),
                       i32(group)])
     return y

@@ -17,11 +17,17 @@
 //
 // Each kernel comes in pass sizes MAXR = 1, 4, 8, 16 (entries `..._r<MAXR>_f32`; the wrapper takes
 // the smallest that holds R, 16 past that): fewer accumulators, fewer registers, more warps and
-// loads in flight for decode. Only registers and the unrolling of loads differ: the per-row
-// sequence of fmaf / shuffles, and so every bit of a row's result, is the same in all four.
+// loads in flight for decode. A warp of the larger passes computes OW output rows o at once
+// (BG_OW: 1, 4, 2, 2), each x load serving OW weight rows (x is re-read from L1 once per chunk
+// and row; OW cuts that traffic). Only registers, the unrolling of loads and OW differ: the
+// per-(output, input)-row sequence of fmaf / shuffles, and so every bit of a row's result, is the
+// same in all four.
 
 #define BG_WARPS 8
 #define BG_MAX_ROWS 16  // the largest pass
+// outputs per warp and 16-byte chunks in flight per (lane, output) for pass size MAXR
+#define BG_OW(MAXR) ((MAXR) == 1 ? 1 : (MAXR) == 4 ? 4 : 2)  // a tuning knob for the device
+#define BG_UNROLL(MAXR) ((MAXR) == 1 ? 4 : 1)
 
 #ifndef __CUDACC__  // the host build tests/test_cuda.py runs the kernels' C through
 struct alignas(16) uint4 { unsigned int x, y, z, w; };
@@ -30,93 +36,120 @@ struct alignas(16) float4 { float x, y, z, w; };
 
 __device__ __forceinline__ float bg_bf16(unsigned int u) { return __uint_as_float(u << 16); }
 
-// 8 weights (one chunk) against x[r, col .. col + 7] of every row r < nr: two 16-byte x loads a row
-template <int MAXR>
-__device__ __forceinline__ void bg_dot8(float* acc, const float* w8, const float* __restrict__ x, int in, int col,
-                                        int nr)
+// 8 weights of each of the warp's ow outputs against x[r, col .. col + 7] of every row r < nr:
+// two 16-byte x loads a row, shared by the outputs
+template <int MAXR, int OW>
+__device__ __forceinline__ void bg_dot8(float (*acc)[MAXR], const float (*w8)[8], int ow,
+                                        const float* __restrict__ x, int in, int col, int nr)
 {
 #pragma unroll
     for (int r = 0; r < MAXR; ++r) {
         if (r < nr) {
             const float4* xp = reinterpret_cast<const float4*>(x + (size_t)r * in + col);
             const float4 a = xp[0], b = xp[1];
-            float s = acc[r];
-            s = fmaf(w8[0], a.x, s);
-            s = fmaf(w8[1], a.y, s);
-            s = fmaf(w8[2], a.z, s);
-            s = fmaf(w8[3], a.w, s);
-            s = fmaf(w8[4], b.x, s);
-            s = fmaf(w8[5], b.y, s);
-            s = fmaf(w8[6], b.z, s);
-            s = fmaf(w8[7], b.w, s);
-            acc[r] = s;
+#pragma unroll
+            for (int j = 0; j < OW; ++j) {
+                if (j < ow) {
+                    float s = acc[j][r];
+                    s = fmaf(w8[j][0], a.x, s);
+                    s = fmaf(w8[j][1], a.y, s);
+                    s = fmaf(w8[j][2], a.z, s);
+                    s = fmaf(w8[j][3], a.w, s);
+                    s = fmaf(w8[j][4], b.x, s);
+                    s = fmaf(w8[j][5], b.y, s);
+                    s = fmaf(w8[j][6], b.z, s);
+                    s = fmaf(w8[j][7], b.w, s);
+                    acc[j][r] = s;
+                }
+            }
         }
     }
 }
 
-template <int MAXR>
-__device__ __forceinline__ void bg_bf16_chunk(float* acc, const uint4 q, const float* __restrict__ x, int in, int c,
-                                              int nr)
-{
-    float w8[8];
-    w8[0] = bg_bf16(q.x & 0xffffu); w8[1] = __uint_as_float(q.x & 0xffff0000u);
-    w8[2] = bg_bf16(q.y & 0xffffu); w8[3] = __uint_as_float(q.y & 0xffff0000u);
-    w8[4] = bg_bf16(q.z & 0xffffu); w8[5] = __uint_as_float(q.z & 0xffff0000u);
-    w8[6] = bg_bf16(q.w & 0xffffu); w8[7] = __uint_as_float(q.w & 0xffff0000u);
-    bg_dot8<MAXR>(acc, w8, x, in, c * 8, nr);
-}
-
-template <int MAXR>
-__device__ __forceinline__ void bg_reduce_store(float* acc, float* __restrict__ y, int lane, int r0, int nr, int out,
-                                                int o)
+template <int MAXR, int OW>
+__device__ __forceinline__ void bg_reduce_store(float (*acc)[MAXR], float* __restrict__ y, int lane, int r0, int nr,
+                                                int out, int o0, int ow)
 {
 #pragma unroll
-    for (int r = 0; r < MAXR; ++r) {
-        if (r < nr) {  // nr is warp-uniform: every lane takes the same shuffles
-            float a = acc[r];
+    for (int j = 0; j < OW; ++j) {
 #pragma unroll
-            for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
-            if (lane == 0) y[(size_t)(r0 + r) * out + o] = a;
+        for (int r = 0; r < MAXR; ++r) {
+            if (j < ow && r < nr) {  // ow, nr are warp-uniform: every lane takes the same shuffles
+                float a = acc[j][r];
+#pragma unroll
+                for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(0xffffffffu, a, off);
+                if (lane == 0) y[(size_t)(r0 + r) * out + o0 + j] = a;
+            }
         }
     }
 }
 
-// 16-byte chunks in flight per lane: 4 for small passes, 2 where 16 accumulators fill the registers
-#define BG_UNROLL(MAXR) ((MAXR) <= 4 ? 4 : 2)
+template <int MAXR, int OW>
+__device__ __forceinline__ void bg_bf16_chunk(float (*acc)[MAXR], const uint4* q, int ow, const float* __restrict__ x,
+                                              int in, int c, int nr)
+{
+    float w8[OW][8];
+#pragma unroll
+    for (int j = 0; j < OW; ++j) {
+        w8[j][0] = bg_bf16(q[j].x & 0xffffu); w8[j][1] = __uint_as_float(q[j].x & 0xffff0000u);
+        w8[j][2] = bg_bf16(q[j].y & 0xffffu); w8[j][3] = __uint_as_float(q[j].y & 0xffff0000u);
+        w8[j][4] = bg_bf16(q[j].z & 0xffffu); w8[j][5] = __uint_as_float(q[j].z & 0xffff0000u);
+        w8[j][6] = bg_bf16(q[j].w & 0xffffu); w8[j][7] = __uint_as_float(q[j].w & 0xffff0000u);
+    }
+    bg_dot8<MAXR, OW>(acc, w8, ow, x, in, c * 8, nr);
+}
 
 template <int MAXR>
 __device__ __forceinline__ void bf16_rows(const float* __restrict__ x, const unsigned short* __restrict__ w,
                                           float* __restrict__ y, int R, int in, int out)
 {
-    constexpr int U = BG_UNROLL(MAXR);
+    constexpr int OW = BG_OW(MAXR), U = BG_UNROLL(MAXR);
     const int lane = threadIdx.x & 31;
-    const int o = blockIdx.x * BG_WARPS + (threadIdx.x >> 5);
-    if (o >= out) return;
-    const unsigned short* wrow = w + (size_t)o * in;
-    const uint4* wv = reinterpret_cast<const uint4*>(wrow);  // 16-byte aligned when in % 8 == 0 (the wrapper)
+    const int o0 = (blockIdx.x * BG_WARPS + (threadIdx.x >> 5)) * OW;
+    if (o0 >= out) return;
+    const int ow = min(OW, out - o0);
     const int nvec = (in & 7) ? 0 : in >> 3;
+    // row o's 16-byte chunks: aligned when in % 8 == 0 (the wrapper aligns w)
+    const uint4* wv = reinterpret_cast<const uint4*>(w + (size_t)o0 * in);
+    const int vstride = in >> 3;
     for (int r0 = 0; r0 < R; r0 += MAXR) {
         const int nr = min(MAXR, R - r0);
         const float* xr = x + (size_t)r0 * in;
-        float acc[MAXR];
+        float acc[OW][MAXR];
 #pragma unroll
-        for (int r = 0; r < MAXR; ++r) acc[r] = 0.0f;
+        for (int j = 0; j < OW; ++j)
+#pragma unroll
+            for (int r = 0; r < MAXR; ++r) acc[j][r] = 0.0f;
         int c = lane;
-        for (; c + 32 * (U - 1) < nvec; c += 32 * U) {  // U loads in flight, consumed in chunk order
-            uint4 q[U];
+        for (; c + 32 * (U - 1) < nvec; c += 32 * U) {  // U * ow loads in flight, consumed in chunk order
+            uint4 q[U][OW];
 #pragma unroll
-            for (int u = 0; u < U; ++u) q[u] = wv[c + 32 * u];
+            for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int u = 0; u < U; ++u) bg_bf16_chunk<MAXR>(acc, q[u], xr, in, c + 32 * u, nr);
+                for (int j = 0; j < OW; ++j)
+                    if (j < ow) q[u][j] = wv[(size_t)j * vstride + c + 32 * u];
+#pragma unroll
+            for (int u = 0; u < U; ++u) bg_bf16_chunk<MAXR, OW>(acc, q[u], ow, xr, in, c + 32 * u, nr);
         }
-        for (; c < nvec; c += 32) bg_bf16_chunk<MAXR>(acc, wv[c], xr, in, c, nr);
+        for (; c < nvec; c += 32) {
+            uint4 q[OW];
+#pragma unroll
+            for (int j = 0; j < OW; ++j)
+                if (j < ow) q[j] = wv[(size_t)j * vstride + c];
+            bg_bf16_chunk<MAXR, OW>(acc, q, ow, xr, in, c, nr);
+        }
         for (int i = nvec * 8 + lane; i < in; i += 32) {  // the scalar path (in % 8 != 0)
-            const float wf = bg_bf16(wrow[i]);
 #pragma unroll
-            for (int r = 0; r < MAXR; ++r)
-                if (r < nr) acc[r] = fmaf(wf, xr[(size_t)r * in + i], acc[r]);
+            for (int j = 0; j < OW; ++j) {
+                if (j < ow) {
+                    const float wf = bg_bf16(w[(size_t)(o0 + j) * in + i]);
+#pragma unroll
+                    for (int r = 0; r < MAXR; ++r)
+                        if (r < nr) acc[j][r] = fmaf(wf, xr[(size_t)r * in + i], acc[j][r]);
+                }
+            }
         }
-        bg_reduce_store<MAXR>(acc, y, lane, r0, nr, out, o);
+        bg_reduce_store<MAXR, OW>(acc, y, lane, r0, nr, out, o0, ow);
     }
 }
 
@@ -139,25 +172,39 @@ __device__ __forceinline__ float bg_level(unsigned int word, int k, float s, flo
     return __fadd_rn(__fmul_rn((float)((word >> (8 * k)) & 255u), s), b);
 }
 
-template <int MAXR>
-__device__ __forceinline__ void bg_int8_chunk(float* acc, const uint4 q, const unsigned short* __restrict__ srow,
-                                              const unsigned short* __restrict__ brow, const float* __restrict__ x,
-                                              int in, int c, int group, int nr)
+// one 16-level chunk of each output (a chunk lies in one group: group % 16 == 0, else the scalar path)
+template <int MAXR, int OW>
+__device__ __forceinline__ void bg_int8_chunk(float (*acc)[MAXR], const uint4* q, int ow,
+                                              const unsigned short* __restrict__ scales,
+                                              const unsigned short* __restrict__ biases, int o0, int groups,
+                                              const float* __restrict__ x, int in, int c, int group, int nr)
 {
-    // a 16-element chunk lies in one group (group % 16 == 0, the wrapper)
     const int gi = (c * 16) / group;
-    const float s = bg_bf16(srow[gi]), b = bg_bf16(brow[gi]);
-    float w8[8];
-    w8[0] = bg_level(q.x, 0, s, b); w8[1] = bg_level(q.x, 1, s, b);
-    w8[2] = bg_level(q.x, 2, s, b); w8[3] = bg_level(q.x, 3, s, b);
-    w8[4] = bg_level(q.y, 0, s, b); w8[5] = bg_level(q.y, 1, s, b);
-    w8[6] = bg_level(q.y, 2, s, b); w8[7] = bg_level(q.y, 3, s, b);
-    bg_dot8<MAXR>(acc, w8, x, in, c * 16, nr);
-    w8[0] = bg_level(q.z, 0, s, b); w8[1] = bg_level(q.z, 1, s, b);
-    w8[2] = bg_level(q.z, 2, s, b); w8[3] = bg_level(q.z, 3, s, b);
-    w8[4] = bg_level(q.w, 0, s, b); w8[5] = bg_level(q.w, 1, s, b);
-    w8[6] = bg_level(q.w, 2, s, b); w8[7] = bg_level(q.w, 3, s, b);
-    bg_dot8<MAXR>(acc, w8, x, in, c * 16 + 8, nr);
+    float s[OW], b[OW], w8[OW][8];
+#pragma unroll
+    for (int j = 0; j < OW; ++j) {
+        s[j] = b[j] = 0.0f;
+        if (j < ow) {
+            s[j] = bg_bf16(scales[(size_t)(o0 + j) * groups + gi]);
+            b[j] = bg_bf16(biases[(size_t)(o0 + j) * groups + gi]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < OW; ++j) {
+        w8[j][0] = bg_level(q[j].x, 0, s[j], b[j]); w8[j][1] = bg_level(q[j].x, 1, s[j], b[j]);
+        w8[j][2] = bg_level(q[j].x, 2, s[j], b[j]); w8[j][3] = bg_level(q[j].x, 3, s[j], b[j]);
+        w8[j][4] = bg_level(q[j].y, 0, s[j], b[j]); w8[j][5] = bg_level(q[j].y, 1, s[j], b[j]);
+        w8[j][6] = bg_level(q[j].y, 2, s[j], b[j]); w8[j][7] = bg_level(q[j].y, 3, s[j], b[j]);
+    }
+    bg_dot8<MAXR, OW>(acc, w8, ow, x, in, c * 16, nr);
+#pragma unroll
+    for (int j = 0; j < OW; ++j) {
+        w8[j][0] = bg_level(q[j].z, 0, s[j], b[j]); w8[j][1] = bg_level(q[j].z, 1, s[j], b[j]);
+        w8[j][2] = bg_level(q[j].z, 2, s[j], b[j]); w8[j][3] = bg_level(q[j].z, 3, s[j], b[j]);
+        w8[j][4] = bg_level(q[j].w, 0, s[j], b[j]); w8[j][5] = bg_level(q[j].w, 1, s[j], b[j]);
+        w8[j][6] = bg_level(q[j].w, 2, s[j], b[j]); w8[j][7] = bg_level(q[j].w, 3, s[j], b[j]);
+    }
+    bg_dot8<MAXR, OW>(acc, w8, ow, x, in, c * 16 + 8, nr);
 }
 
 template <int MAXR>
@@ -166,39 +213,58 @@ __device__ __forceinline__ void int8_rows(const float* __restrict__ x, const uns
                                           const unsigned short* __restrict__ biases, float* __restrict__ y, int R,
                                           int in, int out, int group)
 {
-    constexpr int U = BG_UNROLL(MAXR);
+    constexpr int OW = BG_OW(MAXR), U = BG_UNROLL(MAXR);
     const int lane = threadIdx.x & 31;
-    const int o = blockIdx.x * BG_WARPS + (threadIdx.x >> 5);
-    if (o >= out) return;
+    const int o0 = (blockIdx.x * BG_WARPS + (threadIdx.x >> 5)) * OW;
+    if (o0 >= out) return;
+    const int ow = min(OW, out - o0);
     const int groups = in / group;
-    const unsigned int* wrow = qw + (size_t)o * (in / 4);
-    const unsigned short* srow = scales + (size_t)o * groups;
-    const unsigned short* brow = biases + (size_t)o * groups;
-    const uint4* wv = reinterpret_cast<const uint4*>(wrow);  // 16-byte aligned when in % 16 == 0 (the wrapper)
+    const int words = in / 4;
+    const uint4* wv = reinterpret_cast<const uint4*>(qw + (size_t)o0 * words);  // aligned when in % 16 == 0
+    const int vstride = in >> 4;
     const int nvec = ((in | group) & 15) ? 0 : in >> 4;  // a chunk must lie in one group
     for (int r0 = 0; r0 < R; r0 += MAXR) {
         const int nr = min(MAXR, R - r0);
         const float* xr = x + (size_t)r0 * in;
-        float acc[MAXR];
+        float acc[OW][MAXR];
 #pragma unroll
-        for (int r = 0; r < MAXR; ++r) acc[r] = 0.0f;
+        for (int j = 0; j < OW; ++j)
+#pragma unroll
+            for (int r = 0; r < MAXR; ++r) acc[j][r] = 0.0f;
         int c = lane;
         for (; c + 32 * (U - 1) < nvec; c += 32 * U) {
-            uint4 q[U];
+            uint4 q[U][OW];
 #pragma unroll
-            for (int u = 0; u < U; ++u) q[u] = wv[c + 32 * u];
+            for (int u = 0; u < U; ++u)
 #pragma unroll
-            for (int u = 0; u < U; ++u) bg_int8_chunk<MAXR>(acc, q[u], srow, brow, xr, in, c + 32 * u, group, nr);
+                for (int j = 0; j < OW; ++j)
+                    if (j < ow) q[u][j] = wv[(size_t)j * vstride + c + 32 * u];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                bg_int8_chunk<MAXR, OW>(acc, q[u], ow, scales, biases, o0, groups, xr, in, c + 32 * u, group, nr);
         }
-        for (; c < nvec; c += 32) bg_int8_chunk<MAXR>(acc, wv[c], srow, brow, xr, in, c, group, nr);
-        for (int i = nvec * 16 + lane; i < in; i += 32) {  // the scalar path (in % 16 != 0)
+        for (; c < nvec; c += 32) {
+            uint4 q[OW];
+#pragma unroll
+            for (int j = 0; j < OW; ++j)
+                if (j < ow) q[j] = wv[(size_t)j * vstride + c];
+            bg_int8_chunk<MAXR, OW>(acc, q, ow, scales, biases, o0, groups, xr, in, c, group, nr);
+        }
+        for (int i = nvec * 16 + lane; i < in; i += 32) {  // the scalar path (in % 16 != 0 or group % 16 != 0)
             const int gi = i / group;
-            const float wf = bg_level(wrow[i >> 2], i & 3, bg_bf16(srow[gi]), bg_bf16(brow[gi]));
 #pragma unroll
-            for (int r = 0; r < MAXR; ++r)
-                if (r < nr) acc[r] = fmaf(wf, xr[(size_t)r * in + i], acc[r]);
+            for (int j = 0; j < OW; ++j) {
+                if (j < ow) {
+                    const size_t oj = (size_t)(o0 + j);
+                    const float wf = bg_level(qw[oj * words + (i >> 2)], i & 3, bg_bf16(scales[oj * groups + gi]),
+                                              bg_bf16(biases[oj * groups + gi]));
+#pragma unroll
+                    for (int r = 0; r < MAXR; ++r)
+                        if (r < nr) acc[j][r] = fmaf(wf, xr[(size_t)r * in + i], acc[j][r]);
+                }
+            }
         }
-        bg_reduce_store<MAXR>(acc, y, lane, r0, nr, out, o);
+        bg_reduce_store<MAXR, OW>(acc, y, lane, r0, nr, out, o0, ow);
     }
 }
 

@@ -626,7 +626,8 @@ class Emulator:
 
     def bf16_rows_gemv(self, grid, block, a, v):
         R, cols, out = v[3:6]
-        assert grid == (-(-out // 8),) and block == (256,)
+        assert self.launches[-1] == cb.rows_kernel(self.launches[-1][:4], R)
+        assert grid == cb.rows_grid(R, out) and block == (256,)
         assert all(p % 16 == 0 for p in v[:3])  # the vector loads' alignment
         x = mem(a[0], R * cols).reshape(R, cols)
         w = (mem(a[1], out * cols, torch.int16).reshape(out, cols).int() << 16).view(torch.float32)
@@ -634,7 +635,8 @@ class Emulator:
 
     def int8_rows_gemv(self, grid, block, a, v):
         R, cols, out, group = v[5:9]
-        assert grid == (-(-out // 8),) and block == (256,)
+        assert self.launches[-1] == cb.rows_kernel(self.launches[-1][:4], R)
+        assert grid == cb.rows_grid(R, out) and block == (256,)
         assert v[0] % 16 == 0 and v[1] % 16 == 0
         x = mem(a[0], R * cols).reshape(R, cols)
         levels = mem(a[1], out * cols, torch.uint8).reshape(out, cols).float()  # little-endian words
@@ -937,6 +939,11 @@ def test_rows_kernel_takes_the_smallest_pass_that_holds_the_rows():
     assert [cb.rows_kernel("bf16", r) for r in (1, 2, 4, 5, 8, 9, 16, 17, 40)] == [
         f"bf16_rows_gemv_r{p}_f32" for p in (1, 4, 4, 8, 8, 16, 16, 16, 16)]
     assert cb.rows_kernel("int8", 3) == "int8_rows_gemv_r4_f32"
+    # the outputs a warp computes (bgemv.cu BG_OW), so the grid covers every output
+    text = (ck.ptx_dir() / "bgemv.cu").read_text()
+    assert "#define BG_OW(MAXR) ((MAXR) == 1 ? 1 : (MAXR) == 4 ? 4 : 2)" in text
+    assert cb.ROWS_OUTPUTS_PER_WARP == {1: 1, 4: 4, 8: 2, 16: 2}
+    assert cb.rows_grid(1, 13) == (2,) and cb.rows_grid(3, 33) == (2,) and cb.rows_grid(9, 17) == (2,)
 
 
 def _rows_alone(fn, x):

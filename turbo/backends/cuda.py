@@ -31,11 +31,20 @@ ROWS_PRODUCTS = False
 # pass that holds R (16 past that); the four compute every row bit for bit alike (bgemv.cu)
 ROWS_PASSES = (1, 4, 8, 16)
 ROWS_KERNELS = {fmt: {p: f"{fmt}_rows_gemv_r{p}_f32" for p in ROWS_PASSES} for fmt in ("bf16", "int8")}
+ROWS_OUTPUTS_PER_WARP = {1: 1, 4: 4, 8: 2, 16: 2}  # bgemv.cu BG_OW; 8 warps a block
+
+
+def rows_pass(rows: int) -> int:
+    return next((p for p in ROWS_PASSES if rows <= p), ROWS_PASSES[-1])
 
 
 def rows_kernel(fmt: str, rows: int) -> str:
     """The bgemv.cu entry a product of `rows` input rows launches."""
-    return ROWS_KERNELS[fmt][next((p for p in ROWS_PASSES if rows <= p), ROWS_PASSES[-1])]
+    return ROWS_KERNELS[fmt][rows_pass(rows)]
+
+
+def rows_grid(rows: int, out_features: int) -> tuple[int]:
+    return (-(-out_features // (8 * ROWS_OUTPUTS_PER_WARP[rows_pass(rows)])),)
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -285,7 +294,7 @@ def bf16_rows_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     out_features = w.shape[0]
     y = torch.empty(rows, out_features, device=x.device, dtype=torch.float32)
     if rows and out_features:
-        _k(x).launch("bgemv", rows_kernel("bf16", rows), (-(-out_features // 8),), (256,),
+        _k(x).launch("bgemv", rows_kernel("bf16", rows), rows_grid(rows, out_features), (256,),
                      [ptr(x), ptr(w), ptr(y), i32(rows), i32(cols), i32(out_features)])
     return y
 
@@ -309,7 +318,7 @@ def int8_rows_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tenso
     s, b = scales.contiguous().view(torch.int16), biases.contiguous().view(torch.int16)
     y = torch.empty(rows, out_features, device=x.device, dtype=torch.float32)
     if rows and out_features:
-        _k(x).launch("bgemv", rows_kernel("int8", rows), (-(-out_features // 8),), (256,),
+        _k(x).launch("bgemv", rows_kernel("int8", rows), rows_grid(rows, out_features), (256,),
                      [ptr(x), ptr(packed), ptr(s), ptr(b), ptr(y), i32(rows), i32(cols), i32(out_features),
                       i32(group)])
     return y

@@ -23,6 +23,13 @@ Writes to $OUT:
                     ms per decode step (1 row) and per verify (9 rows + checkpoint rollback), the
                     same decode with the PTX kernels switched off (torch ops on the GPU), and the
                     CPU backend's decode tokens/s on the same install for scale
+    rows_products.json  bgemv.cu (the batch-invariant bf16 / int8 products, device-unverified before
+                    this runs) at the 0.8B's matrices ([3584 x 1024], [1024 x 3584], the lm head
+                    [248320 x 1024]): `batch_invariant` (3-, 6-, 9- and 16-row products bit for
+                    bit equal to each row alone), the max error against an fp64 product next to
+                    torch's own, GB/s of weights read for 1 and 9 rows and that as a fraction of the
+                    measured device-to-device copy bandwidth (`d2d_copy_GBps`, read + write bytes)
+                    (runs last: a kernel fault there cannot spoil the other results)
     summary.json    pass/fail counts and the headline numbers
 Exit status: pytest's.
 """
@@ -274,6 +281,68 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
     return results
 
 
+ROWS_SHAPES = {"mlp_up_3584x1024": (3584, 1024), "mlp_down_1024x3584": (1024, 3584),
+               "lm_head_248320x1024": (248_320, 1024)}  # the 0.8B's (hidden 1024)
+
+
+def rows_products(out: Path, dev: str = "cuda", shapes: dict = ROWS_SHAPES, copy_bytes: int = 1 << 30,
+                  iters: int = 20) -> dict:
+    """bgemv.cu on the device: batch invariance, error and bandwidth (see the docstring)."""
+    import torch
+
+    from turbo import quant
+    from turbo.backends import cuda as cb
+
+    torch.manual_seed(0)
+    res: dict = {"kernels": dict(cb.ROWS_KERNELS)}
+    n = copy_bytes
+    a = torch.empty(n, dtype=torch.uint8, device=dev)
+    b = torch.empty_like(a)
+    copy_s = timed(lambda: b.copy_(a), 20)
+    del a, b
+    copy_gbps = 2 * n / copy_s / 1e9  # bytes read + bytes written
+    res["d2d_copy_GBps"] = round(copy_gbps, 1)
+    for fmt in ("bf16", "int8"):
+        for label, (o, i) in shapes.items():
+            r: dict = {}
+            res[f"{fmt}.{label}"] = r
+            x = torch.randn(16, i, device=dev)
+            if fmt == "bf16":
+                w = (torch.randn(o, i, device=dev) * 0.02).to(torch.bfloat16)
+                fn = lambda rows, w=w: cb.bf16_rows_product(rows, w)  # noqa: E731
+                wf, weight_bytes = w.float(), w.numel() * 2
+            else:
+                packed = torch.randint(-2 ** 31, 2 ** 31, (o, i // 4), dtype=torch.int32, device=dev)
+                scales = (torch.rand(o, i // 64, device=dev) * 1e-3 + 1e-4).to(torch.bfloat16)
+                biases = (-128 * scales.float()).to(torch.bfloat16)
+                fn = lambda rows, p=packed, s=scales, bb=biases: cb.int8_rows_product(rows, p, s, bb, 64)  # noqa: E731
+                wf = quant.dequantize(packed, scales, biases, 8, 64)
+                weight_bytes = packed.numel() * 4 + 2 * scales.numel() * 2
+            alone = torch.cat([fn(x[k:k + 1]) for k in range(16)])
+            # each row alone (pass size 1) against 3, 6, 9 and 16 rows (pass sizes 4, 8, 16, 16)
+            r["batch_invariant"] = all(bool(torch.equal(fn(x[:k]), alone[:k])) for k in (3, 6, 9, 16))
+            ref = x.double() @ wf.double().T
+            r["max_abs_err_vs_fp64"] = float((alone.double() - ref).abs().max())
+            r["torch_fp32_max_abs_err_vs_fp64"] = float(((x @ wf.T).double() - ref).abs().max())
+            r["max_abs_ref"] = float(ref.abs().max())
+            del ref, wf
+            for rows in (1, 9, 16):
+                t = timed(lambda rows=rows: fn(x[:rows]), iters)
+                gbps = weight_bytes / t / 1e9
+                r[f"rows{rows}_kernel"] = cb.rows_kernel(fmt, rows)
+                r[f"rows{rows}_us"] = round(t * 1e6, 1)
+                r[f"rows{rows}_weight_GBps"] = round(gbps, 1)
+                r[f"rows{rows}_of_copy"] = round(gbps / copy_gbps, 3)
+            (out / "rows_products.json").write_text(json.dumps(res, indent=2) + "\n")
+    # torch's own bf16 product, for scale: is its row 0 the same at 1 and 9 rows?
+    w = (torch.randn(3584, 1024, device=dev) * 0.02).to(torch.bfloat16)
+    x = torch.randn(9, 1024, device=dev).to(torch.bfloat16)
+    lin = torch.nn.functional.linear
+    res["torch_bf16_linear_row0_same_at_1_and_9_rows"] = bool(torch.equal(lin(x[:1], w), lin(x, w)[:1]))
+    (out / "rows_products.json").write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
 def main() -> int:
     out = Path(os.environ.get("OUT") or ROOT / "build" / "gpu_check")
     out.mkdir(parents=True, exist_ok=True)
@@ -300,6 +369,10 @@ def main() -> int:
             summary["engine"] = engine_bench(out)
         except Exception as e:  # noqa: BLE001
             summary["engine_error"] = f"{type(e).__name__}: {e}"
+        try:  # last: a fault in the device-unverified kernels must not spoil the results above
+            summary["rows_products"] = rows_products(out)
+        except Exception as e:  # noqa: BLE001
+            summary["rows_products_error"] = f"{type(e).__name__}: {e}"
     else:
         summary["bench_skipped"] = reason
     summary["wall_s"] = round(time.time() - t0, 1)

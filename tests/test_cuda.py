@@ -53,7 +53,8 @@ bp = _build_ptx()
 # every (module, kernel) a wrapper in turbo/backends/cuda.py launches
 LAUNCHED = [("gdn", "gdn_recurrence_f32"), ("conv", "conv_window_silu_f32"), ("norm", "gated_rms_norm_f32"),
             ("dflash", "grouped_conv_f32"), ("dflash", "select_candidates_f32"),
-            *(("qgemv", name) for name in cb.QUANT_KERNELS.values())]
+            *(("qgemv", name) for name in cb.QUANT_KERNELS.values()),
+            *(("bgemv", name) for names in cb.ROWS_KERNELS.values() for name in names.values())]
 
 
 # ---- the checked-in PTX ----------------------------------------------------------------------
@@ -543,7 +544,7 @@ class Emulator:
         assert [PTX_TYPES[type(a)] for a in args] == ptx_params(module, kernel), kernel
         vals = [a.value for a in args]
         self.launches.append(kernel)
-        name = kernel.removesuffix("_f32")
+        name = re.sub(r"_r\d+$", "", kernel.removesuffix("_f32"))  # bgemv's pass sizes: one semantics
         getattr(self, "gemv" if name.startswith("affine_gemv_q") else name)(grid, block, args, vals)
 
     def gdn_recurrence(self, grid, block, a, v):
@@ -621,6 +622,27 @@ class Emulator:
         col = torch.arange(cols)
         q = ((words[:, col // per] >> ((col % per) * bits)) & ((1 << bits) - 1)).float()
         w = q * s[:, col // group] + b[:, col // group]
+        mem(a[4], R * out).copy_((x @ w.T).reshape(-1))
+
+    def bf16_rows_gemv(self, grid, block, a, v):
+        R, cols, out = v[3:6]
+        assert self.launches[-1] == cb.rows_kernel(self.launches[-1][:4], R)
+        assert grid == cb.rows_grid(R, out) and block == (256,)
+        assert all(p % 16 == 0 for p in v[:3])  # the vector loads' alignment
+        x = mem(a[0], R * cols).reshape(R, cols)
+        w = (mem(a[1], out * cols, torch.int16).reshape(out, cols).int() << 16).view(torch.float32)
+        mem(a[2], R * out).copy_((x @ w.T).reshape(-1))
+
+    def int8_rows_gemv(self, grid, block, a, v):
+        R, cols, out, group = v[5:9]
+        assert self.launches[-1] == cb.rows_kernel(self.launches[-1][:4], R)
+        assert grid == cb.rows_grid(R, out) and block == (256,)
+        assert v[0] % 16 == 0 and v[1] % 16 == 0
+        x = mem(a[0], R * cols).reshape(R, cols)
+        levels = mem(a[1], out * cols, torch.uint8).reshape(out, cols).float()  # little-endian words
+        s, b = ((mem(a[i], out * (cols // group), torch.int16).reshape(out, -1).int() << 16).view(torch.float32)
+                for i in (2, 3))
+        w = levels * s.repeat_interleave(group, 1) + b.repeat_interleave(group, 1)
         mem(a[4], R * out).copy_((x @ w.T).reshape(-1))
 
 
@@ -862,6 +884,133 @@ def test_host_compiled_edges(host):
                                        rtol=1e-4, atol=1e-4)
 
 
+# ---- batch-invariant products (bgemv.cu; device-unverified) ------------------------------------
+
+
+def int8_inputs(out, cols, group=64, seed=31):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 256, (out, cols), generator=gen)
+    scales = (torch.rand(out, cols // group, generator=gen) * 0.02 + 1e-3).to(torch.bfloat16)
+    biases = (-128 * scales.float()).to(torch.bfloat16)
+    return quant.pack(q, 8), scales, biases
+
+
+@pytest.mark.parametrize("cols", [1024, 552, 300])  # paired chunks; a lone last chunk; the scalar path
+def test_wrapped_bf16_rows_product(emulated, cols):
+    gen = torch.Generator().manual_seed(cols)
+    w = torch.randn(13, cols, generator=gen).to(torch.bfloat16)  # 13 outputs: a partial block
+    x = torch.randn(5, cols, generator=gen)
+    got = cb.bf16_rows_product(x, w)
+    assert emulated.launches[-1] == "bf16_rows_gemv_r8_f32" and got.dtype == torch.float32
+    torch.testing.assert_close(got, x @ w.float().T, rtol=1e-4, atol=1e-4)
+    assert torch.equal(cb.bf16_rows_product(x, w.view(torch.int16)), got)  # the raw storage, as installed
+
+
+@pytest.mark.parametrize("cols,group", [(1024, 64), (320, 64), (96, 32)])  # vector, odd chunks, group 32
+def test_wrapped_int8_rows_product(emulated, cols, group):
+    packed, scales, biases = int8_inputs(11, cols, group)
+    x = torch.randn(3, cols)
+    got = cb.int8_rows_product(x, packed, scales, biases, group)
+    assert emulated.launches[-1] == "int8_rows_gemv_r4_f32"
+    torch.testing.assert_close(got, dequantized_linear(x, packed, scales, biases, 8, group), rtol=1e-4, atol=1e-4)
+
+
+def test_rows_products_refuse_what_the_kernels_do_not_take(emulated):
+    x = torch.randn(2, 64)
+    with pytest.raises(TurboError, match="bf16 weights"):
+        cb.bf16_rows_product(x, torch.randn(4, 64))
+    with pytest.raises(TurboError, match=r"x \[R, in\] and w \[out, in\]"):
+        cb.bf16_rows_product(x, torch.randn(4, 32).to(torch.bfloat16))
+    packed, scales, biases = int8_inputs(4, 64)
+    with pytest.raises(TurboError, match="does not take 128"):
+        cb.int8_rows_product(torch.randn(2, 128), packed, scales, biases)
+    with pytest.raises(TurboError, match="expected bfloat16"):
+        cb.int8_rows_product(x, packed, scales.half(), biases.half())
+    assert cb.ROWS_PRODUCTS is False  # device-unverified: the engine does not call them yet
+
+
+def test_rows_products_launch_nothing_for_zero_rows(emulated):
+    n = len(emulated.launches)
+    assert cb.bf16_rows_product(torch.empty(0, 64), torch.zeros(4, 64, dtype=torch.bfloat16)).shape == (0, 4)
+    assert len(emulated.launches) == n
+
+
+def test_rows_kernel_takes_the_smallest_pass_that_holds_the_rows():
+    assert [cb.rows_kernel("bf16", r) for r in (1, 2, 4, 5, 8, 9, 16, 17, 40)] == [
+        f"bf16_rows_gemv_r{p}_f32" for p in (1, 4, 4, 8, 8, 16, 16, 16, 16)]
+    assert cb.rows_kernel("int8", 3) == "int8_rows_gemv_r4_f32"
+    # the outputs a warp computes (bgemv.cu BG_OW), so the grid covers every output
+    text = (ck.ptx_dir() / "bgemv.cu").read_text()
+    assert "#define BG_OW(MAXR) ((MAXR) == 1 ? 1 : (MAXR) == 4 ? 4 : 2)" in text
+    assert cb.ROWS_OUTPUTS_PER_WARP == {1: 1, 4: 4, 8: 2, 16: 2}
+    assert cb.rows_grid(1, 13) == (2,) and cb.rows_grid(3, 33) == (2,) and cb.rows_grid(9, 17) == (2,)
+
+
+def _rows_alone(fn, x):
+    return torch.cat([fn(x[r:r + 1]) for r in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("cols", [1024, 552, 300])
+def test_bf16_rows_product_row_is_independent_of_the_rows_beside_it(host, cols):
+    """Through the kernel's own C: row r of a 1- to 17-row product (every pass size: r1 alone, r4,
+    r8, r16; 17: two passes of r16) is bit for bit the product of row r alone, and so whatever
+    rows share its pass and whichever entry runs it."""
+    gen = torch.Generator().manual_seed(100 + cols)
+    w = torch.randn(13, cols, generator=gen).to(torch.bfloat16)
+    x = torch.randn(17, cols, generator=gen) * torch.logspace(-3, 3, cols)  # cancellation: order shows
+    fn = lambda rows: cb.bf16_rows_product(rows, w)  # noqa: E731
+    alone = _rows_alone(fn, x)
+    torch.testing.assert_close(alone, x @ w.float().T, rtol=1e-3, atol=1e-2)
+    for rows in (1, 3, 6, 9, 16, 17):
+        assert torch.equal(fn(x[:rows]), alone[:rows]), rows
+    perm = torch.randperm(17, generator=gen)  # other neighbours, same rows
+    assert torch.equal(fn(x[perm]), alone[perm])
+
+
+@pytest.mark.parametrize("cols,group", [(1024, 64), (320, 64)])
+def test_int8_rows_product_row_is_independent_of_the_rows_beside_it(host, cols, group):
+    packed, scales, biases = int8_inputs(13, cols, group, seed=cols)
+    gen = torch.Generator().manual_seed(cols)
+    x = torch.randn(17, cols, generator=gen) * torch.logspace(-3, 3, cols)
+    fn = lambda rows: cb.int8_rows_product(rows, packed, scales, biases, group)  # noqa: E731
+    alone = _rows_alone(fn, x)
+    for rows in (1, 3, 6, 9, 16, 17):
+        assert torch.equal(fn(x[:rows]), alone[:rows]), rows
+    perm = torch.randperm(17, generator=gen)
+    assert torch.equal(fn(x[perm]), alone[perm])
+
+
+def test_row_independence_check_catches_a_shape_dependent_order(host):
+    """Negative control: the same check on a product whose order depends on the row count
+    (summing the halves of `in` in an order chosen by R) fails."""
+    gen = torch.Generator().manual_seed(3)
+    w = torch.randn(13, 1024, generator=gen).to(torch.bfloat16)
+    x = torch.randn(9, 1024, generator=gen) * torch.logspace(-3, 3, 1024)
+
+    def shape_dependent(rows):
+        lo = cb.bf16_rows_product(rows[:, :512], w[:, :512])
+        hi = cb.bf16_rows_product(rows[:, 512:], w[:, 512:])
+        return (hi + lo) if rows.shape[0] > 1 else (lo + hi) * 1.0000001
+
+    assert not torch.equal(shape_dependent(x)[:1], _rows_alone(shape_dependent, x)[:1])
+
+
+def test_gpu_check_rows_products_section_runs(host, monkeypatch, tmp_path):
+    """scripts/gpu_check.py's rows_products section, on the host-compiled kernels at a small shape:
+    it runs and reports the fields a device session reads."""
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    res = gc.rows_products(tmp_path, dev="cpu", shapes={"small_40x128": (40, 128)}, copy_bytes=1 << 16, iters=1)
+    for fmt in ("bf16", "int8"):
+        r = res[f"{fmt}.small_40x128"]
+        assert r["batch_invariant"] is True
+        assert r["max_abs_err_vs_fp64"] < 1e-3 * r["max_abs_ref"]
+        assert {"rows1_weight_GBps", "rows9_of_copy", "rows16_us"} <= set(r)
+    assert res["d2d_copy_GBps"] > 0 and (tmp_path / "rows_products.json").is_file()
+
+
 # ---- on a GPU: each kernel against its CPU reference --------------------------------------------
 
 
@@ -953,6 +1102,22 @@ def test_gpu_select_candidates_ties_to_lower_id():
     zeros = torch.zeros(vocab, rank)
     got = cb.select_candidates_ids(logits.cuda(), torch.zeros(3, rank).cuda(), 0, zeros.cuda(), zeros.cuda(), 4)
     assert got.tolist() == [7, 7, 7]
+
+
+@gpu
+@pytest.mark.parametrize("rows", [1, 3, 6, 9, 16, 17])
+def test_gpu_rows_products_are_batch_invariant(rows):
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(1000, 1024, generator=gen).to(torch.bfloat16).cuda()
+    x = torch.randn(17, 1024, generator=gen).cuda()
+    alone = torch.cat([cb.bf16_rows_product(x[r:r + 1], w) for r in range(17)])
+    assert torch.equal(cb.bf16_rows_product(x[:rows], w), alone[:rows])
+    close(alone, x @ w.float().T, rtol=1e-4, atol=1e-3)
+    packed, scales, biases = (t.cuda() for t in int8_inputs(1000, 1024))
+    alone8 = torch.cat([cb.int8_rows_product(x[r:r + 1], packed, scales, biases) for r in range(17)])
+    assert torch.equal(cb.int8_rows_product(x[:rows], packed, scales, biases), alone8[:rows])
+    close(alone8, dequantized_linear(x.cpu(), *(t.cpu() for t in (packed, scales, biases)), 8, 64), rtol=1e-4,
+          atol=1e-3)
 
 
 @gpu

@@ -23,6 +23,28 @@ GDN_MAX_DK = 256  # gdn.cu: GDN_TI * GDN_MAX_PER
 CONV_MAX_TAPS = 8  # conv.cu
 SEL_MAX_K = 16  # dflash.cu
 QUANT_KERNELS = {4: "affine_gemv_q4_f32", 2: "affine_gemv_q2_f32", 1: "affine_gemv_q1_f32"}
+# bgemv.cu: the batch-invariant products (issue #44), DEVICE-UNVERIFIED: they have run only through
+# tests/test_cuda.py's host-compiled emulation and scripts/gpu_check.py's `rows_products` section
+# has not run yet; nothing in the engine calls them while ROWS_PRODUCTS is False
+ROWS_PRODUCTS = False
+# per format, per pass size (input rows per read of the weights): the wrapper takes the smallest
+# pass that holds R (16 past that); the four compute every row bit for bit alike (bgemv.cu)
+ROWS_PASSES = (1, 4, 8, 16)
+ROWS_KERNELS = {fmt: {p: f"{fmt}_rows_gemv_r{p}_f32" for p in ROWS_PASSES} for fmt in ("bf16", "int8")}
+ROWS_OUTPUTS_PER_WARP = {1: 1, 4: 4, 8: 2, 16: 2}  # bgemv.cu BG_OW; 8 warps a block
+
+
+def rows_pass(rows: int) -> int:
+    return next((p for p in ROWS_PASSES if rows <= p), ROWS_PASSES[-1])
+
+
+def rows_kernel(fmt: str, rows: int) -> str:
+    """The bgemv.cu entry a product of `rows` input rows launches."""
+    return ROWS_KERNELS[fmt][rows_pass(rows)]
+
+
+def rows_grid(rows: int, out_features: int) -> tuple[int]:
+    return (-(-out_features // (8 * ROWS_OUTPUTS_PER_WARP[rows_pass(rows)])),)
 
 
 def cuda_unavailable_reason() -> str | None:
@@ -242,4 +264,61 @@ def affine_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, b
     _k(x).launch("qgemv", QUANT_KERNELS[bits], (-(-out_features // 8),), (256,),
                  [ptr(x), ptr(packed), ptr(s), ptr(b), ptr(y), i32(rows), i32(cols), i32(out_features), i32(group),
                   i32(kind)])
+    return y
+
+
+# ---- batch-invariant products (bgemv.cu; DEVICE-UNVERIFIED, off: ROWS_PRODUCTS) ------------------
+
+
+def _aligned16(t: torch.Tensor) -> torch.Tensor:
+    """`t` contiguous with a 16-byte aligned start (the kernels' vector loads)."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def bf16_rows_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [R, in] (cast to fp32) @ w^T for bf16 w [out, in] read as stored (bfloat16, or its raw
+    int16 / uint16 bits): fp32 [R, out], fp32 accumulation. Row r of the result is bit-identical
+    whatever the number of rows beside it (bgemv.cu: a fixed reduction order per row); the
+    weights are read once per 16 rows. DEVICE-UNVERIFIED (see ROWS_PRODUCTS)."""
+    x = _aligned16(_f32(x, "x"))
+    _need_cuda(w, "w")
+    if w.dtype not in (torch.bfloat16, torch.int16, torch.uint16):
+        raise TurboError(f"backend cuda: bf16_rows_product takes bf16 weights (or their raw 16-bit storage), "
+                         f"got {w.dtype}")
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise TurboError(f"backend cuda: bf16_rows_product takes x [R, in] and w [out, in], "
+                         f"got {list(x.shape)} and {list(w.shape)}")
+    w = _aligned16(w.view(torch.int16))
+    rows, cols = x.shape
+    out_features = w.shape[0]
+    y = torch.empty(rows, out_features, device=x.device, dtype=torch.float32)
+    if rows and out_features:
+        _k(x).launch("bgemv", rows_kernel("bf16", rows), rows_grid(rows, out_features), (256,),
+                     [ptr(x), ptr(w), ptr(y), i32(rows), i32(cols), i32(out_features)])
+    return y
+
+
+def int8_rows_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
+                      group: int = 64) -> torch.Tensor:
+    """affine_linear for turbo/quant.py's int8 (uint8 levels, 4 per int32 word, bf16 scales /
+    biases per `group` columns), batch-invariant like bf16_rows_product. DEVICE-UNVERIFIED."""
+    x = _aligned16(_f32(x, "x"))
+    rows, cols = x.shape
+    out_features, words = packed.shape
+    if words * 4 != cols or group <= 0 or cols % group:
+        raise TurboError(f"backend cuda: int8 weight [{out_features}, {words}] (group {group}) "
+                         f"does not take {cols} input columns")
+    if scales.dtype != torch.bfloat16 or biases.dtype != torch.bfloat16:
+        raise TurboError(f"backend cuda: int8 scales / biases are {scales.dtype} / {biases.dtype}, expected bfloat16")
+    if tuple(scales.shape) != (out_features, cols // group) or tuple(biases.shape) != tuple(scales.shape):
+        raise TurboError(f"backend cuda: int8 scales / biases must be [{out_features}, {cols // group}]")
+    _need_cuda(packed, "packed weight")
+    packed = _aligned16(packed)
+    s, b = scales.contiguous().view(torch.int16), biases.contiguous().view(torch.int16)
+    y = torch.empty(rows, out_features, device=x.device, dtype=torch.float32)
+    if rows and out_features:
+        _k(x).launch("bgemv", rows_kernel("int8", rows), rows_grid(rows, out_features), (256,),
+                     [ptr(x), ptr(packed), ptr(s), ptr(b), ptr(y), i32(rows), i32(cols), i32(out_features),
+                      i32(group)])
     return y

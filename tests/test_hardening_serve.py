@@ -97,8 +97,62 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizin
     assert err["param"] == "prompt" and "900000 characters: more than this model's context of 2048" in err["message"]
     err = error_of(post(server, {"model": "tiny", "messages": [{"role": "user", "content": "ab " * 300_000}]},
                         "/v1/chat/completions"), 400)
-    assert err["param"] == "messages" and "characters" in err["message"]
+    assert err["param"] == "messages[0].content" and "characters" in err["message"]
+    err = error_of(post(server, {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ab " * 150_000}, {"type": "text", "text": "cd " * 150_000}]}]},
+        "/v1/chat/completions"), 400)
+    assert err["param"] == "messages[0].content" and "900000 characters" in err["message"]
     assert time.monotonic() - start < 30
+
+
+def raw_http(server, head: str, *parts: bytes, wait: float = 10.0) -> tuple[bytes, bool]:
+    """Send a request's head (and `parts` of its body) over a socket, sending nothing more; what
+    the server answers within `wait` seconds, and whether it then closed the connection (or reset
+    it: closed with bytes of ours unread)."""
+    import socket
+
+    host, port = server.url.split("://")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=wait) as s:
+        s.sendall(head.replace("\n", "\r\n").encode() + b"\r\n")
+        for part in parts:
+            s.sendall(part)
+        got, closed = b"", False
+        try:
+            while True:
+                more = s.recv(65536)
+                if not more:
+                    closed = True
+                    break
+                got += more
+        except ConnectionResetError:  # (closed with our unread bytes in its buffer: a reset)
+            closed = True
+        except socket.timeout:
+            pass
+    return got, closed
+
+
+def test_an_over_limit_content_length_is_a_413_before_any_body_is_sent(server):
+    """The 413 comes from the head alone (the client has sent no byte of its 2 MiB), and the
+    server closes the connection rather than read or drain the body."""
+    got, closed = raw_http(server, f"POST /v1/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {KEY}\n"
+                                   f"Content-Type: application/json\nContent-Length: {2 << 20}\n")
+    assert got.startswith(b"HTTP/1.1 413 "), got[:200]
+    assert b"connection: close" in got.lower() and b"serve.max_body_mb" in got and closed
+
+
+def test_a_chunked_body_is_cut_at_the_limit(server):
+    """A chunked body is refused once its bytes pass the limit, its end never awaited, and the
+    connection closed."""
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(20))  # 1.25 MiB, no last chunk
+    got, closed = raw_http(server, f"POST /v1/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {KEY}\n"
+                                   "Content-Type: application/json\nTransfer-Encoding: chunked\n", body)
+    assert got.startswith(b"HTTP/1.1 413 ") and closed, got[:200]
+
+
+def test_a_missing_key_is_a_401_before_the_body(server):
+    got, _ = raw_http(server, "POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 100\n", wait=5)
+    assert got.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in got, got[:200]
 
 
 @pytest.mark.parametrize("raw, status, param", [

@@ -24,7 +24,7 @@ from ..chat import split_reasoning
 from ..errors import TurboError
 from ..tool_calls import CallStream, parse_tool_calls
 from . import protocol as P
-from .limits import MIB, read_body
+from .limits import MIB, read_body, too_large
 from .metrics import CONTENT_TYPE, Timing
 from .scheduler import Delta
 from .worker import Engine
@@ -58,18 +58,39 @@ def error(e: P.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+class Guard:
+    """What is refused from the request's head alone, before routing and before a byte of the body
+    is read: a /v1 request without the API key (401), a body whose Content-Length is over the limit
+    (413, the connection closed: its bytes are never read). A plain ASGI middleware (not
+    @app.middleware's, whose task group and streams every request would pay for)."""
+
+    def __init__(self, app, key: str | None, limit: int):
+        self.app, self.limit = app, limit
+        self.expected = None if key is None else f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                await error(refusal)(scope, receive, send)  # (a Response never reads the body)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> P.ApiError | None:
+        headers = dict(reversed(scope["headers"]))  # (lower-case names, bytes; the first of a repeated one)
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return P.ApiError("Incorrect or missing API key (Authorization: Bearer KEY).", None, 401,
+                                  code="invalid_api_key")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return too_large(self.limit)
+        return None
+
+
 def make_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="turbo", docs_url=None, redoc_url=None, openapi_url=None)
-    key = engine.config.api_key
-
-    @app.middleware("http")
-    async def api_key(request: HttpRequest, call_next):
-        if key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return error(P.ApiError("Incorrect or missing API key (Authorization: Bearer KEY).", None, 401,
-                                        code="invalid_api_key"))
-        return await call_next(request)
+    app.add_middleware(Guard, key=engine.config.api_key, limit=body_limit(engine))
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: HttpRequest, e: P.ApiError):
@@ -118,10 +139,15 @@ def make_app(engine: Engine) -> FastAPI:
 DEFAULT_MAX_BODY_MB = 32.0  # ServeConfig's (an engine whose config has none: a test's stand-in)
 
 
+def body_limit(engine: Engine) -> int:
+    return int(getattr(engine.config, "max_body_mb", DEFAULT_MAX_BODY_MB) * MIB)
+
+
 async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
-    limit = int(getattr(engine.config, "max_body_mb", DEFAULT_MAX_BODY_MB) * MIB)
-    raw = await read_body(request.stream(), limit, request.headers.get("content-length"))
+    # (a Content-Length over the limit never gets here: Guard; a chunked body is cut at the limit)
+    raw = await read_body(request.stream(), body_limit(engine), request.headers.get("content-length"))
     body = P.parse(P.parse_json(raw), chat)
+    engine.check_chars(body)  # a prompt past the context: a 400 here, before any thread or tokenizer
     # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other streams
     prepared = await asyncio.to_thread(engine.prepare, body)
     loop = asyncio.get_running_loop()

@@ -49,7 +49,7 @@ def server(tmp_path_factory):
     (tmp / "key").write_text(KEY + "\n")
     cmd = [sys.executable, "-m", "turbo", "task=serve", "serve.port=0", "threads=1", "backend=cpu",
            f"serve.chat_template={tmp / 'chatml.jinja'}", "serve.max_body_mb=1", f"serve.api_key_file={tmp / 'key'}",
-           "serve.max_running=4"]
+           "serve.max_running=4", "serve.http_nice=5"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's turbo, whatever the cwd
     env.pop(API_KEY_ENV, None)
     proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -180,6 +180,19 @@ def test_deep_message_fields_and_python_named_template_keywords(server, want):
     err = error_of(post(server, {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"messages": 1}},
                         "/v1/chat/completions"), 400)
     assert err["param"] == "chat_template_kwargs.messages"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities: Linux")
+def test_the_http_side_runs_nicer_than_the_engine(server):
+    """serve.http_nice=5: the event loop's thread (the main one) and the threads it started are 5
+    nicer than the engine's step thread, started before at the process's priority."""
+    post(server, {"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+    nice = {}
+    for tid in os.listdir(f"/proc/{server.proc.pid}/task"):
+        with open(f"/proc/{server.proc.pid}/task/{tid}/stat") as f:
+            nice[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert nice.pop(server.proc.pid) == base + 5 and base in nice.values(), nice
 
 
 def test_the_key_comes_from_a_file_not_the_command_line(server):
@@ -318,7 +331,9 @@ def test_the_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
     for serve, says in (({"api_key": "a", "api_key_file": str(tmp_path / "key")}, "are both set"),
                         ({"api_key_file": str(tmp_path / "none")}, "serve.api_key_file=.*: not readable"),
                         ({"api_key_file": str(tmp_path / "empty")}, "the key is empty"),
-                        ({"max_body_mb": 0}, "serve.max_body_mb=0, expected a number of MB > 0")):
+                        ({"max_body_mb": 0}, "serve.max_body_mb=0, expected a number of MB > 0"),
+                        ({"http_nice": 20}, "serve.http_nice=20, expected an integer in 0..19"),
+                        ({"http_nice": -1}, "serve.http_nice=-1, expected an integer in 0..19")):
         with pytest.raises(TurboError, match=says):
             config(**serve)
 

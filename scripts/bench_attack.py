@@ -2,10 +2,14 @@
 made by turbo.vision.testing, serve.max_body_mb=1, serve.image_dirs holding named pipes) answers
 8 clients' greedy chat requests, first undisturbed, then while attackers send bodies over the
 limit (declared and chunked), prompts longer than the context could hold, and image URLs naming a
-named pipe. Prints each phase's latency p50 / p99 / max, whether every answer is the undisturbed
-run's, the attacks' status codes, and the server's peak RSS (VmHWM).
+named pipe. Each client streams its answers (16 tokens) over one kept-alive connection; each
+attacker process sends one attack's request, built once, over a fresh raw socket, back to back.
+Prints each phase's latency and time to first token (p50 / p99), whether every answer is the
+undisturbed run's, the attacks' status codes and rate, the server's CPU by thread (the event
+loop's apart), and its peak RSS (VmHWM).
 
-    python scripts/bench_attack.py [--requests 6] [--attackers 4]
+    python scripts/bench_attack.py [--requests 6] [--attackers 4] [--attacker-nice 0]
+        [--serve serve.http_nice=5] [--profile PATH]
 """
 
 from __future__ import annotations
@@ -69,25 +73,37 @@ def main() -> int:
     url = served_address(proc).split()[-1]  # the address line, on stderr
     model = install.name
 
-    def ask(http: httpx.Client, i: int) -> tuple[str, float]:
+    def ask(http: httpx.Client, i: int) -> tuple[str, float, float]:
+        """One streamed greedy chat request: its text, latency (to [DONE]) and time to first token."""
         body = {"model": model, "messages": [{"role": "user", "content": QUESTIONS[i % CLIENTS]}],
-                "max_tokens": 16, "temperature": 0}
-        t = time.perf_counter()
-        r = http.post(url + "/v1/chat/completions", json=body, timeout=300)
-        return r.json()["choices"][0]["message"]["content"], time.perf_counter() - t
+                "max_tokens": 16, "temperature": 0, "stream": True}
+        t, first, text = time.perf_counter(), None, []
+        with http.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                choices = json.loads(line[6:])["choices"]
+                delta = choices[0]["delta"] if choices else {}
+                piece = (delta.get("reasoning_content") or "") + (delta.get("content") or "")
+                if piece and first is None:
+                    first = time.perf_counter() - t
+                text.append(piece)
+        total = time.perf_counter() - t
+        return "".join(text), total, first if first is not None else total
 
-    def phase() -> tuple[list[list[str]], list[float]]:
+    def phase() -> tuple[list[list[str]], list[float], list[float]]:
         def client(i: int):  # (one connection each, kept alive: a well-behaved client)
             with httpx.Client() as http:
                 return [ask(http, i) for _ in range(args.requests)]
         with ThreadPoolExecutor(CLIENTS) as pool:
             runs = list(pool.map(client, range(CLIENTS)))
-        return [[a for a, _ in r] for r in runs], [t for r in runs for _, t in r]
+        return [[a for a, _, _ in r] for r in runs], [t for r in runs for _, t, _ in r], \
+            [f for r in runs for _, _, f in r]
 
     try:
         phase()  # warm
         cpu0, t0 = thread_cpu(proc.pid), time.perf_counter()
-        calm_answers, calm = phase()
+        calm_answers, calm, calm_ttft = phase()
         calm_cpu = cpu_line(proc.pid, cpu0, thread_cpu(proc.pid), time.perf_counter() - t0)
         stop, out = multiprocessing.Event(), multiprocessing.Queue()
         procs = [multiprocessing.Process(target=attacker, args=(k, url, model, str(tmp), stop, out, args.attacker_nice),
@@ -95,7 +111,7 @@ def main() -> int:
         for a in procs:
             a.start()
         cpu0, start = thread_cpu(proc.pid), time.perf_counter()
-        hostile_answers, hostile = phase()
+        hostile_answers, hostile, hostile_ttft = phase()
         seconds = time.perf_counter() - start
         hostile_cpu = cpu_line(proc.pid, cpu0, thread_cpu(proc.pid), seconds)
         stop.set()
@@ -106,11 +122,12 @@ def main() -> int:
             a.join(60)
         with open(f"/proc/{proc.pid}/status") as f:
             hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
-        for name, xs in (("undisturbed", calm), ("under attack", hostile)):
+        for name, xs, ts in (("undisturbed", calm, calm_ttft), ("under attack", hostile, hostile_ttft)):
             print(f"{name:>12}: {len(xs)} requests, p50 {p(xs, .5):.3f} s, p99 {p(xs, .99):.3f} s, "
-                  f"max {max(xs):.3f} s")
+                  f"max {max(xs):.3f} s; time to first token p50 {p(ts, .5):.3f} s, p99 {p(ts, .99):.3f} s")
         print(f" undisturbed: {calm_cpu}\nunder attack: {hostile_cpu}")
-        print(f"p99 under attack / undisturbed: {p(hostile, .99) / p(calm, .99):.2f}x; answers unchanged: "
+        print(f"p99 under attack / undisturbed: {p(hostile, .99) / p(calm, .99):.2f}x (time to first token "
+              f"{p(hostile_ttft, .99) / p(calm_ttft, .99):.2f}x); answers unchanged: "
               f"{hostile_answers == calm_answers}")
         print(f"attacks answered: {sum(codes.values())} ({sum(codes.values()) / seconds:.1f} a second): "
               + ", ".join(f"{k}: {v}" for k, v in sorted(codes.items())))

@@ -151,8 +151,8 @@ def test_a_chunked_body_is_cut_at_the_limit(server):
 
 
 def test_a_missing_key_is_a_401_before_the_body(server):
-    got, _ = raw_http(server, "POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 100\n", wait=5)
-    assert got.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in got, got[:200]
+    got, closed = raw_http(server, "POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 100\n", wait=5)
+    assert got.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in got and closed, got[:200]
 
 
 @pytest.mark.parametrize("raw, status, param", [

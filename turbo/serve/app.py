@@ -72,7 +72,10 @@ class Guard:
         if scope["type"] == "http":
             refusal = self.refusal(scope)
             if refusal is not None:
-                await error(refusal)(scope, receive, send)  # (a Response never reads the body)
+                response = error(refusal)
+                if any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"]):
+                    response.headers["connection"] = "close"  # a body unread: not drained either
+                await response(scope, receive, send)  # (a Response never reads the body)
                 return
         await self.app(scope, receive, send)
 

@@ -55,6 +55,9 @@ def main() -> int:
                     help="their niceness (10: the machine's cores go to the server first, as when they are elsewhere)")
     ap.add_argument("--serve", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for the server (e.g. serve.http_nice=0 to compare)")
+    ap.add_argument("--cost", type=int, default=20, metavar="N",
+                    help="first send each attack N times, one at a time, and report the server's CPU per attack "
+                         "(0: skip)")
     ap.add_argument("--profile", metavar="PATH", help="run the server under cProfile (its event loop, the main "
                     "thread), the stats written to PATH when it stops")
     args = ap.parse_args()
@@ -102,6 +105,8 @@ def main() -> int:
 
     try:
         phase()  # warm
+        if args.cost:
+            print(attack_costs(proc.pid, url, model, tmp, args.cost))
         cpu0, t0 = thread_cpu(proc.pid), time.perf_counter()
         calm_answers, calm, calm_ttft = phase()
         calm_cpu = cpu_line(proc.pid, cpu0, thread_cpu(proc.pid), time.perf_counter() - t0)
@@ -183,16 +188,17 @@ def send(address: tuple[str, int], raw: bytes) -> str:
     return got.split(b" ", 2)[1].decode() if got.startswith(b"HTTP/1.1 ") else "reset"
 
 
-def thread_cpu(pid: int) -> dict[int, float]:
-    """CPU seconds (user + system) of each of the process's threads, by thread id."""
+def thread_cpu(pid: int, system: bool = True) -> dict[int, float]:
+    """CPU seconds of each of the process's threads, by thread id: user + system (system False:
+    user alone)."""
     tick, out = os.sysconf("SC_CLK_TCK"), {}
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
             with open(f"/proc/{pid}/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                stat = f.read().rsplit(")", 1)[1].split()
         except OSError:  # (a thread that ended)
             continue
-        out[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
+        out[int(tid)] = (int(stat[11]) + (int(stat[12]) if system else 0)) / tick
     return out
 
 
@@ -201,6 +207,22 @@ def cpu_line(pid: int, before: dict[int, float], after: dict[int, float], second
     loop, rest = used.pop(pid, 0.0), sorted(used.values(), reverse=True)
     return (f"server CPU {sum(rest) + loop:.1f} s in {seconds:.1f} s: event loop (main thread) {loop:.1f} s, "
             f"other threads {sum(rest):.1f} s (busiest {', '.join(f'{x:.1f}' for x in rest[:3])})")
+
+
+def attack_costs(pid: int, url: str, model: str, tmp: Path, n: int) -> str:
+    """The server's CPU per attack of each kind, sent n times one after another (no client, no
+    other attacker): the event loop's thread and the others (the engine's, asyncio's workers)."""
+    host, port = url.split("://", 1)[1].rsplit(":", 1)
+    out = []
+    for name, raw in make_attacks(url, model, tmp):
+        send((host, int(port)), raw)
+        before, user0 = thread_cpu(pid), thread_cpu(pid, system=False)[pid]
+        codes = Counter(send((host, int(port)), raw) for _ in range(n))
+        used = {t: v - before.get(t, 0.0) for t, v in thread_cpu(pid).items()}
+        loop, user = used.pop(pid, 0.0), thread_cpu(pid, system=False)[pid] - user0
+        out.append(f"{name} ({'/'.join(codes)}): loop {1000 * loop / n:.1f} ms ({1000 * user / n:.1f} user) + others "
+                   f"{1000 * sum(used.values()) / n:.1f} ms")
+    return "server CPU per attack: " + "; ".join(out)
 
 
 def attacker(k: int, url: str, model: str, tmp: str, stop, out, niceness: int) -> None:

@@ -369,3 +369,49 @@ def test_bounded_templates_render_as_before():
     assert ChatTemplate(source).render(MESSAGES + MESSAGES) == \
         "1user:Write a haiku.2user:Write a haiku.!abab1,2cb"
     assert ChatTemplate("{{ self is defined }}{{ template }}").render(MESSAGES, self=1, template="t") == "Truet"
+
+
+def test_slow_image_requests_queue_apart_from_text_ones(monkeypatch):
+    """A request with images is prepared in a pool of its own (app.IMAGE_WORKERS): twelve whose
+    image reads hang leave a text request's preparation free to run at once (in asyncio's pool,
+    which they used to fill)."""
+    import asyncio
+
+    from turbo.serve import app as served
+
+    release = threading.Event()
+
+    class Stalled:  # an engine whose image reads hang until released
+        config = SimpleNamespace(api_key=None, max_body_mb=1)
+        model, max_positions = "tiny", 64
+
+        def check_chars(self, body) -> None:
+            pass
+
+        def prepare(self, body):
+            if served.has_images(body):
+                release.wait(10)
+            raise ApiError("refused once prepared", "messages")
+
+    monkeypatch.setattr(served, "_image_pool", None)
+    app = served.make_app(Stalled())
+    image = {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///slow.png"}}, {"type": "text", "text": "?"}]}]}
+    text = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            slow = [asyncio.create_task(client.post("/v1/chat/completions", json=image)) for _ in range(12)]
+            await asyncio.sleep(0.3)
+            start = time.monotonic()
+            answer = await client.post("/v1/chat/completions", json=text)
+            took, stalled = time.monotonic() - start, not any(t.done() for t in slow)
+            release.set()
+            return answer, took, stalled, await asyncio.gather(*slow)
+
+    try:
+        answer, took, stalled, slow = asyncio.run(run())
+    finally:
+        release.set()
+    assert answer.status_code == 400 and took < 5 and stalled, (answer.status_code, took, stalled)
+    assert [r.status_code for r in slow] == [400] * 12

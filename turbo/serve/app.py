@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -151,8 +152,11 @@ async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
     raw = await read_body(request.stream(), body_limit(engine), request.headers.get("content-length"))
     body = P.parse(P.parse_json(raw), chat)
     engine.check_chars(body)  # a prompt past the context: a 400 here, before any thread or tokenizer
-    # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other streams
-    prepared = await asyncio.to_thread(engine.prepare, body)
+    # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other
+    # streams; a request with images in a pool of its own, so that slow ones (a slow disk, a remote
+    # server trickling its 10 s) queue behind each other, never ahead of a text request's template
+    prepared = await (asyncio.get_running_loop().run_in_executor(image_pool(), engine.prepare, body)
+                      if has_images(body) else asyncio.to_thread(engine.prepare, body))
     loop = asyncio.get_running_loop()
     rid, calls = P.new_id(chat), []
     try:
@@ -173,6 +177,22 @@ async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
         return StreamingResponse(stream(engine, calls), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return JSONResponse(await whole(engine, calls, request))
+
+
+IMAGE_WORKERS = 4  # requests with images prepared at once (the rest queue for these)
+_image_pool: ThreadPoolExecutor | None = None
+
+
+def image_pool() -> ThreadPoolExecutor:
+    global _image_pool
+    if _image_pool is None:
+        _image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="turbo-images")
+    return _image_pool
+
+
+def has_images(body: P.Body) -> bool:
+    return bool(body.chat and any(isinstance(m.get("content"), list) and
+                                  any(p.get("type") == "image_url" for p in m["content"]) for m in body.messages or ()))
 
 
 def sink_of(loop: asyncio.AbstractEventLoop, call: Call) -> Callable[[Delta | TurboError], None]:

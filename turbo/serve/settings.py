@@ -79,7 +79,8 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
         raise TurboError(f"config: serve.remote_images={s.get('remote_images')!r}, expected true or false")
     return ServeConfig(host=s["host"], port=int(s["port"]), engine=s["engine"], replicas=int(s["replicas"]),
                        limits=ServeLimits(**{k: s[k] for k in LIMIT_KEYS}), image_dirs=image_dirs(s.get("image_dirs")),
-                       remote_images=s.get("remote_images", False), max_body_mb=float(s["max_body_mb"]), http_nice=nice, **text)
+                       remote_images=s.get("remote_images", False), max_body_mb=float(s["max_body_mb"]),
+                       http_nice=nice, **text)
 
 
 API_KEY_ENV = "TURBO_API_KEY"

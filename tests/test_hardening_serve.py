@@ -49,7 +49,7 @@ def server(tmp_path_factory):
     (tmp / "key").write_text(KEY + "\n")
     cmd = [sys.executable, "-m", "turbo", "task=serve", "serve.port=0", "threads=1", "backend=cpu",
            f"serve.chat_template={tmp / 'chatml.jinja'}", "serve.max_body_mb=1", f"serve.api_key_file={tmp / 'key'}",
-           "serve.max_running=4"]
+           "serve.max_running=4", "serve.http_nice=5"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's turbo, whatever the cwd
     env.pop(API_KEY_ENV, None)
     proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
@@ -97,8 +97,62 @@ def test_a_prompt_longer_than_the_context_could_hold_is_refused_before_tokenizin
     assert err["param"] == "prompt" and "900000 characters: more than this model's context of 2048" in err["message"]
     err = error_of(post(server, {"model": "tiny", "messages": [{"role": "user", "content": "ab " * 300_000}]},
                         "/v1/chat/completions"), 400)
-    assert err["param"] == "messages" and "characters" in err["message"]
+    assert err["param"] == "messages[0].content" and "characters" in err["message"]
+    err = error_of(post(server, {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "ab " * 150_000}, {"type": "text", "text": "cd " * 150_000}]}]},
+        "/v1/chat/completions"), 400)
+    assert err["param"] == "messages[0].content" and "900000 characters" in err["message"]
     assert time.monotonic() - start < 30
+
+
+def raw_http(server, head: str, *parts: bytes, wait: float = 10.0) -> tuple[bytes, bool]:
+    """Send a request's head (and `parts` of its body) over a socket, sending nothing more; what
+    the server answers within `wait` seconds, and whether it then closed the connection (or reset
+    it: closed with bytes of ours unread)."""
+    import socket
+
+    host, port = server.url.split("://")[1].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=wait) as s:
+        s.sendall(head.replace("\n", "\r\n").encode() + b"\r\n")
+        for part in parts:
+            s.sendall(part)
+        got, closed = b"", False
+        try:
+            while True:
+                more = s.recv(65536)
+                if not more:
+                    closed = True
+                    break
+                got += more
+        except ConnectionResetError:  # (closed with our unread bytes in its buffer: a reset)
+            closed = True
+        except socket.timeout:
+            pass
+    return got, closed
+
+
+def test_an_over_limit_content_length_is_a_413_before_any_body_is_sent(server):
+    """The 413 comes from the head alone (the client has sent no byte of its 2 MiB), and the
+    server closes the connection rather than read or drain the body."""
+    got, closed = raw_http(server, f"POST /v1/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {KEY}\n"
+                                   f"Content-Type: application/json\nContent-Length: {2 << 20}\n")
+    assert got.startswith(b"HTTP/1.1 413 "), got[:200]
+    assert b"connection: close" in got.lower() and b"serve.max_body_mb" in got and closed
+
+
+def test_a_chunked_body_is_cut_at_the_limit(server):
+    """A chunked body is refused once its bytes pass the limit, its end never awaited, and the
+    connection closed."""
+    chunk = b"x" * 65536
+    body = b"".join(b"%x\r\n" % len(chunk) + chunk + b"\r\n" for _ in range(20))  # 1.25 MiB, no last chunk
+    got, closed = raw_http(server, f"POST /v1/completions HTTP/1.1\nHost: x\nAuthorization: Bearer {KEY}\n"
+                                   "Content-Type: application/json\nTransfer-Encoding: chunked\n", body)
+    assert got.startswith(b"HTTP/1.1 413 ") and closed, got[:200]
+
+
+def test_a_missing_key_is_a_401_before_the_body(server):
+    got, closed = raw_http(server, "POST /v1/completions HTTP/1.1\nHost: x\nContent-Length: 100\n", wait=5)
+    assert got.startswith(b"HTTP/1.1 401 ") and b"invalid_api_key" in got and closed, got[:200]
 
 
 @pytest.mark.parametrize("raw, status, param", [
@@ -126,6 +180,19 @@ def test_deep_message_fields_and_python_named_template_keywords(server, want):
     err = error_of(post(server, {"model": "tiny", "messages": MESSAGES, "chat_template_kwargs": {"messages": 1}},
                         "/v1/chat/completions"), 400)
     assert err["param"] == "chat_template_kwargs.messages"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread priorities: Linux")
+def test_the_http_side_runs_nicer_than_the_engine(server):
+    """serve.http_nice=5: the event loop's thread (the main one) and the threads it started are 5
+    nicer than the engine's step thread, started before at the process's priority."""
+    post(server, {"model": "tiny", "prompt": PROMPT, "max_tokens": 2})
+    nice = {}
+    for tid in os.listdir(f"/proc/{server.proc.pid}/task"):
+        with open(f"/proc/{server.proc.pid}/task/{tid}/stat") as f:
+            nice[int(tid)] = int(f.read().rsplit(")", 1)[1].split()[16])
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    assert nice.pop(server.proc.pid) == base + 5 and base in nice.values(), nice
 
 
 def test_the_key_comes_from_a_file_not_the_command_line(server):
@@ -264,7 +331,9 @@ def test_the_api_key_from_a_file_or_the_environment(tmp_path, monkeypatch):
     for serve, says in (({"api_key": "a", "api_key_file": str(tmp_path / "key")}, "are both set"),
                         ({"api_key_file": str(tmp_path / "none")}, "serve.api_key_file=.*: not readable"),
                         ({"api_key_file": str(tmp_path / "empty")}, "the key is empty"),
-                        ({"max_body_mb": 0}, "serve.max_body_mb=0, expected a number of MB > 0")):
+                        ({"max_body_mb": 0}, "serve.max_body_mb=0, expected a number of MB > 0"),
+                        ({"http_nice": 20}, "serve.http_nice=20, expected an integer in 0..19"),
+                        ({"http_nice": -1}, "serve.http_nice=-1, expected an integer in 0..19")):
         with pytest.raises(TurboError, match=says):
             config(**serve)
 
@@ -300,3 +369,49 @@ def test_bounded_templates_render_as_before():
     assert ChatTemplate(source).render(MESSAGES + MESSAGES) == \
         "1user:Write a haiku.2user:Write a haiku.!abab1,2cb"
     assert ChatTemplate("{{ self is defined }}{{ template }}").render(MESSAGES, self=1, template="t") == "Truet"
+
+
+def test_slow_image_requests_queue_apart_from_text_ones(monkeypatch):
+    """A request with images is prepared in a pool of its own (app.IMAGE_WORKERS): twelve whose
+    image reads hang leave a text request's preparation free to run at once (in asyncio's pool,
+    which they used to fill)."""
+    import asyncio
+
+    from turbo.serve import app as served
+
+    release = threading.Event()
+
+    class Stalled:  # an engine whose image reads hang until released
+        config = SimpleNamespace(api_key=None, max_body_mb=1)
+        model, max_positions = "tiny", 64
+
+        def check_chars(self, body) -> None:
+            pass
+
+        def prepare(self, body):
+            if served.has_images(body):
+                release.wait(10)
+            raise ApiError("refused once prepared", "messages")
+
+    monkeypatch.setattr(served, "_image_pool", None)
+    app = served.make_app(Stalled())
+    image = {"model": "tiny", "messages": [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "file:///slow.png"}}, {"type": "text", "text": "?"}]}]}
+    text = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def run():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as client:
+            slow = [asyncio.create_task(client.post("/v1/chat/completions", json=image)) for _ in range(12)]
+            await asyncio.sleep(0.3)
+            start = time.monotonic()
+            answer = await client.post("/v1/chat/completions", json=text)
+            took, stalled = time.monotonic() - start, not any(t.done() for t in slow)
+            release.set()
+            return answer, took, stalled, await asyncio.gather(*slow)
+
+    try:
+        answer, took, stalled, slow = asyncio.run(run())
+    finally:
+        release.set()
+    assert answer.status_code == 400 and took < 5 and stalled, (answer.status_code, took, stalled)
+    assert [r.status_code for r in slow] == [400] * 12

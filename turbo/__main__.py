@@ -139,6 +139,11 @@ def cli(argv: list[str]) -> int:
     except TurboError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    argv, problem = hydra_argv(argv)
+    if problem:
+        print(f"error: {problem}", file=sys.stderr)
+        return 2
+    overrides = [a for a in argv if not a.startswith("-")]
     problem = launcher_missing(argv) or unknown_key(CONF_DIR, overrides)
     if problem is None and not any(a.startswith("-") for a in argv):
         cfg, problem = composed([a for a in overrides if not a.startswith(("hydra.", "hydra/"))])
@@ -148,8 +153,45 @@ def cli(argv: list[str]) -> int:
     if problem:
         print(f"error: {problem}", file=sys.stderr)
         return 2
+    sys.argv[1:] = argv  # (@hydra.main reads sys.argv)
     main()
     return 0
+
+
+class _Refused(Exception):
+    pass
+
+
+def hydra_argv(argv: list[str]) -> tuple[list[str], str | None]:
+    """argv as Hydra's parser takes it -- its flags (with their values) first, the overrides after
+    them -- or why it cannot be (one line). Hydra's argparse reads the overrides as one positional
+    run: `task=probe -m block=1,2` left `block=1,2` as an unrecognized argument (a usage page)."""
+    from hydra._internal.utils import get_args_parser
+
+    parser = get_args_parser()
+
+    def refuse(message: str):
+        raise _Refused(message)
+
+    parser.error = refuse  # type: ignore[method-assign]
+    try:
+        args, unknown = parser.parse_known_intermixed_args(argv)
+    except _Refused as e:
+        return argv, f"{e} (Hydra's flags: see --hydra-help)"
+    if unknown:
+        return argv, (f"{unknown[0]}: not a flag turbo or Hydra knows (expected KEY=VALUE overrides, -m/--multirun "
+                      "for a sweep, --help, or Hydra's flags of --hydra-help)")
+    modes = [f for f, on in (("--run", args.run), ("--multirun", args.multirun), ("--cfg", args.cfg),
+                             ("--info", args.info), ("--shell-completion", args.shell_completion)) if on]
+    if len(modes) > 1:
+        return argv, f"{' and '.join(modes)}: expected one of --run, --multirun, --cfg, --info, --shell-completion"
+    rest, flags = list(args.overrides), []
+    for a in argv:  # the overrides in their order; every other word (a flag, a flag's value) ahead of them
+        if rest and a == rest[0]:
+            rest.pop(0)
+        else:
+            flags.append(a)
+    return flags + list(args.overrides), None
 
 
 def composed(overrides: list[str], hydra_node: bool = False) -> tuple[DictConfig | None, str | None]:

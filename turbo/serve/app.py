@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import hmac
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
@@ -24,7 +25,7 @@ from ..chat import split_reasoning
 from ..errors import TurboError
 from ..tool_calls import CallStream, parse_tool_calls
 from . import protocol as P
-from .limits import MIB, read_body
+from .limits import MIB, read_body, too_large
 from .metrics import CONTENT_TYPE, Timing
 from .scheduler import Delta
 from .worker import Engine, param_of
@@ -58,18 +59,42 @@ def error(e: P.ApiError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
 
+class Guard:
+    """What is refused from the request's head alone, before routing and before a byte of the body
+    is read: a /v1 request without the API key (401), a body whose Content-Length is over the limit
+    (413, the connection closed: its bytes are never read). A plain ASGI middleware (not
+    @app.middleware's, whose task group and streams every request would pay for)."""
+
+    def __init__(self, app, key: str | None, limit: int):
+        self.app, self.limit = app, limit
+        self.expected = None if key is None else f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            refusal = self.refusal(scope)
+            if refusal is not None:
+                response = error(refusal)
+                if any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"]):
+                    response.headers["connection"] = "close"  # a body unread: not drained either
+                await response(scope, receive, send)  # (a Response never reads the body)
+                return
+        await self.app(scope, receive, send)
+
+    def refusal(self, scope) -> P.ApiError | None:
+        headers = dict(reversed(scope["headers"]))  # (lower-case names, bytes; the first of a repeated one)
+        if self.expected is not None and scope["path"].startswith("/v1"):
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return P.ApiError("Incorrect or missing API key (Authorization: Bearer KEY).", None, 401,
+                                  code="invalid_api_key")
+        declared = headers.get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            return too_large(self.limit)
+        return None
+
+
 def make_app(engine: Engine) -> FastAPI:
     app = FastAPI(title="turbo", docs_url=None, redoc_url=None, openapi_url=None)
-    key = engine.config.api_key
-
-    @app.middleware("http")
-    async def api_key(request: HttpRequest, call_next):
-        if key is not None and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return error(P.ApiError("Incorrect or missing API key (Authorization: Bearer KEY).", None, 401,
-                                        code="invalid_api_key"))
-        return await call_next(request)
+    app.add_middleware(Guard, key=engine.config.api_key, limit=body_limit(engine))
 
     @app.exception_handler(P.ApiError)
     async def api_error(request: HttpRequest, e: P.ApiError):
@@ -118,12 +143,20 @@ def make_app(engine: Engine) -> FastAPI:
 DEFAULT_MAX_BODY_MB = 32.0  # ServeConfig's (an engine whose config has none: a test's stand-in)
 
 
+def body_limit(engine: Engine) -> int:
+    return int(getattr(engine.config, "max_body_mb", DEFAULT_MAX_BODY_MB) * MIB)
+
+
 async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
-    limit = int(getattr(engine.config, "max_body_mb", DEFAULT_MAX_BODY_MB) * MIB)
-    raw = await read_body(request.stream(), limit, request.headers.get("content-length"))
+    # (a Content-Length over the limit never gets here: Guard; a chunked body is cut at the limit)
+    raw = await read_body(request.stream(), body_limit(engine), request.headers.get("content-length"))
     body = P.parse(P.parse_json(raw), chat)
-    # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other streams
-    prepared = await asyncio.to_thread(engine.prepare, body)
+    engine.check_chars(body)  # a prompt past the context: a 400 here, before any thread or tokenizer
+    # off the event loop: decoding an image (or fetching one, serve.remote_images) must not stall other
+    # streams; a request with images in a pool of its own, so that slow ones (a slow disk, a remote
+    # server trickling its 10 s) queue behind each other, never ahead of a text request's template
+    prepared = await (asyncio.get_running_loop().run_in_executor(image_pool(), engine.prepare, body)
+                      if has_images(body) else asyncio.to_thread(engine.prepare, body))
     loop = asyncio.get_running_loop()
     rid, calls = P.new_id(chat), []
     try:
@@ -144,6 +177,22 @@ async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
         return StreamingResponse(stream(engine, calls), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
     return JSONResponse(await whole(engine, calls, request))
+
+
+IMAGE_WORKERS = 4  # requests with images prepared at once (the rest queue for these)
+_image_pool: ThreadPoolExecutor | None = None
+
+
+def image_pool() -> ThreadPoolExecutor:
+    global _image_pool
+    if _image_pool is None:
+        _image_pool = ThreadPoolExecutor(IMAGE_WORKERS, thread_name_prefix="turbo-images")
+    return _image_pool
+
+
+def has_images(body: P.Body) -> bool:
+    return bool(body.chat and any(isinstance(m.get("content"), list) and
+                                  any(p.get("type") == "image_url" for p in m["content"]) for m in body.messages or ()))
 
 
 def sink_of(loop: asyncio.AbstractEventLoop, call: Call) -> Callable[[Delta | TurboError], None]:

@@ -5,7 +5,9 @@ stops it (the CLI's `interrupted`, 130)."""
 
 from __future__ import annotations
 
+import os
 import sys
+import threading
 
 from omegaconf import DictConfig
 
@@ -42,6 +44,7 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
         async def startup(self, sockets=None) -> None:
             await super().startup(sockets)
             if self.started:
+                lower_priority(config.http_nice)
                 print(f"serving on {address(config.host, port)}", file=sys.stderr, flush=True)
 
     server = Server(uvicorn.Config(make_app(engine), log_level="warning", access_log=False,
@@ -53,6 +56,18 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
         engine.stop()
         sock.close()
     return 0 if server.started else 2
+
+
+def lower_priority(nice: int) -> None:
+    """This thread (the event loop's, and the threads it starts from now on: asyncio's workers)
+    `nice` steps below the engine's step thread, started before it at the process's priority (Linux:
+    a thread's own priority; lowering one needs no privilege). A flood of requests then takes the
+    cores from the engine last; what a request spends here is small beside its decoding."""
+    if nice > 0 and sys.platform.startswith("linux"):
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), os.getpriority(os.PRIO_PROCESS, 0) + nice)
+        except OSError:  # (a sandbox that refuses it: the server runs as before)
+            pass
 
 
 if __name__ == "__main__":

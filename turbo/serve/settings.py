@@ -44,6 +44,7 @@ class ServeConfig:
     image_dirs: tuple[str, ...] = ()  # the directories file:// image URLs may name (turbo/serve/images.py)
     remote_images: bool = False  # fetch http(s) image URLs (else a 400 naming this option)
     max_body_mb: float = 32.0  # a request body over it is answered 413 (a data: image of ~24 MiB fits)
+    http_nice: int = 0  # Linux: the HTTP side's threads this much nicer than the engine's step thread
 
 
 def serve_config(cfg: DictConfig) -> ServeConfig:
@@ -64,6 +65,9 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
                              f"{'MB > 0' if name == 'max_body_mb' else 'GB >= 0'}")
         if name == "max_body_mb" and v == 0:
             raise TurboError(f"config: serve.{name}=0, expected a number of MB > 0")
+    nice = integer(s.get("http_nice", 0))
+    if nice is None or not 0 <= nice <= 19:
+        raise TurboError(f"config: serve.http_nice={s.get('http_nice')!r}, expected an integer in 0..19")
     if s.get("engine") not in ENGINES:
         raise TurboError(f"config: serve.engine={s.get('engine')!r} is not one of {', '.join(ENGINES)}")
     if not isinstance(s.get("host"), str) or not s["host"]:
@@ -75,7 +79,8 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
         raise TurboError(f"config: serve.remote_images={s.get('remote_images')!r}, expected true or false")
     return ServeConfig(host=s["host"], port=int(s["port"]), engine=s["engine"], replicas=int(s["replicas"]),
                        limits=ServeLimits(**{k: s[k] for k in LIMIT_KEYS}), image_dirs=image_dirs(s.get("image_dirs")),
-                       remote_images=s.get("remote_images", False), max_body_mb=float(s["max_body_mb"]), **text)
+                       remote_images=s.get("remote_images", False), max_body_mb=float(s["max_body_mb"]),
+                       http_nice=nice, **text)
 
 
 API_KEY_ENV = "TURBO_API_KEY"

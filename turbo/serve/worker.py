@@ -83,6 +83,22 @@ class Engine:
             raise ApiError(f"The model `{name}` does not exist (this server serves `{self.model}`).", "model",
                            404, code="model_not_found")
 
+    def check_chars(self, body: Body) -> None:
+        """A 400 for a prompt, or one message's text, longer than any prompt the context could hold:
+        checked on the body as parsed (lengths only), before a thread, the template or the
+        tokenizer spends anything on it. (prepare checks the rendered prompt again.)"""
+        if not body.chat:
+            if isinstance(body.prompt, str):
+                check_prompt_chars(body.prompt, self.max_prompt_chars, self.max_positions, "prompt")
+            return
+        for i, m in enumerate(body.messages or ()):
+            content = m.get("content")
+            texts = [content] if isinstance(content, str) else [
+                p["text"] for p in content if p.get("type") == "text"] if isinstance(content, list) else []
+            if sum(map(len, texts)) > self.max_prompt_chars:
+                check_prompt_chars("".join(texts), self.max_prompt_chars, self.max_positions,
+                                   f"messages[{i}].content")
+
     def prepare(self, body: Body) -> Prepared:
         """The body as the scheduler's Request: the prompt's ids (a chat rendered by the template),
         the options over the server's defaults, the length checked against the context."""

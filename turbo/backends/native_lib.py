@@ -8,6 +8,7 @@ native_dflash.py.
 from __future__ import annotations
 
 import ctypes
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -78,6 +79,7 @@ WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SIGNATURES = {
     "linear_packed": "p i i p i i p",
     "dot_products": "",
+    "bf16_products": "i",
     "struct_size": "i",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p",
@@ -93,7 +95,7 @@ SIGNATURES = {
     "dflash_select": "p p i i i p i p p i i p",
     "argmax_row": "p i",
 }
-RETURNS_INT = {"dot_products", "struct_size", "argmax_row"}  # (the rest return nothing)
+RETURNS_INT = {"dot_products", "bf16_products", "struct_size", "argmax_row"}  # (the rest return nothing)
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 
 
@@ -132,6 +134,7 @@ def library(cache_dir: Path | None = None, compiler: str | None = None) -> ctype
         _why = _struct_mismatch(lib)
         if _why is not None:  # a build bug, not a reason to fall back quietly
             raise RuntimeError(_why)
+        lib.bf16_products(0 if os.environ.get("TURBO_BF16_PRODUCTS") == "exact" else 1)
         _lib = lib
     return _lib
 

@@ -685,6 +685,10 @@ static uint32_t *bf16_pairs(const float *x, int R, int k) {
 #define AMX_BF16 0
 #endif
 
+#ifndef AMX_AHEAD
+#define AMX_AHEAD 4096 /* bytes ahead in a panel's stream */
+#endif
+
 static int amx_state = -1; /* -1 not asked yet, 0 off (absent, refused or turned off), 1 on */
 
 /* bf16 matrices through AMX: want 1 on where the CPU and the kernel allow, 0 off (the exact fp32
@@ -754,7 +758,35 @@ static void amx_panels(const uint16_t *xb, int R, int Rp, int kp, const uint8_t 
     _tile_loadconfig(&cfg);
     float buf[256] __attribute__((aligned(64)));
     long xs = (long)kp * 4;
-    for (int p = p0; p < p1; p += 2) {
+    int p = p0;
+    if (Rp == 16) /* a decode step or a short verify: bound by reading the weights, four panels
+                   * (four streams) at a time, asked for AMX_AHEAD bytes ahead */
+        for (; p + 4 <= p1; p += 4) {
+            const uint8_t *B = P + (size_t)p * kp * 64;
+            size_t ps = (size_t)kp * 64;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int j = 0; j < kp; j += 16) {
+                for (int c = 0; c < 1024; c += 64)
+                    for (int a = 0; a < 4; a++) __builtin_prefetch(B + a * ps + 64 * j + AMX_AHEAD + c);
+                _tile_loadd(4, xb + 2 * j, xs);
+                _tile_loadd(5, B + 64 * j, 64);
+                _tile_loadd(6, B + ps + 64 * j, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                _tile_loadd(7, B + 2 * ps + 64 * j, 64);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_loadd(5, B + 3 * ps + 64 * j, 64);
+                _tile_dpbf16ps(2, 4, 7);
+                _tile_dpbf16ps(3, 4, 5);
+            }
+            AMX_STORE(0, 0, p * 16)
+            AMX_STORE(1, 0, p * 16 + 16)
+            AMX_STORE(2, 0, p * 16 + 32)
+            AMX_STORE(3, 0, p * 16 + 48)
+        }
+    for (; p < p1; p += 2) {
         int two = p + 1 < p1;
         const uint8_t *B0 = P + (size_t)p * kp * 64, *B1 = B0 + (size_t)kp * 64;
         for (int r = 0; r < Rp; r += 32) {
@@ -778,8 +810,8 @@ static void amx_panels(const uint16_t *xb, int R, int Rp, int kp, const uint8_t 
             else
                 for (int j = 0; j < kp; j += 16) {
                     for (int c = 0; c < 1024; c += 64) {
-                        __builtin_prefetch(B0 + 64 * j + 4096 + c);
-                        if (two) __builtin_prefetch(B1 + 64 * j + 4096 + c);
+                        __builtin_prefetch(B0 + 64 * j + AMX_AHEAD + c);
+                        if (two) __builtin_prefetch(B1 + 64 * j + AMX_AHEAD + c);
                     }
                     _tile_loadd(4, A0 + 4 * j, xs);
                     _tile_loadd(6, B0 + 64 * j, 64);

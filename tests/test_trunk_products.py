@@ -45,17 +45,6 @@ def bf16_rt(spec_install):
     return turbo.open(spec_install[1], backend="cpu", dtype="bfloat16")
 
 
-@pytest.fixture
-def exact_bf16():
-    """The bf16 matrices' exact fp32 walk (TURBO_BF16_PRODUCTS=exact) for one test, where AMX
-    would take them otherwise."""
-    lib = native_lib.library()
-    before = lib.bf16_products(-1)
-    lib.bf16_products(0)
-    yield
-    lib.bf16_products(before)
-
-
 def test_bf16_compute_keeps_the_exact_products(bf16_rt, spec_install, exact_bf16):
     """bf16 weights widened exactly, fp32 multiply-adds (without AMX, or TURBO_BF16_PRODUCTS=exact)."""
     trunk = bf16_rt.trunk

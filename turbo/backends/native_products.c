@@ -686,7 +686,7 @@ static uint32_t *bf16_pairs(const float *x, int R, int k) {
 #endif
 
 #ifndef AMX_AHEAD
-#define AMX_AHEAD 4096 /* bytes ahead in a panel's stream */
+#define AMX_AHEAD 0 /* bytes ahead in a panel's stream to prefetch (0: none; 1-8 KB measured no faster) */
 #endif
 
 static int amx_state = -1; /* -1 not asked yet, 0 off (absent, refused or turned off), 1 on */
@@ -717,8 +717,10 @@ typedef struct {
     uint8_t rows[16];
 } tile_config;
 
-/* x [R, k] fp32 -> [Rp, kp] bf16 pairs (Rp = R rounded up to 16; the added rows zero). */
+/* x [R, k] fp32 -> [Rp, kp] bf16 pairs (Rp = R rounded up to 16; the added rows zero; one row
+ * alone is read with stride 0 instead, its tile 16 copies of it: no rows added). */
 static uint16_t *amx_rows(const float *x, int R, int k, int Rp) {
+    if (R == 1) Rp = 1;
     uint16_t *out = aligned_alloc(64, ((size_t)Rp * k * 2 + 63) / 64 * 64);
     for (int r = 0; r < R; r++) {
         const uint32_t *in = (const uint32_t *)(x + (size_t)r * k);
@@ -750,17 +752,16 @@ static uint16_t *amx_rows(const float *x, int R, int k, int Rp) {
  * 16): two panels by 32 rows at a time (four accumulator tiles), panels outer so that each panel
  * is read from memory once and the rows from the caches. */
 static void amx_panels(const uint16_t *xb, int R, int Rp, int kp, const uint8_t *P, int n, float *y, int p0,
-                       int p1) {
+                       int p1, long xs) {
     tile_config cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
     _tile_loadconfig(&cfg);
     float buf[256] __attribute__((aligned(64)));
-    long xs = (long)kp * 4;
     int p = p0;
     if (Rp == 16) /* a decode step or a short verify: bound by reading the weights, four panels
-                   * (four streams) at a time, asked for AMX_AHEAD bytes ahead */
+                   * (four streams) at a time */
         for (; p + 4 <= p1; p += 4) {
             const uint8_t *B = P + (size_t)p * kp * 64;
             size_t ps = (size_t)kp * 64;
@@ -768,19 +769,28 @@ static void amx_panels(const uint16_t *xb, int R, int Rp, int kp, const uint8_t 
             _tile_zero(1);
             _tile_zero(2);
             _tile_zero(3);
-            for (int j = 0; j < kp; j += 16) {
-                for (int c = 0; c < 1024; c += 64)
-                    for (int a = 0; a < 4; a++) __builtin_prefetch(B + a * ps + 64 * j + AMX_AHEAD + c);
-                _tile_loadd(4, xb + 2 * j, xs);
-                _tile_loadd(5, B + 64 * j, 64);
-                _tile_loadd(6, B + ps + 64 * j, 64);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(7, B + 2 * ps + 64 * j, 64);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_loadd(5, B + 3 * ps + 64 * j, 64);
-                _tile_dpbf16ps(2, 4, 7);
-                _tile_dpbf16ps(3, 4, 5);
+            /* the B tiles' registers in turn (5, 6, 7, 5; 6, 7, 5, 6; 7, 5, 6, 7): a load waits on the
+             * product three before it, not the one just issued */
+#define AMX_STEP(J, T0, T1, T2, T3)                                                            \
+    {                                                                                          \
+        _tile_loadd(4, xb + 2 * (J), xs);                                                      \
+        _tile_loadd(T0, B + 64 * (J), 64);                                                     \
+        _tile_dpbf16ps(0, 4, T0);                                                              \
+        _tile_loadd(T1, B + ps + 64 * (J), 64);                                                \
+        _tile_dpbf16ps(1, 4, T1);                                                              \
+        _tile_loadd(T2, B + 2 * ps + 64 * (J), 64);                                            \
+        _tile_dpbf16ps(2, 4, T2);                                                              \
+        _tile_loadd(T3, B + 3 * ps + 64 * (J), 64);                                            \
+        _tile_dpbf16ps(3, 4, T3);                                                              \
+    }
+            int j = 0;
+            for (; j + 48 <= kp; j += 48) {
+                AMX_STEP(j, 5, 6, 7, 5)
+                AMX_STEP(j + 16, 6, 7, 5, 6)
+                AMX_STEP(j + 32, 7, 5, 6, 7)
             }
+            for (; j < kp; j += 16) AMX_STEP(j, 5, 6, 7, 5)
+#undef AMX_STEP
             AMX_STORE(0, 0, p * 16)
             AMX_STORE(1, 0, p * 16 + 16)
             AMX_STORE(2, 0, p * 16 + 32)
@@ -809,10 +819,12 @@ static void amx_panels(const uint16_t *xb, int R, int Rp, int kp, const uint8_t 
                 }
             else
                 for (int j = 0; j < kp; j += 16) {
+#if AMX_AHEAD
                     for (int c = 0; c < 1024; c += 64) {
                         __builtin_prefetch(B0 + 64 * j + AMX_AHEAD + c);
                         if (two) __builtin_prefetch(B1 + 64 * j + AMX_AHEAD + c);
                     }
+#endif
                     _tile_loadd(4, A0 + 4 * j, xs);
                     _tile_loadd(6, B0 + 64 * j, 64);
                     _tile_dpbf16ps(0, 4, 6);
@@ -840,15 +852,16 @@ static void amx_panels(const uint16_t *xb, int R, int Rp, int kp, const uint8_t 
 static void amx_products(const float *x, int R, int k, const void *P, int n, float *y) {
     int Rp = (R + 15) / 16 * 16, kp = k / 2, panels = (n + 15) / 16, groups = (panels + 3) / 4;
     uint16_t *xb = amx_rows(x, R, k, Rp);
+    long xs = R == 1 ? 0 : (long)kp * 4; /* (a row's bytes; one row: its copies) */
     int parts = threads < groups ? threads : 1;
     if (parts < 2 || (long)R * n * k < MIN_PARALLEL_MACS) {
-        amx_panels(xb, R, Rp, kp, (const uint8_t *)P, n, y, 0, panels);
+        amx_panels(xb, R, Rp, kp, (const uint8_t *)P, n, y, 0, panels, xs);
     } else {
         int chunks = groups < parts * 8 ? groups : parts * 8;
 #pragma omp parallel for num_threads(parts) schedule(dynamic, 1)
         for (int c = 0; c < chunks; c++) {
             int lo = (int)((long)groups * c / chunks) * 4, hi = (int)((long)groups * (c + 1) / chunks) * 4;
-            amx_panels(xb, R, Rp, kp, (const uint8_t *)P, n, y, lo, hi < panels ? hi : panels);
+            amx_panels(xb, R, Rp, kp, (const uint8_t *)P, n, y, lo, hi < panels ? hi : panels, xs);
         }
     }
     free(xb);

@@ -8,7 +8,6 @@ native_dflash.py.
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -134,12 +133,25 @@ def library(cache_dir: Path | None = None, compiler: str | None = None) -> ctype
         _why = _struct_mismatch(lib)
         if _why is not None:  # a build bug, not a reason to fall back quietly
             raise RuntimeError(_why)
-        lib.bf16_products(0 if os.environ.get("TURBO_BF16_PRODUCTS") == "exact" else 1)
         _lib = lib
     return _lib
 
 
 _threads = 0
+_bf16 = None  # the bf16 products chosen for this process (set_bf16_products)
+
+
+def set_bf16_products(mode: str) -> None:
+    """OpenOptions.bf16_products for the process: "auto" (AMX-BF16 where the CPU has it) or "exact"
+    (the fp32 walk). The first runtime opened decides; a later one that asks otherwise is refused,
+    since states and cached prefixes computed one way would not match rows computed the other."""
+    global _bf16
+    if _bf16 is None:
+        _lib.bf16_products(0 if mode == "exact" else 1)
+        _bf16 = mode
+    elif mode != _bf16:
+        raise TurboError(f"bf16_products {mode!r}: this process's native step already runs {_bf16!r} "
+                         "(one choice per process)", field="bf16_products")
 
 
 def threaded() -> ctypes.CDLL:

@@ -141,15 +141,16 @@ _threads = 0
 _bf16 = None  # the bf16 products chosen for this process (set_bf16_products)
 
 
-def set_bf16_products(mode: str) -> None:
+def set_bf16_products(mode: str | None) -> None:
     """OpenOptions.bf16_products for the process: "auto" (AMX-BF16 where the CPU has it) or "exact"
-    (the fp32 walk). The first runtime opened decides; a later one that asks otherwise is refused,
-    since states and cached prefixes computed one way would not match rows computed the other."""
+    (the fp32 walk); None: the process's. The first runtime opened decides (None: auto); a later
+    one that names the other is refused, since states and cached
+    prefixes computed one way would not match rows computed the other."""
     global _bf16
     if _bf16 is None:
-        _lib.bf16_products(0 if mode == "exact" else 1)
-        _bf16 = mode
-    elif mode != _bf16:
+        _bf16 = mode or "auto"
+        _lib.bf16_products(0 if _bf16 == "exact" else 1)
+    elif mode is not None and mode != _bf16:
         raise TurboError(f"bf16_products {mode!r}: this process's native step already runs {_bf16!r} "
                          "(one choice per process)", field="bf16_products")
 

@@ -66,3 +66,18 @@ def step_path(request):
         elif native_lib.library() is None:
             pytest.skip(f"native step unavailable: {native_lib.why_not()}")
         yield request.param
+
+
+@pytest.fixture
+def exact_bf16():
+    """The bf16 matrices' exact fp32 walk (TURBO_BF16_PRODUCTS=exact) for one test, where the
+    native library would take them through AMX otherwise (native_products.c, bf16_products)."""
+    from turbo.backends import native_lib
+    lib = native_lib.library()
+    if lib is None:
+        yield
+        return
+    before = lib.bf16_products(-1)
+    lib.bf16_products(0)
+    yield
+    lib.bf16_products(before)

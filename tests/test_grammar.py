@@ -161,7 +161,7 @@ def test_the_server_holds_every_answer_of_a_seeded_batch(tiny, tiny_server):
     ask = [{"role": "user", "content": "Describe a fib function as JSON."}]
 
     def chat(seed: int):
-        return client.chat.completions.create(model=engine.model, messages=ask, max_tokens=200, seed=seed,
+        return client.chat.completions.create(model=engine.model, messages=ask, max_tokens=400, seed=seed,
                                               temperature=0.8, response_format=FORMATS["json_schema"],
                                               extra_body={"turbo": {"policy": "fixed", "block": 4}})
 

@@ -74,9 +74,10 @@ def test_exact_products_hold_the_dequantized_matrix(fmt, n, k, threads):
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("n,k", [(256, 128), (200, 384)])
-def test_fp8_products_are_the_bf16_products(n, k, threads):
+def test_fp8_products_are_the_bf16_products(n, k, threads, exact_bf16):
     """Each code widened through its block's table bf16(e4m3 * scale): transformers' bf16 weights,
-    and the bf16 panels' products of them bit for bit, at every row count."""
+    and the bf16 panels' exact products of them (their fp32 walk, not AMX's) bit for bit, at every
+    row count."""
     needs_fp8()
     qw = fp8_weight(n, k, n + k)
     bf16 = qw.dequantize(torch.bfloat16)

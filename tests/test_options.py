@@ -41,5 +41,5 @@ def test_every_option_is_a_config_key():
     keys = set(OmegaConf.load(ROOT / "conf" / "config.yaml"))
     assert set(GENERATION_FIELDS) <= keys
     assert set(GENERATION_KEYS) == set(GENERATION_FIELDS) - {"max_new_tokens", "policy", "ngram"}
-    from_env = {"native", "quant_cpu", "cache_dir", "compiler", "ptx_dir", "draft_defaults"}
+    from_env = {"native", "quant_cpu", "bf16_products", "cache_dir", "compiler", "ptx_dir", "draft_defaults"}
     assert set(OPEN_KEYS) == set(OPEN_FIELDS) - from_env and set(OPEN_KEYS) <= keys

@@ -45,8 +45,8 @@ def bf16_rt(spec_install):
     return turbo.open(spec_install[1], backend="cpu", dtype="bfloat16")
 
 
-def test_bf16_compute_keeps_the_exact_products(bf16_rt, spec_install):
-    """bf16 weights widened exactly, fp32 multiply-adds: AVX512-BF16 pairs measured slower here."""
+def test_bf16_compute_keeps_the_exact_products(bf16_rt, spec_install, exact_bf16):
+    """bf16 weights widened exactly, fp32 multiply-adds (without AMX, or TURBO_BF16_PRODUCTS=exact)."""
     trunk = bf16_rt.trunk
     assert trunk.step_name == "native"
     mats = (trunk.layers[0].gate_up, trunk.layers[0].down, trunk.lm_head)
@@ -59,7 +59,7 @@ def test_bf16_compute_keeps_the_exact_products(bf16_rt, spec_install):
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("n, k", [(48, 64), (37, 23), (300, 130)])
-def test_panel_pairs_are_the_panels_products(threads, n, k):
+def test_panel_pairs_are_the_panels_products(threads, n, k, exact_bf16):
     """The bf16 layers' "panel_pairs" layout (two inputs' weights widened from one load) gives
     the "panels" products bit for bit, partial panels and an odd k included, at every row count."""
     w = torch.randn(n, k).to(torch.bfloat16)
@@ -69,6 +69,48 @@ def test_panel_pairs_are_the_panels_products(threads, n, k):
     for rows in ROWS:
         x = torch.randn(rows, k)
         assert torch.equal(native_pack.linear_packed(x, pairs), native_pack.linear_packed(x, panels)), rows
+
+
+needs_amx = pytest.mark.skipif(native_lib.library() is None or not native_lib.library().bf16_products(-1),
+                               reason="no AMX-BF16 here (or TURBO_BF16_PRODUCTS=exact)")
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("n, k", [(48, 64), (100, 96), (1030, 1024), (64, 3584)])
+def test_amx_rows_stand_alone(threads, n, k):
+    """The AMX path (bf16 panel_pairs, k a multiple of 32): every row of an R-row product equals
+    that row alone, bit for bit, at every R -- across its 16-row tiles, the 32-row pairs of them,
+    partial panels and the threads' split -- and is the product of the inputs rounded to bf16."""
+    g = torch.Generator().manual_seed(n + k)
+    w = (torch.randn(n, k, generator=g) / k ** 0.5).to(torch.bfloat16)
+    pairs = native_pack.pack_rows(lambda a, b: w[a:b], n, torch.bfloat16, "panel_pairs")
+    x = torch.randn(70, k, generator=g)
+    full = native_pack.linear_packed(x, pairs)
+    alone = torch.cat([native_pack.linear_packed(x[r:r + 1].clone(), pairs) for r in range(70)])
+    assert torch.equal(full, alone)
+    for rows in (*ROWS, 15, 16, 17, 31, 32, 33, 48, 49):
+        for r0 in (0, 5):
+            assert torch.equal(native_pack.linear_packed(x[r0:r0 + rows].clone(), pairs), full[r0:r0 + rows]), rows
+    want = x.to(torch.bfloat16).double() @ w.double().T
+    assert torch.allclose(full.double(), want, rtol=1e-4, atol=1e-4)
+
+
+@needs_amx
+def test_amx_prefill_rows_are_decode_steps(bf16_rt):
+    """A bf16 trunk's prefill chunk (its products through AMX) equals the one-row decode steps it
+    stands for, bit for bit: hidden rows and logits."""
+    trunk = bf16_rt.trunk
+    n, rows = 120, 45
+    tokens = [(13 * i) % 300 + 3 for i in range(n)]
+    a, b = trunk.new_state(n), trunk.new_state(n)
+    trunk.prefill(a, tokens[:n - rows]), trunk.prefill(b, tokens[:n - rows])
+    chunk = trunk.step(a, tokens[n - rows:], (), None)
+    steps = [trunk.step(b, [t], (), None) for t in tokens[n - rows:]]
+    assert torch.equal(chunk.hidden, torch.cat([s.hidden for s in steps]))
+    assert torch.equal(chunk.logits, torch.cat([s.logits for s in steps]))
+    whole = trunk.new_state(n)
+    assert torch.equal(trunk.prefill(whole, tokens).hidden[n - rows:], chunk.hidden)
 
 
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)

@@ -39,7 +39,8 @@ def _native_refusal(opts: OpenOptions, refusal: str | None) -> str | None:
         return NATIVE_OFF
     if refusal is not None:
         return refusal
-    native_lib.library(opts.cache_dir, opts.compiler)
+    if native_lib.library(opts.cache_dir, opts.compiler) is not None:
+        native_lib.set_bf16_products(opts.bf16_products)
     return native_lib.why_not()
 
 

@@ -27,6 +27,8 @@ NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
 QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (turbo.quant.CPU_MODES)
 CACHE_ENV = "TURBO_CACHE"  # where native.c's build is cached
 COMPILER_ENV = "CC"  # the C compiler native.c is built with (the toolchain's own convention, as make reads it)
+BF16_PRODUCTS_ENV = "TURBO_BF16_PRODUCTS"  # "exact": the native step's bf16 products without AMX (fp32 walk)
+BF16_PRODUCTS = ("auto", "exact")  # OpenOptions.bf16_products
 PTX_DIR_ENV = "TURBO_PTX_DIR"  # where backend cuda reads its PTX (default: the checkout's kernels_ptx/)
 KV_CACHES = ("auto", "float32", "bfloat16")  # OpenOptions.kv_cache
 DTYPES = ("float32", "bfloat16")  # OpenOptions.dtype
@@ -46,6 +48,11 @@ class OpenOptions:
     threads: int | None = None  # torch's intra-op threads (None: leave as is)
     native: bool = True  # False: the torch step even where native.c builds (TURBO_NATIVE=0)
     quant_cpu: str = "auto"  # TURBO_QUANT_CPU: auto | kernel | packed | dequant | native (turbo.quant)
+    # TURBO_BF16_PRODUCTS: auto | exact. The native step's bf16 matrices: auto takes AMX-BF16 where the
+    # CPU has it (inputs rounded to bf16, every row count alike), exact the fp32 walk of widened
+    # weights; one choice per process (native_products.c, bf16_products): None takes the process's
+    # (auto unless a runtime opened before chose), a named one that differs from it is refused
+    bf16_products: str | None = None
     kv_cache: str = "auto"  # auto | float32 | bfloat16: the attention layers' K/V cache (auto: turbo.loader.kv_dtype)
     cache_dir: Path | None = None  # native.c's build cache (TURBO_CACHE; None: XDG / ~/.cache)
     compiler: str | None = None  # native.c's C compiler (CC; None: cc, gcc or clang on PATH)
@@ -60,6 +67,9 @@ class OpenOptions:
         check_flag("verbose", self.verbose)
         if self.dtype not in DTYPES:
             raise TurboError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPES)}", field="dtype")
+        if self.bf16_products is not None and self.bf16_products not in BF16_PRODUCTS:
+            raise TurboError(f"bf16_products {self.bf16_products!r} is not one of {', '.join(BF16_PRODUCTS)}",
+                             field="bf16_products")
         if self.kv_cache not in KV_CACHES:
             raise TurboError(f"kv_cache {self.kv_cache!r} is not one of {', '.join(KV_CACHES)}", field="kv_cache")
 
@@ -71,6 +81,8 @@ class OpenOptions:
             env["native"] = os.environ.get(NATIVE_ENV, "1").strip() != "0"
         if "quant_cpu" not in given:
             env["quant_cpu"] = os.environ.get(QUANT_CPU_ENV, "auto").strip() or "auto"
+        if "bf16_products" not in given:
+            env["bf16_products"] = os.environ.get(BF16_PRODUCTS_ENV, "").strip() or None
         if "cache_dir" not in given:
             root = os.environ.get(CACHE_ENV) or os.environ.get("XDG_CACHE_HOME")
             env["cache_dir"] = Path(root) / "turbo" if root else None

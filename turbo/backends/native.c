@@ -20,8 +20,10 @@
  * drafter's pass); this file: the structs' sizes, embedding rows, the head, argmax.
  *
  * Built by turbo/backends/native_lib.py with the host's compiler (no -ffast-math: the
- * compiler must not reassociate sums). Matrices are fp32 (wtype 0) or bf16 (wtype 1);
- * bf16 is widened exactly to fp32 before the multiply, so activations stay fp32.
+ * compiler must not reassociate sums). Matrices are fp32 (wtype 0) or bf16 (wtype 1, 6);
+ * bf16 is widened exactly to fp32 before the multiply, so activations stay fp32 -- except where
+ * the CPU has AMX-BF16 (native_products.c, bf16_products): there a bf16 matrix's products take
+ * the inputs rounded to bf16 through the tiles, for every row count alike (still row-stable).
  *
  * Two more kinds are for drafters only, whose numbers shape proposals and never the output
  * (the trunk verifies every one), where the CPU has them (`dot_products`): wtype 2, bf16

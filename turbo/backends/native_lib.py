@@ -78,6 +78,7 @@ WTYPES = {torch.float32: 0, torch.bfloat16: 1}
 SIGNATURES = {
     "linear_packed": "p i i p i i p",
     "dot_products": "",
+    "bf16_products": "i",
     "struct_size": "i",
     "set_threads": "i",
     "gdn_layer": "p p i p p p p p p",
@@ -93,7 +94,7 @@ SIGNATURES = {
     "dflash_select": "p p i i i p i p p i i p",
     "argmax_row": "p i",
 }
-RETURNS_INT = {"dot_products", "struct_size", "argmax_row"}  # (the rest return nothing)
+RETURNS_INT = {"dot_products", "bf16_products", "struct_size", "argmax_row"}  # (the rest return nothing)
 _C = {"p": ctypes.c_void_p, "i": ctypes.c_int, "f": ctypes.c_float}
 
 
@@ -137,6 +138,21 @@ def library(cache_dir: Path | None = None, compiler: str | None = None) -> ctype
 
 
 _threads = 0
+_bf16 = None  # the bf16 products chosen for this process (set_bf16_products)
+
+
+def set_bf16_products(mode: str | None) -> None:
+    """OpenOptions.bf16_products for the process: "auto" (AMX-BF16 where the CPU has it) or "exact"
+    (the fp32 walk); None: the process's. The first runtime opened decides (None: auto); a later
+    one that names the other is refused, since states and cached
+    prefixes computed one way would not match rows computed the other."""
+    global _bf16
+    if _bf16 is None:
+        _bf16 = mode or "auto"
+        _lib.bf16_products(0 if _bf16 == "exact" else 1)
+    elif mode is not None and mode != _bf16:
+        raise TurboError(f"bf16_products {mode!r}: this process's native step already runs {_bf16!r} "
+                         "(one choice per process)", field="bf16_products")
 
 
 def threaded() -> ctypes.CDLL:

@@ -171,3 +171,18 @@ def test_the_server_takes_them_and_answers_400_naming_the_field(tiny, tiny_serve
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.json())
     assert client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=16, temperature=0,
                                      extra_body={"repetition_penalty": 1.1}, **fields).choices[0].text == want.text
+
+
+def test_the_openai_client_forces_and_bans_a_token_with_logit_bias(tiny, tiny_server):
+    """+100 forces the token at every position; -100 keeps the greedy answer's first token out."""
+    engine, client = tiny_server.engine, tiny_server.client
+    forced = tiny.encode(" fib")[-1]
+    r = client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                  logit_bias={str(forced): 100}, logprobs=0)
+    assert r.choices[0].text == tiny.decode([forced] * 6)
+    first = tiny.generate(PROMPT, max_new_tokens=1, policy="off").tokens[0]
+    banned = client.completions.create(model=engine.model, prompt=PROMPT, max_tokens=6, temperature=0,
+                                       logit_bias={str(first): -100}, extra_body={"turbo": {"policy": "fixed",
+                                                                                          "block": 4}})
+    want = tiny.generate(PROMPT, max_new_tokens=6, policy="off", logit_bias={first: -100})
+    assert banned.choices[0].text == want.text and want.tokens[0] != first and first not in want.tokens

@@ -144,13 +144,13 @@ class Runtime:
 
     # ---- the API -----------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, opts: GenerationOptions | None = None, *, images: list | None = None,
-                 **fields) -> GenerateResult:
+    def generate(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
+                 images: list | None = None, **fields) -> GenerateResult:
         """The whole generation at once; the same options as `stream`. Calls from several threads
         run one after another."""
         tokens, flags, text, event = [], [], [], None
         with self._serial:
-            for event in self.stream(prompt, opts, images=images, **fields):
+            for event in self.stream(prompt, opts, start=start, images=images, **fields):
                 tokens += event.tokens
                 flags += event.from_draft
                 text.append(event.text)
@@ -170,16 +170,7 @@ class Runtime:
         ids = self.encode(prompt)
         shared = Keeper(1)
         shared.mark = len(ids) - 1  # the snapshot: the prompt's state, its last token the first anchor
-        out = []
-        for seed in seeds:
-            tokens, flags, text, event = [], [], [], None
-            with self._serial:
-                for event in self.stream(ids, o.but(seed=seed), start=shared):
-                    tokens += event.tokens
-                    flags += event.from_draft
-                    text.append(event.text)
-            out.append(GenerateResult(tokens, "".join(text), event.stats, flags, event.finish))
-        return out
+        return [self.generate(ids, o.but(seed=seed), start=shared) for seed in seeds]
 
     def chat(self, messages: list, opts: GenerationOptions | None = None, *, tools: list | None = None,
              tool_choice: str = "auto", documents: list | None = None, template: str | ChatTemplate | None = None,

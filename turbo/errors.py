@@ -3,6 +3,7 @@ that text is text (`checked_text`); the argument parser of the argparse CLIs (re
 whose usage errors end the same way."""
 
 import argparse
+import json
 import sys
 from typing import NoReturn
 
@@ -18,6 +19,14 @@ class TurboError(Exception):
     def __init__(self, message: str = "", field: str | None = None):
         super().__init__(message)
         self.field = field
+
+
+def json_shown(value: object) -> str:
+    """A request value as an error message quotes it: its JSON (repr where it has none), 200 characters at most."""
+    try:
+        return json.dumps(value)[:200]
+    except (TypeError, ValueError):
+        return repr(value)[:200]
 
 
 def checked_text(text: str, what: str) -> str:

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from .errors import TurboError
+from .errors import TurboError, json_shown
 from .extras import require
 
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
@@ -45,7 +45,7 @@ class ResponseFormat:
             return None if value is None or value.kind == "text" else value
         kind = value.get("type") if isinstance(value, dict) else None
         if kind not in KINDS:
-            raise TurboError(f"response_format is {_shown(value)}, expected {{\"type\": one of {', '.join(KINDS)}}}",
+            raise TurboError(f"response_format is {json_shown(value)}, expected {{\"type\": one of {', '.join(KINDS)}}}",
                              field="response_format")
         if kind == "text":
             return None
@@ -62,13 +62,6 @@ class ResponseFormat:
         if not isinstance(source, str) or not source:
             raise TurboError(f"response_format.{kind}: expected a non-empty string", field="response_format")
         return ResponseFormat(kind, source)
-
-
-def _shown(value: object) -> str:
-    try:
-        return json.dumps(value)[:200]
-    except (TypeError, ValueError):
-        return repr(value)[:200]
 
 
 class Grammars:
@@ -109,7 +102,7 @@ class Grammars:
                 from None
         error = m.validate_grammar(text, self._tokenizer(stops))
         if error:
-            raise TurboError(f"response_format ({fmt.kind}): {error.splitlines()[0][:300]}", field="response_format")
+            raise TurboError(f"response_format ({fmt.kind}): {first_line(error)}", field="response_format")
         self.compiled[fmt] = text
         while len(self.compiled) > COMPILED_KEPT:
             self.compiled.popitem(last=False)

@@ -20,7 +20,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import TurboError
+from .errors import TurboError, json_shown
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 XML_FORMAT = "<function="  # a template that writes calls this way says so in its source
@@ -57,19 +57,12 @@ def check_tools(tools: Any) -> None:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str) or not f["name"] \
                 or not isinstance(params, dict) or params.get("type", "object") != "object" \
                 or not isinstance(props, dict) or not all(isinstance(v, dict) for v in props.values()):
-            raise TurboError(f"tools[{i}] is {_shown(t)}, expected {{\"type\": \"function\", \"function\": "
+            raise TurboError(f"tools[{i}] is {json_shown(t)}, expected {{\"type\": \"function\", \"function\": "
                              "{\"name\": NAME, \"parameters\": {\"type\": \"object\", \"properties\": "
                              "{NAME: {JSON schema}}}}}", field=f"tools[{i}]")
         if f["name"] in seen:
             raise TurboError(f"tools[{i}] names {f['name']!r} again: each tool's name once", field=f"tools[{i}]")
         seen.add(f["name"])
-
-
-def _shown(value: Any) -> str:
-    try:
-        return json.dumps(value)[:200]
-    except (TypeError, ValueError):
-        return repr(value)[:200]
 
 
 def tool_functions(tools: list | None) -> dict[str, dict]:

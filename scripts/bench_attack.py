@@ -53,6 +53,7 @@ def main() -> int:
     ap.add_argument("--attackers", type=int, default=4, help="attacker processes")
     ap.add_argument("--attacker-nice", type=int, default=0,
                     help="their niceness (10: the machine's cores go to the server first, as when they are elsewhere)")
+    ap.add_argument("--threads", type=int, default=2, help="the server's threads (its engine's)")
     ap.add_argument("--serve", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for the server (e.g. serve.http_nice=0 to compare)")
     ap.add_argument("--cost", type=int, default=20, metavar="N",
@@ -68,7 +69,7 @@ def main() -> int:
     for i in range(4):
         os.mkfifo(tmp / "images" / f"pipe{i}.png")
     profile = ["-m", "cProfile", "-o", str(Path(args.profile).absolute())] if args.profile else []
-    cmd = [sys.executable, *profile, "-m", "turbo", "task=serve", "serve.port=0", "threads=2", "backend=cpu",
+    cmd = [sys.executable, *profile, "-m", "turbo", "task=serve", "serve.port=0", f"threads={args.threads}", "backend=cpu",
            f"install.path={install}", f"serve.chat_template={tmp / 'vl.jinja'}", "serve.max_running=8",
            "serve.max_body_mb=1", f"serve.image_dirs=[{tmp / 'images'}]", *args.serve]
     proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -107,26 +108,25 @@ def main() -> int:
         phase()  # warm
         if args.cost:
             print(attack_costs(proc.pid, url, model, tmp, args.cost))
-        cpu0, t0 = thread_cpu(proc.pid), time.perf_counter()
+        cpu0, t0 = server_cpu(proc.pid), time.perf_counter()
         calm_answers, calm, calm_ttft = phase()
-        calm_cpu = cpu_line(proc.pid, cpu0, thread_cpu(proc.pid), time.perf_counter() - t0)
+        calm_cpu = cpu_line(proc.pid, cpu0, server_cpu(proc.pid), time.perf_counter() - t0)
         stop, out = multiprocessing.Event(), multiprocessing.Queue()
         procs = [multiprocessing.Process(target=attacker, args=(k, url, model, str(tmp), stop, out, args.attacker_nice),
                                          daemon=True) for k in range(args.attackers)]
         for a in procs:
             a.start()
-        cpu0, start = thread_cpu(proc.pid), time.perf_counter()
+        cpu0, start = server_cpu(proc.pid), time.perf_counter()
         hostile_answers, hostile, hostile_ttft = phase()
         seconds = time.perf_counter() - start
-        hostile_cpu = cpu_line(proc.pid, cpu0, thread_cpu(proc.pid), seconds)
+        hostile_cpu = cpu_line(proc.pid, cpu0, server_cpu(proc.pid), seconds)
         stop.set()
         codes: Counter = Counter()
         for _ in procs:
             codes.update(out.get(timeout=120))
         for a in procs:
             a.join(60)
-        with open(f"/proc/{proc.pid}/status") as f:
-            hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+        hwm = {pid: peak_rss(pid) for pid in (proc.pid, front_pid(proc.pid)) if pid is not None}
         for name, xs, ts in (("undisturbed", calm, calm_ttft), ("under attack", hostile, hostile_ttft)):
             print(f"{name:>12}: {len(xs)} requests, p50 {p(xs, .5):.3f} s, p99 {p(xs, .99):.3f} s, "
                   f"max {max(xs):.3f} s; time to first token p50 {p(ts, .5):.3f} s, p99 {p(ts, .99):.3f} s")
@@ -136,7 +136,8 @@ def main() -> int:
               f"{hostile_answers == calm_answers}")
         print(f"attacks answered: {sum(codes.values())} ({sum(codes.values()) / seconds:.1f} a second): "
               + ", ".join(f"{k}: {v}" for k, v in sorted(codes.items())))
-        print(f"server peak RSS (VmHWM): {hwm:.0f} MiB")
+        print("server peak RSS (VmHWM): " + ", ".join(f"{'engine' if pid == proc.pid else 'front'} {mib:.0f} MiB"
+                                                      for pid, mib in hwm.items()))
     finally:
         proc.send_signal(2)
         proc.wait(30)
@@ -202,11 +203,37 @@ def thread_cpu(pid: int, system: bool = True) -> dict[int, float]:
     return out
 
 
+def front_pid(pid: int) -> int | None:
+    """The server's front process (serve.front=process: turbo/serve/front.py), None inline."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as f:
+            kids = [int(k) for k in f.read().split()]
+    except OSError:
+        return None
+    return kids[0] if kids else None
+
+
+def server_cpu(pid: int, system: bool = True) -> dict[int, float]:
+    """thread_cpu of the engine's process and of its front process, if any."""
+    front = front_pid(pid)
+    return {**thread_cpu(pid, system), **(thread_cpu(front, system) if front is not None else {})}
+
+
+def peak_rss(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) / 1024
+
+
 def cpu_line(pid: int, before: dict[int, float], after: dict[int, float], seconds: float) -> str:
     used = {t: after[t] - before.get(t, 0.0) for t in after}
-    loop, rest = used.pop(pid, 0.0), sorted(used.values(), reverse=True)
-    return (f"server CPU {sum(rest) + loop:.1f} s in {seconds:.1f} s: event loop (main thread) {loop:.1f} s, "
-            f"other threads {sum(rest):.1f} s (busiest {', '.join(f'{x:.1f}' for x in rest[:3])})")
+    front = front_pid(pid)
+    front_tids = set(os.listdir(f"/proc/{front}/task")) if front is not None else set()
+    front_s = sum(v for t, v in used.items() if str(t) in front_tids)
+    loop = used.pop(pid, 0.0)
+    rest = sorted((v for t, v in used.items() if str(t) not in front_tids), reverse=True)
+    return (f"CPU {sum(rest) + loop + front_s:.1f} s in {seconds:.1f} s: front process {front_s:.1f} s; engine's "
+            f"process: event loop (main thread) {loop:.1f} s, other threads {sum(rest):.1f} s (busiest "
+            f"{', '.join(f'{x:.1f}' for x in rest[:3])})")
 
 
 def attack_costs(pid: int, url: str, model: str, tmp: Path, n: int) -> str:
@@ -216,12 +243,14 @@ def attack_costs(pid: int, url: str, model: str, tmp: Path, n: int) -> str:
     out = []
     for name, raw in make_attacks(url, model, tmp):
         send((host, int(port)), raw)
-        before, user0 = thread_cpu(pid), thread_cpu(pid, system=False)[pid]
+        front = front_pid(pid)
+        before = server_cpu(pid)
         codes = Counter(send((host, int(port)), raw) for _ in range(n))
-        used = {t: v - before.get(t, 0.0) for t, v in thread_cpu(pid).items()}
-        loop, user = used.pop(pid, 0.0), thread_cpu(pid, system=False)[pid] - user0
-        out.append(f"{name} ({'/'.join(codes)}): loop {1000 * loop / n:.1f} ms ({1000 * user / n:.1f} user) + others "
-                   f"{1000 * sum(used.values()) / n:.1f} ms")
+        used = {t: v - before.get(t, 0.0) for t, v in server_cpu(pid).items()}
+        front_s = sum(used.pop(int(t), 0.0) for t in (os.listdir(f"/proc/{front}/task") if front else ()))
+        loop = used.pop(pid, 0.0)
+        out.append(f"{name} ({'/'.join(codes)}): front {1000 * front_s / n:.1f} ms, engine's loop "
+                   f"{1000 * loop / n:.1f} ms + its others {1000 * sum(used.values()) / n:.1f} ms")
     return "server CPU per attack: " + "; ".join(out)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
@@ -25,7 +24,8 @@ from ..chat import split_reasoning
 from ..errors import TurboError
 from ..tool_calls import CallStream, parse_tool_calls
 from . import protocol as P
-from .limits import MIB, read_body, too_large
+from .guard import Guard, error
+from .limits import MIB, read_body
 from .metrics import CONTENT_TYPE, Timing
 from .scheduler import Delta
 from .worker import Engine, param_of
@@ -50,46 +50,6 @@ class Call:
     done: bool = False
     generated: int = 0  # completion tokens, once its last delta has come
     cached: int = 0
-
-
-def error(e: P.ApiError) -> JSONResponse:
-    headers = {"Retry-After": "1"} if e.status == 429 else None
-    if e.status == 413:  # the rest of the body is not read: closing spares draining it
-        headers = {"Connection": "close"}
-    return JSONResponse(e.body(), status_code=e.status, headers=headers)
-
-
-class Guard:
-    """What is refused from the request's head alone, before routing and before a byte of the body
-    is read: a /v1 request without the API key (401), a body whose Content-Length is over the limit
-    (413, the connection closed: its bytes are never read). A plain ASGI middleware (not
-    @app.middleware's, whose task group and streams every request would pay for)."""
-
-    def __init__(self, app, key: str | None, limit: int):
-        self.app, self.limit = app, limit
-        self.expected = None if key is None else f"Bearer {key}".encode()
-
-    async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http":
-            refusal = self.refusal(scope)
-            if refusal is not None:
-                response = error(refusal)
-                if any(k in (b"content-length", b"transfer-encoding") for k, _ in scope["headers"]):
-                    response.headers["connection"] = "close"  # a body unread: not drained either
-                await response(scope, receive, send)  # (a Response never reads the body)
-                return
-        await self.app(scope, receive, send)
-
-    def refusal(self, scope) -> P.ApiError | None:
-        headers = dict(reversed(scope["headers"]))  # (lower-case names, bytes; the first of a repeated one)
-        if self.expected is not None and scope["path"].startswith("/v1"):
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                return P.ApiError("Incorrect or missing API key (Authorization: Bearer KEY).", None, 401,
-                                  code="invalid_api_key")
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return too_large(self.limit)
-        return None
 
 
 def make_app(engine: Engine) -> FastAPI:

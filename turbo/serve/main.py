@@ -5,9 +5,16 @@ stops it (the CLI's `interrupted`, 130)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 import threading
+
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
 
@@ -17,10 +24,13 @@ from .listen import address, listening
 from .ray_app import run_ray
 from .settings import ServeConfig, serve_config, server_defaults
 
+if TYPE_CHECKING:
+    from .front import FrontConfig
+
 
 def run_serve(cfg: DictConfig, rc: RunConfig) -> int:
     config = serve_config(cfg)
-    for module in ("fastapi", "uvicorn", "prometheus_client"):
+    for module in ("fastapi", "uvicorn", "httpx", "prometheus_client"):
         require(module, "serve")
     defaults = server_defaults(rc.generation)
     if config.engine == "ray":
@@ -33,29 +43,76 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
     # once run_serve's `require` has checked it (a missing one is one line, not a traceback)
     import uvicorn
 
-    from .app import make_app
+    from .app import body_limit, make_app
+    from .front import FrontConfig  # (httpx, with uvicorn: the serve extra)
     from .worker import Engine
 
     sock = listening(config.host, config.port)  # before the model loads: a port in use is refused at once
     engine = Engine(rc.install, rc.opening, defaults, config)
     port = sock.getsockname()[1]
+    private = tempfile.mkdtemp(prefix="turbo-serve-")  # (0700: the engine's socket is this user's alone)
+    front: subprocess.Popen | None = None
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
+            nonlocal front
             await super().startup(sockets)
-            if self.started:
-                lower_priority(config.http_nice)
+            if not self.started:
+                return
+            lower_priority(config.http_nice)
+            if config.front == "inline":
                 print(f"serving on {address(config.host, port)}", file=sys.stderr, flush=True)
+                return
+            front = start_front(FrontConfig(inner.getsockname(), sock.fileno(), config.host, port, config.api_key,
+                                            body_limit(engine), engine.max_prompt_chars, engine.max_positions,
+                                            config.http_nice))
+            threading.Thread(target=stop_with, args=(front, self), daemon=True).start()
 
+    if config.front == "inline":
+        inner = sock
+    else:  # the engine's app on a Unix socket; the front process holds the port (front.py)
+        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        inner.bind(os.path.join(private, "engine.sock"))
     server = Server(uvicorn.Config(make_app(engine), log_level="warning", access_log=False,
                                    timeout_graceful_shutdown=5))
     engine.start()
     try:
-        server.run(sockets=[sock])
+        server.run(sockets=[inner])
     finally:
+        front_died = front is not None and front.poll() is not None
+        if front is not None:
+            stop_front(front)
         engine.stop()
         sock.close()
-    return 0 if server.started else 2
+        inner.close()
+        shutil.rmtree(private, ignore_errors=True)
+    return 0 if server.started and not front_died else 2
+
+
+def start_front(cfg: "FrontConfig") -> subprocess.Popen:
+    """The front process (front.py), handed the listening socket and its settings (stdin: the
+    API key stays out of the process list); it prints `serving on` once it answers."""
+    proc = subprocess.Popen([sys.executable, "-m", "turbo.serve.front"], stdin=subprocess.PIPE, pass_fds=[cfg.fd])
+    proc.stdin.write(cfg.line())
+    proc.stdin.flush()
+    return proc
+
+
+def stop_with(front: subprocess.Popen, server) -> None:
+    """The front process ended on its own (it could not start, or was killed): so does the server."""
+    front.wait()
+    server.should_exit = True
+
+
+def stop_front(front: subprocess.Popen) -> None:
+    """Its stdin's end tells it to stop (its open answers get uvicorn's graceful 5 s)."""
+    with contextlib.suppress(OSError):
+        front.stdin.close()
+    try:
+        front.wait(10)
+    except subprocess.TimeoutExpired:
+        front.kill()
+        front.wait()
 
 
 def lower_priority(nice: int) -> None:

@@ -22,6 +22,7 @@ from ..errors import TurboError
 from ..options import MAX_N  # (choices: each a sequence of the running batch)
 from ..tool_calls import check_tools, tool_functions
 from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
+from .body import MAX_DEPTH, parse_json  # noqa: F401 (re-exported: the checks the front process makes too)
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
@@ -52,53 +53,6 @@ class Body:
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: sequences sharing the prompt's prefill (seeds seed, seed + 1, ... when given)
-
-
-def parse_json(raw: bytes) -> dict:
-    try:
-        body = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
-        raise ApiError(f"the request body is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise ApiError(f"the request body is a JSON {type(body).__name__}, expected an object")
-    _check_tree(body)
-    return body
-
-
-MAX_DEPTH = 64  # JSON nesting a body may have (tool schemas are the deepest honest part)
-SCALARS = {int, float, bool, type(None)}
-
-
-def _check_tree(body: dict) -> None:
-    """Every string of the body (keys too) encodable as UTF-8, and nesting at most MAX_DEPTH: a
-    lone surrogate (JSON's "\\udcff") would fail when echoed in an answer, and deep nesting would
-    overflow the recursion of what renders or copies it, both as a 500 long after parsing. The
-    walk is a loop, not a recursion, for the same reason."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 0)]
-    while stack:
-        value, where, depth = stack.pop()
-        if depth > MAX_DEPTH:
-            raise ApiError(f"{where} is nested more than {MAX_DEPTH} levels deep", where)
-        if isinstance(value, dict):
-            for k, v in value.items():
-                path = f"{where}.{k}" if where else k
-                _utf8(k, path)
-                stack.append((v, path, depth + 1))
-        elif isinstance(value, list):  # (a prompt of ids is millions of ints: nothing of them to walk)
-            if not set(map(type, value)) <= SCALARS:
-                stack.extend((v, f"{where}[{i}]", depth + 1) for i, v in enumerate(value)
-                             if isinstance(v, (dict, list, str)))
-        elif isinstance(value, str):
-            _utf8(value, where)
-
-
-def _utf8(text: str, where: str) -> None:
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ApiError(f"{ascii(where)[1:-1]}: not valid Unicode text (a lone surrogate at character {e.start})",
-                           ascii(where)[1:-1]) from None
 
 
 def _is_int(v: Any) -> bool:

@@ -12,6 +12,7 @@ from ..errors import TurboError
 from ..options import GenerationOptions, integer
 
 ENGINES = ("local", "ray")
+FRONTS = ("process", "inline")  # engine=local: the HTTP side in a process of its own (front.py), or the engine's
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class ServeConfig:
     api_key: str | None = None  # a bearer token the /v1 routes require
     api_key_file: str | None = None  # a file holding it (not in the process list, as api_key= is)
     engine: str = "local"  # local (this process) | ray (Ray Serve replicas)
+    front: str = "process"  # engine=local: process (the HTTP side apart: turbo/serve/front.py) | inline
     replicas: int = 1  # engine=ray: how many (one runtime and scheduler each)
     ray_address: str | None = None  # engine=ray: an existing cluster's address; None: a local one
     limits: ServeLimits = field(default_factory=ServeLimits)
@@ -70,6 +72,8 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
         raise TurboError(f"config: serve.http_nice={s.get('http_nice')!r}, expected an integer in 0..19")
     if s.get("engine") not in ENGINES:
         raise TurboError(f"config: serve.engine={s.get('engine')!r} is not one of {', '.join(ENGINES)}")
+    if s.get("front", "process") not in FRONTS:
+        raise TurboError(f"config: serve.front={s.get('front')!r} is not one of {', '.join(FRONTS)}")
     if not isinstance(s.get("host"), str) or not s["host"]:
         raise TurboError(f"config: serve.host={s.get('host')!r}, expected an address to listen on")
     text = {k: str(s[k]) if s.get(k) is not None else None
@@ -80,7 +84,7 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
     return ServeConfig(host=s["host"], port=int(s["port"]), engine=s["engine"], replicas=int(s["replicas"]),
                        limits=ServeLimits(**{k: s[k] for k in LIMIT_KEYS}), image_dirs=image_dirs(s.get("image_dirs")),
                        remote_images=s.get("remote_images", False), max_body_mb=float(s["max_body_mb"]),
-                       http_nice=nice, **text)
+                       http_nice=nice, front=s.get("front", "process"), **text)
 
 
 API_KEY_ENV = "TURBO_API_KEY"

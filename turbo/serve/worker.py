@@ -14,6 +14,7 @@ from ..engine import open as open_runtime
 from ..errors import TurboError
 from ..tool_calls import forced_call
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
+from .body import check_text_lengths
 from .images import expand_images
 from .limits import check_prompt_chars, check_prompt_tokens, max_token_chars
 from .metrics import Metrics
@@ -87,17 +88,7 @@ class Engine:
         """A 400 for a prompt, or one message's text, longer than any prompt the context could hold:
         checked on the body as parsed (lengths only), before a thread, the template or the
         tokenizer spends anything on it. (prepare checks the rendered prompt again.)"""
-        if not body.chat:
-            if isinstance(body.prompt, str):
-                check_prompt_chars(body.prompt, self.max_prompt_chars, self.max_positions, "prompt")
-            return
-        for i, m in enumerate(body.messages or ()):
-            content = m.get("content")
-            texts = [content] if isinstance(content, str) else [
-                p["text"] for p in content if p.get("type") == "text"] if isinstance(content, list) else []
-            if sum(map(len, texts)) > self.max_prompt_chars:
-                check_prompt_chars("".join(texts), self.max_prompt_chars, self.max_positions,
-                                   f"messages[{i}].content")
+        check_text_lengths(body.prompt, body.messages, body.chat, self.max_prompt_chars, self.max_positions)
 
     def prepare(self, body: Body) -> Prepared:
         """The body as the scheduler's Request: the prompt's ids (a chat rendered by the template),

@@ -1,0 +1,184 @@
+"""The front process (serve.front=process, the default): the HTTP side that faces the clients,
+in a process of its own, before the engine's. It holds the listening socket and refuses what
+needs no model -- a missing API key, a body over serve.max_body_mb, a body that is not JSON or
+not valid Unicode or nested too deep, a prompt longer than the context could hold -- and relays
+everything else, byte for byte, to the engine's own app (app.py) over a Unix socket, streams
+included.
+
+Why a process: a flood of such requests keeps an event loop busy parsing and refusing, and in
+the engine's process that loop held the GIL the engine's step thread needs between its kernels
+(a server with its engine at one thread: 80% of a core on refusals, the engine's share of the
+GIL down to a quarter, every answer 3x slower). In a process of its own the flood costs the
+engine nothing but the cores it takes. torch is not imported here (startup ~0.3 s, ~40 MiB).
+
+    python -m turbo task=serve    # main.py starts this with the socket and reads its settings
+                                  # from stdin (one JSON line: the API key stays off argv)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import sys
+import threading
+from dataclasses import asdict, dataclass
+
+import httpx
+import uvicorn
+
+from .api_error import ApiError
+from .body import check_text_lengths, parse_json
+from .guard import Guard, error
+from .limits import read_body
+from .listen import address
+
+CHECKED = {"/v1/completions": False, "/v1/chat/completions": True}  # path: chat
+# not relayed: each hop writes its own (a request's length httpx's, a response's framing uvicorn's)
+HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
+NOT_SENT = HOP_BY_HOP | {b"host", b"content-length"}
+NOT_ANSWERED = HOP_BY_HOP | {b"date", b"server"}
+
+
+@dataclass(frozen=True)
+class FrontConfig:
+    engine_socket: str  # the engine app's Unix socket (in a directory only this user reads)
+    fd: int  # the listening socket, inherited
+    host: str
+    port: int
+    api_key: str | None
+    max_body: int  # bytes
+    max_chars: int  # a prompt longer than this cannot fit the context (limits.max_token_chars)
+    max_positions: int
+    nice: int  # serve.http_nice: this whole process that much nicer
+
+    def line(self) -> bytes:
+        return json.dumps(asdict(self)).encode() + b"\n"
+
+
+class ClientGone(Exception):
+    """The client closed its connection while its body was being read."""
+
+
+class Front:
+    """The relay (plain ASGI; `Guard` in front of it refuses from the head)."""
+
+    def __init__(self, cfg: FrontConfig):
+        self.cfg = cfg
+        self.client: httpx.AsyncClient | None = None  # made on the server's loop
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        if self.client is None:
+            self.client = httpx.AsyncClient(
+                transport=httpx.AsyncHTTPTransport(uds=self.cfg.engine_socket), base_url="http://engine",
+                timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        headers = dict(reversed(scope["headers"]))
+        declared = headers.get(b"content-length")
+        try:
+            body = await read_body(chunks(receive), self.cfg.max_body, declared.decode("latin-1") if declared else None)
+            chat = CHECKED.get(scope["path"]) if scope["method"] == "POST" else None
+            if chat is not None:
+                d = parse_json(body)
+                check_text_lengths(d.get("prompt"), d.get("messages"), chat, self.cfg.max_chars,
+                                   self.cfg.max_positions)
+        except ClientGone:
+            return
+        except ApiError as e:
+            await error(e)(scope, receive, send)
+            return
+        await self.relay(scope, receive, send, body)
+
+    async def relay(self, scope, receive, send, body: bytes) -> None:
+        """The request to the engine's app, its answer back as it comes. A client that goes away
+        closes the engine's connection too (its app then cancels the request's ticket)."""
+        path = scope["raw_path"].decode("latin-1") if scope.get("raw_path") else scope["path"]
+        if scope.get("query_string"):
+            path += "?" + scope["query_string"].decode("latin-1")
+        request = self.client.build_request(scope["method"], path, content=body, headers=[
+            (k, v) for k, v in scope["headers"] if k.lower() not in NOT_SENT])
+        upstream = asyncio.ensure_future(self.client.send(request, stream=True))
+        gone = asyncio.ensure_future(disconnected(receive))
+        response = None
+        try:
+            await asyncio.wait({upstream, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if not upstream.done():  # the client left while the engine worked on a whole answer
+                upstream.cancel()
+                return
+            try:
+                response = upstream.result()
+            except httpx.TransportError as e:
+                await error(ApiError(f"the engine is not answering ({type(e).__name__})", None, 503,
+                                     "server_error"))(scope, receive, send)
+                return
+            await send({"type": "http.response.start", "status": response.status_code,
+                        "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in NOT_ANSWERED]})
+            async for piece in response.aiter_raw():
+                if gone.done():
+                    return
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            gone.cancel()
+            if response is not None:
+                await response.aclose()
+
+
+async def chunks(receive):
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        yield message.get("body", b"")
+        if not message.get("more_body", False):
+            return
+
+
+async def disconnected(receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class FrontServer(uvicorn.Server):
+    """Says `serving on` once it answers; leaves the signals alone (the parent, the engine's
+    process, stops it by closing this process's stdin)."""
+
+    def __init__(self, config: uvicorn.Config, said: str):
+        super().__init__(config)
+        self.said = said
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if self.started:
+            print(f"serving on {self.said}", file=sys.stderr, flush=True)
+
+
+def main() -> int:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # (Ctrl-C reaches the parent, which stops this one)
+    cfg = FrontConfig(**json.loads(sys.stdin.buffer.readline()))
+    if cfg.nice > 0:
+        with contextlib.suppress(OSError):
+            os.nice(cfg.nice)
+    sock = socket.socket(fileno=cfg.fd)
+    app = Guard(Front(cfg), key=cfg.api_key, limit=cfg.max_body)
+    server = FrontServer(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                        timeout_graceful_shutdown=5), address(cfg.host, cfg.port))
+
+    def watch_parent() -> None:  # stdin's end: the engine's process is stopping (or gone)
+        sys.stdin.buffer.read()
+        server.should_exit = True
+
+    threading.Thread(target=watch_parent, daemon=True).start()
+    server.run(sockets=[sock])
+    return 0 if server.started else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -165,13 +165,17 @@ def test_the_two_processes_keep_the_key_off_argv_and_stop_together(tmp_path):
     cmd = [sys.executable, "-m", "turbo", "task=serve", "serve.port=0", "threads=1", "backend=cpu",
            f"serve.api_key_file={tmp_path / 'key'}"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("OMP_WAIT_POLICY", None)
     runs = []
     for stop in ("kill the front", "ctrl-c"):
         proc = subprocess.Popen(cmd, cwd=tmp_path, stderr=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         url = served_address(proc).split()[-1]
         (front,) = children(proc.pid)
         with open(f"/proc/{front}/cmdline", "rb") as f:
-            assert b"turbo.serve.front" in f.read() and KEY.encode() not in f.read()
+            argv = f.read()
+        assert b"turbo.serve.front" in argv and KEY.encode() not in argv
+        with open(f"/proc/{front}/environ", "rb") as f:  # (the engine's, as set before torch loaded libgomp)
+            assert b"OMP_WAIT_POLICY=PASSIVE" in f.read().split(b"\0")
         r = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2},
                        headers={"Authorization": f"Bearer {KEY}"}, timeout=60)
         assert r.status_code == 200, r.text

@@ -87,6 +87,8 @@ def main() -> None:
     ap.add_argument("--quant", default="none", help="turbo's install of the shape: the repack's --quant")
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's llama-server --parallel N per N")
     ap.add_argument("--gguf", default="bf16", help="--llamacpp: the shape's GGUF kind (bf16, q8_0, q4_0)")
+    ap.add_argument("--serve", nargs="*", default=[], metavar="KEY=VALUE",
+                    help="more overrides for turbo's server (e.g. serve.front=inline)")
     ap.add_argument("--out", type=Path, help="also write every repetition's figures and the checks (JSON)")
     args = ap.parse_args()
     # tiny: the shipped install, unless beside llama.cpp, whose GGUF is of the random tiny shape
@@ -96,7 +98,8 @@ def main() -> None:
     widest = max(args.concurrency)
     proc, url = start([sys.executable, "-m", "turbo", "task=serve", f"install.path={install}" if install != "tiny"
                        else "install=tiny", f"threads={args.threads}", "backend=cpu", "serve.port=0",
-                       f"serve.max_running={widest}", f"serve.max_waiting={4 * widest}", "serve.memory_gb=8"])
+                       f"serve.max_running={widest}", f"serve.max_waiting={4 * widest}", "serve.memory_gb=8",
+                       *args.serve])
     procs.append(proc)
     # (name, {concurrency: server}, prompts, the request's turbo field)
     runs = [(f"turbo {name}", dict.fromkeys(args.concurrency, url), *CONFIGS[name]) for name in args.configs]

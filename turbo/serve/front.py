@@ -39,7 +39,7 @@ from .listen import address
 CHECKED = {"/v1/completions": False, "/v1/chat/completions": True}  # path: chat
 # not relayed: each hop writes its own (a request's length httpx's, a response's framing uvicorn's)
 HOP_BY_HOP = {b"connection", b"keep-alive", b"transfer-encoding", b"te", b"upgrade", b"proxy-connection"}
-NOT_SENT = HOP_BY_HOP | {b"host", b"content-length"}
+NOT_SENT = HOP_BY_HOP | {b"host", b"content-length", b"expect"}
 NOT_ANSWERED = HOP_BY_HOP | {b"date", b"server"}
 
 
@@ -117,10 +117,13 @@ class Front:
                 return
             await send({"type": "http.response.start", "status": response.status_code,
                         "headers": [(k, v) for k, v in response.headers.raw if k.lower() not in NOT_ANSWERED]})
-            async for piece in response.aiter_raw():
-                if gone.done():
-                    return
-                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            try:
+                async for piece in response.aiter_raw():
+                    if gone.done():
+                        return
+                    await send({"type": "http.response.body", "body": piece, "more_body": True})
+            except httpx.TransportError:  # the engine's process went away mid-answer: the client's ends cut
+                return
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
             gone.cancel()

@@ -52,6 +52,11 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
     port = sock.getsockname()[1]
     private = tempfile.mkdtemp(prefix="turbo-serve-")  # (0700: the engine's socket is this user's alone)
     front: subprocess.Popen | None = None
+    if config.front == "inline":
+        inner = sock
+    else:  # the engine's app on a Unix socket; the front process holds the port (front.py)
+        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        inner.bind(os.path.join(private, "engine.sock"))
 
     class Server(uvicorn.Server):
         async def startup(self, sockets=None) -> None:
@@ -68,11 +73,6 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
                                             config.http_nice))
             threading.Thread(target=stop_with, args=(front, self), daemon=True).start()
 
-    if config.front == "inline":
-        inner = sock
-    else:  # the engine's app on a Unix socket; the front process holds the port (front.py)
-        inner = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        inner.bind(os.path.join(private, "engine.sock"))
     server = Server(uvicorn.Config(make_app(engine), log_level="warning", access_log=False,
                                    timeout_graceful_shutdown=5))
     engine.start()

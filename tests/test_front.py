@@ -154,6 +154,12 @@ def test_an_engine_that_is_gone_is_a_503(pair):
     assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
 
 
+def test_the_front_imports_no_torch():
+    out = subprocess.run([sys.executable, "-c", "import sys, turbo.serve.front; print('torch' in sys.modules)"],
+                         capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=60)
+    assert out.stdout.strip() == "False", out.stderr
+
+
 def children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(k) for k in f.read().split()]

@@ -7,12 +7,12 @@ included.
 
 Why a process: a flood of such requests keeps an event loop busy parsing and refusing, and in
 the engine's process that loop held the GIL the engine's step thread needs between its kernels
-(a server with its engine at one thread: 80% of a core on refusals, the engine's share of the
-GIL down to a quarter, every answer 3x slower). In a process of its own the flood costs the
-engine nothing but the cores it takes. torch is not imported here (startup ~0.3 s, ~40 MiB).
+(measured: the loop 80% of a core on refusals, the engine's share of the GIL down to a quarter,
+other clients' p99 3x; docs/hardening.md). In a process of its own the flood costs the engine
+nothing but the cores it takes. torch is not imported here (about 50 MiB).
 
-    python -m turbo task=serve    # main.py starts this with the socket and reads its settings
-                                  # from stdin (one JSON line: the API key stays off argv)
+    python -m turbo task=serve    # main.py starts this process, hands it the socket, and writes
+                                  # its settings to its stdin (one JSON line: the key stays off argv)
 """
 
 from __future__ import annotations

@@ -39,6 +39,21 @@ def test_choices_equal_their_requests_alone_streamed_or_not(tiny_server):
     assert len(chat.choices) == 2 and chat.choices[0].message == chat.choices[1].message  # greedy: the same
 
 
+def test_a_whole_answer_longer_than_the_disconnect_poll_is_answered(tiny_server, monkeypatch):
+    """A non-streaming answer looks every DISCONNECT_POLL_S whether its client left: through the
+    HTTP request, which a choice's scheduler Request once shadowed (a 500 for any answer that took
+    longer than the poll: on a slow machine, every one)."""
+    from turbo.serve import app
+
+    monkeypatch.setattr(app, "DISCONNECT_POLL_S", 0.001)
+    engine, rt = tiny_server.engine, tiny_server.engine.rt
+    for n in (1, 2):
+        r = tiny_server.http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 12,
+                                                           "temperature": 0, "n": n})
+        assert r.status_code == 200, r.text
+        assert [c["text"] for c in r.json()["choices"]] == [rt.generate(PROMPT, max_new_tokens=12).text] * n
+
+
 def test_followers_start_from_the_leaders_prefill(tiny_server):
     rt = tiny_server.engine.rt
     sched = Scheduler(rt)

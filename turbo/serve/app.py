@@ -122,11 +122,11 @@ async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
     try:
         for i in range(body.n):  # choice i: seed + i where a seed is given; each after the first shares its prefill
             seed = prepared.request.options.seed
-            request = prepared.request if i == 0 or seed is None else dataclasses.replace(
+            choice = prepared.request if i == 0 or seed is None else dataclasses.replace(
                 prepared.request, options=prepared.request.options.but(seed=(seed + i) % 2**64))
             call = Call(body, len(prepared.request.ids), prepared.opened_think, prepared.tools, asyncio.Queue(),
                         engine.metrics.request(), rid, index=i)
-            call.ticket = engine.submit(dataclasses.replace(prepared, request=request), sink_of(loop, call),
+            call.ticket = engine.submit(dataclasses.replace(prepared, request=choice), sink_of(loop, call),
                                         body.max_tokens_param, calls[0].ticket if calls else None)
             calls.append(call)
     except P.ApiError:  # (the queue filled part way: none of the choices runs)

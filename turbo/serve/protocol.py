@@ -22,7 +22,7 @@ from ..errors import TurboError
 from ..options import MAX_N  # (choices: each a sequence of the running batch)
 from ..tool_calls import check_tools, tool_functions
 from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
-from .body import MAX_DEPTH, parse_json  # noqa: F401 (re-exported: the checks the front process makes too)
+from .body import parse_json  # noqa: F401 (re-exported: app.py calls P.parse_json; the front process too)
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor

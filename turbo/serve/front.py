@@ -29,6 +29,7 @@ from dataclasses import asdict, dataclass
 
 import httpx
 import uvicorn
+from starlette.requests import ClientDisconnect, Request
 
 from .api_error import ApiError
 from .body import check_text_lengths, parse_json
@@ -59,10 +60,6 @@ class FrontConfig:
         return json.dumps(asdict(self)).encode() + b"\n"
 
 
-class ClientGone(Exception):
-    """The client closed its connection while its body was being read."""
-
-
 class Front:
     """The relay (plain ASGI; `Guard` in front of it refuses from the head)."""
 
@@ -77,16 +74,15 @@ class Front:
             self.client = httpx.AsyncClient(
                 transport=httpx.AsyncHTTPTransport(uds=self.cfg.engine_socket), base_url="http://engine",
                 timeout=None, limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
-        headers = dict(reversed(scope["headers"]))
-        declared = headers.get(b"content-length")
+        request = Request(scope, receive)
         try:
-            body = await read_body(chunks(receive), self.cfg.max_body, declared.decode("latin-1") if declared else None)
+            body = await read_body(request.stream(), self.cfg.max_body, request.headers.get("content-length"))
             chat = CHECKED.get(scope["path"]) if scope["method"] == "POST" else None
             if chat is not None:
                 d = parse_json(body)
                 check_text_lengths(d.get("prompt"), d.get("messages"), chat, self.cfg.max_chars,
                                    self.cfg.max_positions)
-        except ClientGone:
+        except ClientDisconnect:
             return
         except ApiError as e:
             await error(e)(scope, receive, send)
@@ -129,16 +125,6 @@ class Front:
             gone.cancel()
             if response is not None:
                 await response.aclose()
-
-
-async def chunks(receive):
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            raise ClientGone
-        yield message.get("body", b"")
-        if not message.get("more_body", False):
-            return
 
 
 async def disconnected(receive) -> None:

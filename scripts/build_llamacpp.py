@@ -4,6 +4,7 @@ llama-cpp-python's sdist vendors, as llama.cpp's users build them: CMake Release
 
     nice -n 19 python scripts/build_llamacpp.py [--version 0.3.36] [--jobs 2] [--binding]
     nice -n 19 python scripts/build_llamacpp.py --no-amx     # where ggml's AMX kernels fault (NO_AMX)
+    nice -n 19 python scripts/build_llamacpp.py --tier avx2  # as built for an AVX2-only CPU (TIERS)
 
 Into ~/.cache/turbo/llamacpp/<version>/ (--cache): the sdist and its source under src/, the
 build under build/, the binaries in build/bin/ beside build-info.json (the CMake flags as
@@ -39,6 +40,14 @@ TOOLS = ("llama-bench", "llama-server", "llama-cli")
 # ggml_backend_amx_mul_mat; Q8_0: SIGILL), which the default build takes for Q4_0 / Q8_0 weights.
 NO_AMX_FLAGS = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 NO_AMX = [f"-DCMAKE_C_FLAGS={NO_AMX_FLAGS}", f"-DCMAKE_CXX_FLAGS={NO_AMX_FLAGS}"]
+# --tier: llama.cpp built for one x86 ISA tier, as its users on such a CPU get it (GGML_NATIVE off,
+# the tier's GGML_* options on), to compare with turbo's library built for the same tier (TURBO_ISA)
+AVX2_TIER = ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON", "-DGGML_BMI2=ON"]
+TIERS = {
+    "native": [],
+    "avx2": AVX2_TIER,
+    "avx512": [*AVX2_TIER, "-DGGML_AVX512=ON", "-DGGML_AVX512_VBMI=ON", "-DGGML_AVX512_VNNI=ON", "-DGGML_AVX512_BF16=ON"],
+}
 BIN_ENV = "TURBO_LLAMACPP_BIN"
 FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
@@ -108,11 +117,11 @@ def cpu() -> str:
         return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), platform.machine())
 
 
-def build(version: str, cache: Path, jobs: int, no_amx: bool = False) -> Path:
-    """The tools built under cache/version/build (build-noamx: `no_amx`); the path of their
-    build-info.json."""
+def build(version: str, cache: Path, jobs: int, no_amx: bool = False, tier: str = "native") -> Path:
+    """The tools built under cache/version/build (build-noamx: `no_amx`; build-<tier> for a tier
+    but native); the path of their build-info.json."""
     dest = cache / version
-    build_dir = dest / ("build-noamx" if no_amx else "build")
+    build_dir = dest / ("build-noamx" if no_amx else "build" if tier == "native" else f"build-{tier}")
     bindir = build_dir / "bin"
     info_path = bindir / "build-info.json"
     if info_path.is_file() and all((bindir / t).is_file() for t in TOOLS):
@@ -120,7 +129,9 @@ def build(version: str, cache: Path, jobs: int, no_amx: bool = False) -> Path:
         return info_path
     archive, tree = sdist(version, dest / "src")
     commit = vendored_commit(tree)
-    flags = [*FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}", *(NO_AMX if no_amx else [])]
+    flags = [*FLAGS, f"-DLLAMA_BUILD_COMMIT={commit}", *(NO_AMX if no_amx else []), *TIERS[tier]]
+    if tier != "native":
+        flags.remove("-DGGML_NATIVE=ON")
     sh(niced(["cmake", "-S", str(tree / "vendor" / "llama.cpp"), "-B", str(build_dir), *flags]))
     sh(niced(["cmake", "--build", str(build_dir), "--config", "Release", "-j", str(jobs),
               "--target", *TOOLS]))
@@ -139,7 +150,7 @@ def build(version: str, cache: Path, jobs: int, no_amx: bool = False) -> Path:
         # (with GGML_NATIVE on, ggml-cpu builds with -march=native and its GGML_AVX* / GGML_AMX*
         # options, off, do not apply: the ISA below is what it gets)
         "compiler": compiler(resolved.get("CMAKE_C_COMPILER", "cc")),
-        "native_isa": native_isa(resolved.get("CMAKE_C_COMPILER", "cc"), NO_AMX_FLAGS.split() if no_amx else []),
+        "native_isa": None if tier != "native" else native_isa(resolved.get("CMAKE_C_COMPILER", "cc"), NO_AMX_FLAGS.split() if no_amx else []),
         "cxx_compiler": compiler(resolved.get("CMAKE_CXX_COMPILER", "c++")),
         "llama_bench_version": (bench.stdout + bench.stderr).strip(),
         "cpu": cpu(),
@@ -150,22 +161,25 @@ def build(version: str, cache: Path, jobs: int, no_amx: bool = False) -> Path:
     return info_path
 
 
-def bindir(version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> Path:
-    """Where the tools are: $TURBO_LLAMACPP_BIN (a build of one's own), else this script's
-    --no-amx build where there is one (it is made only where the default one faults), else its
-    default build."""
+def bindir(version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE, tier: str = "native") -> Path:
+    """Where the tools are: $TURBO_LLAMACPP_BIN (a build of one's own), else a tier's build
+    (`tier` not native), else this script's --no-amx build where there is one (it is made only
+    where the default one faults), else its default build."""
     if os.environ.get(BIN_ENV):
         return Path(os.environ[BIN_ENV])
+    if tier != "native":
+        return cache / version / f"build-{tier}" / "bin"
     no_amx = cache / version / "build-noamx" / "bin"
     return no_amx if (no_amx / "build-info.json").is_file() else cache / version / "build" / "bin"
 
 
-def tool(name: str, version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> Path:
+def tool(name: str, version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE, tier: str = "native") -> Path:
     """The path of a built tool (llama-bench, llama-server, llama-cli); a one-line error naming
     the build command where it is not built."""
-    path = bindir(version, cache) / name
+    path = bindir(version, cache, tier) / name
     if not path.is_file():
-        raise SystemExit(f"{path}: not built (nice -n 19 python scripts/build_llamacpp.py, or set {BIN_ENV})")
+        raise SystemExit(f"{path}: not built (nice -n 19 python scripts/build_llamacpp.py --tier {tier}, "
+                         f"or set {BIN_ENV})")
     return path
 
 
@@ -199,8 +213,10 @@ def main() -> None:
     ap.add_argument("--binding", action="store_true", help="also pip install the binding from the same sdist")
     ap.add_argument("--no-amx", action="store_true",
                     help="without ggml's AMX kernels (where they fault), into build-noamx/ (NO_AMX above)")
+    ap.add_argument("--tier", choices=sorted(TIERS), default="native",
+                    help="the x86 ISA tier to build for (TIERS above), into build-<tier>/ (native: build/)")
     args = ap.parse_args()
-    info = build(args.version, args.cache, args.jobs, args.no_amx)
+    info = build(args.version, args.cache, args.jobs, args.no_amx, args.tier)
     print(info.read_text())
     if args.binding:
         binding(args.version, args.cache, args.jobs)

@@ -21,6 +21,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
+from ..errors import TurboError
+
 # the library's parts (native.c, native_products.c, ...), built into one library
 SOURCES = sorted(Path(__file__).parent.glob("native*.c"))
 HEADERS = sorted(Path(__file__).parent.glob("native*.h"))  # what they share (native.h, native_internal.h)
@@ -28,16 +30,65 @@ HEADERS = sorted(Path(__file__).parent.glob("native*.h"))  # what they share (na
 # -fopenmp: the library then shares the libgomp torch has loaded (native.c, set_threads).
 FLAGS = (["-O3", "-march=native", "-fopenmp"], ["-O3", "-fopenmp"], ["-O3", "-march=native"], ["-O3"])
 
+# The x86 ISA tiers the library builds for (TURBO_ISA; default: the best this CPU has), so one
+# machine builds, tests and measures what a CPU of each tier runs: the -march flags, and the
+# /proc/cpuinfo flags a CPU needs to run them. avx2 is what AMD Zen 2/3 and Intel client CPUs
+# since Alder Lake have (AVX2 + FMA + F16C); avx512 is the native ISA less AMX; amx the native one.
+ISA_ENV = "TURBO_ISA"
+NO_AMX = ["-mno-amx-tile", "-mno-amx-int8", "-mno-amx-bf16"]
+TIERS: dict[str, tuple[list[str], frozenset[str]]] = {
+    "avx2": (["-march=haswell"], frozenset({"avx2", "fma", "f16c"})),
+    "avx512": (["-march=native", *NO_AMX], frozenset({"avx512f", "avx512bw", "avx512vl"})),
+    "amx": (["-march=native"], frozenset({"amx_tile", "amx_bf16", "avx512f", "avx512bw"})),
+}
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return frozenset(next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), []))
+    except OSError:
+        return frozenset()
+
+
+def best_tier(flags: frozenset[str]) -> str | None:
+    """The best tier a CPU with `flags` runs (None: not x86, or below AVX2: the native flags)."""
+    return next((t for t in ("amx", "avx512", "avx2") if TIERS[t][1] <= flags), None)
+
+
+def isa_tier() -> str | None:
+    """The tier to build: TURBO_ISA, refused by name where this CPU cannot run it, else the best."""
+    flags = cpu_flags()
+    want = os.environ.get(ISA_ENV, "").strip().lower()
+    if not want:
+        return best_tier(flags)
+    if want not in TIERS:
+        raise TurboError(f"{ISA_ENV}={want!r}: expected one of {', '.join(TIERS)} (or unset: the best this CPU has)",
+                         field=ISA_ENV)
+    if missing := sorted(TIERS[want][1] - flags):
+        raise TurboError(f"{ISA_ENV}={want}: this CPU lacks {', '.join(missing)} (expected a tier it runs: "
+                         f"{', '.join(t for t in TIERS if TIERS[t][1] <= flags) or 'none'})", field=ISA_ENV)
+    return want
+
+
+def tier_flags(tier: str | None) -> tuple[list[str], ...]:
+    """The compile flags to try in order for `tier` (None: FLAGS, the native ISA)."""
+    if tier is None:
+        return FLAGS
+    march = TIERS[tier][0]
+    return (["-O3", *march, "-fopenmp"], ["-O3", *march])
+
 # what the first build's line says it takes: measured cold, 35 s on a quiet 2-core VM (cc 12; most
 # of it native_products.c), 66 s on a busy one
 BUILD_TIME = "about half a minute"
 
 
-def _key(cc: str) -> str:
-    """The build's key: the sources, the flags, the compiler and the machine."""
+def _key(cc: str, tier: str | None = None) -> str:
+    """The build's key: the sources, the tier and its flags, the compiler and the machine."""
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     return hashlib.sha256(b"".join(src.read_bytes() for src in [*SOURCES, *HEADERS])
-                          + " ".join(map(str, FLAGS)).encode()
+                          + f"{tier} {tier_flags(tier)}".encode()
                           + version.encode() + platform.machine().encode() + platform.node().encode()).hexdigest()[:16]
 
 
@@ -52,11 +103,12 @@ def untrusted(path: Path) -> str | None:
     return None
 
 
-def build(cc: str, cache_dir: Path | None) -> tuple[Path, Path | None]:
-    """The library's path, and a throwaway directory to remove once it is loaded (None when it
-    is cached). A cache directory is created 0700 and, like a cached library, used only when
-    untrusted() finds nothing; otherwise the next one, the last a fresh private directory."""
-    key = _key(cc)
+def build(cc: str, cache_dir: Path | None, tier: str | None = None) -> tuple[Path, Path | None]:
+    """The library's path, built for ISA `tier` (isa_tier(); None: the native flags), and a
+    throwaway directory to remove once it is loaded (None when it is cached). A cache directory
+    is created 0700 and, like a cached library, used only when untrusted() finds nothing;
+    otherwise the next one, the last a fresh private directory."""
+    key = _key(cc, tier)
     errors: list[str] = []
     for dest_dir in (cache_dir or Path.home() / ".cache" / "turbo", Path(tempfile.gettempdir()) / "turbo-native", None):
         fresh = dest_dir is None
@@ -70,10 +122,11 @@ def build(cc: str, cache_dir: Path | None) -> tuple[Path, Path | None]:
             target = dest_dir / f"native-{key}.so"
             if target.exists() and untrusted(target) is None:
                 return target, None
-            _announce(f"compiling turbo's CPU kernels (native*.c) with {cc}: {BUILD_TIME}, once per "
+            _announce(f"compiling turbo's CPU kernels (native*.c{f', {tier} tier' if tier else ''}) with {cc}: "
+                      f"{BUILD_TIME}, once per "
                       + (f"process; not cached ({errors[-1]})" if fresh else f"machine; cached in {dest_dir}"))
             with _terminate_raises():
-                for flags in FLAGS:
+                for flags in tier_flags(tier):
                     error = _compile(cc, flags, dest_dir / f"tmp-native-{key}-{os.getpid()}.so", target)
                     if error is None:
                         return target, dest_dir if fresh else None

@@ -7,6 +7,8 @@
 
 #include "native_internal.h"
 
+#define GDN_STRIP (AVX2_TIER ? 2 : 4) /* the widest strip, in 16 columns */
+
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(fast_exp(x)); }
 
 /* One head's delta rule for one row, on the state columns c..c+16*NV-1 (strips of the
@@ -135,8 +137,11 @@ static void gdn_recurrence_seqs(const GdnSeq *seqs, int nseq, int Hv, int dk, in
         const float *Sin = e->state_in + h * per;
         float *S = e->state + h * per;
         int c = 0;
-        for (; c + 64 <= dv; c += 64)
-            gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states, streamed, 4);
+        /* strips of 64 columns (AVX2: 32, its sums then fit the sixteen 8-lane registers); each
+         * column's values are the same in any strip */
+        for (; c + GDN_STRIP * 16 <= dv; c += GDN_STRIP * 16)
+            gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states, streamed,
+                           GDN_STRIP);
         for (; c + 16 <= dv; c += 16)
             gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states, streamed, 1);
         for (; c < dv; c++) gdn_column(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states);

@@ -33,6 +33,17 @@ static inline v16 load_w(const void *w, int wtype, size_t at) {
     return r;
 }
 
+/* The AVX2 tier (AVX2 + FMA, no AVX-512): native_avx2.c's tiles, over the same packed layouts
+ * and chains as native_products.c's (p0, p1: the panels of 16 outputs to compute). */
+#if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
+#define AVX2_TIER 1
+#else
+#define AVX2_TIER 0
+#endif
+INTERNAL void avx2_panels(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1);
+INTERNAL void avx2_qpanels(const float *x, int R, int k, const void *P, int bits, int n, float *y, int p0, int p1);
+INTERNAL void avx2_quads(const float *x, int R, int k, const void *P, int n, float *y, int p0, int p1);
+
 /* Matrix products of at least this many multiply-adds are split over the threads. */
 #define MIN_PARALLEL_MACS 65536
 

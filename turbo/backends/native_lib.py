@@ -15,11 +15,12 @@ from pathlib import Path
 import torch
 
 from ..errors import TurboError
-from .native_build import build
+from .native_build import build, isa_tier
 
 _lib: ctypes.CDLL | None = None
 _why: str | None = None
 _tried = False
+_tier: str | None = None  # the ISA tier it was built for (native_build.isa_tier; None: the native flags)
 
 
 class Moe(ctypes.Structure):
@@ -112,14 +113,15 @@ def _struct_mismatch(lib: ctypes.CDLL) -> str | None:
 def library(cache_dir: Path | None = None, compiler: str | None = None) -> ctypes.CDLL | None:
     """The library, built (with `compiler`, default cc / gcc / clang on PATH, into `cache_dir`,
     default ~/.cache/turbo) and loaded once per process: a later call's arguments are not looked at."""
-    global _lib, _why, _tried
+    global _lib, _why, _tried, _tier
     if not _tried:
-        _tried = True
+        tier = isa_tier()  # (a TURBO_ISA this CPU cannot run is the user's error: refused, not a fallback)
+        _tried, _tier = True, tier
         cc = compiler or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
         try:
             if cc is None:
                 raise RuntimeError("no C compiler on PATH (set CC)")
-            path, throwaway = build(cc, cache_dir)
+            path, throwaway = build(cc, cache_dir, tier)
             lib = ctypes.CDLL(str(path))
             if throwaway is not None:  # loaded: the mapping outlives the file
                 shutil.rmtree(throwaway, ignore_errors=True)
@@ -165,6 +167,11 @@ def threaded() -> ctypes.CDLL:
         lib.set_threads(n)
         _threads = n
     return lib
+
+
+def tier() -> str | None:
+    """The ISA tier the library was built for (avx2, avx512, amx; None: the native flags, or no library)."""
+    return _tier if library() is not None else None
 
 
 def why_not() -> str | None:

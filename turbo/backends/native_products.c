@@ -14,10 +14,11 @@
 #define BF16_DOT 0
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512F__)
-#define INT8_DOT 1
+#define VNNI512 1 /* vpdpbusd: the int8 products below */
 #else
-#define INT8_DOT 0
+#define VNNI512 0
 #endif
+#define INT8_DOT (VNNI512 || AVX2_TIER) /* the int8 products, here or in native_avx2.c */
 
 /* Which of the products are compiled in: bit 0 wtype 2 (bf16 pairs), bit 1 wtypes 3, 4 and 5
  * (int8 quads, affine int4 and int8), bit 2 wtype 8 (exact affine, fp32 scales), bit 3 wtype 9
@@ -67,7 +68,7 @@ static inline __attribute__((always_inline)) void ptile(const float *x, int k, c
         k = 0; /* the fp32 walk below is skipped; the stores are shared */
     }
 #endif
-#if INT8_DOT
+#if VNNI512
     if (wtype == 3) { /* x: per row its scale then k - 1 words of 4 inputs as u8 (+128); P: see int8_quads */
         const uint32_t *xq = (const uint32_t *)x;
         int panels = (n + 15) / 16, kq = k - 1;
@@ -201,6 +202,9 @@ static inline __attribute__((always_inline)) void packed_as(const float *x, int 
 #define QGROUP 64
 
 static inline size_t qgroup_bytes(int bits) { return 64 + (size_t)QGROUP * 16 * bits / 8; }
+#endif
+
+#if VNNI512
 
 /* acc + the dot of u8 w with the s8 word at `in`, broadcast (vpdpbusd). As an asm with the sum
  * tied to its register: GCC's builtin lets the register allocator rotate a tile's sums through
@@ -310,6 +314,9 @@ QPANELS_FOR(8)
 QPACKED_AS(4)
 QPACKED_AS(8)
 
+#endif /* VNNI512 */
+
+#if INT8_DOT
 /* x [R, k] (k a multiple of 64) as qtile reads it: G = k / 64 scales per row s_g = max|x_g| / 127
  * (1 for a group of zeros), [R, G]; the sums s_g sum(x8_g), [R, G]; then the inputs x8 as s8 in
  * words of four, [G, 16, R]: a word's R rows side by side, so a tile's broadcasts of one word
@@ -324,6 +331,22 @@ static uint8_t *group_quads(const float *x, int R, int k) {
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             const float *xg = x + (size_t)r * k + (size_t)QGROUP * g;
+#if !VNNI512 /* (the AVX2 tier) the same values one at a time: a maximum and an integer sum are
+              * exact in any order, nearbyintf rounds to nearest even as vcvtps2dq does */
+            float mx = 0.0f;
+            for (int i = 0; i < QGROUP; i++) mx = fabsf(xg[i]) > mx ? fabsf(xg[i]) : mx;
+            float s = mx > 0.0f ? mx / 127.0f : 1.0f, inv = 1.0f / s;
+            int32_t t = 0;
+            int8_t q[QGROUP];
+            for (int i = 0; i < QGROUP; i++) {
+                int32_t qi = (int32_t)nearbyintf(xg[i] * inv);
+                t += qi;
+                q[i] = (int8_t)(qi > 127 ? 127 : qi < -128 ? -128 : qi);
+            }
+            for (int j = 0; j < QGROUP / 4; j++) memcpy(words + ((size_t)g * 16 + j) * R + r, q + 4 * j, 4);
+            scale[(size_t)r * G + g] = s;
+            sum[(size_t)r * G + g] = s * (float)t;
+#else
             __m512 v[4], m = _mm512_setzero_ps();
             for (int c = 0; c < 4; c++) {
                 v[c] = _mm512_loadu_ps(xg + 16 * c);
@@ -341,6 +364,7 @@ static uint8_t *group_quads(const float *x, int R, int k) {
             for (int j = 0; j < QGROUP / 4; j++) memcpy(words + ((size_t)g * 16 + j) * R + r, q + 4 * j, 4);
             scale[(size_t)r * G + g] = s;
             sum[(size_t)r * G + g] = s * (float)_mm512_reduce_add_epi32(t);
+#endif
         }
     return out;
 }
@@ -624,6 +648,11 @@ static void fpacked(const float *x, int R, int k, const void *P, int wtype, int 
 #endif
 
 static void packed_range(const float *x, int R, int k, const void *P, int wtype, int n, float *y, int p0, int p1) {
+#if AVX2_TIER
+    if (wtype == 0 || wtype == 1 || wtype == 6)
+        avx2_panels(x, R, k, P, wtype, n, y, p0, p1);
+    else
+#endif
     if (wtype == 0)
         packed_as(x, R, k, P, n, y, p0, p1, 0);
     else if (wtype == 6)
@@ -632,13 +661,18 @@ static void packed_range(const float *x, int R, int k, const void *P, int wtype,
     else if (wtype == 2)
         packed_as(x, R, k, P, n, y, p0, p1, 2);
 #endif
-#if INT8_DOT
+#if VNNI512
     else if (wtype == 3)
         packed_as(x, R, k, P, n, y, p0, p1, 3);
     else if (wtype == 4)
         qpacked_4(x, R, k, P, n, y, p0, p1);
     else if (wtype == 5)
         qpacked_8(x, R, k, P, n, y, p0, p1);
+#elif AVX2_TIER
+    else if (wtype == 3)
+        avx2_quads(x, R, k, P, n, y, p0, p1);
+    else if (wtype == 4 || wtype == 5)
+        avx2_qpanels(x, R, k, P, wtype == 4 ? 4 : 8, n, y, p0, p1);
 #endif
 #if EXACT_READS
     else if (wtype == 8 || wtype == 9)
@@ -899,7 +933,7 @@ static uint32_t *int8_quads(const float *x, int R, int k) {
         uint32_t *o = out + (size_t)r * (1 + kq);
         float m = 0.0f;
         int i = 0;
-#if INT8_DOT /* the same values sixteen at a time (a maximum is exact in any order) */
+#if VNNI512 /* the same values sixteen at a time (a maximum is exact in any order) */
         __m512 vm = _mm512_setzero_ps();
         for (; i + 16 <= k; i += 16) vm = _mm512_max_ps(vm, _mm512_abs_ps(_mm512_loadu_ps(xr + i)));
         m = _mm512_reduce_max_ps(vm);
@@ -909,7 +943,7 @@ static uint32_t *int8_quads(const float *x, int R, int k) {
         memcpy(o, &s, 4);
         uint8_t *q = (uint8_t *)(o + 1);
         i = 0;
-#if INT8_DOT /* rounding to nearest even, as nearbyintf below */
+#if VNNI512 /* rounding to nearest even, as nearbyintf below */
         for (; i + 16 <= k; i += 16) {
             __m512i t = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + i), _mm512_set1_ps(inv)));
             t = _mm512_min_epi32(_mm512_max_epi32(t, _mm512_set1_epi32(-127)), _mm512_set1_epi32(127));

@@ -175,56 +175,84 @@ INTERNAL void avx2_panels(const float *x, int R, int k, const void *P, int wtype
  * 15 x 128; eight pairs of them fit), then widened into int32. ---- */
 static inline size_t qgroup_bytes(int bits) { return 64 + (size_t)QGROUP * 16 * bits / 8; }
 
-static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int R, int k, const uint8_t *P,
-                                                        const int bits, int n, int p, int r, float *y, const int NR) {
+/* A tile's integer sums as six named registers (as SUM_SLOT's, for the same reason): slot S +=
+ * V, and slot S's value. */
+#define INTS_ZERO __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0, i4 = i0, i5 = i0
+#define INT_ADD(S, V)                                         \
+    switch (S) {                                              \
+    case 0: i0 = _mm256_add_epi32(i0, V); break;              \
+    case 1: i1 = _mm256_add_epi32(i1, V); break;              \
+    case 2: i2 = _mm256_add_epi32(i2, V); break;              \
+    case 3: i3 = _mm256_add_epi32(i3, V); break;              \
+    case 4: i4 = _mm256_add_epi32(i4, V); break;              \
+    default: i5 = _mm256_add_epi32(i5, V);                    \
+    }
+#define INT_OF(S) ((S) == 0 ? i0 : (S) == 1 ? i1 : (S) == 2 ? i2 : (S) == 3 ? i3 : (S) == 4 ? i4 : i5)
+
+/* One half-panel's (8 outputs') products for rows r..r+NR-1 (int8: NR <= 3, slots b + 3 the high
+ * nibbles' sums). Each word's pairs of products, at most 2 x 15 x 128 in an int16, are widened
+ * to int32 at once by vpmaddwd. */
+static inline __attribute__((always_inline)) void qhalf(const uint8_t *x, int R, int k, const uint8_t *P,
+                                                        const int bits, int n, int p, int r, int h, float *y,
+                                                        const int NR) {
     int G = k / QGROUP;
     size_t gb = qgroup_bytes(bits);
     const float *scale = (const float *)x + (size_t)r * G, *sum = (const float *)x + (size_t)(R + r) * G;
     const int32_t *words = (const int32_t *)x + (size_t)2 * R * G + r;
     const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    __m256 acc[6][2];
-    for (int b = 0; b < NR; b++) acc[b][0] = acc[b][1] = _mm256_setzero_ps();
+    SUMS_ZERO;
+    (void)s0h; (void)s1h; (void)s2h; (void)s3h; (void)s4h; (void)s5h;
     for (int g = 0; g < G; g++) {
         const uint8_t *W = P + ((size_t)p * G + g) * gb;
-        __builtin_prefetch(W + 2 * gb);
-        __builtin_prefetch(W + 2 * gb + 256);
-        for (int h = 0; h < 2; h++) {
-            __m256i ia[6], hi8[6];
-            for (int b = 0; b < NR; b++) ia[b] = hi8[b] = _mm256_setzero_si256();
-            for (int j0 = 0; j0 < (bits == 4 ? 8 : 16); j0 += 4) {
-                __m256i s16[6], h16[6];
-                for (int b = 0; b < NR; b++) s16[b] = h16[b] = _mm256_setzero_si256();
-                for (int j = j0; j < j0 + 4; j++) {
-                    __m256i v = _mm256_loadu_si256((const __m256i *)(W + 64 + 64 * j + 32 * h));
-                    __m256i lo = _mm256_and_si256(v, low), up = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
-                    const int32_t *wj = words + ((size_t)g * 16 + j) * R;
-                    for (int b = 0; b < NR; b++) {
-                        __m256i xb = _mm256_set1_epi32(wj[b]);
-                        if (bits == 4) { /* the high nibbles' inputs: word j + 8 */
-                            __m256i xh = _mm256_set1_epi32(wj[(size_t)8 * R + b]);
-                            s16[b] = _mm256_add_epi16(s16[b], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xb),
-                                                                               _mm256_maddubs_epi16(up, xh)));
-                        } else { /* q = 16 up + lo, both times the same inputs */
-                            s16[b] = _mm256_add_epi16(s16[b], _mm256_maddubs_epi16(lo, xb));
-                            h16[b] = _mm256_add_epi16(h16[b], _mm256_maddubs_epi16(up, xb));
-                        }
-                    }
-                }
-                for (int b = 0; b < NR; b++) {
-                    ia[b] = _mm256_add_epi32(ia[b], _mm256_madd_epi16(s16[b], ones));
-                    if (bits == 8) hi8[b] = _mm256_add_epi32(hi8[b], _mm256_madd_epi16(h16[b], ones));
+        __builtin_prefetch(W + 2 * gb + 64 * h);
+        __builtin_prefetch(W + 2 * gb + 256 + 64 * h);
+        INTS_ZERO;
+        for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
+            __m256i v = _mm256_loadu_si256((const __m256i *)(W + 64 + 64 * j + 32 * h));
+            __m256i lo = _mm256_and_si256(v, low), up = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+            const int32_t *wj = words + ((size_t)g * 16 + j) * R;
+            for (int b = 0; b < NR; b++) {
+                __m256i xb = _mm256_set1_epi32(wj[b]);
+                if (bits == 4) { /* the high nibbles' inputs: word j + 8 */
+                    __m256i xh = _mm256_set1_epi32(wj[(size_t)8 * R + b]);
+                    __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xb), _mm256_maddubs_epi16(up, xh));
+                    INT_ADD(b, _mm256_madd_epi16(t, ones))
+                } else { /* q = 16 up + lo, both times the same inputs */
+                    INT_ADD(b, _mm256_madd_epi16(_mm256_maddubs_epi16(lo, xb), ones))
+                    INT_ADD(b + 3, _mm256_madd_epi16(_mm256_maddubs_epi16(up, xb), ones))
                 }
             }
-            __m256 ws = widen8((const uint16_t *)W + 8 * h), wb = widen8((const uint16_t *)(W + 32) + 8 * h);
-            for (int b = 0; b < NR; b++) {
-                __m256i dot = bits == 8 ? _mm256_add_epi32(_mm256_slli_epi32(hi8[b], 4), ia[b]) : ia[b];
-                acc[b][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(ws, _mm256_set1_ps(scale[b * G + g])),
-                                            acc[b][h]);
-                acc[b][h] = _mm256_fmadd_ps(wb, _mm256_set1_ps(sum[b * G + g]), acc[b][h]);
+        }
+        __m256 ws = widen8((const uint16_t *)W + 8 * h), wb = widen8((const uint16_t *)(W + 32) + 8 * h);
+        for (int b = 0; b < NR; b++) {
+            __m256i dot = bits == 8 ? _mm256_add_epi32(_mm256_slli_epi32(INT_OF(b + 3), 4), INT_OF(b)) : INT_OF(b);
+            __m256 v = _mm256_mul_ps(ws, _mm256_set1_ps(scale[b * G + g])), c = _mm256_cvtepi32_ps(dot);
+            __m256 bias = _mm256_set1_ps(sum[b * G + g]);
+            switch (b) { /* qtile's chain: acc = fma(dot, ws s, acc); acc = fma(wb, sum, acc) */
+            case 0: s0l = _mm256_fmadd_ps(wb, bias, _mm256_fmadd_ps(c, v, s0l)); break;
+            case 1: s1l = _mm256_fmadd_ps(wb, bias, _mm256_fmadd_ps(c, v, s1l)); break;
+            case 2: s2l = _mm256_fmadd_ps(wb, bias, _mm256_fmadd_ps(c, v, s2l)); break;
+            case 3: s3l = _mm256_fmadd_ps(wb, bias, _mm256_fmadd_ps(c, v, s3l)); break;
+            case 4: s4l = _mm256_fmadd_ps(wb, bias, _mm256_fmadd_ps(c, v, s4l)); break;
+            default: s5l = _mm256_fmadd_ps(wb, bias, _mm256_fmadd_ps(c, v, s5l));
             }
         }
     }
-    for (int b = 0; b < NR; b++) store16(y + (size_t)(r + b) * n, n, p * 16, acc[b][0], acc[b][1]);
+    const __m256 sums[6] = {s0l, s1l, s2l, s3l, s4l, s5l};
+    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), left = _mm256_set1_epi32(n - p * 16 - 8 * h);
+    for (int b = 0; b < NR; b++) {
+        float *at = y + (size_t)(r + b) * n + p * 16 + 8 * h;
+        if (n - p * 16 - 8 * h >= 8)
+            _mm256_storeu_ps(at, sums[b]);
+        else if (n - p * 16 - 8 * h > 0)
+            _mm256_maskstore_ps(at, _mm256_cmpgt_epi32(left, lane), sums[b]);
+    }
+}
+
+static inline __attribute__((always_inline)) void qtile(const uint8_t *x, int R, int k, const uint8_t *P,
+                                                        const int bits, int n, int p, int r, float *y, const int NR) {
+    qhalf(x, R, k, P, bits, n, p, r, 0, y, NR);
+    qhalf(x, R, k, P, bits, n, p, r, 1, y, NR);
 }
 
 typedef void (*QTile)(const uint8_t *x, int R, int k, const uint8_t *P, int n, int p, int r, float *y);
@@ -233,19 +261,24 @@ typedef void (*QTile)(const uint8_t *x, int R, int k, const uint8_t *P, int n, i
                                                               int n, int p, int r, float *y) {                  \
         qtile(x, R, k, P, BITS, n, p, r, y, NR);                                                               \
     }
-#define QTILES_FOR(BITS) QTILE_AS(BITS, 1) QTILE_AS(BITS, 2) QTILE_AS(BITS, 3) QTILE_AS(BITS, 4) \
-    QTILE_AS(BITS, 5) QTILE_AS(BITS, 6)
-QTILES_FOR(4)
-QTILES_FOR(8)
+QTILE_AS(4, 1) QTILE_AS(4, 2) QTILE_AS(4, 3) QTILE_AS(4, 4) QTILE_AS(4, 5) QTILE_AS(4, 6)
+QTILE_AS(8, 1) QTILE_AS(8, 2) QTILE_AS(8, 3)
 static const QTile Q4[7] = {NULL, qtile_4_1, qtile_4_2, qtile_4_3, qtile_4_4, qtile_4_5, qtile_4_6};
-static const QTile Q8[7] = {NULL, qtile_8_1, qtile_8_2, qtile_8_3, qtile_8_4, qtile_8_5, qtile_8_6};
+static const QTile Q8[4] = {NULL, qtile_8_1, qtile_8_2, qtile_8_3};
 
 INTERNAL void avx2_qpanels(const float *x, int R, int k, const void *P, int bits, int n, float *y, int p0, int p1) {
-    const QTile *tiles = bits == 4 ? Q4 : Q8;
     for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {
         int r1 = R - r0 <= ROW_BLOCK + ROW_BLOCK / 2 ? R : r0 + ROW_BLOCK;
-        for (int p = p0; p < p1; p++)
-            EACH_ROW_TILE(r0, r1, tiles[nr]((const uint8_t *)x, R, k, (const uint8_t *)P, n, p, r, y))
+        for (int p = p0; p < p1; p++) {
+            if (bits == 4)
+                EACH_ROW_TILE(r0, r1, Q4[nr]((const uint8_t *)x, R, k, (const uint8_t *)P, n, p, r, y))
+            else
+                for (int r = r0; r < r1;) { /* (three rows a tile: their sums take two registers each) */
+                    int nr = r1 - r < 3 ? r1 - r : 3;
+                    Q8[nr]((const uint8_t *)x, R, k, (const uint8_t *)P, n, p, r, y);
+                    r += nr;
+                }
+        }
         r0 = r1 - ROW_BLOCK;
     }
 }

@@ -7,7 +7,15 @@
 
 #include "native_internal.h"
 
-#define GDN_STRIP (AVX2_TIER ? 2 : 4) /* the widest strip, in 16 columns */
+/* The recurrence's vectors: 16 lanes, or on the AVX2 tier 8 (a 16-lane vector there is kept
+ * in memory, the sums stored and loaded on every step); a strip is up to GDN_STRIP of them. */
+#if AVX2_TIER
+typedef float vg __attribute__((vector_size(32)));
+#else
+typedef v16 vg;
+#endif
+#define VL ((int)(sizeof(vg) / sizeof(float)))
+#define GDN_STRIP 4
 
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(fast_exp(x)); }
 
@@ -30,16 +38,16 @@ static inline __attribute__((always_inline)) void gdn_strip_rows(const float *Si
                                                                  const float *beta, float *out, float *states,
                                                                  int streamed, const int NV) {
     size_t per = (size_t)dk * dv;
-    v16 acc[4], u[4], o[4];
+    vg acc[GDN_STRIP], u[GDN_STRIP], o[GDN_STRIP];
     const float *kr = k + (size_t)h * dk;
     float decay = fast_exp(g[h]);
-    for (int a = 0; a < NV; a++) acc[a] = (v16){0};
+    for (int a = 0; a < NV; a++) acc[a] = (vg){0};
     for (int i = 0; i < dk; i++)
         for (int a = 0; a < NV; a++) {
-            v16 x;
-            memcpy(&x, Sin + (size_t)i * dv + c + 16 * a, 64);
+            vg x;
+            memcpy(&x, Sin + (size_t)i * dv + c + VL * a, sizeof(vg));
             x = x * decay;
-            memcpy(S + (size_t)i * dv + c + 16 * a, &x, 64);
+            memcpy(S + (size_t)i * dv + c + VL * a, &x, sizeof(vg));
             acc[a] += kr[i] * x;
         }
     for (int r = 0; r < R; r++) {
@@ -48,37 +56,37 @@ static inline __attribute__((always_inline)) void gdn_strip_rows(const float *Si
         float b = beta[rh], next = r + 1 < R ? fast_exp(g[rh + Hv]) : 0.0f;
         kr = k + rh * dk;
         for (int a = 0; a < NV; a++) {
-            v16 vv;
-            memcpy(&vv, vr + c + 16 * a, 64);
+            vg vv;
+            memcpy(&vv, vr + c + VL * a, sizeof(vg));
             u[a] = (vv - acc[a]) * b;
-            o[a] = acc[a] = (v16){0};
+            o[a] = acc[a] = (vg){0};
         }
         float *keep = states && r + 1 < R ? states + rh * per + c : NULL;
         for (int i = 0; i < dk; i++) {
             float *row = S + (size_t)i * dv + c;
             for (int a = 0; a < NV; a++) {
-                v16 x;
-                memcpy(&x, row + 16 * a, 64);
+                vg x;
+                memcpy(&x, row + VL * a, sizeof(vg));
                 x += kr[i] * u[a];
                 o[a] += qr[i] * x;
                 if (keep) {
-#if defined(__AVX512F__) /* past the caches: nothing reads a checkpoint until a rollback, and a
+#if defined(__AVX512F__) && !AVX2_TIER /* past the caches: nothing reads a checkpoint until a rollback, and a
                           * plain store first reads the line in (twice the memory traffic) */
                     if (streamed)
-                        _mm512_stream_ps(keep + (size_t)i * dv + 16 * a, (__m512)x);
+                        _mm512_stream_ps(keep + (size_t)i * dv + VL * a, (__m512)x);
                     else
 #endif
-                        memcpy(keep + (size_t)i * dv + 16 * a, &x, 64);
+                        memcpy(keep + (size_t)i * dv + VL * a, &x, sizeof(vg));
                 }
                 if (r + 1 < R) {
                     x = x * next;
                     acc[a] += kn[i] * x;
                 }
-                memcpy(row + 16 * a, &x, 64);
+                memcpy(row + VL * a, &x, sizeof(vg));
             }
         }
         if (out)
-            for (int a = 0; a < NV; a++) memcpy(out + rh * dv + c + 16 * a, &o[a], 64);
+            for (int a = 0; a < NV; a++) memcpy(out + rh * dv + c + VL * a, &o[a], sizeof(vg));
     }
 }
 
@@ -137,12 +145,12 @@ static void gdn_recurrence_seqs(const GdnSeq *seqs, int nseq, int Hv, int dk, in
         const float *Sin = e->state_in + h * per;
         float *S = e->state + h * per;
         int c = 0;
-        /* strips of 64 columns (AVX2: 32, its sums then fit the sixteen 8-lane registers); each
-         * column's values are the same in any strip */
-        for (; c + GDN_STRIP * 16 <= dv; c += GDN_STRIP * 16)
+        /* strips of 4 vectors (64 columns; AVX2 32), then of one; each column's values are the
+         * same in any strip */
+        for (; c + GDN_STRIP * VL <= dv; c += GDN_STRIP * VL)
             gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states, streamed,
                            GDN_STRIP);
-        for (; c + 16 <= dv; c += 16)
+        for (; c + VL <= dv; c += VL)
             gdn_strip_rows(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states, streamed, 1);
         for (; c < dv; c++) gdn_column(Sin, S, dk, dv, c, R, Hv, h, e->q, e->k, e->v, e->g, e->beta, e->out, e->states);
 #if defined(__AVX512F__)

@@ -12,7 +12,6 @@ accepted). The grammar's end lets only the generation's stop tokens through.
 
 from __future__ import annotations
 
-import json
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +21,7 @@ import torch
 
 from .errors import TurboError, json_shown
 from .extras import require
+from .grammar_bounds import check_lark, check_size, schema_text
 
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
 COMPILED_KEPT = 64  # grammars kept compiled per runtime (LRU)
@@ -57,10 +57,12 @@ class ResponseFormat:
             if not isinstance(schema, dict):
                 raise TurboError("response_format.json_schema.schema: expected a JSON schema object",
                                  field="response_format")
-            return ResponseFormat(kind, json.dumps(schema, sort_keys=True))
+            return ResponseFormat(kind, schema_text(schema, "response_format.json_schema.schema"))
         source = value.get(kind)
         if not isinstance(source, str) or not source:
             raise TurboError(f"response_format.{kind}: expected a non-empty string", field="response_format")
+        # measured before llguidance sees it: a deep enough grammar overflows its stack (grammar_bounds.py)
+        (check_lark if kind == "grammar" else check_size)(source, f"response_format.{kind}")
         return ResponseFormat(kind, source)
 
 
@@ -98,8 +100,7 @@ class Grammars:
                     "regex": lambda: m.grammar_from_regex(fmt.source),
                     "grammar": lambda: m.grammar_from_lark(fmt.source)}[fmt.kind]()
         except ValueError as e:
-            raise TurboError(f"response_format ({fmt.kind}): {str(e).splitlines()[0]}", field="response_format") \
-                from None
+            raise TurboError(f"response_format ({fmt.kind}): {first_line(str(e))}", field="response_format") from None
         error = m.validate_grammar(text, self._tokenizer(stops))
         if error:
             raise TurboError(f"response_format ({fmt.kind}): {first_line(error)}", field="response_format")
@@ -124,7 +125,11 @@ class Grammars:
 
 
 def first_line(error: str) -> str:
-    return (error.splitlines() or [""])[0][:300]
+    """llguidance's error in one line: its first, and the line below that says why where there is
+    one (a regex's `error: unclosed character class`, under the regex and its caret)."""
+    lines = error.splitlines() or [""]
+    why = next((line.strip()[len("error:"):].strip() for line in lines[1:] if line.strip().startswith("error:")), "")
+    return f"{lines[0][:200]} {why[:200]}" if why else lines[0][:300]
 
 
 class GrammarState:

@@ -96,7 +96,7 @@ def schema_graph(schema: object, what: str) -> list[list[int]]:
         uri, _, fragment = urljoin(base, ref).partition("#")
         target = resolve(nodes, resources.get(uri), fragment, anchors.get((uri, fragment)))
         if target is None or id(target) not in at:
-            raise refused(what, f"$ref {json_shown(ref)} names nothing in the schema (only refs inside it are followed)")
+            raise refused(what, f"$ref {json_shown(ref)} names nothing in the schema (one outside it is not followed)")
         edges[i].append(at[id(target)])
     return edges
 

@@ -45,6 +45,12 @@ def rule_chain(n: int) -> str:
     return "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(n - 2)) + f'r{n - 2}: "x"\n'
 
 
+def deep_parameters() -> dict:
+    """A tool's parameters whose $refs chain through 5,000 $defs: with an $id, as the forced call's
+    grammar nests them under its own object (`#/$defs/...` resolves against the $id's resource)."""
+    return {"$id": "urn:params", **ref_chain(5000)}
+
+
 def schema(s: dict) -> dict:
     return {"type": "json_schema", "json_schema": {"name": "x", "schema": s}}
 
@@ -73,7 +79,7 @@ CRASHED = {  # each of these segfaulted the caller's process (llguidance 1.9.1, 
 
 OUTCOMES = """
 import json, sys, turbo
-cases = json.loads(sys.stdin.read())
+cases, parameters = json.loads(sys.stdin.read())
 rt = turbo.open("tiny", backend="cpu", threads=1)
 out = {}
 for name, fmt in cases.items():
@@ -82,7 +88,7 @@ for name, fmt in cases.items():
         out[name] = None
     except turbo.TurboError as e:
         out[name] = [e.field, str(e)]
-tools = [{"type": "function", "function": {"name": "f", "parameters": cases["schema_5000_refs"]["json_schema"]["schema"]}}]
+tools = [{"type": "function", "function": {"name": "f", "parameters": parameters}}]
 try:
     rt.chat([{"role": "user", "content": "hi"}], max_new_tokens=2, tools=tools, tool_choice="required",
             template="{% for m in messages %}{{ m['content'] }}{% endfor %}")
@@ -97,7 +103,8 @@ print(json.dumps(out))
 def outcomes() -> dict:
     """What rt.generate (and rt.chat's forced tool call) made of each case, and of an unclosed
     regex, in one subprocess."""
-    done = run_python(OUTCOMES, json.dumps({**CRASHED, "regex": {"type": "regex", "regex": "([a-z"}}))
+    done = run_python(OUTCOMES, json.dumps([{**CRASHED, "regex": {"type": "regex", "regex": "([a-z"}},
+                                            deep_parameters()]))
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # (139 / -11: llguidance's stack overflowed)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -274,8 +281,7 @@ def test_the_server_answers_400_naming_the_field_and_then_the_next_request(serve
             ("/v1/completions", {"logit_bias": {"²": 1}}, "logit_bias"),
             ("/v1/completions", {"logit_bias": {"9" * 5000: 1}}, "logit_bias"),
             ("/v1/chat/completions", {"messages": MESSAGES, "tool_choice": "required", "tools": [
-                {"type": "function", "function": {"name": "f", "parameters": deep["json_schema"]["schema"]}}]},
-             "tools")]:
+                {"type": "function", "function": {"name": "f", "parameters": deep_parameters()}}]}, "tools")]:
         body = {"model": "tiny", "max_tokens": 2, **({} if "messages" in body else {"prompt": PROMPT}), **body}
         err = error_of(post(server, body, route), 400)
         assert err["param"] == param and "\n" not in err["message"], (body.keys(), err)

@@ -93,7 +93,8 @@ def schema_graph(schema: object, what: str) -> list[list[int]]:
             refs += [(i, base, value[key]) for key in REF_KEYS if isinstance(value.get(key), str)]
         todo += [(v, i, nesting + 1, base) for v in (value.values() if isinstance(value, dict) else value)]
     for i, base, ref in refs:
-        uri, _, fragment = urljoin(base, ref).partition("#")
+        # (urljoin leaves a fragment alone under a scheme it does not know, as "urn:": joined by hand)
+        uri, _, fragment = (base + ref if ref.startswith("#") else urljoin(base, ref)).partition("#")
         target = resolve(nodes, resources.get(uri), fragment, anchors.get((uri, fragment)))
         if target is None or id(target) not in at:
             raise refused(what, f"$ref {json_shown(ref)} names nothing in the schema (one outside it is not followed)")

@@ -140,6 +140,19 @@ def test_what_the_bounds_let_through_compiles(tmp_path):
     assert [line.split()[0] for line in done.stdout.splitlines()] == list(cases)
 
 
+def test_the_bounds_hold_on_a_thread_of_little_stack():
+    """A caller's thread of 1 MiB of stack (a thread's default is 2 MiB under `ulimit -s
+    unlimited`): a schema within the bounds crashed llguidance's compiler there; it compiles on a
+    thread of its own stack (grammar.on_compiler_stack)."""
+    at_bound = schema(ref_chain(16, nest=30))  # (499 nodes deep, through arrays: the soonest crash)
+    code = ("import json, sys, threading, turbo\nrt = turbo.open('tiny', backend='cpu', threads=1)\n"
+            "fmt, out = json.loads(sys.stdin.read()), []\nthreading.stack_size(1 << 20)\n"
+            "t = threading.Thread(target=lambda: out.append(rt.generate('x', max_new_tokens=2, response_format=fmt)))\n"
+            "t.start(); t.join(); print(len(out))\n")
+    done = run_python(code, json.dumps(at_bound))
+    assert done.returncode == 0 and done.stdout.strip() == "1", (done.returncode, done.stderr[-2000:])
+
+
 @pytest.mark.parametrize("fmt, says", [
     (schema(ref_chain(grammar_bounds.MAX_DEPTH)), "503 subschemas deep through its nesting and $refs"),
     (schema({"$ref": "#/$defs/gone"}), '$ref "#/$defs/gone" names nothing in the schema'),

@@ -12,9 +12,10 @@ accepted). The grammar's end lets only the generation's stop tokens through.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
@@ -25,6 +26,7 @@ from .grammar_bounds import check_lark, check_size, schema_text
 
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
 COMPILED_KEPT = 64  # grammars kept compiled per runtime (LRU)
+T = TypeVar("T")
 # JSON as json.dumps writes it: no whitespace a model could repeat for ever between tokens
 COMPACT = {"whitespace_flexible": False}
 
@@ -101,7 +103,8 @@ class Grammars:
                     "grammar": lambda: m.grammar_from_lark(fmt.source)}[fmt.kind]()
         except ValueError as e:
             raise TurboError(f"response_format ({fmt.kind}): {first_line(str(e))}", field="response_format") from None
-        error = m.validate_grammar(text, self._tokenizer(stops))
+        tokenizer = self._tokenizer(stops)
+        error = on_compiler_stack(lambda: m.validate_grammar(text, tokenizer))
         if error:
             raise TurboError(f"response_format ({fmt.kind}): {first_line(error)}", field="response_format")
         self.compiled[fmt] = text
@@ -115,13 +118,45 @@ class Grammars:
             raise TurboError("response_format: a constrained generation ends at a stop token, and this one has none "
                              "(keep stop_at_eos, or give stop_token_ids)", field="response_format")
         llg = require("llguidance", "grammar")
-        matcher = llg.LLMatcher(self._tokenizer(stops), self.grammar(fmt, stops), log_level=0)
+        tokenizer, text = self._tokenizer(stops), self.grammar(fmt, stops)
+        matcher = on_compiler_stack(lambda: llg.LLMatcher(tokenizer, text, log_level=0))  # (it compiles the grammar)
         if not matcher.is_error():
             matcher.compute_bitmask()  # (a language with no string in it is found at its first mask)
         if matcher.is_error():
             raise TurboError(f"response_format ({fmt.kind}): no output satisfies it "
                              f"({first_line(matcher.get_error())})", field="response_format")
         return GrammarState(matcher, self.vocab)
+
+
+# llguidance's compiler recurses: grammar_bounds.py's bounds sit 4x under the depths that crashed it
+# on 8 MiB of stack, Linux's usual for a thread; under `ulimit -s unlimited` a thread gets 2 MiB, and
+# one within the bounds crashed. So it compiles on a thread of this much stack, whatever the caller's.
+COMPILER_STACK = 64 << 20  # bytes (reserved, not touched until used)
+_stack_size = threading.Lock()  # (threading.stack_size is the process's: set only around our thread's start)
+
+
+def on_compiler_stack(work: Callable[[], T]) -> T:
+    """`work()` on a thread of COMPILER_STACK bytes of stack: its value, or what it raised."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, work()))
+        except BaseException as e:  # (re-raised in the caller's thread)
+            out.append((False, e))
+
+    with _stack_size:
+        before = threading.stack_size(COMPILER_STACK)
+        try:
+            thread = threading.Thread(target=run, name="turbo-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
 
 
 def first_line(error: str) -> str:

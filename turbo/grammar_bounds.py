@@ -1,18 +1,20 @@
 """What llguidance is given, measured before it compiles it: its compiler recurses over a schema's
 nesting and `$ref`s and over a Lark grammar's chains of rules, and a deep enough one overflows
-its stack (SIGSEGV: the process goes, not an exception). Measured on llguidance 1.9.1, 8 MiB of
-stack (a thread's the same), the first depth that crashed:
+its stack (SIGSEGV: the process goes, not an exception). Measured on llguidance 1.9.1 with 8 MiB
+of stack (a thread's the same), the first depth that crashed:
 
-- JSON schema, in nodes along the longest path (`schema_depth`): 2,539 for a chain of `$ref`s,
-  about 1,950 for `$ref`s through arrays nested 30 deep, 2,800-3,500 through objects and anyOf;
-- Lark: 2,685 chained rules (`r0: r1`, each one `:`), 1,718 rules each with a group (3,436 of
-  `lark_weight`), 400 rules each with ten nested groups (4,400).
+- JSON schema, in nodes along its longest path (`longest_path` of `schema_graph`): 2,542 for a
+  chain of `$ref`s, 1,956 for `$ref`s through arrays nested 30 deep (the soonest), 2,800-4,100
+  through objects, anyOf, allOf and prefixItems;
+- Lark, in `check_lark`'s weight: 2,697 for chained rules (`r0: r1`), 3,438 for rules each with a
+  group, 4,402 for rules each with ten nested groups. A `%json` body compiles apart: a chain of
+  1,500 rules ending in a schema 1,000 deep compiled.
 
-The bounds sit four to five times below those, and far above a real schema or grammar (an
-OpenAI strict schema nests at most 10 deep; 2,000 chained rules still compile, in 0.06 s); and
-llguidance compiles on a thread of 64 MiB of stack (grammar.on_compiler_stack), whatever stack
-the caller's thread has (2 MiB under `ulimit -s unlimited`). A refusal is one line naming the
-field; nothing here recurses.
+MAX_DEPTH is 3.9 times under the first, MAX_LARK_WEIGHT 2.7 times under the second; both far
+above a real schema or grammar (an OpenAI strict schema nests at most 10 deep). And llguidance
+compiles on a thread of 64 MiB of stack (grammar.on_compiler_stack), 8 times the stack measured
+on, whatever the caller's thread has (2 MiB under `ulimit -s unlimited`, where a schema within
+the bounds crashed it). A refusal is one line naming the field; nothing here recurses.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The one error type a user can cause: it ends the CLI in one line, exit status 2; the check
-that text is text (`checked_text`); the argument parser of the argparse CLIs (repack, train),
-whose usage errors end the same way."""
+that text is text (`checked_text`) and the number a field's ASCII digits spell (`ascii_decimal`);
+the argument parser of the argparse CLIs (repack, train), whose usage errors end the same way."""
 
 import argparse
 import json
@@ -27,6 +27,16 @@ def json_shown(value: object) -> str:
         return json.dumps(value)[:200]
     except (TypeError, ValueError):
         return repr(value)[:200]
+
+
+def ascii_decimal(text: str | bytes, max_digits: int) -> int | None:
+    """`text` as the non-negative integer its 1..max_digits ASCII digits spell, else None (a
+    sign, a space, anything else). str.isdigit() alone also takes "²", which int() refuses, and
+    "٣" (Arabic-Indic three), which int() reads as 3; and int() of thousands of digits is slow,
+    then refused."""
+    if 0 < len(text) <= max_digits and text.isascii() and text.isdigit():
+        return int(text)
+    return None
 
 
 def checked_text(text: str, what: str) -> str:

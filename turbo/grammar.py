@@ -12,19 +12,21 @@ accepted). The grammar's end lets only the generation's stop tokens through.
 
 from __future__ import annotations
 
-import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import numpy as np
 import torch
 
 from .errors import TurboError, json_shown
 from .extras import require
+from .grammar_bounds import check_lark, check_size, schema_text
 
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
 COMPILED_KEPT = 64  # grammars kept compiled per runtime (LRU)
+T = TypeVar("T")
 # JSON as json.dumps writes it: no whitespace a model could repeat for ever between tokens
 COMPACT = {"whitespace_flexible": False}
 
@@ -57,10 +59,12 @@ class ResponseFormat:
             if not isinstance(schema, dict):
                 raise TurboError("response_format.json_schema.schema: expected a JSON schema object",
                                  field="response_format")
-            return ResponseFormat(kind, json.dumps(schema, sort_keys=True))
+            return ResponseFormat(kind, schema_text(schema, "response_format.json_schema.schema"))
         source = value.get(kind)
         if not isinstance(source, str) or not source:
             raise TurboError(f"response_format.{kind}: expected a non-empty string", field="response_format")
+        # measured before llguidance sees it: a deep enough grammar overflows its stack (grammar_bounds.py)
+        (check_lark if kind == "grammar" else check_size)(source, f"response_format.{kind}")
         return ResponseFormat(kind, source)
 
 
@@ -98,9 +102,9 @@ class Grammars:
                     "regex": lambda: m.grammar_from_regex(fmt.source),
                     "grammar": lambda: m.grammar_from_lark(fmt.source)}[fmt.kind]()
         except ValueError as e:
-            raise TurboError(f"response_format ({fmt.kind}): {str(e).splitlines()[0]}", field="response_format") \
-                from None
-        error = m.validate_grammar(text, self._tokenizer(stops))
+            raise TurboError(f"response_format ({fmt.kind}): {first_line(str(e))}", field="response_format") from None
+        tokenizer = self._tokenizer(stops)
+        error = on_compiler_stack(lambda: m.validate_grammar(text, tokenizer))
         if error:
             raise TurboError(f"response_format ({fmt.kind}): {first_line(error)}", field="response_format")
         self.compiled[fmt] = text
@@ -114,7 +118,8 @@ class Grammars:
             raise TurboError("response_format: a constrained generation ends at a stop token, and this one has none "
                              "(keep stop_at_eos, or give stop_token_ids)", field="response_format")
         llg = require("llguidance", "grammar")
-        matcher = llg.LLMatcher(self._tokenizer(stops), self.grammar(fmt, stops), log_level=0)
+        tokenizer, text = self._tokenizer(stops), self.grammar(fmt, stops)
+        matcher = on_compiler_stack(lambda: llg.LLMatcher(tokenizer, text, log_level=0))  # (it compiles the grammar)
         if not matcher.is_error():
             matcher.compute_bitmask()  # (a language with no string in it is found at its first mask)
         if matcher.is_error():
@@ -123,8 +128,43 @@ class Grammars:
         return GrammarState(matcher, self.vocab)
 
 
+# llguidance's compiler recurses: grammar_bounds.py's bounds sit 4x under the depths that crashed it
+# on 8 MiB of stack, Linux's usual for a thread; under `ulimit -s unlimited` a thread gets 2 MiB, and
+# one within the bounds crashed. So it compiles on a thread of this much stack, whatever the caller's.
+COMPILER_STACK = 64 << 20  # bytes (reserved, not touched until used)
+_stack_size = threading.Lock()  # (threading.stack_size is the process's: set only around our thread's start)
+
+
+def on_compiler_stack(work: Callable[[], T]) -> T:
+    """`work()` on a thread of COMPILER_STACK bytes of stack: its value, or what it raised."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            out.append((True, work()))
+        except BaseException as e:  # (re-raised in the caller's thread)
+            out.append((False, e))
+
+    with _stack_size:
+        before = threading.stack_size(COMPILER_STACK)
+        try:
+            thread = threading.Thread(target=run, name="turbo-grammar-compile", daemon=True)
+            thread.start()
+        finally:
+            threading.stack_size(before)
+    thread.join()
+    ok, value = out[0]
+    if not ok:
+        raise value
+    return value
+
+
 def first_line(error: str) -> str:
-    return (error.splitlines() or [""])[0][:300]
+    """llguidance's error in one line: its first, and the line below that says why where there is
+    one (a regex's `error: unclosed character class`, under the regex and its caret)."""
+    lines = error.splitlines() or [""]
+    why = next((line.strip()[len("error:"):].strip() for line in lines[1:] if line.strip().startswith("error:")), "")
+    return f"{lines[0][:200]} {why[:200]}" if why else lines[0][:300]
 
 
 class GrammarState:

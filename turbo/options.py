@@ -19,7 +19,7 @@ from pathlib import Path
 
 from .drafters import is_drafter
 from .drafters.ngram import NgramConfig
-from .errors import TurboError
+from .errors import TurboError, ascii_decimal, json_shown
 from .grammar import ResponseFormat
 from .penalties import BIAS_RANGE, PENALTY_RANGE, Penalties
 
@@ -257,6 +257,9 @@ def check_penalties(repetition: object, frequency: object, presence: object) -> 
                              field=name)
 
 
+TOKEN_ID_DIGITS = 18  # a logit_bias key's most digits (past any vocabulary: its range is checked at the stream)
+
+
 def logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
     """`bias` (None, a {token id: bias} mapping or (id, bias) pairs; ids as integers or their
     decimal strings, as JSON keys are) as sorted (id, bias) pairs, or None when empty. The ids'
@@ -267,10 +270,13 @@ def logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
     out = {}
     for item in items if items is not None else [None]:
         tok, value = item if isinstance(item, (tuple, list)) and len(item) == 2 else (None, None)
-        tid = int(tok) if isinstance(tok, str) and tok.isdigit() else integer(tok)
+        # a string key as OpenAI's are: a token id in ASCII decimal digits ("²" and "٣" are no id)
+        tid = ascii_decimal(tok, TOKEN_ID_DIGITS) if isinstance(tok, str) else integer(tok)
         if tid is None or tid < 0 or not _number(value) or not -BIAS_RANGE <= value <= BIAS_RANGE:
-            raise TurboError(f"logit_bias is {bias!r}, expected a map of token ids to biases in "
-                             f"[-{BIAS_RANGE:g}, {BIAS_RANGE:g}]", field="logit_bias")
+            key = f" (key {json_shown(tok)}: not a token id in ASCII decimal digits)" if isinstance(tok, str) and \
+                tid is None else ""
+            raise TurboError(f"logit_bias is {repr(bias)[:200]}, expected a map of token ids to biases in "
+                             f"[-{BIAS_RANGE:g}, {BIAS_RANGE:g}]{key}", field="logit_bias")
         out[tid] = float(value)
     return tuple(sorted(out.items())) or None
 

@@ -9,7 +9,7 @@ import hmac
 from starlette.responses import JSONResponse
 
 from .api_error import ApiError
-from .limits import too_large
+from .limits import declared_length, too_large
 
 
 def error(e: ApiError) -> JSONResponse:
@@ -46,7 +46,6 @@ class Guard:
             if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 return ApiError("Incorrect or missing API key (Authorization: Bearer KEY).", None, 401,
                                   code="invalid_api_key")
-        declared = headers.get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+        if declared_length(headers.get(b"content-length")) > self.limit:
             return too_large(self.limit)
         return None

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from typing import TYPE_CHECKING, AsyncIterator, Iterator
 
+from ..errors import ascii_decimal
 from .api_error import ApiError
 
 if TYPE_CHECKING:
@@ -23,10 +24,25 @@ def too_large(limit: int) -> ApiError:
                     None, 413, code="request_too_large")
 
 
+LENGTH_DIGITS = 19  # a Content-Length's most digits (2**63 has 19): a longer one is over any limit
+
+
+def declared_length(declared: str | bytes | None) -> int:
+    """A Content-Length header's bytes: its ASCII digits (around them, spaces) as a number; past
+    LENGTH_DIGITS of them, more than any limit; else 0 (none, or not a number: the body is read
+    with the cap, whatever it says). Never int() of "²" (a ValueError) or of thousands of digits."""
+    if declared is None:
+        return 0
+    digits = declared.strip()
+    if len(digits) > LENGTH_DIGITS and digits.isascii() and digits.isdigit():
+        return 1 << 63
+    return ascii_decimal(digits, LENGTH_DIGITS) or 0
+
+
 async def read_body(chunks: AsyncIterator[bytes], limit: int, declared: str | None) -> bytes:
     """The body, refused (413) as soon as it is known to pass `limit` bytes: at once from a
     Content-Length over it, else when the bytes read pass it (nothing more is buffered)."""
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+    if declared_length(declared) > limit:
         raise too_large(limit)
     parts, size = [], 0
     async for chunk in chunks:

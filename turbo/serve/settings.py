@@ -10,6 +10,7 @@ from omegaconf import DictConfig, ListConfig
 
 from ..errors import TurboError
 from ..options import GenerationOptions, integer
+from .limits import MIB
 
 ENGINES = ("local", "ray")
 FRONTS = ("process", "inline")  # engine=local: the HTTP side in a process of its own (front.py), or the engine's
@@ -28,6 +29,12 @@ class ServeLimits:
 
 
 LIMIT_KEYS = tuple(f.name for f in fields(ServeLimits))
+# the sizes, as the server counts them (app.body_limit, Scheduler): a value that rounds to too few
+# bytes is refused at startup, not served with a limit that refuses everything.
+# name: (its unit, bytes in it, the fewest bytes, why); cache_gb=0 is no prefix cache
+SIZES = {"memory_gb": ("GB", 2**30, 1, ", and every request's state needs some"),
+         "cache_gb": ("GB", 2**30, 1, "; 0 turns the prefix cache off"),
+         "max_body_mb": ("MB", MIB, 1024, ", under the 1 KiB a request's body needs")}
 
 
 @dataclass(frozen=True)
@@ -60,13 +67,13 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
         if n is None or n < lo or (name == "port" and n > 65535):
             raise TurboError(f"config: serve.{name}={s.get(name)!r}, expected an integer >= {lo}"
                              + (" and <= 65535" if name == "port" else ""))
-    for name in ("memory_gb", "cache_gb", "max_body_mb"):
+    for name, (unit, size, least, why) in SIZES.items():
         v = s.get(name)
         if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
-            raise TurboError(f"config: serve.{name}={v!r}, expected a number of "
-                             f"{'MB > 0' if name == 'max_body_mb' else 'GB >= 0'}")
-        if name == "max_body_mb" and v == 0:
-            raise TurboError(f"config: serve.{name}=0, expected a number of MB > 0")
+            raise TurboError(f"config: serve.{name}={v!r}, expected a number of {unit} >= 0")
+        if int(v * size) < least and not (name == "cache_gb" and v == 0):
+            raise TurboError(f"config: serve.{name}={v!r}, expected a number of {unit} > 0 ({v!r} {unit} is "
+                             f"{int(v * size)} bytes{why})")
     nice = integer(s.get("http_nice", 0))
     if nice is None or not 0 <= nice <= 19:
         raise TurboError(f"config: serve.http_nice={s.get('http_nice')!r}, expected an integer in 0..19")

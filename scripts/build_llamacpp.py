@@ -33,7 +33,7 @@ from pathlib import Path
 
 DEFAULT_VERSION = "0.3.36"
 DEFAULT_CACHE = Path.home() / ".cache" / "turbo" / "llamacpp"
-TOOLS = ("llama-bench", "llama-server", "llama-cli")
+TOOLS = ("llama-bench", "llama-server", "llama-cli", "llama-quantize")
 # --no-amx: ggml's AMX kernels left out (explicit -mno-* flags win over -march=native's), the rest
 # of the native ISA and the CPU repacking kept. On this development VM the CPU reports AMX and the
 # kernel grants it, yet ggml's AMX path faults on the first quantized prefill (Q4_0: SIGSEGV in
@@ -183,9 +183,9 @@ def tool(name: str, version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE,
     return path
 
 
-def build_info(version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE) -> dict:
+def build_info(version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE, tier: str = "native") -> dict:
     """The build's build-info.json ({} for a build of one's own without it)."""
-    path = bindir(version, cache) / "build-info.json"
+    path = bindir(version, cache, tier) / "build-info.json"
     return json.loads(path.read_text()) if path.is_file() else {}
 
 

@@ -7,6 +7,11 @@
 
 #include "native_internal.h"
 
+/* Queries whose sums a strip keeps in registers at once: four; on the AVX2 tier one (four
+ * queries' 16-lane sums are twice its sixteen 8-lane registers, and GCC then keeps them all in
+ * memory). Each query's chains are the same either way, so are its bits. */
+#define QUERY_GROUP (AVX2_TIER ? 1 : 4)
+
 /* Attention (scores) of at least this many: a one-row step over a short cache costs less than
  * the threads' barrier on a busy machine (a decode step over 512+ cached positions splits, a 9-row verify over 64+). */
 #define MIN_PARALLEL_ATTENTION (1L << 20)
@@ -64,8 +69,47 @@ static inline float kv_value(const void *c, int kt, size_t at) {
 /* a . b over n values in a fixed order: 16 lanes, the lanes in order, then the tail (explicit
  * fmaf: a compiler vectorises a plain tail's products apart from its adds in one loop and fuses
  * them in another, and every score of a key must have the same bits whichever loop computed it). */
+#if AVX2_TIER
+/* On the AVX2 tier the 16-lane sums below as two 8-lane halves (a 16-lane vector there lives in
+ * memory: every step a store and a reload), lanes 0-7 and 8-15; lanes_sum's first pair (lane i
+ * with i + 8) is then lo + hi, and the rest of its tree is within 8 lanes: the same bits. */
+typedef float v8 __attribute__((vector_size(32)));
+
+static inline v8 load8(const float *x) {
+    v8 v;
+    memcpy(&v, x, 32);
+    return v;
+}
+
+static inline float halves_sum(v8 lo, v8 hi) {
+    v8 a = lo + hi;
+    a += __builtin_shufflevector(a, a, 4, 5, 6, 7, 0, 1, 2, 3);
+    a += __builtin_shufflevector(a, a, 2, 3, 0, 1, 6, 7, 4, 5);
+    return a[0] + a[1];
+}
+
+/* 8 values of a cache as fp32 (bf16 widened exactly) */
+static inline v8 kv8(const void *c, int kt, size_t at) {
+    if (kt == 0) return load8((const float *)c + at);
+    v8 r;
+    __m256i u = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)c + at))), 16);
+    memcpy(&r, &u, 32);
+    return r;
+}
+#endif
+
 static inline float dot(const float *a, const float *b, int n) {
     int nv = n & ~15;
+#if AVX2_TIER
+    v8 lo = {0}, hi = {0};
+    for (int i = 0; i < nv; i += 16) {
+        lo += load8(a + i) * load8(b + i);
+        hi += load8(a + i + 8) * load8(b + i + 8);
+    }
+    float s = halves_sum(lo, hi);
+    for (int i = nv; i < n; i++) s = fmaf(a[i], b[i], s);
+    return s;
+#else
     v16 acc = {0}, u, v;
     for (int i = 0; i < nv; i += 16) {
         memcpy(&u, a + i, 64);
@@ -75,6 +119,7 @@ static inline float dot(const float *a, const float *b, int n) {
     float s = lanes_sum(acc);
     for (int i = nv; i < n; i++) s = fmaf(a[i], b[i], s);
     return s;
+#endif
 }
 
 /* a . K[j] for the four rows of K [4, n] at element `at` of a cache of type kt (a bf16 key is
@@ -82,6 +127,20 @@ static inline float dot(const float *a, const float *b, int n) {
  * of `dot` in its order, so each result is `dot`'s bit for bit. */
 static inline void dot4(const float *a, const void *K, int kt, size_t at, int n, float *out) {
     int nv = n & ~15;
+#if AVX2_TIER
+    v8 l0 = {0}, h0 = {0}, l1 = {0}, h1 = {0}, l2 = {0}, h2 = {0}, l3 = {0}, h3 = {0};
+    for (int i = 0; i < nv; i += 16) {
+        v8 ul = load8(a + i), uh = load8(a + i + 8);
+        l0 += ul * kv8(K, kt, at + i), h0 += uh * kv8(K, kt, at + i + 8);
+        l1 += ul * kv8(K, kt, at + n + i), h1 += uh * kv8(K, kt, at + n + i + 8);
+        l2 += ul * kv8(K, kt, at + 2 * (size_t)n + i), h2 += uh * kv8(K, kt, at + 2 * (size_t)n + i + 8);
+        l3 += ul * kv8(K, kt, at + 3 * (size_t)n + i), h3 += uh * kv8(K, kt, at + 3 * (size_t)n + i + 8);
+    }
+    out[0] = halves_sum(l0, h0), out[1] = halves_sum(l1, h1), out[2] = halves_sum(l2, h2), out[3] = halves_sum(l3, h3);
+    for (int j = 0; j < 4; j++)
+        for (int i = nv; i < n; i++) out[j] = fmaf(a[i], kv_value(K, kt, at + (size_t)j * n + i), out[j]);
+    return;
+#endif
     v16 acc0 = {0}, acc1 = {0}, acc2 = {0}, acc3 = {0}, u;
     for (int i = 0; i < nv; i += 16) {
         memcpy(&u, a + i, 64);
@@ -185,11 +244,28 @@ static void weighted_sum(const float *p, const float *V, int n, int d, int strid
 static inline __attribute__((always_inline)) void strip64_block(const int NQ, const float *const *p, const int *n,
                                                                 const float *V, int stride, int c, int t0, int t1,
                                                                 float *const *acc) {
+#if AVX2_TIER /* (NQ is 1: QUERY_GROUP) its 64 columns' even-t and odd-t chains in eight 8-lane sums */
+    int end = n[0] < t1 ? n[0] : t1;
+    for (int odd = 0; odd < 2; odd++) {
+        float *a = acc[0] + 64 * odd;
+        v8 s0 = load8(a), s1 = load8(a + 8), s2 = load8(a + 16), s3 = load8(a + 24), s4 = load8(a + 32),
+           s5 = load8(a + 40), s6 = load8(a + 48), s7 = load8(a + 56);
+        for (int t = t0 + odd; t < end; t += 2) {
+            const float *v = V + (size_t)t * stride + c;
+            float pt = p[0][t];
+            s0 += pt * load8(v), s1 += pt * load8(v + 8), s2 += pt * load8(v + 16), s3 += pt * load8(v + 24);
+            s4 += pt * load8(v + 32), s5 += pt * load8(v + 40), s6 += pt * load8(v + 48), s7 += pt * load8(v + 56);
+        }
+        memcpy(a, &s0, 32), memcpy(a + 8, &s1, 32), memcpy(a + 16, &s2, 32), memcpy(a + 24, &s3, 32);
+        memcpy(a + 32, &s4, 32), memcpy(a + 40, &s5, 32), memcpy(a + 48, &s6, 32), memcpy(a + 56, &s7, 32);
+    }
+    return;
+#endif
     int lo = t1, hi = t0;
     for (int a = 0; a < NQ; a++) lo = n[a] < lo ? n[a] : lo, hi = n[a] > hi ? n[a] : hi;
     hi = hi < t1 ? hi : t1;
     for (int odd = 0; odd < 2; odd++) {
-        v16 s[4][4], u0, u1, u2, u3;
+        v16 s[QUERY_GROUP][4], u0, u1, u2, u3;
         for (int a = 0; a < NQ; a++) memcpy(s[a], acc[a] + 64 * odd, 256);
         int t = t0 + odd;
         for (; t < lo; t += 2) {
@@ -230,10 +306,12 @@ static void strip64_sums(int nq, const float *const *p, const int *n, const floa
     memset(sums, 0, sizeof(float) * 2 * 64 * nq);
     for (int t0 = 0; t0 < hi; t0 += STRIP_ROWS) {
         int t1 = hi - t0 < STRIP_ROWS ? hi : t0 + STRIP_ROWS;
-        for (int q = 0; q < nq; q += 4) switch (nq - q < 4 ? nq - q : 4) {
+        for (int q = 0; q < nq; q += QUERY_GROUP) switch (nq - q < QUERY_GROUP ? nq - q : QUERY_GROUP) {
+#if QUERY_GROUP == 4
             case 4: strip64_block(4, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
             case 3: strip64_block(3, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
             case 2: strip64_block(2, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
+#endif
             default: strip64_block(1, p + q, n + q, V, stride, c, t0, t1, acc + q); break;
         }
     }
@@ -254,7 +332,7 @@ static void strip64_sums(int nq, const float *const *p, const int *n, const floa
 static inline __attribute__((always_inline)) void strip_sums(const int NQ, const float *const *p, const void *V,
                                                              int kt, int d, int c, int t0, int t1,
                                                              float *const *acc, size_t ahead) {
-    v16 e[4][2], o[4][2];
+    v16 e[QUERY_GROUP][2], o[QUERY_GROUP][2];
     for (int a = 0; a < NQ; a++) {
         memcpy(&e[a][0], acc[a] + c, 64), memcpy(&e[a][1], acc[a] + c + 16, 64);
         memcpy(&o[a][0], acc[a] + d + c, 64), memcpy(&o[a][1], acc[a] + d + c + 16, 64);
@@ -291,9 +369,11 @@ static inline __attribute__((always_inline)) void strip_sums(const int NQ, const
 static void rows_sums(int nq, const float *const *p, const void *V, int kt, int d, int t0, int t1,
                       float *const *acc, size_t ahead) {
     for (int c = 0; c < d; c += 32) switch (nq) {
+#if QUERY_GROUP == 4
         case 4: strip_sums(4, p, V, kt, d, c, t0, t1, acc, ahead); break;
         case 3: strip_sums(3, p, V, kt, d, c, t0, t1, acc, ahead); break;
         case 2: strip_sums(2, p, V, kt, d, c, t0, t1, acc, ahead); break;
+#endif
         default: strip_sums(1, p, V, kt, d, c, t0, t1, acc, ahead); break;
     }
 }
@@ -316,8 +396,8 @@ static void weighted_sums(const float *const *p, const int *n, int nq, const voi
     block = block < 2 ? 2 : block & ~1;
     for (int t0 = 0; t0 < most; t0 += block) {
         int t1 = most - t0 < block ? most : t0 + block;
-        for (int q0 = 0; q0 < nq; q0 += 4) {
-            int g = nq - q0 < 4 ? nq - q0 : 4, common = t1;
+        for (int q0 = 0; q0 < nq; q0 += QUERY_GROUP) {
+            int g = nq - q0 < QUERY_GROUP ? nq - q0 : QUERY_GROUP, common = t1;
             for (int a = 0; a < g; a++) common = n[q0 + a] < common ? n[q0 + a] : common;
             if (common > t0) /* the first group prefetches the next block */
                 rows_sums(g, p + q0, V, kt, d, t0, common, sums + q0, q0 ? 0 : (size_t)block * d * kv_bytes(kt));
@@ -393,12 +473,17 @@ static void attend_kv_head(const Layer *L, int j, int R, int p0, int start, int 
                 for (int hq = j * groups; hq < (j + 1) * groups; hq++) {
                     size_t qi = (size_t)r * nh + hq;
                     q4[nq] = qs + qi * hd, s4[nq] = scores + qi * N + t;
-                    if (++nq == 4) {
+                    if (QUERY_GROUP == 4 && ++nq == 4) {
                         for (int k = 0; k < tile; k += 4) {
                             float *s4k[4] = {s4[0] + k, s4[1] + k, s4[2] + k, s4[3] + k};
                             dot4x4(q4, Kt, ktt, at + (size_t)k * hd, hd, scale, s4k);
                         }
                         nq = 0;
+                    } else if (QUERY_GROUP == 1) { /* dot4x4's sixteen chains, four at a time: dot4's, the same bits */
+                        for (int k = 0; k < tile; k += 4) {
+                            dot4(q4[0], Kt, ktt, at + (size_t)k * hd, hd, s4[0] + k);
+                            for (int e = 0; e < 4; e++) s4[0][k + e] *= scale;
+                        }
                     }
                 }
             for (int a = 0; a < nq; a++)

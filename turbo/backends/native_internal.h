@@ -37,6 +37,7 @@ static inline v16 load_w(const void *w, int wtype, size_t at) {
  * and chains as native_products.c's (p0, p1: the panels of 16 outputs to compute). */
 #if defined(__AVX2__) && defined(__FMA__) && !defined(__AVX512F__)
 #define AVX2_TIER 1
+#include <immintrin.h>
 #else
 #define AVX2_TIER 0
 #endif

@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
+import string
 import threading
 import time
 from datetime import datetime
@@ -25,6 +27,7 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .arch import _token_ids, read_config_json, show
+from .bounded import check_nesting
 from .errors import TurboError, checked_text
 
 if TYPE_CHECKING:
@@ -66,7 +69,11 @@ class ChatTemplate:
             raise TurboError(f"{self.where}: documents must be dicts (title, text), got {show(documents)}")
         if "messages" in template_kwargs:
             raise TurboError(f"{self.where}: messages is the messages, not a template keyword")
-        chat = _alias_reasoning(plain(_drop_none(messages, self.where)))
+        messages = _drop_none(messages, self.where)
+        # what plain() and the template walk by recursion: its nesting bounded first, by a loop
+        for name, value in (("messages", messages), ("tools", tools), ("documents", documents), *template_kwargs.items()):
+            check_nesting(value, name, name)
+        chat = _alias_reasoning(plain(messages))
         kwargs = plain({**self.special_tokens, **template_kwargs})
         # one dict, not keywords: Jinja's own render(self, ...) would take a `self` keyword as itself
         context = {**kwargs, "messages": chat, "tools": plain(tools), "documents": plain(documents),
@@ -220,23 +227,80 @@ def _bounded_concat(items: list) -> str:
     return "".join(parts)
 
 
-def _bounded_filter(f):
+# Filters whose work is C code's over their input, whatever its size (a long conversation's text
+# goes through trim, replace, tojson...). Every other filter loops in Python over the items or words
+# of its input (wordwrap, title, sort, groupby, map...): microseconds each, and one call cannot be
+# stopped at the deadline, so their input is bounded to FILTER_ITEMS (at most seconds of work).
+C_SPEED_FILTERS = frozenset(["abs", "attr", "capitalize", "center", "count", "d", "default", "e", "escape",
+                             "filesizeformat", "first", "float", "forceescape", "format", "int", "items", "join",
+                             "last", "length", "list", "lower", "random", "replace", "reverse", "round", "safe",
+                             "string", "striptags", "tojson", "trim", "truncate", "upper", "urlencode", "wordcount"])
+FILTER_ITEMS = 1 << 20
+
+
+def _bounded_filter(f, name: str):
     @functools.wraps(f)  # (keeps Jinja's pass_context / pass_eval_context marks)
     def bounded(*args, **kwargs):
         _tick()
         _check_args(args, kwargs)
+        if name not in C_SPEED_FILTERS:
+            big = next((a for a in args if isinstance(a, (str, list, tuple, dict, range)) and len(a) > FILTER_ITEMS),
+                       None)
+            if big is not None:
+                raise RenderLimit(f"the {name} filter over {len(big)} items is over its limit of {FILTER_ITEMS}")
         return _sized(f(*args, **kwargs))
     return bounded
+
+
+# A printf conversion's width and precision (`%0999999999d` builds a 1 GB string from one `%`)
+_PRINTF = re.compile(r"%%|%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_DIGITS = re.compile(r"\d+")
+
+
+def _check_width(digits: str | None) -> None:
+    # (compared as text first: int() refuses a run of more than 4300 digits)
+    if digits and digits != "*" and (len(digits) > len(str(RENDER_CHARS)) or int(digits) > RENDER_CHARS):
+        raise RenderLimit(f"a format width or precision of {digits[:20]} is over the {RENDER_CHARS} limit")
+
+
+def _check_printf(fmt: str, args: Any) -> None:
+    """`fmt % args` (the `%` operator, the format filter): each conversion's width and precision,
+    and a `*` one's integer argument, at most RENDER_CHARS, before the string is built."""
+    for m in _PRINTF.finditer(fmt):
+        _check_width(m.group(1))
+        _check_width(m.group(2))
+    _check_args(args if isinstance(args, tuple) else (args,), args if isinstance(args, dict) else {})
+
+
+def _check_str_format(fmt: str, values: tuple) -> None:
+    """`fmt.format(*values)`: each field's format spec's numbers at most RENDER_CHARS (a nested
+    field, `{:{}}`, takes them from the values: their digits are checked too)."""
+    for _, _, spec, _ in string.Formatter().parse(fmt):
+        for digits in _DIGITS.findall(spec or ""):
+            _check_width(digits)
+        if spec and "{" in spec:
+            _check_args(values, {})
+            for v in values:
+                for digits in _DIGITS.findall(v if isinstance(v, str) else ""):
+                    _check_width(digits)
+
+
+def _format(value: Any, *args: Any, **kwargs: Any) -> str:
+    """Jinja's format filter (`value % args`), its widths bounded first."""
+    _check_printf(str(value), kwargs or args)
+    return jinja2.filters.do_format(value, *args, **kwargs)
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox with every loop, call, filter, `+`, `*`, `**` and `~` bounded in time and size:
     no template can render for ever or build a string past RENDER_CHARS (a MemoryError, or swap)."""
 
-    intercepted_binops = frozenset(["+", "*", "**"])
+    intercepted_binops = frozenset(["+", "*", "**", "%"])
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         _tick()
+        if operator == "%" and isinstance(left, str):
+            _check_printf(left, right)
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 and abs(left) > 1:
             raise RenderLimit(f"{left!r} ** {right!r} is over the limit of an exponent of 64")
         if operator == "*":
@@ -258,6 +322,19 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                 raise RenderLimit(f"a replace() is over the {RENDER_CHARS} character limit")
         return _sized(super().call(__context, __obj, *args, **kwargs))
 
+    def wrap_str_format(self, value: Any):
+        """str.format / format_map as the sandbox wraps them, their widths bounded first."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+
+        @functools.wraps(wrapped)
+        def bounded(*args, **kwargs):
+            mapping = args[0] if value.__name__ == "format_map" and args and isinstance(args[0], Mapping) else {}
+            _check_str_format(value.__self__, (*args, *kwargs.values(), *mapping.values()))
+            return wrapped(*args, **kwargs)
+        return bounded
+
     def _parse(self, source, name, filename):
         tree = super()._parse(source, name, filename)
         for loop in tree.find_all(jinja2.nodes.For):
@@ -275,8 +352,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 def _compiled(source: str) -> jinja2.Template:
     env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
                               extensions=[_Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.filters.update({k: _bounded_filter(f) for k, f in env.filters.items()})
+    env.filters.update(tojson=_tojson, format=_format)
+    env.filters.update({k: _bounded_filter(f, k) for k, f in env.filters.items()})
     env.filters.update(_bounded_loop=_bounded_loop, _bounded_concat=_bounded_concat)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
                        namespace=_Namespace)
@@ -320,11 +397,15 @@ def _drop_none(messages: list, where: str) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TurboError(f"{where}: expected a non-empty list of messages, got {show(messages)}")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if dataclasses.is_dataclass(m) and not isinstance(m, type):
             m = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
         if not isinstance(m, Mapping):
             raise TurboError(f"{where}: a message must be a dict (role, content), got {show(m)}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list, tuple)):  # (bytes, a set: "<bytes>")
+            raise TurboError(f"messages[{i}].content is of type {type(content).__name__}: expected a str or a "
+                             "list of content parts", field=f"messages[{i}].content")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 

@@ -1,0 +1,97 @@
+"""Bounds on what a model writes or a caller hands us, checked before a reader that recurses or
+reads whole sees it: JSON text's nesting measured by a linear scan before `json.loads` (which
+recurses, and whose result every later walk -- json.dumps, the template's data, repr -- recurses
+over again), Python values' nesting by a loop, small files read at most so many bytes. Python's
+recursion limit is not a bound: past it a RecursionError escapes as a traceback or a 500."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+from itertools import accumulate
+from pathlib import Path
+from typing import Any, Mapping
+
+from .errors import TurboError
+
+# JSON nesting a value may have: the server's body limit (serve/body.py MAX_DEPTH); tool schemas
+# and arguments are the deepest honest values, a few levels
+MAX_NESTING = 64
+# a string (unterminated ones run to the end), or a bracket: what a nesting scan looks at
+_STRING = re.compile(r'"(?:[^"\\]|\\[\s\S])*(?:"|\\?\Z)')
+_NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
+
+
+def text_nesting(text: str) -> int:
+    """How deep JSON text nests (brackets outside strings), in linear time whatever the text."""
+    brackets = _NOT_BRACKET.sub("", _STRING.sub("", text))
+    return max(accumulate(map(_STEP.__getitem__, brackets)), default=0)
+
+
+class NotStrictJson(ValueError):
+    """JSON text refused by `strict_loads`: nested past MAX_NESTING, or holding a non-finite number."""
+
+
+def _no_constant(name: str) -> float:
+    raise NotStrictJson(f"it holds {name}, which JSON has no number for")
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999 reads as inf
+        raise NotStrictJson(f"it holds {text}, a number past a float's range")
+    return value
+
+
+def strict_loads(text: str) -> Any:
+    """`json.loads` of text a model or a client wrote, as strict JSON: nesting at most MAX_NESTING
+    (measured first: json.loads itself recurses), no NaN / Infinity (Python's reader takes them,
+    no other JSON reader does). A ValueError otherwise (NotStrictJson for these two)."""
+    depth = text_nesting(text)
+    if depth > MAX_NESTING:
+        raise NotStrictJson(f"it nests {depth} levels deep, over the limit of {MAX_NESTING}")
+    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+
+
+def check_nesting(value: Any, what: str, field: str | None = None) -> None:
+    """`value` (dicts, lists, tuples of anything) nested at most MAX_NESTING levels, else a
+    TurboError naming `what`. A loop, not a recursion: the check must hold where recursion fails."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_NESTING:
+            raise TurboError(f"{what} is nested more than {MAX_NESTING} levels deep", field=field)
+        if isinstance(item, Mapping):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend((v, depth + 1) for v in item if isinstance(v, (Mapping, list, tuple)))
+
+
+SMALL_FILE_BYTES = 16 << 20  # a tools list or a chat template (real ones: kilobytes)
+
+
+def read_small_text(path: str | Path, what: str, field: str | None = None, limit: int = SMALL_FILE_BYTES) -> str:
+    """A regular file's UTF-8 text, at most `limit` bytes, else a TurboError naming `what`: a
+    device or a pipe (/dev/zero never ends) is refused before a byte is read."""
+    try:  # opened without blocking: opening a named pipe nobody writes would wait for ever
+        fd = os.open(Path(path).expanduser(), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError as e:
+        raise TurboError(f"{what}: cannot be read ({e.strerror or e})", field=field) from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise TurboError(f"{what}: not a regular file", field=field)
+        chunks, size = [], 0
+        while size <= limit and (chunk := os.read(fd, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > limit:
+            raise TurboError(f"{what}: over the {limit >> 20} MiB limit", field=field)
+        return b"".join(chunks).decode("utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise TurboError(f"{what}: cannot be read ({getattr(e, 'strerror', None) or e})", field=field) from None
+    finally:
+        os.close(fd)

@@ -97,8 +97,8 @@ def check_template_kwargs(kw: dict[str, Any], chat: ChatTemplate, options_too: b
     bad = next((k for k in kw if k not in variables), None)
     if bad is not None:
         near = difflib.get_close_matches(bad, [*variables, *(GENERATION_FIELDS if options_too else ())], n=1)
-        raise TurboError(f"{bad} is {'neither a generation option nor ' if options_too else 'not '}a variable "
-                         f"{chat.where} reads" + (f" (nearest: {near[0]})" if near else "")
+        raise TurboError(f"{bad} is neither a generation option nor a variable {chat.where} reads"
+                         + (f" (nearest: {near[0]})" if near else "")
                          + f"; its variables: {', '.join(sorted(variables)) or 'none'}", field=bad)
 
 

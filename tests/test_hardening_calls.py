@@ -129,12 +129,12 @@ def test_deep_messages_tools_and_arguments_are_refused_by_name(rt):
         {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": nested(5000)}}}]}
     with pytest.raises(TurboError) as e:
         rt.chat(ASK + [deep_args, {"role": "tool", "tool_call_id": "c", "content": "3"}], max_new_tokens=1)
-    assert e.value.field == "messages" and "nested more than 64" in str(e.value)
+    assert e.value.field == "messages" and "nested more than 128" in str(e.value)
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
         "a": {"items": nested(5000, {})}}}}}]
     with pytest.raises(TurboError) as e:
         rt.chat(ASK, tools=tools, max_new_tokens=1)
-    assert e.value.field == "tools" and "nested more than 64" in str(e.value)
+    assert e.value.field == "tools" and "nested more than 64" in str(e.value)  # (check_tools: each a value)
     # a client's arguments as JSON text, nested past the bound: left as text for the template, not a RecursionError
     text_args = {**deep_args, "tool_calls": [{"id": "c", "function": {"name": "add", "arguments": deep(100_000)}}]}
     assert timed(lambda: template_messages([text_args]))[0]["tool_calls"][0]["function"]["arguments"] == deep(100_000)
@@ -299,8 +299,7 @@ def test_deep_client_arguments_over_http_are_a_400_or_text_never_a_500(xml_serve
         {"role": "tool", "tool_call_id": "c", "content": "3"}]
     r = timed(lambda: post(xml_server, messages=turn), 60)  # (the arguments stay JSON text for the template)
     assert r.status_code == 200 or r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
-    # read as an object (nested 63 deep), then past the bound inside the messages
+    # within the bound: read as an object for the template (its messages may nest deeper than one value)
     turn[1]["tool_calls"][0]["function"]["arguments"] = '{"a": ' + deep(MAX_NESTING - 2) + "}"
-    r = post(xml_server, messages=turn)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+    assert post(xml_server, messages=turn).status_code == 200
     still_serving(xml_server)

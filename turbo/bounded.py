@@ -57,14 +57,14 @@ def strict_loads(text: str) -> Any:
     return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
 
 
-def check_nesting(value: Any, what: str, field: str | None = None) -> None:
-    """`value` (dicts, lists, tuples of anything) nested at most MAX_NESTING levels, else a
-    TurboError naming `what`. A loop, not a recursion: the check must hold where recursion fails."""
+def check_nesting(value: Any, what: str, field: str | None = None, limit: int = MAX_NESTING) -> None:
+    """`value` (dicts, lists, tuples of anything) nested at most `limit` levels, else a TurboError
+    naming `what`. A loop, not a recursion: the check must hold where recursion fails."""
     stack = [(value, 0)]
     while stack:
         item, depth = stack.pop()
-        if depth > MAX_NESTING:
-            raise TurboError(f"{what} is nested more than {MAX_NESTING} levels deep", field=field)
+        if depth > limit:
+            raise TurboError(f"{what} is nested more than {limit} levels deep", field=field)
         if isinstance(item, Mapping):
             stack.extend((v, depth + 1) for v in item.values())
         elif isinstance(item, (list, tuple)):

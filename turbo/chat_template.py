@@ -27,7 +27,7 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .arch import _token_ids, read_config_json, show
-from .bounded import check_nesting
+from .bounded import MAX_NESTING, check_nesting
 from .errors import TurboError, checked_text
 
 if TYPE_CHECKING:
@@ -72,7 +72,7 @@ class ChatTemplate:
         messages = _drop_none(messages, self.where)
         # what plain() and the template walk by recursion: its nesting bounded first, by a loop
         for name, value in (("messages", messages), ("tools", tools), ("documents", documents), *template_kwargs.items()):
-            check_nesting(value, name, name)
+            check_nesting(value, name, name, RENDER_NESTING)
         chat = _alias_reasoning(plain(messages))
         kwargs = plain({**self.special_tokens, **template_kwargs})
         # one dict, not keywords: Jinja's own render(self, ...) would take a `self` keyword as itself
@@ -185,6 +185,9 @@ class _Generation(jinja2.ext.Extension):
 
 RENDER_SECONDS = 10.0  # a render's time (a real template over a long conversation: milliseconds)
 RENDER_CHARS = 32 << 20  # the rendered text, and any one string a template builds on the way
+# what a template's data may nest: messages hold values each nested up to MAX_NESTING (a call's
+# arguments, a tool's result) a few levels down; far below Python's recursion limit either way
+RENDER_NESTING = 2 * MAX_NESTING
 _bounds = threading.local()  # this thread's render deadline (servers render on several threads at once)
 
 

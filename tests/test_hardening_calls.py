@@ -160,8 +160,8 @@ def test_task_chat_tools_files_are_read_bounded(tmp_path):
 def test_tools_files_over_the_limit_or_not_files_are_refused(tmp_path):
     (tmp_path / "big.json").write_text(" " * SMALL_FILE_BYTES + "[]")
     os.mkfifo(tmp_path / "pipe.json")
-    for path, says in (("big.json", f"over the {SMALL_FILE_BYTES >> 20} MiB limit"), ("pipe.json", "not a regular file"),
-                       (".", "not a regular file")):
+    for path, says in (("big.json", f"over the {SMALL_FILE_BYTES >> 20} MiB limit"),
+                       ("pipe.json", "not a regular file"), (".", "not a regular file")):
         with pytest.raises(TurboError) as e:
             timed(lambda: load_tools(str(tmp_path / path)))
         assert e.value.field == "tools" and says in str(e.value), str(e.value)

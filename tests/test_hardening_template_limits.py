@@ -42,8 +42,9 @@ def test_formatting_and_python_loop_filters_are_bounded(source, says):
 def test_ordinary_formatting_and_filters_render_as_before():
     source = ("{{ '%5d|%%|%-3s|%.2f' % (3, 'x', 1.234) }};{{ '%(a)s' % {'a': 1} }};{{ '%03d'|format(7) }};"
               "{{ '{:>5}|{}|{a:{w}}'.format('a', 2, a='z', w=3) }};{{ '{a}'.format_map({'a': 1}) }};"
-              "{{ 'a b c'|title|wordwrap(3) }};{{ [3, 1, 2]|sort|join(',') }};{{ ['a', 'b']|map('upper')|join }}")
-    assert ChatTemplate(source).render(MESSAGES) == "    3|%|x  |1.23;1;007;    a|2|z  ;1;A B\nC;1,2,3;AB"
+              "{{ 'a b c'|title|wordwrap(3) }};{{ [3, 1, 2]|sort|join(',') }};{{ ['a', 'b']|map('upper')|join }};"
+              "{{ '%d' % 1234567890123 }}")
+    assert ChatTemplate(source).render(MESSAGES) == "    3|%|x  |1.23;1;007;    a|2|z  ;1;A B\nC;1,2,3;AB;1234567890123"
     big = "x " * FILTER_ITEMS  # C-speed filters take any size within RENDER_CHARS
     assert ChatTemplate("{{ (messages[0].content|trim|replace('x', 'y'))[:3] }}").render(
         [{"role": "user", "content": big}]) == "y y"

@@ -57,18 +57,21 @@ def strict_loads(text: str) -> Any:
     return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
 
 
+_LEAVES = (str, int, float, type(None))
+_CONTAINERS = (dict, list, tuple, Mapping)
+
+
 def check_nesting(value: Any, what: str, field: str | None = None, limit: int = MAX_NESTING) -> None:
     """`value` (dicts, lists, tuples of anything) nested at most `limit` levels, else a TurboError
     naming `what`. A loop, not a recursion: the check must hold where recursion fails."""
-    stack = [(value, 0)]
+    stack = [(value, 0)] if isinstance(value, _CONTAINERS) else []
     while stack:
         item, depth = stack.pop()
         if depth > limit:
             raise TurboError(f"{what} is nested more than {limit} levels deep", field=field)
-        if isinstance(item, Mapping):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend((v, depth + 1) for v in item if isinstance(v, (Mapping, list, tuple)))
+        items = item.values() if isinstance(item, Mapping) else item
+        # (text and numbers skipped first: most of a conversation, and an ABC's isinstance is slow)
+        stack.extend((v, depth + 1) for v in items if not isinstance(v, _LEAVES) and isinstance(v, _CONTAINERS))
 
 
 SMALL_FILE_BYTES = 16 << 20  # a tools list or a chat template (real ones: kilobytes)

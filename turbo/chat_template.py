@@ -71,7 +71,8 @@ class ChatTemplate:
             raise TurboError(f"{self.where}: messages is the messages, not a template keyword")
         messages = _drop_none(messages, self.where)
         # what plain() and the template walk by recursion: its nesting bounded first, by a loop
-        for name, value in (("messages", messages), ("tools", tools), ("documents", documents), *template_kwargs.items()):
+        data = (("messages", messages), ("tools", tools), ("documents", documents), *template_kwargs.items())
+        for name, value in data:
             check_nesting(value, name, name, RENDER_NESTING)
         chat = _alias_reasoning(plain(messages))
         kwargs = plain({**self.special_tokens, **template_kwargs})
@@ -269,10 +270,13 @@ def _check_width(digits: str | None) -> None:
 def _check_printf(fmt: str, args: Any) -> None:
     """`fmt % args` (the `%` operator, the format filter): each conversion's width and precision,
     and a `*` one's integer argument, at most RENDER_CHARS, before the string is built."""
+    starred = False
     for m in _PRINTF.finditer(fmt):
         _check_width(m.group(1))
         _check_width(m.group(2))
-    _check_args(args if isinstance(args, tuple) else (args,), args if isinstance(args, dict) else {})
+        starred = starred or "*" in m.group()
+    if starred:  # (only then is an integer argument a width: '%d' % 10**10 is a number to print)
+        _check_args(args if isinstance(args, tuple) else (args,), {})
 
 
 def _check_str_format(fmt: str, values: tuple) -> None:

@@ -24,7 +24,8 @@ from turbo.chat import template_messages
 from turbo.chat_cli import load_tools
 from turbo.chat_template import encode, install_template
 from turbo.errors import TurboError
-from turbo.tool_calls import ToolCall, call_grammar, parse_tool_calls
+from turbo.serve.protocol import ReasoningStream
+from turbo.tool_calls import CallStream, ToolCall, call_grammar, parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
@@ -108,6 +109,23 @@ def test_non_finite_xml_values_are_text_and_read_calls_are_strict_json():
     def refuse(name):
         raise ValueError(name)
     assert json.loads(call.arguments, parse_constant=refuse) == {"a": 1.5, "note": "NaN"}
+
+
+def test_streamed_answers_are_split_and_held_back_in_linear_time():
+    """64,000 pieces of reasoning then content (512 KB): the server's reasoning split and call
+    hold-back rescanned and copied the whole answer at every piece (20 s and more; minutes at 1 MB)."""
+    reasoning, content, calls = ReasoningStream(True), [], CallStream(TOOLS)
+    pieces = ["abcdefgh"] * 32_000 + ["</think>"] + ["ijklmnop"] * 32_000
+
+    def run() -> list[str]:
+        sent = []
+        for i, piece in enumerate(pieces):
+            think, text = reasoning.feed(piece, i == len(pieces) - 1)
+            content.append(think)
+            sent.append(calls.feed(text))
+        return sent
+    sent = timed(run, 5.0)
+    assert "".join(content) == "abcdefgh" * 32_000 and "".join(sent) + calls.end()[0] == "ijklmnop" * 32_000
 
 
 # ---- request data: refused by name ------------------------------------------------------------

@@ -285,22 +285,26 @@ def lark_literal(text: str) -> str:
 
 class CallStream:
     """A streamed answer's content with its tool calls held back: `feed` gives the content to send
-    now (never a piece of a call, nor what may begin one), `end` the rest and the calls."""
+    now (never a piece of a call, nor what may begin one), `end` the rest and the calls. Linear in
+    the answer: only the text not sent yet is searched, and the pieces are joined once, at the end."""
 
     def __init__(self, tools: list | None):
-        self.tools, self.text, self.sent, self.inside = tools, "", 0, False
+        self.tools, self.pieces, self.unsent, self.sent, self.inside = tools, [], "", 0, False
 
     def feed(self, piece: str) -> str:
-        self.text += piece
+        self.pieces.append(piece)
         if self.inside:
             return ""
-        at = self.text.find(OPEN, self.sent)
-        end = at if at >= 0 else len(self.text) - held_back(self.text)
+        self.unsent += piece  # (what may begin a call, and the new piece: short)
+        at = self.unsent.find(OPEN)
+        end = at if at >= 0 else len(self.unsent) - held_back(self.unsent)
         self.inside = at >= 0
-        out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        out, self.unsent = self.unsent[:end], self.unsent[end:]
+        self.sent += len(out)
         return out
 
     def end(self) -> tuple[str, list[ToolCall], str | None]:
         """(the content not sent yet, the calls, why what looked like calls was not read)."""
-        _, calls, why = parse_tool_calls(self.text, self.tools)
-        return ("", calls, None) if calls else (self.text[self.sent:], [], why)
+        text = "".join(self.pieces)
+        _, calls, why = parse_tool_calls(text, self.tools)
+        return ("", calls, None) if calls else (text[self.sent:], [], why)

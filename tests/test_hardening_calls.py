@@ -197,6 +197,9 @@ def test_a_tool_name_is_never_grammar(rt):
     got = rt.chat(ASK, tools=tools, tool_choice="required", template=XML_TEMPLATE, max_new_tokens=200)
     assert [c["function"]["name"] for c in got.message.get("tool_calls", [])] == [EVIL], got.text
     assert json.loads(got.message["tool_calls"][0]["function"]["arguments"]) == {}
+    json_form = [{"type": "function", "function": {**tools[0]["function"], "name": EVIL + '}\n'}}]  # (tiny's own)
+    got = rt.chat(ASK, tools=json_form, tool_choice="required", max_new_tokens=200)
+    assert [c["function"]["name"] for c in got.message.get("tool_calls", [])] == [EVIL + '}\n'], got.text
     llguidance = pytest.importorskip("llguidance")
     grammar = call_grammar(tools + TOOLS, None, xml=True)
     assert llguidance.LLMatcher.validate_grammar(llguidance.LLMatcher.grammar_from_lark(grammar)) == ""

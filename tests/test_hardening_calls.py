@@ -165,14 +165,18 @@ def one_line(args: list[str], cwd: Path) -> str:
     return proc.stderr
 
 
-def test_task_chat_tools_files_are_read_bounded(tmp_path):
+def test_task_chat_tools_and_template_files_are_read_bounded(tmp_path):
     (tmp_path / "deep.json").write_text(deep(100_000))
     (tmp_path / "nan.json").write_text('[{"type": "function", "function": {"name": "f", "x": NaN}}]')
-    for path, says in (("deep.json", "nests 100000 levels deep, over the limit of 64"),
-                       ("/dev/zero", "tools file /dev/zero: not a regular file"),
-                       ("nan.json", "holds NaN")):
-        err = timed(lambda: one_line(["task=chat", "threads=1", "backend=cpu", f"tools={path}"], tmp_path), 120)
+    for arg, says in (("tools=deep.json", "nests 100000 levels deep, over the limit of 64"),
+                      ("tools=/dev/zero", "tools file /dev/zero: not a regular file"),
+                      ("tools=nan.json", "holds NaN"),
+                      ("chat_template=/dev/zero", "chat template /dev/zero: not a regular file")):
+        err = timed(lambda: one_line(["task=chat", "threads=1", "backend=cpu", arg], tmp_path), 120)
         assert says in err, err
+    err = timed(lambda: one_line(["task=serve", "threads=1", "backend=cpu", "serve.port=0",
+                                  "serve.chat_template=/dev/zero"], tmp_path), 120)
+    assert "serve.chat_template=/dev/zero: not a regular file" in err, err
 
 
 def test_tools_files_over_the_limit_or_not_files_are_refused(tmp_path):

@@ -8,6 +8,7 @@ import gc
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..bounded import read_small_text
 from ..chat import check_template_kwargs, opens_think, template_messages, turn_stop_ids
 from ..chat_template import ChatTemplate, encode, install_template
 from ..engine import open as open_runtime
@@ -54,10 +55,7 @@ class Engine:
         self.max_prompt_chars = self.max_positions * max_token_chars(rt.tokenizer)  # (limits.py: before tokenizing)
         if config.chat_template is not None:
             path = Path(config.chat_template).expanduser()
-            try:
-                source = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise TurboError(f"serve.chat_template={path}: {getattr(e, 'strerror', None) or e}") from None
+            source = read_small_text(path, f"serve.chat_template={path}", "chat_template")  # (/dev/zero: refused)
             self.template: ChatTemplate | None = ChatTemplate(source, str(path), rt.install.template_files.special_tokens)
             self.template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)  # refused now
         else:

@@ -94,7 +94,7 @@ def test_the_xml_call_parser_is_linear(body):
 def test_non_finite_arguments_are_text_not_a_call(args):
     text = f'<tool_call>\n{{"name": "add", "arguments": {args}}}\n</tool_call>'
     content, calls, why = parse_tool_calls(text, TOOLS)
-    assert content == text and calls == [] and ("JSON has no number for" in why or "past a float's range" in why), why
+    assert content == text and calls == [] and "not a finite number" in why, why
 
 
 def test_non_finite_xml_values_are_text_and_read_calls_are_strict_json():
@@ -102,13 +102,14 @@ def test_non_finite_xml_values_are_text_and_read_calls_are_strict_json():
         text = f"<tool_call>\n<function=add>\n<parameter=a>\n{value}\n</parameter>\n</function>\n</tool_call>"
         content, calls, why = parse_tool_calls(text, TOOLS)
         assert content == text and calls == [] and "not strict JSON" in why, (value, why)
+    # a string parameter holding the text NaN is text; so is an untyped one that is not JSON at all
     text = "<tool_call>\n<function=add>\n<parameter=a>\n1.5\n</parameter>\n<parameter=note>\nNaN\n</parameter>\n" \
-           "</function>\n</tool_call>"
-    _, (call,), _ = parse_tool_calls(text, TOOLS)  # a string parameter holding the text NaN is text
+           "<parameter=more>\nInfinity and beyond\n</parameter>\n</function>\n</tool_call>"
+    _, (call,), _ = parse_tool_calls(text, TOOLS)
 
     def refuse(name):
         raise ValueError(name)
-    assert json.loads(call.arguments, parse_constant=refuse) == {"a": 1.5, "note": "NaN"}
+    assert json.loads(call.arguments, parse_constant=refuse) == {"a": 1.5, "note": "NaN", "more": "Infinity and beyond"}
 
 
 def test_streamed_answers_are_split_and_held_back_in_linear_time():

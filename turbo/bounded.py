@@ -36,25 +36,30 @@ class NotStrictJson(ValueError):
     """JSON text refused by `strict_loads`: nested past MAX_NESTING, or holding a non-finite number."""
 
 
-def _no_constant(name: str) -> float:
-    raise NotStrictJson(f"it holds {name}, which JSON has no number for")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e999 reads as inf
-        raise NotStrictJson(f"it holds {text}, a number past a float's range")
-    return value
-
-
 def strict_loads(text: str) -> Any:
     """`json.loads` of text a model or a client wrote, as strict JSON: nesting at most MAX_NESTING
-    (measured first: json.loads itself recurses), no NaN / Infinity (Python's reader takes them,
-    no other JSON reader does). A ValueError otherwise (NotStrictJson for these two)."""
+    (measured first: json.loads itself recurses), no NaN / Infinity / 1e999 (Python's reader takes
+    them, no other JSON reader does). A ValueError otherwise (NotStrictJson for these two; text
+    that is not JSON at all, "Infinity and beyond", is the reader's own ValueError)."""
     depth = text_nesting(text)
     if depth > MAX_NESTING:
         raise NotStrictJson(f"it nests {depth} levels deep, over the limit of {MAX_NESTING}")
-    return json.loads(text, parse_constant=_no_constant, parse_float=_finite)
+    non_finite: list[str] = []
+
+    def number(literal: str) -> float:
+        value = float(literal)
+        if not math.isfinite(value):
+            non_finite.append(literal)
+        return value
+
+    def constant(name: str) -> float:
+        non_finite.append(name)
+        return math.nan
+
+    value = json.loads(text, parse_constant=constant, parse_float=number)
+    if non_finite:  # (after the whole text read: only JSON with a non-finite number is refused for it)
+        raise NotStrictJson(f"it holds {non_finite[0]}, not a finite number: JSON has no form for it")
+    return value
 
 
 _LEAVES = (str, int, float, type(None))

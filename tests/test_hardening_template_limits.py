@@ -30,6 +30,7 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("{{ ('a ' * 3000000) | title }}", "the title filter over 6000000 items"),
     ("{{ ('a' * 3000000) | list | sort | length }}", "the sort filter over 3000000 items"),
     ("{{ ('a' * 3000000) | list | map('upper') | list | length }}", "the map filter over 3000000 items"),
+    ("{{ ('<a>' * 30000) | striptags }}", "the striptags filter over 90000 items"),
 ])
 def test_formatting_and_python_loop_filters_are_bounded(source, says):
     start = time.monotonic()
@@ -43,8 +44,9 @@ def test_ordinary_formatting_and_filters_render_as_before():
     source = ("{{ '%5d|%%|%-3s|%.2f' % (3, 'x', 1.234) }};{{ '%(a)s' % {'a': 1} }};{{ '%03d'|format(7) }};"
               "{{ '{:>5}|{}|{a:{w}}'.format('a', 2, a='z', w=3) }};{{ '{a}'.format_map({'a': 1}) }};"
               "{{ 'a b c'|title|wordwrap(3) }};{{ [3, 1, 2]|sort|join(',') }};{{ ['a', 'b']|map('upper')|join }};"
-              "{{ '%d' % 1234567890123 }}")
-    assert ChatTemplate(source).render(MESSAGES) == "    3|%|x  |1.23;1;007;    a|2|z  ;1;A B\nC;1,2,3;AB;1234567890123"
+              "{{ '<b>x</b> y'|striptags }};{{ '%d' % 1234567890123 }}")
+    assert ChatTemplate(source).render(MESSAGES) == \
+        "    3|%|x  |1.23;1;007;    a|2|z  ;1;A B\nC;1,2,3;AB;x y;1234567890123"
     big = "x " * FILTER_ITEMS  # C-speed filters take any size within RENDER_CHARS
     assert ChatTemplate("{{ (messages[0].content|trim|replace('x', 'y'))[:3] }}").render(
         [{"role": "user", "content": big}]) == "y y"

@@ -27,6 +27,7 @@ from typing import Any
 
 from .bounded import NotStrictJson, check_nesting, strict_loads
 from .errors import TurboError, json_shown
+from .stops import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 XML_FORMAT = "<function="  # a template that writes calls this way says so in its source
@@ -228,14 +229,6 @@ def tool_messages(calls: list[ToolCall], results: Any) -> list[dict[str, Any]]:
     return out
 
 
-def held_back(text: str) -> int:
-    """How many characters at the end of streamed content may still begin a `<tool_call>`."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:k]):
-            return k
-    return 0
-
-
 # a parameter's value in the XML form, by its schema's type (a string or anything else: any text without a tag)
 VALUE_PATTERNS = {"integer": r"-?[0-9]{1,18}", "number": r"-?[0-9]{1,18}(\.[0-9]{1,18})?", "boolean": r"true|false"}
 
@@ -297,7 +290,7 @@ class CallStream:
             return ""
         self.unsent += piece  # (what may begin a call, and the new piece: short)
         at = self.unsent.find(OPEN)
-        end = at if at >= 0 else len(self.unsent) - held_back(self.unsent)
+        end = at if at >= 0 else len(self.unsent) - held_back(self.unsent, (OPEN,))
         self.inside = at >= 0
         out, self.unsent = self.unsent[:end], self.unsent[end:]
         self.sent += len(out)

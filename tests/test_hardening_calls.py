@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -317,6 +318,22 @@ def test_names_over_http_escaped_or_refused_by_name(xml_server):
     assert r.status_code == 200, r.text
     message = r.json()["choices"][0]["message"]
     assert [c["function"]["name"] for c in message.get("tool_calls") or []] == [EVIL], message
+
+
+def test_a_deeply_nested_call_over_http_is_content_with_its_reason(xml_server):
+    """The model's answer held (turbo.regex) to a call whose arguments nest 1,000 deep: it was a
+    RecursionError and a 500; now the text is the content and tool_call_error says why, streamed
+    or not, and the server answers the next request."""
+    text = f'<tool_call>\n{{"name": "add", "arguments": {{"a": {deep(1000)}}}}}\n</tool_call>'
+    body = dict(tools=TOOLS, max_tokens=1800, turbo={"regex": re.escape(text)})
+    message = post(xml_server, **body).json()["choices"][0]["message"]
+    assert message["content"] == text and "tool_call_error" in message and "tool_calls" not in message, message
+    assert "nests 1002 levels deep, over the limit of 64" in message["tool_call_error"]
+    events = [json.loads(line[6:]) for line in post(xml_server, stream=True, **body).text.splitlines()
+              if line.startswith("data: {")]
+    assert not any("error" in e for e in events)
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e["choices"]) == text
+    still_serving(xml_server)
 
 
 def test_deep_client_arguments_over_http_are_a_400_or_text_never_a_500(xml_server):

@@ -21,6 +21,8 @@ MESSAGES = [{"role": "user", "content": "hi"}]
     ("{{ '%0999999999d' % 1 }}", "a format width or precision of 999999999"),
     ("{{ '%.999999999f' % 1.0 }}", "a format width or precision of 999999999"),
     ("{{ '%(a)0999999999d' % {'a': 1} }}", "a format width or precision of 999999999"),
+    ("{{ '%(a%b)0999999999d' % {'a%b': 1} }}", "a format width or precision of 999999999"),  # (a key as Python
+    ("{{ '%(a(b))0999999999d' % {'a(b)': 1} }}", "a format width or precision of 999999999"),  # reads it)
     ("{{ '%*d' % (999999999, 1) }}", "an argument of 999999999"),
     ("{{ '%0999999999d'|format(1) }}", "a format width or precision of 999999999"),
     ("{{ '{:0999999999}'.format(1) }}", "a format width or precision of 0999999999"),
@@ -50,3 +52,11 @@ def test_ordinary_formatting_and_filters_render_as_before():
     big = "x " * FILTER_ITEMS  # C-speed filters take any size within RENDER_CHARS
     assert ChatTemplate("{{ (messages[0].content|trim|replace('x', 'y'))[:3] }}").render(
         [{"role": "user", "content": big}]) == "y y"
+
+
+def test_the_format_scan_is_linear():
+    """The widths are found in one pass: 200,000 unclosed mapping keys are Python's own refusal, at once."""
+    start = time.monotonic()
+    with pytest.raises(TurboError, match="incomplete format key"):
+        ChatTemplate("{{ ('%(' * 200000) % {} }}").render(MESSAGES)
+    assert time.monotonic() - start < 2.0

@@ -258,8 +258,9 @@ def _bounded_filter(f, name: str):
     return bounded
 
 
-# A printf conversion's width and precision (`%0999999999d` builds a 1 GB string from one `%`)
-_PRINTF = re.compile(r"%%|%(?:\([^)]*\))?[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
+# A printf conversion's flags, width and precision (`%0999999999d` builds a 1 GB string from one `%`)
+_PRINTF_SPEC = re.compile(r"[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_PARENS = re.compile(r"[()]")
 _DIGITS = re.compile(r"\d+")
 
 
@@ -271,12 +272,25 @@ def _check_width(digits: str | None) -> None:
 
 def _check_printf(fmt: str, args: Any) -> None:
     """`fmt % args` (the `%` operator, the format filter): each conversion's width and precision,
-    and a `*` one's integer argument, at most RENDER_CHARS, before the string is built."""
-    starred = False
-    for m in _PRINTF.finditer(fmt):
-        _check_width(m.group(1))
-        _check_width(m.group(2))
-        starred = starred or "*" in m.group()
+    and a `*` one's integer argument, at most RENDER_CHARS, before the string is built. One pass
+    from '%' to '%' (a regex tried at each '%' would rescan `%(((...` to the end every time)."""
+    starred, pos = False, fmt.find("%")
+    while pos >= 0:
+        pos += 1
+        if fmt.startswith("(", pos):  # a mapping key, to its matching ')' (Python counts nested ones)
+            depth = 0
+            for paren in _PARENS.finditer(fmt, pos):
+                depth += 1 if paren.group() == "(" else -1
+                if depth == 0:
+                    pos = paren.end()
+                    break
+            else:
+                return  # (no end to the key: Python refuses the format itself)
+        spec = _PRINTF_SPEC.match(fmt, pos)
+        _check_width(spec.group(1))
+        _check_width(spec.group(2))
+        starred = starred or "*" in spec.group()
+        pos = fmt.find("%", spec.end() + 1)  # past the conversion's type (the second '%' of '%%')
     if starred:  # (only then is an integer argument a width: '%d' % 10**10 is a number to print)
         _check_args(args if isinstance(args, tuple) else (args,), {})
 

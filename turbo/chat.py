@@ -9,12 +9,12 @@ place that says which tokens end a turn. Sessions that keep their state: turbo/s
 from __future__ import annotations
 
 import difflib
-import json
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tokenizers import Tokenizer
 
+from .bounded import strict_loads
 from .chat_template import ChatTemplate, encode, install_template, template_variables
 from .errors import TurboError
 from .install import Install
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 THINK, END_THINK = "<think>", "</think>"
 END_OF_TURN = "<|im_end|>"  # the Qwen / ChatML end-of-turn token
+RENDER_ARGS = ("messages", "add_generation_prompt", "tools", "documents")  # the render's own, not template keywords
 
 
 @dataclass
@@ -67,7 +68,7 @@ def _with_object_arguments(call: object) -> object:
     args = f.get("arguments") if isinstance(f, dict) else None
     if isinstance(args, str):
         try:
-            value = json.loads(args)
+            value = strict_loads(args)  # (a client's text: its nesting bounded before the reader recurses)
         except ValueError:
             return call
         if isinstance(value, dict):
@@ -85,14 +86,20 @@ def split_keywords(kw: dict[str, Any], chat: ChatTemplate) -> tuple[dict[str, An
 
 
 def check_template_kwargs(kw: dict[str, Any], chat: ChatTemplate, options_too: bool = False) -> None:
-    """Every keyword a variable `chat` reads (template_variables), else a refusal naming it."""
+    """Every keyword a variable `chat` reads (template_variables) and not one of the render's own
+    arguments (RENDER_ARGS), else a refusal naming it (`field`: the keyword). The one rule for
+    rt.chat, sessions and the server's chat_template_kwargs: a typo must not vanish into the
+    template's context."""
+    own = next((k for k in kw if k in RENDER_ARGS), None)
+    if own is not None:
+        raise TurboError(f"{own}: not a template keyword here (the render's own argument)", field=own)
     variables = template_variables(chat)
     bad = next((k for k in kw if k not in variables), None)
     if bad is not None:
         near = difflib.get_close_matches(bad, [*variables, *(GENERATION_FIELDS if options_too else ())], n=1)
         raise TurboError(f"{bad} is neither a generation option nor a variable {chat.where} reads"
                          + (f" (nearest: {near[0]})" if near else "")
-                         + f"; its variables: {', '.join(sorted(variables)) or 'none'}")
+                         + f"; its variables: {', '.join(sorted(variables)) or 'none'}", field=bad)
 
 
 def turn_stop_ids(install: Install, tokenizer: Tokenizer) -> tuple[int, ...]:
@@ -149,10 +156,11 @@ def assistant_message(tokenizer: Tokenizer, tokens: list[int], stop_ids: tuple[i
 TOOL_CHOICES = ("none", "auto", "required")
 
 
-def check_tool_choice(tools: list | None, tool_choice: str) -> None:
-    """The tools well formed (turbo/tool_calls.check_tools); tool_choice none, auto, required (with
-    tools) or one of the tools' names; else refused naming the field."""
-    check_tools(tools)
+def check_tool_choice(tools: list | None, tool_choice: str, chat: ChatTemplate | None = None) -> None:
+    """The tools well formed (turbo/tool_calls.check_tools: names `chat`'s call format can carry);
+    tool_choice none, auto, required (with tools) or one of the tools' names; else refused naming
+    the field."""
+    check_tools(tools, chat.source if chat is not None else None)
     if tool_choice not in ("none", "auto") and (not tools or tool_choice not in ("required", *tool_functions(tools))):
         raise TurboError(f"tool_choice {tool_choice!r}: expected none, auto, required or one of the tools' names",
                          field="tool_choice")
@@ -162,7 +170,7 @@ def call_options(options: GenerationOptions, tools: list | None, tool_choice: st
                  chat: ChatTemplate) -> GenerationOptions:
     """The options with the call constrained where tool_choice asks for one (required, or a tool's
     name: turbo/tool_calls.py's grammar in the template's format)."""
-    check_tool_choice(tools, tool_choice)
+    check_tool_choice(tools, tool_choice, chat)
     forced = forced_call(tools, tool_choice, chat.source)
     if forced is None:
         return options
@@ -187,13 +195,19 @@ def read_calls(message: dict[str, Any], tools: list | None, tool_choice: str) ->
 def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools: list | None,
              documents: list | None, template: str | ChatTemplate | None, kw: dict[str, Any],
              tool_choice: str = "auto") -> ChatResult:
-    """`Runtime.chat`: render with the generation prompt, generate, split the answer."""
+    """`Runtime.chat`: render (with the generation prompt unless add_generation_prompt=False, as
+    transformers' apply_chat_template takes it), generate, split the answer."""
     chat = template_for(rt.install, template)
+    kw = dict(kw)
+    generation_prompt = kw.pop("add_generation_prompt", True)
+    if not isinstance(generation_prompt, bool):
+        raise TurboError(f"add_generation_prompt is {generation_prompt!r}, expected True or False",
+                         field="add_generation_prompt")
     fields, template_kwargs = split_keywords(kw, chat)
     messages = template_messages(messages) if isinstance(messages, (list, tuple)) else messages
-    check_tool_choice(tools, tool_choice)
+    check_tool_choice(tools, tool_choice, chat)
     offered = tools if tool_choice != "none" else None  # (none: the prompt offers no tool, as the server's)
-    prompt = chat.render(messages, add_generation_prompt=True, tools=offered, documents=documents,
+    prompt = chat.render(messages, add_generation_prompt=generation_prompt, tools=offered, documents=documents,
                          **template_kwargs)
     ids, stop_ids = encode(rt.tokenizer, prompt), turn_stop_ids(rt.install, rt.tokenizer)
     images = message_images(messages)  # (turbo/vision: content parts of type image / image_url)

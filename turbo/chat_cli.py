@@ -16,12 +16,12 @@ CLI's). A template that is missing, not Jinja or raises, and any refused turn, e
 
 from __future__ import annotations
 
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TextIO
 
+from .bounded import read_small_text, strict_loads
 from .chat import END_THINK, THINK, assistant_message, opens_think
 from .chat_template import ChatTemplate, compile_template
 from .config import ChatConfig, RunConfig
@@ -47,25 +47,22 @@ def chat_template(rt: Runtime, chat: ChatConfig) -> ChatTemplate | None:
         return None
     path = Path(chat.template).expanduser()
     where = f"chat template {path}"
-    try:
-        source = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise TurboError(f"{where}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+    source = read_small_text(path, where, "chat_template")
     compile_template(source, where)
     return ChatTemplate(source, where, rt.install.template_files.special_tokens)
 
 
 def load_tools(path: str | None) -> list | None:
-    """tools=FILE.json: OpenAI's tools list (checked when the session takes it)."""
+    """tools=FILE.json: OpenAI's tools list (checked when the session takes it), read at most
+    SMALL_FILE_BYTES from a regular file and nested at most MAX_NESTING (turbo/bounded.py)."""
     if path is None:
         return None
-    where = Path(path).expanduser()
+    where = f"tools file {Path(path).expanduser()}"
+    text = read_small_text(path, where, "tools")
     try:
-        return json.loads(where.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as e:
-        raise TurboError(f"tools file {where}: cannot be read ({getattr(e, 'strerror', None) or e})") from None
+        return strict_loads(text)
     except ValueError as e:
-        raise TurboError(f"tools file {where}: not JSON ({e}); expected OpenAI's tools list") from None
+        raise TurboError(f"{where}: not JSON ({e}); expected OpenAI's tools list", field="tools") from None
 
 
 def open_session(rt: Runtime, chat: ChatConfig) -> Session:

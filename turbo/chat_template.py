@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import re
+import string
 import threading
 import time
 from datetime import datetime
@@ -25,6 +27,7 @@ import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from .arch import _token_ids, read_config_json, show
+from .bounded import MAX_NESTING, check_nesting
 from .errors import TurboError, checked_text
 
 if TYPE_CHECKING:
@@ -66,7 +69,12 @@ class ChatTemplate:
             raise TurboError(f"{self.where}: documents must be dicts (title, text), got {show(documents)}")
         if "messages" in template_kwargs:
             raise TurboError(f"{self.where}: messages is the messages, not a template keyword")
-        chat = _alias_reasoning(plain(_drop_none(messages, self.where)))
+        messages = _drop_none(messages, self.where)
+        # what plain() and the template walk by recursion: its nesting bounded first, by a loop
+        data = (("messages", messages), ("tools", tools), ("documents", documents), *template_kwargs.items())
+        for name, value in data:
+            check_nesting(value, name, name, RENDER_NESTING)
+        chat = _alias_reasoning(plain(messages))
         kwargs = plain({**self.special_tokens, **template_kwargs})
         # one dict, not keywords: Jinja's own render(self, ...) would take a `self` keyword as itself
         context = {**kwargs, "messages": chat, "tools": plain(tools), "documents": plain(documents),
@@ -178,6 +186,9 @@ class _Generation(jinja2.ext.Extension):
 
 RENDER_SECONDS = 10.0  # a render's time (a real template over a long conversation: milliseconds)
 RENDER_CHARS = 32 << 20  # the rendered text, and any one string a template builds on the way
+# what a template's data may nest: messages hold values each nested up to MAX_NESTING (a call's
+# arguments, a tool's result) a few levels down; far below Python's recursion limit either way
+RENDER_NESTING = 2 * MAX_NESTING
 _bounds = threading.local()  # this thread's render deadline (servers render on several threads at once)
 
 
@@ -220,23 +231,99 @@ def _bounded_concat(items: list) -> str:
     return "".join(parts)
 
 
-def _bounded_filter(f):
+# Filters whose work is C code's over their input, whatever its size (a long conversation's text
+# goes through trim, replace, tojson...). Every other filter loops in Python over the items or words
+# of its input (wordwrap, title, sort, groupby, map, join with an attribute...): microseconds each,
+# and one call cannot be stopped at the deadline, so their input is bounded to FILTER_ITEMS (at most
+# seconds of work); striptags rebuilds its input at each tag it removes (quadratic): less.
+C_SPEED_FILTERS = frozenset(["abs", "attr", "capitalize", "center", "count", "d", "default", "e", "escape",
+                             "filesizeformat", "first", "float", "forceescape", "format", "int", "items", "last",
+                             "length", "list", "lower", "random", "replace", "reverse", "round", "safe", "string",
+                             "tojson", "trim", "truncate", "upper", "wordcount"])
+FILTER_ITEMS = 1 << 20
+FILTER_LIMITS = {"striptags": 1 << 16}  # (65,536 characters of tags: 0.05 s; 1M: 10 s)
+
+
+def _bounded_filter(f, name: str):
     @functools.wraps(f)  # (keeps Jinja's pass_context / pass_eval_context marks)
     def bounded(*args, **kwargs):
         _tick()
         _check_args(args, kwargs)
+        if name not in C_SPEED_FILTERS:
+            limit = FILTER_LIMITS.get(name, FILTER_ITEMS)
+            big = next((a for a in args if isinstance(a, (str, list, tuple, dict, range)) and len(a) > limit), None)
+            if big is not None:
+                raise RenderLimit(f"the {name} filter over {len(big)} items is over its limit of {limit}")
         return _sized(f(*args, **kwargs))
     return bounded
+
+
+# A printf conversion's flags, width and precision (`%0999999999d` builds a 1 GB string from one `%`)
+_PRINTF_SPEC = re.compile(r"[#0\- +]*(\*|\d+)?(?:\.(\*|\d+))?")
+_PARENS = re.compile(r"[()]")
+_DIGITS = re.compile(r"\d+")
+
+
+def _check_width(digits: str | None) -> None:
+    # (compared as text first: int() refuses a run of more than 4300 digits)
+    if digits and digits != "*" and (len(digits) > len(str(RENDER_CHARS)) or int(digits) > RENDER_CHARS):
+        raise RenderLimit(f"a format width or precision of {digits[:20]} is over the {RENDER_CHARS} limit")
+
+
+def _check_printf(fmt: str, args: Any) -> None:
+    """`fmt % args` (the `%` operator, the format filter): each conversion's width and precision,
+    and a `*` one's integer argument, at most RENDER_CHARS, before the string is built. One pass
+    from '%' to '%' (a regex tried at each '%' would rescan `%(((...` to the end every time)."""
+    starred, pos = False, fmt.find("%")
+    while pos >= 0:
+        pos += 1
+        if fmt.startswith("(", pos):  # a mapping key, to its matching ')' (Python counts nested ones)
+            depth = 0
+            for paren in _PARENS.finditer(fmt, pos):
+                depth += 1 if paren.group() == "(" else -1
+                if depth == 0:
+                    pos = paren.end()
+                    break
+            else:
+                return  # (no end to the key: Python refuses the format itself)
+        spec = _PRINTF_SPEC.match(fmt, pos)
+        _check_width(spec.group(1))
+        _check_width(spec.group(2))
+        starred = starred or "*" in spec.group()
+        pos = fmt.find("%", spec.end() + 1)  # past the conversion's type (the second '%' of '%%')
+    if starred:  # (only then is an integer argument a width: '%d' % 10**10 is a number to print)
+        _check_args(args if isinstance(args, tuple) else (args,), {})
+
+
+def _check_str_format(fmt: str, values: tuple) -> None:
+    """`fmt.format(*values)`: each field's format spec's numbers at most RENDER_CHARS (a nested
+    field, `{:{}}`, takes them from the values: their digits are checked too)."""
+    for _, _, spec, _ in string.Formatter().parse(fmt):
+        for digits in _DIGITS.findall(spec or ""):
+            _check_width(digits)
+        if spec and "{" in spec:
+            _check_args(values, {})
+            for v in values:
+                for digits in _DIGITS.findall(v if isinstance(v, str) else ""):
+                    _check_width(digits)
+
+
+def _format(value: Any, *args: Any, **kwargs: Any) -> str:
+    """Jinja's format filter (`value % args`), its widths bounded first."""
+    _check_printf(str(value), kwargs or args)
+    return jinja2.filters.do_format(value, *args, **kwargs)
 
 
 class _BoundedEnvironment(ImmutableSandboxedEnvironment):
     """The sandbox with every loop, call, filter, `+`, `*`, `**` and `~` bounded in time and size:
     no template can render for ever or build a string past RENDER_CHARS (a MemoryError, or swap)."""
 
-    intercepted_binops = frozenset(["+", "*", "**"])
+    intercepted_binops = frozenset(["+", "*", "**", "%"])
 
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         _tick()
+        if operator == "%" and isinstance(left, str):
+            _check_printf(left, right)
         if operator == "**" and isinstance(right, (int, float)) and abs(right) > 64 and abs(left) > 1:
             raise RenderLimit(f"{left!r} ** {right!r} is over the limit of an exponent of 64")
         if operator == "*":
@@ -258,6 +345,19 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
                 raise RenderLimit(f"a replace() is over the {RENDER_CHARS} character limit")
         return _sized(super().call(__context, __obj, *args, **kwargs))
 
+    def wrap_str_format(self, value: Any):
+        """str.format / format_map as the sandbox wraps them, their widths bounded first."""
+        wrapped = super().wrap_str_format(value)
+        if wrapped is None:
+            return None
+
+        @functools.wraps(wrapped)
+        def bounded(*args, **kwargs):
+            mapping = args[0] if value.__name__ == "format_map" and args and isinstance(args[0], Mapping) else {}
+            _check_str_format(value.__self__, (*args, *kwargs.values(), *mapping.values()))
+            return wrapped(*args, **kwargs)
+        return bounded
+
     def _parse(self, source, name, filename):
         tree = super()._parse(source, name, filename)
         for loop in tree.find_all(jinja2.nodes.For):
@@ -275,8 +375,8 @@ class _BoundedEnvironment(ImmutableSandboxedEnvironment):
 def _compiled(source: str) -> jinja2.Template:
     env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True,
                               extensions=[_Generation, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.filters.update({k: _bounded_filter(f) for k, f in env.filters.items()})
+    env.filters.update(tojson=_tojson, format=_format)
+    env.filters.update({k: _bounded_filter(f, k) for k, f in env.filters.items()})
     env.filters.update(_bounded_loop=_bounded_loop, _bounded_concat=_bounded_concat)
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_Dict(),
                        namespace=_Namespace)
@@ -320,11 +420,15 @@ def _drop_none(messages: list, where: str) -> list[dict]:
     if not isinstance(messages, (list, tuple)) or not messages:
         raise TurboError(f"{where}: expected a non-empty list of messages, got {show(messages)}")
     out = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if dataclasses.is_dataclass(m) and not isinstance(m, type):
             m = {f.name: getattr(m, f.name) for f in dataclasses.fields(m)}
         if not isinstance(m, Mapping):
             raise TurboError(f"{where}: a message must be a dict (role, content), got {show(m)}")
+        content = m.get("content")
+        if content is not None and not isinstance(content, (str, list, tuple)):  # (bytes, a set: "<bytes>")
+            raise TurboError(f"messages[{i}].content is of type {type(content).__name__}: expected a str or a "
+                             "list of content parts", field=f"messages[{i}].content")
         out.append({k: v for k, v in m.items() if v is not None})
     return out
 

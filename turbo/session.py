@@ -219,7 +219,7 @@ class Session:
     def __init__(self, rt: Runtime, template: ChatTemplate, system: str | None = None, tools: list | None = None,
                  template_kwargs: dict[str, Any] | None = None, snapshots: int = DEFAULT_SNAPSHOTS,
                  tool_choice: str = "auto"):
-        check_tool_choice(tools, tool_choice)
+        check_tool_choice(tools, tool_choice, template)
         self.rt, self.template, self.tools = rt, template, tools
         self.tool_choice = tool_choice  # every turn's, unless the turn gives its own
         self._choice = tool_choice  # the turn's
@@ -238,6 +238,8 @@ class Session:
 
     @system.setter
     def system(self, text: str | None) -> None:
+        if text is not None and not isinstance(text, str):  # (bytes would render as "<bytes>")
+            raise TurboError(f"system prompt of type {type(text).__name__}: expected a str or None", field="system")
         if self.system is not None:
             self.history.pop(0)
         if text is not None:
@@ -305,7 +307,7 @@ class Session:
         # a shallow copy of the keeper: what a refused _turn sets (the mark, an image turn's rows) it
         # sets as new attributes, the kept states themselves are untouched until the first round
         choice = self.tool_choice if tool_choice is None else tool_choice
-        check_tool_choice(self.tools, choice)
+        check_tool_choice(self.tools, choice, self.template)
         before, kept = self.history, copy.copy(self.keeper)
         self.history, self._choice = history, choice
         try:

@@ -9,7 +9,12 @@ Two formats are read, as the Qwen family writes them inside `<tool_call>...</too
 - the JSON-in-tag form of Qwen2.5 / Qwen3 templates: `{"name": NAME, "arguments": {...}}`.
 
 A call that cannot be read (no closing tag, bad JSON, a function the request did not offer) is
-not a call: the answer stays text and the reason is returned beside it, never an error.
+not a call: the answer stays text and the reason is returned beside it, never an error. Nor is a
+call whose arguments nest past turbo/bounded.py's MAX_NESTING, or hold NaN / Infinity: refused
+rather than written as null or a string (which would change the value the model wrote without a
+word), so that `arguments` is always strict JSON, as every other client's reader wants it. Both
+formats are read in one pass over the text (find from an advancing offset, never a scan again
+from each candidate start).
 """
 
 from __future__ import annotations
@@ -20,13 +25,16 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from .bounded import NotStrictJson, check_nesting, strict_loads
 from .errors import TurboError, json_shown
+from .stops import held_back
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 XML_FORMAT = "<function="  # a template that writes calls this way says so in its source
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)" + re.escape(CLOSE), re.S)
-_FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)</function>", re.S)
-_PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?</parameter>", re.S)
+FUNCTION_CLOSE = "</function>"
+PARAMETER, PARAMETER_CLOSE = "<parameter=", "</parameter>"
+_NAME = re.compile(r"[^>\n]*")  # a <function=NAME> / <parameter=NAME>: up to its '>' (a newline: no name)
+XML_UNSAFE = "<>\n\r"  # what a name in the XML format cannot hold (its '>' ends the name)
 
 
 @dataclass
@@ -42,13 +50,15 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def check_tools(tools: Any) -> None:
+def check_tools(tools: Any, template_source: str | None = None) -> None:
     """OpenAI's tools: a list of {"type": "function", "function": {"name": NAME, "parameters": an
-    object's JSON schema}}, names unique; else a TurboError naming the tool (field "tools[i]")."""
+    object's JSON schema}}, names unique; else a TurboError naming the tool (field "tools[i]").
+    With the template's source: names its call format cannot carry are refused too."""
     if tools is None:
         return
     if not isinstance(tools, list):
         raise TurboError(f"tools is {type(tools).__name__}, expected a list of tools", field="tools")
+    check_nesting(tools, "tools", "tools")  # (before anything walks them: json_shown, the grammar's json.dumps)
     seen = set()
     for i, t in enumerate(tools):
         f = t.get("function") if isinstance(t, dict) else None
@@ -63,6 +73,18 @@ def check_tools(tools: Any) -> None:
         if f["name"] in seen:
             raise TurboError(f"tools[{i}] names {f['name']!r} again: each tool's name once", field=f"tools[{i}]")
         seen.add(f["name"])
+        if template_source is not None and XML_FORMAT in template_source:
+            _check_xml_names(f["name"], props, i)
+
+
+def _check_xml_names(name: str, props: dict, i: int) -> None:
+    """Names the `<function=NAME>` / `<parameter=NAME>` format can write and read back: a '>' ends
+    a name early (`a>b` read back as `a` with `b>...` in its value), a newline is no name."""
+    for kind, n in (("function", name), *(("parameter", k) for k in props)):
+        if not n or n != n.strip() or any(c in n for c in XML_UNSAFE):
+            raise TurboError(f"tools[{i}]: the {kind} name {n!r} cannot be written in the template's "
+                             f"<{kind}=NAME> calls: expected a name without <, >, a line break or surrounding "
+                             "spaces", field=f"tools[{i}]")
 
 
 def tool_functions(tools: list | None) -> dict[str, dict]:
@@ -85,14 +107,19 @@ def parse_tool_calls(content: str, tools: list | None) -> tuple[str | None, list
     if start < 0:
         return content, [], None
     functions = tool_functions(tools)
+    bodies, outside, pos = [], [], start
+    while (at := content.find(OPEN, pos)) >= 0 and (end := content.find(CLOSE, at + len(OPEN))) >= 0:
+        outside.append(content[pos:at])
+        bodies.append(content[at + len(OPEN):end])
+        pos = end + len(CLOSE)
+    outside.append(content[pos:])  # (a <tool_call> without its </tool_call> is here: no later one has one)
     calls = []
-    rest = content[start:]
-    for m in _CALL.finditer(rest):
+    for body in bodies:
         try:
-            calls.append(_call(m.group(1).strip(), functions))
+            calls.append(_call(body.strip(), functions))
         except ValueError as e:
             return content, [], f"tool call {len(calls)}: {e}"
-    tail = _CALL.sub("", rest).strip()
+    tail = "".join(outside).strip()
     if OPEN in tail or not calls:
         return content, [], f"a {OPEN} without its {CLOSE}"
     if tail:
@@ -104,38 +131,67 @@ def parse_tool_calls(content: str, tools: list | None) -> tuple[str | None, list
 def _call(body: str, functions: dict[str, dict]) -> ToolCall:
     if body.startswith("{"):
         try:
-            value = json.loads(body)
+            value = strict_loads(body)
         except ValueError as e:
             raise ValueError(f"not JSON ({e})") from None
         name = value.get("name") if isinstance(value, dict) else None
         args = value.get("arguments", {}) if isinstance(value, dict) else None
         if isinstance(args, str):
             try:
-                args = json.loads(args)
+                args = strict_loads(args)
+            except NotStrictJson as e:
+                raise ValueError(f"its arguments are not strict JSON ({e})") from None
             except ValueError:
                 raise ValueError("its arguments are not a JSON object") from None
     else:
-        m = _FUNCTION.fullmatch(body)
-        if m is None:
+        head = _NAME.match(body, len(XML_FORMAT)) if body.startswith(XML_FORMAT) else None
+        if head is None or head.end() == len(XML_FORMAT) or not body.startswith(">", head.end()) \
+                or not body.endswith(FUNCTION_CLOSE) or head.end() + 1 > len(body) - len(FUNCTION_CLOSE):
             raise ValueError(f"expected <function=NAME>...</function> or a JSON object, got {body[:60]!r}")
-        name = m.group(1).strip()
+        name = head.group().strip()
         props = functions.get(name, {}).get("properties", {})
-        args = {k.strip(): _typed(v, props.get(k.strip(), {})) for k, v in _PARAMETER.findall(m.group(2))}
+        args = _parameters(body[head.end() + 1:len(body) - len(FUNCTION_CLOSE)], props)
     if not isinstance(name, str) or name not in functions:
         raise ValueError(f"{name!r} is not one of the request's tools ({', '.join(functions) or 'none'})")
     if not isinstance(args, dict):
         raise ValueError("its arguments are not a JSON object")
-    return ToolCall(name, json.dumps(args, ensure_ascii=False))
+    return ToolCall(name, json.dumps(args, ensure_ascii=False, allow_nan=False))
+
+
+def _parameters(text: str, props: dict) -> dict[str, Any]:
+    """The `<parameter=NAME>\nVALUE\n</parameter>` blocks of a function's body, typed by `props`,
+    in one pass: each search starts where the last one ended (an unclosed block ends the reading:
+    no later block has a close either)."""
+    args, pos = {}, 0
+    while (at := text.find(PARAMETER, pos)) >= 0:
+        start = at + len(PARAMETER)
+        stop = _NAME.match(text, start).end()  # the name's '>', or a newline: no name from here to it
+        if stop == len(text):
+            break
+        if text[stop] == "\n" or stop == start:  # (a later start before this newline stops at it too)
+            pos = stop if text[stop] == "\n" else start
+            continue
+        value = stop + 1 + text.startswith("\n", stop + 1)
+        close = text.find(PARAMETER_CLOSE, value)
+        if close < 0:
+            break
+        name = text[start:stop].strip()
+        args[name] = _typed(text[value:close - 1 if close > value and text[close - 1] == "\n" else close],
+                            props.get(name, {}))
+        pos = close + len(PARAMETER_CLOSE)
+    return args
 
 
 def _typed(value: str, schema: Any) -> Any:
     """A parameter's text as its schema's type: strings as written, anything else read as JSON
-    (a value that does not read stays the text)."""
+    (a value that does not read stays the text; one too deep or not finite refuses the call)."""
     kind = schema.get("type") if isinstance(schema, dict) else None
     if kind == "string":
         return value
     try:
-        return json.loads(value)
+        return strict_loads(value)
+    except NotStrictJson as e:
+        raise ValueError(f"a value is not strict JSON ({e})") from None
     except ValueError:
         return value
 
@@ -163,6 +219,7 @@ def tool_messages(calls: list[ToolCall], results: Any) -> list[dict[str, Any]]:
     out = []
     for c, v in zip(calls, values):
         if not isinstance(v, str):
+            check_nesting(v, f"tool result for {c.id}", "results")  # (json.dumps recurses)
             try:
                 v = json.dumps(v, ensure_ascii=False)
             except (TypeError, ValueError):
@@ -170,14 +227,6 @@ def tool_messages(calls: list[ToolCall], results: Any) -> list[dict[str, Any]]:
                                  "value") from None
         out.append({"role": "tool", "tool_call_id": c.id, "name": c.name, "content": v})
     return out
-
-
-def held_back(text: str) -> int:
-    """How many characters at the end of streamed content may still begin a `<tool_call>`."""
-    for k in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if text.endswith(OPEN[:k]):
-            return k
-    return 0
 
 
 # a parameter's value in the XML form, by its schema's type (a string or anything else: any text without a tag)
@@ -208,8 +257,10 @@ def call_grammar(tools: list | None, only: str | None, xml: bool) -> str:
             for k, spec in props.items():
                 kind = spec.get("type") if isinstance(spec, dict) else None
                 values.setdefault(kind, f"VALUE{len(values)}")
-                parts.append(f'("<parameter={k}>\\n" {values[kind]} "\\n</parameter>\\n")?')
-            alts.append(f'"<function={name}>\\n" {" ".join(parts)} "</function>"')
+                opens, closes = lark_literal(PARAMETER + k + ">\n"), lark_literal("\n" + PARAMETER_CLOSE + "\n")
+                parts.append(f"({opens} {values[kind]} {closes})?")
+            head = lark_literal(XML_FORMAT + name + ">\n")
+            alts.append(f'{head} {" ".join(parts)} "{FUNCTION_CLOSE}"')
         else:
             schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": params},
                       "required": ["name", "arguments"], "additionalProperties": False,
@@ -220,24 +271,33 @@ def call_grammar(tools: list | None, only: str | None, xml: bool) -> str:
     return f'start: "{OPEN}\\n" ({" | ".join(f"call{i}" for i in range(len(alts)))}) "\\n{CLOSE}"\n{rules}\n{terminals}\n'
 
 
+def lark_literal(text: str) -> str:
+    """`text` as a Lark string literal (llguidance reads JSON's escapes): a name is never grammar."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 class CallStream:
     """A streamed answer's content with its tool calls held back: `feed` gives the content to send
-    now (never a piece of a call, nor what may begin one), `end` the rest and the calls."""
+    now (never a piece of a call, nor what may begin one), `end` the rest and the calls. Linear in
+    the answer: only the text not sent yet is searched, and the pieces are joined once, at the end."""
 
     def __init__(self, tools: list | None):
-        self.tools, self.text, self.sent, self.inside = tools, "", 0, False
+        self.tools, self.pieces, self.unsent, self.sent, self.inside = tools, [], "", 0, False
 
     def feed(self, piece: str) -> str:
-        self.text += piece
+        self.pieces.append(piece)
         if self.inside:
             return ""
-        at = self.text.find(OPEN, self.sent)
-        end = at if at >= 0 else len(self.text) - held_back(self.text)
+        self.unsent += piece  # (what may begin a call, and the new piece: short)
+        at = self.unsent.find(OPEN)
+        end = at if at >= 0 else len(self.unsent) - held_back(self.unsent, (OPEN,))
         self.inside = at >= 0
-        out, self.sent = self.text[self.sent:max(end, self.sent)], max(end, self.sent)
+        out, self.unsent = self.unsent[:end], self.unsent[end:]
+        self.sent += len(out)
         return out
 
     def end(self) -> tuple[str, list[ToolCall], str | None]:
         """(the content not sent yet, the calls, why what looked like calls was not read)."""
-        _, calls, why = parse_tool_calls(self.text, self.tools)
-        return ("", calls, None) if calls else (self.text[self.sent:], [], why)
+        text = "".join(self.pieces)
+        _, calls, why = parse_tool_calls(text, self.tools)
+        return ("", calls, None) if calls else (text[self.sent:], [], why)

@@ -8,11 +8,12 @@ import gc
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..chat import opens_think, template_messages, turn_stop_ids
+from ..bounded import read_small_text
+from ..chat import check_template_kwargs, opens_think, template_messages, turn_stop_ids
 from ..chat_template import ChatTemplate, encode, install_template
 from ..engine import open as open_runtime
 from ..errors import TurboError
-from ..tool_calls import forced_call
+from ..tool_calls import check_tools, forced_call
 from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
 from .body import check_text_lengths
 from .images import expand_images
@@ -21,9 +22,6 @@ from .metrics import Metrics
 from .protocol import TURBO_KEYS, ApiError, Body
 from .scheduler import Overloaded, Request, Scheduler
 from .settings import ServeConfig
-
-RENDER_ARGS = ("messages", "add_generation_prompt", "tools", "documents")  # not template keywords
-
 
 @dataclass
 class Prepared:
@@ -57,10 +55,7 @@ class Engine:
         self.max_prompt_chars = self.max_positions * max_token_chars(rt.tokenizer)  # (limits.py: before tokenizing)
         if config.chat_template is not None:
             path = Path(config.chat_template).expanduser()
-            try:
-                source = path.read_text(encoding="utf-8")
-            except (OSError, UnicodeDecodeError) as e:
-                raise TurboError(f"serve.chat_template={path}: {getattr(e, 'strerror', None) or e}") from None
+            source = read_small_text(path, f"serve.chat_template={path}", "chat_template")  # (/dev/zero: refused)
             self.template: ChatTemplate | None = ChatTemplate(source, str(path), rt.install.template_files.special_tokens)
             self.template.render([{"role": "user", "content": "hi"}], add_generation_prompt=True)  # refused now
         else:
@@ -146,15 +141,19 @@ class Engine:
         if self.template is None:
             raise ApiError(f"this server's model {self.model} has no chat template (start it with "
                            "serve.chat_template=FILE.jinja); /v1/completions takes raw text", "messages")
-        bad = next((k for k in body.template_kwargs if k in RENDER_ARGS), None)
-        if bad is not None:
-            raise ApiError(f"chat_template_kwargs.{bad}: not a template keyword here (give it as a request "
-                           "field)", f"chat_template_kwargs.{bad}")
+        try:  # the library's rules (rt.chat, sessions): keywords the template reads, names its calls can carry
+            check_template_kwargs(body.template_kwargs, self.template)
+        except TurboError as e:
+            raise ApiError(f"chat_template_kwargs.{e}", e.field and f"chat_template_kwargs.{e.field}") from None
+        try:
+            check_tools(tools, self.template.source)
+        except TurboError as e:
+            raise ApiError(str(e), e.field) from None
         try:
             return self.template.render(template_messages(body.messages), add_generation_prompt=True, tools=tools,
                                         **body.template_kwargs)
         except TurboError as e:
-            raise ApiError(str(e), "tools" if "tools must be" in str(e) else "messages") from None
+            raise ApiError(str(e), e.field or ("tools" if "tools must be" in str(e) else "messages")) from None
 
     @staticmethod
     def _ids(make, param: str) -> list[int]:

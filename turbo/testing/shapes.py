@@ -90,7 +90,7 @@ def write_checkpoint(directory: Path, shape: dict, seed: int = 0, moe: bool = Fa
     config = cfg.to_dict()
     config.update(architectures=[model_class.__name__], torch_dtype="bfloat16", dtype="bfloat16")
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    tiny_tokenizer(4096).save(str(directory / "tokenizer.json"))
+    tiny_tokenizer(shape["vocab_size"]).save(str(directory / "tokenizer.json"))  # (one id per row: install_check.py)
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 

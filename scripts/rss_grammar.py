@@ -13,10 +13,12 @@ process --pid names. Prints VmRSS every --every requests, and the runtime's gram
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's turbo, not an installed one
 
 
 def rss_mib(pid: int | str = "self") -> float:

@@ -5,6 +5,7 @@ gone after a SIGTERM, and after the engine is killed by a signal (the front remo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -34,6 +35,8 @@ class QuickHead(HeadLimits):
 
 
 async def echo(scope, receive, send):
+    if scope["path"] == "/slow":  # (an answer that takes longer than a head may)
+        await asyncio.sleep(2 * TIMEOUT_S)
     body, more = b"", True
     while more:
         m = await receive()
@@ -122,6 +125,13 @@ def test_a_kept_alive_connection_gets_the_bound_afresh_for_each_request(url):
         for _ in range(3):
             assert c.get(url + "/a").json()["path"] == "/a"
             time.sleep(TIMEOUT_S * 0.6)  # (beyond one timeout in all, within it between requests)
+
+
+def test_a_pipelined_request_is_not_timed_out_while_it_is_answered(url):
+    with connect(url) as s:
+        s.sendall(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\nGET /slow HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = answer(s)
+    assert raw.count(b"HTTP/1.1 200 ") == 2 and b" 408 " not in raw, raw
 
 
 def serve(tmp_path: Path) -> subprocess.Popen:

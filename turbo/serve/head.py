@@ -39,7 +39,6 @@ class HeadLimits(HttpToolsProtocol):
 
     def _arm(self) -> None:
         self._disarm()
-        self.head_bytes = self.head_fields = 0
         self.head_timer = self.loop.call_later(self.timeout_s, self._too_slow)
 
     def _disarm(self) -> None:
@@ -76,11 +75,13 @@ class HeadLimits(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._disarm()
+        self.head_bytes = self.head_fields = 0  # (the next head's count, pipelined or not)
         super().on_headers_complete()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        if not self.transport.is_closing():
+        idle = self.cycle is None or self.cycle.response_complete  # (else a pipelined request, its head in, runs)
+        if idle and not self.transport.is_closing():
             self._arm()  # the next request's head on this connection (uvicorn's keep-alive closes an idle one)
 
     def connection_lost(self, exc: Exception | None) -> None:

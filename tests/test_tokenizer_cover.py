@@ -81,3 +81,16 @@ def test_repack_refuses_a_tokenizer_that_does_not_cover_the_model(tmp_path, cut)
     assert done.returncode == 2 and says in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert not (tmp_path / "out").exists()
 
+
+
+def test_a_shapes_cache_built_before_the_rule_is_brought_up_to_date(tmp_path):
+    from turbo.testing.shapes import refresh_tokenizers
+
+    for part in ("hf", "install", "install-int4"):
+        (tmp_path / part).mkdir()
+        below(tiny_tokenizer(320), 318).save(str(tmp_path / part / "tokenizer.json"))  # (the 318 ids it had then)
+    refresh_tokenizers(tmp_path, 4096)
+    for part in ("hf", "install", "install-int4"):
+        tok = Tokenizer.from_file(str(tmp_path / part / "tokenizer.json"))
+        check_tokenizer(tok, 4096, part, (0,))
+        assert tok.encode("def f(x):").ids == below(tiny_tokenizer(320), 318).encode("def f(x):").ids  # the same ids

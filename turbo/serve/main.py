@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 def run_serve(cfg: DictConfig, rc: RunConfig) -> int:
     config = serve_config(cfg)
-    for module in ("fastapi", "uvicorn", "httpx", "prometheus_client"):
+    for module in ("fastapi", "uvicorn", "httptools", "httpx", "prometheus_client"):
         require(module, "serve")
     defaults = server_defaults(rc.generation)
     if config.engine == "ray":

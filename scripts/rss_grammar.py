@@ -80,10 +80,11 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import httpx
 
-        client, vocab, pid = httpx.Client(base_url=args.url, timeout=120), 4096, args.pid
+        client, vocab, pid = httpx.Client(base_url=args.url, timeout=120), 4096, args.pid  # (ids under any vocab's)
+        model = client.get("/v1/models").json()["data"][0]["id"]
 
         def send(body: dict) -> None:
-            r = client.post("/v1/completions", json={"model": "m", "prompt": "The answer as JSON:",
+            r = client.post("/v1/completions", json={"model": model, "prompt": "The answer as JSON:",
                                                      "max_tokens": args.tokens, "temperature": 0, **body})
             assert r.status_code in (200, 400), r.text
 

@@ -4,6 +4,8 @@
 
 --drafters and --fields are scripts/fuzz_classes.py's: caller's drafter objects that misbehave,
 and config.json fields judged against transformers (on a small checkpoint made for the run).
+--bodies and --gguf are scripts/fuzz_inputs.py's, --requests scripts/fuzz_requests.py's (schemas,
+grammars, tools and tool results at depth and size, posted in the worker process: a crash counted).
 
 Each case mutates one file of the install (a safetensors header for --headers; config.json or
 dflash/config.json for --configs) and runs turbo.open + a short greedy generation on it in a

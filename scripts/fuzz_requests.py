@@ -21,13 +21,13 @@ import json
 import random
 import tempfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import fuzz_inputs  # (scripts/ is on the path of fuzz.py and its worker: not a package)
 
 DEPTHS = (10, 100, 1000, 5000)
 COUNTS = (10, 500, 2000, 5000)
-LENGTHS = (1, 64, 1000, 20000)
+LENGTHS = (1, 64, 1000)
 ODD = ['"', "\\", "'", "\n", "\x00", "\x1b", "\u202e", "💥", "}", "{", "<", ">", "/", "|", "#", "$", "%",
        "<|im_end|>", "</tool_call>", "</parameter>", "<function=x>", "${x}", "{{ 7*7 }}", " "]
 INJECTIONS = ['get" | /[\\s\\S]{0,40}/ | "x', "a>b", "a</parameter>b", "</function>", 'x" }', "\\u0022", "a b", ""]
@@ -37,11 +37,7 @@ XML_TEMPLATE = (  # a template in the <function=...> call format (turbo/tool_cal
     "\\n</tool_call><|im_end|>\\n' }}{% endif %}"
     "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + (m['content'] if m['content'] is string else '')"
     " + '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
-GOOD = [
-    ("/v1/completions", {"model": "tiny", "prompt": "def fib(n):", "max_tokens": 6, "temperature": 0}),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Write a haiku."}],
-                              "max_tokens": 6, "temperature": 0}),
-]
+GOOD = fuzz_inputs.GOOD  # the unmutated requests: sent again every 25 cases, their text must not change
 TOKENS = 4  # each case's max_tokens: enough to start the grammar's matcher on real output
 
 
@@ -49,9 +45,9 @@ def odd_name(rng: random.Random, length: int) -> str:
     return "".join(rng.choice(ODD + ["a", "b", "_", "1"]) for _ in range(length))[:length] or "a"
 
 
-def nested(depth: int, opening: Callable[[int], str], leaf: str, closing: str) -> str:
-    """`opening(i)` depth times around `leaf`, each closed by `closing` (text: no recursion)."""
-    return "".join(opening(i) for i in range(depth)) + leaf + closing * depth
+def nested(depth: int, opening: str, leaf: str, closing: str) -> str:
+    """`opening` depth times around `leaf`, each closed by `closing` (text: no recursion)."""
+    return opening * depth + leaf + closing * depth
 
 
 def j(value: Any) -> str:
@@ -62,16 +58,16 @@ def j(value: Any) -> str:
 
 def schema_deep_objects(rng):
     d = rng.choice(DEPTHS)
-    return nested(d, lambda i: '{"type": "object", "properties": {"a": ', '{"type": "string"}',
+    return nested(d, '{"type": "object", "properties": {"a": ', '{"type": "string"}',
                   '}, "required": ["a"]}')
 
 
 def schema_deep_arrays(rng):
-    return nested(rng.choice(DEPTHS), lambda i: '{"type": "array", "items": ', '{"type": "integer"}', "}")
+    return nested(rng.choice(DEPTHS), '{"type": "array", "items": ', '{"type": "integer"}', "}")
 
 
 def schema_deep_anyof(rng):
-    return nested(rng.choice(DEPTHS), lambda i: '{"anyOf": [{"type": "null"}, ', '{"type": "boolean"}', "]}")
+    return nested(rng.choice(DEPTHS), '{"anyOf": [{"type": "null"}, ', '{"type": "boolean"}', "]}")
 
 
 def schema_ref_chain(rng):
@@ -81,7 +77,7 @@ def schema_ref_chain(rng):
 
 
 def schema_wide(rng):
-    n, length = rng.choice(COUNTS[:3]), rng.choice(LENGTHS[:3])
+    n, length = rng.choice(COUNTS[:3]), rng.choice(LENGTHS)
     names = list(dict.fromkeys(odd_name(rng, length) + str(i) for i in range(n)))
     return j({"type": "object", "properties": {k: {"type": rng.choice(["string", "integer", "boolean"])} for k in names},
               "required": names[:rng.randint(0, len(names))]})
@@ -110,16 +106,16 @@ def grammar_chain(rng):
 
 
 def grammar_wide(rng):
-    n, length = rng.choice(COUNTS), rng.choice(LENGTHS[:3])
+    n, length = rng.choice(COUNTS), rng.choice(LENGTHS)
     return "start: " + " | ".join(j(odd_name(rng, length) + str(i)) for i in range(n)) + "\n"
 
 
 def grammar_deep_parens(rng):
-    return "start: " + nested(rng.choice(DEPTHS), lambda i: '("a" ', '"z"', ")*") + "\n"
+    return "start: " + nested(rng.choice(DEPTHS), '("a" ', '"z"', ")*") + "\n"
 
 
 def grammar_odd(rng):
-    name = "".join(rng.choice("abc_XYZ019") for _ in range(rng.choice(LENGTHS[:3])))
+    name = "".join(rng.choice("abc_XYZ019") for _ in range(rng.choice(LENGTHS)))
     return rng.choice([
         f"start: {name}\n{name}: {j(odd_name(rng, 20))}\n",
         "start: a\na: a a | \"x\"\n", "start: undefined_rule\n", "a: \"x\"\n", "start: /(((/\n",
@@ -130,9 +126,9 @@ def grammar_odd(rng):
 
 def regex_deep(rng):
     d = rng.choice(DEPTHS)
-    return rng.choice([nested(d, lambda i: "(", "a", ")"), nested(d, lambda i: "(?:", "a", ")*"),
+    return rng.choice([nested(d, "(", "a", ")"), nested(d, "(?:", "a", ")*"),
                        "|".join(f"w{i}" for i in range(rng.choice(COUNTS))), "a{" + str(rng.choice([1000, 10**6, 10**12])) + "}",
-                       odd_name(rng, rng.choice(LENGTHS[:3]))])
+                       odd_name(rng, rng.choice(LENGTHS))])
 
 
 # ---- tools, tool calls, tool results -------------------------------------------------------------
@@ -147,18 +143,18 @@ def choice_of(rng: random.Random, names: list[str]) -> str:
 
 
 def tools_many(rng):
-    n, length = rng.choice(COUNTS), rng.choice(LENGTHS[:3])
+    n, length = rng.choice(COUNTS), rng.choice(LENGTHS)
     names = list(dict.fromkeys("f" + "".join(rng.choice("abcxyz_09") for _ in range(length)) + str(i) for i in range(n)))
     return ", ".join(tool(k) for k in names), choice_of(rng, names)
 
 
 def tools_deep_params(rng):
-    params = nested(rng.choice(DEPTHS), lambda i: '{"type": "object", "properties": {"a": ', '{"type": "string"}', "}}")
+    params = nested(rng.choice(DEPTHS), '{"type": "object", "properties": {"a": ', '{"type": "string"}', "}}")
     return tool("f", params), rng.choice(['"required"', '"auto"'])
 
 
 def tools_odd_names(rng):
-    name = rng.choice(INJECTIONS + [odd_name(rng, rng.choice(LENGTHS[:3]))])
+    name = rng.choice(INJECTIONS + [odd_name(rng, rng.choice(LENGTHS))])
     param = rng.choice(INJECTIONS + [odd_name(rng, 10), "a"])
     params = j({"type": "object", "properties": {param: {"type": rng.choice(["string", "integer", "object"])}},
                 "required": [param]})

@@ -4,6 +4,8 @@
 
 --drafters and --fields are scripts/fuzz_classes.py's: caller's drafter objects that misbehave,
 and config.json fields judged against transformers (on a small checkpoint made for the run).
+--bodies and --gguf are scripts/fuzz_inputs.py's, --requests scripts/fuzz_requests.py's (schemas,
+grammars, tools and tool results at depth and size, posted in the worker process: a crash counted).
 
 Each case mutates one file of the install (a safetensors header for --headers; config.json or
 dflash/config.json for --configs) and runs turbo.open + a short greedy generation on it in a
@@ -52,6 +54,7 @@ from turbo.layout_file import PACKED_FILE  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_classes  # noqa: E402 (scripts/ is not a package)
 import fuzz_inputs  # noqa: E402
+import fuzz_requests  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
@@ -552,9 +555,13 @@ def worker() -> None:
     from turbo.safetensors_format import read_header
 
     runtimes: dict = {}  # the drafter cases' runtime and greedy tokens (one per install, every case on it)
+    apps: dict = {}  # the request cases' apps, one per template
     for line in sys.stdin:
         job = json.loads(line)
         reply: dict = {}
+        if "route" in job:
+            print(MARK + json.dumps(fuzz_requests.reply(job, apps)), flush=True)
+            continue
         if "drafter" in job or "hf" in job:
             print(MARK + json.dumps(class_reply(job, runtimes)), flush=True)
             continue
@@ -686,6 +693,38 @@ def run_cases(base: Path, cases: Iterable[Case], timeout: float = 60.0) -> list[
         w.close()
 
 
+PROBE_EVERY = 25  # request cases between two probes: the unmutated requests, whose text must not change
+
+
+def run_requests(n: int, seed: int, timeout: float = 60.0) -> list[Outcome]:
+    """n fuzz_requests cases, each posted in the worker process (a crash or a hang is counted, the
+    worker restarted); every PROBE_EVERY cases and at the end, the unmutated requests again."""
+    w, rng, out = Worker(timeout), random.Random(seed), []
+    ask = lambda cls, route, template, body, t=None: w.ask(ROOT, None, t, job={  # noqa: E731
+        "cls": cls, "route": route, "template": template, "body": body})
+    try:
+        want = {}
+        for route, body in fuzz_requests.GOOD:  # (the first ask starts the worker: torch, the engine)
+            ref = ask("probe", route, "own", json.dumps(body), max(timeout, STARTUP_S))
+            if not isinstance(ref, dict) or ref.get("outcome") != "served":
+                raise SystemExit(f"the unmutated request to {route} is not served: {ref}")
+            want[route] = ref["text"]
+        for i in range(n):
+            cls = fuzz_requests.CLASSES[i % len(fuzz_requests.CLASSES)]
+            route, template, body = fuzz_requests.request_case(cls, rng)
+            reply = ask(cls, route, template, body)
+            out.append(Outcome(Case(cls, f"{route} ({template} template)", b""), reply) if isinstance(reply, str)
+                       else Outcome(Case(cls, route, b""), reply["outcome"], detail=reply["message"]))
+            if i % PROBE_EVERY == PROBE_EVERY - 1 or i == n - 1:
+                for route, body in fuzz_requests.GOOD:
+                    reply = ask("probe", route, "own", json.dumps(body), max(timeout, STARTUP_S))
+                    if isinstance(reply, str) or reply["outcome"] != "served" or reply["text"] != want[route]:
+                        out.append(Outcome(Case("still-serving", route, b""), "served-changed", detail=str(reply)[:200]))
+        return out
+    finally:
+        w.close()
+
+
 def table(outcomes: list[Outcome]) -> str:
     names = sorted({o.outcome for o in outcomes}, key=lambda n: (n in BAD, n))
     counts = Counter((o.case.cls, o.outcome) for o in outcomes)
@@ -708,6 +747,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="N server request bodies against the app in process (scripts/fuzz_inputs.py)")
     parser.add_argument("--gguf", type=int, default=0, metavar="N",
                         help="N GGUF tensor tables repacked in process (scripts/fuzz_inputs.py)")
+    parser.add_argument("--requests", type=int, default=0, metavar="N",
+                        help="N requests with schemas, grammars, tools and tool results at depth and size, in a "
+                             "worker process (scripts/fuzz_requests.py)")
     parser.add_argument("--install", default="tiny", help="the install to mutate (a directory or a shipped name)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds before a case counts as a hang")
@@ -717,8 +759,9 @@ def main(argv: list[str] | None = None) -> int:
         worker()
         return 0
     base = resolve(args.install).resolve()
-    if not any(getattr(args, t) for t in TARGETS) and not (args.fields or args.bodies or args.gguf):
-        parser.error(f"nothing to do: give one of {', '.join('--' + t for t in [*TARGETS, 'fields', 'bodies', 'gguf'])} N")
+    if not any(getattr(args, t) for t in TARGETS) and not (args.fields or args.bodies or args.gguf or args.requests):
+        parser.error(f"nothing to do: give one of "
+                     f"{', '.join('--' + t for t in [*TARGETS, 'fields', 'bodies', 'gguf', 'requests'])} N")
     cases = (c for t, make in TARGETS.items() for c in make(base, getattr(args, t), args.seed))
     outcomes = run_cases(base, cases, args.timeout) if any(getattr(args, t) for t in TARGETS) else []
     if args.fields:
@@ -728,6 +771,8 @@ def main(argv: list[str] | None = None) -> int:
     for run, n in ((fuzz_inputs.run_bodies, args.bodies), (fuzz_inputs.run_gguf, args.gguf)):
         if n:
             outcomes += [Outcome(Case(cls, "", b""), outcome, detail=detail) for cls, outcome, detail in run(n, args.seed)]
+    if args.requests:
+        outcomes += run_requests(args.requests, args.seed, args.timeout)
     print(table(outcomes))
     bad = [o for o in outcomes if o.outcome in BAD]
     for o in bad:

@@ -113,7 +113,7 @@ def test_run_config_reads_stdin_only_for_a_dash():
     cfg, _ = composed(["prompt=hello"])
     assert run_config(cfg, stdin=io.BytesIO(b"unread")).prompt == "hello"
     cfg, _ = composed([])
-    assert run_config(cfg).prompt.startswith("class Codec")  # the workload's first prompt, as before
+    assert run_config(cfg).prompt.startswith("class StreamWriter")  # the workload's first prompt
     cfg, _ = composed(["prompt=-", "task=chat"])
     with pytest.raises(TurboError, match="task=chat reads the conversation"):
         run_config(cfg, stdin=io.BytesIO(b"x"))

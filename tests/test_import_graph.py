@@ -21,6 +21,7 @@ LAZY_ALLOWED = {
     ("turbo.__main__", "turbo.serve.main"): "the serve extra (fastapi, uvicorn): only task=serve needs it",
     ("turbo.serve.main", "turbo.serve.app"): "fastapi (the serve extra), after run_serve's require() checked it",
     ("turbo.serve.main", "turbo.serve.front"): "httpx and uvicorn (the serve extra), after require() checked them",
+    ("turbo.serve.main", "turbo.serve.head"): "uvicorn and httptools (the serve extra), after require() checked them",
     ("turbo.serve.main", "turbo.serve.worker"): "prometheus_client (the serve extra), after require() checked it",
     ("turbo.serve.ray_app", "turbo.serve.app"): "fastapi, in the Ray replica (main.py imports ray_app before "
                                                 "require() runs)",

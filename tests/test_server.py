@@ -101,6 +101,16 @@ def test_stop_and_seed(server, rt):
     assert rt.generate(PROMPT, max_new_tokens=16, temperature=0.9, seed=7).text == sampled[0]
 
 
+def test_completions_stop_at_generation_config_eos(server):
+    # tiny answers this prompt with ``` then <|im_end|>: an id its generation_config.json lists (not
+    # config.json), which ends /v1/completions as it ends a chat; ignore_eos runs past it
+    prompt = "class Codec(codecs.Codec):\n\n    def encode(self,input,errors='strict'):\n        return " \
+             "codecs.charmap_encode(input,errors,encoding_table)\n\n    def decode(self,input,errors='strict'):\n"
+    r = complete(server, prompt=prompt)
+    assert (r.choices[0].text, r.choices[0].finish_reason, r.usage.completion_tokens) == ("```", "stop", 3)
+    assert complete(server, prompt=prompt, extra_body={"ignore_eos": True}).usage.completion_tokens == 16
+
+
 def test_logprobs(server):
     r = complete(server, logprobs=2)
     lp = r.choices[0].logprobs

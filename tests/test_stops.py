@@ -15,7 +15,7 @@ from turbo.errors import TurboError
 from turbo.stops import Finish, Stopper
 
 CODE = "def fib(n):"  # the DFlash drafter lands here
-REPEAT = "import os\nimport sys\nimport os\nimport sys\nimport os\n"  # and the n-gram drafter here
+REPEAT = "import os\nimport sys\n" * 3  # and the n-gram drafter here (a prompt tiny does not answer with <|im_end|>)
 NEW = 24
 SPEC = [("dflash", CODE), ("ngram", REPEAT)]
 BLOCKS = range(2, 9)

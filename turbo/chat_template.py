@@ -511,6 +511,12 @@ def generation_eos_ids(directory: Path, vocab: int) -> tuple[int, ...]:
     return _token_ids(read_config_json(path).get("eos_token_id"), vocab, str(path))
 
 
+def end_of_generation_ids(config_ids: tuple[int, ...], directory: Path, vocab: int) -> tuple[int, ...]:
+    """Every id a generation stops at: config.json's eos ids (`config_ids`), then generation_config.json's
+    that are not among them (transformers' generate and llama.cpp stop at all of them, in any mode)."""
+    return tuple(dict.fromkeys(config_ids + generation_eos_ids(directory, vocab)))
+
+
 def check_checkpoint(directory: Path, vocab: int) -> None:
     """What repack refuses before writing: a template that does not compile, eos ids out of range."""
     files = read_template(directory)

@@ -218,7 +218,7 @@ class Runtime:
     def driver(self, job: Job, draft: Drafter | None, *, cut_in_round: bool = False, logprobs: int | None = None,
                live_stats: bool = True) -> Driver:
         """A driver for `job` with `draft` (turbo/driver.py): this runtime's trunk and tokenizer."""
-        return Driver(self.trunk, self.decode, self.install.arch.eos_token_ids, self.install.arch.vocab, job, draft,
+        return Driver(self.trunk, self.decode, self.install.eos_ids, self.install.arch.vocab, job, draft,
                       cut_in_round=cut_in_round, logprobs=logprobs, live_stats=live_stats)
 
     def prepare(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH, **fields) -> Job:
@@ -251,7 +251,7 @@ class Runtime:
                       seed=sampler.sampler.seed if sampler is not None else None)
         grammar = None
         if o.response_format is not None:  # compiled (once per format) and checked before the first round
-            stops = stop_token_set(self.install.arch.eos_token_ids, o.stop_at_eos, o.stop_token_ids)
+            stops = stop_token_set(self.install.eos_ids, o.stop_at_eos, o.stop_token_ids)
             grammar = self.grammars.state(o.response_format, tuple(sorted(stops)))  # (the grammar's end lets these)
         return Job(ids, o, p, own, sampler, stats, grammar)
 

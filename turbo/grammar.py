@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -27,6 +28,11 @@ from .grammar_bounds import check_lark, check_size, schema_text
 KINDS = ("text", "json_object", "json_schema", "regex", "grammar")
 COMPILED_KEPT = 64  # grammars kept compiled per runtime (LRU)
 T = TypeVar("T")
+COMPILED_BYTES = 64 << 20  # and their text's bytes at most: a schema near the body limit compiles to megabytes
+# llguidance vocabularies kept, one per set of stop ids (LRU): each is a copy of the vocabulary's trie
+# (3.2 MiB on tiny's 4,100 ids), and a client names the set (stop_token_ids): kept all, 300 requests
+# each with its own grew the engine by 960 MiB (scripts/rss_grammar.py)
+VOCABS_KEPT = 4
 # JSON as json.dumps writes it: no whitespace a model could repeat for ever between tokens
 COMPACT = {"whitespace_flexible": False}
 
@@ -68,32 +74,53 @@ class ResponseFormat:
         return ResponseFormat(kind, source)
 
 
+class Kept(OrderedDict):
+    """A cache bounded in entries and in bytes (by `size`), dropping the least recently used."""
+
+    def __init__(self, most: int, most_bytes: int | None = None, size: Callable[[Any], int] = lambda v: 0):
+        super().__init__()
+        self.most, self.most_bytes, self.size, self.bytes = most, most_bytes, size, 0
+
+    def used(self, key: Hashable) -> Any | None:
+        """The entry (now the most recently used), or None."""
+        if key not in self:
+            return None
+        self.move_to_end(key)
+        return self[key]
+
+    def keep(self, key: Hashable, value: Any) -> Any:
+        self[key] = value
+        self.bytes += self.size(value)
+        while len(self) > self.most or (self.most_bytes is not None and self.bytes > self.most_bytes and len(self) > 1):
+            self.bytes -= self.size(self.popitem(last=False)[1])
+        return value
+
+
 class Grammars:
     """A runtime's grammars: its vocabulary for llguidance (one per set of stop tokens) and the
-    grammars compiled from response formats, kept LRU."""
+    grammars compiled from response formats, both kept LRU."""
 
     def __init__(self, tokenizer_json: str, vocab: int):
         self.tokenizer_json, self.vocab = tokenizer_json, vocab
-        self.tokenizers: dict[tuple[int, ...], Any] = {}
-        self.compiled: OrderedDict[ResponseFormat, str] = OrderedDict()
+        self.tokenizers = Kept(VOCABS_KEPT)  # stop ids -> llguidance's LLTokenizer
+        self.compiled = Kept(COMPILED_KEPT, COMPILED_BYTES, len)  # ResponseFormat -> the grammar's text
 
     def _tokenizer(self, stops: tuple[int, ...]) -> Any:
-        if stops not in self.tokenizers:
-            llg = require("llguidance", "grammar")
-            try:
-                self.tokenizers[stops] = llg.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab,
-                                                         eos_token=list(stops))
-            except ValueError as e:  # (a tokenizer whose tokens' bytes llguidance cannot tell)
-                raise TurboError(f"response_format: llguidance cannot read this install's tokenizer.json "
-                                 f"({str(e).splitlines()[0][:200]})", field="response_format") from None
-        return self.tokenizers[stops]
+        if (kept := self.tokenizers.used(stops)) is not None:
+            return kept
+        llg = require("llguidance", "grammar")
+        try:
+            return self.tokenizers.keep(stops, llg.LLTokenizer(self.tokenizer_json, n_vocab=self.vocab,
+                                                               eos_token=list(stops)))
+        except ValueError as e:  # (a tokenizer whose tokens' bytes llguidance cannot tell)
+            raise TurboError(f"response_format: llguidance cannot read this install's tokenizer.json "
+                             f"({str(e).splitlines()[0][:200]})", field="response_format") from None
 
     def grammar(self, fmt: ResponseFormat, stops: tuple[int, ...]) -> str:
         """The format compiled (once) and checked: a TurboError naming response_format when it is not a
         grammar llguidance takes."""
-        if fmt in self.compiled:
-            self.compiled.move_to_end(fmt)
-            return self.compiled[fmt]
+        if (kept := self.compiled.used(fmt)) is not None:
+            return kept
         llg = require("llguidance", "grammar")
         m = llg.LLMatcher
         try:
@@ -107,10 +134,7 @@ class Grammars:
         error = on_compiler_stack(lambda: m.validate_grammar(text, tokenizer))
         if error:
             raise TurboError(f"response_format ({fmt.kind}): {first_line(error)}", field="response_format")
-        self.compiled[fmt] = text
-        while len(self.compiled) > COMPILED_KEPT:
-            self.compiled.popitem(last=False)
-        return text
+        return self.compiled.keep(fmt, text)
 
     def state(self, fmt: ResponseFormat, stops: tuple[int, ...]) -> GrammarState:
         """A sequence's matcher, at the start of its output."""

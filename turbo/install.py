@@ -19,7 +19,7 @@ import torch
 
 from . import quant
 from .arch import Arch, arch_from_config, read_config_json
-from .chat_template import TemplateFiles, generation_eos_ids, read_template
+from .chat_template import TemplateFiles, end_of_generation_ids, read_template
 from .errors import TurboError
 from .quant import QuantizedWeight
 from . import layout_file
@@ -343,9 +343,9 @@ class Install:
 
     @cached_property
     def eos_ids(self) -> tuple[int, ...]:
-        """config.json's eos ids, then generation_config.json's that are not among them."""
-        ids = self.arch.eos_token_ids + generation_eos_ids(self.path, self.arch.vocab)
-        return tuple(dict.fromkeys(ids))
+        """config.json's eos ids, then generation_config.json's that are not among them: what every
+        generation stops at (raw, chat, both server endpoints) unless stop_at_eos is off."""
+        return end_of_generation_ids(self.arch.eos_token_ids, self.path, self.arch.vocab)
 
 
 def bundled_names() -> list[str]:

@@ -1,6 +1,6 @@
 """An install's parts checked against each other when it opens: the config's layer count
 against the trunk's tensors, the drafter's config against the trunk's, and the tokenizer's
-ids against the model's vocab."""
+ids against the model's vocab and eos ids."""
 
 from __future__ import annotations
 
@@ -18,26 +18,42 @@ from .trunk import PREFIX
 _LAYER = re.compile(r"(trunk|mtp)\.layers\.(\d+)\.")
 
 
-def check_tokenizer(tokenizer: Tokenizer, vocab: int, where: str) -> None:
-    """Refuse a tokenizer that can produce an id the embedding has no row for. A smaller one
-    is normal: real checkpoints pad the model's vocab past the tokenizer's (Qwen3.5: 248320
-    rows for about 248k tokens)."""
+# Rows past the tokenizer's last id are padding: a checkpoint rounds its embedding up to a multiple
+# of 128 x its tensor-parallel ranks (Megatron's make-vocab-size-divisible-by, up to 8 ranks), fewer
+# than this many rows. Qwen3.5: 248,077 ids (with the added tokens) in 248,320 rows, 243 of padding;
+# Qwen2.5 / Qwen3: 151,665 / 151,669 in 151,936. A tokenizer shorter by more belongs to another model:
+# the ids past it, which the model does produce, would decode to nothing.
+PADDING_ROWS = 1024
+
+
+def check_tokenizer(tokenizer: Tokenizer, vocab: int, where: str, eos_ids: tuple[int, ...]) -> None:
+    """Refuse a tokenizer that does not match the model's vocab: one that can produce an id the
+    embedding has no row for, one that ends more than padding before the model's rows, or one
+    without a token for an id generation stops at (`eos_ids`: config.json's and generation_config.json's)."""
     top = max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1)
     if top >= vocab:
         raise TurboError(f"{where}: the tokenizer's ids reach {top} (a vocabulary of {top + 1}), expected ids below "
                          f"the model's vocab_size {vocab}")
+    if vocab - (top + 1) >= PADDING_ROWS:
+        raise TurboError(f"{where}: the tokenizer's ids end at {top} (a vocabulary of {top + 1}) for the model's "
+                         f"vocab_size {vocab}, expected at least {vocab - PADDING_ROWS + 1} (a checkpoint pads its "
+                         f"rows past its tokenizer's by fewer than {PADDING_ROWS}: is it another model's tokenizer?)")
+    missing = next((i for i in eos_ids if tokenizer.id_to_token(i) is None), None)
+    if missing is not None:
+        raise TurboError(f"{where}: the tokenizer has no token {missing}, an eos_token_id of config.json or "
+                         f"generation_config.json (expected every id generation stops at)")
 
 
-def load_tokenizer(path, vocab: int) -> Tokenizer:
-    """`path` (a tokenizer.json) loaded by `tokenizers` and its ids checked against `vocab`, as an
-    install's is when it opens: repack refuses a malformed one before writing anything, rather
+def load_tokenizer(path, vocab: int, eos_ids: tuple[int, ...]) -> Tokenizer:
+    """`path` (a tokenizer.json) loaded by `tokenizers` and checked against `vocab` and `eos_ids`, as
+    an install's is when it opens: repack refuses a malformed one before writing anything, rather
     than copying it into an install that then fails to open."""
     try:
         tokenizer = Tokenizer.from_file(str(path))
     except Exception as e:  # tokenizers raises a bare Exception on malformed files
         why = " ".join(str(e).split())
         raise TurboError(f"{path}: not a tokenizers file ({why[:200]})") from None
-    check_tokenizer(tokenizer, vocab, str(path))
+    check_tokenizer(tokenizer, vocab, str(path), eos_ids)
     return tokenizer
 
 
@@ -51,7 +67,7 @@ def check_install(install: Install, tokenizer: Tokenizer) -> DflashConfig | None
     drafter = None
     if install.drafter_config is not None:  # before a plan reads it
         drafter = parse_drafter_config(install.drafter_config, arch, str(root / DRAFTER_DIR / "config.json"))
-    check_tokenizer(tokenizer, arch.vocab, str(root / "tokenizer.json"))
+    check_tokenizer(tokenizer, arch.vocab, str(root / "tokenizer.json"), install.eos_ids)
     return drafter
 
 

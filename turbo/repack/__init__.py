@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..arch import arch_from_config, read_config_json
-from ..chat_template import check_checkpoint
+from ..chat_template import check_checkpoint, end_of_generation_ids
 from ..drafters import mtp
 from ..errors import ArgumentParser, TurboError
 from ..install import DRAFTER_DIR
@@ -66,7 +66,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
     arch = arch_from_config(config, str(src / "config.json"))  # refuse what the runtime could not open
     if not (src / "tokenizer.json").is_file():
         raise TurboError(f"{src / 'tokenizer.json'}: missing (the install needs the checkpoint's tokenizer)")
-    load_tokenizer(src / "tokenizer.json", arch.vocab)  # malformed: refused now, not when the install opens
+    # malformed, or not this model's: refused now, not when the install opens
+    load_tokenizer(src / "tokenizer.json", arch.vocab, end_of_generation_ids(arch.eos_token_ids, src, arch.vocab))
     if quant not in ("none", *q.FORMATS):
         raise TurboError(f"--quant {quant!r} is not one of none, {', '.join(q.FORMATS)}")
     check_checkpoint(src, arch.vocab)  # a template that does not compile is refused now, not at the first chat

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -34,6 +35,7 @@ from starlette.requests import ClientDisconnect, Request
 from .api_error import ApiError
 from .body import check_text_lengths, parse_json
 from .guard import Guard, error
+from .head import HeadLimits
 from .limits import read_body
 from .listen import address
 
@@ -157,7 +159,7 @@ def main() -> int:
             os.nice(cfg.nice)
     sock = socket.socket(fileno=cfg.fd)
     app = Guard(Front(cfg), key=cfg.api_key, limit=cfg.max_body)
-    server = FrontServer(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+    server = FrontServer(uvicorn.Config(app, http=HeadLimits, log_level="warning", access_log=False, lifespan="off",
                                         timeout_graceful_shutdown=5), address(cfg.host, cfg.port))
 
     def watch_parent() -> None:  # stdin's end: the engine's process is stopping (or gone)
@@ -165,7 +167,12 @@ def main() -> int:
         server.should_exit = True
 
     threading.Thread(target=watch_parent, daemon=True).start()
-    server.run(sockets=[sock])
+    try:
+        server.run(sockets=[sock])
+    finally:
+        # the engine's private directory (main.py's turbo-serve-*), should its process have died of a
+        # signal before its own cleanup: this process outlives it, told by stdin's end
+        shutil.rmtree(os.path.dirname(cfg.engine_socket), ignore_errors=True)
     return 0 if server.started else 2
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 def run_serve(cfg: DictConfig, rc: RunConfig) -> int:
     config = serve_config(cfg)
-    for module in ("fastapi", "uvicorn", "httpx", "prometheus_client"):
+    for module in ("fastapi", "uvicorn", "httptools", "httpx", "prometheus_client"):
         require(module, "serve")
     defaults = server_defaults(rc.generation)
     if config.engine == "ray":
@@ -45,6 +46,7 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
 
     from .app import body_limit, make_app
     from .front import FrontConfig  # (httpx, with uvicorn: the serve extra)
+    from .head import HeadLimits
     from .worker import Engine
 
     sock = listening(config.host, config.port)  # before the model loads: a port in use is refused at once
@@ -73,9 +75,12 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
                                             config.http_nice))
             threading.Thread(target=stop_with, args=(front, self), daemon=True).start()
 
-    server = Server(uvicorn.Config(make_app(engine), log_level="warning", access_log=False,
+    server = Server(uvicorn.Config(make_app(engine), http=HeadLimits, log_level="warning", access_log=False,
                                    timeout_graceful_shutdown=5))
     engine.start()
+    # uvicorn stops gracefully on SIGTERM, then raises it again with the handler it found: this one,
+    # so that the cleanup below runs (the default handler would end the process before it)
+    signal.signal(signal.SIGTERM, terminated)
     try:
         server.run(sockets=[inner])
     finally:
@@ -87,6 +92,10 @@ def run_local(rc: RunConfig, defaults, config: ServeConfig) -> int:
         inner.close()
         shutil.rmtree(private, ignore_errors=True)
     return 0 if server.started and not front_died else 2
+
+
+def terminated(sig: int, frame) -> None:
+    raise SystemExit(128 + sig)  # (the shell's code for a process a signal ended)
 
 
 def start_front(cfg: "FrontConfig") -> subprocess.Popen:

@@ -23,7 +23,14 @@ def tiny_tokenizer(vocab: int):
     text = ["def f(x):\n    return x + 1\n", "The quick brown fox jumps over the lazy dog. " * 3,
             "12 + 34 = 46; 7 * 8 = 56\n"] * 20
     tok.train_from_iterator(text, trainer)
-    return tok
+    spec = json.loads(tok.to_str())
+    ids = spec["model"]["vocab"]
+    if len(ids) >= vocab:
+        return tok
+    # the text runs out of merges (318 ids): the rest are tokens no merge makes, so text encodes as
+    # before and every id decodes, as a real checkpoint's unused tokens do (install_check.py pads)
+    ids.update({f"<|unused{i}|>": i for i in range(len(ids), vocab)})
+    return Tokenizer.from_str(json.dumps(spec))
 
 
 def hf_config(**over):

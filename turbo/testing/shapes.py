@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from tokenizers import Tokenizer
+
 from turbo.repack import repack
 from turbo.testing.checkpoints import make_checkpoint, tiny_tokenizer
 
@@ -90,7 +92,7 @@ def write_checkpoint(directory: Path, shape: dict, seed: int = 0, moe: bool = Fa
     config = cfg.to_dict()
     config.update(architectures=[model_class.__name__], torch_dtype="bfloat16", dtype="bfloat16")
     (directory / "config.json").write_text(json.dumps(config, indent=2))
-    tiny_tokenizer(4096).save(str(directory / "tokenizer.json"))
+    tiny_tokenizer(shape["vocab_size"]).save(str(directory / "tokenizer.json"))  # (one id per row: install_check.py)
     (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
@@ -103,10 +105,19 @@ def build(name: str, cache: Path = DEFAULT_CACHE, quant: str = "none") -> Path:
         make_checkpoint(hf, 0, **SHAPES[name])
     elif not (hf / "config.json").is_file():
         write_checkpoint(hf, SHAPES[name], moe=name in MOE)
+    refresh_tokenizers(cache / name, SHAPES[name]["vocab_size"])
     install = cache / name / ("install" if quant == "none" else f"install-{quant}")
     if not (install / "model.safetensors").is_file():
         repack(hf, install, quiet=True, quant=quant)
     return install
+
+
+def refresh_tokenizers(directory: Path, rows: int) -> None:
+    """A cache built when the shapes' tokenizer had 318 ids gets one spanning the rows, which an install
+    must have now (install_check.PADDING_ROWS): its checkpoint's and its installs' tokenizer.json."""
+    for path in directory.glob("*/tokenizer.json"):
+        if Tokenizer.from_file(str(path)).get_vocab_size() < rows:
+            tiny_tokenizer(rows).save(str(path))
 
 
 def checkpoint(name: str, cache: Path = DEFAULT_CACHE) -> Path:

@@ -122,8 +122,7 @@ def build(cc: str, cache_dir: Path | None, tier: str | None = None) -> tuple[Pat
             target = dest_dir / f"native-{key}.so"
             if target.exists() and untrusted(target) is None:
                 return target, None
-            _announce(f"compiling turbo's CPU kernels (native*.c{f', {tier} tier' if tier else ''}) with {cc}: "
-                      f"{BUILD_TIME}, once per "
+            _announce(f"compiling turbo's CPU kernels (native*.c) with {cc}: {BUILD_TIME}, once per "
                       + (f"process; not cached ({errors[-1]})" if fresh else f"machine; cached in {dest_dir}"))
             with _terminate_raises():
                 for flags in tier_flags(tier):

@@ -175,6 +175,8 @@ INTERNAL void avx2_panels(const float *x, int R, int k, const void *P, int wtype
  * 15 x 128; eight pairs of them fit), then widened into int32. ---- */
 static inline size_t qgroup_bytes(int bits) { return 64 + (size_t)QGROUP * 16 * bits / 8; }
 
+#define Q_AHEAD 6 /* groups prefetched ahead (3.4 KB of int4: past the memory's latency) */
+
 /* A tile's integer sums as six named registers (as SUM_SLOT's, for the same reason): slot S +=
  * V, and slot S's value. */
 #define INTS_ZERO __m256i i0 = _mm256_setzero_si256(), i1 = i0, i2 = i0, i3 = i0, i4 = i0, i5 = i0
@@ -204,8 +206,9 @@ static inline __attribute__((always_inline)) void qhalf(const uint8_t *x, int R,
     (void)s0h; (void)s1h; (void)s2h; (void)s3h; (void)s4h; (void)s5h;
     for (int g = 0; g < G; g++) {
         const uint8_t *W = P + ((size_t)p * G + g) * gb;
-        __builtin_prefetch(W + 2 * gb + 64 * h);
-        __builtin_prefetch(W + 2 * gb + 256 + 64 * h);
+        if (h == 0) /* every line of the group Q_AHEAD groups on (a panel's groups, then the next
+                     * panel's, lie one after another): a decode step reads each from memory once */
+            for (size_t l = 0; l < gb; l += 64) __builtin_prefetch(W + Q_AHEAD * gb + l);
         INTS_ZERO;
         for (int j = 0; j < (bits == 4 ? 8 : 16); j++) {
             __m256i v = _mm256_loadu_si256((const __m256i *)(W + 64 + 64 * j + 32 * h));

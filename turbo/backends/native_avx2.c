@@ -269,7 +269,52 @@ QTILE_AS(8, 1) QTILE_AS(8, 2) QTILE_AS(8, 3)
 static const QTile Q4[7] = {NULL, qtile_4_1, qtile_4_2, qtile_4_3, qtile_4_4, qtile_4_5, qtile_4_6};
 static const QTile Q8[4] = {NULL, qtile_8_1, qtile_8_2, qtile_8_3};
 
+/* int4 for one row (a decode step), a whole panel -- both halves -- at once: one load of each word
+ * of inputs for the 16 outputs, and the int16 sums of two words (at most 4 x 2 x 15 x 128) widened
+ * together, a sixth fewer operations than two half-panels; the same integer sums (exact in any
+ * order) and qtile's float chain, so the same bits. */
+static __attribute__((noinline)) void q4_row(const uint8_t *x, int k, const uint8_t *P, int n, int p, float *y) {
+    int G = k / QGROUP;
+    size_t gb = qgroup_bytes(4);
+    const float *scale = (const float *)x, *sum = (const float *)x + G;
+    const int32_t *words = (const int32_t *)x + (size_t)2 * G;
+    const __m256i low = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+    for (int g = 0; g < G; g++) {
+        const uint8_t *W = P + ((size_t)p * G + g) * gb;
+        for (size_t l = 0; l < gb; l += 64) __builtin_prefetch(W + Q_AHEAD * gb + l);
+        __m256i i0 = _mm256_setzero_si256(), i1 = i0;
+        const int32_t *wg = words + (size_t)g * 16;
+        for (int j = 0; j < 8; j += 2) {
+            __m256i s0 = _mm256_setzero_si256(), s1 = s0;
+            for (int e = j; e < j + 2; e++) {
+                __m256i xb = _mm256_set1_epi32(wg[e]), xh = _mm256_set1_epi32(wg[e + 8]);
+                __m256i v0 = _mm256_loadu_si256((const __m256i *)(W + 64 + 64 * e));
+                __m256i v1 = _mm256_loadu_si256((const __m256i *)(W + 96 + 64 * e));
+                s0 = _mm256_add_epi16(s0, _mm256_add_epi16(
+                                              _mm256_maddubs_epi16(_mm256_and_si256(v0, low), xb),
+                                              _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v0, 4), low), xh)));
+                s1 = _mm256_add_epi16(s1, _mm256_add_epi16(
+                                              _mm256_maddubs_epi16(_mm256_and_si256(v1, low), xb),
+                                              _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(v1, 4), low), xh)));
+            }
+            i0 = _mm256_add_epi32(i0, _mm256_madd_epi16(s0, ones));
+            i1 = _mm256_add_epi32(i1, _mm256_madd_epi16(s1, ones));
+        }
+        __m256 sc = _mm256_set1_ps(scale[g]), bias = _mm256_set1_ps(sum[g]);
+        a0 = _mm256_fmadd_ps(widen8((const uint16_t *)(W + 32)), bias,
+                             _mm256_fmadd_ps(_mm256_cvtepi32_ps(i0), _mm256_mul_ps(widen8((const uint16_t *)W), sc), a0));
+        a1 = _mm256_fmadd_ps(widen8((const uint16_t *)(W + 32) + 8), bias,
+                             _mm256_fmadd_ps(_mm256_cvtepi32_ps(i1), _mm256_mul_ps(widen8((const uint16_t *)W + 8), sc), a1));
+    }
+    store16(y, n, p * 16, a0, a1);
+}
+
 INTERNAL void avx2_qpanels(const float *x, int R, int k, const void *P, int bits, int n, float *y, int p0, int p1) {
+    if (R == 1 && bits == 4) {
+        for (int p = p0; p < p1; p++) q4_row((const uint8_t *)x, k, (const uint8_t *)P, n, p, y);
+        return;
+    }
     for (int r0 = 0; r0 < R; r0 += ROW_BLOCK) {
         int r1 = R - r0 <= ROW_BLOCK + ROW_BLOCK / 2 ? R : r0 + ROW_BLOCK;
         for (int p = p0; p < p1; p++) {

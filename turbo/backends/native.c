@@ -15,7 +15,8 @@
  * element: each output is still computed whole by one thread with the same code, so the
  * results do not depend on the thread count either.
  *
- * The parts: native_products.c (the matrix products, and the threads), native_gdn.c (Gated
+ * The parts: native_products.c (the matrix products, and the threads; native_avx2.c the AVX2
+ * tier's tiles for them), native_gdn.c (Gated
  * DeltaNet), native_attn.c (gated attention), native_moe.c (the MoE block), native_dflash.c (the
  * drafter's pass); this file: the structs' sizes, embedding rows, the head, argmax.
  *

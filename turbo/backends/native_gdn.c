@@ -19,12 +19,12 @@ typedef v16 vg;
 
 static inline float softplusf(float x) { return x > 20.0f ? x : log1pf(fast_exp(x)); }
 
-/* One head's delta rule for one row, on the state columns c..c+16*NV-1 (strips of the
+/* One head's delta rule for one row, on the state columns c..c+VL*NV-1 (strips of the
  * [dk, dv] state are independent): S *= decay and kv = k^T S in one walk over the strip,
  * u = (v - kv) * beta, then S += k u^T and out = q^T S in a second -- two walks instead of
  * four, the column sums in registers. Each element's operations, and their order, are
  * those of the four-loop form. */
-/* Columns c..c+16NV-1 of one head's state through all R rows (a column of the state evolves on
+/* Columns c..c+VL NV-1 of one head's state through all R rows (a column of the state evolves on
  * its own). Row r: the state decays, u = (v - k.S) beta, S += k u^T, the output is q.S. Row r's
  * update and output and row r+1's decay and k.S share one pass over the strip, which stays in
  * L1 for all the rows, and a row's checkpoint is stored from the registers in that pass (not

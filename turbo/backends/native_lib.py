@@ -187,12 +187,12 @@ def argmax(row: torch.Tensor) -> int:
 
 # A drafter's products on the CPU (`draft_products`): the packed layout each names
 DRAFT_PRODUCTS = {"fp32": "panels", "bf16": "pairs", "int8": "int8"}
-_NEEDS = {"pairs": "AVX512-BF16", "int8": "AVX512-VNNI"}
+_NEEDS = {"pairs": "AVX512-BF16", "int8": "AVX512-VNNI or AVX2"}
 
 
 def dot_layouts() -> tuple[str, ...]:
     """The layouts the library can multiply by beyond fp32 / bf16 panels ("pairs": AVX512-BF16;
-    "int8": AVX512-VNNI, also the trunk's int4 / int8; "exact": AVX512-BW, the fp32-scaled
+    "int8": AVX512-VNNI or the AVX2 tier (native_avx2.c), also the trunk's int4 / int8; "exact": AVX512-BW, the fp32-scaled
     affine formats; "fp8": AVX512-VBMI, FP8 blocks), empty without the library."""
     lib = library()
     bits = lib.dot_products() if lib is not None else 0

@@ -332,6 +332,38 @@ static void strip64_sums(int nq, const float *const *p, const int *n, const floa
 static inline __attribute__((always_inline)) void strip_sums(const int NQ, const float *const *p, const void *V,
                                                              int kt, int d, int c, int t0, int t1,
                                                              float *const *acc, size_t ahead) {
+#if AVX2_TIER /* (NQ is 1: QUERY_GROUP) its 32 columns' even-t and odd-t chains in eight 8-lane sums */
+    float *a = acc[0];
+    const float *pa = p[0];
+    v8 e0 = load8(a + c), e1 = load8(a + c + 8), e2 = load8(a + c + 16), e3 = load8(a + c + 24);
+    v8 o0 = load8(a + d + c), o1 = load8(a + d + c + 8), o2 = load8(a + d + c + 16), o3 = load8(a + d + c + 24);
+    int t = t0;
+    if (t < t1 && (t & 1)) {
+        size_t at = (size_t)t * d + c;
+        o0 += pa[t] * kv8(V, kt, at), o1 += pa[t] * kv8(V, kt, at + 8);
+        o2 += pa[t] * kv8(V, kt, at + 16), o3 += pa[t] * kv8(V, kt, at + 24);
+        t++;
+    }
+    for (; t + 2 <= t1; t += 2) {
+        if (ahead) /* the next block's same columns, while this one is summed */
+            for (size_t b = 0; b < 2 * (size_t)d * kv_bytes(kt); b += (size_t)d * kv_bytes(kt))
+                for (size_t at = 0; at < 32 * kv_bytes(kt); at += 64)
+                    __builtin_prefetch((const char *)V + ((size_t)t * d + c) * kv_bytes(kt) + ahead + b + at, 0, 2);
+        size_t at = (size_t)t * d + c, nx = at + (size_t)d;
+        e0 += pa[t] * kv8(V, kt, at), e1 += pa[t] * kv8(V, kt, at + 8);
+        e2 += pa[t] * kv8(V, kt, at + 16), e3 += pa[t] * kv8(V, kt, at + 24);
+        o0 += pa[t + 1] * kv8(V, kt, nx), o1 += pa[t + 1] * kv8(V, kt, nx + 8);
+        o2 += pa[t + 1] * kv8(V, kt, nx + 16), o3 += pa[t + 1] * kv8(V, kt, nx + 24);
+    }
+    if (t < t1) {
+        size_t at = (size_t)t * d + c;
+        e0 += pa[t] * kv8(V, kt, at), e1 += pa[t] * kv8(V, kt, at + 8);
+        e2 += pa[t] * kv8(V, kt, at + 16), e3 += pa[t] * kv8(V, kt, at + 24);
+    }
+    memcpy(a + c, &e0, 32), memcpy(a + c + 8, &e1, 32), memcpy(a + c + 16, &e2, 32), memcpy(a + c + 24, &e3, 32);
+    memcpy(a + d + c, &o0, 32), memcpy(a + d + c + 8, &o1, 32), memcpy(a + d + c + 16, &o2, 32);
+    memcpy(a + d + c + 24, &o3, 32);
+#else
     v16 e[QUERY_GROUP][2], o[QUERY_GROUP][2];
     for (int a = 0; a < NQ; a++) {
         memcpy(&e[a][0], acc[a] + c, 64), memcpy(&e[a][1], acc[a] + c + 16, 64);
@@ -363,6 +395,7 @@ static inline __attribute__((always_inline)) void strip_sums(const int NQ, const
         memcpy(acc[a] + c, &e[a][0], 64), memcpy(acc[a] + c + 16, &e[a][1], 64);
         memcpy(acc[a] + d + c, &o[a][0], 64), memcpy(acc[a] + d + c + 16, &o[a][1], 64);
     }
+#endif
 }
 
 /* Rows [t0, t1) into the sums of nq <= 4 queries, strip after strip. */

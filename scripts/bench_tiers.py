@@ -28,20 +28,20 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+
 import benchlib  # scripts/benchlib.py, beside this file
 import build_llamacpp
+import turbo
+from turbo.backends import native_lib
+from turbo.testing import shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {"bf16": ("none", "bf16"), "int4": ("int4", "q4_0")}  # kind: (turbo's --quant, the GGUF's)
 
 
 def worker(install: str, prompt: int, new: int, threads: int) -> dict:
-    """turbo in this process: open (timed alone), prefill, decode; the step's bytes."""
-    import torch  # (the worker's own imports: not timed)
-
-    import turbo
-    from turbo.backends import native_lib
-
+    """turbo in this process: open (timed alone, after the imports), prefill, decode; the step's bytes."""
     torch.set_num_threads(threads)
     t0 = time.perf_counter()
     sut = benchlib.Turbo(install, threads, None, None)
@@ -63,8 +63,6 @@ def worker(install: str, prompt: int, new: int, threads: int) -> dict:
 
 def gguf_of(shape: str, kind: str, tier: str) -> Path:
     """The shape's GGUF of `kind` (bf16 by llama.cpp's converter; Q4_0 by the tier build's llama-quantize)."""
-    from turbo.testing import shapes
-
     bf16 = shapes.gguf(shape, "bf16")
     if bf16 is None:
         raise SystemExit(f"no bf16 GGUF of {shape}: set {shapes.CONVERTER_ENV} (docs/llamacpp.md)")
@@ -132,8 +130,6 @@ def main() -> None:
         install, prompt, new, threads = args.worker
         print(json.dumps(worker(install, int(prompt), int(new), int(threads))))
         return
-    from turbo.testing import shapes
-
     installs = {kind: shapes.build(args.shape, quant=KINDS[kind][0]) for kind in args.kinds}
     llama_tier = {"native": "native", "avx2": "avx2", "avx512": "avx512", "amx": "native"}
     ggufs = {(tier, kind): gguf_of(args.shape, KINDS[kind][1], llama_tier[tier])

@@ -327,6 +327,15 @@ static void strip64_sums(int nq, const float *const *p, const int *n, const floa
 /* Queries of a kv head (rows x its query heads) summed by weighted_sums, V read once for all. */
 #define FEW_QUERIES 64
 
+/* Rows t and t + 1 of V [*, d] (cache type kt), columns c..c+31, `ahead` bytes further on: fetched
+ * while this block's rows are summed. */
+static inline __attribute__((always_inline)) void prefetch_rows_ahead(const void *V, int kt, int d, int c, int t,
+                                                                      size_t ahead) {
+    for (size_t b = 0; b < 2 * (size_t)d * kv_bytes(kt); b += (size_t)d * kv_bytes(kt))
+        for (size_t at = 0; at < 32 * kv_bytes(kt); at += 64)
+            __builtin_prefetch((const char *)V + ((size_t)t * d + c) * kv_bytes(kt) + ahead + b + at, 0, 2);
+}
+
 /* Rows [t0, t1) of V [*, d] (cache type kt) into the sums of NQ queries over 32 columns at c:
  * acc [NQ][2][d] (even t, odd t), loaded into registers, summed row by row, stored back. */
 static inline __attribute__((always_inline)) void strip_sums(const int NQ, const float *const *p, const void *V,
@@ -346,9 +355,7 @@ static inline __attribute__((always_inline)) void strip_sums(const int NQ, const
     }
     for (; t + 2 <= t1; t += 2) {
         if (ahead) /* the next block's same columns, while this one is summed */
-            for (size_t b = 0; b < 2 * (size_t)d * kv_bytes(kt); b += (size_t)d * kv_bytes(kt))
-                for (size_t at = 0; at < 32 * kv_bytes(kt); at += 64)
-                    __builtin_prefetch((const char *)V + ((size_t)t * d + c) * kv_bytes(kt) + ahead + b + at, 0, 2);
+            prefetch_rows_ahead(V, kt, d, c, t, ahead);
         size_t at = (size_t)t * d + c, nx = at + (size_t)d;
         e0 += pa[t] * kv8(V, kt, at), e1 += pa[t] * kv8(V, kt, at + 8);
         e2 += pa[t] * kv8(V, kt, at + 16), e3 += pa[t] * kv8(V, kt, at + 24);
@@ -377,9 +384,7 @@ static inline __attribute__((always_inline)) void strip_sums(const int NQ, const
     }
     for (; t + 2 <= t1; t += 2) {
         if (ahead) /* the next block's same columns, while this one is summed */
-            for (size_t b = 0; b < 2 * (size_t)d * kv_bytes(kt); b += (size_t)d * kv_bytes(kt))
-                for (size_t at = 0; at < 32 * kv_bytes(kt); at += 64)
-                    __builtin_prefetch((const char *)V + ((size_t)t * d + c) * kv_bytes(kt) + ahead + b + at, 0, 2);
+            prefetch_rows_ahead(V, kt, d, c, t, ahead);
         v16 u0 = load_w(V, kt, (size_t)t * d + c), u1 = load_w(V, kt, (size_t)t * d + c + 16);
         v16 w0 = load_w(V, kt, (size_t)(t + 1) * d + c), w1 = load_w(V, kt, (size_t)(t + 1) * d + c + 16);
         for (int a = 0; a < NQ; a++) {

@@ -3,8 +3,8 @@
 //   bf16_rows_gemv_f32:  y[r, o] = sum_i x[r, i] * w[o, i], w bf16 [out, in] as raw uint16 (the
 //                        install's storage, no fp32 copy), x fp32 [R, in], y fp32 [R, out].
 //   int8_rows_gemv_f32:  the same with w[o, i] = scale[o, i / group] * q[o, i] + bias[o, i / group]
-//                        (turbo/quant.py "int8": uint8 levels, 4 per little-endian uint32 word,
-//                        bf16 scales / biases, rounded like turbo.quant.dequantize).
+//                        (turbo/store/quant.py "int8": uint8 levels, 4 per little-endian uint32 word,
+//                        bf16 scales / biases, rounded like turbo.store.quant.dequantize).
 //
 // Every output row's value is a function of that row of x and w only, never of R: one warp per
 // output row o, BG_WARPS rows o per block. Lane l owns the 16-byte chunks l, l + 32, l + 64, ...

@@ -1,5 +1,5 @@
 // Conv-window update + depthwise causal conv + SiLU over R rows (docs/DESIGN.md 2.1, GDN layers).
-// Reference: turbo.ops.causal_conv_rows(ext, w) with ext = cat([window, x]).
+// Reference: turbo.backends.ops.causal_conv_rows(ext, w) with ext = cat([window, x]).
 //
 //   ext = [window (K-1 rows); x (R rows)]          (written when ext != null: rollback replays it)
 //   out[t, c] = silu(sum_j w[c, j] * ext[t + j, c]) (separate multiplies and adds, in j order,

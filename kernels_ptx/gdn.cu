@@ -1,5 +1,5 @@
 // Gated DeltaNet recurrence over R verify rows, with per-row state checkpoints (docs/DESIGN.md 2.1).
-// Reference: turbo.ops.gdn_recurrence(state, q, k, v, g, beta, keep_states=True).
+// Reference: turbo.backends.ops.gdn_recurrence(state, q, k, v, g, beta, keep_states=True).
 //
 // Per row t and value head h, state S [dk, dv] fp32:
 //   S = exp(g) * S;  u = beta * (v - S^T k);  S = S + k u^T;  o = S^T q

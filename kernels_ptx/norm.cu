@@ -1,5 +1,5 @@
 // Gated RMSNorm (the GDN output norm, docs/DESIGN.md 2.1): plain weight w (not 1 + w), fp32.
-// Reference: turbo.ops.gated_rms_norm(o, z, w, eps).
+// Reference: turbo.backends.ops.gated_rms_norm(o, z, w, eps).
 //
 //   out[n, :] = w * (o[n, :] * rsqrt(mean(o[n, :]^2) + eps)) * silu(z[n, :])
 //

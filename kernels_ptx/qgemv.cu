@@ -1,7 +1,7 @@
-// Affine-quantized GEMV / small GEMM for decode and verify (docs/DESIGN.md 4, turbo/quant.py).
+// Affine-quantized GEMV / small GEMM for decode and verify (docs/DESIGN.md 4, turbo/store/quant.py).
 // Reference: x @ dequantize(packed, scales, biases, bits, group)^T, in fp32.
 //
-//   w[o, i] = scale[o, i / group] * q[o, i] + bias[o, i / group]   (rounded like turbo.quant.dequantize)
+//   w[o, i] = scale[o, i / group] * q[o, i] + bias[o, i / group]   (rounded like turbo.store.quant.dequantize)
 //   y[r, o] = sum_i x[r, i] * w[o, i]
 //
 // q is packed little-endian into uint32 words: element i of a row sits at bits

@@ -1,5 +1,5 @@
 """Well-behaved clients under hostile ones (issue 48): a server (task=serve, a small VL install
-made by turbo.vision.testing, serve.max_body_mb=1, serve.image_dirs holding named pipes) answers
+made by turbo.testing.vision, serve.max_body_mb=1, serve.image_dirs holding named pipes) answers
 8 clients' greedy chat requests, first undisturbed, then while attackers send bodies over the
 limit (declared and chunked), prompts longer than the context could hold, and image URLs naming a
 named pipe. Each client streams its answers (16 tokens) over one kept-alive connection; each
@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from test_vision_doors import TEMPLATE  # noqa: E402
 from turbo.testing.checks import served_address  # noqa: E402
-from turbo.vision.testing import make_vl_install  # noqa: E402
+from turbo.testing.vision import make_vl_install  # noqa: E402
 
 CLIENTS = 8
 QUESTIONS = ["Write a haiku.", "What is os.path.join?", "Count to five.", "Name a colour.", "Say hello.",

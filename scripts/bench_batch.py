@@ -32,7 +32,7 @@ import benchlib  # scripts/benchlib.py, beside this file
 
 def copies(trunk, st, n: int) -> list:
     """n independent copies of a prefilled state."""
-    from turbo.backends.step import TrunkState
+    from turbo.model.step import TrunkState
 
     return [TrunkState(st.pos, {i: (k.clone(), v.clone()) for i, (k, v) in st.kv.items()},
                        {i: (s.clone(), w.clone()) for i, (s, w) in st.gdn.items()}) for _ in range(n)]

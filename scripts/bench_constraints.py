@@ -23,9 +23,9 @@ from pathlib import Path
 import torch
 
 import turbo
-from turbo.grammar import Grammars, ResponseFormat
-from turbo.options import GenerationOptions
-from turbo.penalties import PenaltyState
+from turbo.sequence.grammar import Grammars, ResponseFormat
+from turbo.sequence.options import GenerationOptions
+from turbo.sequence.penalties import PenaltyState
 from turbo.testing import shapes
 
 import benchlib  # scripts/benchlib.py, beside this file

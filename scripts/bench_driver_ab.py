@@ -34,7 +34,7 @@ def measure(shape: str, threads: int, new: int, install: str | None) -> dict:
     import torch
 
     import turbo
-    from turbo.options import GenerationOptions
+    from turbo.sequence.options import GenerationOptions
     from turbo.serve.scheduler import Request, Scheduler, ServeLimits
     from turbo.testing import ScriptedDrafter, shapes
 

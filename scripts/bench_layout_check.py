@@ -1,4 +1,4 @@
-"""What the open layout's check costs at open (turbo/layout_file.py `check`): the stat fast path,
+"""What the open layout's check costs at open (turbo/store/layout_file.py `check`): the stat fast path,
 the full check of a first open after a change (the weights' digest and the CRC-32 pass, also
 timed alone), and turbo.open, each in this process, the page cache warm.
 
@@ -18,9 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import turbo  # noqa: E402
 import turbo.engine  # noqa: E402,F401 (imported before timing: the open is timed, not the imports)
-from turbo import layout_file  # noqa: E402
-from turbo.install import safetensors_files  # noqa: E402
-from turbo.safetensors_format import read_header  # noqa: E402
+from turbo.store import layout_file  # noqa: E402
+from turbo.store.install import safetensors_files  # noqa: E402
+from turbo.store.safetensors_format import read_header  # noqa: E402
 
 
 def timed(f) -> float:

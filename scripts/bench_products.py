@@ -26,7 +26,7 @@ import time
 
 import torch
 
-from turbo import quant
+from turbo.store import quant
 from turbo.backends import native_exact, native_lib, native_pack
 from turbo.backends.packed import Packed
 

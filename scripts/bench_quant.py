@@ -37,8 +37,9 @@ import torch
 import torch.nn.functional as F
 import yaml
 
-from turbo import engine, quant
-from turbo.install import resolve
+from turbo import engine
+from turbo.store import quant
+from turbo.store.install import resolve
 from turbo.repack import repack
 from turbo.testing import make_checkpoint, shapes
 

@@ -22,8 +22,8 @@ import sys
 import torch
 
 import turbo
-from turbo.chat_template import ChatTemplate, encode
-from turbo.options import GenerationOptions
+from turbo.chat.template import ChatTemplate, encode
+from turbo.sequence.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler
 from turbo.testing import shapes
 

@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
-    from turbo.install import BUNDLED_DIR
+    from turbo.store.install import BUNDLED_DIR
     from turbo.testing import shapes
 
     import benchlib  # scripts/benchlib.py, beside this file (the driver's: the workers import their tree)

@@ -48,8 +48,8 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's turbo, not an installed one
-from turbo.install import resolve  # noqa: E402
-from turbo.layout_file import PACKED_FILE  # noqa: E402
+from turbo.store.install import resolve  # noqa: E402
+from turbo.store.layout_file import PACKED_FILE  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fuzz_classes  # noqa: E402 (scripts/ is not a package)
@@ -63,7 +63,7 @@ STARTUP_S = 600.0
 MARK = "@@fuzz "  # prefixes the worker's replies: anything else on its stdout is not ours
 BAD = ("generated-changed", "other-exception", "accepted-but-library-refuses", "accepted-should-refuse", "crash",
        "hang", "silent-change", "error-5xx", "error-malformed", "served-changed", "repacked-changed")
-# The library keeps the last of a name given twice; turbo refuses it (turbo/safetensors_format.py).
+# The library keeps the last of a name given twice; turbo refuses it (turbo/store/safetensors_format.py).
 STRICTER_THAN_LIBRARY = ("duplicate-tensor",)
 
 
@@ -552,7 +552,7 @@ def worker() -> None:
     from safetensors import safe_open
 
     from turbo.errors import TurboError
-    from turbo.safetensors_format import read_header
+    from turbo.store.safetensors_format import read_header
 
     runtimes: dict = {}  # the drafter cases' runtime and greedy tokens (one per install, every case on it)
     apps: dict = {}  # the request cases' apps, one per template

@@ -284,7 +284,7 @@ def field_job(install: Path, hf_dir: Path) -> dict:
     import torch
 
     import turbo
-    from turbo.arch import IRRELEVANT
+    from turbo.store.arch import IRRELEVANT
 
     rt = turbo.open(str(install), backend="cpu", dtype="float32")
     st = rt.trunk.new_state(len(FIELD_PROMPT))

@@ -166,7 +166,7 @@ def run_bodies(n: int, seed: int) -> list[tuple[str, str, str]]:
     """(class, outcome, detail) for n body cases against the app over tiny, in process."""
     from fastapi.testclient import TestClient
 
-    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.sequence.options import GenerationOptions, OpenOptions
     from turbo.serve.app import make_app
     from turbo.serve.settings import ServeConfig
     from turbo.serve.worker import Engine

@@ -1,6 +1,6 @@
 """scripts/fuzz.py's request-shaped classes: the server's requests whose parts reach a compiler or a
 parser, at depth and at size -- JSON schemas (response_format), Lark grammars and regexes
-(turbo.grammar), tools (their parameter schemas, names with odd characters, the forced call's
+(turbo.sequence.grammar), tools (their parameter schemas, names with odd characters, the forced call's
 grammar), tool calls and tool results sent back.
 
     python scripts/fuzz.py --requests N [--seed S] [--timeout T]
@@ -31,7 +31,7 @@ LENGTHS = (1, 64, 1000)
 ODD = ['"', "\\", "'", "\n", "\x00", "\x1b", "\u202e", "💥", "}", "{", "<", ">", "/", "|", "#", "$", "%",
        "<|im_end|>", "</tool_call>", "</parameter>", "<function=x>", "${x}", "{{ 7*7 }}", " "]
 INJECTIONS = ['get" | /[\\s\\S]{0,40}/ | "x', "a>b", "a</parameter>b", "</function>", 'x" }', "\\u0022", "a b", ""]
-XML_TEMPLATE = (  # a template in the <function=...> call format (turbo/tool_calls.py reads the format off its source)
+XML_TEMPLATE = (  # a template in the <function=...> call format (turbo/chat/tool_calls.py reads the format off its source)
     "{%- if tools %}{{ '<|im_start|>system\\n<tools>' }}{% for t in tools %}{{ '\\n' + (t | tojson) }}{% endfor %}"
     "{{ '\\n</tools>\\nCall one as <tool_call>\\n<function=NAME>\\n<parameter=P>\\nV\\n</parameter>\\n</function>"
     "\\n</tool_call><|im_end|>\\n' }}{% endif %}"
@@ -247,7 +247,7 @@ def _client(template: str):
     """A TestClient over a started worker.Engine on tiny: its own template, or XML_TEMPLATE."""
     from fastapi.testclient import TestClient  # (the serve extra, and torch: the worker's alone)
 
-    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.sequence.options import GenerationOptions, OpenOptions
     from turbo.serve.app import make_app
     from turbo.serve.settings import ServeConfig
     from turbo.serve.worker import Engine

@@ -109,7 +109,8 @@ def graphed(fn):
 def bench(out: Path) -> dict:
     import torch
 
-    from turbo import ops, quant
+    from turbo.backends import ops
+    from turbo.store import quant
     from turbo.backends import cuda as cb
 
     torch.manual_seed(0)
@@ -201,8 +202,8 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
     import tempfile
 
     import turbo
-    from turbo import ops
-    from turbo.install import BUNDLED_DIR
+    from turbo.backends import ops
+    from turbo.store.install import BUNDLED_DIR
 
     from turbo.testing import ScriptedDrafter, make_spec_install
 
@@ -290,7 +291,7 @@ def rows_products(out: Path, dev: str = "cuda", shapes: dict = ROWS_SHAPES, copy
     """bgemv.cu on the device: batch invariance, error and bandwidth (see the docstring)."""
     import torch
 
-    from turbo import quant
+    from turbo.store import quant
     from turbo.backends import cuda as cb
 
     torch.manual_seed(0)

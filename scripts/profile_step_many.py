@@ -24,7 +24,7 @@ from collections import defaultdict
 
 import turbo
 from turbo.backends import native_trunk
-from turbo.options import GenerationOptions
+from turbo.sequence.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler, ServeLimits
 from turbo.testing import shapes
 

@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--positions", type=int, default=2 ** 24)
     args = parser.parse_args(argv)
     import turbo
-    from turbo.install import resolve
+    from turbo.store.install import resolve
 
     base = resolve(args.install).resolve()
     with tempfile.TemporaryDirectory(prefix="turbo-rss-") as tmp:

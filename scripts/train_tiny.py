@@ -529,7 +529,7 @@ def write_chat(work: Path, hp: HParams, build: Path, log: Logger, n: int = 4000)
     """build/tiny_chat/: chat_{prose,code,math}.jsonl (n conversations each, from the training
     material only), raw.jsonl (training documents, so raw completion is kept), and
     prompts_{prose,code,math}.jsonl (rendered generation prompts: the drafters' fine-tune)."""
-    from turbo.chat_template import render
+    from turbo.chat.template import render
 
     rng = random.Random(hp.seed + 77)
     out = build / "tiny_chat"

@@ -39,7 +39,7 @@ def tiny_server():
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.sequence.options import GenerationOptions, OpenOptions
     from turbo.serve.app import make_app
     from turbo.serve.settings import ServeConfig, server_defaults
     from turbo.serve.worker import Engine

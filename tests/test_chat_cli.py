@@ -16,9 +16,9 @@ import pytest
 import turbo
 from turbo.errors import TurboError
 from turbo.chat_cli import THINKING, Repl
-from turbo.chat_template import encode
-from turbo.install import open_install
-from turbo.options import GenerationOptions
+from turbo.chat.template import encode
+from turbo.store.install import open_install
+from turbo.sequence.options import GenerationOptions
 
 # ChatML whose generation prompt opens <think>, or closes it empty under enable_thinking=false
 TEMPLATE = """{% for m in messages %}<|im_start|>{{ m.role }}

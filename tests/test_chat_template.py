@@ -9,9 +9,9 @@ from turbo.testing import make_checkpoint, tiny_tokenizer
 from tokenizers import Tokenizer
 
 import turbo
-from turbo.chat_template import ChatTemplate, encode, install_template, read_template, render
+from turbo.chat.template import ChatTemplate, encode, install_template, read_template, render
 from turbo.errors import TurboError
-from turbo.install import open_install
+from turbo.store.install import open_install
 from turbo.repack import repack
 
 # Qwen3.5's shape, written for these tests: tools in the system turn, <think> blocks kept only for

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from turbo.errors import TurboError
-from turbo.options import GenerationOptions
+from turbo.sequence.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler
 
 PROMPT = "def fib(n):"

@@ -10,13 +10,13 @@ from turbo.testing import assert_64_greedy_tokens_match, assert_prefill_and_64_s
 from safetensors.torch import load_file, save_file
 
 import turbo
-from turbo.arch import IRRELEVANT, READ, REFUSED_UNLESS_DEFAULT, arch_from_config, read_config_json
+from turbo.store.arch import IRRELEVANT, READ, REFUSED_UNLESS_DEFAULT, arch_from_config, read_config_json
 from turbo.errors import TurboError
-from turbo.install import open_install
-from turbo.install_check import check_tensor_names
-from turbo.loader import load_trunk
-from turbo.ops import DynamicNtk
-from turbo.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.load.install_check import check_tensor_names
+from turbo.load.loader import load_trunk
+from turbo.backends.ops import DynamicNtk
+from turbo.sequence.options import OpenOptions
 
 WINDOW = 32  # original_max_position_embeddings: the parity prompts (40 and 24 + 64 tokens) run past it
 SCALINGS = {
@@ -171,7 +171,7 @@ def test_every_transformers_config_field_is_classified():
     assert sum(map(len, lists)) == len(set().union(*lists)), "a field is in two lists"
     for cls in (Qwen3_5TextConfig, Qwen3_5MoeTextConfig, Qwen3NextConfig):
         unclassified = sorted(set(cls().to_dict()) - set().union(*lists))
-        assert not unclassified, f"{cls.__name__}: classify {unclassified} in turbo/arch.py"
+        assert not unclassified, f"{cls.__name__}: classify {unclassified} in turbo/store/arch.py"
 
 
 @pytest.mark.parametrize("field,value", [("hidden_act", "gelu_pytorch_tanh"), ("attention_bias", True),

@@ -28,11 +28,12 @@ import pytest
 import torch
 
 import turbo
-from turbo import ops, quant
+from turbo.backends import ops
+from turbo.store import quant
 from turbo.backends import cuda as cb
 from turbo.backends import cuda_kernels as ck
 from turbo.backends import select_backend
-from turbo.drafters import dflash_math as dflash
+from turbo.backends import dflash_math as dflash
 from turbo.errors import TurboError
 
 torch.set_num_threads(1)

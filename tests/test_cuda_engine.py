@@ -7,7 +7,7 @@ kernel), an MTP install and the embedded install `turbo/installs/tiny` when it i
 speculation on cuda commits exactly what plain decoding on cuda commits (lossless on the GPU).
 
 Everywhere (CI has no GPU):
-- the wiring: the engine with turbo.ops' CUDA dispatch forced on CPU tensors, its launches going
+- the wiring: the engine with turbo.backends.ops' CUDA dispatch forced on CPU tensors, its launches going
   to test_cuda's transcription of each kernel, commits the CPU backend's tokens -- the trunk and
   the drafters hand the kernel wrappers what they read, in the layout they read it;
 - the device audit: trunk, DFlash2 drafter and MTP head built on the `meta` device run their
@@ -20,10 +20,10 @@ import pytest
 import torch
 
 import turbo
-from turbo import ops
+from turbo.backends import ops
 from turbo.backends import cuda as cb
 from turbo.backends import cuda_kernels as ck
-from turbo.install import BUNDLED_DIR, open_install
+from turbo.store.install import BUNDLED_DIR, open_install
 
 torch.set_num_threads(1)
 
@@ -117,7 +117,7 @@ def test_gpu_embedded_tiny_commits_the_cpu_tokens():
 
 @pytest.fixture
 def emulated_dispatch(monkeypatch):
-    """turbo.ops sends CPU tensors to the kernel wrappers; their launches run test_cuda's
+    """turbo.backends.ops sends CPU tensors to the kernel wrappers; their launches run test_cuda's
     transcription of each kernel (which checks the arguments against the PTX's parameters)."""
     from test_cuda import Emulator
 
@@ -147,7 +147,7 @@ def test_engine_through_the_kernel_wrappers_commits_the_cpu_tokens(spec_install,
 
 
 def test_quantized_linear_goes_to_the_gemv_kernel(emulated_dispatch):
-    from turbo import quant
+    from turbo.store import quant
 
     w = torch.randn(24, 128, generator=torch.Generator().manual_seed(1))
     packed, scales, biases = quant.quantize(w, quant.FORMATS["int4"])
@@ -163,8 +163,8 @@ def test_quantized_linear_goes_to_the_gemv_kernel(emulated_dispatch):
 
 def test_forward_and_rollback_stay_on_the_device(spec_install, monkeypatch):
     """On `meta`, a host tensor mixed into the math raises ('not on the expected device')."""
-    from turbo.loader import load_dflash, load_trunk
-    from turbo.options import OpenOptions
+    from turbo.load.loader import load_dflash, load_trunk
+    from turbo.sequence.options import OpenOptions
 
     monkeypatch.setattr(ops, "calibrate_rows", lambda w, *a, **k: 0)  # a measurement: meaningless on meta
     meta = torch.device("meta")
@@ -190,8 +190,8 @@ def test_mtp_head_stays_on_the_device(tmp_path, monkeypatch):
     from turbo.testing import make_checkpoint
     from test_mtp import add_mtp, mtp_tensors
 
-    from turbo.loader import load_mtp, load_trunk
-    from turbo.options import OpenOptions
+    from turbo.load.loader import load_mtp, load_trunk
+    from turbo.sequence.options import OpenOptions
     from turbo.repack import repack
 
     model = make_checkpoint(tmp_path / "hf", 5)

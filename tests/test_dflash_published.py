@@ -10,12 +10,12 @@ import torch
 from turbo.testing import assert_lossless, hf_config, make_install, make_published_dflash
 
 import turbo
-from turbo import ops
+from turbo.backends import ops
 from turbo.backends import native_lib
 from turbo.errors import TurboError
-from turbo.install import open_install
-from turbo.loader import load_dflash, load_trunk
-from turbo.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.load.loader import load_dflash, load_trunk
+from turbo.sequence.options import OpenOptions
 
 PROMPTS = [list(range(5, 40)), [7, 100, 3, 250, 17, 17, 17, 42]]
 

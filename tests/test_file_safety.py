@@ -15,7 +15,7 @@ from turbo.testing import make_checkpoint
 
 from turbo.backends import native_build
 from turbo.errors import TurboError
-from turbo.install import BUNDLED_DIR, resolve
+from turbo.store.install import BUNDLED_DIR, resolve
 from turbo.repack import repack
 from turbo.repack.write import MARKER
 

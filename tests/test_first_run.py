@@ -17,7 +17,7 @@ import pytest
 
 import turbo
 from turbo.backends import native_build, native_lib
-from turbo.options import OpenOptions
+from turbo.sequence.options import OpenOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 STAND_IN = """#!/bin/sh

@@ -1,4 +1,4 @@
-"""Constrained output (turbo/grammar.py): a JSON object, a JSON schema, a regex and a Lark grammar
+"""Constrained output (turbo/sequence/grammar.py): a JSON object, a JSON schema, a regex and a Lark grammar
 hold at every committed position, so speculation (every drafter, blocks 1..8, both rollbacks)
 commits the unspeculated constrained output token for token; every answer of a seeded batch
 through the server parses and validates; bad constraints are refused naming the field."""
@@ -19,7 +19,7 @@ jsonschema = pytest.importorskip("jsonschema")
 import turbo  # noqa: E402
 from turbo.drafters.ngram import NgramDrafter  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
-from turbo.grammar import GrammarState  # noqa: E402
+from turbo.sequence.grammar import GrammarState  # noqa: E402
 from test_train_example import qwen35_install  # noqa: E402,F401  (a random trunk over the real vocabulary)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -178,7 +178,7 @@ def test_the_server_holds_every_answer_of_a_seeded_batch(tiny, tiny_server):
                          "response_format"),
                         ({"response_format": {"type": "xml"}}, "response_format"),
                         ({"turbo": {"regex": "(["}}, "response_format"),
-                        ({"turbo": {"grammar": 5}}, "turbo.grammar")]:
+                        ({"turbo": {"grammar": 5}}, "turbo.sequence.grammar")]:
         resp = http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 4, **body})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.json())
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import turbo
-from turbo.grammar import COMPILED_KEPT, VOCABS_KEPT, Kept
+from turbo.sequence.grammar import COMPILED_KEPT, VOCABS_KEPT, Kept
 
 pytest.importorskip("llguidance")
 

@@ -10,7 +10,7 @@ import pytest
 
 import turbo
 from turbo import TurboError
-from turbo.options import OpenOptions
+from turbo.sequence.options import OpenOptions
 
 PROMPT = "def f(x):"
 

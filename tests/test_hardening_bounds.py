@@ -1,6 +1,6 @@
 """One request must not take the process down (issue 57): a schema or a Lark grammar deep enough
 to overflow llguidance's stack (SIGSEGV) is measured and refused by name before it is compiled
-(turbo/grammar_bounds.py), and what is accepted up to the bounds compiles; a refused regex says
+(turbo/sequence/grammar_bounds.py), and what is accepted up to the bounds compiles; a refused regex says
 why; logit_bias keys and Content-Length are read as ASCII digits; serve sizes that round to too
 few bytes are refused at startup. The crashing cases run in a subprocess: a regression fails the
 test (rc 139) instead of killing pytest."""
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from turbo import grammar_bounds
+from turbo.sequence import grammar_bounds
 from turbo.errors import TurboError, ascii_decimal
-from turbo.grammar import ResponseFormat
-from turbo.options import GenerationOptions
+from turbo.sequence.grammar import ResponseFormat
+from turbo.sequence.options import GenerationOptions
 from test_hardening_serve import MESSAGES, error_of, post, server  # noqa: F401  (a server process: tiny, 1 MiB bodies)
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -21,12 +21,12 @@ import pytest
 
 import turbo
 from turbo.bounded import MAX_NESTING, SMALL_FILE_BYTES, text_nesting
-from turbo.chat import template_messages
+from turbo.chat.turn import template_messages
 from turbo.chat_cli import load_tools
-from turbo.chat_template import encode, install_template
+from turbo.chat.template import encode, install_template
 from turbo.errors import TurboError
 from turbo.serve.protocol import ReasoningStream
-from turbo.tool_calls import CallStream, ToolCall, call_grammar, parse_tool_calls
+from turbo.chat.tool_calls import CallStream, ToolCall, call_grammar, parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {
@@ -268,7 +268,7 @@ def xml_server(tmp_path_factory):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.sequence.options import GenerationOptions, OpenOptions
     from turbo.serve.app import make_app
     from turbo.serve.settings import ServeConfig, server_defaults
     from turbo.serve.worker import Engine

@@ -18,9 +18,9 @@ from safetensors.torch import save_file
 import turbo
 from turbo.repack import tensors as repack_mod
 from turbo.errors import TurboError
-from turbo.install import open_install
+from turbo.store.install import open_install
 from turbo.repack import repack
-from turbo.safetensors_format import read_header
+from turbo.store.safetensors_format import read_header
 
 ROOT = Path(__file__).resolve().parents[1]
 T = '"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'

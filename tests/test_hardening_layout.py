@@ -2,7 +2,7 @@
 byte of the weights it was built from (and their size + mtime, the fast path at open) and a
 CRC-32 per packed tensor; bytes of it changed or zeroed, or weights changed anywhere (not only in
 sampled windows), leave it unused -- said in one line, the tokens those of the weights -- and
-`python -m turbo.open_layout` rewrites it; weights touched but unchanged keep it in use."""
+`python -m turbo.load.open_layout` rewrites it; weights touched but unchanged keep it in use."""
 
 import os
 import shutil
@@ -10,11 +10,12 @@ import shutil
 import pytest
 
 import turbo
-from turbo import layout_file, open_layout
+from turbo.store import layout_file
+from turbo.load import open_layout
 from turbo.backends import native_lib
-from turbo.install import open_install
+from turbo.store.install import open_install
 from turbo.repack import repack
-from turbo.safetensors_format import read_header
+from turbo.store.safetensors_format import read_header
 from turbo.testing import make_checkpoint
 
 pytestmark = pytest.mark.skipif(native_lib.library() is None or "int8" not in native_lib.dot_layouts(),
@@ -62,7 +63,7 @@ def test_a_damaged_layout_is_not_used_and_is_rewritten(built, tmp_path, capsys, 
     capsys.readouterr()
     assert tokens(bad) == want
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "damaged" in err[0] and f"python -m turbo.open_layout {bad} rewrites it" in err[0], err
+    assert len(err) == 1 and "damaged" in err[0] and f"python -m turbo.load.open_layout {bad} rewrites it" in err[0], err
     assert open_layout.main([str(bad)]) == 0 and "wrote" in capsys.readouterr().err
     assert open_install(bad).packed and tokens(bad) == want
 

@@ -1,5 +1,5 @@
 """max_new_tokens is a limit, not an allocation: a generation's K/V cache holds its prompt plus a
-chunk and grows with the sequence (turbo.trunk.KV_CHUNK, Trunk.reserve), with the tokens a cache
+chunk and grows with the sequence (turbo.model.trunk.KV_CHUNK, Trunk.reserve), with the tokens a cache
 reserved whole up front gives."""
 
 import json
@@ -12,8 +12,8 @@ import pytest
 
 import turbo
 from turbo.errors import TurboError
-from turbo.session import FreshStart
-from turbo.trunk import KV_CHUNK
+from turbo.chat.session import FreshStart
+from turbo.model.trunk import KV_CHUNK
 
 TINY = Path(turbo.__file__).parent / "installs" / "tiny"
 POSITIONS = 2 ** 20  # a cache reserved for all of them: 2 layers x 2 x 2^20 x 2 heads x 64 x 2 B = 1 GiB

@@ -27,8 +27,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 import turbo  # noqa: E402
 from turbo.testing.checks import served_address  # noqa: E402
-from turbo import chat_template  # noqa: E402
-from turbo.chat_template import ChatTemplate  # noqa: E402
+from turbo.chat.turn import template as chat_template  # noqa: E402
+from turbo.chat.template import ChatTemplate  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
 from turbo.serve import images  # noqa: E402
 from turbo.serve.api_error import ApiError  # noqa: E402
@@ -248,7 +248,7 @@ def test_a_long_prompt_is_counted_in_pieces_and_never_tokenized_whole(monkeypatc
     """Past COUNT_FROM characters a prompt is counted a piece at a time and refused once over the
     context (a real vocabulary's longest token makes the character bound loose): the pieces'
     counts are the whole's, and the engine never tokenizes the refused prompt whole."""
-    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.sequence.options import GenerationOptions, OpenOptions
     from turbo.serve import limits
     from turbo.serve.protocol import parse
     from turbo.serve.settings import ServeConfig

@@ -1,4 +1,4 @@
-"""The template limits (turbo/chat_template.py) where the last pass found them missing (issue 57):
+"""The template limits (turbo/chat/template.py) where the last pass found them missing (issue 57):
 `%` formatting, the format filter, str.format / format_map with a width or precision past
 RENDER_CHARS are refused before the string is built; a filter that loops in Python over its
 input's items or words (wordwrap, title, sort, map...) takes at most FILTER_ITEMS of them, so no
@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from turbo.chat_template import FILTER_ITEMS, ChatTemplate
+from turbo.chat.template import FILTER_ITEMS, ChatTemplate
 from turbo.errors import TurboError
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -140,13 +140,13 @@ def test_the_graph_is_read_as_python_runs_imports():
     and the repack package's cycle through open_layout (fixed in 22ba1ca) would be found."""
     edges, lazy = graph()
     assert "turbo.repack.tensors" in edges["turbo.repack.source"]
-    assert {"turbo.safetensors_format", "turbo.reader"} <= edges["turbo.open_layout"]
+    assert {"turbo.store.safetensors_format", "turbo.load.reader"} <= edges["turbo.load.open_layout"]
     assert "turbo.engine" not in edges["turbo.chat_cli"]  # (only under TYPE_CHECKING there)
     assert ("turbo.__main__", "turbo.engine") in {(a, b) for a, b, _ in lazy}
     assert cycles({"a": {"b.c"}, "b": {"a"}, "b.c": {"b"}}) == [["a", "b", "b.c"]]
     broken = {m: set(t) for m, t in edges.items()}
-    broken["turbo.open_layout"].add("turbo.repack")
-    assert any({"turbo.repack", "turbo.open_layout"} <= set(c) for c in cycles(broken))
+    broken["turbo.load.open_layout"].add("turbo.repack")
+    assert any({"turbo.repack", "turbo.load.open_layout"} <= set(c) for c in cycles(broken))
 
 
 def test_no_import_cycle():

@@ -1,4 +1,4 @@
-"""The load plan (turbo/load_plan.py) on its own: each matrix's format for the bundled tiny
+"""The load plan (turbo/load/load_plan.py) on its own: each matrix's format for the bundled tiny
 install, quantized installs (int4, int8, a tied head, MoE experts) and the drafters, decided from
 the index's headers alone (every entry pointed at a file that does not exist)."""
 
@@ -11,10 +11,10 @@ from turbo.testing import hf_config, make_checkpoint, make_drafter, make_moe_che
 from test_mtp import add_mtp, mtp_tensors
 
 from turbo.errors import TurboError
-from turbo.install import open_install
-from turbo.load_plan import (COPY, DRAFT, DRAFT_HEAD, NATIVE_OFF, PACKED, PANELS, TENSOR, Host, layer_matrices,
-                             plan_dflash, plan_mtp, plan_trunk)
-from turbo.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.load.load_plan import (COPY, DRAFT, DRAFT_HEAD, NATIVE_OFF, PACKED, PANELS, TENSOR, Host, layer_matrices,
+    plan_dflash, plan_mtp, plan_trunk)
+from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
 
 CPU = torch.device("cpu")

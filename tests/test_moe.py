@@ -10,9 +10,9 @@ from turbo.testing import (assert_64_greedy_tokens_match, assert_prefill_and_64_
                      make_moe_install)
 from safetensors import safe_open
 
-from turbo.install import open_install
-from turbo.loader import load_trunk
-from turbo.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.load.loader import load_trunk
+from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
 
 ALTERNATING = ["full_attention", "linear_attention", "linear_attention", "full_attention"]

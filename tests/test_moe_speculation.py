@@ -10,9 +10,9 @@ from turbo.testing import ScriptedDrafter, assert_lossless, make_drafter, make_m
 from test_mtp import add_mtp, mtp_tensors
 
 import turbo
-from turbo.arch import arch_from_config
-from turbo.load_plan import moe_tensor_shapes
-from turbo.policy import MOE_SPECULATION_BLOCKER_MARKER
+from turbo.store.arch import arch_from_config
+from turbo.load.load_plan import moe_tensor_shapes
+from turbo.sequence.policy import MOE_SPECULATION_BLOCKER_MARKER
 from turbo.repack import repack
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [7, 100, 3, 250, 17, 17, 17, 42, 7, 100, 3, 250, 17]]

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 import turbo
 from turbo.errors import TurboError
-from turbo.install import open_install
+from turbo.store.install import open_install
 from turbo.repack import repack
 
 
@@ -130,7 +130,7 @@ def test_lossless_adaptive(rt, rollback):
 
 
 def test_auto_picks_the_head_at_the_default_block(rt):
-    from turbo.policy import DEFAULT_SPECULATION_BLOCK
+    from turbo.sequence.policy import DEFAULT_SPECULATION_BLOCK
 
     res = rt.generate(PROMPTS[0], max_new_tokens=8, stop_at_eos=False)
     assert res.stats.drafter == "mtp" and res.stats.block == DEFAULT_SPECULATION_BLOCK

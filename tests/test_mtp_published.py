@@ -12,7 +12,7 @@ from test_mtp import mtp_tensors
 
 import turbo
 from turbo.errors import TurboError
-from turbo.install import open_install
+from turbo.store.install import open_install
 from turbo.repack import repack
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 2, 2, 64]]

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 import turbo
-from turbo import ops
+from turbo.backends import ops
 from turbo.backends import native_lib
 from turbo.drafters.dflash import DflashDrafter
-from turbo.drafters.dflash_math import select_candidates
-from turbo.install import open_install
-from turbo.loader import load_dflash, load_trunk
-from turbo.options import OpenOptions
+from turbo.backends.dflash_math import select_candidates
+from turbo.store.install import open_install
+from turbo.load.loader import load_dflash, load_trunk
+from turbo.sequence.options import OpenOptions
 
 pytestmark = pytest.mark.skipif(native_lib.library() is None,
                                 reason=f"native library unavailable: {native_lib.why_not()}")

@@ -12,12 +12,12 @@ from test_repack_formats import _source, assert_lossless_speculation
 from test_trunk_products import ROWS, assert_rows_are_steps, threads  # noqa: F401  (the fixture)
 
 import turbo
-from turbo import quant
+from turbo.store import quant
 from turbo.repack import fp8 as repack_fp8
 from turbo.backends import native_exact, native_lib, native_pack
-from turbo.install import open_install
-from turbo.loader import load_trunk
-from turbo.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.load.loader import load_trunk
+from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
 
 def needs_exact() -> None:
@@ -173,7 +173,7 @@ def test_the_plan_reads_them_as_stored_only_where_the_host_has_the_products(conv
     (the same weights); off the CPU, FP8 is dequantized at load (no kernel reads the codes)."""
     from test_load_plan import headers_only
 
-    from turbo.load_plan import EXACT, PANELS, SEGMENTS, TENSOR, Host, layer_matrices, plan_trunk
+    from turbo.load.load_plan import EXACT, PANELS, SEGMENTS, TENSOR, Host, layer_matrices, plan_trunk
     name, _, out = converted
     inst = open_install(out)
     layout = "fp8" if name == "fp8" else "exact"

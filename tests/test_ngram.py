@@ -17,9 +17,9 @@ from turbo.config import run_config
 from turbo.drafters import is_drafter
 from turbo.drafters.ngram import NgramConfig, NgramDrafter
 from turbo.errors import TurboError
-from turbo.install import open_install
-from turbo.policy import (DEFAULT_SPECULATION_BLOCK, DFLASH_BLOCK, MOE_SPECULATION_BLOCKER_MARKER,
-                          VISION_SPECULATION_BLOCKER_MARKER, Plan, plan)
+from turbo.store.install import open_install
+from turbo.sequence.policy import (DEFAULT_SPECULATION_BLOCK, DFLASH_BLOCK, MOE_SPECULATION_BLOCKER_MARKER,
+    VISION_SPECULATION_BLOCKER_MARKER, Plan, plan)
 
 ROOT = Path(__file__).parents[1]
 

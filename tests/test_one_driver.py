@@ -1,7 +1,7 @@
-"""One path for every sequence (turbo/driver.py): the same requests through `Runtime.generate` and
+"""One path for every sequence (turbo/sequence/driver.py): the same requests through `Runtime.generate` and
 through the server (its scheduler batching them) commit the same tokens and end for the same
 reasons; the CLI and the server decide every policy / block / drafter / window case alike, since
-turbo/policy.py decides for both."""
+turbo/sequence/policy.py decides for both."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import turbo  # noqa: E402
 from turbo.__main__ import composed  # noqa: E402
 from turbo.config import run_config  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
-from turbo.options import GenerationOptions, OpenOptions  # noqa: E402
+from turbo.sequence.options import GenerationOptions, OpenOptions  # noqa: E402
 from turbo.serve import protocol as P  # noqa: E402
 from turbo.serve.settings import ServeConfig, server_defaults  # noqa: E402
 from turbo.serve.worker import Engine  # noqa: E402

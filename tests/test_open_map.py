@@ -1,4 +1,4 @@
-"""Open = map (turbo/layout_file.py, turbo/open_layout.py): an install repacked now carries the
+"""Open = map (turbo/store/layout_file.py, turbo/load/open_layout.py): an install repacked now carries the
 native step's matrices as it reads them, and opening maps them with no packing work, giving the
 bytes and the tokens of the install packed at open (the same install without its layout); an
 install written before opens (converted once where it is large, else packed at open as before),
@@ -14,16 +14,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import turbo
-from turbo import layout_file, open_layout
+from turbo.store import layout_file
+from turbo.load import open_layout
 from turbo.backends import native_lib, native_pack
-from turbo.install import open_install
-from turbo.load_plan import COPY, PACKED, PANELS, layer_matrices, plan_trunk
-from turbo.loader import host
-from turbo.reader import Reader
-from turbo.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.load.load_plan import COPY, PACKED, PANELS, layer_matrices, plan_trunk
+from turbo.load.loader import host
+from turbo.load.reader import Reader
+from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
 from turbo.testing import make_checkpoint, make_moe_checkpoint
-from turbo.safetensors_format import write_safetensors
+from turbo.store.safetensors_format import write_safetensors
 
 WIDE = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=32)
 MOE = dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=64,
@@ -171,7 +172,7 @@ def test_an_older_install_that_cannot_be_written_says_the_command(installs, tmp_
     capsys.readouterr()
     assert tokens(old) == tokens(installs["int8"][0])
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"python -m turbo.open_layout {old} writes it" in err[0], err
+    assert len(err) == 1 and f"python -m turbo.load.open_layout {old} writes it" in err[0], err
     assert not (old / layout_file.PACKED_FILE).exists()
 
 
@@ -184,7 +185,7 @@ def test_a_layout_it_cannot_use_is_said_and_rewritten(installs, tmp_path, capsys
     capsys.readouterr()
     assert tokens(stale) == want
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "layout version 0" in err[0] and f"python -m turbo.open_layout {stale} rewrites it" in err[0]
+    assert len(err) == 1 and "layout version 0" in err[0] and f"python -m turbo.load.open_layout {stale} rewrites it" in err[0]
     assert open_layout.main([str(stale)]) == 0
     assert open_install(stale).packed and tokens(stale) == want
     # weights replaced under a layout: its fingerprint no longer matches them, the layout is not read

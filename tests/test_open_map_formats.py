@@ -1,9 +1,9 @@
-"""Open = map for the converted formats (turbo/open_layout.py, native_exact.py): an FP8, an int4
+"""Open = map for the converted formats (turbo/load/open_layout.py, native_exact.py): an FP8, an int4
 (AWQ) and a GGUF Q8_0 install (its tied head read as stored) carry their SEGMENTS matrices in the
 open layout, the bytes the loader packs at open, and open by map with no packing, giving the
 tokens and logits of the same install packed at open bit for bit; a host without the formats'
 products opens such a layout as before (packing what it reads); a layout written before (for a
-host without them) is stale, rewritten once at open or by `python -m turbo.open_layout`."""
+host without them) is stale, rewritten once at open or by `python -m turbo.load.open_layout`."""
 
 import ctypes
 import shutil
@@ -16,12 +16,13 @@ from test_open_map import PACKING, PROMPT, tokens
 from test_repack_formats import _source
 
 import turbo
-from turbo import layout_file, loader, open_layout, quant
+from turbo.store import layout_file, quant
+from turbo.load import loader, open_layout
 from turbo.backends import native_exact, native_lib, native_pack
-from turbo.install import open_install
-from turbo.load_plan import EXACT, PANELS, SEGMENTS, Host, layer_matrices, plan_trunk
-from turbo.reader import Reader
-from turbo.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.load.load_plan import EXACT, PANELS, SEGMENTS, Host, layer_matrices, plan_trunk
+from turbo.load.reader import Reader
+from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
 
 KINDS = ("fp8", "awq", "gguf-q8_0")
@@ -158,7 +159,7 @@ def test_a_layout_written_for_a_host_without_them_is_rewritten_once(installs, tm
     capsys.readouterr()
     assert tokens(stale) == want
     said = capsys.readouterr().err.strip().splitlines()
-    assert len(said) == 1 and f"python -m turbo.open_layout {stale} rewrites it" in said[0], said
+    assert len(said) == 1 and f"python -m turbo.load.open_layout {stale} rewrites it" in said[0], said
     if kind == "fp8":  # the command: the layout written, current, mapped
         assert open_layout.main([str(stale)]) == 0
     else:  # an install past CONVERT_BYTES: once, at open
@@ -181,7 +182,7 @@ def test_the_command_writes_a_converted_installs_layout(installs, tmp_path, caps
 
 
 def test_segments_read_in_place_are_the_packed_ones_and_a_damaged_table_is_refused():
-    from turbo import quant
+    from turbo.store import quant
     from turbo.errors import TurboError
     g = torch.Generator().manual_seed(3)
     w = [torch.randn(n, 128, generator=g) for n in (40, 24)]

@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from turbo.config import GENERATION_KEYS, OPEN_KEYS, run_config
 from turbo.drafters.ngram import NgramConfig
-from turbo.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
+from turbo.sequence.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
 
 ROOT = Path(__file__).resolve().parents[1]
 

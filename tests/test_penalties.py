@@ -1,4 +1,4 @@
-"""Penalties and logit_bias (turbo/penalties.py): applied at every committed position, so greedy
+"""Penalties and logit_bias (turbo/sequence/penalties.py): applied at every committed position, so greedy
 speculation is plain greedy decode token for token and the output equals a plain torch loop over
 transformers' logits; sampled speculation keeps the penalised distribution (tests/test_sampling.py);
 bad values are refused naming the field, in Python, on the command line and by the server."""
@@ -15,7 +15,7 @@ import torch
 import turbo
 from turbo.drafters.ngram import NgramDrafter
 from turbo.errors import TurboError
-from turbo.penalties import Penalties, PenaltyState
+from turbo.sequence.penalties import Penalties, PenaltyState
 
 PROMPT = "def fib(n):"
 SETTINGS = [dict(repetition_penalty=1.3), dict(frequency_penalty=1.2), dict(presence_penalty=1.5),
@@ -30,7 +30,7 @@ SPECULATION = [dict(policy="fixed", block=b, drafter=d, rollback=rb)
 
 
 def reference_row(row: torch.Tensor, prompt: list[int], output: list[int], p: Penalties) -> torch.Tensor:
-    """One position's processing written out plainly: the definitions of turbo/penalties.py."""
+    """One position's processing written out plainly: the definitions of turbo/sequence/penalties.py."""
     row = row.clone()
     for t in set(prompt) | set(output):
         row[t] = row[t] * p.repetition if row[t] < 0 else row[t] / p.repetition

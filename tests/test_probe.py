@@ -108,8 +108,8 @@ def test_adaptive_lossless_against_off(install):
 def test_adaptive_loop_mixes_plain_and_speculative_rounds_losslessly(install, monkeypatch):
     """A scripted chooser drives every block, plain rounds (0) included, through the real loop."""
     import turbo
-    import turbo.driver as driver
-    from turbo.adaptive import AdaptiveChooser
+    import turbo.sequence.driver as driver
+    from turbo.sequence.adaptive import AdaptiveChooser
 
     script = [0, 3, 1, 8, 0, 0, 2, 5, 0, 7, 4, 6]
     seen = []
@@ -138,7 +138,7 @@ def test_adaptive_loop_mixes_plain_and_speculative_rounds_losslessly(install, mo
 
 
 def test_adaptive_chooser_follows_acceptance_and_cost():
-    from turbo.adaptive import AdaptiveChooser
+    from turbo.sequence.adaptive import AdaptiveChooser
 
     def play(p_accept, rounds=200):
         c = AdaptiveChooser(8)

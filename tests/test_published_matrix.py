@@ -23,11 +23,11 @@ import torch
 from PIL import Image
 
 import turbo
-from turbo import quant
-from turbo.arch import arch_from_config
-from turbo.chat_template import encode, render
+from turbo.store import quant
+from turbo.store.arch import arch_from_config
+from turbo.chat.template import encode, render
 from turbo.drafters.mtp import declared_layers
-from turbo.install import open_install
+from turbo.store.install import open_install
 from turbo.repack import main as repack_main
 from turbo.testing import assert_lossless
 from turbo.testing.published import (IMAGE_ID, LAYOUTS, TEMPLATE, carries_mtp, has_tower, make_published,
@@ -153,7 +153,7 @@ def test_one_request_through_the_server(entry):
     pytest.importorskip("fastapi")
     from fastapi.testclient import TestClient
 
-    from turbo.options import GenerationOptions, OpenOptions
+    from turbo.sequence.options import GenerationOptions, OpenOptions
     from turbo.serve.app import make_app
     from turbo.serve.settings import ServeConfig
     from turbo.serve.worker import Engine

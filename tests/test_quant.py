@@ -10,11 +10,12 @@ from turbo.testing import hf_config, make_checkpoint, make_drafter
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from turbo import engine, quant
+from turbo import engine
+from turbo.store import quant
 from turbo.errors import TurboError
-from turbo.install import ResidentIndex, open_install
-from turbo.loader import load_trunk
-from turbo.options import OpenOptions
+from turbo.store.install import ResidentIndex, open_install
+from turbo.load.loader import load_trunk
+from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
 
 
@@ -343,7 +344,7 @@ def test_cli_quant_flag(tmp_path, capsys):
 
 def test_verify_dtype_blocker_reads_the_backend(int4_install):
     from turbo.backends import CPU
-    from turbo.policy import speculation_blocker
+    from turbo.sequence.policy import speculation_blocker
 
     inst = open_install(int4_install[2])
     assert {4, 15, 16} <= set(CPU.verify_dtypes)

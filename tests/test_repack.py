@@ -11,7 +11,7 @@ from safetensors.torch import save_file
 
 from turbo.repack import tensors as repack_mod
 from turbo.errors import TurboError
-from turbo.install import ResidentIndex, install_has_vision, open_install
+from turbo.store.install import ResidentIndex, install_has_vision, open_install
 from turbo.repack import repack
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 import turbo
-from turbo import quant
+from turbo.store import quant
 from turbo.errors import TurboError
-from turbo.install import HEAD_COPY_KEY, open_install
-from turbo.load_plan import COPY, SEGMENTS, Host, layer_matrices, plan_trunk
-from turbo.loader import host
-from turbo.options import OpenOptions
+from turbo.store.install import HEAD_COPY_KEY, open_install
+from turbo.load.load_plan import COPY, SEGMENTS, Host, layer_matrices, plan_trunk
+from turbo.load.loader import host
+from turbo.sequence.options import OpenOptions
 from turbo.repack import main as repack_main, repack
 from turbo.testing import make_checkpoint
 from turbo.testing.source_formats import write_fp8, write_int4

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 import turbo  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
-from turbo.install import open_install  # noqa: E402
+from turbo.store.install import open_install  # noqa: E402
 from turbo.repack import main, repack  # noqa: E402
 from turbo.testing import make_checkpoint, make_moe_checkpoint  # noqa: E402
 from turbo.testing.gguf_writer import converted, write_gguf  # noqa: E402
@@ -179,8 +179,8 @@ def test_moe_q8_0_exact_and_greedy(tmp_path):
     from test_native_formats import needs_exact
     from test_trunk_products import assert_rows_are_steps
 
-    from turbo.loader import load_trunk
-    from turbo.options import OpenOptions
+    from turbo.load.loader import load_trunk
+    from turbo.sequence.options import OpenOptions
     needs_exact()  # the native step: the experts read as stored (int8g32 segments), verify rows = decode steps
     trunk = load_trunk(open_install(inst), OpenOptions(), "cpu")
     moe = next(layer.moe for layer in trunk.layers if layer.moe is not None)
@@ -346,7 +346,7 @@ def test_q8_0_products_form_each_weight_with_one_multiply(n, k):
     from test_native_formats import fp32_bound, needs_exact
     from test_trunk_products import ROWS
 
-    from turbo import quant
+    from turbo.store import quant
     from turbo.backends import native_exact, native_pack
     from turbo.repack.gguf_tensors import _affine
 

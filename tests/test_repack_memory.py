@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 
 from turbo.repack import repack
-from turbo.safetensors_format import read_header
+from turbo.store.safetensors_format import read_header
 from turbo.testing.checkpoints import make_moe_checkpoint
 from turbo.testing.shapes import SHAPES, write_checkpoint
-from turbo import open_layout
+from turbo.load import open_layout
 from turbo.repack import tensors as repack_tensors
 
 ROOT = Path(__file__).resolve().parent.parent

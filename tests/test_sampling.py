@@ -25,11 +25,11 @@ from turbo.drafters import DrafterBase
 from turbo.drafters.ngram import NgramDrafter
 from turbo.testing.checks import play_round
 from turbo.repack import repack
-from turbo.options import GenerationOptions
+from turbo.sequence.options import GenerationOptions
 from turbo.errors import TurboError
-from turbo.grammar import GrammarState
-from turbo.penalties import PenaltyState
-from turbo.sampling import RejectionSampler, Sampler, SamplingParams, probabilities, rejection_sampler
+from turbo.sequence.grammar import GrammarState
+from turbo.sequence.penalties import PenaltyState
+from turbo.sequence.sampling import RejectionSampler, Sampler, SamplingParams, probabilities, rejection_sampler
 from test_penalties import reference_row
 
 ALPHA = 1e-3
@@ -250,7 +250,7 @@ def speculative_samples(rt, drafter, n: int, **extra) -> list[tuple[int, ...]]:
     return out
 
 
-# strong enough that the second token's distribution depends on the first (turbo/penalties.py)
+# strong enough that the second token's distribution depends on the first (turbo/sequence/penalties.py)
 PENALISED = dict(repetition_penalty=1.8, frequency_penalty=1.5, presence_penalty=1.0, logit_bias={1: 2.0})
 
 
@@ -376,7 +376,7 @@ class PositionalMatcher:
 
 def masked_target(rt) -> dict[tuple[int, ...], float]:
     """plain_target with each position's logits masked to what the grammar allows there, before
-    temperature and top-p (as turbo/grammar.py's rows are)."""
+    temperature and top-p (as turbo/sequence/grammar.py's rows are)."""
     params = SamplingParams(SAMPLING["temperature"], top_p=SAMPLING["top_p"])
 
     def after(ids, allowed):

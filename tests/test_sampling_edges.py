@@ -11,7 +11,7 @@ import torch
 
 import turbo
 from turbo import TurboError
-from turbo.sampling import SamplingParams, probabilities
+from turbo.sequence.sampling import SamplingParams, probabilities
 
 PROMPT = "def f(x):"
 
@@ -57,7 +57,7 @@ def clock(step: float):
 def test_a_seed_repeats_adaptive_whatever_the_clock(rt, monkeypatch):
     texts = []
     for step in (1e-4, 0.5, 7.0):
-        monkeypatch.setattr("turbo.driver.time.perf_counter", clock(step))  # (the time module: every clock)
+        monkeypatch.setattr("turbo.sequence.driver.time.perf_counter", clock(step))  # (the time module: every clock)
         res = rt.generate(PROMPT, max_new_tokens=40, policy="adaptive", block=4, temperature=0.7, seed=123)
         texts.append(res.tokens)
     assert texts[0] == texts[1] == texts[2]

@@ -7,7 +7,7 @@ import pytest
 
 import turbo
 from turbo.errors import TurboError
-from turbo.options import GenerationOptions as G
+from turbo.sequence.options import GenerationOptions as G
 from turbo.serve.costs import StepCosts, sequence_bytes
 from turbo.serve.scheduler import Overloaded, Request, Scheduler, ServeLimits
 

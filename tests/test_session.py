@@ -1,4 +1,4 @@
-"""Chat sessions (turbo/session.py) and rt.chat (turbo/chat.py): every turn's tokens -- and its
+"""Chat sessions (turbo/chat/session.py) and rt.chat (turbo/chat/turn.py): every turn's tokens -- and its
 speculation counters -- are those a fresh generation over the whole rendered conversation gives,
 whatever state the turn went on from (the last turn's, a snapshot, a fresh prefill), whichever
 drafter, block and rollback, after edits, and with other generations run between turns."""
@@ -11,8 +11,8 @@ from test_mtp import add_mtp, mtp_tensors
 
 import turbo
 from turbo.drafters import DrafterBase
-from turbo.chat import split_reasoning
-from turbo.chat_template import encode, render
+from turbo.chat.turn import split_reasoning
+from turbo.chat.template import encode, render
 from turbo.errors import TurboError
 from turbo.repack import repack
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import turbo
-from turbo.stops import Finish
+from turbo.sequence.stops import Finish
 from turbo.testing.checkpoints import make_checkpoint
 from turbo.repack import repack
 

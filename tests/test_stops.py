@@ -1,4 +1,4 @@
-"""Stop strings and stop token ids (turbo.stops) on tiny: every expectation is read off a run
+"""Stop strings and stop token ids (turbo.sequence.stops) on tiny: every expectation is read off a run
 without stops. A stopped run's tokens are the shortest prefix of that run whose text holds
 the stop string, its text is that run's text cut right before it, and a stop that completes
 inside a speculative block commits exactly up to it, with the state and the drafter exactly
@@ -12,7 +12,7 @@ import turbo
 from turbo import engine
 from turbo.testing.checks import play_round
 from turbo.errors import TurboError
-from turbo.stops import Finish, Stopper
+from turbo.sequence.stops import Finish, Stopper
 
 CODE = "def fib(n):"  # the DFlash drafter lands here
 REPEAT = "import os\nimport sys\n" * 3  # and the n-gram drafter here (a prompt tiny does not answer with <|im_end|>)

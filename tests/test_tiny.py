@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 import turbo
-from turbo.install import BUNDLED_DIR, open_install
+from turbo.store.install import BUNDLED_DIR, open_install
 
 GOLDEN = json.loads((Path(__file__).parent / "golden" / "tiny.json").read_text())
 
@@ -62,7 +62,7 @@ def test_window_is_refused_for_the_mtp_head(rt):
 
 
 def test_round_texts_add_up_to_the_text_without_broken_characters(rt):
-    from turbo.detokenizer import Detokenizer
+    from turbo.sequence.detokenizer import Detokenizer
 
     s = "naïve café — 𝛑 ≈ 3.14159; 日本語のテキスト 🙂 end"
     ids = rt.encode(s)

@@ -4,8 +4,8 @@ does, a turn stops at <|im_end|>, and speculation on a chat turn lands and is lo
 import pytest
 
 import turbo
-from turbo.chat_template import encode, install_template
-from turbo.install import open_install
+from turbo.chat.template import encode, install_template
+from turbo.store.install import open_install
 
 QUESTIONS = ["What is 7 * 6?", "Explain os.path.join.", "Write a Python function that reverses a list.",
              "Compute ((12 + 5) * 3) - 8."]

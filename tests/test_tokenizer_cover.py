@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 
 import turbo
 from turbo.errors import TurboError
-from turbo.install_check import PADDING_ROWS, check_tokenizer
+from turbo.load.install_check import PADDING_ROWS, check_tokenizer
 from turbo.testing.checkpoints import tiny_tokenizer
 
 TINY_ROWS, IM_START, IM_END = 4100, 4096, 4097

@@ -1,4 +1,4 @@
-"""Tool calls (turbo/tool_calls.py): the calls read from both Qwen formats, typed by the tool's
+"""Tool calls (turbo/chat/tool_calls.py): the calls read from both Qwen formats, typed by the tool's
 schema, malformed ones returned as text with the reason; through the official `openai` client a
 round trip (tools -> tool_calls -> a `tool` result -> an answer), streamed and not, for every
 tool_choice; the same through `rt.chat`; bad tools and choices refused naming the field."""
@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from turbo.chat import template_messages
+from turbo.chat.turn import template_messages
 from turbo.errors import TurboError
-from turbo.tool_calls import CallStream, call_grammar, parse_tool_calls, tool_functions
+from turbo.chat.tool_calls import CallStream, call_grammar, parse_tool_calls, tool_functions
 
 jsonschema = pytest.importorskip("jsonschema")
 

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from turbo.testing import make_install
-from turbo import ops
-from turbo.install import open_install
-from turbo.loader import load_dflash, load_mtp, load_trunk
-from turbo.options import OpenOptions
+from turbo.backends import ops
+from turbo.store.install import open_install
+from turbo.load.loader import load_dflash, load_mtp, load_trunk
+from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
 from turbo.train import dflash2, mtp
 

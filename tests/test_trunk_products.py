@@ -7,11 +7,12 @@ import torch
 from turbo.testing import ScriptedDrafter, assert_lossless, make_install, make_moe_install, make_spec_install
 
 import turbo
-from turbo import ops, quant
+from turbo.backends import ops
+from turbo.store import quant
 from turbo.backends import native_lib, native_pack, packed
-from turbo.install import open_install
-from turbo.loader import load_trunk
-from turbo.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.load.loader import load_trunk
+from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
 
 pytestmark = pytest.mark.skipif(native_lib.library() is None,

@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 import turbo  # noqa: E402
 from turbo import RoundEvent, Stats  # noqa: E402
-from turbo.options import OpenOptions  # noqa: E402
+from turbo.sequence.options import OpenOptions  # noqa: E402
 from turbo.testing import make_install, make_spec_install  # noqa: E402
 from tui import MODES, Settings, TurboApp, compose_settings  # noqa: E402
 from tui.__main__ import main as tui_main  # noqa: E402

@@ -13,9 +13,9 @@ import pytest
 import turbo
 from turbo.__main__ import cli
 from turbo.chat_cli import Repl
-from turbo.options import GenerationOptions
+from turbo.sequence.options import GenerationOptions
 from turbo.testing.checks import run_clis
-from turbo.vision.testing import make_vl_install
+from turbo.testing.vision import make_vl_install
 
 from test_vision_doors import TEMPLATE, png
 

@@ -12,9 +12,9 @@ import pytest
 from PIL import Image
 
 import turbo
-from turbo.chat_template import encode
+from turbo.chat.template import encode
 from turbo.errors import TurboError
-from turbo.vision.testing import make_vl_install
+from turbo.testing.vision import make_vl_install
 
 TEMPLATE = ("{%- for m in messages %}<|im_start|>{{ m.role }}\n{%- if m.content is string %}{{ m.content }}"
             "{%- else %}{%- for item in m.content %}{%- if item.type in ('image', 'image_url') %}"
@@ -43,7 +43,7 @@ def test_chat_with_image_parts_equals_generate(rt, tmp_path):
                                              {"type": "text", "text": " and "},
                                              {"type": "image", "image": str(tmp_path / "b.png")}]}]
     res = rt.chat(messages, template=TEMPLATE, max_new_tokens=12, policy="off")
-    ids = encode(rt.tokenizer, turbo.chat_template.render(TEMPLATE, messages, add_generation_prompt=True))
+    ids = encode(rt.tokenizer, turbo.chat.template.render(TEMPLATE, messages, add_generation_prompt=True))
     plain = rt.generate(ids, images=[url, tmp_path / "b.png"], max_new_tokens=12, policy="off")
     assert res.tokens == plain.tokens[:len(res.tokens)] and res.tokens
     spec = rt.chat(messages, template=TEMPLATE, max_new_tokens=12, policy="fixed", block=3, drafter="ngram")
@@ -63,7 +63,7 @@ def test_image_parts_refused_in_one_line(rt):
 
 
 def test_placeholders_without_images_are_refused(rt):
-    from turbo.vision.testing import END_ID, IMAGE_ID, START_ID
+    from turbo.testing.vision import END_ID, IMAGE_ID, START_ID
 
     with pytest.raises(TurboError, match="places an image .* with no image given"):
         rt.generate([5, START_ID, IMAGE_ID, END_ID, 6], max_new_tokens=2)

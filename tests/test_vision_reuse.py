@@ -1,4 +1,4 @@
-"""A chat session keeps its state past images (turbo/vision/session.py): after a turn with an
+"""A chat session keeps its state past images (turbo/chat/image_session.py): after a turn with an
 image, each later turn prefills only its new rows (a new image's through the image prefill of
 just its rows), and every turn's tokens equal a fresh generation over the conversation: greedy and
 speculating (ngram, dflash, mtp), an image in turn 3 and images in turns 3 and 5; an edited turn
@@ -13,10 +13,10 @@ from test_vision_doors import TEMPLATE, png
 from test_vision_speculation import own_drafters  # noqa: F401 (the fixture)
 
 import turbo
-from turbo.chat_template import encode, render
-from turbo.session import common_prefix
+from turbo.chat.template import encode, render
+from turbo.chat.session import common_prefix
 from turbo.vision.runtime import message_images, vision_of
-from turbo.vision.testing import make_vl_install
+from turbo.testing.vision import make_vl_install
 
 
 def image(seed: int, h: int = 40, w: int = 56) -> list:

@@ -10,9 +10,9 @@ from PIL import Image
 from test_sampling import fits
 
 import turbo
-from turbo.sampling import SamplingParams, probabilities
+from turbo.sequence.sampling import SamplingParams, probabilities
 from turbo.vision.runtime import vision_of
-from turbo.vision.testing import make_vl_install, marker_ids
+from turbo.testing.vision import make_vl_install, marker_ids
 
 VOCAB = 12
 START, IMAGE, END = marker_ids(VOCAB)

@@ -21,7 +21,7 @@ pytest.importorskip("fastapi")
 
 import turbo  # noqa: E402
 from turbo.testing.checks import served_address  # noqa: E402
-from turbo.vision.testing import IMAGE_ID, make_vl_install  # noqa: E402
+from turbo.testing.vision import IMAGE_ID, make_vl_install  # noqa: E402
 
 from test_vision_doors import TEMPLATE, png  # noqa: E402
 
@@ -103,8 +103,8 @@ def test_bad_images_are_a_400_naming_the_field_and_it_keeps_serving(vl, url, say
 def test_the_scheduler_batches_image_requests_on_both_steps(tmp_path, step_path):
     """In process, native and torch steps: image requests (two images that give the same ids) and
     text ones in one batch, greedy and speculating, each equal to generate(images=) alone."""
-    from turbo.chat_template import encode, render
-    from turbo.options import GenerationOptions as G
+    from turbo.chat.template import encode, render
+    from turbo.sequence.options import GenerationOptions as G
     from turbo.serve.images import expand_images
     from turbo.serve.scheduler import Request, Scheduler, ServeLimits
 
@@ -145,7 +145,7 @@ def conversation(url: str, answers: list[str], turn: int) -> list[dict]:
 def test_a_resent_conversation_with_images_hits_the_prefix_cache(vl):
     """Each turn resent whole: the answers a cold run gives, the rows up to the last answer cached
     from turn 2 on; the same text with another image gets its own answers, no hit past the image."""
-    from turbo.chat_template import encode, render
+    from turbo.chat.template import encode, render
 
     pair = [data_url(solid(64)), data_url(solid(192))]  # not sent before
     first = []

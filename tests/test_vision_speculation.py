@@ -12,7 +12,7 @@ from PIL import Image
 import turbo
 from turbo.errors import TurboError
 from turbo.testing import ScriptedDrafter
-from turbo.vision.testing import END_ID, IMAGE_ID, START_ID, make_vl_install
+from turbo.testing.vision import END_ID, IMAGE_ID, START_ID, make_vl_install
 
 PROMPT = [5, 6, START_ID, IMAGE_ID, END_ID, 7, 8, 9, START_ID, IMAGE_ID, END_ID, 10, 11, 12, 7, 8]
 NEW = 40
@@ -67,7 +67,7 @@ def own_drafters(tmp_path_factory):
 
     from turbo.repack import repack
     from turbo.testing.checkpoints import make_drafter
-    from turbo.vision.testing import make_vl_checkpoint
+    from turbo.testing.vision import make_vl_checkpoint
 
     tmp = tmp_path_factory.mktemp("vl-spec")
     model = make_vl_checkpoint(tmp / "src", seed=3)

@@ -12,8 +12,8 @@ import pytest
 pytest.importorskip("textual")
 
 import turbo  # noqa: E402
-from turbo.options import OpenOptions  # noqa: E402
-from turbo.vision.testing import make_vl_install  # noqa: E402
+from turbo.sequence.options import OpenOptions  # noqa: E402
+from turbo.testing.vision import make_vl_install  # noqa: E402
 from tui import Settings, TurboApp  # noqa: E402
 
 from test_tui import settle  # noqa: E402

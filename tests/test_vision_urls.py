@@ -22,10 +22,10 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from test_vision_doors import TEMPLATE, png  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
-from turbo.options import GenerationOptions, OpenOptions  # noqa: E402
+from turbo.sequence.options import GenerationOptions, OpenOptions  # noqa: E402
 from turbo.serve import images  # noqa: E402
 from turbo.serve.settings import ServeConfig, serve_config  # noqa: E402
-from turbo.vision.testing import make_vl_install  # noqa: E402
+from turbo.testing.vision import make_vl_install  # noqa: E402
 
 FIELD = "messages[0].content[0].image_url.url"
 IMAGE = png(7, 40, 56)

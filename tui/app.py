@@ -24,7 +24,7 @@ from textual.worker import get_current_worker
 
 import turbo
 from turbo.backends import native_build
-from turbo.sampling import sampling_label
+from turbo.sequence.sampling import sampling_label
 
 from .chat import ChatMode, PromptInput, chat_pane, chat_rows
 from .settings import Settings, mode_label, next_mode, next_temperature

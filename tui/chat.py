@@ -1,4 +1,4 @@
-"""The TUI's chat: a conversation built on `Runtime.session` (turbo/session.py).
+"""The TUI's chat: a conversation built on `Runtime.session` (turbo/chat/session.py).
 
 `ChatView` shows the turns: the user's messages, the assistant's answers with their reasoning
 dimmed in a collapsible (open while it streams, collapsed once the turn ends) and each answer's
@@ -22,10 +22,10 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Static
 
-from turbo.chat import END_THINK, opens_think, split_reasoning
-from turbo.chat_template import ChatTemplate
-from turbo.options import GenerationOptions
-from turbo.session import Session, TurnReport
+from turbo.chat.turn import END_THINK, opens_think, split_reasoning
+from turbo.chat.template import ChatTemplate
+from turbo.sequence.options import GenerationOptions
+from turbo.chat.session import Session, TurnReport
 
 from .images import ImageAttach, text_of, user_turn
 from .view import Transcript, error_text, to_input, visible
@@ -110,7 +110,7 @@ def answer_end(t: Transcript, stop_ids: tuple[int, ...]) -> int:
 
 
 def live_message(t: Transcript, stop_ids: tuple[int, ...], opened: bool) -> dict[str, Any]:
-    """The answer so far as the session will split it (turbo.chat.split_reasoning)."""
+    """The answer so far as the session will split it (turbo.chat.turn.split_reasoning)."""
     reasoning, content = split_reasoning(t.text[:answer_end(t, stop_ids)], opened)
     return {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning is not None else {})
 

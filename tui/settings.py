@@ -9,7 +9,7 @@ from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
 from turbo.config import run_config
-from turbo.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
+from turbo.sequence.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
 from turbo.shipped import CONF_DIR
 
 # The draft modes ctrl+n cycles through, between generations: (policy, block).

@@ -6,10 +6,10 @@ from typing import Callable
 
 from rich.text import Text
 
-from turbo.detokenizer import Detokenizer
+from turbo.sequence.detokenizer import Detokenizer
 from turbo.errors import TurboError
-from turbo.sampling import sampling_label
-from turbo.stats import Stats
+from turbo.sequence.sampling import sampling_label
+from turbo.sequence.stats import Stats
 
 from .settings import Settings, mode_label
 

@@ -1,5 +1,5 @@
 """python -m turbo task=chat: a conversation read from standard input, one turn per line, over
-`Runtime.session` (turbo/session.py), which keeps the state between turns.
+`Runtime.session` (turbo/chat/session.py), which keeps the state between turns.
 
 Each line is a user turn, or a command: /reset, /system [TEXT], /think on|off, /retry, /image
 PATH (attaches an image to the next turn: an install with a vision tower; a refused image is one
@@ -22,15 +22,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TextIO
 
 from .bounded import read_small_text, strict_loads
-from .chat import END_THINK, THINK, assistant_message, opens_think
-from .chat_template import ChatTemplate, compile_template
+from .chat.turn import END_THINK, THINK, assistant_message, opens_think
+from .chat.template import ChatTemplate, compile_template
 from .config import ChatConfig, RunConfig
 from .errors import TurboError
-from .options import GenerationOptions
-from .session import Session, TurnReport
-from .stats import Stats
-from .stops import held_back
-from .tool_calls import CallStream, ToolCall
+from .sequence.options import GenerationOptions
+from .chat.session import Session, TurnReport
+from .sequence.stats import Stats
+from .sequence.stops import held_back
+from .chat.tool_calls import CallStream, ToolCall
 from .vision.runtime import vision_of
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The run configuration as Hydra composes it (conf/), read into the two option sets, which
-check the values and hold the defaults (turbo/options.py)."""
+check the values and hold the defaults (turbo/sequence/options.py)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
-from .options import GenerationOptions, OpenOptions, check_n
+from .sequence.options import GenerationOptions, OpenOptions, check_n
 
 
 @dataclass(frozen=True)

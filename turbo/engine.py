@@ -21,26 +21,26 @@ import torch
 from tokenizers import Tokenizer
 
 from .backends import Backend, native_lib, select_backend
-from .chat import ChatResult, run_chat, template_for
-from .chat_template import ChatTemplate
+from .chat.turn import ChatResult, run_chat, template_for
+from .chat.template import ChatTemplate
 from .drafters import Drafter
-from .drafters.seam import check_drafter_object
+from .sequence.seam import check_drafter_object
 from .drafters.ngram import NgramConfig, NgramDrafter
-from .driver import DrafterPool, Driver, Job, RoundEvent, Start
+from .sequence.driver import DrafterPool, Driver, Job, RoundEvent, Start
 from .errors import TurboError, checked_text
-from .grammar import Grammars
-from .install import Install, bundled_names, open_install
-from .install_check import check_install
-from .loader import load_drafter, load_trunk
-from .options import GenerationOptions, OpenOptions, check_n, integer
-from .policy import DraftPolicy, Plan, decide
-from .sampling import rejection_sampler
-from .session import DEFAULT_SNAPSHOTS, FRESH, Keeper, Session
-from .stats import Stats
-from .stops import Finish, stop_token_set
-from .trunk import KV_CHUNK
+from .sequence.grammar import Grammars
+from .store.install import Install, bundled_names, open_install
+from .load.install_check import check_install
+from .load.loader import load_drafter, load_trunk
+from .sequence.options import GenerationOptions, OpenOptions, check_n, integer
+from .sequence.policy import DraftPolicy, Plan, decide
+from .sequence.sampling import rejection_sampler
+from .chat.session import DEFAULT_SNAPSHOTS, FRESH, Keeper, Session
+from .sequence.stats import Stats
+from .sequence.stops import Finish, stop_token_set
+from .model.trunk import KV_CHUNK
 from .vision.runtime import image_prompt, refuse_unplaced
-from .vision.session import VisionSession
+from .chat.image_session import VisionSession
 
 DEFAULT_GENERATION = GenerationOptions()
 ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "
@@ -138,7 +138,7 @@ class Runtime:
         return self.drafters.base((kind, ngram if kind == "ngram" else window), ngram)
 
     def plan(self, policy: str | None, block: int | None, drafter: str | Drafter, window: int | None = None) -> Plan:
-        """What a generation with these options will do on this install (turbo/policy.py decides)."""
+        """What a generation with these options will do on this install (turbo/sequence/policy.py decides)."""
         return decide(self.install, policy, block, drafter, window, self.draft_defaults, self.backend.verify_dtypes,
                       self.drafter_config)
 
@@ -179,27 +179,27 @@ class Runtime:
         `template`). Keywords that are GenerationOptions fields are generation options, the
         others go to the template (enable_thinking=False). With `tools`, the answer's calls are
         read into message["tool_calls"] (OpenAI's shape); `tool_choice` "required" or a tool's
-        name makes it call one (turbo/tool_calls.py). turbo/chat.py."""
+        name makes it call one (turbo/chat/tool_calls.py). turbo/chat/turn.py."""
         return run_chat(self, messages, opts, tools, documents, template, kw, tool_choice)
 
     def session(self, system: str | None = None, *, tools: list | None = None, tool_choice: str = "auto",
                 template: str | ChatTemplate | None = None, snapshots: int = DEFAULT_SNAPSHOTS,
                 **template_kwargs: Any) -> Session:
-        """A conversation that keeps its state between turns (turbo/session.py); keywords go to
+        """A conversation that keeps its state between turns (turbo/chat/session.py); keywords go to
         the template. `snapshots`: how many assistant turns' starting states it keeps. With
         `tools`, answers' calls are read (Session.pending_calls) and answered with
         Session.send_tool_results; `tool_choice` is every turn's unless a turn gives its own."""
-        kind = VisionSession if self.install.has_vision else Session  # (turbo/vision/session.py: image parts)
+        kind = VisionSession if self.install.has_vision else Session  # (turbo/chat/image_session.py: image parts)
         return kind(self, template_for(self.install, template), system, tools, template_kwargs, snapshots,
                     tool_choice)
 
     def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
                images: list | None = None, **fields) -> Iterator[RoundEvent]:
-        """Yields one event per committed round. `opts` (turbo.options.GenerationOptions), or its
+        """Yields one event per committed round. `opts` (turbo.sequence.options.GenerationOptions), or its
         fields as keywords (over `opts` when both). Validation happens before the first yield.
         Another generation started before this stream ends takes the runtime over: this stream's
         next round then raises TurboError. `start`: how the state comes to hold the prompt
-        (a chat session's resumes its conversation; turbo/session.py). `images`: paths, bytes,
+        (a chat session's resumes its conversation; turbo/chat/session.py). `images`: paths, bytes,
         PIL images or data: URLs, one per image placeholder of the prompt (turbo/vision)."""
         if getattr(self._local, "inside", False):
             raise TurboError(REENTERED)
@@ -217,7 +217,7 @@ class Runtime:
 
     def driver(self, job: Job, draft: Drafter | None, *, cut_in_round: bool = False, logprobs: int | None = None,
                live_stats: bool = True) -> Driver:
-        """A driver for `job` with `draft` (turbo/driver.py): this runtime's trunk and tokenizer."""
+        """A driver for `job` with `draft` (turbo/sequence/driver.py): this runtime's trunk and tokenizer."""
         return Driver(self.trunk, self.decode, self.install.eos_ids, self.install.arch.vocab, job, draft,
                       cut_in_round=cut_in_round, logprobs=logprobs, live_stats=live_stats)
 
@@ -312,7 +312,7 @@ class OneThread:
 
 def open(path_or_name: str | Path = "tiny", opts: OpenOptions | None = None, **fields) -> Runtime:  # noqa: A001
     """Open an install: a directory, or the name of one shipped in the package ("tiny").
-    `opts` (turbo.options.OpenOptions), or its fields as keywords (backend=, dtype=,
+    `opts` (turbo.sequence.options.OpenOptions), or its fields as keywords (backend=, dtype=,
     draft_products=, ...) with the environment's say on the rest (OpenOptions.from_env)."""
     if not isinstance(path_or_name, (str, PurePath)):
         raise TurboError(f"install of type {type(path_or_name).__name__}: expected a directory (a str or a Path) "

@@ -23,9 +23,9 @@ from .config import RunConfig
 from .engine import Runtime
 from .engine import open as open_runtime
 from .errors import TurboError
-from .policy import check_policy
-from .sampling import sampling_label
-from .stats import COUNT_FIELDS, Counts
+from .sequence.policy import check_policy
+from .sequence.sampling import sampling_label
+from .sequence.stats import COUNT_FIELDS, Counts
 
 SCHEMA = "turbo.probe/1"
 DEFAULT_BLOCKS = (1, 2, 4, 7, 8)

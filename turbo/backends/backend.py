@@ -15,7 +15,7 @@ class Backend:
     note: str = ""
 
 
-# 4 / 5 / 16 / 15: INT4 / INT8 / 2-bit / 1-bit affine (turbo/quant.py), through the native step's
+# 4 / 5 / 16 / 15: INT4 / INT8 / 2-bit / 1-bit affine (turbo/store/quant.py), through the native step's
 # products (int4, int8) or ops.linear's row-stable path; 17-19: quant.EXACT_INT4 (the torch step;
 # 17 also a GGUF's Q4_x), 25: a GGUF's Q8_0 (17-19, 25 read as stored by the native step), 26: quant.FP8
 CPU = Backend("cpu", (1, 2, 3, 4, 5, 16, 15, 17, 18, 19, 25, 26))

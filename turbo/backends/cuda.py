@@ -15,7 +15,7 @@ from .backend import Backend
 from . import cuda_kernels
 from .cuda_kernels import MODULES, arch_for, f32, i32, ptr, ptx_dir, result_name
 
-# the kernels cover fp weights and the three affine formats (turbo/quant.py codes 4, 16, 15); FP8 (26)
+# the kernels cover fp weights and the three affine formats (turbo/store/quant.py codes 4, 16, 15); FP8 (26)
 # is dequantized at load to the bf16 install's weights (load_plan: not kept), which the fp path verifies
 CUDA = Backend("cuda", (1, 2, 3, 4, 16, 15, 26))
 
@@ -245,7 +245,7 @@ def _storage16(t: torch.Tensor) -> tuple[torch.Tensor, int]:
 def affine_linear(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, bits: int,
                   group: int) -> torch.Tensor:
     """x [R, in] @ w^T with w = scale * q + bias per group of `group` input columns, from the
-    packed int32 [out, in*bits/32] (turbo/quant.py layout). Returns fp32 [R, out]."""
+    packed int32 [out, in*bits/32] (turbo/store/quant.py layout). Returns fp32 [R, out]."""
     if bits not in QUANT_KERNELS:
         raise TurboError(f"backend cuda: {bits}-bit weights have no kernel (expected 4, 2 or 1)")
     x = _f32(x, "x")
@@ -301,7 +301,7 @@ def bf16_rows_product(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def int8_rows_product(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor,
                       group: int = 64) -> torch.Tensor:
-    """affine_linear for turbo/quant.py's int8 (uint8 levels, 4 per int32 word, bf16 scales /
+    """affine_linear for turbo/store/quant.py's int8 (uint8 levels, 4 per int32 word, bf16 scales /
     biases per `group` columns), batch-invariant like bf16_rows_product. DEVICE-UNVERIFIED."""
     x = _aligned16(_f32(x, "x"))
     rows, cols = x.shape

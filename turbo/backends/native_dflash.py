@@ -8,8 +8,8 @@ import ctypes
 
 import torch
 
-from .. import quant
-from ..drafters.dflash_math import select_candidates
+from ..store import quant
+from .dflash_math import select_candidates
 from .native_lib import WTYPES, DfLayer, Dflash, threaded
 from .packed import PackedRows, ptr, table_of
 
@@ -33,7 +33,7 @@ def dflash_refusal(device: torch.device, dtype: torch.dtype, embed) -> str | Non
 
 class NativeDflashStep:
     """The DFlash pass and context rows in native_dflash.c (one call each). The drafter's
-    matrices and lm_head arrive packed for its products (turbo/loader.py, load_plan.plan_dflash;
+    matrices and lm_head arrive packed for its products (turbo/load/loader.py, load_plan.plan_dflash;
     a bf16 drafter's stay bf16, widened exactly in the product)."""
 
     name = "native"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import quant
+from ..store import quant
 from ..errors import TurboError
 from .native_lib import WTYPES, dot_layouts
 from .packed import HEADER, LAYOUT_WTYPES, OCTET, PANEL, SUPER, Packed, superblocks

@@ -10,7 +10,7 @@ from typing import Callable
 
 import torch
 
-from .. import quant
+from ..store import quant
 from .native_exact import exact_panels, reads_exact
 from .native_lib import dot_layouts, threaded
 from .packed import LAYOUT_OF_BITS, PANEL, QUANTIZED, Packed

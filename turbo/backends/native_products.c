@@ -371,7 +371,7 @@ static uint8_t *group_quads(const float *x, int R, int k) {
 #endif
 
 /* ---- exact formats read packed: wtype 8, affine int4 / int8 with fp32 scales and biases in
- * any group (turbo/quant.py EXACT_INT4, GGUF_FORMATS); wtype 9, FP8 e4m3 codes with a scale per
+ * any group (turbo/store/quant.py EXACT_INT4, GGUF_FORMATS); wtype 9, FP8 e4m3 codes with a scale per
  * 128 x 128 block (quant.FP8) ----
  * Both are float products: each weight is formed exactly as the torch step dequantizes it, then
  * the fp32 walk of the panels (one chain per output over i in order: row-stable, and for FP8 the

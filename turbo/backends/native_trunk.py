@@ -8,10 +8,10 @@ import ctypes
 
 import torch
 
-from .. import quant
+from ..store import quant
 from .native_lib import WTYPES, Layer, Moe, library, threaded
 from .packed import ptr, table_of
-from .step import GdnTrace, StepOut, TrunkState
+from ..model.step import GdnTrace, StepOut, TrunkState
 
 # Rows per call of the native prefill: its working set (activations [chunk, ...], attention
 # scores [chunk, heads, prompt]) is bounded by it, and every matrix is read once per chunk.
@@ -100,7 +100,7 @@ class NativeTrunkStep:
     """The trunk's step through native.c: one call per layer, the torch step's contract and
     traces. A step is short (a fraction of a millisecond), so the Python here is kept to a
     few buffers per layer and raw pointers (the layers' structs built once, here).
-    The trunk arrives packed (turbo/loader.py packs each matrix as it reads it)."""
+    The trunk arrives packed (turbo/load/loader.py packs each matrix as it reads it)."""
 
     name = "native"
     prefill_rows_are_steps = True  # tests/test_native_prefill.py
@@ -258,7 +258,7 @@ class NativeTrunkStep:
 
 class NativeMtpStep:
     """The MTP head's layer (native_attn.c's attn_layer) and head, on the trunk's native step.
-    The head's matrices arrive packed for its products (turbo/loader.py, load_plan.plan_mtp)."""
+    The head's matrices arrive packed for its products (turbo/load/loader.py, load_plan.plan_mtp)."""
 
     name = "native"
 

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .. import quant
+from ..store import quant
 from .native_lib import WTYPES
 
 PANEL = 16  # outputs per panel of a packed matrix (native_products.c: one vector register)
@@ -44,7 +44,7 @@ class Packed:
     - "int8": per output a scale max|w| / 127 (fp32), 128 x the sum of its int8 values
       (int32), then data[p, j, l, t] = round(w[16p + l, 4j + t] / scale) as int8, all in one
       byte buffer, for int8 dot products (wtype 3, inputs quantised per row).
-    - "q4", "q8" (wtype 4, 5): an affine int4 / int8 matrix (turbo.quant, groups of 64) read
+    - "q4", "q8" (wtype 4, 5): an affine int4 / int8 matrix (turbo.store.quant, groups of 64) read
       packed, `quantized_panels`;
     - "exact" (wtype 8): affine int4 / int8 with fp32 scales in any group, "fp8" (wtype 9): e4m3
       codes and block scales, both read as stored in float products (`exact_panels`: the torch

@@ -1,7 +1,7 @@
 """The torch step: the trunk's forward (prefill, the row-stable step, replay), the MTP head's
 layer and the DFlash passes in torch ops. It is the CPU reference the native step and the CUDA
-kernels are tested against; on backend=cuda the same code runs the PTX kernels (turbo/ops.py
-dispatches on the tensors' device). The weights it reads are turbo/trunk.py's dataclasses."""
+kernels are tested against; on backend=cuda the same code runs the PTX kernels (turbo/backends/ops.py
+dispatches on the tensors' device). The weights it reads are turbo/model/trunk.py's dataclasses."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .. import ops
-from ..arch import Arch
-from ..drafters.dflash_math import grouped_conv, select_candidates
-from ..trunk import AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk
-from .step import GdnTrace, StepOut, TrunkState
+from . import ops
+from ..store.arch import Arch
+from .dflash_math import grouped_conv, select_candidates
+from ..model.trunk import AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk
+from ..model.step import GdnTrace, StepOut, TrunkState
 
 
 def swiglu(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

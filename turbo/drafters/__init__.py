@@ -3,7 +3,7 @@
 - `Drafter`: what every drafter has, a caller's own object too (the trunk verifies every
   proposal). A generation calls begin, then per round propose (propose_sampled under sampling)
   and commit, or defer / commit_deferred through the adaptive policy's plain rounds
-  (docs/DESIGN.md 5; turbo/driver.py is the one caller).
+  (docs/DESIGN.md 5; turbo/sequence/driver.py is the one caller).
 - `KeepsContext`: a drafter whose context outlives a generation: snapshot / restore / resume (a
   chat session's next turn and the server's prefix cache go on from a kept state), and fork (one
   context per sequence of a batch). `keeps_context` says whether a drafter has it.
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from ..sampling import Sampler
+    from ..sequence.sampling import Sampler
 
 
 @runtime_checkable
@@ -72,7 +72,7 @@ class KeepsContext(Drafter, Protocol):
 
     def fork(self) -> KeepsContext | None:
         """Another drafter of the same weights with a context of its own, for another sequence
-        of a batch (turbo/driver.py's DrafterPool); None: this one cannot."""
+        of a batch (turbo/sequence/driver.py's DrafterPool); None: this one cannot."""
 
 
 def keeps_context(d: Drafter) -> bool:

@@ -1,6 +1,6 @@
 """The DFlash block-diffusion drafters (docs/DESIGN.md 2.2): their weights, context ring and
-math; the pass itself runs on the step the loader chose (turbo/backends/step.py).
-Their config and shapes are checked in dflash_config.py, their tensors read in turbo/loader.py.
+math; the pass itself runs on the step the loader chose (turbo/model/step.py).
+Their config and shapes are checked in dflash_config.py, their tensors read in turbo/load/loader.py.
 One class runs both architectures: DFlash2, and the published DFlash, which is DFlash2
 without the grouped conv (its sublayers read their input as is) and without the candidate
 selector (a row proposes its logits' argmax).
@@ -16,12 +16,12 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from ..backends.packed import Packed
-from ..backends.step import DflashStep
+from ..model.step import DflashStep
 from . import DrafterBase
 from .dflash_config import DflashConfig, DflashShape
 
 if TYPE_CHECKING:
-    from ..sampling import Sampler
+    from ..sequence.sampling import Sampler
 
 DFLASH_RESIDUAL_SCALE = 8.0  # the draft pass divides its residual stream by this so it fits fp16
 DFLASH_RING_SLACK = 128
@@ -92,7 +92,7 @@ class DflashDrafter(DrafterBase):
                                                                           w.succ_codebook)
         self.layers, self.inv_freq = w.layers, w.inv_freq
         self.make_step = make_step
-        self.stepper = make_step(self)  # (binds the weights as loaded: turbo/loader.py packs them)
+        self.stepper = make_step(self)  # (binds the weights as loaded: turbo/load/loader.py packs them)
         self.why_torch = why_torch  # why the native pass is not the one in use (None: it is)
         self.reset()
 

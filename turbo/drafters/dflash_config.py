@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..arch import Arch, need_eps, need_field, need_positive, need_rope_theta, show
+from ..store.arch import Arch, need_eps, need_field, need_positive, need_rope_theta, show
 from ..errors import TurboError
-from ..install import ResidentIndex
+from ..store.install import ResidentIndex
 
 DFLASH_PREFIX = "dflash"
 DFLASH_LAYERS = 5

@@ -1,8 +1,8 @@
 """The MTP head as a drafter: Qwen3.5's own multi-token-prediction layer (docs/DESIGN.md 2.3).
 
 `MtpDrafter` proposes by chaining one head step per token and keeps the head's KV cache equal to
-the committed prefix; its tensors are read and checked by turbo/loader.py, and the layer runs on
-the step the loader chose (turbo/backends/step.py).
+the committed prefix; its tensors are read and checked by turbo/load/loader.py, and the layer runs on
+the step the loader chose (turbo/model/step.py).
 """
 
 from __future__ import annotations
@@ -14,13 +14,13 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .. import ops
-from ..backends.step import MtpStep
-from ..trunk import LayerWeights, Trunk
+from ..backends import ops
+from ..model.step import MtpStep
+from ..model.trunk import LayerWeights, Trunk
 from . import DrafterBase
 
 if TYPE_CHECKING:
-    from ..sampling import Sampler
+    from ..sequence.sampling import Sampler
 
 MTP_PREFIX = "mtp."
 
@@ -62,7 +62,7 @@ class MtpDrafter(DrafterBase):
         self.fc, self.norm_embedding, self.norm_hidden = weights.fc, weights.norm_embedding, weights.norm_hidden
         self.final_norm, self.layer = weights.final_norm, weights.layer
         self.make_step = make_step
-        self.stepper = make_step(self)  # (binds the weights as loaded: turbo/loader.py packs them)
+        self.stepper = make_step(self)  # (binds the weights as loaded: turbo/load/loader.py packs them)
         self.reset()
 
     def fork(self) -> MtpDrafter:

@@ -23,7 +23,7 @@ class NgramConfig:
     Hugging Face's prompt lookup sits (max_matching_ngram_size=2). max_match 4: vLLM's
     documented prompt_lookup_max; a longer match rarely changes the continuation found.
     max_proposal 8: the widest block a drafter without a trained block gets
-    (turbo.policy.DFLASH_BLOCK; the block caps it as well)."""
+    (turbo.sequence.policy.DFLASH_BLOCK; the block caps it as well)."""
 
     min_match: int = 2  # the shortest suffix that may match
     max_match: int = 4  # the longest suffix tried (the longest match wins)

@@ -16,21 +16,21 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..arch import arch_from_config, read_config_json
-from ..chat_template import check_checkpoint, end_of_generation_ids
+from ..store.arch import arch_from_config, read_config_json
+from ..chat.template import check_checkpoint, end_of_generation_ids
 from ..drafters import mtp
 from ..errors import ArgumentParser, TurboError
-from ..install import DRAFTER_DIR
-from ..install_check import load_tokenizer
-from ..open_layout import write_layout_of
-from ..safetensors_format import write_safetensors
+from ..store.install import DRAFTER_DIR
+from ..load.install_check import load_tokenizer
+from ..load.open_layout import write_layout_of
+from ..store.safetensors_format import write_safetensors
 from .gguf import find_gguf, repack_gguf
 from .source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
 from .write import building, copy_file, head_copy
-from .. import quant as q
+from ..store import quant as q
 
 # Copied as they are: the chat template (chat_template.jinja, or tokenizer_config.json's) and
-# generation_config.json's eos ids travel with the install (turbo/chat_template.py reads them);
+# generation_config.json's eos ids travel with the install (turbo/chat/template.py reads them);
 # preprocessor_config.json the image processor's settings (turbo/vision/image.py).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
                    "chat_template.jinja", "vocab.json", "merges.txt", "preprocessor_config.json")
@@ -120,13 +120,13 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
                 (tmp / DRAFTER_DIR).mkdir()
                 copy_file(Path(drafter) / "config.json", tmp / DRAFTER_DIR / "config.json")
                 write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar, drafter_quant)
-        # the native step's matrices as it reads them, beside the weights: opens map them (turbo/layout_file.py)
+        # the native step's matrices as it reads them, beside the weights: opens map them (turbo/store/layout_file.py)
         write_layout_of(tmp, open_layout)
     return out
 
 
 def check_head(trunk: list, tied: bool, config: Path) -> None:
-    """An untied config's lm_head (the tie flag read as transformers reads it: turbo/arch.py) is
+    """An untied config's lm_head (the tie flag read as transformers reads it: turbo/store/arch.py) is
     there, or refused now rather than at the first open (an install the runtime cannot open)."""
     if not tied and not any(p.name.startswith("trunk.lm_head.") for p in trunk):
         raise TurboError(f"{config}: tie_word_embeddings is false, but the checkpoint has no lm_head.weight "

@@ -13,7 +13,7 @@ import torch
 
 from ..errors import TurboError
 from .tensors import Planned
-from .. import quant as q
+from ..store import quant as q
 
 # The tensor suffixes each quantized format stores per module (the module's weight replaced by them).
 SUFFIXES = {

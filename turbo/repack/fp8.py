@@ -18,7 +18,7 @@ import torch
 from ..errors import TurboError
 from .formats import Parts, SourceFormat, Source, modules, quantized_planned, read
 from .tensors import Planned, quantizable
-from .. import quant as q
+from ..store import quant as q
 
 
 def dequantize(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

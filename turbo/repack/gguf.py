@@ -14,17 +14,17 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from .. import quant as q
-from ..arch import arch_from_config
+from ..store import quant as q
+from ..store.arch import arch_from_config
 from ..errors import TurboError
 from ..extras import missing
 from .gguf_check import check_planned, check_table, expected_shapes
 from .gguf_tensors import EXACT_TYPES, FLOAT_TYPES, Inverse, Requant, plan_gguf
 from .gguf_vocab import write_tokenizer
 from .tensors import Planned
-from ..install import DRAFTER_DIR
-from ..open_layout import write_layout_of
-from ..safetensors_format import write_safetensors
+from ..store.install import DRAFTER_DIR
+from ..load.open_layout import write_layout_of
+from ..store.safetensors_format import write_safetensors
 from .source import check_links, plan_drafter
 from .write import building, copy_file, head_copy
 
@@ -354,7 +354,7 @@ def repack_gguf(path: Path, out: Path, mtp_path: Path | None = None, quant: str 
                 (tmp / DRAFTER_DIR).mkdir()
                 copy_file(drafter / "config.json", tmp / DRAFTER_DIR / "config.json")
                 write_safetensors(tmp / DRAFTER_DIR / "model.safetensors", drafter_plan, bar, drafter_quant)
-        write_layout_of(tmp, open_layout)  # (turbo/open_layout.py: opens map the native step's matrices)
+        write_layout_of(tmp, open_layout)  # (turbo/load/open_layout.py: opens map the native step's matrices)
     for kind, err in sorted(requant.worst.items()):
         print(f"{kind} -> {quant}: max abs error {err:.3g} against gguf's dequantization", file=sys.stderr)
     return out

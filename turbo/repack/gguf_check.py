@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..arch import Arch
+from ..store.arch import Arch
 from ..errors import TurboError
-from ..tensor_shapes import moe_tensor_shapes, mtp_tensor_shapes
+from ..store.tensor_shapes import moe_tensor_shapes, mtp_tensor_shapes
 
 DEFAULT_ALIGNMENT = 32  # GGUF's, when general.alignment is absent
 

@@ -11,7 +11,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from .. import quant as q
+from ..store import quant as q
 from ..errors import TurboError
 from .tensors import Planned, _tensor_bytes, quantizable
 

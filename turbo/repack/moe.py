@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..arch import Arch
+from ..store.arch import Arch
 from ..errors import TurboError
 from .tensors import ST_BYTES
 

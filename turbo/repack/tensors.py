@@ -1,6 +1,6 @@
 """How each output tensor of a repack is produced: copied in bounded chunks, quantized a slice
 of rows at a time, or carried packed from an MLX-layout source. `plan_tensors` decides, `Planned`
-(turbo/safetensors_format.py) is the result; docs/DESIGN.md 4 has the formats and what is quantized."""
+(turbo/store/safetensors_format.py) is the result; docs/DESIGN.md 4 has the formats and what is quantized."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ from typing import Callable
 import torch
 
 from ..errors import TurboError
-from ..quant import QUANT_SLICE
-from ..safetensors_format import Planned
-from .. import quant as q
+from ..store.quant import QUANT_SLICE
+from ..store.safetensors_format import Planned
+from ..store import quant as q
 
 COPY_CHUNK = 4 * 1024 * 1024
 FLOAT_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}

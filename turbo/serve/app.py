@@ -20,9 +20,9 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..chat import split_reasoning
+from ..chat.turn import split_reasoning
 from ..errors import TurboError
-from ..tool_calls import CallStream, parse_tool_calls
+from ..chat.tool_calls import CallStream, parse_tool_calls
 from . import protocol as P
 from .guard import Guard, error
 from .limits import MIB, read_body

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..trunk import Trunk
+from ..model.trunk import Trunk
 
 
 def sequence_bytes(trunk: Trunk, positions: int, block: int) -> int:

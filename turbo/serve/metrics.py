@@ -1,7 +1,7 @@
 """GET /metrics: Prometheus text, with vLLM's metric names (its dashboards read them as they are):
 requests running and waiting (read from the scheduler at scrape time), prompt and generation
 token counters, time to first token and per-output-token latency, finished requests, and the
-speculation counters (`vllm:spec_decode_*`) fed from each request's final turbo.stats.Stats.
+speculation counters (`vllm:spec_decode_*`) fed from each request's final turbo.sequence.stats.Stats.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
-from ..stats import Stats
-from ..stops import Finish
+from ..sequence.stats import Stats
+from ..sequence.stops import Finish
 
 disable_created_metrics()  # no *_created series (as vLLM)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"

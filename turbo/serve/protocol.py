@@ -15,23 +15,23 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from ..chat import END_THINK, THINK, split_reasoning
-from ..stops import held_back
-from ..logprobs import TokenLogprob
+from ..chat.turn import END_THINK, THINK, split_reasoning
+from ..sequence.stops import held_back
+from ..sequence.logprobs import TokenLogprob
 from ..errors import TurboError
-from ..options import MAX_N  # (choices: each a sequence of the running batch)
-from ..tool_calls import check_tools, tool_functions
+from ..sequence.options import MAX_N  # (choices: each a sequence of the running batch)
+from ..chat.tool_calls import check_tools, tool_functions
 from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
 from .body import parse_json  # noqa: F401 (re-exported: app.py calls P.parse_json; the front process too)
 
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
 TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window", "regex", "grammar")
-CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a response_format of turbo's kinds
+CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.sequence.grammar (Lark): a response_format of turbo's kinds
 SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
 # request fields turbo does not implement: refused unless they hold the value that means "off"
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None}
-# penalties (turbo/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
+# penalties (turbo/sequence/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
 PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
@@ -234,7 +234,7 @@ def _options(body: dict) -> dict:
             o[name] = float(v)
     fmt = _kind(body, "response_format", dict, "an object (OpenAI's response_format)")
     if fmt:
-        o["response_format"] = fmt  # (its type and schema: turbo/grammar.py checks and compiles them)
+        o["response_format"] = fmt  # (its type and schema: turbo/sequence/grammar.py checks and compiles them)
     bias = _kind(body, "logit_bias", dict, "an object of token ids (as strings) to biases in [-100, 100]")
     if bias:
         o["logit_bias"] = bias  # (its keys and values: GenerationOptions checks them)

@@ -11,7 +11,7 @@ import time
 
 from ..config import RunConfig
 from ..extras import require
-from ..options import GenerationOptions, OpenOptions
+from ..sequence.options import GenerationOptions, OpenOptions
 from .listen import address, listening
 from .settings import ServeConfig
 

@@ -1,8 +1,8 @@
 """The continuous-batching engine: requests join a running batch, and each step runs every running
 sequence's rows (its anchor and its drafter's proposals, or a chunk of its prompt) through one
-trunk pass (`Trunk.step_many`). Each sequence is a turbo/driver.py `Driver`, the one that
+trunk pass (`Trunk.step_many`). Each sequence is a turbo/sequence/driver.py `Driver`, the one that
 `Runtime.generate` runs alone: drafting, acceptance, rollback, stops and counters are its; the
-scheduler admits, batches, keeps states in the prefix cache (turbo/state_cache.py) and delivers.
+scheduler admits, batches, keeps states in the prefix cache (turbo/sequence/state_cache.py) and delivers.
 
     sched = Scheduler(rt, ServeLimits())
     sched.start()
@@ -21,11 +21,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from ..drafters.ngram import NgramDrafter
-from ..driver import DraftKey, Driver, Job, RoundEvent, Work
+from ..sequence.driver import DraftKey, Driver, Job, RoundEvent, Work
 from ..errors import TurboError
-from ..logprobs import MAX_TOP
-from ..options import GenerationOptions
-from ..state_cache import StateCache
+from ..sequence.logprobs import MAX_TOP
+from ..sequence.options import GenerationOptions
+from ..sequence.state_cache import StateCache
 from ..vision.runtime import ImageStart
 from .costs import StepCosts, sequence_bytes
 from .images import cache_key, prefill_request

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field, fields
 from omegaconf import DictConfig, ListConfig
 
 from ..errors import TurboError
-from ..options import GenerationOptions, integer
+from ..sequence.options import GenerationOptions, integer
 from .limits import MIB
 
 ENGINES = ("local", "ray")

@@ -9,12 +9,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..bounded import read_small_text
-from ..chat import check_template_kwargs, opens_think, template_messages, turn_stop_ids
-from ..chat_template import ChatTemplate, encode, install_template
+from ..chat.turn import check_template_kwargs, opens_think, template_messages, turn_stop_ids
+from ..chat.template import ChatTemplate, encode, install_template
 from ..engine import open as open_runtime
 from ..errors import TurboError
-from ..tool_calls import check_tools, forced_call
-from ..options import GENERATION_FIELDS, GenerationOptions, OpenOptions
+from ..chat.tool_calls import check_tools, forced_call
+from ..sequence.options import GENERATION_FIELDS, GenerationOptions, OpenOptions
 from .body import check_text_lengths
 from .images import expand_images
 from .limits import check_prompt_chars, check_prompt_tokens, max_token_chars
@@ -27,7 +27,7 @@ from .settings import ServeConfig
 class Prepared:
     request: Request
     opened_think: bool = False  # chat: the generation prompt left a <think> open
-    tools: list | None = None  # chat: the tools whose calls the answer is read for (turbo/tool_calls.py)
+    tools: list | None = None  # chat: the tools whose calls the answer is read for (turbo/chat/tool_calls.py)
     forced: bool = False  # tool_choice required or named: the response_format is the tools' call grammar
 
 
@@ -113,7 +113,7 @@ class Engine:
                            "the length of the prompt or the completion.",
                            body.max_tokens_param if body.max_tokens is not None else
                            ("messages" if body.chat else "prompt"))
-        fields = dict(body.options)  # (what they make of the speculation is turbo/policy.py's to decide)
+        fields = dict(body.options)  # (what they make of the speculation is turbo/sequence/policy.py's to decide)
         forced = forced_call(body.tools, body.tool_choice, self.template.source) if body.chat else None
         if forced is not None:  # required, or a named function: the call is constrained
             if "response_format" in fields:

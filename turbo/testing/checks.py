@@ -12,7 +12,7 @@ import torch
 
 import turbo
 from turbo.drafters import DrafterBase
-from turbo.rounds import close_round, draft_block, judge
+from turbo.sequence.rounds import close_round, draft_block, judge
 
 
 class Round(NamedTuple):
@@ -23,7 +23,7 @@ class Round(NamedTuple):
 
 def play_round(trunk, st, drafter, anchor: int, block: int, rollback: str, sampler=None,
                cut: Callable[[list[int]], int | None] | None = None, vocab: int | None = None) -> Round:
-    """One sequence's round by hand, as turbo/driver.py plays it (draft, one trunk step, judge,
+    """One sequence's round by hand, as turbo/sequence/driver.py plays it (draft, one trunk step, judge,
     roll back), for tests that drive rounds themselves (a stand-in trunk, a chosen cut or rule).
     `vocab`: what the proposals are checked against (None: ids >= 0)."""
     proposals, q = draft_block(drafter, anchor, st.pos, block, sampler, vocab)

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from ..arch import arch_from_config
-from ..tensor_shapes import mtp_tensor_shapes
+from ..store.arch import arch_from_config
+from ..store.tensor_shapes import mtp_tensor_shapes
 from .checkpoints import randomize_, tiny_tokenizer
 from .source_formats import write_fp8
 

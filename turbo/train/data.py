@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 from ..errors import TurboError
-from ..ops import rms_norm
+from ..backends.ops import rms_norm
 
 
 @dataclass

@@ -20,11 +20,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..arch import Arch
+from ..store.arch import Arch
 from ..drafters.dflash_config import DFLASH2_ARCH, DFLASH_GROUP_SIZE, DFLASH_LAYERS, DFLASH_TAPS
 from ..errors import TurboError
-from ..ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
-from ..safetensors_format import write_tensors
+from ..backends.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from ..store.safetensors_format import write_tensors
 
 # the published DFlash recipe's decay per block size (w_k = exp(-(k - 1) / gamma)); others: block / 2
 PUBLISHED_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

@@ -16,11 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..arch import Arch
+from ..store.arch import Arch
 from ..drafters.mtp import MTP_PREFIX
-from ..install import Install
-from ..ops import apply_rope, rope_cos_sin, rope_inv_freq
-from ..safetensors_format import write_tensors
+from ..store.install import Install
+from ..backends.ops import apply_rope, rope_cos_sin, rope_inv_freq
+from ..store.safetensors_format import write_tensors
 from .dflash2 import Mlp, ZeroNorm
 
 

@@ -26,9 +26,9 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
 
-from ..chat_template import GENERATION_CONFIG, TEMPLATE_FILE, render
+from ..chat.template import GENERATION_CONFIG, TEMPLATE_FILE, render
 from ..errors import TurboError
-from ..install import open_install
+from ..store.install import open_install
 from ..repack import repack
 from .data import draw, read_groups
 from .loop import Schedule, train

@@ -1,5 +1,5 @@
 """The vision tower's config (config.json's `vision_config`) and the multimodal token ids, each
-field checked by name (turbo/arch.py's helpers) so a tower that disagrees with its config is
+field checked by name (turbo/store/arch.py's helpers) so a tower that disagrees with its config is
 refused in one line before any tensor is read."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..arch import need_field, need_positive, need_rope_theta, show
+from ..store.arch import need_field, need_positive, need_rope_theta, show
 from ..errors import TurboError
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")  # the tower MLP's; the merger's GELU is always exact

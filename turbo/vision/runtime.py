@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import TurboError
-from ..install import Install
+from ..store.install import Install
 from .config import TokenIds, VisionConfig, mrope_section, token_ids, vision_config
 from .image import ImageInput, ImageSpec, PreparedImage, prepare, spec_from_files
 from .positions import MmRows, expand_placeholders, mm_rows, rows_between
@@ -119,7 +119,7 @@ def prefill_images(trunk, st, ids: list[int], mm: MmRows, aux_layers: tuple[int,
 
 
 class ImageStart:
-    """A fresh prefill of a prompt with images (the engine's `Start`, turbo/session.py's
+    """A fresh prefill of a prompt with images (the engine's `Start`, turbo/chat/session.py's
     FreshStart with the tower's rows and positions): the drafters begin on the trunk's states
     over it, as over text."""
 

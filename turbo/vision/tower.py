@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import TurboError
-from ..install import Install, shape4
+from ..store.install import Install, shape4
 from .config import VisionConfig
 
 PREFIX = "vision."

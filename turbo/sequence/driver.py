@@ -1,0 +1,306 @@
+"""One sequence's generation, whoever runs it: `Runtime.generate` / `stream` / `chat`, sessions and
+the probe drive one `Driver` with `Trunk.step` (a batch of one); the server's scheduler drives one
+per request with `Trunk.step_many` (turbo/serve/scheduler.py). The driver owns what makes a
+sequence's tokens: its drafter (the install's own, or a fork of it for a batch: `DrafterPool`),
+the block chooser of the adaptive policy, the stopper, the counters, the commit of each round,
+and the state it starts from and ends in. Whoever runs it supplies only the trunk passes:
+
+    d = Driver(rt, job, drafter)
+    d.prime(start, capacity)               # or: d.open(st, held) + prompt chunks + d.begin()
+    while not d.done:
+        w = d.work()                       # the rows: anchor + proposals (the drafter ran here)
+        event = d.settle(w, trunk.step(d.st, w.rows, d.aux_layers, w.rollback), step_s)
+
+A round (docs/DESIGN.md 5) is turbo/sequence/rounds.py's three parts: draft_block in `work`, judge and
+close_round in `settle`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol
+
+import torch
+
+from .adaptive import AdaptiveChooser, LazyContext
+from ..model.step import StepOut
+from ..drafters import Drafter, KeepsContext
+from ..drafters.ngram import NgramConfig
+from .seam import call
+from .logprobs import TokenLogprob, token_logprobs
+from .grammar import GrammarState
+from .penalties import PenaltyState
+from .policy import Plan
+from .rounds import close_round, draft_block, judge
+from .sampling import RejectionSampler
+from .stats import Stats, TokenClock
+from .stops import Finish, Stopper, stop_token_set
+from ..model.trunk import Trunk, TrunkState
+
+if TYPE_CHECKING:
+    from .options import GenerationOptions
+
+DraftKey = tuple  # (kind, window or ngram config): which of the install's drafters, and its context
+
+
+@dataclass
+class RoundEvent:
+    tokens: list[int]  # committed this round
+    from_draft: list[bool]  # per token: True = an accepted proposal, False = the trunk's bonus token
+    text: str  # the text released this round (what may begin a stop string waits: turbo.sequence.stops)
+    stats: Stats | None  # the counters so far (a copy; a batched request's: on its last event only)
+    done: bool = False
+    finish: Finish | None = None  # on the last event: why it ended (turbo.sequence.stops)
+    logprobs: list[TokenLogprob] | None = None  # one per token when the request asked
+    cached_tokens: int = 0  # prompt tokens a kept state served (no prefill)
+
+
+@dataclass
+class Job:
+    """A checked generation request (Runtime.prepare): what its driver runs."""
+
+    ids: list[int]  # the prompt's token ids, as fitted to the context
+    options: GenerationOptions
+    plan: Plan
+    own: bool  # the drafter is the caller's object
+    sampler: RejectionSampler | None  # None: greedy
+    stats: Stats  # the counters, started
+    grammar: GrammarState | None = None  # the output's constraint (response_format), at its start
+
+    def draft_key(self) -> DraftKey | None:
+        """Which of the install's drafters this job drafts with (None: none, or the caller's own)."""
+        kind, o = self.plan.drafter, self.options
+        if kind is None or self.own:
+            return None
+        return kind, o.ngram if kind == "ngram" else o.window
+
+
+@dataclass(slots=True)
+class Work:
+    """The rows a sequence runs in the next trunk pass."""
+
+    rows: list[int]
+    rollback: str | None  # how a rejected round restores the state (None: nothing to reject)
+    logit_rows: int  # 0: a chunk of the prompt; else the round's rows (anchor + proposals)
+
+
+class Start(Protocol):
+    """How a driver's state comes to hold its prompt (turbo/chat/session.py's FRESH and Keeper, turbo/vision's
+    ImageStart)."""
+
+    # the state goes on after the generation (a session's): a stop inside a round then cuts the
+    # state back to it; otherwise the state is dropped and the round is played whole
+    keeps_state: bool
+
+    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
+        """A state holding ids[:-1] (ids[-1] is the first anchor), the drafter begun on it."""
+
+    def finish(self, driver: Driver) -> None:
+        """The generation is done (called where keeps_state): `driver.context()` is the drafter
+        with every round committed."""
+
+
+class DrafterPool:
+    """The install's drafters: one per (kind, window or n-gram config), built on first use by
+    `build`, and the free forks of each (a batch runs one per sequence; a fork goes back here
+    when its sequence ends)."""
+
+    def __init__(self, build: Callable[[str, int | None, NgramConfig], Drafter]):
+        self.build = build
+        self.bases: dict[DraftKey, Drafter] = {}
+        self.free: dict[DraftKey, list[Drafter]] = {}
+
+    def base(self, key: DraftKey, ngram: NgramConfig = NgramConfig()) -> Drafter:
+        if key not in self.bases:
+            kind, window = key
+            self.bases[key] = self.build(kind, None if kind == "ngram" else window, ngram)
+        return self.bases[key]
+
+    def acquire(self, key: DraftKey, ngram: NgramConfig = NgramConfig()) -> KeepsContext | None:
+        free = self.free.setdefault(key, [])
+        return free.pop() if free else self.base(key, ngram).fork()
+
+    def release(self, key: DraftKey, drafter: Drafter) -> None:
+        self.free.setdefault(key, []).append(drafter)
+
+
+class Driver:
+    """One sequence: its state, drafter, chooser, stopper and counters, round after round."""
+
+    def __init__(self, trunk: Trunk, decode: Callable[[list[int]], str], eos_ids: tuple[int, ...], vocab: int,
+                 job: Job, drafter: Drafter | None, *, cut_in_round: bool = False, logprobs: int | None = None,
+                 live_stats: bool = True):
+        o = job.options
+        self.trunk, self.vocab, self.job, self.logprobs = trunk, vocab, job, logprobs
+        self.inner = drafter  # the drafter itself; `draft` may wrap it for the adaptive policy
+        self.draft: Drafter | LazyContext | None = drafter
+        self.aux_layers: tuple[int, ...] = tuple(drafter.aux_layers) if drafter is not None else ()
+        job.stats.window = drafter.window if drafter is not None else None
+        self.stopper = Stopper(decode, o.stop or (), stop_token_set(eos_ids, o.stop_at_eos, o.stop_token_ids),
+                               o.max_new_tokens)
+        # a stop inside a round cuts the round there (the state ends at the stop) where the state
+        # outlives the generation (a session, the server's cache); else the round is played whole
+        self.cut_in_round = cut_in_round
+        # every event carries a copy of the counters (a stream's reader shows them live), or the
+        # last one only (a batch's: a copy a round per sequence is a step's cost at small shapes)
+        self.live_stats = live_stats
+        self.chooser: AdaptiveChooser | None = None
+        if job.plan.policy == "adaptive" and drafter is not None:
+            # under sampling the blocks are chosen from counts (the seed repeats the text), and
+            # the seconds other generations measured are not read
+            sampled = job.sampler is not None
+            self.chooser = AdaptiveChooser(job.plan.block, memory=(drafter, o.rollback) if not sampled else None,
+                                           counted=sampled)
+        # repetition / frequency / presence penalties and logit_bias, at every committed position
+        self.penalties = PenaltyState(o.penalties, job.ids) if o.penalties.active else None
+        self.grammar = job.grammar  # response_format: the mask, at every committed position too
+        self.clock = TokenClock()
+        self.st: TrunkState | None = None
+        self.anchor = job.ids[-1]
+        self.generated: list[int] = []
+        self.done = False
+        self.held = 0  # prompt rows a kept state served (the server's prefix cache)
+        self.context_held = False  # the drafter's context holds them too (restored from the kept state)
+        self.done_rows = 0  # prompt rows (of ids[:-1]) through the trunk
+        self.parts: list[StepOut] = []  # the prompt's chunks' rows, for the drafter's context
+        # this round's
+        self.proposals: list[int] = []
+        self.q: torch.Tensor | None = None
+        # the first proposal the grammar refused and its q row [1, V], under sampling (see work)
+        self.refused: tuple[list[int], torch.Tensor] | None = None
+        self.block = 0
+        self.draft_s = 0.0
+
+    # ---- the start -----------------------------------------------------------------------
+
+    def prime(self, start: Start, capacity: int) -> None:
+        """The whole prompt into a state as `start` makes it, the drafter begun on it."""
+        self.st = start.prime(self.trunk, self.inner, self.job.ids, capacity)
+        self.done_rows = len(self.job.ids) - 1
+        self._rounds_begin()
+
+    def open(self, st: TrunkState, held: int = 0, context_held: bool = False) -> None:
+        """A state holding the prompt's first `held` rows (0: empty; more: a kept state), and the
+        drafter's context restored to them by the caller (`context_held`; else it begins afresh
+        on the whole prompt); the rest run as prompt chunks (`work`) or at once (`prefilled`),
+        then `begin`."""
+        self.st, self.held, self.done_rows, self.context_held = st, held, held, context_held
+
+    def prefilled(self, out: StepOut | None) -> None:
+        """The prompt's rest went through the trunk at once (`out`: its rows, None: none)."""
+        self.parts = [out] if out is not None else []
+        self.done_rows = len(self.job.ids) - 1
+
+    @property
+    def prefilling(self) -> bool:
+        return self.done_rows < len(self.job.ids) - 1
+
+    def begin(self) -> None:
+        """The prompt is through the trunk: the drafter takes its context (begun afresh, or
+        resumed from the kept state's), and the rounds start."""
+        ids, out = self.job.ids, None
+        if self.parts:
+            hidden = torch.cat([p.hidden for p in self.parts])
+            aux = torch.cat([p.aux for p in self.parts]) if self.parts[0].aux is not None else None
+            out = StepOut(torch.empty(0), hidden, aux)
+        self.parts = []
+        d = self.inner
+        if d is not None:
+            if not self.context_held:
+                call(d, "begin", d.begin, out, ids)
+            elif out is not None:
+                call(d, "resume", d.resume, out, ids, self.held)
+        self._rounds_begin()
+
+    def _rounds_begin(self) -> None:
+        if self.chooser is not None:
+            self.draft = LazyContext(self.inner, self.chooser)  # plain rounds skip the drafter's work
+
+    # ---- the rounds ----------------------------------------------------------------------
+
+    def work(self, prefill_room: int | None = None) -> Work | None:
+        """The rows of this sequence's next pass: a chunk of its prompt (at most `prefill_room`
+        rows; None: no chunk this pass), or a round's anchor and proposals (drafted here)."""
+        if self.prefilling:
+            if prefill_room is None or prefill_room <= 0:
+                return None  # the pass's prompt rows are spent: it goes on next pass
+            n = min(prefill_room, len(self.job.ids) - 1 - self.done_rows)
+            return Work(self.job.ids[self.done_rows:self.done_rows + n], None, 0)
+        job = self.job
+        self.block = self.chooser.next_block() if self.chooser is not None else job.plan.block  # adaptive: 0 = plain
+        t0 = time.perf_counter()
+        self.proposals, self.q = draft_block(self.draft, self.anchor, self.st.pos, self.block, job.sampler, self.vocab)
+        self.refused = None
+        if self.grammar is not None:  # what the grammar forbids could never be accepted: not verified
+            n = self.grammar.allowed_prefix(self.proposals)
+            if self.q is not None and n < len(self.proposals):
+                # but the acceptance rule still judges the first refused one (p = 0 there: rejected
+                # for sure), so that its row draws from the residual max(0, p - q) as the rule must;
+                # drawing from p would not keep the target distribution (a point-mass drafter's
+                # residual is p: q None needs nothing)
+                self.refused = (self.proposals[n:n + 1], self.q[n:n + 1])
+            self.proposals, self.q = self.proposals[:n], self.q[:n] if self.q is not None else None
+        self.draft_s = time.perf_counter() - t0
+        rows = [self.anchor] + self.proposals
+        return Work(rows, job.options.rollback if self.proposals else None, len(rows))
+
+    def settle(self, w: Work, out: StepOut, step_s: float) -> RoundEvent | None:
+        """The pass's rows for `w` are through the trunk (`step_s`: this sequence's share of its
+        time): a prompt chunk is kept for the drafter (None); a round is judged, rolled back to
+        what it commits, and its event returned."""
+        if w.logit_rows == 0:
+            if self.inner is not None:
+                self.parts.append(out)
+            self.done_rows += len(w.rows)
+            if not self.prefilling:
+                self.begin()
+            return None
+        job, o, stats, stops = self.job, self.job.options, self.job.stats, self.stopper
+        t0 = time.perf_counter()
+        # row i judged as plain decoding would see it: after the proposals before it
+        logits = self.penalties.rows(out.logits, self.proposals) if self.penalties is not None else out.logits
+        logits = self.grammar.rows(logits, self.proposals) if self.grammar is not None else logits
+        judged, q = self.proposals, self.q
+        if self.refused is not None:
+            judged, q = judged + self.refused[0], torch.cat([q, self.refused[1].to(q.dtype)])
+        accepted, bonus, landed = judge(judged, q, logits, job.sampler, stops.cut if self.cut_in_round else None)
+        committed = self.proposals[:accepted] + [bonus]
+        lps = token_logprobs(out.logits, committed, self.logprobs) if self.logprobs is not None else None
+        t1 = time.perf_counter()
+        replayed = close_round(self.trunk, self.st, self.draft, out, self.proposals, accepted, bonus, o.rollback)
+        if self.chooser is not None:
+            self.chooser.observe(self.block, landed, self.draft_s, step_s + t1 - t0, time.perf_counter() - t1)
+        # the counters keep the trunk's verdict on the proposals: a stop decides what is
+        # committed, not how well the drafter guessed
+        stats.record_round(len(self.proposals), landed, replayed)
+        if not self.cut_in_round:
+            keep = stops.cut(committed)
+            committed = committed[:keep] if keep is not None else committed
+        committed = committed[:o.max_new_tokens - len(self.generated)]
+        self.generated += committed
+        if self.penalties is not None:
+            self.penalties.commit(committed)
+        if self.grammar is not None:
+            self.grammar.commit(committed)
+        stats.record_tokens(len(self.generated), self.clock)
+        self.done = stops.finish is not None
+        self.anchor = bonus
+        return RoundEvent(committed, [i < landed for i in range(len(committed))], stops.text(self.done),
+                          stats.snapshot() if self.live_stats or self.done else None, self.done, stops.finish,
+                          lps[:len(committed)] if lps else lps, self.held)
+
+    # ---- the end -------------------------------------------------------------------------
+
+    def context(self) -> Drafter | None:
+        """The drafter with every round committed (the adaptive policy's plain rounds keep
+        theirs pending until the next proposal): for a caller keeping its context."""
+        if isinstance(self.draft, LazyContext):
+            self.draft.flush()
+        return self.inner
+
+    def ends_at_answer(self) -> bool:
+        """The state holds exactly prompt + answer (a last round cut short by max_new_tokens, or
+        a stop outside the round, ran the trunk past it)."""
+        return self.st is not None and self.st.pos == len(self.job.ids) - 1 + len(self.generated)
+

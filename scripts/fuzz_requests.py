@@ -1,6 +1,6 @@
 """scripts/fuzz.py's request-shaped classes: the server's requests whose parts reach a compiler or a
 parser, at depth and at size -- JSON schemas (response_format), Lark grammars and regexes
-(turbo.sequence.grammar), tools (their parameter schemas, names with odd characters, the forced call's
+(turbo.grammar), tools (their parameter schemas, names with odd characters, the forced call's
 grammar), tool calls and tool results sent back.
 
     python scripts/fuzz.py --requests N [--seed S] [--timeout T]

@@ -9,7 +9,8 @@ from turbo.testing import make_checkpoint, tiny_tokenizer
 from tokenizers import Tokenizer
 
 import turbo
-from turbo.chat.template import ChatTemplate, encode, install_template, read_template, render
+from turbo.chat.template import ChatTemplate, encode, install_template, render
+from turbo.store.template_files import read_template
 from turbo.errors import TurboError
 from turbo.store.install import open_install
 from turbo.repack import repack

@@ -15,7 +15,7 @@ from turbo.errors import TurboError
 from turbo.store.install import open_install
 from turbo.load.install_check import check_tensor_names
 from turbo.load.loader import load_trunk
-from turbo.backends.ops import DynamicNtk
+from turbo.model.trunk import DynamicNtk
 from turbo.sequence.options import OpenOptions
 
 WINDOW = 32  # original_max_position_embeddings: the parity prompts (40 and 24 + 64 tokens) run past it

@@ -178,7 +178,7 @@ def test_the_server_holds_every_answer_of_a_seeded_batch(tiny, tiny_server):
                          "response_format"),
                         ({"response_format": {"type": "xml"}}, "response_format"),
                         ({"turbo": {"regex": "(["}}, "response_format"),
-                        ({"turbo": {"grammar": 5}}, "turbo.sequence.grammar")]:
+                        ({"turbo": {"grammar": 5}}, "turbo.grammar")]:
         resp = http.post("/v1/completions", json={"model": engine.model, "prompt": PROMPT, "max_tokens": 4, **body})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, (body, resp.json())
 

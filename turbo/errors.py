@@ -59,3 +59,9 @@ class ArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         print(f"error: {message} (see {self.prog} --help)", file=sys.stderr)
         sys.exit(2)
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line, at most 300 characters (for a one-line refusal)."""
+    text = " ".join((getattr(e, "message", None) or str(e) or type(e).__name__).split())
+    return text if len(text) <= 300 else text[:297] + "..."

@@ -26,20 +26,17 @@ import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..store.arch import _token_ids, read_config_json, show
+from ..store.arch import show
+from ..store.template_files import TEMPLATE_FILE, TOKENIZER_CONFIG, generation_eos_ids, read_template
 from ..bounded import MAX_NESTING, check_nesting
-from ..errors import TurboError, checked_text
+from ..errors import TurboError, checked_text, one_line
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer
 
     from ..store.install import Install
 
-TEMPLATE_FILE = "chat_template.jinja"
-TOKENIZER_CONFIG = "tokenizer_config.json"
-GENERATION_CONFIG = "generation_config.json"
 # The named special tokens transformers passes to every template (its SPECIAL_TOKENS_ATTRIBUTES).
-SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Where transformers finds a message's reasoning; the first name is the one templates read.
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # What a template may raise while rendering: a Jinja error, raise_exception's, or Python's own
@@ -93,7 +90,7 @@ class ChatTemplate:
         except MemoryError:
             raise TurboError(f"{self.where}: refused to render: it ran out of memory") from None
         except RENDER_ERRORS as e:
-            raise TurboError(f"{self.where}: refused to render ({_one_line(e)})") from None
+            raise TurboError(f"{self.where}: refused to render ({one_line(e)})") from None
         finally:
             _bounds.deadline = None
         return "".join(out)
@@ -402,14 +399,9 @@ def compile_template(source: str, where: str = "chat template") -> jinja2.Templa
     try:
         return _compiled(source)
     except jinja2.TemplateSyntaxError as e:
-        raise TurboError(f"{where}: not a valid Jinja template (line {e.lineno}: {_one_line(e)})") from None
+        raise TurboError(f"{where}: not a valid Jinja template (line {e.lineno}: {one_line(e)})") from None
     except (jinja2.TemplateError, RecursionError) as e:
-        raise TurboError(f"{where}: not a valid Jinja template ({_one_line(e)})") from None
-
-
-def _one_line(e: BaseException) -> str:
-    text = " ".join((getattr(e, "message", None) or str(e) or type(e).__name__).split())
-    return text if len(text) <= 300 else text[:297] + "..."
+        raise TurboError(f"{where}: not a valid Jinja template ({one_line(e)})") from None
 
 
 # ---- the data a template sees (as transformers prepares it) -----------------------------------
@@ -460,61 +452,6 @@ def _alias_reasoning(chat: list[dict]) -> list[dict]:
         reasoning = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
         out.append(m if reasoning is None else {"thinking": reasoning, **m, "reasoning_content": reasoning})
     return out
-
-
-# ---- what a checkpoint or an install carries --------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TemplateFiles:
-    """A directory's chat template (None: it has none), where it was found, its special tokens."""
-
-    source: str | None
-    where: str
-    special_tokens: dict[str, str]
-
-
-def read_template(directory: Path) -> TemplateFiles:
-    """`chat_template.jinja` if present, else tokenizer_config.json's `chat_template` (its text,
-    or Hugging Face's list of {name, template}: the one named "default"). Read, not compiled."""
-    config_path = directory / TOKENIZER_CONFIG
-    config = read_config_json(config_path) if config_path.is_file() else {}
-    special = {}
-    for name in SPECIAL_TOKEN_NAMES:  # a string, or an AddedToken written as {"content": ...}
-        token = config.get(name)
-        token = token.get("content") if isinstance(token, dict) else token
-        if isinstance(token, str):
-            special[name] = token
-    path = directory / TEMPLATE_FILE
-    if path.is_file():
-        try:
-            return TemplateFiles(path.read_text(encoding="utf-8"), str(path), special)
-        except (OSError, UnicodeDecodeError) as e:
-            raise TurboError(f"{path}: not readable UTF-8 text ({_one_line(e)})") from None
-    where = f"{config_path} (chat_template)"
-    value = config.get("chat_template")
-    if value is None or isinstance(value, str):
-        return TemplateFiles(value, where, special)
-    if isinstance(value, list) and all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in value):
-        named = {t["name"]: t.get("template") for t in value}
-        if isinstance(named.get("default"), str):
-            return TemplateFiles(named["default"], f"{config_path} (chat_template 'default')", special)
-        raise TurboError(f"{where}: named templates {', '.join(map(repr, named))} but no text named 'default'")
-    raise TurboError(f"{where}: expected the template's text or a list of {{name, template}}, got {show(value)}")
-
-
-def generation_eos_ids(directory: Path, vocab: int) -> tuple[int, ...]:
-    """generation_config.json's eos_token_id (one id or a list), each below `vocab`; () without one."""
-    path = directory / GENERATION_CONFIG
-    if not path.is_file():
-        return ()
-    return _token_ids(read_config_json(path).get("eos_token_id"), vocab, str(path))
-
-
-def end_of_generation_ids(config_ids: tuple[int, ...], directory: Path, vocab: int) -> tuple[int, ...]:
-    """Every id a generation stops at: config.json's eos ids (`config_ids`), then generation_config.json's
-    that are not among them (transformers' generate and llama.cpp stop at all of them, in any mode)."""
-    return tuple(dict.fromkeys(config_ids + generation_eos_ids(directory, vocab)))
 
 
 def check_checkpoint(directory: Path, vocab: int) -> None:

@@ -19,7 +19,19 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from ..sequence.sampling import Sampler
+
+class Sampler(Protocol):
+    """What a drafter's sampling path may ask of the generation's sampler (turbo.sequence.sampling.Sampler):
+    a drafter proposes from its own distribution q and the round accepts against the target, so it
+    needs the same processing (temperature, top-k / top-p / min-p) and the same random stream."""
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The processed distribution of each row of `logits` [..., vocab]."""
+        ...
+
+    def draw(self, p: torch.Tensor) -> int:
+        """One token from the weights p [vocab], by the generation's next uniform."""
+        ...
 
 
 @runtime_checkable

@@ -11,17 +11,14 @@ from __future__ import annotations
 import copy
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from ..backends.packed import Packed
 from ..model.step import DflashStep
-from . import DrafterBase
+from . import DrafterBase, Sampler
 from .dflash_config import DflashConfig, DflashShape
-
-if TYPE_CHECKING:
-    from ..sequence.sampling import Sampler
 
 DFLASH_RESIDUAL_SCALE = 8.0  # the draft pass divides its residual stream by this so it fits fp16
 DFLASH_RING_SLACK = 128

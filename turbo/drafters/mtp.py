@@ -10,20 +10,14 @@ from __future__ import annotations
 import copy
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from ..backends import ops
 from ..model.step import MtpStep
 from ..model.trunk import LayerWeights, Trunk
-from . import DrafterBase
-
-if TYPE_CHECKING:
-    from ..sequence.sampling import Sampler
-
-MTP_PREFIX = "mtp."
-
+from . import DrafterBase, Sampler
 
 def declared_layers(config: dict) -> int:
     """The MTP layers a checkpoint's config declares (`mtp_num_hidden_layers`, in the text

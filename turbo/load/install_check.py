@@ -12,7 +12,8 @@ from ..store.arch import Arch
 from ..drafters.dflash_config import DflashConfig, parse_drafter_config
 from ..errors import TurboError
 from ..store.install import DRAFTER_DIR, Install
-from ..drafters.mtp import MTP_PREFIX, declared_layers
+from ..drafters.mtp import declared_layers
+from ..store.tensor_shapes import MTP_PREFIX
 from ..model.trunk import PREFIX
 
 _LAYER = re.compile(r"(trunk|mtp)\.layers\.(\d+)\.")

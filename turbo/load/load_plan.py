@@ -18,7 +18,7 @@ from ..store.arch import Arch
 from ..backends import native_dflash, native_exact, native_lib, native_pack, native_trunk
 from ..backends.packed import LAYOUT_OF_BITS, QUANTIZED
 from ..drafters.dflash_config import dflash_layer_tensor
-from ..drafters.mtp import MTP_PREFIX
+from ..store.tensor_shapes import MTP_PREFIX
 from ..errors import TurboError
 from ..store.install import Entry
 from ..sequence.options import OpenOptions
@@ -26,7 +26,7 @@ from ..store.tensor_shapes import moe_tensor_shapes, mtp_tensor_shapes  # noqa: 
 from ..model.trunk import PREFIX
 
 NATIVE_OFF = "TURBO_NATIVE=0"  # why_torch when OpenOptions.native is False
-# why_torch under dynamic NTK RoPE: native.c rotates every row with one table (ops.DynamicNtk: one per length)
+# why_torch under dynamic NTK RoPE: native.c rotates every row with one table (model.trunk.DynamicNtk: one per length)
 DYNAMIC_ROPE = "rope_type dynamic: the native step rotates with one frequency table"
 EMBED = "embed_tokens.weight"
 

@@ -21,7 +21,8 @@ from ..backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from ..drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
 from ..drafters.dflash_config import (DflashConfig, DflashShape, derive_published_shape, derive_shape,
     dflash_layer_tensor, parse_drafter_config)
-from ..drafters.mtp import MTP_PREFIX, MtpDrafter, MtpWeights
+from ..drafters.mtp import MtpDrafter, MtpWeights
+from ..store.tensor_shapes import MTP_PREFIX
 from ..errors import TurboError
 from ..store.install import Install, ResidentIndex
 from .load_plan import (DFLASH_BASES, DFLASH_SELECTOR, DRAFT_HEAD, NATIVE_OFF, DrafterPlan, Host, TrunkPlan,

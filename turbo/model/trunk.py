@@ -11,22 +11,58 @@ B + 1: a verify, each row equal to its decode step bit for bit), leaving what `r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
 from ..store.arch import Arch
 from .step import StepOut, TrunkState, TrunkStep
 
-if TYPE_CHECKING:
-    from ..backends.ops import DynamicNtk
-
 PREFIX = "trunk."
 # positions a generation's state reserves past its prompt; the cache grows (Trunk.reserve) as the
 # sequence does, so max_new_tokens is a limit, not an allocation
 KV_CHUNK = 256
 # rows a step of `extend`: a step's logits cover every row ([64, vocab] fp32: 64 MB at a 248K vocabulary)
+
+
+
+@dataclasses.dataclass
+class DynamicNtk:
+    """transformers' dynamic NTK RoPE (_compute_dynamic_ntk_parameters with dynamic_rope_update):
+    a sequence of length s past the `window` (max_position_embeddings) rotates with the
+    frequencies of base theta * (factor * s / window - (factor - 1)) ** (dim / (dim - 2)), in
+    fp32 as there; up to the window, with the plain ones (`base`). transformers recomputes them at
+    each forward for its positions' end, and its cache keeps every key as rotated then: a prompt
+    run from position 0 rotates all its rows for its own length, and a row after it (a decode
+    step) for its position + 1. rope_cos_sin does the same row by row, so a verify row equals its
+    decode step. Runs on the torch step only (load_plan: the native one keeps one table)."""
+    base: torch.Tensor  # [dim / 2]
+    theta: float
+    factor: float
+    window: int
+    cache: dict = dataclasses.field(default_factory=dict, init=False, repr=False)
+
+    def at(self, length: int) -> torch.Tensor:
+        """The frequencies of a sequence of `length`."""
+        if length <= self.window:
+            return self.base
+        if length not in self.cache:
+            if len(self.cache) > 4096:
+                self.cache.clear()
+            dim = 2 * self.base.shape[0]
+            s = torch.tensor(length, dtype=torch.int64)  # (a tensor in transformers' forward: fp32 math)
+            theta = self.theta * ((self.factor * s / self.window) - (self.factor - 1)) ** (dim / (dim - 2))
+            exps = torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim
+            self.cache[length] = (1.0 / (theta ** exps)).to(self.base.device)
+        return self.cache[length]
+
+    def rows(self, positions: torch.Tensor) -> torch.Tensor:
+        """[R, dim / 2]: each row's frequencies (above)."""
+        pos = positions.tolist()
+        lengths = [len(pos)] * len(pos) if pos and pos[0] == 0 else [p + 1 for p in pos]
+        return torch.stack([self.at(n) for n in lengths])
 
 
 @dataclass

@@ -17,7 +17,8 @@ from pathlib import Path
 from tqdm import tqdm
 
 from ..store.arch import arch_from_config, read_config_json
-from ..chat.template import check_checkpoint, end_of_generation_ids
+from ..chat.template import check_checkpoint
+from ..store.template_files import end_of_generation_ids
 from ..drafters import mtp
 from ..errors import ArgumentParser, TurboError
 from ..store.install import DRAFTER_DIR

@@ -20,11 +20,11 @@ from pathlib import Path
 from ..drafters import is_drafter
 from ..drafters.ngram import NgramConfig
 from ..errors import TurboError, ascii_decimal, json_shown
+from ..store.quant import QUANT_CPU_ENV
 from .grammar import ResponseFormat
 from .penalties import BIAS_RANGE, PENALTY_RANGE, Penalties
 
 NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
-QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (turbo.store.quant.CPU_MODES)
 CACHE_ENV = "TURBO_CACHE"  # where native.c's build is cached
 COMPILER_ENV = "CC"  # the C compiler native.c is built with (the toolchain's own convention, as make reads it)
 BF16_PRODUCTS_ENV = "TURBO_BF16_PRODUCTS"  # "exact": the native step's bf16 products without AMX (fp32 walk)

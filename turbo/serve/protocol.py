@@ -27,7 +27,7 @@ from .body import parse_json  # noqa: F401 (re-exported: app.py calls P.parse_js
 MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
 TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window", "regex", "grammar")
-CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.sequence.grammar (Lark): a response_format of turbo's kinds
+CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a response_format of turbo's kinds
 SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
 # request fields turbo does not implement: refused unless they hold the value that means "off"
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None}

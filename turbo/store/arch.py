@@ -345,7 +345,7 @@ def rope_scaling(text: dict, rope: dict, w: str) -> RopeScaling | None:
     factor = need_real(params, "factor", where, lambda v: v >= 1, "a number >= 1")
     if kind == "linear":
         return RopeScaling("linear", factor)
-    if kind == "dynamic":  # scaled past max_position_embeddings (ops.DynamicNtk)
+    if kind == "dynamic":  # scaled past max_position_embeddings (model.trunk.DynamicNtk)
         return RopeScaling("dynamic", factor, need_positive(text, "max_position_embeddings", w, MAX_POSITIONS))
     original = need_positive({k: text[k] for k in ("original_max_position_embeddings",) if k in text} | params,
                              "original_max_position_embeddings", where, MAX_POSITIONS)

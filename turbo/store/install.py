@@ -19,7 +19,7 @@ import torch
 
 from . import quant
 from .arch import Arch, arch_from_config, read_config_json
-from ..chat.template import TemplateFiles, end_of_generation_ids, read_template
+from .template_files import TemplateFiles, end_of_generation_ids, read_template
 from ..errors import TurboError
 from .quant import QuantizedWeight
 from . import layout_file
@@ -142,7 +142,7 @@ class ResidentIndex:
 
     def _attach_quant_companions(self) -> None:
         """Fold `name.scales` / `name.biases` into `name`'s entry for every tensor the files'
-        `__metadata__["turbo.store.quant"]` map lists ({name: {code, group, bits}}, written by
+        `__metadata__["turbo.quant"]` map lists ({name: {code, group, bits}}, written by
         python -m turbo.repack --quant): dtype 4 / 16 / 15, the logical shape, and the
         companions' offsets and sizes. Malformed entries are refused naming the tensor."""
         declared = self._metadata_map(quant.METADATA_KEY)

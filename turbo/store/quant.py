@@ -12,7 +12,6 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import TurboError
-from ..sequence.options import QUANT_CPU_ENV
 
 
 @dataclass(frozen=True)
@@ -52,10 +51,11 @@ BITS_NAMED = (4, 2, 1)
 # of the whole matrix): quantizing holds ~40 bytes a weight, several GB for a vocab-sized head at once.
 # A repack (turbo/repack/tensors.py) and an open layout's writer (turbo/load/open_layout.py) both slice by it.
 QUANT_SLICE = 1 << 20
-METADATA_KEY = "turbo.store.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
+METADATA_KEY = "turbo.quant"  # safetensors __metadata__ key: json {name: {code, group, bits}}
 
 # The CPU representation of a quantized matrix in the trunk (docs/DESIGN.md 7): auto,
 # dequant, packed, kernel or native (OpenOptions.quant_cpu, read from this variable at the edges).
+QUANT_CPU_ENV = "TURBO_QUANT_CPU"  # how packed quantized matrices run on the CPU (CPU_MODES)
 CPU_MODE_ENV = QUANT_CPU_ENV
 
 

@@ -5,7 +5,8 @@ them; the loader checks the MTP head against them."""
 from __future__ import annotations
 
 from .arch import Arch
-from ..drafters.mtp import MTP_PREFIX
+
+MTP_PREFIX = "mtp."  # the MTP head's tensors, in the checkpoint's names
 
 
 def moe_tensor_shapes(a: Arch, mlp: str) -> dict[str, tuple[int, ...]]:

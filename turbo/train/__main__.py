@@ -24,7 +24,7 @@ import torch
 import turbo
 
 from ..__main__ import guarded
-from ..drafters.mtp import MTP_PREFIX
+from ..store.tensor_shapes import MTP_PREFIX
 from ..errors import ArgumentParser, TurboError
 from . import dflash2, heldout, mask, mtp, trunk
 from .data import Example, batch, build, read_groups

@@ -17,7 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from ..store.arch import Arch
-from ..drafters.mtp import MTP_PREFIX
+from ..store.tensor_shapes import MTP_PREFIX
 from ..store.install import Install
 from ..backends.ops import apply_rope, rope_cos_sin, rope_inv_freq
 from ..store.safetensors_format import write_tensors

@@ -26,7 +26,8 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
 
-from ..chat.template import GENERATION_CONFIG, TEMPLATE_FILE, render
+from ..chat.template import render
+from ..store.template_files import GENERATION_CONFIG, TEMPLATE_FILE
 from ..errors import TurboError
 from ..store.install import open_install
 from ..repack import repack

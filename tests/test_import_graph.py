@@ -1,8 +1,10 @@
 """turbo's import graph, read from the source (the AST, nothing imported): no cycle among the
-modules' top-level imports, and no turbo module imported inside a function unless it is listed
-below with the reason it has to wait (an optional dependency, or startup kept light). An import
-moved into a function to dodge a cycle hides the cycle; the shared piece belongs in a module both
-sides can import (issue 43)."""
+modules' top-level imports, none either when the imports under `if TYPE_CHECKING:` are counted
+(a cycle in the types is one in the design), none among the packages (turbo/store, turbo/sequence,
+..., each top-level module a unit of its own), at most 15 modules directly under turbo/, and no
+turbo module imported inside a function unless it is listed below with the reason it has to wait
+(an optional dependency, or startup kept light). An import moved into a function to dodge a
+cycle hides the cycle; the shared piece belongs in a module both sides can import (issue 43)."""
 
 from __future__ import annotations
 
@@ -47,18 +49,21 @@ def _type_checking(test: ast.expr) -> bool:
         (isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
 
 
-def _imports(node: ast.AST, in_function: bool, out: list[tuple[ast.Import | ast.ImportFrom, bool]]) -> None:
+def _imports(node: ast.AST, in_function: bool, out: list[tuple[ast.Import | ast.ImportFrom, bool]],
+             types: bool = False) -> None:
     """Every import under `node`, with whether it runs inside a function; the body of an
-    `if TYPE_CHECKING:` is left out (it never runs)."""
+    `if TYPE_CHECKING:` only with `types` (it never runs, but names what the module depends on)."""
     for child in ast.iter_child_nodes(node):
         if isinstance(child, (ast.Import, ast.ImportFrom)):
             out.append((child, in_function))
         elif isinstance(child, ast.If) and _type_checking(child.test):
+            for stmt in child.body if types else []:
+                _imports(ast.Module(body=[stmt], type_ignores=[]), in_function, out, types)
             for stmt in child.orelse:
-                _imports(ast.Module(body=[stmt], type_ignores=[]), in_function, out)
+                _imports(ast.Module(body=[stmt], type_ignores=[]), in_function, out, types)
         else:
             _imports(child, in_function or isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)),
-                     out)
+                     out, types)
 
 
 def _targets(name: str, is_package: bool, node: ast.Import | ast.ImportFrom, known: set[str]) -> list[str]:
@@ -76,16 +81,17 @@ def _targets(name: str, is_package: bool, node: ast.Import | ast.ImportFrom, kno
     return [m for m in found if m in known]
 
 
-def graph() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
-    """(module -> the modules its top-level imports run, counting the packages they sit in;
-    the function-level imports of our modules as (importer, imported, line))."""
+def graph(types: bool = False) -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
+    """(module -> the modules its top-level imports run, counting the packages they sit in, and
+    with `types` those its TYPE_CHECKING imports name; the function-level imports of our modules
+    as (importer, imported, line))."""
     files = sources()
     known = set(files)
     edges: dict[str, set[str]] = {m: set() for m in files}
     lazy = []
     for name, path in files.items():
         found: list = []
-        _imports(ast.parse(path.read_text(), str(path)), False, found)
+        _imports(ast.parse(path.read_text(), str(path)), False, found, types)
         for node, in_function in found:
             for target in _targets(name, path.name == "__init__.py", node, known):
                 if in_function:
@@ -98,6 +104,21 @@ def graph() -> tuple[dict[str, set[str]], list[tuple[str, str, int]]]:
                     if up in known and up != name and not name.startswith(up + "."):
                         edges[name].add(up)
     return edges, lazy
+
+
+def unit(module: str) -> str:
+    """The part of the house a module belongs to: its package directly under turbo/ (turbo.sequence),
+    the top-level module itself (turbo.engine), or tui."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if parts[0] == "turbo" else parts[0]
+
+
+def package_graph(edges: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The graph among units (above); turbo/__init__.py imports nothing of ours at its top (its names load lazily)."""
+    units: dict[str, set[str]] = {unit(m): set() for m in edges}
+    for m, targets in edges.items():
+        units[unit(m)] |= {unit(t) for t in targets if t != "turbo" and unit(t) != unit(m)}
+    return units
 
 
 def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
@@ -164,3 +185,35 @@ def test_function_level_imports_of_ours_are_listed():
     used = {(a, b) for a, b, _ in lazy}
     stale = sorted(set(LAZY_ALLOWED) - used)
     assert stale == [], f"LAZY_ALLOWED entries no module has any more: {stale}"
+
+
+def test_no_import_cycle_in_the_types_either():
+    edges, _ = graph(types=True)
+    found = cycles(edges)
+    assert found == [], "import cycles counting TYPE_CHECKING imports (name what one side needs by a narrow " + \
+        "Protocol on its own side, or move the shared piece): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_cycle_among_packages():
+    edges, _ = graph(types=True)
+    units = package_graph(edges)
+    assert {"turbo.sequence", "turbo.store", "turbo.engine", "tui"} <= set(units)
+    assert "turbo.store" in units["turbo.sequence"] and "turbo.sequence" in units["turbo.engine"]
+    found = cycles(units)
+    why = {(a, b): sorted({m for m, ts in edges.items() if unit(m) == a for t in ts if unit(t) == b})
+           for c in found for a in c for b in c if b in units[a]}
+    assert found == [], "cycles among packages: " + "; ".join(" <-> ".join(c) for c in found) + \
+        " (through " + "; ".join(f"{a} -> {b}: {', '.join(ms)}" for (a, b), ms in why.items()) + ")"
+
+
+def test_at_most_15_modules_directly_under_turbo():
+    top = sorted(p.name for p in (ROOT / "turbo").glob("*.py"))
+    assert len(top) <= 15, f"{len(top)} modules directly under turbo/ (a new one belongs in its package): {top}"
+
+
+def test_the_public_names_resolve():
+    """turbo/__init__.py loads its names by module name (a string the import graph cannot follow)."""
+    import turbo
+
+    missing = [name for name in turbo.__all__ if getattr(turbo, name, None) is None]
+    assert missing == []

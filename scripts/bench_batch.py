@@ -27,7 +27,7 @@ import torch
 import turbo
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 
 def copies(trunk, st, n: int) -> list:

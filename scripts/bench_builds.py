@@ -28,8 +28,8 @@ import turbo
 from turbo.backends import native_build, native_lib
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
-from benchlib import step_times
+from scripts import benchlib
+from scripts.benchlib import step_times
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}

@@ -23,8 +23,8 @@ import time
 import numpy as np
 from tokenizers import Tokenizer
 
-import benchlib  # scripts/benchlib.py, beside this file
-from bench_constraints import VOCAB, qwen35_tokenizer_json
+from scripts import benchlib
+from scripts.bench_constraints import VOCAB, qwen35_tokenizer_json
 
 END = 248046  # <|im_end|>: the constrained output's stop token
 SCHEMAS = {

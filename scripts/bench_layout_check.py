@@ -14,13 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import turbo  # noqa: E402
-import turbo.engine  # noqa: E402,F401 (imported before timing: the open is timed, not the imports)
-from turbo import layout_file  # noqa: E402
-from turbo.install import safetensors_files  # noqa: E402
-from turbo.safetensors_format import read_header  # noqa: E402
+import turbo
+import turbo.engine  # noqa: F401 (imported before timing: the open is timed, not the imports)
+from turbo import layout_file
+from turbo.install import safetensors_files
+from turbo.safetensors_format import read_header
 
 
 def timed(f) -> float:

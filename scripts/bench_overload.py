@@ -16,8 +16,7 @@ import openai
 
 from turbo.testing import shapes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import start  # noqa: E402
+from scripts.bench_serve import start
 
 
 def vm_hwm_mb(pid: int) -> float:

@@ -30,7 +30,7 @@ from turbo import quant
 from turbo.backends import native_exact, native_lib, native_pack
 from turbo.backends.packed import Packed
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 BITS = {"int4": 4, "int8": 8}
 CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)

@@ -42,7 +42,7 @@ from turbo.install import resolve
 from turbo.repack import repack
 from turbo.testing import make_checkpoint, shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 ROOT = Path(__file__).resolve().parent.parent
 

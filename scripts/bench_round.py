@@ -25,8 +25,8 @@ import torch
 import turbo
 from turbo.testing import ScriptedDrafter, shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
-from benchlib import step_times
+from scripts import benchlib
+from scripts.benchlib import step_times
 
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
 

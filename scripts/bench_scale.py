@@ -51,7 +51,7 @@ import torch
 import turbo
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 ROOT = Path(__file__).resolve().parent.parent
 KV_TAG = " kv="  # a turbo system's name carries its kv_cache after this ("turbo kv=bfloat16")

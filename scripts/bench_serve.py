@@ -31,8 +31,8 @@ from pathlib import Path
 from turbo.testing import shapes
 from turbo.testing.checks import served_address
 
-import benchlib  # scripts/benchlib.py, beside this file
-from llamacpp_server import start_llama_server
+from scripts import benchlib
+from scripts.llamacpp_server import start_llama_server
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"plain": ("code", {"policy": "off"}),
@@ -56,12 +56,12 @@ def load(url: str, prompts: str, turbo: dict | None, concurrency: int, args, che
     """scripts/load.py's figures for one load; a failure stops the run, and so does a mismatch
     against the solo answers unless `mismatch_ok` (then it is printed and counted in the figures)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, str(ROOT / "scripts" / "load.py"), "--base-url", f"http://{url}/v1",
+        cmd = [sys.executable, "-m", "scripts.load", "--base-url", f"http://{url}/v1",
                "--concurrency", str(concurrency), "--requests", str(args.requests), "--max-tokens",
                str(args.max_tokens), "--prompts", prompts, "--ignore-eos", "--json", out.name]
         cmd += ["--turbo", json.dumps(turbo)] if turbo is not None else []
         cmd += [] if check else ["--no-check"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         written = Path(out.name).read_text()
         figures = json.loads(written) if written else {}
         if p.returncode != 0 and not (mismatch_ok and figures.get("mismatches")):

@@ -27,7 +27,7 @@ from turbo.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

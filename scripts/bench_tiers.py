@@ -30,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-import benchlib  # scripts/benchlib.py, beside this file
-import build_llamacpp
+from scripts import benchlib
+from scripts import build_llamacpp
 import turbo
 from turbo.backends import native_lib
 from turbo.testing import shapes
@@ -148,9 +148,9 @@ def main() -> None:
                         env["TURBO_ISA"] = tier
                     with guard.rep(f"rep {rep} {tier} {kind} {system}") as g:
                         if system == "turbo":
-                            done = subprocess.run([sys.executable, __file__, "--worker", str(path), str(args.prompt),
-                                                   str(args.new), str(args.threads)], capture_output=True, text=True,
-                                                  env=env, timeout=1800)
+                            done = subprocess.run([sys.executable, "-m", "scripts.bench_tiers", "--worker", str(path),
+                                                   str(args.prompt), str(args.new), str(args.threads)], cwd=ROOT,
+                                                  capture_output=True, text=True, env=env, timeout=1800)
                             if done.returncode != 0:
                                 raise SystemExit(f"turbo {tier} {kind}: {done.stderr.strip()[-2000:]}")
                             rec = json.loads(done.stdout.strip().splitlines()[-1])

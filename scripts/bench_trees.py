@@ -70,7 +70,7 @@ def main() -> None:
     from turbo.install import BUNDLED_DIR
     from turbo.testing import shapes
 
-    import benchlib  # scripts/benchlib.py, beside this file (the driver's: the workers import their tree)
+    from scripts import benchlib  # (the driver's: the workers import their tree)
 
     installs = {"tiny": (str(BUNDLED_DIR / "tiny"), 200, 256), args.shape: (str(shapes.build(args.shape)), 8, 48)}
     runs: dict[tuple[str, str], list[dict]] = {}

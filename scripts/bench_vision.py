@@ -33,7 +33,7 @@ from turbo.vision.config import vision_config
 from turbo.vision.image import ImageSpec, prepare
 from turbo.vision.tower import encode, tower_from_state_dict
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 # config.json's vision_config of Qwen/Qwen3.5-0.8B (its text hidden size is 1024)
 VISION_0_8B = dict(depth=12, hidden_size=768, hidden_act="gelu_pytorch_tanh", intermediate_size=3072, num_heads=12,

@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import fuzz_inputs  # (scripts/ is on the path of fuzz.py and its worker: not a package)
+from scripts import fuzz_inputs
 
 DEPTHS = (10, 100, 1000, 5000)
 COUNTS = (10, 500, 2000, 5000)

@@ -21,10 +21,8 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_llamacpp  # noqa: E402  (beside this file: where the tools are)
+from scripts import build_llamacpp
 
 
 def free_port() -> int:

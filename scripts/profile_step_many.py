@@ -28,8 +28,8 @@ from turbo.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler, ServeLimits
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
-from bench_batch import copies
+from scripts import benchlib
+from scripts.bench_batch import copies
 
 TIMED = ("embed_rows", "gdn_layer_seqs", "attn_layer_seqs", "head", "copy_rows")
 

@@ -16,9 +16,6 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's turbo, not an installed one
 
 
 def rss_mib(pid: int | str = "self") -> float:

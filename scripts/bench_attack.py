@@ -8,7 +8,7 @@ Prints each phase's latency and time to first token (p50 / p99), whether every a
 undisturbed run's, the attacks' status codes and rate, the server's CPU by thread (the event
 loop's apart), and its peak RSS (VmHWM).
 
-    python scripts/bench_attack.py [--requests 6] [--attackers 4] [--attacker-nice 0]
+    python -m scripts.bench_attack [--requests 6] [--attackers 4] [--attacker-nice 0]
         [--serve serve.http_nice=5] [--profile PATH]
 """
 

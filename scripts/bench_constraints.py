@@ -3,7 +3,7 @@ the real Qwen3.5 vocabulary (248,320 rows), and tokens/s of whole generations at
 JSON schema, with penalties and plain, each without and with speculation (the n-gram drafter),
 interleaved.
 
-    python scripts/bench_constraints.py [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--new 64]
+    python -m scripts.bench_constraints [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--new 64]
 
 The per-step figures are medians of --calls: the grammar's mask for the next token (llguidance's
 bitmask, unpacked, applied to a logits row: what GrammarState.rows does for each verify row) with

@@ -1,9 +1,9 @@
 """Decode speed of installs converted from the formats people download (docs/formats.md), beside
 turbo's own int4 / int8 / bf16 installs of the same random weights, interleaved.
 
-    python scripts/bench_formats.py [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--tokens 64] [--no-llama]
-    python scripts/bench_formats.py --shape tiny --reps 1 --tokens 4        # a quick check that it runs
-    python scripts/bench_formats.py --only fp8 fp8+int8 turbo-int8 awq-g128+int4 turbo-int4 --no-llama
+    python -m scripts.bench_formats [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--tokens 64] [--no-llama]
+    python -m scripts.bench_formats --shape tiny --reps 1 --tokens 4        # a quick check that it runs
+    python -m scripts.bench_formats --only fp8 fp8+int8 turbo-int8 awq-g128+int4 turbo-int4 --no-llama
 
 The shape's bf16 checkpoint (turbo.testing.shapes) is rewritten in each source format
 (turbo.testing.source_formats: AWQ int4 g128, GPTQ int4 g32 symmetric, Qwen's FP8 in 128 x 128

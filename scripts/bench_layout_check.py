@@ -2,7 +2,7 @@
 the full check of a first open after a change (the weights' digest and the CRC-32 pass, also
 timed alone), and turbo.open, each in this process, the page cache warm.
 
-    python scripts/bench_layout_check.py INSTALL [--reps 3] [--threads 2]
+    python -m scripts.bench_layout_check INSTALL [--reps 3] [--threads 2]
 
 INSTALL's .packed.verified is removed for the full checks (and written again by them).
 """

@@ -2,9 +2,9 @@
 fresh process, interleaved (A, B, A, B, ...), then the first token (a one-token prompt: the
 pages a step reads come in there for a mapped file).
 
-    python scripts/bench_open.py INSTALL_OR_GGUF ... [--reps 3] [--threads 2]
-    python scripts/bench_open.py --shape qwen3.5-0.8b --quant int4 --gguf q4_0 --reps 3
-    python scripts/bench_open.py --shape tiny --reps 1          # a check that it runs
+    python -m scripts.bench_open INSTALL_OR_GGUF ... [--reps 3] [--threads 2]
+    python -m scripts.bench_open --shape qwen3.5-0.8b --quant int4 --gguf q4_0 --reps 3
+    python -m scripts.bench_open --shape tiny --reps 1          # a check that it runs
 
 A directory is a turbo install (opened with turbo.open), a .gguf is opened with llama_cpp.Llama
 (use_mmap, its default). Per open: seconds to open, the peak RSS grown while opening (VmHWM after,

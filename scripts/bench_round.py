@@ -1,6 +1,6 @@
 """What a speculative round costs against a decode step, and what it buys, per block.
 
-    python scripts/bench_round.py [--shape tiny|qwen3.5-0.8b|...] [--format bf16 int4 ...] [--accept 0.8]
+    python -m scripts.bench_round [--shape tiny|qwen3.5-0.8b|...] [--format bf16 int4 ...] [--accept 0.8]
         [--rollback checkpoint replay]
 
 For each weight format (an install of the named shape, random weights, built once and cached:

@@ -1,8 +1,8 @@
 """Throughput of `python -m turbo task=serve` under N concurrent clients (scripts/load.py), beside
 llama.cpp's own `llama-server --parallel N` on the same weights (--llamacpp).
 
-    python scripts/bench_serve.py [--shape qwen3.5-0.8b] [--threads 2] [--concurrency 1 4 8] [--reps 3]
-    python scripts/bench_serve.py --configs plain --llamacpp [--quant int4 --gguf q4_0]
+    python -m scripts.bench_serve [--shape qwen3.5-0.8b] [--threads 2] [--concurrency 1 4 8] [--reps 3]
+    python -m scripts.bench_serve --configs plain --llamacpp [--quant int4 --gguf q4_0]
 
 One turbo server (serve.max_running = the widest concurrency) serves every configuration: each is
 a request's "turbo" field (plain decode on the code workload; the n-gram drafter, fixed and
@@ -89,7 +89,8 @@ def main() -> None:
     ap.add_argument("--gguf", default="bf16", help="--llamacpp: the shape's GGUF kind (bf16, q8_0, q4_0)")
     ap.add_argument("--serve", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for turbo's server (e.g. serve.front=inline)")
-    ap.add_argument("--out", type=Path, help="also write every repetition's figures and the checks (JSON)")
+    ap.add_argument("--out", type=Path, help="every repetition's figures and the checks (JSON; default "
+                    "docs/results/serve-YYYY-MM-DD.json, a new file each run)")
     args = ap.parse_args()
     # tiny: the shipped install, unless beside llama.cpp, whose GGUF is of the random tiny shape
     same = args.shape != "tiny" or args.llamacpp
@@ -131,13 +132,14 @@ def main() -> None:
                         f = load(urls[c], prompts, turbo, c, args, check=False, mismatch_ok=True)
                     figures[(name, c)].append(f | {"guard": dataclasses.asdict(g)})
         every = [f for fs in figures.values() for f in fs]
-        if args.out:
-            args.out.write_text(json.dumps({
-                "args": vars(args) | {"out": str(args.out)},
-                "runs": [{"name": name, "clients": c, "reps": fs,
-                          "checked": dict(zip(("mismatches", "requests"), checked[(name, at)]), at=at)}
-                         for (name, c), fs in figures.items()
-                         for at in [c if (name, c) in checked else widest]]}, indent=1) + "\n")
+        args.out = args.out or benchlib.results_path("serve", ".json", fresh=True)
+        print(f"figures: {args.out}", file=sys.stderr)
+        args.out.write_text(json.dumps({
+            "args": vars(args) | {"out": str(args.out)},
+            "runs": [{"name": name, "clients": c, "reps": fs,
+                      "checked": dict(zip(("mismatches", "requests"), checked[(name, at)]), at=at)}
+                     for (name, c), fs in figures.items()
+                     for at in [c if (name, c) in checked else widest]]}, indent=1) + "\n")
         print(f"shape {args.shape}, {args.threads} threads, {args.requests} requests x {args.max_tokens} tokens "
               f"(ignore_eos), medians of the undisturbed of {args.reps} interleaved repetitions (min..max)")
         print(benchlib.guard_summary(every))

@@ -3,9 +3,9 @@
 llama.cpp's Q4_0, the time an int4 install takes to open, and a decode step's bytes against the
 machine's measured read bandwidth.
 
-    nice -n 19 python scripts/build_llamacpp.py --tier avx2     # once per tier (native: no --tier)
+    nice -n 19 python -m scripts.build_llamacpp --tier avx2     # once per tier (native: no --tier)
     LLAMA_CONVERT_DIR=~/.cache/turbo/llamacpp/0.3.36/src/llama_cpp_python-0.3.36/vendor/llama.cpp \\
-        python scripts/bench_tiers.py --tiers avx2 native --reps 3 --out docs/results/tiers-DATE.jsonl
+        python -m scripts.bench_tiers --tiers avx2 native --reps 3
 
 Per repetition, tier and weight kind (bf16; int4 vs Q4_0), one fresh process each, under
 benchlib's quiet-machine guard, in turn: turbo's worker (`turbo.open` timed alone, after the
@@ -14,7 +14,8 @@ imports; prefill of --prompt ids; --new greedy decode steps), then `llama-bench 
 turbo with TURBO_ISA unset (the best tier this CPU has) and llama.cpp's default build
 (GGML_NATIVE). The GGUFs are the shape's (turbo.testing.shapes.gguf: bf16 converted by llama.cpp's
 converter, Q4_0 quantized from it by the tier build's llama-quantize). Prints the medians [min,
-max] and the ratios; records go to --out (JSON lines).
+max] and the ratios; records are appended to --out (JSON lines; default
+docs/results/tiers-YYYY-MM-DD.jsonl, benchlib.results_path).
 """
 
 from __future__ import annotations
@@ -123,13 +124,16 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="records appended here (JSON lines; default "
+                    "docs/results/tiers-YYYY-MM-DD.jsonl, today's)")
     ap.add_argument("--worker", nargs=4, metavar=("INSTALL", "PROMPT", "NEW", "THREADS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         install, prompt, new, threads = args.worker
         print(json.dumps(worker(install, int(prompt), int(new), int(threads))))
         return
+    args.out = args.out or benchlib.results_path("tiers")
+    print(f"records: {args.out}", file=sys.stderr)
     installs = {kind: shapes.build(args.shape, quant=KINDS[kind][0]) for kind in args.kinds}
     llama_tier = {"native": "native", "avx2": "avx2", "avx512": "avx512", "amx": "native"}
     ggufs = {(tier, kind): gguf_of(args.shape, KINDS[kind][1], llama_tier[tier])
@@ -159,10 +163,9 @@ def main() -> None:
                     rec |= {"system": system, "tier_asked": tier, "kind": kind, "rep": rep, "guard": g.__dict__,
                             "bandwidth_gbs": bandwidth, "cpu": build_llamacpp.cpu()}
                     records.append(rec)
-                    if args.out:
-                        args.out.parent.mkdir(parents=True, exist_ok=True)
-                        with args.out.open("a") as f:
-                            f.write(json.dumps(rec) + "\n")
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
                     print(f"rep {rep} {tier} {kind} {system}{' (disturbed)' if g.disturbed else ''}: prefill "
                           f"{rec['prefill_tps']:.1f}, decode {rec['decode_tps']:.2f} tok/s", file=sys.stderr)
     print(f"{build_llamacpp.cpu()}, {args.shape}, prompt {args.prompt}, {args.new} decode steps, {args.threads} "

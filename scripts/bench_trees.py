@@ -2,7 +2,7 @@
 process: a decode step, a 9-row verify (plain; keeping checkpoints) and whole generations'
 decode tokens/s (plain; n-gram block 4) on the shipped tiny install and on a published shape.
 
-    python scripts/bench_trees.py OLD_TREE NEW_TREE [--shape qwen3.5-0.8b] [--reps 5] [--threads 1]
+    python -m scripts.bench_trees OLD_TREE NEW_TREE [--shape qwen3.5-0.8b] [--reps 5] [--threads 1]
 
 OLD_TREE and NEW_TREE are checkouts (e.g. `git worktree add --detach /tmp/old REV`); each run
 imports turbo from its tree. Prints per figure the medians (min..max) and the median of the

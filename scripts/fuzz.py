@@ -1,6 +1,6 @@
 """Fuzz an install's files: every case a mutated copy, run in a worker subprocess, its outcome classified.
 
-    python scripts/fuzz.py --headers N --configs M --drafters K --fields F [--install tiny] [--seed 0]
+    python -m scripts.fuzz --headers N --configs M --drafters K --fields F [--install tiny] [--seed 0]
 
 --drafters and --fields are scripts/fuzz_classes.py's: caller's drafter objects that misbehave,
 and config.json fields judged against transformers (on a small checkpoint made for the run).

@@ -3,7 +3,7 @@ parser, at depth and at size -- JSON schemas (response_format), Lark grammars an
 (turbo.grammar), tools (their parameter schemas, names with odd characters, the forced call's
 grammar), tool calls and tool results sent back.
 
-    python scripts/fuzz.py --requests N [--seed S] [--timeout T]
+    python -m scripts.fuzz --requests N [--seed S] [--timeout T]
 
 Each case is posted to the app over one worker.Engine on tiny (fastapi's TestClient; serve.max_body_mb=4)
 in a worker subprocess (scripts/fuzz.py's Worker): a case that kills it (a native library's stack

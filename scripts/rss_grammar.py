@@ -1,7 +1,7 @@
 """The engine's resident set over many varied constrained requests (docs/hardening.md): is it bounded?
 
-    python scripts/rss_grammar.py [--install tiny] [--requests 1000] [--every 100]
-    python scripts/rss_grammar.py --url http://127.0.0.1:8000 --pid ENGINE_PID   # a served engine
+    python -m scripts.rss_grammar [--install tiny] [--requests 1000] [--every 100]
+    python -m scripts.rss_grammar --url http://127.0.0.1:8000 --pid ENGINE_PID   # a served engine
 
 Request i is one of: a JSON schema of its own (property names, nesting and types drawn from i), a
 Lark grammar of its own, a regex of its own, json_object; every fifth names stop_token_ids of its

@@ -41,6 +41,12 @@ ROOT = Path(__file__).resolve().parent.parent
 KINDS = {"bf16": ("none", "bf16"), "int4": ("int4", "q4_0")}  # kind: (turbo's --quant, the GGUF's)
 
 
+def checkout_path(path: str) -> str:
+    """`path` relative to this checkout where it is inside it (records name no machine's folders)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
+
+
 def worker(install: str, prompt: int, new: int, threads: int) -> dict:
     """turbo in this process: open (timed alone, after the imports), prefill, decode; the step's bytes."""
     torch.set_num_threads(threads)
@@ -59,7 +65,7 @@ def worker(install: str, prompt: int, new: int, threads: int) -> dict:
     decode_s = time.perf_counter() - t0
     return {"open_s": open_s, "prefill_tps": prompt / prefill_s, "decode_tps": new / decode_s, "tokens": tokens,
             "step_bytes": sut.bytes_per_token(prompt + new // 2), "tier": native_lib.tier(),
-            "turbo": turbo.__file__}
+            "turbo": checkout_path(turbo.__file__)}
 
 
 def gguf_of(shape: str, kind: str, tier: str) -> Path:

@@ -4,7 +4,7 @@ decode tokens/s (plain; n-gram block 4) on the shipped tiny install and on a pub
 
     python -m scripts.bench_trees OLD_TREE NEW_TREE [--shape qwen3.5-0.8b] [--reps 5] [--threads 1]
 
-OLD_TREE and NEW_TREE are checkouts (e.g. `git worktree add --detach /tmp/old REV`); each run
+OLD_TREE and NEW_TREE are checkouts (e.g. `git worktree add --detach ../old REV`); each run
 imports turbo from its tree. Prints per figure the medians (min..max) and the median of the
 pairwise new/old ratios. A benchmark, not a test: run it on a quiet machine.
 """

@@ -578,7 +578,9 @@ def quiet_check(threads: int = 2, samples: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--quiet-check":  # python -m scripts.benchlib --quiet-check [THREADS]
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+    elif sys.argv[1] == "--quiet-check":  # python -m scripts.benchlib --quiet-check [THREADS]
         quiet_check(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
     else:
         print(json.dumps(work(Spec(**json.loads(sys.argv[1])))))

@@ -291,6 +291,9 @@ def machine() -> str:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     if DIR is None or not DIR.is_dir():
         raise SystemExit("usage: python -m scripts.report_vs_llamacpp DIR (scripts/measure_vs_llamacpp.py's output)")
     metas = {p.name.removesuffix(".meta.json"): json.loads(p.read_text()) for p in DIR.glob("*.meta.json")}

@@ -1,4 +1,4 @@
-"""Well-behaved clients under hostile ones (issue 48): a server (task=serve, a small VL install
+"""Well-behaved clients under hostile ones : a server (task=serve, a small VL install
 made by turbo.testing.vision, serve.max_body_mb=1, serve.image_dirs holding named pipes) answers
 8 clients' greedy chat requests, first undisturbed, then while attackers send bodies over the
 limit (declared and chunked), prompts longer than the context could hold, and image URLs naming a
@@ -8,7 +8,7 @@ Prints each phase's latency and time to first token (p50 / p99), whether every a
 undisturbed run's, the attacks' status codes and rate, the server's CPU by thread (the event
 loop's apart), and its peak RSS (VmHWM).
 
-    python scripts/bench_attack.py [--requests 6] [--attackers 4] [--attacker-nice 0]
+    python -m scripts.bench_attack [--requests 6] [--attackers 4] [--attacker-nice 0]
         [--serve serve.http_nice=5] [--profile PATH]
 """
 
@@ -29,13 +29,11 @@ from pathlib import Path
 
 import httpx
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tests"))
+from tests.test_vision_doors import TEMPLATE
+from turbo.testing.checks import served_address
+from turbo.testing.vision import make_vl_install
 
-from test_vision_doors import TEMPLATE  # noqa: E402
-from turbo.testing.checks import served_address  # noqa: E402
-from turbo.testing.vision import make_vl_install  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CLIENTS = 8
 QUESTIONS = ["Write a haiku.", "What is os.path.join?", "Count to five.", "Name a colour.", "Say hello.",

@@ -2,9 +2,9 @@
 of N sequences x R rows (a decode step each: R = 1; a verify each: R = 9) against N sequential
 `step` calls, on a published shape (random weights) or tiny, interleaved.
 
-    flock /work/locks/bench.lock python scripts/bench_batch.py [--shape qwen3.5-0.8b] [--seqs 1 2 4 8 16] \
+    python -m scripts.bench_batch [--shape qwen3.5-0.8b] [--seqs 1 2 4 8 16] \
         [--rows 1 9] [--context 256] [--reps 5] [--threads 2]
-    python scripts/bench_batch.py --shape tiny --reps 1       # does it run
+    python -m scripts.bench_batch --shape tiny --reps 1       # does it run
 
 Every sequence holds the same --context prompt (prefilled once, the state copied). Before
 timing a (N, R) pair, the batch's logits are checked equal to the sequential steps' (bit for
@@ -27,7 +27,7 @@ import torch
 import turbo
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 
 def copies(trunk, st, n: int) -> list:

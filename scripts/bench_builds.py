@@ -2,7 +2,7 @@
 a verify of R rows (plain, keeping checkpoints) and optionally a prefill, on a published shape,
 random weights.
 
-    python scripts/bench_builds.py e93c3d2 HEAD [--format int4 bf16] [--reps 7] [--rows 9] [--prefill 512]
+    python -m scripts.bench_builds e93c3d2 HEAD [--format int4 bf16] [--reps 7] [--rows 9] [--prefill 512]
 
 Each revision's C sources (git show REV:turbo/backends/native*.c) are built as turbo builds
 them and loaded side by side; each repetition times both on the same loaded install, one after
@@ -28,8 +28,8 @@ import turbo
 from turbo.backends import native_build, native_lib
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
-from benchlib import step_times
+from scripts import benchlib
+from scripts.benchlib import step_times
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}

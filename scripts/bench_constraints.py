@@ -3,7 +3,7 @@ the real Qwen3.5 vocabulary (248,320 rows), and tokens/s of whole generations at
 JSON schema, with penalties and plain, each without and with speculation (the n-gram drafter),
 interleaved.
 
-    python scripts/bench_constraints.py [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--new 64]
+    python -m scripts.bench_constraints [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--new 64]
 
 The per-step figures are medians of --calls: the grammar's mask for the next token (llguidance's
 bitmask, unpacked, applied to a logits row: what GrammarState.rows does for each verify row) with
@@ -28,7 +28,7 @@ from turbo.sequence.options import GenerationOptions
 from turbo.sequence.penalties import PenaltyState
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
     "type": "string"}}, "n": {"type": "integer"}}, "required": ["name", "tags", "n"], "additionalProperties": False}

@@ -1,9 +1,9 @@
 """Decode speed of installs converted from the formats people download (docs/formats.md), beside
 turbo's own int4 / int8 / bf16 installs of the same random weights, interleaved.
 
-    python scripts/bench_formats.py [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--tokens 64] [--no-llama]
-    python scripts/bench_formats.py --shape tiny --reps 1 --tokens 4        # a quick check that it runs
-    python scripts/bench_formats.py --only fp8 fp8+int8 turbo-int8 awq-g128+int4 turbo-int4 --no-llama
+    python -m scripts.bench_formats [--shape qwen3.5-0.8b] [--threads 2] [--reps 3] [--tokens 64] [--no-llama]
+    python -m scripts.bench_formats --shape tiny --reps 1 --tokens 4        # a quick check that it runs
+    python -m scripts.bench_formats --only fp8 fp8+int8 turbo-int8 awq-g128+int4 turbo-int4 --no-llama
 
 The shape's bf16 checkpoint (turbo.testing.shapes) is rewritten in each source format
 (turbo.testing.source_formats: AWQ int4 g128, GPTQ int4 g32 symmetric, Qwen's FP8 in 128 x 128
@@ -40,7 +40,7 @@ from turbo.testing import shapes
 from turbo.testing.gguf_writer import write_gguf
 from turbo.testing.source_formats import write_fp8, write_int4
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -114,8 +114,8 @@ def converted(shape: str, cache: Path) -> tuple[dict[str, tuple[Path, str]], dic
     return out, ggufs
 
 
-LLAMA_TRY = ("import sys; from llama_cpp import Llama; import llama_cpp.llama as lib; sys.path.insert(0, {here!r}); "
-             "import benchlib; d = lib.llama_cpp.llama_model_default_params; "
+LLAMA_TRY = ("import sys; from llama_cpp import Llama; import llama_cpp.llama as lib; "
+             "from scripts import benchlib; d = lib.llama_cpp.llama_model_default_params; "
              "plain = sys.argv[2] == '1'; lib.llama_cpp.llama_model_default_params = "
              "(lambda: benchlib._plain(d())) if plain else d; "
              "m = Llama(model_path=sys.argv[1], n_ctx=16, verbose=False); m.eval([5, 17])")
@@ -126,11 +126,11 @@ def llama_cpp_env(path: Path) -> dict | None:
     in, tried (opened, two tokens evaluated) in a process of its own, as it is, else with its weight
     repacking off (one line says so); None, with one line saying why, where neither runs (a
     failing worker would end the run)."""
-    code = LLAMA_TRY.format(here=str(Path(__file__).resolve().parent))
+    code = LLAMA_TRY
     why = "failed"
     for plain in (False, True):
         done = subprocess.run([sys.executable, "-c", code, str(path), "1" if plain else "0"], capture_output=True,
-                              text=True)
+                              text=True, cwd=ROOT)  # (-c: the root on the path, scripts/ a package there)
         if done.returncode == 0:
             if plain:
                 print(f"llama.cpp on {path.name}: its weight repacking crashes here (exit {why}), "

@@ -2,7 +2,7 @@
  * (1 row, the step's shape) over 256 MB of codes, from memory, 1 and 2 threads, its parts taken
  * away one at a time, beside an int8 tile of one packed dot product per 64 weights (wtype 5's).
  *
- *     gcc -O3 -march=native -fopenmp scripts/bench_fp8_lookup.c -o /tmp/fp8_lookup && /tmp/fp8_lookup [k]
+ *     gcc -O3 -march=native -fopenmp scripts/bench_fp8_lookup.c -o build/fp8_lookup && build/fp8_lookup [k]
  *
  * Variants, each the same bytes (one code a weight, 16 outputs x 4 inputs a 64-byte load):
  *   fp8          the product as shipped: two 128-entry byte lookups (vpermt2b: hi / lo byte of the

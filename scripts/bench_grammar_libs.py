@@ -1,7 +1,7 @@
 """llguidance against xgrammar, the two libraries made for constrained decoding that vLLM and
 SGLang use, over the real Qwen3.5 vocabulary (248,320 rows): what turbo needs of one, measured.
 
-    python scripts/bench_grammar_libs.py [--reps 5] [--out FILE.json]
+    python -m scripts.bench_grammar_libs [--reps 5] [--out FILE.json]
 
 For each library and each of three JSON schemas (a flat object, a tool call's arguments with enums
 and nested objects, an array of records) and a regex: the tokenizer's setup; a cold compile (no
@@ -19,12 +19,13 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
 
-import benchlib  # scripts/benchlib.py, beside this file
-from bench_constraints import VOCAB, qwen35_tokenizer_json
+from scripts import benchlib
+from scripts.bench_constraints import VOCAB, qwen35_tokenizer_json
 
 END = 248046  # <|im_end|>: the constrained output's stop token
 SCHEMAS = {
@@ -114,7 +115,8 @@ def walk(lib, matcher, tokens: list[int]) -> tuple[list[float], list[np.ndarray]
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--out", type=Path, help="the figures (JSON; default docs/results/grammar-libs-YYYY-MM-DD.json, "
+                    "a new file each run)")
     args = ap.parse_args()
     tokenizer_json = qwen35_tokenizer_json()
     tok = Tokenizer.from_str(tokenizer_json)
@@ -167,10 +169,11 @@ def main() -> None:
     for case, same in agree.items():
         print(f"{case}: allowed sets equal at {sum(same):.0f} of {len(same)} steps")
     print(benchlib.guard_summary(seen))
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"setup s": setup, "figures": {f"{c} | {l}": v for (c, l), v in figures.items()},
-                       "agree": agree, "guard": seen}, f, indent=1)
+    out = args.out or benchlib.results_path("grammar-libs", ".json", fresh=True)
+    print(f"figures: {out}")
+    with open(out, "w") as f:
+        json.dump({"setup s": setup, "figures": {f"{c} | {l}": v for (c, l), v in figures.items()},
+                   "agree": agree, "guard": seen}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 the full check of a first open after a change (the weights' digest and the CRC-32 pass, also
 timed alone), and turbo.open, each in this process, the page cache warm.
 
-    python scripts/bench_layout_check.py INSTALL [--reps 3] [--threads 2]
+    python -m scripts.bench_layout_check INSTALL [--reps 3] [--threads 2]
 
 INSTALL's .packed.verified is removed for the full checks (and written again by them).
 """
@@ -14,13 +14,11 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import turbo  # noqa: E402
-import turbo.engine  # noqa: E402,F401 (imported before timing: the open is timed, not the imports)
-from turbo.store import layout_file  # noqa: E402
-from turbo.store.install import safetensors_files  # noqa: E402
-from turbo.store.safetensors_format import read_header  # noqa: E402
+import turbo
+import turbo.engine  # noqa: F401 (imported before timing: the open is timed, not the imports)
+from turbo.store import layout_file
+from turbo.store.install import safetensors_files
+from turbo.store.safetensors_format import read_header
 
 
 def timed(f) -> float:

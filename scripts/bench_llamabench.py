@@ -2,9 +2,9 @@
 runs it for the other benchmarks) on the same GGUFs: the binding's figures are llama.cpp's only if
 the two agree (within ~10%), so this is the check the comparisons rest on.
 
-    nice -n 19 python scripts/build_llamacpp.py --binding          # once: the tools and the binding
-    python scripts/bench_llamabench.py --shape qwen3.5-0.8b --gguf bf16 q8_0 q4_0 --reps 3
-    python scripts/bench_llamabench.py --gguf-path model.gguf --prompts 32 --new 8 --depths --reps 1   # a smoke run
+    nice -n 19 python -m scripts.build_llamacpp --binding          # once: the tools and the binding
+    python -m scripts.bench_llamabench --shape qwen3.5-0.8b --gguf bf16 q8_0 q4_0 --reps 3
+    python -m scripts.bench_llamabench --gguf-path model.gguf --prompts 32 --new 8 --depths --reps 1   # a smoke run
 
 Per repetition and GGUF, interleaved, each a fresh process under benchlib's quiet-machine guard:
 `llama-bench -m GGUF -p 512,4096 -n 128 -t 2 -r 1 -o json` (its defaults otherwise: warm-up runs,
@@ -31,8 +31,8 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import benchlib  # scripts/benchlib.py, beside this file
-import build_llamacpp
+from scripts import benchlib
+from scripts import build_llamacpp
 
 ROOT = Path(__file__).resolve().parent.parent
 LIB_PATH = "LLAMA_CPP_LIB_PATH"  # llama-cpp-python's: the directory it loads libllama.so from
@@ -144,7 +144,8 @@ def main() -> None:
                     help="the binding's llama.cpp: tools (the libraries llama-bench runs, default), own (those "
                          "pip built it with), or a directory of libllama.so")
     ap.add_argument("--timeout", type=float, default=900, help="seconds one process may take")
-    ap.add_argument("--out", type=Path, help="also write llama-bench's records and the table's figures (JSON)")
+    ap.add_argument("--out", type=Path, help="llama-bench's records and the table's figures (JSON; default "
+                    "docs/results/llamabench-YYYY-MM-DD.json, a new file each run)")
     args = ap.parse_args()
     if args.gguf_path:
         ggufs = {p.stem: p for p in args.gguf_path}
@@ -159,9 +160,10 @@ def main() -> None:
     print(f"build: {json.dumps(build_llamacpp.build_info())}", file=sys.stderr)
     seen, bench_recs, guards = run(ggufs, args)
     print(table(seen, bench_recs, guards, args))
-    if args.out:
-        args.out.write_text(json.dumps({"llama_bench": bench_recs, "figures": [[*k, v] for k, v in seen.items()],
-                                        "build": build_llamacpp.build_info()}, indent=1) + "\n")
+    args.out = args.out or benchlib.results_path("llamabench", ".json", fresh=True)
+    print(f"figures: {args.out}", file=sys.stderr)
+    args.out.write_text(json.dumps({"llama_bench": bench_recs, "figures": [[*k, v] for k, v in seen.items()],
+                                    "build": build_llamacpp.build_info()}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

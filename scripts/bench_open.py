@@ -2,9 +2,9 @@
 fresh process, interleaved (A, B, A, B, ...), then the first token (a one-token prompt: the
 pages a step reads come in there for a mapped file).
 
-    python scripts/bench_open.py INSTALL_OR_GGUF ... [--reps 3] [--threads 2]
-    python scripts/bench_open.py --shape qwen3.5-0.8b --quant int4 --gguf q4_0 --reps 3
-    python scripts/bench_open.py --shape tiny --reps 1          # a check that it runs
+    python -m scripts.bench_open INSTALL_OR_GGUF ... [--reps 3] [--threads 2]
+    python -m scripts.bench_open --shape qwen3.5-0.8b --quant int4 --gguf q4_0 --reps 3
+    python -m scripts.bench_open --shape tiny --reps 1          # a check that it runs
 
 A directory is a turbo install (opened with turbo.open), a .gguf is opened with llama_cpp.Llama
 (use_mmap, its default). Per open: seconds to open, the peak RSS grown while opening (VmHWM after,
@@ -21,7 +21,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -74,16 +73,15 @@ def weights(path: Path) -> tuple[int, int]:
 def run(paths: list[Path], reps: int, warm: int, threads: int, timeout: float) -> dict[str, list[dict]]:
     """Every path's worker per repetition, interleaved; the timed ones under benchlib's
     quiet-machine guard (each record's `guard`)."""
-    import benchlib  # scripts/benchlib.py, beside this file (here, not in the worker: it imports torch)
+    from scripts import benchlib  # (here, not in the worker: it imports torch)
 
     records: dict[str, list[dict]] = {str(p): [] for p in paths}
     guard = benchlib.Guard.from_env(threads)
     for rep in range(-warm, reps):
         for p in paths:
-            cmd = [sys.executable, __file__, "--worker", str(p), "--threads", str(threads)]
-            env = dict(os.environ, PYTHONPATH=str(ROOT))
+            cmd = [sys.executable, "-m", "scripts.bench_open", "--worker", str(p), "--threads", str(threads)]
             with guard.rep(f"rep {rep} {p.name}") if rep >= 0 else contextlib.nullcontext() as g:
-                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+                done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
             if done.returncode != 0:
                 raise SystemExit(f"{p}: {done.stderr.strip()[-2000:]}")
             rec = json.loads(done.stdout.strip().splitlines()[-1])
@@ -104,7 +102,7 @@ def med(values: list[float], fmt: str = "{:.2f}") -> str:
 
 def table(ran: dict[str, list[dict]], threads: int) -> None:
     """The undisturbed repetitions' medians (benchlib.Guard), and how many were kept."""
-    import benchlib
+    from scripts import benchlib
 
     records = {path: benchlib.kept(recs) for path, recs in ran.items()}
     print(benchlib.guard_summary([r for recs in ran.values() for r in recs]))

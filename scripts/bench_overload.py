@@ -2,7 +2,7 @@
 with the answer it gets alone or refused with 429/503 -- none lost, none wrong -- and the server's
 peak RSS (VmHWM) against its memory budget.
 
-    python scripts/bench_overload.py [--shape qwen3.5-0.8b] [--threads 2] [--max-running 4] [--max-waiting 8]
+    python -m scripts.bench_overload [--shape qwen3.5-0.8b] [--threads 2] [--max-running 4] [--max-waiting 8]
 """
 
 from __future__ import annotations
@@ -16,8 +16,7 @@ import openai
 
 from turbo.testing import shapes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import start  # noqa: E402
+from scripts.bench_serve import start
 
 
 def vm_hwm_mb(pid: int) -> float:

@@ -1,8 +1,8 @@
 """One matrix product of the native step, read from memory and from the caches, per row count.
 
-    python scripts/bench_products.py [--n 7168] [--k 1024] [--format bf16 int4 int8] [--rows 1 9]
+    python -m scripts.bench_products [--n 7168] [--k 1024] [--format bf16 int4 int8] [--rows 1 9]
         [--threads 1 2]
-    python scripts/bench_products.py --n 1024 --k 3584 --format int4 int4g128 int4g32 int8g32 fp8 bf16
+    python -m scripts.bench_products --n 1024 --k 3584 --format int4 int4g128 int4g32 int8g32 fp8 bf16
 
 Why: a verify of R rows costs about one decode step only while its products stay bound by
 reading the weights. "memory": the product over copies of the matrix that together exceed the
@@ -30,7 +30,7 @@ from turbo.store import quant
 from turbo.backends import native_exact, native_lib, native_pack
 from turbo.backends.packed import Packed
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 BITS = {"int4": 4, "int8": 8}
 CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)

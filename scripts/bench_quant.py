@@ -1,9 +1,9 @@
 """Quantized installs on the CPU (docs/DESIGN.md 4): the three matmul paths, tokens/s int4 vs bf16,
 the size on disk per format, agreement with bf16, and int4 decode against llama.cpp's Q4_0.
 
-    python scripts/bench_quant.py [--threads 1] [--tokens 48] [--src HF_CHECKPOINT_OR_INSTALL]
-    python scripts/bench_quant.py --agreement tiny [--fmt int4] [--prompts N]
-    python scripts/bench_quant.py --llamacpp qwen3.5-0.8b [--threads 2] [--reps 3] [--tokens 64]
+    python -m scripts.bench_quant [--threads 1] [--tokens 48] [--src HF_CHECKPOINT_OR_INSTALL]
+    python -m scripts.bench_quant --agreement tiny [--fmt int4] [--prompts N]
+    python -m scripts.bench_quant --llamacpp qwen3.5-0.8b [--threads 2] [--reps 3] [--tokens 64]
 
 1. matmul: one projection [out, in] at decode (1 row) and verify (3 rows) sizes:
    float weights cached (the dequantized-at-load path), dequantize per call (the packed
@@ -43,7 +43,7 @@ from turbo.store.install import resolve
 from turbo.repack import repack
 from turbo.testing import make_checkpoint, shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 ROOT = Path(__file__).resolve().parent.parent
 

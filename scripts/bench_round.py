@@ -1,6 +1,6 @@
 """What a speculative round costs against a decode step, and what it buys, per block.
 
-    python scripts/bench_round.py [--shape tiny|qwen3.5-0.8b|...] [--format bf16 int4 ...] [--accept 0.8]
+    python -m scripts.bench_round [--shape tiny|qwen3.5-0.8b|...] [--format bf16 int4 ...] [--accept 0.8]
         [--rollback checkpoint replay]
 
 For each weight format (an install of the named shape, random weights, built once and cached:
@@ -25,8 +25,8 @@ import torch
 import turbo
 from turbo.testing import ScriptedDrafter, shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
-from benchlib import step_times
+from scripts import benchlib
+from scripts.benchlib import step_times
 
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
 

@@ -2,13 +2,13 @@
 published shape (turbo.testing.shapes; `tiny` for quick runs) through turbo, transformers (the
 checkpoint's dtype) and, where `llama_cpp` imports, llama.cpp (bf16 GGUF), interleaved.
 
-    flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --prompts 512 --reps 3
-    flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --prompts 4096 --reps 1 --out runs.jsonl
-    flock /work/locks/bench.lock python scripts/bench_scale.py qwen3.5-0.8b --kv-cache float32 bfloat16 \
+    python -m scripts.bench_scale qwen3.5-0.8b --prompts 512 --reps 3
+    python -m scripts.bench_scale qwen3.5-0.8b --prompts 4096 --reps 1 --out runs.jsonl
+    python -m scripts.bench_scale qwen3.5-0.8b --kv-cache float32 bfloat16 \
         --only "turbo kv=float32" "turbo kv=bfloat16" --reps 1
-    python scripts/bench_scale.py qwen3.5-35b-a3b-2l --quant int4 --only "turbo int4" --prompts 32   # load, RSS, decode
-    python scripts/bench_scale.py qwen3.5-0.8b --quant none int8 int4 --gguf bf16 q8_0 q4_0 --prompts 512 4096
-    python scripts/bench_scale.py qwen3.5-0.8b --context --prompts 512 4096 --new 40   # decode vs context
+    python -m scripts.bench_scale qwen3.5-35b-a3b-2l --quant int4 --only "turbo int4" --prompts 32   # load, RSS, decode
+    python -m scripts.bench_scale qwen3.5-0.8b --quant none int8 int4 --gguf bf16 q8_0 q4_0 --prompts 512 4096
+    python -m scripts.bench_scale qwen3.5-0.8b --context --prompts 512 4096 --new 40   # decode vs context
 
 Systems mode (the default): every repetition runs each system in a fresh process, one after
 another (A, B, C, A, B, C, ...; scripts/benchlib.py), so load time and memory are that process's
@@ -18,8 +18,8 @@ step's top-2 logit gap, the ratios of the first system's medians to each other's
 MoE trunk the weight bytes a decode step reads against a dense trunk of the same active size.
 --quant and --dtype pick turbo's install and activations; --baseline adds another checkout's
 turbo. The machine's read bandwidth (a GEMV over 1 GB, 1 and all threads) is measured in the
-run. Records are appended to --out (JSON lines), and the table is printed over every record
-there: medians with [min, max], so runs split over several invocations (each under the bench
+run. Records are appended to --out (JSON lines; default docs/results/scale-YYYY-MM-DD.jsonl,
+benchlib.results_path), and the table is printed over every record there: medians with [min, max], so runs split over several invocations (each under the bench
 lock, each short) still make one table. Every repetition runs under benchlib's quiet-machine
 guard: the table takes the undisturbed ones, and the line under it says how many were kept and
 dropped and the load they saw. --cotenants N runs N controlled co-tenants (benchlib.cotenant:
@@ -51,7 +51,7 @@ import torch
 import turbo
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 ROOT = Path(__file__).resolve().parent.parent
 KV_TAG = " kv="  # a turbo system's name carries its kv_cache after this ("turbo kv=bfloat16")
@@ -198,7 +198,8 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, nargs="+", default=[512, 4096],
                     help="prompt lengths (--context: the short and the long context)")
     ap.add_argument("--new", type=int, default=32, help="decode steps timed after each prompt (--context: per pair)")
-    ap.add_argument("--out", type=Path, default=Path("bench_scale.jsonl"))
+    ap.add_argument("--out", type=Path, help="records appended here, the table made over all of them (JSON lines; "
+                    "default docs/results/scale-YYYY-MM-DD.jsonl, today's)")
     ap.add_argument("--baseline", type=Path, help="another turbo checkout, run as one more system")
     ap.add_argument("--only", nargs="+", help="run only these systems")
     ap.add_argument("--kv-cache", nargs="+", default=[], choices=("auto", "float32", "bfloat16"),
@@ -221,7 +222,8 @@ def main() -> None:
             ap.error("--context takes two --prompts: the short and the long context")
         return decode_vs_context(args)
     chosen = systems(args)
-    print(f"load: {os.getloadavg()}", file=sys.stderr)
+    args.out = args.out or benchlib.results_path("scale")
+    print(f"load: {os.getloadavg()}; records: {args.out}", file=sys.stderr)
     if args.cotenants:  # their own columns: "turbo +1 co-tenant"
         chosen = {f"{name} +{args.cotenants} co-tenant": spec for name, spec in chosen.items()}
     benchlib.run(chosen, args.reps, args.timeout, args.out, benchlib.Guard.from_env(args.threads + args.cotenants),

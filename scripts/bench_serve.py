@@ -1,8 +1,8 @@
 """Throughput of `python -m turbo task=serve` under N concurrent clients (scripts/load.py), beside
 llama.cpp's own `llama-server --parallel N` on the same weights (--llamacpp).
 
-    python scripts/bench_serve.py [--shape qwen3.5-0.8b] [--threads 2] [--concurrency 1 4 8] [--reps 3]
-    python scripts/bench_serve.py --configs plain --llamacpp [--quant int4 --gguf q4_0]
+    python -m scripts.bench_serve [--shape qwen3.5-0.8b] [--threads 2] [--concurrency 1 4 8] [--reps 3]
+    python -m scripts.bench_serve --configs plain --llamacpp [--quant int4 --gguf q4_0]
 
 One turbo server (serve.max_running = the widest concurrency) serves every configuration: each is
 a request's "turbo" field (plain decode on the code workload; the n-gram drafter, fixed and
@@ -31,8 +31,8 @@ from pathlib import Path
 from turbo.testing import shapes
 from turbo.testing.checks import served_address
 
-import benchlib  # scripts/benchlib.py, beside this file
-from llamacpp_server import start_llama_server
+from scripts import benchlib
+from scripts.llamacpp_server import start_llama_server
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"plain": ("code", {"policy": "off"}),
@@ -56,12 +56,12 @@ def load(url: str, prompts: str, turbo: dict | None, concurrency: int, args, che
     """scripts/load.py's figures for one load; a failure stops the run, and so does a mismatch
     against the solo answers unless `mismatch_ok` (then it is printed and counted in the figures)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        cmd = [sys.executable, str(ROOT / "scripts" / "load.py"), "--base-url", f"http://{url}/v1",
+        cmd = [sys.executable, "-m", "scripts.load", "--base-url", f"http://{url}/v1",
                "--concurrency", str(concurrency), "--requests", str(args.requests), "--max-tokens",
                str(args.max_tokens), "--prompts", prompts, "--ignore-eos", "--json", out.name]
         cmd += ["--turbo", json.dumps(turbo)] if turbo is not None else []
         cmd += [] if check else ["--no-check"]
-        p = subprocess.run(cmd, capture_output=True, text=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT)
         written = Path(out.name).read_text()
         figures = json.loads(written) if written else {}
         if p.returncode != 0 and not (mismatch_ok and figures.get("mismatches")):
@@ -89,7 +89,8 @@ def main() -> None:
     ap.add_argument("--gguf", default="bf16", help="--llamacpp: the shape's GGUF kind (bf16, q8_0, q4_0)")
     ap.add_argument("--serve", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for turbo's server (e.g. serve.front=inline)")
-    ap.add_argument("--out", type=Path, help="also write every repetition's figures and the checks (JSON)")
+    ap.add_argument("--out", type=Path, help="every repetition's figures and the checks (JSON; default "
+                    "docs/results/serve-YYYY-MM-DD.json, a new file each run)")
     args = ap.parse_args()
     # tiny: the shipped install, unless beside llama.cpp, whose GGUF is of the random tiny shape
     same = args.shape != "tiny" or args.llamacpp
@@ -131,13 +132,14 @@ def main() -> None:
                         f = load(urls[c], prompts, turbo, c, args, check=False, mismatch_ok=True)
                     figures[(name, c)].append(f | {"guard": dataclasses.asdict(g)})
         every = [f for fs in figures.values() for f in fs]
-        if args.out:
-            args.out.write_text(json.dumps({
-                "args": vars(args) | {"out": str(args.out)},
-                "runs": [{"name": name, "clients": c, "reps": fs,
-                          "checked": dict(zip(("mismatches", "requests"), checked[(name, at)]), at=at)}
-                         for (name, c), fs in figures.items()
-                         for at in [c if (name, c) in checked else widest]]}, indent=1) + "\n")
+        args.out = args.out or benchlib.results_path("serve", ".json", fresh=True)
+        print(f"figures: {args.out}", file=sys.stderr)
+        args.out.write_text(json.dumps({
+            "args": vars(args) | {"out": str(args.out)},
+            "runs": [{"name": name, "clients": c, "reps": fs,
+                      "checked": dict(zip(("mismatches", "requests"), checked[(name, at)]), at=at)}
+                     for (name, c), fs in figures.items()
+                     for at in [c if (name, c) in checked else widest]]}, indent=1) + "\n")
         print(f"shape {args.shape}, {args.threads} threads, {args.requests} requests x {args.max_tokens} tokens "
               f"(ignore_eos), medians of the undisturbed of {args.reps} interleaved repetitions (min..max)")
         print(benchlib.guard_summary(every))

@@ -2,8 +2,8 @@
 added, against a fresh generation over the same rendered conversation; interleaved, on a
 published shape (random weights) or tiny.
 
-    python scripts/bench_session.py [--shape qwen3.5-0.8b] [--turns 5] [--new 32] [--reps 3] [--threads 2]
-    python scripts/bench_session.py --server   # the server's prefix cache instead of a session
+    python -m scripts.bench_session [--shape qwen3.5-0.8b] [--turns 5] [--new 32] [--reps 3] [--threads 2]
+    python -m scripts.bench_session --server   # the server's prefix cache instead of a session
 
 Each repetition plays a new session of --turns turns, then times its last turn's TTFT and a
 fresh `generate` over that turn's prompt, in alternating order (the tokens must agree). With
@@ -27,7 +27,7 @@ from turbo.sequence.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -3,9 +3,9 @@
 llama.cpp's Q4_0, the time an int4 install takes to open, and a decode step's bytes against the
 machine's measured read bandwidth.
 
-    nice -n 19 python scripts/build_llamacpp.py --tier avx2     # once per tier (native: no --tier)
+    nice -n 19 python -m scripts.build_llamacpp --tier avx2     # once per tier (native: no --tier)
     LLAMA_CONVERT_DIR=~/.cache/turbo/llamacpp/0.3.36/src/llama_cpp_python-0.3.36/vendor/llama.cpp \\
-        python scripts/bench_tiers.py --tiers avx2 native --reps 3 --out docs/results/tiers-DATE.jsonl
+        python -m scripts.bench_tiers --tiers avx2 native --reps 3
 
 Per repetition, tier and weight kind (bf16; int4 vs Q4_0), one fresh process each, under
 benchlib's quiet-machine guard, in turn: turbo's worker (`turbo.open` timed alone, after the
@@ -14,7 +14,8 @@ imports; prefill of --prompt ids; --new greedy decode steps), then `llama-bench 
 turbo with TURBO_ISA unset (the best tier this CPU has) and llama.cpp's default build
 (GGML_NATIVE). The GGUFs are the shape's (turbo.testing.shapes.gguf: bf16 converted by llama.cpp's
 converter, Q4_0 quantized from it by the tier build's llama-quantize). Prints the medians [min,
-max] and the ratios; records go to --out (JSON lines).
+max] and the ratios; records are appended to --out (JSON lines; default
+docs/results/tiers-YYYY-MM-DD.jsonl, benchlib.results_path).
 """
 
 from __future__ import annotations
@@ -30,14 +31,20 @@ from pathlib import Path
 
 import torch
 
-import benchlib  # scripts/benchlib.py, beside this file
-import build_llamacpp
+from scripts import benchlib
+from scripts import build_llamacpp
 import turbo
 from turbo.backends import native_lib
 from turbo.testing import shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 KINDS = {"bf16": ("none", "bf16"), "int4": ("int4", "q4_0")}  # kind: (turbo's --quant, the GGUF's)
+
+
+def checkout_path(path: str) -> str:
+    """`path` relative to this checkout where it is inside it (records name no machine's folders)."""
+    p = Path(path).resolve()
+    return str(p.relative_to(ROOT)) if p.is_relative_to(ROOT) else str(p)
 
 
 def worker(install: str, prompt: int, new: int, threads: int) -> dict:
@@ -58,7 +65,7 @@ def worker(install: str, prompt: int, new: int, threads: int) -> dict:
     decode_s = time.perf_counter() - t0
     return {"open_s": open_s, "prefill_tps": prompt / prefill_s, "decode_tps": new / decode_s, "tokens": tokens,
             "step_bytes": sut.bytes_per_token(prompt + new // 2), "tier": native_lib.tier(),
-            "turbo": turbo.__file__}
+            "turbo": checkout_path(turbo.__file__)}
 
 
 def gguf_of(shape: str, kind: str, tier: str) -> Path:
@@ -123,13 +130,16 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--out", type=Path)
+    ap.add_argument("--out", type=Path, help="records appended here (JSON lines; default "
+                    "docs/results/tiers-YYYY-MM-DD.jsonl, today's)")
     ap.add_argument("--worker", nargs=4, metavar=("INSTALL", "PROMPT", "NEW", "THREADS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         install, prompt, new, threads = args.worker
         print(json.dumps(worker(install, int(prompt), int(new), int(threads))))
         return
+    args.out = args.out or benchlib.results_path("tiers")
+    print(f"records: {args.out}", file=sys.stderr)
     installs = {kind: shapes.build(args.shape, quant=KINDS[kind][0]) for kind in args.kinds}
     llama_tier = {"native": "native", "avx2": "avx2", "avx512": "avx512", "amx": "native"}
     ggufs = {(tier, kind): gguf_of(args.shape, KINDS[kind][1], llama_tier[tier])
@@ -148,9 +158,9 @@ def main() -> None:
                         env["TURBO_ISA"] = tier
                     with guard.rep(f"rep {rep} {tier} {kind} {system}") as g:
                         if system == "turbo":
-                            done = subprocess.run([sys.executable, __file__, "--worker", str(path), str(args.prompt),
-                                                   str(args.new), str(args.threads)], capture_output=True, text=True,
-                                                  env=env, timeout=1800)
+                            done = subprocess.run([sys.executable, "-m", "scripts.bench_tiers", "--worker", str(path),
+                                                   str(args.prompt), str(args.new), str(args.threads)], cwd=ROOT,
+                                                  capture_output=True, text=True, env=env, timeout=1800)
                             if done.returncode != 0:
                                 raise SystemExit(f"turbo {tier} {kind}: {done.stderr.strip()[-2000:]}")
                             rec = json.loads(done.stdout.strip().splitlines()[-1])
@@ -159,10 +169,9 @@ def main() -> None:
                     rec |= {"system": system, "tier_asked": tier, "kind": kind, "rep": rep, "guard": g.__dict__,
                             "bandwidth_gbs": bandwidth, "cpu": build_llamacpp.cpu()}
                     records.append(rec)
-                    if args.out:
-                        args.out.parent.mkdir(parents=True, exist_ok=True)
-                        with args.out.open("a") as f:
-                            f.write(json.dumps(rec) + "\n")
+                    args.out.parent.mkdir(parents=True, exist_ok=True)
+                    with args.out.open("a") as f:
+                        f.write(json.dumps(rec) + "\n")
                     print(f"rep {rep} {tier} {kind} {system}{' (disturbed)' if g.disturbed else ''}: prefill "
                           f"{rec['prefill_tps']:.1f}, decode {rec['decode_tps']:.2f} tok/s", file=sys.stderr)
     print(f"{build_llamacpp.cpu()}, {args.shape}, prompt {args.prompt}, {args.new} decode steps, {args.threads} "

@@ -2,9 +2,9 @@
 process: a decode step, a 9-row verify (plain; keeping checkpoints) and whole generations'
 decode tokens/s (plain; n-gram block 4) on the shipped tiny install and on a published shape.
 
-    python scripts/bench_trees.py OLD_TREE NEW_TREE [--shape qwen3.5-0.8b] [--reps 5] [--threads 1]
+    python -m scripts.bench_trees OLD_TREE NEW_TREE [--shape qwen3.5-0.8b] [--reps 5] [--threads 1]
 
-OLD_TREE and NEW_TREE are checkouts (e.g. `git worktree add --detach /tmp/old REV`); each run
+OLD_TREE and NEW_TREE are checkouts (e.g. `git worktree add --detach ../old REV`); each run
 imports turbo from its tree. Prints per figure the medians (min..max) and the median of the
 pairwise new/old ratios. A benchmark, not a test: run it on a quiet machine.
 """
@@ -70,7 +70,7 @@ def main() -> None:
     from turbo.store.install import BUNDLED_DIR
     from turbo.testing import shapes
 
-    import benchlib  # scripts/benchlib.py, beside this file (the driver's: the workers import their tree)
+    from scripts import benchlib  # (the driver's: the workers import their tree)
 
     installs = {"tiny": (str(BUNDLED_DIR / "tiny"), 200, 256), args.shape: (str(shapes.build(args.shape)), 8, 48)}
     runs: dict[tuple[str, str], list[dict]] = {}

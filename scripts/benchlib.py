@@ -1,10 +1,11 @@
 """What the benchmarks in scripts/ share: a worker that opens one system (turbo, transformers,
 llama.cpp) in a fresh process and times its load, prefill and greedy decode; the driver that
 runs workers rep after rep, interleaved; the quiet-machine guard every timed repetition runs
-under (`Guard`); and small timing and formatting helpers.
+under (`Guard`); where results are written (`results_path`: docs/results/<tool>-YYYY-MM-DD.*);
+and small timing and formatting helpers.
 
-    python scripts/benchlib.py '{"system": "turbo", "path": "...", ...}'   # one worker (a Spec as JSON)
-    python scripts/benchlib.py --quiet-check [THREADS]    # what the quiet-machine guard sees now
+    python -m scripts.benchlib '{"system": "turbo", "path": "...", ...}'   # one worker (a Spec as JSON)
+    python -m scripts.benchlib --quiet-check [THREADS]    # what the quiet-machine guard sees now
 
 The worker takes paths, not shape names, and imports only torch and the system it runs, so a
 turbo from another checkout (PYTHONPATH=/that/checkout) runs in it as well as this one.
@@ -28,6 +29,26 @@ from pathlib import Path
 import torch
 
 VOCAB_IDS = 4096  # prompt ids below the shapes' tokenizer size (the GGUF's vocab is the tokenizer's)
+RESULTS = Path(__file__).resolve().parent.parent / "docs" / "results"
+
+
+# ---- where results go -----------------------------------------------------------------------
+
+
+def results_path(tool: str, suffix: str = ".jsonl", fresh: bool = False, day: str | None = None) -> Path:
+    """Where a benchmark writes its results unless its --out names a file:
+    docs/results/<tool>-YYYY-MM-DD<suffix>, the date today's (UTC), docs/results/ made if missing.
+    JSON lines are appended there, so one day's invocations of a tool make one table; with `fresh`
+    (a file written whole, or a folder: suffix "") the first name not taken: <tool>-DATE, then
+    <tool>-DATEb, <tool>-DATEc, ... A table in docs/benchmarks.md names the file it was made from."""
+    day = day or time.strftime("%Y-%m-%d", time.gmtime())
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{tool}-{day}{suffix}"
+    for letter in "bcdefghijklmnopqrstuvwxyz":
+        if not (fresh and path.exists()):
+            break
+        path = RESULTS / f"{tool}-{day}{letter}{suffix}"
+    return path
 
 
 # ---- measurements inside a worker -----------------------------------------------------------
@@ -468,6 +489,8 @@ def run(specs: dict[str, Spec], reps: int, timeout: float, out: Path | None = No
     for rep in range(reps):
         for name, spec in specs.items():
             warm_page_cache(Path(spec.path))  # (before the guard: reading the files is not the machine's noise)
+            # (this file, not `-m scripts.benchlib`: the worker imports nothing beside it, and a
+            # spec's PYTHONPATH picks the turbo it runs)
             cmd = [sys.executable, __file__, json.dumps(asdict(spec))]
             try:
                 with guard.rep(f"rep {rep} {name}") as g, cotenant(cotenants):
@@ -555,7 +578,9 @@ def quiet_check(threads: int = 2, samples: int = 5) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "--quiet-check":  # python scripts/benchlib.py --quiet-check [THREADS]
+    if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+    elif sys.argv[1] == "--quiet-check":  # python -m scripts.benchlib --quiet-check [THREADS]
         quiet_check(int(sys.argv[2]) if len(sys.argv) > 2 else 2)
     else:
         print(json.dumps(work(Spec(**json.loads(sys.argv[1])))))

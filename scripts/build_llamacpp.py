@@ -2,9 +2,9 @@
 llama-cpp-python's sdist vendors, as llama.cpp's users build them: CMake Release, its defaults
 (GGML_NATIVE on: -march=native; GGML_CPU_REPACK on: Q4_0 / Q8_0 weights repacked at load).
 
-    nice -n 19 python scripts/build_llamacpp.py [--version 0.3.36] [--jobs 2] [--binding]
-    nice -n 19 python scripts/build_llamacpp.py --no-amx     # where ggml's AMX kernels fault (NO_AMX)
-    nice -n 19 python scripts/build_llamacpp.py --tier avx2  # as built for an AVX2-only CPU (TIERS)
+    nice -n 19 python -m scripts.build_llamacpp [--version 0.3.36] [--jobs 2] [--binding]
+    nice -n 19 python -m scripts.build_llamacpp --no-amx     # where ggml's AMX kernels fault (NO_AMX)
+    nice -n 19 python -m scripts.build_llamacpp --tier avx2  # as built for an AVX2-only CPU (TIERS)
 
 Into ~/.cache/turbo/llamacpp/<version>/ (--cache): the sdist and its source under src/, the
 build under build/, the binaries in build/bin/ beside build-info.json (the CMake flags as
@@ -178,7 +178,7 @@ def tool(name: str, version: str = DEFAULT_VERSION, cache: Path = DEFAULT_CACHE,
     the build command where it is not built."""
     path = bindir(version, cache, tier) / name
     if not path.is_file():
-        raise SystemExit(f"{path}: not built (nice -n 19 python scripts/build_llamacpp.py --tier {tier}, "
+        raise SystemExit(f"{path}: not built (nice -n 19 python -m scripts.build_llamacpp --tier {tier}, "
                          f"or set {BIN_ENV})")
     return path
 

@@ -2,9 +2,9 @@
 `name.sm_80.ptx` and `name.sm_90.ptx`, checked in and loaded at run time by
 turbo/backends/cuda_kernels.py (no compiler at run time).
 
-    python scripts/build_ptx.py            # rebuild every PTX (refuses an nvcc other than the pinned one)
-    python scripts/build_ptx.py --check    # exit 1 naming each PTX that differs from what its .cu builds to
-    python scripts/build_ptx.py --ptxas    # assemble every PTX for its arch with ptxas (exit 1 on failure)
+    python -m scripts.build_ptx            # rebuild every PTX (refuses an nvcc other than the pinned one)
+    python -m scripts.build_ptx --check    # exit 1 naming each PTX that differs from what its .cu builds to
+    python -m scripts.build_ptx --ptxas    # assemble every PTX for its arch with ptxas (exit 1 on failure)
 
 The compiler is nvcc from the pip package `nvidia-cuda-nvcc` (PIP_PACKAGES pins it and the
 NVVM / headers it runs with), found inside the installed package; `nvcc` on PATH is the

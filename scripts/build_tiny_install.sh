@@ -15,4 +15,4 @@ python -m turbo.repack "$src" build/tiny_install_new --drafter "${DFLASH2:-build
 rm -rf turbo/installs/tiny
 mv build/tiny_install_new turbo/installs/tiny
 du -sh turbo/installs/tiny
-python scripts/tiny_golden.py
+python -m scripts.tiny_golden

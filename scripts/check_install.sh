@@ -7,14 +7,14 @@
 #   - `python -m tui` stops with one line naming the extra (exit status 2);
 #   - with the tui extra installed, `python -m tui` starts (drawn on a pseudo-terminal, quit with ctrl+q).
 #
-#   scripts/check_install.sh [VENV_DIR]      (default /tmp/venv_turbo; recreated)
+#   scripts/check_install.sh [VENV_DIR]      (default $TMPDIR/venv_turbo, /tmp without TMPDIR; recreated)
 #
 # torch is installed first, on its own, so pip takes a CPU wheel where one is cached or on
 # find-links rather than the multi-GB CUDA build.
 set -euo pipefail
 
 repo=$(cd "$(dirname "$0")/.." && pwd)
-venv=${1:-/tmp/venv_turbo}
+venv=${1:-${TMPDIR:-/tmp}/venv_turbo}
 py="$venv/bin/python"
 fail() { echo "FAIL: $*" >&2; exit 1; }
 

@@ -1,6 +1,6 @@
 """Fuzz an install's files: every case a mutated copy, run in a worker subprocess, its outcome classified.
 
-    python scripts/fuzz.py --headers N --configs M --drafters K --fields F [--install tiny] [--seed 0]
+    python -m scripts.fuzz --headers N --configs M --drafters K --fields F [--install tiny] [--seed 0]
 
 --drafters and --fields are scripts/fuzz_classes.py's: caller's drafter objects that misbehave,
 and config.json fields judged against transformers (on a small checkpoint made for the run).
@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import select
 import shutil
@@ -47,14 +46,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's turbo, not an installed one
-from turbo.store.install import resolve  # noqa: E402
-from turbo.store.layout_file import PACKED_FILE  # noqa: E402
+from turbo.store.install import resolve
+from turbo.store.layout_file import PACKED_FILE
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fuzz_classes  # noqa: E402 (scripts/ is not a package)
-import fuzz_inputs  # noqa: E402
-import fuzz_requests  # noqa: E402
+from scripts import fuzz_classes
+from scripts import fuzz_inputs
+from scripts import fuzz_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
@@ -621,9 +618,9 @@ class Worker:
     def ask(self, install: Path, file: str | None, timeout: float | None = None, job: dict | None = None) -> dict | str:
         """The worker's reply, or "crash" / "hang" (no reply within `timeout`, default the worker's)."""
         if self.proc is None:
-            env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-            self.proc = subprocess.Popen([sys.executable, __file__, "--worker"], stdin=subprocess.PIPE,
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+            # (from the checkout's root: this checkout's turbo and scripts, not installed ones)
+            self.proc = subprocess.Popen([sys.executable, "-m", "scripts.fuzz", "--worker"], stdin=subprocess.PIPE,
+                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
         self.proc.stdin.write(json.dumps({"install": str(install), "file": file} | (job or {})) + "\n")
         self.proc.stdin.flush()
         while True:

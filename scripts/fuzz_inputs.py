@@ -1,7 +1,7 @@
 """scripts/fuzz.py's input classes: the server's request bodies and GGUF tensor tables.
 
-    python scripts/fuzz.py --bodies N [--seed S]    # N bodies against the app in process (tiny)
-    python scripts/fuzz.py --gguf N [--seed S]      # N GGUF tables, repacked in process
+    python -m scripts.fuzz --bodies N [--seed S]    # N bodies against the app in process (tiny)
+    python -m scripts.fuzz --gguf N [--seed S]      # N GGUF tables, repacked in process
 
 --bodies mutates good completions / chat bodies (each class below) and posts each to the app over
 one worker.Engine on tiny (fastapi's TestClient, serve.max_body_mb=1); after every 50 cases, and

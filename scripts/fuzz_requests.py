@@ -3,7 +3,7 @@ parser, at depth and at size -- JSON schemas (response_format), Lark grammars an
 (turbo.grammar), tools (their parameter schemas, names with odd characters, the forced call's
 grammar), tool calls and tool results sent back.
 
-    python scripts/fuzz.py --requests N [--seed S] [--timeout T]
+    python -m scripts.fuzz --requests N [--seed S] [--timeout T]
 
 Each case is posted to the app over one worker.Engine on tiny (fastapi's TestClient; serve.max_body_mb=4)
 in a worker subprocess (scripts/fuzz.py's Worker): a case that kills it (a native library's stack
@@ -23,7 +23,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import fuzz_inputs  # (scripts/ is on the path of fuzz.py and its worker: not a package)
+from scripts import fuzz_inputs
 
 DEPTHS = (10, 100, 1000, 5000)
 COUNTS = (10, 500, 2000, 5000)

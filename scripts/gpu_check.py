@@ -1,6 +1,6 @@
 """The GPU checks of the cuda backend in one short run (< 5 minutes on an H200).
 
-    OUT=/some/dir PYTHONPATH=. python scripts/gpu_check.py   # results go to $OUT (default build/gpu_check)
+    OUT=DIR python -m scripts.gpu_check   # results go to $OUT (default build/gpu_check)
 
 Writes to $OUT:
     env.txt         nvidia-smi, driver / torch / cuda-python versions, cuda_unavailable_reason()

@@ -1,9 +1,9 @@
 """llama.cpp's OpenAI-compatible servers on 127.0.0.1, a free port, for scripts/bench_serve.py
 and scripts/load.py: prints `serving on http://127.0.0.1:PORT` on stderr once it answers (as turbo's task=serve).
 
-    python scripts/llamacpp_server.py MODEL.gguf THREADS --parallel N   # llama.cpp's llama-server, N slots
-    python scripts/llamacpp_server.py MODEL.gguf THREADS                # llama-cpp-python's server
-    python scripts/load.py --base-url http://127.0.0.1:PORT/v1 --concurrency N ...
+    python -m scripts.llamacpp_server MODEL.gguf THREADS --parallel N   # llama.cpp's llama-server, N slots
+    python -m scripts.llamacpp_server MODEL.gguf THREADS                # llama-cpp-python's server
+    python -m scripts.load --base-url http://127.0.0.1:PORT/v1 --concurrency N ...
 
 --parallel N: llama.cpp's own `llama-server` (scripts/build_llamacpp.py builds it) with N slots
 and continuous batching (its default), as llama.cpp's users serve: each slot its own
@@ -21,10 +21,8 @@ import sys
 import threading
 import time
 import urllib.request
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import build_llamacpp  # noqa: E402  (beside this file: where the tools are)
+from scripts import build_llamacpp
 
 
 def free_port() -> int:

@@ -5,8 +5,8 @@ a time, before the load): a mismatch is reported loudly and the exit status is 1
 aggregate generated tokens/s and p50/p99 time to first token and per-output-token latency.
 
     python -m turbo task=serve &                   # (another terminal)
-    python scripts/load.py --concurrency 4 --requests 32 --max-tokens 64 --prompts code
-    python scripts/load.py --prompts repetitive --turbo '{"drafter": "ngram", "block": 8}'
+    python -m scripts.load --concurrency 4 --requests 32 --max-tokens 64 --prompts code
+    python -m scripts.load --prompts repetitive --turbo '{"drafter": "ngram", "block": 8}'
 
 --prompts: a workload of conf/workload (prose, code, math, edit), `repetitive` (text that repeats
 itself, where the n-gram drafter lands), or a UTF-8 file with one prompt per line. --json writes

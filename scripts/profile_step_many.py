@@ -4,9 +4,9 @@ the head, the embedding) and the Python around them; then the scheduler's step w
 plain greedy requests against the trunk pass inside it (what the scheduler adds per step),
 and cProfile's top entries of that step.
 
-    flock /work/wt/bench.lock python scripts/profile_step_many.py [--shape qwen3.5-0.8b] [--seqs 8] \
+    python -m scripts.profile_step_many [--shape qwen3.5-0.8b] [--seqs 8] \
         [--rows 8] [--context 64] [--reps 5] [--threads 2] [--no-scheduler] [--cprofile 20]
-    python scripts/profile_step_many.py --shape tiny --reps 1          # does it run
+    python -m scripts.profile_step_many --shape tiny --reps 1          # does it run
 
 A profile, not a test: absolute figures on a shared machine are noisy, compare within one run.
 """
@@ -28,8 +28,8 @@ from turbo.sequence.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler, ServeLimits
 from turbo.testing import shapes
 
-import benchlib  # scripts/benchlib.py, beside this file
-from bench_batch import copies
+from scripts import benchlib
+from scripts.bench_batch import copies
 
 TIMED = ("embed_rows", "gdn_layer_seqs", "attn_layer_seqs", "head", "copy_rows")
 

@@ -1,6 +1,6 @@
 """Peak RSS by what a generation uses (docs/hardening.md): memory figures, not timings.
 
-    python scripts/rss_figures.py [--install tiny] [--positions 16777216]
+    python -m scripts.rss_figures [--install tiny] [--positions 16777216]
 
 Each figure is a fresh process's peak RSS (ru_maxrss) on the install with its context raised to
 --positions (default RoPE: irrelevant to the forward): `max_new_tokens=16000000` up to its first

@@ -1,7 +1,7 @@
 """The engine's resident set over many varied constrained requests (docs/hardening.md): is it bounded?
 
-    python scripts/rss_grammar.py [--install tiny] [--requests 1000] [--every 100]
-    python scripts/rss_grammar.py --url http://127.0.0.1:8000 --pid ENGINE_PID   # a served engine
+    python -m scripts.rss_grammar [--install tiny] [--requests 1000] [--every 100]
+    python -m scripts.rss_grammar --url http://127.0.0.1:8000 --pid ENGINE_PID   # a served engine
 
 Request i is one of: a JSON schema of its own (property names, nesting and types drawn from i), a
 Lark grammar of its own, a regex of its own, json_object; every fifth names stop_token_ids of its
@@ -16,9 +16,6 @@ import argparse
 import random
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's turbo, not an installed one
 
 
 def rss_mib(pid: int | str = "self") -> float:

@@ -710,18 +710,18 @@ def train_drafter(kind: str, hp: HParams, build: Path, repo: Path, resume: bool)
 # --------------------------------------------------------------------------
 COMMANDS = """\
 # every stage in order (each skipped when its output exists):
-nice -n 10 python scripts/train_tiny.py --stage all --resume
+nice -n 10 python -m scripts.train_tiny --stage all --resume
 # or stage by stage, as the shipped run did:
-nice -n 10 python scripts/train_tiny.py --stage corpus
-nice -n 10 python scripts/train_tiny.py --stage tokenizer
-nice -n 10 python scripts/train_tiny.py --stage workloads
-nohup nice -n 10 sh -c 'python scripts/train_tiny.py --stage trunk --resume && \\
-  python scripts/train_tiny.py --stage install && \\
-  python scripts/train_tiny.py --stage prompts && \\
-  python scripts/train_tiny.py --stage dflash2 --resume && \\
-  python scripts/train_tiny.py --stage mtp --resume' >> build/train.log 2>&1 &
+nice -n 10 python -m scripts.train_tiny --stage corpus
+nice -n 10 python -m scripts.train_tiny --stage tokenizer
+nice -n 10 python -m scripts.train_tiny --stage workloads
+nohup nice -n 10 sh -c 'python -m scripts.train_tiny --stage trunk --resume && \\
+  python -m scripts.train_tiny --stage install && \\
+  python -m scripts.train_tiny --stage prompts && \\
+  python -m scripts.train_tiny --stage dflash2 --resume && \\
+  python -m scripts.train_tiny --stage mtp --resume' >> build/train.log 2>&1 &
 sh scripts/build_tiny_install.sh
-nice -n 10 python scripts/train_tiny.py --stage report
+nice -n 10 python -m scripts.train_tiny --stage report
 # after a kill: the same commands; --resume continues the trunk from
 # build/tiny_work/trunk/checkpoint.pt and the drafters from build/tiny_{dflash2,mtp}/train/.
 """
@@ -746,7 +746,7 @@ def write_report(work: Path, hp: HParams, build: Path, repo: Path, log: Logger) 
     tok = Tokenizer.from_file(str(build / "tiny_hf" / "tokenizer.json"))
     trunk = final_entry(work, "trunk")
     lines = ["# tiny: training record", "",
-             "Written by `scripts/train_tiny.py --stage report`. Hyper-parameters: "
+             "Written by `python -m scripts.train_tiny --stage report`. Hyper-parameters: "
              "`build/tiny_work/hparams.json`; every logged metric: `build/tiny_work/metrics.jsonl` and "
              "`build/tiny_work/trunk/log.jsonl` (trunk), "
              "`build/tiny_{dflash2,mtp}/train/log.jsonl` (the drafters).", "",

@@ -1,18 +1,17 @@
 """The benchmarks' quiet-machine guard (scripts/benchlib.py, Guard) against a fake machine: a
-clock, busy CPU-seconds that advance by what this tree and the others use, a load average."""
+clock, busy CPU-seconds that advance by what this tree and the others use, a load average; and
+where results are written (results_path)."""
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-import benchlib  # noqa: E402
-from benchlib import Counters, Guard  # noqa: E402
+from scripts import benchlib
+from scripts.benchlib import Counters, Guard
 
 
 class FakeMachine:
@@ -159,3 +158,16 @@ def test_controlled_cotenant_is_own_cpu_and_ends_with_the_block():
         assert procs[0].poll() is None  # spinning while the block runs
     assert b.own - a.own >= 0.05  # its CPU is this tree's: the guard does not call it someone else
     assert not Path(f"/proc/{pid}").exists()  # killed and reaped on the way out
+
+
+def test_results_path_is_dated_under_docs_results(tmp_path, monkeypatch):
+    assert benchlib.RESULTS == Path(__file__).resolve().parents[1] / "docs" / "results"
+    monkeypatch.setattr(benchlib, "RESULTS", tmp_path / "results")
+    day = time.strftime("%Y-%m-%d", time.gmtime())
+    first = benchlib.results_path("scale")
+    assert first == tmp_path / "results" / f"scale-{day}.jsonl" and first.parent.is_dir()
+    first.write_text("{}\n")
+    assert benchlib.results_path("scale") == first  # JSON lines: appended to the day's file
+    assert benchlib.results_path("serve", ".json", day="2026-12-04") == tmp_path / "results" / "serve-2026-12-04.json"
+    (tmp_path / "results" / "serve-2026-12-04.json").write_text("{}")
+    assert benchlib.results_path("serve", ".json", fresh=True, day="2026-12-04").name == "serve-2026-12-04b.json"

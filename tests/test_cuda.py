@@ -16,7 +16,6 @@ CUDA graph capture.
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import math
 import re
 import subprocess
@@ -36,20 +35,14 @@ from turbo.backends import select_backend
 from turbo.backends import dflash_math as dflash
 from turbo.errors import TurboError
 
+from scripts import build_ptx as bp
+from scripts import gpu_check
+
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device (torch.cuda.is_available() is False)")
 
-
-def _build_ptx():
-    spec = importlib.util.spec_from_file_location("build_ptx", ROOT / "scripts" / "build_ptx.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
-bp = _build_ptx()
 
 # every (module, kernel) a wrapper in turbo/backends/cuda.py launches
 LAUNCHED = [("gdn", "gdn_recurrence_f32"), ("conv", "conv_window_silu_f32"), ("norm", "gated_rms_norm_f32"),
@@ -999,11 +992,8 @@ def test_row_independence_check_catches_a_shape_dependent_order(host):
 def test_gpu_check_rows_products_section_runs(host, monkeypatch, tmp_path):
     """scripts/gpu_check.py's rows_products section, on the host-compiled kernels at a small shape:
     it runs and reports the fields a device session reads."""
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
-    res = gc.rows_products(tmp_path, dev="cpu", shapes={"small_40x128": (40, 128)}, copy_bytes=1 << 16, iters=1)
+    res = gpu_check.rows_products(tmp_path, dev="cpu", shapes={"small_40x128": (40, 128)}, copy_bytes=1 << 16, iters=1)
     for fmt in ("bf16", "int8"):
         r = res[f"{fmt}.small_40x128"]
         assert r["batch_invariant"] is True

@@ -2,19 +2,14 @@
 this process through the worker's own handler and judged by its classify (the script runs them
 in a worker subprocess, thousands at a time: docs/hardening.md)."""
 
-import importlib.util
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import turbo
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py"
-spec = importlib.util.spec_from_file_location("fuzz", SCRIPT)
-fuzz = importlib.util.module_from_spec(spec)
-sys.modules["fuzz"] = fuzz  # its dataclasses look their module up
-spec.loader.exec_module(fuzz)
+from scripts import fuzz
+
 classes = fuzz.fuzz_classes
 
 OK = {"turbo_error", "generated-equal", "generated-sampled", "matches-reference"}

@@ -1,17 +1,10 @@
 """Seeded config fuzz of a small install: every case a clean TurboError, an unchanged generation,
 or (a valid trunk value that changes the model) another generation; never an accepted nonsense value."""
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py"
-spec = importlib.util.spec_from_file_location("fuzz", SCRIPT)
-fuzz = sys.modules.get("fuzz") or importlib.util.module_from_spec(spec)
-if "fuzz" not in sys.modules:
-    sys.modules["fuzz"] = fuzz  # its dataclasses look their module up
-    spec.loader.exec_module(fuzz)
+from scripts import fuzz
 
 CASES_PER_CLASS = 3  # per file: the whole run stays within ~30 s
 

@@ -1,15 +1,9 @@
 """Seeded header fuzz of a small install: every case a clean TurboError or an unchanged generation."""
 
-import importlib.util
-import sys
 import time
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py"
-spec = importlib.util.spec_from_file_location("fuzz", SCRIPT)
-fuzz = importlib.util.module_from_spec(spec)
-sys.modules["fuzz"] = fuzz  # its dataclasses look their module up
-spec.loader.exec_module(fuzz)
+from scripts import fuzz
 
 CASES_PER_CLASS = 6
 

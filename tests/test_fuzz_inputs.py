@@ -3,20 +3,13 @@ server request bodies are each a 4xx with OpenAI's error object and the server k
 unmutated request's text; mutated GGUF tensor tables are each refused in one line, no-op ones
 repack to the same bytes (the full runs: docs/hardening.md)."""
 
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("gguf")
 
-SCRIPTS = Path(__file__).resolve().parents[1] / "scripts"
-sys.path.insert(0, str(SCRIPTS))
-spec = importlib.util.spec_from_file_location("fuzz_inputs", SCRIPTS / "fuzz_inputs.py")
-fuzz_inputs = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(fuzz_inputs)
+from scripts import fuzz_inputs  # noqa: E402 (after the skips: it needs fastapi and gguf)
 
 OK = {"error-4xx", "served", "served-equal", "turbo_error", "repacked-equal"}
 

@@ -3,22 +3,16 @@ tools and tool results, here at their smallest sizes, one case of each class pos
 subprocess: each is served or a 4xx with OpenAI's error object, and the unmutated requests keep
 their text (the full runs, at depth and size, with their crash counts: docs/hardening.md)."""
 
-import importlib.util
 import json
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("fastapi")
 pytest.importorskip("llguidance")
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "fuzz.py"
-spec = importlib.util.spec_from_file_location("fuzz", SCRIPT)
-fuzz = importlib.util.module_from_spec(spec)
-sys.modules["fuzz"] = fuzz  # its dataclasses look their module up
-spec.loader.exec_module(fuzz)
+from scripts import fuzz  # noqa: E402 (after the skips)
+
 requests = fuzz.fuzz_requests
 
 OK = {"error-4xx", "served"}

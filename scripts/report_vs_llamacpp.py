@@ -1,9 +1,9 @@
-"""scripts/measure_45.py's output directory as (a) the README's "Measured" table and (b) a
+"""scripts/measure_vs_llamacpp.py's output directory as (a) the README's "Measured" table and (b) a
 docs/benchmarks.md section: every row's figures (medians of the undisturbed repetitions),
 turbo against llama.cpp with the ratio, repetitions kept / dropped and the load around them;
 then per step its command, date, commit, machine, load and the tables the bench script printed.
 
-    python scripts/report_45.py /tmp/m45 > /tmp/m45/report.md
+    python -m scripts.report_vs_llamacpp DIR > DIR/report.md
 
 It reads the bench scripts' own outputs (the JSON where a script writes one, its printed
 table otherwise) and measures nothing. A step that did not run (or failed) leaves its rows out
@@ -18,6 +18,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from scripts.measure_vs_llamacpp import STEPS
 
 DIR = Path(sys.argv[1]) if len(sys.argv) > 1 else None
 FORMATS = [("bf16", "turbo", "llama.cpp", "bf16"), ("int8", "turbo int8", "llama.cpp q8_0", "Q8_0"),
@@ -289,8 +291,11 @@ def machine() -> str:
 
 
 def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help"):
+        print(__doc__)
+        return
     if DIR is None or not DIR.is_dir():
-        raise SystemExit("usage: python scripts/report_45.py DIR (scripts/measure_45.py's output)")
+        raise SystemExit("usage: python -m scripts.report_vs_llamacpp DIR (scripts/measure_vs_llamacpp.py's output)")
     metas = {p.name.removesuffix(".meta.json"): json.loads(p.read_text()) for p in DIR.glob("*.meta.json")}
     metas = dict(sorted(metas.items(), key=lambda kv: kv[1]["start"]))
     if any(m.get("dry") for m in metas.values()):
@@ -305,10 +310,10 @@ def main() -> None:
           "load average around them. Commands, dates and commits: docs/benchmarks.md.\n")
     first_meta = next(iter(metas.values()), {})
     print("## (b) docs/benchmarks.md\n")
-    print(f"## Against llama.cpp as its users run it (issue 45), {first_meta.get('start', '?')[:10]}\n")
+    print(f"## Against llama.cpp as its users run it, {first_meta.get('start', '?')[:10]}\n")
     print(f"Machine: {machine()}. llama.cpp: llama-cpp-python 0.3.36's, built by scripts/build_llamacpp.py "
           "(--no-amx: weight repacking on), its tools (llama-bench, llama-server) and the binding on the same "
-          "libraries. Every step by `python scripts/measure_45.py`, in this order:\n")
+          "libraries. Every step by `python -m scripts.measure_vs_llamacpp`, in this order:\n")
     for name, m in metas.items():
         ok = "" if m["rc"] == 0 else f" **(exit {m['rc']}: no figures)**"
         print(f"### {TITLES.get(name, name)}{ok}\n")
@@ -318,11 +323,10 @@ def main() -> None:
         text = (DIR / f"{name}.log").read_text().strip() if m["rc"] == 0 else ""
         if text:
             print(text + "\n")
-    skipped = [name for name, *_ in __import__("measure_45").STEPS if not meta(name)]
+    skipped = [name for name, *_ in STEPS if not meta(name)]
     if skipped:
         print(f"Not measured (skipped, failed or not run): {', '.join(skipped)}.")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

@@ -1,11 +1,12 @@
-"""Issue 45's re-measurement in one go: every figure of the README's "Measured" table (and
+"""Re-measure against llama.cpp in one go: every figure of the README's "Measured" table (and
 docs/benchmarks.md's) against llama.cpp, in priority order, within a time budget, into one
-output directory; scripts/report_45.py turns that directory into the tables.
+output directory (default docs/results/vs-llamacpp-YYYY-MM-DD/, today's date);
+scripts/report_vs_llamacpp.py turns that directory into the tables.
 
-    python scripts/measure_45.py /tmp/m45 --budget-min 55        # on a quiet machine, nothing else running
-    python scripts/measure_45.py /tmp/m45 --budget-min 20        # again later: resumes, skips what is done
-    python scripts/measure_45.py /tmp/m45-dry --dry              # every step with the smallest settings, guard off
-    python scripts/report_45.py /tmp/m45
+    python -m scripts.measure_vs_llamacpp --budget-min 55       # on a quiet machine, nothing else running
+    python -m scripts.measure_vs_llamacpp DIR --budget-min 20   # again later: resumes, skips what is done
+    python -m scripts.measure_vs_llamacpp build/vs-dry --dry    # every step with the smallest settings, guard off
+    python -m scripts.report_vs_llamacpp DIR
 
 Each step is one of the bench scripts (docs/llamacpp.md, "Re-measuring against llama.cpp"): its
 stdout (the tables) in DIR/NAME.log, its stderr (progress) in DIR/NAME.err, its JSON output (where
@@ -14,7 +15,7 @@ exit status, commit and the load average before and after it. A step whose NAME.
 exit 0 is skipped (resumable); a failed or interrupted one is rerun from scratch. A step whose
 estimate (minutes on a quiet machine) does not fit the budget left is skipped and said so; the
 next, shorter ones may still run. Before the first step the quiet-machine guard's check
-(scripts/benchlib.py --quiet-check) must say quiet, else nothing runs (--force: run anyway; the
+(python -m scripts.benchlib --quiet-check) must say quiet, else nothing runs (--force: run anyway; the
 guard still drops disturbed repetitions); then every install is opened once, untimed (PREPARE).
 LLAMA_CONVERT_DIR and LLAMA_CPP_LIB_PATH default to the prepared build's (docs/llamacpp.md).
 """
@@ -30,14 +31,16 @@ import sys
 import time
 from pathlib import Path
 
+from scripts.build_llamacpp import DEFAULT_CACHE
+
 ROOT = Path(__file__).resolve().parent.parent
-LLAMA = Path.home() / ".cache/turbo/llamacpp/0.3.36"
+LLAMA = DEFAULT_CACHE / "0.3.36"  # llama-cpp-python's source and builds (scripts/build_llamacpp.py's)
 SHAPE = "qwen3.5-0.8b"
 MOE = "qwen3.5-35b-a3b-2l"
 
 # (name, estimated minutes at the full settings on a quiet 2-core machine, full args, dry args);
-# the scripts' paths are relative to scripts/, "{dir}" is the output directory. Priority order.
-SCALE = ["bench_scale.py", SHAPE, "--quant", "none", "int8", "int4", "--gguf", "bf16", "q8_0", "q4_0"]
+# the first item is a module of scripts/ (run as python -m scripts.NAME), "{dir}" is the output directory. Priority order.
+SCALE = ["bench_scale", SHAPE, "--quant", "none", "int8", "int4", "--gguf", "bf16", "q8_0", "q4_0"]
 STEPS = [
     ("scale512", 5, SCALE + ["--prompts", "512", "--new", "32", "--reps", "3", "--out", "{dir}/scale512.jsonl"],
      SCALE + ["--prompts", "32", "--new", "4", "--reps", "1", "--out", "{dir}/scale512.jsonl"]),
@@ -48,57 +51,57 @@ STEPS = [
                               "llama.cpp q4_0", "--out", "{dir}/scale4096.jsonl"],
      SCALE + ["--prompts", "64", "--new", "4", "--reps", "1", "--only", "turbo", "turbo int8", "turbo int4",
               "llama.cpp", "llama.cpp q8_0", "llama.cpp q4_0", "--out", "{dir}/scale4096.jsonl"]),
-    ("serve_bf16", 12, ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "4", "8",
+    ("serve_bf16", 12, ["bench_serve", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "4", "8",
                         "--reps", "2", "--requests", "16", "--max-tokens", "32", "--configs", "plain", "--llamacpp",
                        "--out", "{dir}/serve_bf16.json"],
-     ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "2", "--reps", "1",
+     ["bench_serve", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "2", "--reps", "1",
       "--requests", "2", "--max-tokens", "4", "--configs", "plain", "--llamacpp", "--out", "{dir}/serve_bf16.json"]),
-    ("llamabench_bf16", 9, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "bf16", "--reps", "2",
+    ("llamabench_bf16", 9, ["bench_llamabench", "--shape", SHAPE, "--gguf", "bf16", "--reps", "2",
                             "--out", "{dir}/llamabench_bf16.json"],
-     ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "bf16", "--prompts", "32", "--new", "8", "--depths", "32",
+     ["bench_llamabench", "--shape", SHAPE, "--gguf", "bf16", "--prompts", "32", "--new", "8", "--depths", "32",
       "--reps", "1", "--out", "{dir}/llamabench_bf16.json"]),
-    ("llamabench_q4_0", 8, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q4_0", "--reps", "2",
+    ("llamabench_q4_0", 8, ["bench_llamabench", "--shape", SHAPE, "--gguf", "q4_0", "--reps", "2",
                             "--out", "{dir}/llamabench_q4_0.json"],
-     ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q4_0", "--prompts", "32", "--new", "8", "--depths", "32",
+     ["bench_llamabench", "--shape", SHAPE, "--gguf", "q4_0", "--prompts", "32", "--new", "8", "--depths", "32",
       "--reps", "1", "--out", "{dir}/llamabench_q4_0.json"]),
     # the README's row: block 8 against plain decode (blocks 1 / 2 / 4 and the verify rows cut)
-    ("round", 2, ["bench_round.py", "--shape", SHAPE, "--format", "bf16", "int4", "--threads", "2", "--reps", "3",
+    ("round", 2, ["bench_round", "--shape", SHAPE, "--format", "bf16", "int4", "--threads", "2", "--reps", "3",
                   "--blocks", "4", "8", "--rows", "9"],
-     ["bench_round.py", "--shape", SHAPE, "--format", "bf16", "int4", "--threads", "2", "--reps", "1",
+     ["bench_round", "--shape", SHAPE, "--format", "bf16", "int4", "--threads", "2", "--reps", "1",
       "--blocks", "8", "--rows", "9", "--new", "16", "--calls", "1"]),
-    ("open_int4", 1, ["bench_open.py", "--shape", SHAPE, "--quant", "int4", "--gguf", "q4_0", "--reps", "3"],
-     ["bench_open.py", "--shape", SHAPE, "--quant", "int4", "--gguf", "q4_0", "--reps", "1", "--warm", "0"]),
-    ("open_bf16", 1, ["bench_open.py", "--shape", SHAPE, "--gguf", "bf16", "--reps", "3"],
-     ["bench_open.py", "--shape", SHAPE, "--gguf", "bf16", "--reps", "1", "--warm", "0"]),
-    ("context", 2, ["bench_scale.py", SHAPE, "--context", "--threads", "2", "--new", "40", "--prompts", "512", "4096"],
-     ["bench_scale.py", SHAPE, "--context", "--threads", "2", "--new", "4", "--prompts", "32", "64"]),
-    ("moe", 3, ["bench_scale.py", MOE, "--quant", "none", "int4", "--gguf", "bf16", "q4_0", "--prompts", "32",
+    ("open_int4", 1, ["bench_open", "--shape", SHAPE, "--quant", "int4", "--gguf", "q4_0", "--reps", "3"],
+     ["bench_open", "--shape", SHAPE, "--quant", "int4", "--gguf", "q4_0", "--reps", "1", "--warm", "0"]),
+    ("open_bf16", 1, ["bench_open", "--shape", SHAPE, "--gguf", "bf16", "--reps", "3"],
+     ["bench_open", "--shape", SHAPE, "--gguf", "bf16", "--reps", "1", "--warm", "0"]),
+    ("context", 2, ["bench_scale", SHAPE, "--context", "--threads", "2", "--new", "40", "--prompts", "512", "4096"],
+     ["bench_scale", SHAPE, "--context", "--threads", "2", "--new", "4", "--prompts", "32", "64"]),
+    ("moe", 3, ["bench_scale", MOE, "--quant", "none", "int4", "--gguf", "bf16", "q4_0", "--prompts", "32",
                 "--new", "32", "--reps", "3", "--only", "turbo", "turbo int4", "llama.cpp", "llama.cpp q4_0",
                 "--out", "{dir}/moe.jsonl"],
-     ["bench_scale.py", MOE, "--quant", "none", "int4", "--gguf", "bf16", "q4_0", "--prompts", "16", "--new", "4",
+     ["bench_scale", MOE, "--quant", "none", "int4", "--gguf", "bf16", "q4_0", "--prompts", "16", "--new", "4",
       "--reps", "1", "--only", "turbo", "turbo int4", "llama.cpp", "llama.cpp q4_0", "--out", "{dir}/moe.jsonl"]),
     # beside one controlled co-tenant; its undisturbed counterpart is scale512's (same settings)
-    ("cotenant", 3, ["bench_scale.py", SHAPE, "--prompts", "512", "--new", "32", "--reps", "2", "--only", "turbo",
+    ("cotenant", 3, ["bench_scale", SHAPE, "--prompts", "512", "--new", "32", "--reps", "2", "--only", "turbo",
                      "llama.cpp", "--cotenants", "1", "--out", "{dir}/cotenant.jsonl"],
-     ["bench_scale.py", SHAPE, "--prompts", "32", "--new", "4", "--reps", "1", "--only", "turbo", "llama.cpp",
+     ["bench_scale", SHAPE, "--prompts", "32", "--new", "4", "--reps", "1", "--only", "turbo", "llama.cpp",
       "--cotenants", "1", "--out", "{dir}/cotenant.jsonl"]),
     # if time is left: the rest of the table
-    ("llamabench_q8_0", 8, ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q8_0", "--reps", "2",
+    ("llamabench_q8_0", 8, ["bench_llamabench", "--shape", SHAPE, "--gguf", "q8_0", "--reps", "2",
                             "--out", "{dir}/llamabench_q8_0.json"],
-     ["bench_llamabench.py", "--shape", SHAPE, "--gguf", "q8_0", "--prompts", "32", "--new", "8", "--depths", "32",
+     ["bench_llamabench", "--shape", SHAPE, "--gguf", "q8_0", "--prompts", "32", "--new", "8", "--depths", "32",
       "--reps", "1", "--out", "{dir}/llamabench_q8_0.json"]),
-    ("serve_int4", 10, ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "4", "8",
+    ("serve_int4", 10, ["bench_serve", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "4", "8",
                         "--reps", "2", "--requests", "16", "--max-tokens", "32", "--configs", "plain", "--llamacpp",
                        "--quant", "int4", "--gguf", "q4_0", "--out", "{dir}/serve_int4.json"],
-     ["bench_serve.py", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "2", "--reps", "1",
+     ["bench_serve", "--shape", SHAPE, "--threads", "2", "--concurrency", "1", "2", "--reps", "1",
       "--requests", "2", "--max-tokens", "4", "--configs", "plain", "--llamacpp", "--quant", "int4", "--gguf",
       "q4_0", "--out", "{dir}/serve_int4.json"]),
-    ("session", 2, ["bench_session.py", "--shape", SHAPE, "--turns", "5", "--new", "32", "--reps", "3",
+    ("session", 2, ["bench_session", "--shape", SHAPE, "--turns", "5", "--new", "32", "--reps", "3",
                     "--threads", "2"],
-     ["bench_session.py", "--shape", SHAPE, "--turns", "2", "--new", "4", "--reps", "1", "--threads", "2"]),
-    ("session_server", 2, ["bench_session.py", "--shape", SHAPE, "--turns", "5", "--new", "32", "--reps", "3",
+     ["bench_session", "--shape", SHAPE, "--turns", "2", "--new", "4", "--reps", "1", "--threads", "2"]),
+    ("session_server", 2, ["bench_session", "--shape", SHAPE, "--turns", "5", "--new", "32", "--reps", "3",
                            "--threads", "2", "--server"],
-     ["bench_session.py", "--shape", SHAPE, "--turns", "2", "--new", "4", "--reps", "1", "--threads", "2",
+     ["bench_session", "--shape", SHAPE, "--turns", "2", "--new", "4", "--reps", "1", "--threads", "2",
       "--server"]),
 ]
 
@@ -117,8 +120,8 @@ def git(*a: str) -> str:
 
 
 def quiet(dry: bool) -> bool:
-    out = subprocess.run([sys.executable, str(ROOT / "scripts/benchlib.py"), "--quiet-check", "2"],
-                         capture_output=True, text=True).stdout
+    out = subprocess.run([sys.executable, "-m", "scripts.benchlib", "--quiet-check", "2"],
+                         capture_output=True, text=True, cwd=ROOT).stdout
     print(out, end="", flush=True)
     lines = out.splitlines()
     return bool(lines) and sum("NOT quiet" not in line for line in lines) >= len(lines) - 1  # one noisy sample ok
@@ -126,7 +129,8 @@ def quiet(dry: bool) -> bool:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("dir", type=Path)
+    ap.add_argument("dir", type=Path, nargs="?", help="the output directory (default: "
+                    "docs/results/vs-llamacpp-YYYY-MM-DD/, today's)")
     ap.add_argument("--budget-min", type=float, default=55, help="minutes for this invocation")
     ap.add_argument("--dry", action="store_true", help="smallest settings, guard off (TURBO_BENCH_GUARD=off)")
     ap.add_argument("--force", action="store_true", help="start even if the machine is not quiet")
@@ -136,8 +140,12 @@ def main() -> None:
     args = ap.parse_args()
     if args.list:
         for name, est, full, _ in STEPS:
-            print(f"{name:16} {est:3} min  python scripts/{shlex.join(full)}")
+            print(f"{name:16} {est:3} min  python -m scripts.{shlex.join(full)}")
         return
+    if args.dir is None:
+        from scripts.benchlib import results_path  # (here: benchlib imports torch)
+
+        args.dir = results_path("vs-llamacpp", "")
     args.dir.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     env.setdefault("LLAMA_CONVERT_DIR", str(LLAMA / "src/llama_cpp_python-0.3.36/vendor/llama.cpp"))
@@ -166,8 +174,8 @@ def main() -> None:
         for a in argv:  # a rerun starts clean: the scripts append to their --out
             if a.startswith(str(args.dir)):
                 Path(a).unlink(missing_ok=True)
-        cmd = [sys.executable, str(ROOT / "scripts" / argv[0]), *argv[1:]]
-        meta = {"name": name, "cmd": "python scripts/" + shlex.join(argv), "estimate_min": est, "dry": args.dry,
+        cmd = [sys.executable, "-m", f"scripts.{argv[0]}", *argv[1:]]
+        meta = {"name": name, "cmd": "python -m scripts." + shlex.join(argv), "estimate_min": est, "dry": args.dry,
                 "commit": git("rev-parse", "--short", "HEAD"), "dirty": bool(git("status", "--porcelain",
                                                                                   "--untracked-files=no")),
                 "start": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "load_before": os.getloadavg()}
@@ -179,7 +187,7 @@ def main() -> None:
                  "end": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
         meta_path.write_text(json.dumps(meta, indent=1) + "\n")
         print(f"{name}: exit {rc} after {meta['seconds'] / 60:.1f} min", flush=True)
-    print(f"done; the tables: python scripts/report_45.py {args.dir}")
+    print(f"done; the tables: python -m scripts.report_vs_llamacpp {args.dir}")
 
 
 if __name__ == "__main__":

@@ -147,7 +147,7 @@ class Kernels:
             if name not in self._modules:
                 path = self.ptx_path(name)
                 if not path.is_file():
-                    raise CudaError(f"backend cuda: {path} is missing (python scripts/build_ptx.py builds it)")
+                    raise CudaError(f"backend cuda: {path} is missing (python -m scripts.build_ptx builds it)")
                 self._make_current()
                 image = path.read_bytes() + b"\0"
                 self._images[name] = image  # keep the image alive as long as the module

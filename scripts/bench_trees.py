@@ -1,6 +1,9 @@
 """Two checkouts' whole runtime (Python and C) against each other, interleaved process by
-process: a decode step, a 9-row verify (plain; keeping checkpoints) and whole generations'
-decode tokens/s (plain; n-gram block 4) on the shipped tiny install and on a published shape.
+process: a decode step, a 9-row verify (plain; keeping checkpoints), whole generations' decode
+tokens/s (plain; n-gram block 4; a scripted drafter whose proposals land with probability 0.8 at
+block 4, so only the engine's costs vary) and the server's scheduler under 1 and 8 concurrent
+requests, on the shipped tiny install and on a published shape. Every speculative or served
+generation is checked equal to the same request alone, so a faster run is never another answer.
 
     python -m scripts.bench_trees OLD_TREE NEW_TREE [--shape qwen3.5-0.8b] [--reps 5] [--threads 1]
 
@@ -21,7 +24,9 @@ import sys
 import time
 from pathlib import Path
 
-FIGURES = ("decode_ms", "verify9_ms", "verify9_ckpt_ms", "plain_tok_s", "ngram4_tok_s")
+FIGURES = ("decode_ms", "verify9_ms", "verify9_ckpt_ms", "plain_tok_s", "ngram4_tok_s", "scripted4_tok_s",
+           "serve1_tok_s", "serve8_tok_s")
+CLIENTS = (1, 8)
 
 
 def worker(path: str, calls: int, new: int) -> dict:
@@ -29,6 +34,9 @@ def worker(path: str, calls: int, new: int) -> dict:
     import torch
 
     import turbo
+    from turbo.testing import ScriptedDrafter
+
+    from scripts.bench_round import landed_schedule  # (the tree's own scripts/: PYTHONPATH is the tree)
 
     rt = turbo.open(path, backend="cpu")
     trunk = rt.trunk
@@ -53,6 +61,56 @@ def worker(path: str, calls: int, new: int) -> dict:
     for name, kw in (("plain_tok_s", dict(policy="off")), ("ngram4_tok_s", dict(policy="fixed", block=4, drafter="ngram"))):
         out[name] = statistics.median(rt.generate(prompt, max_new_tokens=new, stop_at_eos=False, **kw)
                                       .stats.decode_tokens_per_s for _ in range(2))
+    plain = rt.generate(prompt, max_new_tokens=new, policy="off", stop_at_eos=False).tokens
+    runs = []
+    for _ in range(2):
+        scripted = ScriptedDrafter(prompt + plain, landed_schedule(0.8, 4), trunk.arch.vocab)
+        spec = rt.generate(prompt, max_new_tokens=new, policy="fixed", block=4, drafter=scripted, stop_at_eos=False)
+        assert spec.tokens == plain, "speculation changed the output"
+        runs.append(spec.stats.decode_tokens_per_s)
+    out["scripted4_tok_s"] = statistics.median(runs)
+    out.update(served(rt, new))
+    return out
+
+
+def served(rt, new: int) -> dict:
+    """The scheduler's tokens/s under n concurrent requests of `new` tokens, each equal to its solo run."""
+    import threading
+
+    import torch
+
+    from turbo import GenerationOptions
+    from turbo.serve.scheduler import Request, Scheduler, ServeLimits
+
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, min(rt.trunk.arch.vocab, 4000), (64,), generator=g).tolist() for _ in range(max(CLIENTS))]
+    opts = GenerationOptions(max_new_tokens=new, policy="off", stop_at_eos=False)
+    alone = [rt.generate(p, opts).tokens for p in prompts]
+    out = {}
+    for n in CLIENTS:
+        sched = Scheduler(rt, ServeLimits(max_running=max(CLIENTS)))
+        got: dict[int, list[int]] = {i: [] for i in range(n)}
+        done = threading.Semaphore(0)
+
+        def sink(i: int):
+            def take(d) -> None:
+                if isinstance(d, Exception):
+                    raise d
+                got[i].extend(d.tokens)
+                if d.finish is not None:
+                    done.release()
+            return take
+
+        sched.start()
+        t = time.perf_counter()
+        for i in range(n):
+            sched.submit(Request(prompts[i], opts), sink(i))
+        for _ in range(n):
+            done.acquire()
+        seconds = time.perf_counter() - t
+        sched.stop()
+        assert all(got[i] == alone[i] for i in range(n)), f"a served request of {n} differs from its solo run"
+        out[f"serve{n}_tok_s"] = n * new / seconds
     return out
 
 

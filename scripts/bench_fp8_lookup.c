@@ -1,4 +1,4 @@
-/* What bounds the FP8 products (native_products.c, wtype 9) on this CPU: one 4-panel decode tile
+/* What bounds the FP8 products (native_exact.c, wtype 9) on this CPU: one 4-panel decode tile
  * (1 row, the step's shape) over 256 MB of codes, from memory, 1 and 2 threads, its parts taken
  * away one at a time, beside an int8 tile of one packed dot product per 64 weights (wtype 5's).
  *
@@ -24,7 +24,7 @@
 typedef float v16 __attribute__((vector_size(64)));
 #define NP 4
 #ifndef PF
-#define PF 2048 /* bytes ahead in a panel's stream (native_products.c's) */
+#define PF 2048 /* bytes ahead in a panel's stream (native_exact.c's) */
 #endif
 
 static double now(void) {

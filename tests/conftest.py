@@ -71,7 +71,7 @@ def step_path(request):
 @pytest.fixture
 def exact_bf16():
     """The bf16 matrices' exact fp32 walk (TURBO_BF16_PRODUCTS=exact) for one test, where the
-    native library would take them through AMX otherwise (native_products.c, bf16_products)."""
+    native library would take them through AMX otherwise (native_amx.c, bf16_products)."""
     from turbo.backends import native_lib
     lib = native_lib.library()
     if lib is None:

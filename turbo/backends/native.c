@@ -15,7 +15,9 @@
  * element: each output is still computed whole by one thread with the same code, so the
  * results do not depend on the thread count either.
  *
- * The parts: native_products.c (the matrix products, and the threads; native_avx2.c the AVX2
+ * The parts: native_products.c (the matrix products' entry point and dispatch, the float panels,
+ * the threads; native_qproducts.c the affine int4 / int8 groups, native_exact.c and
+ * native_int4_lanes.c the exact formats, native_amx.c bf16 by AMX, native_avx2.c the AVX2
  * tier's tiles for them), native_gdn.c (Gated
  * DeltaNet), native_attn.c (gated attention), native_moe.c (the MoE block), native_dflash.c (the
  * drafter's pass); this file: the structs' sizes, embedding rows, the head, argmax.
@@ -23,7 +25,7 @@
  * Built by turbo/backends/native_lib.py with the host's compiler (no -ffast-math: the
  * compiler must not reassociate sums). Matrices are fp32 (wtype 0) or bf16 (wtype 1, 6);
  * bf16 is widened exactly to fp32 before the multiply, so activations stay fp32 -- except where
- * the CPU has AMX-BF16 (native_products.c, bf16_products): there a bf16 matrix's products take
+ * the CPU has AMX-BF16 (native_amx.c, bf16_products): there a bf16 matrix's products take
  * the inputs rounded to bf16 through the tiles, for every row count alike (still row-stable).
  *
  * Two more kinds are for drafters only, whose numbers shape proposals and never the output

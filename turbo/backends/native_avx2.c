@@ -1,8 +1,8 @@
 /* The AVX2 tier's matrix products (TURBO_ISA=avx2, or a CPU with AVX2 + FMA + F16C and no
- * AVX-512: AMD Zen 2/3, Intel client CPUs since Alder Lake). native_products.c's AVX-512 tiles
- * keep up to 2 x 12 sixteen-lane sums in registers; written for eight-lane registers (16 of them)
- * the compiler spills most of them on every step, so this tier has tiles of its own, over the
- * same packed layouts (packed.py), and the same chains:
+ * AVX-512: AMD Zen 2/3, Intel client CPUs since Alder Lake). The AVX-512 tiles (native_products.c,
+ * native_qproducts.c) keep up to 2 x 12 sixteen-lane sums in registers; written for eight-lane
+ * registers (16 of them) the compiler spills most of them on every step, so this tier has tiles
+ * of its own, over the same packed layouts (packed.py), and the same chains:
  *
  * - float panels (wtypes 0, 1, 6): each output one fused multiply-add chain over the inputs in
  *   order, as ptile's -- the same bits as the AVX-512 tier's products;
@@ -166,7 +166,7 @@ INTERNAL void avx2_panels(const float *x, int R, int k, const void *P, int wtype
     }
 }
 
-/* ---- affine int4 / int8 in groups of 64 (wtypes 4, 5), as native_products.c's qtile: x is
+/* ---- affine int4 / int8 in groups of 64 (wtypes 4, 5), as native_qproducts.c's qtile: x is
  * group_quads' (per row and group the scale and the rounded inputs' scaled sum, then the s8
  * inputs in words of four, [G, 16, R]); P per panel and group the 16 scales and biases (bf16)
  * and the levels, u8 words of 4 inputs x 16 outputs (int4: 8 words of nibbles, the low one

@@ -80,7 +80,7 @@ def tier_flags(tier: str | None) -> tuple[list[str], ...]:
     return (["-O3", *march, "-fopenmp"], ["-O3", *march])
 
 # what the first build's line says it takes: measured cold, 35 s on a quiet 2-core VM (cc 12; most
-# of it native_products.c), 66 s on a busy one
+# of it the matrix products, then all in native_products.c), 66 s on a busy one
 BUILD_TIME = "about half a minute"
 
 

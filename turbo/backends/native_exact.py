@@ -1,10 +1,10 @@
-"""The exact formats the native step reads as stored (native_products.c, wtypes 7-9): affine int4 /
-int8 with fp32 scales and biases in any group ("exact": quant.EXACT_INT4, quant.GGUF_FORMATS), FP8
-e4m3 codes with a scale per 128 x 128 block ("fp8": quant.FP8), and "segments", a matrix whose row
-segments keep layouts of their own (a layer mixing those with bf16 matrices, as Qwen's FP8
-checkpoints do). Their products are float products of exactly the torch step's dequantized weights
-(FP8: bit for bit the bf16 panels' products). Read back to dense: packed.py (`exact_dense`); the
-other layouts: native_pack.py.
+"""The exact formats the native step reads as stored (native_exact.c, wtypes 8-9; native_products.c,
+7): affine int4 / int8 with fp32 scales and biases in any group ("exact": quant.EXACT_INT4,
+quant.GGUF_FORMATS), FP8 e4m3 codes with a scale per 128 x 128 block ("fp8": quant.FP8), and
+"segments", a matrix whose row segments keep layouts of their own (a layer mixing those with bf16
+matrices, as Qwen's FP8 checkpoints do). Their products are float products of exactly the torch
+step's dequantized weights (FP8: bit for bit the bf16 panels' products). Read back to dense:
+packed.py (`exact_dense`); the other layouts: native_pack.py.
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def centered(w: quant.QuantizedWeight) -> bool:
     (one): each bias is -128 * scale and each scale a normal float (or +0) of at most 16
     significant bits, so that q * scale (8 + 16 bits), -128 * scale and their sum are exact in
     fp32. GGUF's Q8_0 (an f16 scale d, bias -128 d) always is; the products then form each weight
-    with one multiply (native_products.c, fpacked)."""
+    with one multiply (native_exact.c, fpacked)."""
     s, b = w.scales.float(), w.biases.float()
     bits = s.view(torch.int32)
     exponent = (bits >> 23) & 0xFF
@@ -86,7 +86,7 @@ def _affine_bytes(w: quant.QuantizedWeight, centre: bool = False) -> torch.Tenso
 def _int4_bytes(q: torch.Tensor, scales: torch.Tensor, biases: torch.Tensor, group: int) -> torch.Tensor:
     """[blocks of 8 outputs, bytes]: per superblock its groups' scales [ng, 8] and biases [ng, 8]
     (fp32), then per output 64 bytes, dword l nibble j = the level of input 16j + l
-    (native_products.c, int4_lanes)."""
+    (native_int4_lanes.c)."""
     rows, k = q.shape
     parts = []
     for i0, m, ng in superblocks(k, group):
@@ -117,7 +117,7 @@ def _fp8_bytes(w: quant.QuantizedWeight, pb: int) -> tuple[torch.Tensor, torch.T
     """[blocks, groups, 256]: per block of pb panels and group the table bf16(e4m3(c) * scale) of
     the codes c = 0..127 (high bytes, then low bytes); [panels, groups, group * 16]: the codes in
     chunks of 4 inputs x 16 outputs, byte 16L + 8h + 2d + e = output 4L + d at input 2h + e
-    (native_products.c)."""
+    (native_exact.c)."""
     n, k = w.shape
     rows, groups, g = -(-n // PANEL) * PANEL, k // w.group, w.group
     s = _padded(w.scales.float(), rows)[::pb * PANEL]  # [blocks, g]

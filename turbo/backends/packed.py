@@ -15,7 +15,7 @@ from .native_lib import WTYPES
 
 PANEL = 16  # outputs per panel of a packed matrix (native_products.c: one vector register)
 # The exact layouts (native_exact.py): bytes before a matrix's panels (int32 fields) or a segment
-# table; int4's outputs a block (two a panel) and inputs a superblock (native_products.c).
+# table; int4's outputs a block (two a panel) and inputs a superblock (native_int4_lanes.c).
 HEADER = 64
 OCTET = 8
 SUPER = 128
@@ -33,7 +33,7 @@ def ptr(t: torch.Tensor | Packed | None) -> int | None:
 
 @dataclasses.dataclass
 class Packed:
-    """A matrix w [n, k] laid out as native_products.c reads it (`layout`):
+    """A matrix w [n, k] laid out as the native products read it (`layout`; native_products.c):
     - "panels": panels of 16 outputs, data[p, i, l] = w[16p + l, i] ([ceil(n/16), k, 16],
       the last panel zero-padded); fp32 or bf16 (widened exactly: the fp32 products);
     - "panel_pairs" (bf16, wtype 6): the panels two inputs at a time, data[p, j, l, t] =

@@ -50,7 +50,7 @@ class OpenOptions:
     quant_cpu: str = "auto"  # TURBO_QUANT_CPU: auto | kernel | packed | dequant | native (turbo.store.quant)
     # TURBO_BF16_PRODUCTS: auto | exact. The native step's bf16 matrices: auto takes AMX-BF16 where the
     # CPU has it (inputs rounded to bf16, every row count alike), exact the fp32 walk of widened
-    # weights; one choice per process (native_products.c, bf16_products): None takes the process's
+    # weights; one choice per process (native_amx.c, bf16_products): None takes the process's
     # (auto unless a runtime opened before chose), a named one that differs from it is refused
     bf16_products: str | None = None
     kv_cache: str = "auto"  # auto | float32 | bfloat16: the attention layers' K/V cache (auto: turbo.load.loader.kv_dtype)

@@ -27,7 +27,6 @@
 #include <immintrin.h>
 
 #define ROW_BLOCK 96
-#define QGROUP 64
 
 /* Outputs o0..o0+15 of one row (those below n) from a tile's two registers (masked stores: a
  * local array to copy through would keep the tile's sums in memory throughout). */

@@ -225,8 +225,8 @@ class Driver:
             if self.mark is not None:
                 self._prefill(self.mark)
             self._prefill(n)
-        elif not self.prefilling:
-            self._reached(n)
+        elif self.mark == self.held or not self.prefilling:  # (settle reaches the mark and the end past it)
+            self._reached(self.held)
         if keeper is not None:
             how = "fresh" if hit is None else "last turn" if hit.trunk is None else "snapshot"
             keeper.report = TurnReport(len(ids), self.held, n - self.held, how, len(keeper.kept), keeper.kept.nbytes)

@@ -26,7 +26,7 @@ from .chat.template import ChatTemplate
 from .drafters import Drafter
 from .sequence.seam import check_drafter_object
 from .drafters.ngram import NgramConfig, NgramDrafter
-from .sequence.driver import DrafterPool, Driver, Job, RoundEvent, choice_seed
+from .sequence.driver import DrafterPool, Driver, Job, RoundEvent, choice_options
 from .errors import TurboError, checked_text
 from .sequence.grammar import Grammars
 from .store.install import Install, bundled_names, open_install
@@ -160,15 +160,15 @@ class Runtime:
                 images: list | None = None, **fields) -> list[GenerateResult]:
         """n generations of one prompt (OpenAI's `n`): the prompt prefilled once, each choice
         going on from the state a keeper kept at the prompt's end, as the server's choices go on
-        from its prefix cache; choice i samples with `choice_seed` (greedy choices are all one).
+        from its prefix cache; choice i samples as `choice_options` says (greedy choices are all one).
         Each choice's tokens are those `generate` gives it alone."""
         n = check_n(n)
         o = self.prepare(prompt, opts, **fields).options  # refused here, before any choice runs
         if images is not None:  # (an image prompt's rows are expanded per generation: each its own prefill)
-            return [self.generate(prompt, o.but(seed=choice_seed(o.seed, i)), images=images) for i in range(n)]
+            return [self.generate(prompt, c, images=images) for c in choice_options(o, n)]
         ids, shared = self.encode(prompt), Keeper.session(1)
         shared.mark = None  # the snapshot: the prompt's state, its last token the first anchor
-        return [self.generate(ids, o.but(seed=choice_seed(o.seed, i)), keeper=shared) for i in range(n)]
+        return [self.generate(ids, c, keeper=shared) for c in choice_options(o, n)]
 
     def chat(self, messages: list, opts: GenerationOptions | None = None, *, tools: list | None = None,
              tool_choice: str = "auto", documents: list | None = None, template: str | ChatTemplate | None = None,

@@ -55,9 +55,10 @@ def kv_capacity(prompt: int, max_new_tokens: int) -> int:
     return prompt + min(max_new_tokens, KV_CHUNK) + ROUND_ROWS
 
 
-def choice_seed(seed: int | None, i: int) -> int | None:
-    """Choice i's seed of n choices of one request (OpenAI's `n`): seed + i where a seed is given."""
-    return None if seed is None else (seed + i) % 2**64
+def choice_options(o: GenerationOptions, n: int) -> list[GenerationOptions]:
+    """The options of n choices of one request (OpenAI's `n`; `Runtime.choices` and the server's):
+    choice i samples with seed + i where a seed is given (greedy choices are all one)."""
+    return [o if i == 0 or o.seed is None else o.but(seed=(o.seed + i) % 2**64) for i in range(n)]
 
 
 @dataclass

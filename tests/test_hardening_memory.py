@@ -12,7 +12,7 @@ import pytest
 
 import turbo
 from turbo.errors import TurboError
-from turbo.chat.session import FreshStart
+from turbo.sequence.state_cache import Keeper, StateCache
 from turbo.model.trunk import KV_CHUNK
 
 TINY = Path(turbo.__file__).parent / "installs" / "tiny"
@@ -32,21 +32,22 @@ def long_context_install(tmp: Path, positions: int) -> Path:
     return out
 
 
-class Recording(FreshStart):
-    """A fresh start that keeps the state it primed (and may reserve more than asked)."""
+class Recording(Keeper):
+    """A start that keeps nothing but the state it began (and may reserve more than asked)."""
 
     def __init__(self, at_least: int = 0):
+        super().__init__(StateCache(0), live=False)
         self.at_least, self.st = at_least, None
 
-    def prime(self, trunk, draft, ids, capacity):
-        self.st = super().prime(trunk, draft, ids, max(capacity, self.at_least))
+    def fresh(self, trunk, capacity):
+        self.st = super().fresh(trunk, max(capacity, self.at_least))
         return self.st
 
 
-def run(rt, max_new: int, tokens: int, start: FreshStart, **kw) -> list[int]:
+def run(rt, max_new: int, tokens: int, start: Recording, **kw) -> list[int]:
     """The first `tokens` tokens of a stream asked for up to `max_new` (closed there)."""
     out: list[int] = []
-    stream = rt.stream(PROMPT, max_new_tokens=max_new, stop_at_eos=False, start=start, **kw)
+    stream = rt.stream(PROMPT, max_new_tokens=max_new, stop_at_eos=False, keeper=start, **kw)
     for event in stream:
         out += event.tokens
         if len(out) >= tokens:

@@ -26,7 +26,7 @@ from .chat.template import ChatTemplate
 from .drafters import Drafter
 from .sequence.seam import check_drafter_object
 from .drafters.ngram import NgramConfig, NgramDrafter
-from .sequence.driver import DrafterPool, Driver, Job, RoundEvent, Start
+from .sequence.driver import DrafterPool, Driver, Job, RoundEvent, choice_options
 from .errors import TurboError, checked_text
 from .sequence.grammar import Grammars
 from .store.install import Install, bundled_names, open_install
@@ -35,10 +35,10 @@ from .load.loader import load_drafter, load_trunk
 from .sequence.options import GenerationOptions, OpenOptions, check_n, integer
 from .sequence.policy import DraftPolicy, Plan, decide
 from .sequence.sampling import rejection_sampler
-from .chat.session import DEFAULT_SNAPSHOTS, FRESH, Keeper, Session
+from .chat.session import Session
+from .sequence.state_cache import DEFAULT_SNAPSHOTS, Keeper, PromptImages
 from .sequence.stats import Stats
 from .sequence.stops import Finish, stop_token_set
-from .model.trunk import KV_CHUNK
 from .vision.runtime import image_prompt, refuse_unplaced
 from .chat.image_session import VisionSession
 
@@ -144,13 +144,13 @@ class Runtime:
 
     # ---- the API -----------------------------------------------------------------------
 
-    def generate(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
-                 images: list | None = None, **fields) -> GenerateResult:
+    def generate(self, prompt: Prompt, opts: GenerationOptions | None = None, *, keeper: Keeper | None = None,
+                 images: list | PromptImages | None = None, **fields) -> GenerateResult:
         """The whole generation at once; the same options as `stream`. Calls from several threads
         run one after another."""
         tokens, flags, text, event = [], [], [], None
         with self._serial:
-            for event in self.stream(prompt, opts, start=start, images=images, **fields):
+            for event in self.stream(prompt, opts, keeper=keeper, images=images, **fields):
                 tokens += event.tokens
                 flags += event.from_draft
                 text.append(event.text)
@@ -159,18 +159,16 @@ class Runtime:
     def choices(self, prompt: Prompt, n: int, opts: GenerationOptions | None = None, *,
                 images: list | None = None, **fields) -> list[GenerateResult]:
         """n generations of one prompt (OpenAI's `n`): the prompt prefilled once, each choice
-        going on from a snapshot of that state (a session's Keeper, marked at the prompt's end);
-        choice i samples with seed + i where a seed is given (greedy choices are all one).
+        going on from the state a keeper kept at the prompt's end, as the server's choices go on
+        from its prefix cache; choice i samples as `choice_options` says (greedy choices are all one).
         Each choice's tokens are those `generate` gives it alone."""
         n = check_n(n)
         o = self.prepare(prompt, opts, **fields).options  # refused here, before any choice runs
-        seeds = [None if o.seed is None else (o.seed + i) % 2**64 for i in range(n)]
         if images is not None:  # (an image prompt's rows are expanded per generation: each its own prefill)
-            return [self.generate(prompt, o.but(seed=seed), images=images) for seed in seeds]
-        ids = self.encode(prompt)
-        shared = Keeper(1)
-        shared.mark = len(ids) - 1  # the snapshot: the prompt's state, its last token the first anchor
-        return [self.generate(ids, o.but(seed=seed), start=shared) for seed in seeds]
+            return [self.generate(prompt, c, images=images) for c in choice_options(o, n)]
+        ids, shared = self.encode(prompt), Keeper.session(1)
+        shared.mark = None  # the snapshot: the prompt's state, its last token the first anchor
+        return [self.generate(ids, c, keeper=shared) for c in choice_options(o, n)]
 
     def chat(self, messages: list, opts: GenerationOptions | None = None, *, tools: list | None = None,
              tool_choice: str = "auto", documents: list | None = None, template: str | ChatTemplate | None = None,
@@ -193,37 +191,42 @@ class Runtime:
         return kind(self, template_for(self.install, template), system, tools, template_kwargs, snapshots,
                     tool_choice)
 
-    def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, *, start: Start = FRESH,
-               images: list | None = None, **fields) -> Iterator[RoundEvent]:
+    def stream(self, prompt: Prompt, opts: GenerationOptions | None = None, *, keeper: Keeper | None = None,
+               images: list | PromptImages | None = None, **fields) -> Iterator[RoundEvent]:
         """Yields one event per committed round. `opts` (turbo.sequence.options.GenerationOptions), or its
         fields as keywords (over `opts` when both). Validation happens before the first yield.
         Another generation started before this stream ends takes the runtime over: this stream's
-        next round then raises TurboError. `start`: how the state comes to hold the prompt
-        (a chat session's resumes its conversation; turbo/chat/session.py). `images`: paths, bytes,
-        PIL images or data: URLs, one per image placeholder of the prompt (turbo/vision)."""
+        next round then raises TurboError. `keeper`: the states it may go on from and keeps its
+        answer's in (a chat session's resumes its conversation; turbo/sequence/state_cache.py).
+        `images`: paths, bytes, PIL images or data: URLs, one per image placeholder of the prompt
+        (turbo/vision), or the prompt's images as the trunk takes them (a session's)."""
         if getattr(self._local, "inside", False):
             raise TurboError(REENTERED)
-        if images is not None and (not isinstance(images, (list, tuple)) or images):
-            prompt, start = image_prompt(self, prompt, images, start)
+        if images is not None and not isinstance(images, PromptImages) and \
+                (not isinstance(images, (list, tuple)) or images):
+            prompt, images = image_prompt(self, prompt, images, keeper is not None and keeper.live)
+        rows = images if isinstance(images, PromptImages) else None
         with self._serial:  # waits for a `generate` running on another thread
-            return OneThread(self._stream(prompt, opts, start, **fields))
+            return OneThread(self._stream(prompt, opts, keeper, rows, **fields))
 
-    def _stream(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH,
-                **fields) -> Iterator[RoundEvent]:
-        job = self.prepare(prompt, opts, start, **fields)
+    def _stream(self, prompt: Prompt, opts: GenerationOptions | None, keeper: Keeper | None,
+                images: PromptImages | None, **fields) -> Iterator[RoundEvent]:
+        job = self.prepare(prompt, opts, keeper, images is not None, **fields)
         key = job.draft_key()
         draft = job.options.drafter if job.own else self.drafters.base(key, job.options.ngram) if key else None
-        return self._rounds(self.driver(job, draft, cut_in_round=start.keeps_state), start)
+        return self._rounds(self.driver(job, draft), keeper, images)
 
-    def driver(self, job: Job, draft: Drafter | None, *, cut_in_round: bool = False, logprobs: int | None = None,
+    def driver(self, job: Job, draft: Drafter | None, *, logprobs: int | None = None,
                live_stats: bool = True) -> Driver:
         """A driver for `job` with `draft` (turbo/sequence/driver.py): this runtime's trunk and tokenizer."""
         return Driver(self.trunk, self.decode, self.install.eos_ids, self.install.arch.vocab, job, draft,
-                      cut_in_round=cut_in_round, logprobs=logprobs, live_stats=live_stats)
+                      logprobs=logprobs, live_stats=live_stats)
 
-    def prepare(self, prompt: Prompt, opts: GenerationOptions | None, start: Start = FRESH, **fields) -> Job:
+    def prepare(self, prompt: Prompt, opts: GenerationOptions | None, keeper: Keeper | None = None,
+                images: bool = False, **fields) -> Job:
         """A generation's request checked against this install, and what it will run: every
-        refusal a stream (or the server's scheduler) can give before its first round."""
+        refusal a stream (or the server's scheduler) can give before its first round. `keeper`:
+        the one it will start from; `images`: its prompt's image rows are given."""
         o = opts if opts is not None else DEFAULT_GENERATION
         if not isinstance(o, GenerationOptions):
             raise TurboError(f"options of type {type(o).__name__}: expected a GenerationOptions, or its fields as "
@@ -231,8 +234,9 @@ class Runtime:
         if fields:
             o = o.but(**fields)  # GenerationOptions checks each field; what needs the install is here
         whole = self.encode(prompt)
-        refuse_unplaced(self.install, whole, start)
-        ids = self._fitted(whole, o, start)
+        whole_kept = keeper is not None and keeper.live  # a live state holds its conversation: never cut
+        refuse_unplaced(self.install, whole, images, whole_kept)
+        ids = self._fitted(whole, o, whole_kept)
         vocab = self.install.arch.vocab
         bad = next((t for t in o.stop_token_ids or () if not 0 <= t < vocab), None)
         if bad is not None:
@@ -255,26 +259,27 @@ class Runtime:
             grammar = self.grammars.state(o.response_format, tuple(sorted(stops)))  # (the grammar's end lets these)
         return Job(ids, o, p, own, sampler, stats, grammar)
 
-    def _fitted(self, ids: list[int], o: GenerationOptions, start: Start) -> list[int]:
+    def _fitted(self, ids: list[int], o: GenerationOptions, whole_kept: bool) -> list[int]:
         """`ids` when they leave room for max_new_tokens in the context; else their tail under
         truncate_prompt=left (a fresh prompt's only: a session's state holds its conversation)."""
         limit = self.install.arch.max_positions
         room = limit - o.max_new_tokens
         if len(ids) <= room:
             return ids
-        if o.truncate_prompt == "left" and room >= 1 and not start.keeps_state:
+        if o.truncate_prompt == "left" and room >= 1 and not whole_kept:
             return ids[-room:]
-        hint = f" (truncate_prompt=left keeps its last {room})" if room >= 1 and not start.keeps_state else ""
+        hint = f" (truncate_prompt=left keeps its last {room})" if room >= 1 and not whole_kept else ""
         raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
                          f"max_position_embeddings {limit}{hint}")
 
-    def _rounds(self, d: Driver, origin: Start) -> Iterator[RoundEvent]:
-        """The sequence as a batch of one: its driver's rounds, each through `Trunk.step`."""
-        trunk, ids = self.trunk, d.job.ids
+    def _rounds(self, d: Driver, keeper: Keeper | None, images: PromptImages | None) -> Iterator[RoundEvent]:
+        """The sequence as a batch of one: its driver's rounds, each through `Trunk.step` (the
+        scheduler's are through `Trunk.step_many`; the rest is the same)."""
+        trunk = self.trunk
         with self._serial, self._step, self._round():  # this generation takes the runtime over
             self._generation += 1
             me = self._generation
-            d.prime(origin, len(ids) + min(d.job.options.max_new_tokens, KV_CHUNK))  # the K/V grows as it goes
+            d.start(keeper, images)
         while not d.done:
             with self._step, self._round():
                 if self._generation != me:
@@ -283,8 +288,8 @@ class Runtime:
                 t = time.perf_counter()
                 out = trunk.step(d.st, w.rows, d.aux_layers, w.rollback)
                 event = d.settle(w, out, time.perf_counter() - t)
-            if event.done and origin.keeps_state:
-                origin.finish(d)
+                if event.done:
+                    d.end()
             yield event
 
 

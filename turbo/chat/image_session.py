@@ -12,49 +12,26 @@ from typing import Any, Iterator
 from .turn import answer_opens_think
 from .template import encode
 from ..sequence.options import GenerationOptions
-from .session import FRESH, Keeper, Session, common_prefix
-from ..vision.positions import MmRows, rows_between
-from ..vision.runtime import ImageStart, check_placed, keyed_rows, message_images, vision_of
-
-
-class VisionKeeper(Keeper):
-    """A session's Keeper whose turn may hold images: `mm` the whole conversation's MmRows."""
-
-    mm: MmRows | None = None
-    _keyed: list | None = None  # the turn's expanded ids, image rows tagged
-
-    def images(self, tokens: list[int], mm: MmRows | None, keyed: list | None) -> None:
-        self.mm, self._keyed = mm, keyed
-        self.fresh = ImageStart(tokens, mm) if mm is not None else FRESH
-
-    def keyed(self, ids: list[int]) -> list:
-        if self._keyed is None:
-            return list(ids)
-        return self._keyed + list(ids[len(self._keyed):])  # (settle: the answer after the prompt)
-
-    def rows_mm(self, p: int, end: int) -> Any:
-        return None if self.mm is None else rows_between(self.mm, p, end)
+from .session import Session, common_prefix
+from ..vision.positions import expand_placeholders
+from ..vision.runtime import check_placed, message_images, prompt_images, vision_of
 
 
 class VisionSession(Session):
-    keeper_kind = VisionKeeper
-
     def _turn(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator:
         images = message_images(self.history)
         if not images:
-            self.keeper.images([], None, None)
             return super()._turn(opts, fields)
         prompt = self.render()
         ids = encode(self.rt.tokenizer, prompt)
         check_placed(self.rt, ids, images)
         vis = vision_of(self.rt)
         prepared = vis.prepare(images)
-        tokens, mm = vis.prompt(ids, prepared)
+        tokens = expand_placeholders(ids, [p.tokens(vis.config.merge) for p in prepared], vis.ids.image)
         # the start of the generation prompt, counted in expanded rows
         mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
         before = prepared[:ids[:mark].count(vis.ids.image)]
         self.keeper.mark = mark + sum(p.tokens(vis.config.merge) - 1 for p in before)
-        self.keeper.images(tokens, mm, keyed_rows(tokens, prepared, vis.ids.image))
         options = self.turn_options(opts, fields)
-        events = self.rt.stream(tokens, options, start=self.keeper)
+        events = self.rt.stream(tokens, options, keeper=self.keeper, images=prompt_images(self.rt, tokens, prepared))
         return self._follow(tokens, answer_opens_think(prompt, options), events)

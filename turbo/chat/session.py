@@ -1,187 +1,37 @@
 """Chat sessions that keep their state: each turn prefills only what the conversation adds.
 
 Every turn renders the whole conversation (turbo/chat/turn.py) and generates over it, with the tokens
-a fresh generation over that render gives. `Keeper` is how the stream's state comes to hold the
-prompt (the engine's `Start`): it goes on from the longest kept state whose tokens begin the
-render -- the state the last turn left, or a snapshot taken at the start of an assistant turn's
-generation prompt, where a re-render can diverge (a template that drops earlier reasoning, an
-edited system prompt, a retried or edited turn) -- and prefills the rest. K/V only needs its
-length cut back; the GDN and conv states and the drafter's context come from the snapshot.
-`FreshStart` is the plain prefill every other generation uses.
+a fresh generation over that render gives. A session is a live `Keeper` (turbo/sequence/state_cache.py)
+marked at each turn's generation prompt: the turn's driver goes on from the longest kept state whose
+tokens begin the render -- the state the last turn left, or a snapshot taken at the start of an
+assistant turn's generation prompt, where a re-render can diverge (a template that drops earlier
+reasoning, an edited system prompt, a retried or edited turn) -- and prefills the rest
+(Driver.start); the answer's state is kept at its end (Driver.end). K/V only needs its length cut
+back; the GDN and conv states and the drafter's context come from the snapshot.
 """
 
 from __future__ import annotations
 
 import copy
-import math
 import numbers
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..store.arch import show
 from .turn import (answer_opens_think, assistant_message, call_options, check_template_kwargs, check_tool_choice,
     read_calls, template_messages, turn_options, turn_stop_ids)
 from .template import ChatTemplate, encode
-from ..drafters import Drafter, keeps_context
-from ..sequence.seam import call
 from ..errors import TurboError
 from ..sequence.options import GENERATION_FIELDS, GenerationOptions
-from ..sequence.state_cache import StateCache, tensor_bytes
-from ..sequence.stats import Stats
+from ..sequence.state_cache import DEFAULT_SNAPSHOTS, Keeper, TurnReport
 from .tool_calls import ToolCall, tool_messages
-from ..model.trunk import Trunk, TrunkState
 
 if TYPE_CHECKING:
-    from ..sequence.driver import Driver, RoundEvent, Start
+    from ..sequence.driver import RoundEvent
     from ..engine import Runtime
-
-# Snapshots a session keeps: one per assistant turn (the newest). At the 0.8B shape one is the
-# 18 GDN layers' state and conv window, 18 x (16*128*128 + 3*6144) x 4 bytes = 19.3 MiB,
-# plus the drafter's context (turbo.drafters: snapshot).
-DEFAULT_SNAPSHOTS = 4
-
-
-class FreshStart:
-    keeps_state = False
-
-    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
-        st = trunk.new_state(capacity)
-        aux_layers = draft.aux_layers if draft is not None else ()
-        prompt_out = trunk.prefill(st, ids[:-1], aux_layers) if len(ids) > 1 else None
-        if draft is not None:
-            call(draft, "begin", draft.begin, prompt_out, ids)  # its exception: a TurboError naming it
-        return st
-
-    def finish(self, driver: Driver) -> None:
-        pass
-
-
-FRESH = FreshStart()
-
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-class ByIdentity:
-    """A drafter as the cache's key for its context: the object itself (kept alive), compared by
-    identity (a caller's drafter need not be hashable, nor equal only to itself)."""
-
-    __slots__ = ("obj",)
-
-    def __init__(self, obj: Drafter):
-        self.obj = obj
-
-    def __hash__(self) -> int:
-        return id(self.obj)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, ByIdentity) and other.obj is self.obj
-
-
-@dataclass
-class TurnReport:
-    prompt_tokens: int  # the rendered conversation's
-    reused_tokens: int  # of them, held by the state the turn went on from
-    prefilled_tokens: int  # run through the trunk before the first round
-    resumed_from: str  # "last turn" | "snapshot" | "fresh"
-    snapshots: int  # kept after the turn started
-    snapshot_bytes: int  # what they and the last turn's drafter context hold
-    tokens: list[int] = field(default_factory=list)  # generated
-    stats: Stats | None = None
-
-
-class Keeper:
-    """A session's trunk state and the states kept in it (a `Start`): the live one, as the last
-    complete turn left it, and a snapshot at the start of each of the last `limit` assistant
-    turns' generation prompts (turbo/sequence/state_cache.py; their K/V rows are the state's own)."""
-
-    keeps_state = True
-
-    def __init__(self, limit: int = DEFAULT_SNAPSHOTS):
-        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
-            raise TurboError(f"snapshots {limit!r}: expected a non-negative integer")
-        self.limit = limit
-        self.st: TrunkState | None = None
-        self.kept = self.emptied()  # each entry's tokens begin the state's
-        self.mark = 0  # where this turn's snapshot goes: the start of its generation prompt
-        self.fresh: Start = FRESH  # how a turn that cannot go on from a kept state prefills
-        self.report = TurnReport(0, 0, 0, "fresh", 0, 0)
-        self._draft: Drafter | None = None
-        self._end_draft: Any = None
-
-    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
-        # every turn afresh where a state prefilled in pieces would not be the one prefill gives (the
-        # torch step), or where the drafter cannot snapshot its context (a caller's object)
-        if not trunk.stepper.prefill_rows_are_steps or (draft is not None and not keeps_context(draft)):
-            self.kept, self._draft = self.emptied(), None
-            self.st = self.fresh.prime(trunk, draft, ids, capacity)
-            self.report = TurnReport(len(ids), 0, len(ids) - 1, "fresh", 0, 0)
-            return self.st
-        key, dkey = self.keyed(ids), ByIdentity(draft) if draft is not None else None
-        base = self.kept.lookup(key, dkey)
-        self._draft, self._end_draft = draft, None
-        if base is None:
-            st = self.st = trunk.new_state(capacity)
-            self.kept, p, how = self.emptied(), 0, "fresh"
-            if draft is not None:
-                call(draft, "begin", draft.begin, None, ids[:1])
-        else:
-            st, p, how = self.st, base.pos, "last turn" if base.trunk is None else "snapshot"
-            if base.trunk is not None:
-                trunk.restore(st, base.trunk)
-                self.kept.drop_past(p)  # later ones hold K/V this turn overwrites
-            if draft is not None:
-                draft.restore(base.drafts[dkey])
-        self.kept.drop_live()  # the state moves on from here
-        trunk.reserve(st, capacity)
-        mark = min(self.mark, len(ids) - 1)
-        if p <= mark and tuple(key[:mark + 1]) not in self.kept.entries:
-            self._run(trunk, st, draft, ids, p, mark)
-            p = mark
-            if self.limit:
-                self.kept.keep(key[:mark + 1], trunk.snapshot(st), None, dkey,
-                               draft.snapshot() if draft is not None else None)
-        self._run(trunk, st, draft, ids, p, len(ids) - 1)
-        held = base.pos if base is not None else 0
-        self.report = TurnReport(len(ids), held, len(ids) - 1 - held, how, len(self.kept), self.kept.nbytes)
-        return st
-
-    def emptied(self) -> StateCache:
-        """No kept state: the live one and `limit` snapshots, bounded in entries, not bytes."""
-        return StateCache(math.inf, max_entries=self.limit)
-
-    def keyed(self, ids: list[int]) -> list:
-        """What a kept state is matched by: the ids (a session with images tags their rows with
-        each image's identity, turbo/chat/image_session.py)."""
-        return list(ids)
-
-    def rows_mm(self, p: int, end: int) -> Any:
-        """The MmRows of rows p..end (turbo/vision/positions.py), or None: text rows."""
-        return None
-
-    def _run(self, trunk: Trunk, st: TrunkState, draft: Drafter | None, ids: list[int], p: int, end: int) -> None:
-        """The state holds ids[:p] (the drafter ids[:p + 1]): run ids[p:end] through both."""
-        if end <= p:
-            return
-        aux, mm = draft.aux_layers if draft is not None else (), self.rows_mm(p, end)
-        out = trunk.prefill(st, ids[p:end], aux, mm=mm) if st.pos == 0 else trunk.extend(st, ids[p:end], aux, mm)
-        if draft is not None:
-            call(draft, "resume", draft.resume, out, ids[:end + 1], p)
-
-    def finish(self, driver: Driver) -> None:
-        draft = driver.context()
-        self._end_draft = draft.snapshot() if draft is not None else None
-
-    def settle(self, ids: list[int], generated: list[int]) -> None:
-        """The turn ended: the state goes on from here if it holds exactly ids + generated (a
-        last round cut short by max_new_tokens or a stop ran the trunk past the answer)."""
-        st = self.st
-        if st is not None and st.pos == len(ids) - 1 + len(generated):
-            dkey = ByIdentity(self._draft) if self._draft is not None else None
-            self.kept.keep(self.keyed(ids) + list(generated), None, None, dkey, self._end_draft)
-        self.report.snapshot_bytes += tensor_bytes(self._end_draft)
 
 
 PART_FIELDS = {"text": "text", "image": "image", "image_url": "image_url"}  # a part's type -> the field it needs
@@ -214,8 +64,6 @@ class Session:
     `tools`, an answer's calls are read into that message's "tool_calls" (`pending_calls` gives them
     as objects) and `send_tool_results` answers them and streams the next turn."""
 
-    keeper_kind = Keeper
-
     def __init__(self, rt: Runtime, template: ChatTemplate, system: str | None = None, tools: list | None = None,
                  template_kwargs: dict[str, Any] | None = None, snapshots: int = DEFAULT_SNAPSHOTS,
                  tool_choice: str = "auto"):
@@ -225,7 +73,7 @@ class Session:
         self._choice = tool_choice  # the turn's
         self.template_kwargs = dict(template_kwargs or {})
         check_template_kwargs(self.template_kwargs, template)  # (a typo must not vanish into the template)
-        self.keeper = self.keeper_kind(snapshots)
+        self.keeper = Keeper.session(snapshots)  # its state, kept states and mark
         # what ends a turn, besides the caller's stop_token_ids (turbo.chat.turn.turn_stop_ids)
         self.stop_ids = turn_stop_ids(rt.install, rt.tokenizer)
         self.history: list[dict[str, Any]] = []
@@ -249,7 +97,7 @@ class Session:
         """A new conversation with the same system prompt; the kept states are dropped."""
         system = self.system
         self.history, self.last_turn = [], None
-        self.keeper = self.keeper_kind(self.keeper.limit)
+        self.keeper = Keeper.session(self.keeper.limit)
         self.system = system
 
     def send(self, text: str | list, opts: GenerationOptions | None = None, *, tool_choice: str | None = None,
@@ -329,15 +177,14 @@ class Session:
         ids = encode(self.rt.tokenizer, prompt)
         self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
         options = self.turn_options(opts, fields)
-        events = self.rt.stream(ids, options, start=self.keeper)  # refuses here, before a turn starts
+        events = self.rt.stream(ids, options, keeper=self.keeper)  # refuses here, before a turn starts
         return self._follow(ids, answer_opens_think(prompt, options), events)
 
     def _follow(self, ids: list[int], opened: bool, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
         generated: list[int] = []
         for event in events:
             generated += event.tokens
-            if event.done:
-                self.keeper.settle(ids, generated)
+            if event.done:  # (the driver kept the answer's state: Driver.end)
                 message = assistant_message(self.rt.tokenizer, generated, self.stop_ids, opened)
                 read_calls(message, self.tools, self._choice)
                 self.history.append(message)

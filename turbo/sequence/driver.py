@@ -6,10 +6,11 @@ the block chooser of the adaptive policy, the stopper, the counters, the commit 
 and the state it starts from and ends in. Whoever runs it supplies only the trunk passes:
 
     d = Driver(rt, job, drafter)
-    d.prime(start, capacity)               # or: d.open(st, held) + prompt chunks + d.begin()
+    d.start(keeper, images)                # the longest kept prefix restored, the drafter on it
     while not d.done:
-        w = d.work()                       # the rows: anchor + proposals (the drafter ran here)
+        w = d.work()                       # prompt rows left, or the anchor + proposals (drafted here)
         event = d.settle(w, trunk.step(d.st, w.rows, d.aux_layers, w.rollback), step_s)
+    d.end()                                # the answer's state into the keeper
 
 A round (docs/DESIGN.md 5) is turbo/sequence/rounds.py's three parts: draft_block in `work`, judge and
 close_round in `settle`.
@@ -19,14 +20,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable, Hashable
 
 import torch
 
 from .adaptive import AdaptiveChooser, LazyContext
+from ..errors import TurboError
 from ..model.step import StepOut
-from ..drafters import Drafter, KeepsContext
-from ..drafters.ngram import NgramConfig
+from ..drafters import Drafter, KeepsContext, keeps_context
+from ..drafters.ngram import NgramConfig, NgramDrafter
 from .seam import call
 from .logprobs import TokenLogprob, token_logprobs
 from .grammar import GrammarState
@@ -36,12 +38,27 @@ from .rounds import close_round, draft_block, judge
 from .sampling import RejectionSampler
 from .stats import Stats, TokenClock
 from .stops import Finish, Stopper, stop_token_set
-from ..model.trunk import Trunk, TrunkState
+from .state_cache import ByIdentity, Keeper, PromptImages, TurnReport, tensor_bytes
+from ..model.trunk import KV_CHUNK, Trunk, TrunkState
+from ..vision.positions import rows_between
 
 if TYPE_CHECKING:
     from .options import GenerationOptions
 
 DraftKey = tuple  # (kind, window or ngram config): which of the install's drafters, and its context
+ROUND_ROWS = 16  # K/V rows a state holds past its answer's first KV_CHUNK tokens: a round's rows past them
+
+
+def kv_capacity(prompt: int, max_new_tokens: int) -> int:
+    """The K/V rows a sequence's state starts with: its prompt and a first chunk of its answer
+    (Trunk.reserve grows it as the answer goes on: a huge max_new_tokens reserves nothing)."""
+    return prompt + min(max_new_tokens, KV_CHUNK) + ROUND_ROWS
+
+
+def choice_options(o: GenerationOptions, n: int) -> list[GenerationOptions]:
+    """The options of n choices of one request (OpenAI's `n`; `Runtime.choices` and the server's):
+    choice i samples with seed + i where a seed is given (greedy choices are all one)."""
+    return [o if i == 0 or o.seed is None else o.but(seed=(o.seed + i) % 2**64) for i in range(n)]
 
 
 @dataclass
@@ -85,22 +102,6 @@ class Work:
     logit_rows: int  # 0: a chunk of the prompt; else the round's rows (anchor + proposals)
 
 
-class Start(Protocol):
-    """How a driver's state comes to hold its prompt (turbo/chat/session.py's FRESH and Keeper, turbo/vision's
-    ImageStart)."""
-
-    # the state goes on after the generation (a session's): a stop inside a round then cuts the
-    # state back to it; otherwise the state is dropped and the round is played whole
-    keeps_state: bool
-
-    def prime(self, trunk: Trunk, draft: Drafter | None, ids: list[int], capacity: int) -> TrunkState:
-        """A state holding ids[:-1] (ids[-1] is the first anchor), the drafter begun on it."""
-
-    def finish(self, driver: Driver) -> None:
-        """The generation is done (called where keeps_state): `driver.context()` is the drafter
-        with every round committed."""
-
-
 class DrafterPool:
     """The install's drafters: one per (kind, window or n-gram config), built on first use by
     `build`, and the free forks of each (a batch runs one per sequence; a fork goes back here
@@ -129,8 +130,7 @@ class Driver:
     """One sequence: its state, drafter, chooser, stopper and counters, round after round."""
 
     def __init__(self, trunk: Trunk, decode: Callable[[list[int]], str], eos_ids: tuple[int, ...], vocab: int,
-                 job: Job, drafter: Drafter | None, *, cut_in_round: bool = False, logprobs: int | None = None,
-                 live_stats: bool = True):
+                 job: Job, drafter: Drafter | None, *, logprobs: int | None = None, live_stats: bool = True):
         o = job.options
         self.trunk, self.vocab, self.job, self.logprobs = trunk, vocab, job, logprobs
         self.inner = drafter  # the drafter itself; `draft` may wrap it for the adaptive policy
@@ -140,8 +140,8 @@ class Driver:
         self.stopper = Stopper(decode, o.stop or (), stop_token_set(eos_ids, o.stop_at_eos, o.stop_token_ids),
                                o.max_new_tokens)
         # a stop inside a round cuts the round there (the state ends at the stop) where the state
-        # outlives the generation (a session, the server's cache); else the round is played whole
-        self.cut_in_round = cut_in_round
+        # outlives the generation (a keeper's: start); else the round is played whole
+        self.cut_in_round = False
         # every event carries a copy of the counters (a stream's reader shows them live), or the
         # last one only (a batch's: a copy a round per sequence is a step's cost at small shapes)
         self.live_stats = live_stats
@@ -160,10 +160,26 @@ class Driver:
         self.anchor = job.ids[-1]
         self.generated: list[int] = []
         self.done = False
-        self.held = 0  # prompt rows a kept state served (the server's prefix cache)
-        self.context_held = False  # the drafter's context holds them too (restored from the kept state)
+        # where it starts from and ends in (start)
+        self.keeper: Keeper | None = None
+        self.images: PromptImages | None = None
+        self.key: list = list(job.ids)  # what a kept state of it is matched by (image rows tagged)
+        # whose context a kept state holds for the drafter (None: none; the n-gram drafter's is the
+        # ids alone, which its begin rebuilds), and whether a kept state can serve it at all: only
+        # where a state prefilled in pieces is the one prefill gives (the native step), and the
+        # drafter's context can be snapshotted (not a caller's object without snapshot)
+        self.context_key: Hashable | None = None
+        self.resumes = trunk.stepper.prefill_rows_are_steps
+        if drafter is not None and not isinstance(drafter, NgramDrafter):
+            self.context_key = job.draft_key() or ByIdentity(drafter)
+            self.resumes = self.resumes and keeps_context(drafter)
+        self.chunked = False  # the prompt's rows left to `work` (else run at once in start)
+        self.mark: int | None = None  # the prompt row where the keeper keeps the state (None: none)
+        self.held = 0  # prompt rows a kept state served
+        self.context_at = 0  # the drafter's context holds ids[:context_at + 1]
+        self.context_held = False  # ... once it has begun (or was restored from the kept state)
         self.done_rows = 0  # prompt rows (of ids[:-1]) through the trunk
-        self.parts: list[StepOut] = []  # the prompt's chunks' rows, for the drafter's context
+        self.parts: list[StepOut] = []  # the prompt's rows since context_at, for the drafter's context
         # this round's
         self.proposals: list[int] = []
         self.q: torch.Tensor | None = None
@@ -174,48 +190,91 @@ class Driver:
 
     # ---- the start -----------------------------------------------------------------------
 
-    def prime(self, start: Start, capacity: int) -> None:
-        """The whole prompt into a state as `start` makes it, the drafter begun on it."""
-        self.st = start.prime(self.trunk, self.inner, self.job.ids, capacity)
-        self.done_rows = len(self.job.ids) - 1
-        self._rounds_begin()
+    def start(self, keeper: Keeper | None = None, images: PromptImages | None = None, *,
+              chunked: bool = False) -> None:
+        """The only start of a sequence: the longest prefix of the prompt `keeper` holds (None:
+        none, a plain generation) restored, the drafter's context with it, and the prompt's rest
+        (with its images' rows) run through the trunk -- at once here, or left to `work` as
+        chunks (`chunked`: a batch's, where a state prefilled in pieces is the one prefill
+        gives; never with images). The state is kept at the keeper's mark on the way."""
+        trunk, ids, n = self.trunk, self.job.ids, len(self.job.ids) - 1  # ids[-1]: the first anchor
+        if images is not None:
+            if images.tokens != ids:
+                raise TurboError("a prompt with images is never truncated: shorten it, or lower max_new_tokens")
+            if images.mm.rows.numel() and int(images.mm.rows[-1]) == n:
+                raise TurboError("a prompt cannot end in an image: end it with text (the chat template does)")
+            self.key = list(images.keyed)
+        self.keeper, self.images = keeper, images
+        self.cut_in_round = keeper is not None
+        capacity = kv_capacity(len(ids), self.job.options.max_new_tokens)
+        hit = keeper.kept.lookup(self.key, self.context_key) if keeper is not None and self.resumes else None
+        if hit is None:
+            if keeper is not None:
+                keeper.forget()
+            self.st = keeper.fresh(trunk, capacity) if keeper is not None else trunk.new_state(capacity)
+        else:
+            self.st = keeper.restore(trunk, hit, capacity)
+            if self.context_key is not None:
+                self.inner.restore(hit.drafts[self.context_key])
+            self.held = self.done_rows = self.context_at = hit.pos
+            self.context_held = self.context_key is not None
+        if keeper is not None and self.resumes:
+            mark = n if keeper.mark is None else min(keeper.mark, n)
+            self.mark = mark if mark >= self.held else None
+        self.chunked = chunked and self.resumes and images is None
+        if not self.chunked:
+            if self.mark is not None:
+                self._prefill(self.mark)
+            self._prefill(n)
+        elif self.mark == self.held or not self.prefilling:  # (settle reaches the mark and the end past it)
+            self._reached(self.held)
+        if keeper is not None:
+            how = "fresh" if hit is None else "last turn" if hit.trunk is None else "snapshot"
+            keeper.report = TurnReport(len(ids), self.held, n - self.held, how, len(keeper.kept), keeper.kept.nbytes)
 
-    def open(self, st: TrunkState, held: int = 0, context_held: bool = False) -> None:
-        """A state holding the prompt's first `held` rows (0: empty; more: a kept state), and the
-        drafter's context restored to them by the caller (`context_held`; else it begins afresh
-        on the whole prompt); the rest run as prompt chunks (`work`) or at once (`prefilled`),
-        then `begin`."""
-        self.st, self.held, self.done_rows, self.context_held = st, held, held, context_held
+    def _prefill(self, end: int) -> None:
+        """The prompt's rows done_rows..end through the trunk at once (a prefill from the empty
+        state, else an extension), with their images' rows."""
+        p, st = self.done_rows, self.st
+        if end > p:
+            rows = self.job.ids[p:end]
+            mm = rows_between(self.images.mm, p, end) if self.images is not None else None
+            out = self.trunk.prefill(st, rows, self.aux_layers, mm=mm) if st.pos == 0 else \
+                self.trunk.extend(st, rows, self.aux_layers, mm)
+            if self.inner is not None:
+                self.parts.append(out)
+            self.done_rows = end
+        self._reached(end)
 
-    def prefilled(self, out: StepOut | None) -> None:
-        """The prompt's rest went through the trunk at once (`out`: its rows, None: none)."""
-        self.parts = [out] if out is not None else []
-        self.done_rows = len(self.job.ids) - 1
-
-    @property
-    def prefilling(self) -> bool:
-        return self.done_rows < len(self.job.ids) - 1
-
-    def begin(self) -> None:
-        """The prompt is through the trunk: the drafter takes its context (begun afresh, or
-        resumed from the kept state's), and the rounds start."""
-        ids, out = self.job.ids, None
+    def _reached(self, end: int) -> None:
+        """The prompt's rows before `end` are through the trunk: the drafter takes them (begun
+        afresh on them, or resumed from the kept state's context), the state is kept where it is
+        the keeper's mark, and at the prompt's end the rounds start."""
+        ids, d = self.job.ids, self.inner
+        out = None
         if self.parts:
             hidden = torch.cat([p.hidden for p in self.parts])
             aux = torch.cat([p.aux for p in self.parts]) if self.parts[0].aux is not None else None
             out = StepOut(torch.empty(0), hidden, aux)
         self.parts = []
-        d = self.inner
         if d is not None:
             if not self.context_held:
-                call(d, "begin", d.begin, out, ids)
+                call(d, "begin", d.begin, out, ids[:end + 1])
             elif out is not None:
-                call(d, "resume", d.resume, out, ids, self.held)
-        self._rounds_begin()
+                call(d, "resume", d.resume, out, ids[:end + 1], self.context_at)
+        self.context_held, self.context_at = True, end
+        if end == self.mark:
+            self.keeper.keep(self.trunk, self.st, self.key[:end + 1], self.context_key,
+                             d.snapshot() if self.context_key is not None else None)
+        if end == len(ids) - 1:
+            if self.images is not None:
+                self.st.rope_delta = self.images.mm.delta  # the rows after the prompt rotate past its images
+            if self.chooser is not None:
+                self.draft = LazyContext(self.inner, self.chooser)  # plain rounds skip the drafter's work
 
-    def _rounds_begin(self) -> None:
-        if self.chooser is not None:
-            self.draft = LazyContext(self.inner, self.chooser)  # plain rounds skip the drafter's work
+    @property
+    def prefilling(self) -> bool:
+        return self.done_rows < len(self.job.ids) - 1
 
     # ---- the rounds ----------------------------------------------------------------------
 
@@ -225,7 +284,8 @@ class Driver:
         if self.prefilling:
             if prefill_room is None or prefill_room <= 0:
                 return None  # the pass's prompt rows are spent: it goes on next pass
-            n = min(prefill_room, len(self.job.ids) - 1 - self.done_rows)
+            stop = self.mark if self.mark is not None and self.done_rows < self.mark else len(self.job.ids) - 1
+            n = min(prefill_room, stop - self.done_rows)
             return Work(self.job.ids[self.done_rows:self.done_rows + n], None, 0)
         job = self.job
         self.block = self.chooser.next_block() if self.chooser is not None else job.plan.block  # adaptive: 0 = plain
@@ -253,8 +313,8 @@ class Driver:
             if self.inner is not None:
                 self.parts.append(out)
             self.done_rows += len(w.rows)
-            if not self.prefilling:
-                self.begin()
+            if self.done_rows in (self.mark, len(self.job.ids) - 1):
+                self._reached(self.done_rows)
             return None
         job, o, stats, stops = self.job, self.job.options, self.job.stats, self.stopper
         t0 = time.perf_counter()
@@ -291,6 +351,20 @@ class Driver:
                           lps[:len(committed)] if lps else lps, self.held)
 
     # ---- the end -------------------------------------------------------------------------
+
+    def end(self) -> None:
+        """The only end of a sequence: its answer's state into the keeper (where the state holds
+        exactly prompt + answer, and a kept state can serve a later start), with the drafter's
+        context there; a session's account of it."""
+        k = self.keeper
+        if k is None:
+            return
+        keep = self.trunk.stepper.prefill_rows_are_steps and self.ends_at_answer()
+        # (the context as every round left it: the adaptive policy's plain rounds commit theirs now)
+        snap = self.context().snapshot() if self.context_key is not None and (keep or k.live) else None
+        if keep:
+            k.keep(self.trunk, self.st, self.key + self.generated, self.context_key, snap, answer=True)
+        k.report.snapshot_bytes += tensor_bytes(snap)
 
     def context(self) -> Drafter | None:
         """The drafter with every round committed (the adaptive policy's plain rounds keep

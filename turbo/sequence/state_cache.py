@@ -1,6 +1,7 @@
 """Kept states, found by the tokens they hold: token prefix -> snapshot, LRU in bytes (and in
-entries). One cache serves a chat session's turns (turbo/chat/session.py) and the server's prefix cache
-across requests (turbo/serve/scheduler.py).
+entries). One cache serves a chat session's turns (turbo/chat/session.py), `Runtime.choices`' shared
+prompt and the server's prefix cache across requests (turbo/serve/scheduler.py); a `Keeper` is such a
+cache with its mark, and the only thing a sequence starts from and ends in (Driver.start / end).
 
 A hybrid model's recurrent state cannot be cut back to an earlier position, so what is kept is a
 whole state at a known position: the GDN and conv states (a RecurrentSnapshot), the K/V rows below
@@ -16,13 +17,22 @@ rows equal its steps bit for bit (TrunkStep.prefill_rows_are_steps): the callers
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 import torch
 
+from ..errors import TurboError
 from ..model.trunk import RecurrentSnapshot, Trunk, TrunkState
+from ..vision.positions import MmRows
+from .stats import Stats
+
+# Snapshots a session keeps: one per assistant turn (the newest). At the 0.8B shape one is the
+# 18 GDN layers' state and conv window, 18 x (16*128*128 + 3*6144) x 4 bytes = 19.3 MiB,
+# plus the drafter's context (turbo.drafters: snapshot).
+DEFAULT_SNAPSHOTS = 4
 
 DraftKey = Hashable  # whose context a drafter snapshot is: (kind, window or ngram config), or the drafter
 
@@ -134,3 +144,109 @@ class StateCache:
             st.kv[i][1][:, :v.shape[1]] = v
         trunk.restore(st, e.trunk)
         return st
+
+
+class ByIdentity:
+    """A drafter as the cache's key for its context: the object itself (kept alive), compared by
+    identity (a caller's drafter need not be hashable, nor equal only to itself)."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ByIdentity) and other.obj is self.obj
+
+
+@dataclass
+class PromptImages:
+    """A prompt's images as the trunk takes them (turbo/vision: the API's images=, a session's image
+    parts, a served request's image_url parts)."""
+
+    tokens: list[int]  # the prompt's ids, each image's placeholder expanded to its rows
+    mm: MmRows  # the image rows' embeddings and multimodal positions
+    keyed: list  # `tokens` with each image row tagged by its image's identity: what a kept state is matched by
+
+
+@dataclass
+class TurnReport:
+    prompt_tokens: int  # the rendered conversation's
+    reused_tokens: int  # of them, held by the state the turn went on from
+    prefilled_tokens: int  # run through the trunk before the first round
+    resumed_from: str  # "last turn" | "snapshot" | "fresh"
+    snapshots: int  # kept after the turn started
+    snapshot_bytes: int  # what they and the last turn's drafter context hold
+    tokens: list[int] = field(default_factory=list)  # generated
+    stats: Stats | None = None
+
+
+class Keeper:
+    """Where sequences start from and end in (Driver.start, Driver.end): a StateCache and the mark
+    where a start keeps the state it passes. Two kinds:
+
+    - `live` (a chat session's, `Runtime.choices`'): one trunk state goes on from sequence to
+      sequence; its entries hold no K/V (the state's own rows: `drop_past`), the live one as the
+      last sequence left it and a snapshot at each start's mark (a session's: the start of its
+      assistant turn's generation prompt, where a re-render can diverge);
+    - copies (the server's prefix cache): each entry a copy that outlives its sequence, kept at
+      the prompt's end (mark None) and at the answer's end."""
+
+    def __init__(self, kept: StateCache, live: bool, mark: int | None = None):
+        self.kept, self.live = kept, live
+        self.limit = kept.max_entries
+        self.mark = mark  # where a start keeps its state, in prompt rows (None: the prompt's end)
+        self.st: TrunkState | None = None  # a live keeper's state
+        self.report = TurnReport(0, 0, 0, "fresh", 0, 0)  # the last start's (and end's) account
+
+    @classmethod
+    def session(cls, limit: int = DEFAULT_SNAPSHOTS) -> Keeper:
+        """A session's: the live state and `limit` snapshots, bounded in entries, not bytes."""
+        if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
+            raise TurboError(f"snapshots {limit!r}: expected a non-negative integer")
+        return cls(StateCache(math.inf, max_entries=limit), live=True, mark=0)
+
+    @classmethod
+    def prefix_cache(cls, budget_bytes: float) -> Keeper:
+        """The server's: copies, LRU in bytes."""
+        return cls(StateCache(budget_bytes), live=False)
+
+    def forget(self) -> None:
+        """A live keeper's state starts afresh: every kept row of it is about to be overwritten."""
+        if self.live:
+            self.kept = StateCache(math.inf, max_entries=self.limit)
+
+    def fresh(self, trunk: Trunk, capacity: int) -> TrunkState:
+        st = trunk.new_state(capacity)
+        if self.live:
+            self.st = st
+        return st
+
+    def restore(self, trunk: Trunk, e: Entry, capacity: int) -> TrunkState:
+        """A state holding entry `e`'s tokens[:-1]: the live state put back to it, or a copy's."""
+        if not self.live:
+            return self.kept.restore(trunk, e, capacity)
+        st = self.st
+        if e.trunk is not None:
+            trunk.restore(st, e.trunk)
+            self.kept.drop_past(e.pos)  # later ones hold K/V this sequence overwrites
+        self.kept.drop_live()  # the state moves on from here
+        trunk.reserve(st, capacity)
+        return st
+
+    def keep(self, trunk: Trunk, st: TrunkState, tokens: list, draft: DraftKey | None, snap: Any,
+             answer: bool = False) -> None:
+        """`st`, holding tokens[:-1], and drafter `draft`'s context `snap` there: a live keeper's
+        snapshot (the answer's end: the live state itself), or a copy."""
+        if not self.live:
+            self.kept.keep_copy(trunk, st, tokens, draft, snap)
+        elif answer:
+            self.kept.keep(tokens, None, None, draft, snap)
+        elif tuple(tokens) in self.kept.entries:
+            e = self.kept.entries[tuple(tokens)]
+            self.kept.keep(tokens, e.trunk, None, draft, snap)
+        else:
+            self.kept.keep(tokens, trunk.snapshot(st), None, draft, snap)

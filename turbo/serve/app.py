@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException
 
 from ..chat.turn import split_reasoning
 from ..errors import TurboError
+from ..sequence.driver import choice_options
 from ..chat.tool_calls import CallStream, parse_tool_calls
 from . import protocol as P
 from .guard import Guard, error
@@ -120,10 +121,9 @@ async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
     loop = asyncio.get_running_loop()
     rid, calls = P.new_id(chat), []
     try:
-        for i in range(body.n):  # choice i: seed + i where a seed is given; each after the first shares its prefill
-            seed = prepared.request.options.seed
-            choice = prepared.request if i == 0 or seed is None else dataclasses.replace(
-                prepared.request, options=prepared.request.options.but(seed=(seed + i) % 2**64))
+        # each choice after the first shares its prefill
+        for i, options in enumerate(choice_options(prepared.request.options, body.n)):
+            choice = dataclasses.replace(prepared.request, options=options)
             call = Call(body, len(prepared.request.ids), prepared.opened_think, prepared.tools, asyncio.Queue(),
                         engine.metrics.request(), rid, index=i)
             call.ticket = engine.submit(dataclasses.replace(prepared, request=choice), sink_of(loop, call),

@@ -7,14 +7,15 @@ image). Any other is a 400 naming the field and the option that would allow it.
 When a request is prepared (worker.Engine.prepare, before the answer's first byte) each image is
 decoded and checked (a malformed one is a 400 naming its field: `messages[i].content[j].image_url.url`)
 and the template's placeholder for it expanded to the image's tokens, so the request's ids have
-their real length. At admission the scheduler prefills the whole prompt at once through the API's
-image prefill (turbo/vision/runtime.prefill_images: the tower's rows and their multimodal
-positions), then the sequence decodes in the batch like any other, its state's rope_delta rotating
-its rows: its tokens are those the same request alone through the API gives.
+their real length. At admission the scheduler starts its driver with the prompt's images as the
+trunk takes them (turbo/vision/runtime.prompt_images: the tower's rows and their multimodal
+positions), which prefills the prompt's rest at once (Driver.start), then the sequence decodes in
+the batch like any other, its state's rope_delta rotating its rows: its tokens are those the same
+request alone through the API gives.
 
 The prefix cache keeps an image request's states as a text one's, keyed by its ids with each
-image row tagged by its image's identity (`cache_key`: the grid and the sha256 of the prepared
-pixels), since every image's placeholder ids are the same whatever the image holds: a resent
+image row tagged by its image's identity (PromptImages.keyed: the grid and the sha256 of the
+prepared pixels), since every image's placeholder ids are the same whatever the image holds: a resent
 conversation with the same images goes on from its kept state (the rows after it through the image
 prefill of just them), one with another image in the same place only from before that image.
 """
@@ -32,7 +33,7 @@ from http.client import HTTPException
 from ..errors import TurboError
 from ..vision.image import MAX_BYTES, PreparedImage
 from ..vision.positions import expand_placeholders
-from ..vision.runtime import check_placed, keyed_rows, prefill_images, vision_of
+from ..vision.runtime import check_placed, vision_of
 from .api_error import ApiError
 
 
@@ -145,17 +146,3 @@ def expand_images(rt, messages: list[dict], ids: list[int], dirs: tuple[str, ...
         except TurboError as e:
             raise ApiError(f"{param}: {e}", param) from None
     return expand_placeholders(ids, [p.tokens(vis.config.merge) for p in prepared], vis.ids.image), prepared
-
-
-def prefill_request(rt, st, ids: list[int], images: list[PreparedImage], aux_layers: tuple[int, ...],
-                    start: int = 0):
-    """A request's prompt with its images into its state, which holds ids[:start] (0: fresh; else
-    from the prefix cache) at the scheduler's admission: the tower's rows (kept by content for the
-    last few images), then the API's image prefill of the rows after `start` (None: none left)."""
-    _, mm = vision_of(rt).prompt(ids, images, expand=False)
-    return prefill_images(rt.trunk, st, ids, mm, aux_layers, start)
-
-
-def cache_key(rt, tokens: list[int], images: list[PreparedImage] | None) -> list:
-    """What the prefix cache keys a request's state by: its ids, image rows tagged by their image."""
-    return keyed_rows(tokens, images, vision_of(rt).ids.image) if images else tokens

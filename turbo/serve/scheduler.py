@@ -2,7 +2,8 @@
 sequence's rows (its anchor and its drafter's proposals, or a chunk of its prompt) through one
 trunk pass (`Trunk.step_many`). Each sequence is a turbo/sequence/driver.py `Driver`, the one that
 `Runtime.generate` runs alone: drafting, acceptance, rollback, stops and counters are its; the
-scheduler admits, batches, keeps states in the prefix cache (turbo/sequence/state_cache.py) and delivers.
+scheduler admits, batches and delivers; each driver starts from the prefix cache and ends in it
+(Driver.start / end, turbo/sequence/state_cache.py's Keeper).
 
     sched = Scheduler(rt, ServeLimits())
     sched.start()
@@ -20,15 +21,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ..drafters.ngram import NgramDrafter
 from ..sequence.driver import DraftKey, Driver, Job, RoundEvent, Work
 from ..errors import TurboError
 from ..sequence.logprobs import MAX_TOP
 from ..sequence.options import GenerationOptions
-from ..sequence.state_cache import StateCache
-from ..vision.runtime import ImageStart
+from ..sequence.state_cache import Keeper
+from ..vision.runtime import prompt_images
 from .costs import StepCosts, sequence_bytes
-from .images import cache_key, prefill_request
 from .settings import ServeLimits
 
 if TYPE_CHECKING:
@@ -90,7 +89,6 @@ class Sequence:
     after: Ticket | None = None  # admitted once that one's prompt is through (it shares the prefill: n > 1)
     driver: Driver | None = None  # made at admission, with the drafter fork it takes then
     pool_key: DraftKey | None = None  # the drafter fork it holds (back to the pool when it ends)
-    draft_key: DraftKey | None = None  # whose context the prefix cache keeps for it (None: none)
 
 
 class Scheduler:
@@ -98,7 +96,8 @@ class Scheduler:
 
     def __init__(self, rt: Runtime, limits: ServeLimits = ServeLimits()):
         self.rt, self.trunk, self.limits = rt, rt.trunk, limits
-        self.cache = StateCache(int(limits.cache_gb * 2**30))  # the prefix cache (LRU in bytes)
+        self.keeper = Keeper.prefix_cache(int(limits.cache_gb * 2**30))  # what every sequence starts from
+        self.cache = self.keeper.kept  # the prefix cache (LRU in bytes)
         self.budget = int(limits.memory_gb * 2**30)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -123,7 +122,7 @@ class Scheduler:
                              field="drafter")
         if req.logprobs is not None and (not isinstance(req.logprobs, int) or not 0 <= req.logprobs <= MAX_TOP):
             raise TurboError(f"logprobs {req.logprobs!r}: expected an integer in 0..{MAX_TOP}", field="logprobs")
-        job = self.rt.prepare(req.ids, o, ImageStart(req.ids, None)) if req.images else self.rt.prepare(req.ids, o)
+        job = self.rt.prepare(req.ids, o, images=bool(req.images))
         block = job.plan.block or 0
         need = sequence_bytes(self.trunk, len(job.ids) + o.max_new_tokens + block + 1, block)
         if need > self.budget:
@@ -223,62 +222,29 @@ class Scheduler:
                     self._fail(admitted, e)
 
     def _start(self, s: Sequence) -> None:
-        """The sequence's drafter (a fork), its state (from the prefix cache where it holds a
-        prefix), and the prompt's rows at once where they do not run in chunks."""
+        """The sequence's drafter (a fork) and its driver, started from the prefix cache (its
+        prompt's rest left to the steps as chunks where they can run so)."""
         job, o = s.job, s.job.options
-        # (the budget counts the whole request; the K/V rows are allocated as it grows: Trunk.reserve)
-        capacity = len(job.ids) + min(o.max_new_tokens, 256) + 16
         s.pool_key = job.draft_key()
         own = self.rt.drafters.acquire(s.pool_key, o.ngram) if s.pool_key is not None else None
-        # the n-gram drafter's context is the token ids alone: begin rebuilds it from the prompt
-        s.draft_key = s.pool_key if own is not None and not isinstance(own, NgramDrafter) else None
-        # a stop inside a round cuts the state there: at the end it holds exactly prompt + answer (the cache's)
-        s.driver = d = self.rt.driver(job, own, cut_in_round=True, logprobs=s.req.logprobs, live_stats=False)
-        hit = self.cache.lookup(cache_key(self.rt, job.ids, s.req.images), s.draft_key) if self.chunked else None
-        if hit is not None:
-            d.open(self.cache.restore(self.trunk, hit, capacity), len(hit.tokens) - 1, s.draft_key is not None)
-            if s.draft_key is not None:
-                d.inner.restore(hit.drafts[s.draft_key])
-        else:
-            d.open(self.trunk.new_state(capacity))
-        if s.req.images:  # the prompt's rest at once, with its images' rows (turbo/serve/images.py)
-            d.prefilled(prefill_request(self.rt, d.st, job.ids, s.req.images, d.aux_layers, d.done_rows))
-        elif not self.chunked and len(job.ids) > 1:  # the whole prompt at once (the torch step's prefill)
-            d.prefilled(self.trunk.prefill(d.st, job.ids[:-1], d.aux_layers))
+        s.driver = d = self.rt.driver(job, own, logprobs=s.req.logprobs, live_stats=False)
+        d.start(self.keeper, prompt_images(self.rt, job.ids, s.req.images) if s.req.images else None,
+                chunked=self.chunked)
         if not d.prefilling:
-            self._begin(s)
-
-    def _begin(self, s: Sequence) -> None:
-        """The prompt is through the trunk at once: the drafter takes its context (`_begun`)."""
-        s.driver.begin()
-        self._begun(s)
-
-    def _begun(self, s: Sequence) -> None:
-        """The sequence's prompt state goes into the cache, and what waits on it may start."""
-        if self.chunked:
-            self._keep(s, s.driver.job.ids)
-        s.ticket.begun = True
+            s.ticket.begun = True
 
     def _settle(self, s: Sequence, w: Work, out, share_s: float) -> None:
         d = s.driver
         was_prefilling = d.prefilling
         event = d.settle(w, out, share_s)
         if event is None:
-            if was_prefilling and not d.prefilling:  # the prompt's last chunk (the driver began its rounds)
-                self._begun(s)
+            if was_prefilling and not d.prefilling:  # the prompt's last chunk: its state is in the cache
+                s.ticket.begun = True  # (what waits on it may start)
             return
         if event.done:
-            if self.chunked and d.ends_at_answer():  # a chat client's next turn resends both
-                d.context()
-                self._keep(s, d.job.ids + d.generated)
+            d.end()  # the answer's state into the cache (a chat client's next turn resends both)
             self._end(s)
         self._send(s, event)
-
-    def _keep(self, s: Sequence, tokens: list[int]) -> None:
-        """The sequence's state (holding tokens[:-1]) and its drafter's context into the cache."""
-        d = s.driver
-        self.cache.keep_copy(self.trunk, d.st, cache_key(self.rt, tokens, s.req.images), s.draft_key,
-                             d.inner.snapshot() if s.draft_key else None)
 
     def _send(self, s: Sequence, item: Delta | TurboError) -> None:
         try:

@@ -13,7 +13,8 @@ from ..errors import TurboError
 from ..store.install import Install
 from .config import TokenIds, VisionConfig, mrope_section, token_ids, vision_config
 from .image import ImageInput, ImageSpec, PreparedImage, prepare, spec_from_files
-from .positions import MmRows, expand_placeholders, mm_rows, rows_between
+from ..sequence.state_cache import PromptImages
+from .positions import MmRows, expand_placeholders, mm_rows
 from .tower import TowerWeights, check_tensors, encode, install_names, tower_from_install
 
 ENCODED = 16  # images whose tower rows a runtime keeps
@@ -101,46 +102,6 @@ def tower_refusal(install: Install) -> str | None:
     return None
 
 
-def prefill_images(trunk, st, ids: list[int], mm: MmRows, aux_layers: tuple[int, ...], start: int = 0):
-    """ids[start:-1] with their images' rows into `st`, which holds ids[:start] (0: a fresh state;
-    ids[-1] is the first anchor, stepped at len(ids) - 1 + delta); the prefill's StepOut (None
-    when no row is left). The API's ImageStart and the server's scheduler (turbo/serve/images.py,
-    from a prefix-cached state too) prefill through here."""
-    n = len(ids) - 1
-    if mm.rows.numel() and int(mm.rows[-1]) == n:
-        raise TurboError("a prompt cannot end in an image: end it with text (the chat template does)")
-    out = None
-    if n > start:
-        part = rows_between(mm, start, n)
-        out = trunk.prefill(st, ids[:-1], aux_layers, mm=part) if start == 0 else \
-            trunk.extend(st, ids[start:n], aux_layers, part)
-    st.rope_delta = mm.delta
-    return out
-
-
-class ImageStart:
-    """A fresh prefill of a prompt with images (the engine's `Start`, turbo/chat/session.py's
-    FreshStart with the tower's rows and positions): the drafters begin on the trunk's states
-    over it, as over text."""
-
-    keeps_state = False
-
-    def __init__(self, tokens: list[int], mm: MmRows):
-        self.tokens, self.mm = tokens, mm
-
-    def prime(self, trunk, draft, ids: list[int], capacity: int):
-        if ids != self.tokens:
-            raise TurboError("a prompt with images is never truncated: shorten it, or lower max_new_tokens")
-        st = trunk.new_state(capacity)
-        prompt_out = prefill_images(trunk, st, ids, self.mm, draft.aux_layers if draft is not None else ())
-        if draft is not None:
-            draft.begin(prompt_out, ids)
-        return st
-
-    def finish(self, driver) -> None:
-        pass
-
-
 def vision_of(rt) -> Vision:
     """The runtime's Vision, built on first use (the tower loads with the first image)."""
     if getattr(rt, "_vision", None) is None:
@@ -148,21 +109,32 @@ def vision_of(rt) -> Vision:
     return rt._vision
 
 
-def image_prompt(rt, prompt, images: list, start) -> tuple[list[int], ImageStart]:
-    """A prompt (text or ids) and its images as the engine's expanded ids and Start: one image
-    placeholder per image (<|image_pad|>, as the chat template writes it between
-    <|vision_start|> and <|vision_end|>), or none, and then each image goes before the prompt."""
+def prompt_images(rt, tokens: list[int], images: list) -> PromptImages:
+    """A prompt's images as the trunk takes them: `tokens` hold each image's placeholder expanded
+    already (vis.prompt), `images` are the prepared images in order."""
+    vis = vision_of(rt)
+    prepared = vis.prepare(images)
+    _, mm = vis.prompt(tokens, prepared, expand=False)
+    return PromptImages(tokens, mm, keyed_rows(tokens, prepared, vis.ids.image))
+
+
+def image_prompt(rt, prompt, images: list, live: bool) -> tuple[list[int], PromptImages]:
+    """A prompt (text or ids) and its images as the engine's expanded ids and PromptImages: one
+    image placeholder per image (<|image_pad|>, as the chat template writes it between
+    <|vision_start|> and <|vision_end|>), or none, and then each image goes before the prompt.
+    `live`: the stream goes on from a session's state (its images go in its messages)."""
     if not isinstance(images, (list, tuple)):
         raise TurboError(f"images of type {type(images).__name__}: expected a list of images (paths, bytes, "
                          "PIL images or data: URLs)")
-    if start.keeps_state:
+    if live:
         raise TurboError("images go in a chat session's messages, not as images= of its stream")
     vis = vision_of(rt)
     ids = rt.encode(prompt)
     if vis.ids.image not in ids:
         ids = [vis.ids.vision_start, vis.ids.image, vis.ids.vision_end] * len(images) + ids
-    tokens, mm = vis.prompt(ids, images)
-    return tokens, ImageStart(tokens, mm)
+    prepared = vis.prepare(images)
+    tokens = expand_placeholders(ids, [p.tokens(vis.config.merge) for p in prepared], vis.ids.image)
+    return tokens, prompt_images(rt, tokens, prepared)
 
 
 def message_images(messages: list) -> list:
@@ -196,13 +168,14 @@ def check_placed(rt, ids: list[int], images: list) -> None:
                          "images (does it render image content parts?)")
 
 
-def refuse_unplaced(install: Install, ids: list[int], start) -> None:
-    """A prompt holding image placeholders with no images behind them (a chat session's turn with
-    image parts, or raw <|image_pad|> ids) would embed the placeholder itself: refused."""
-    if isinstance(start, ImageStart) or getattr(start, "mm", None) is not None or not install.has_vision:
+def refuse_unplaced(install: Install, ids: list[int], images: bool, live: bool) -> None:
+    """A prompt holding image placeholders with no images behind them (`images` False: a chat
+    session's turn with image parts, or raw <|image_pad|> ids) would embed the placeholder itself:
+    refused. `live`: the prompt is a session's turn."""
+    if images or not install.has_vision:
         return
     image = install.config.get("image_token_id")
     if isinstance(image, int) and image in ids:
-        where = "a chat session's turn" if start.keeps_state else "the prompt"
+        where = "a chat session's turn" if live else "the prompt"
         raise TurboError(f"{where} places an image (token {image}) with no image given: images go in "
                          "generate(images=) or in messages' image parts")

@@ -36,7 +36,8 @@ from .sequence.options import GenerationOptions, OpenOptions, check_n, integer
 from .sequence.policy import DraftPolicy, Plan, decide
 from .sequence.sampling import rejection_sampler
 from .chat.session import Session
-from .sequence.state_cache import DEFAULT_SNAPSHOTS, Keeper, PromptImages
+from .sequence.state_cache import DEFAULT_SNAPSHOTS, Keeper
+from .vision.positions import PromptImages
 from .sequence.stats import Stats
 from .sequence.stops import Finish, stop_token_set
 from .vision.runtime import image_prompt, refuse_unplaced

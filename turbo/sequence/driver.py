@@ -38,9 +38,9 @@ from .rounds import close_round, draft_block, judge
 from .sampling import RejectionSampler
 from .stats import Stats, TokenClock
 from .stops import Finish, Stopper, stop_token_set
-from .state_cache import ByIdentity, Keeper, PromptImages, TurnReport, tensor_bytes
+from .state_cache import ByIdentity, Keeper, TurnReport, tensor_bytes
 from ..model.trunk import KV_CHUNK, Trunk, TrunkState
-from ..vision.positions import rows_between
+from ..vision.positions import PromptImages, rows_between
 
 if TYPE_CHECKING:
     from .options import GenerationOptions

@@ -26,7 +26,6 @@ import torch
 
 from ..errors import TurboError
 from ..model.trunk import RecurrentSnapshot, Trunk, TrunkState
-from ..vision.positions import MmRows
 from .stats import Stats
 
 # Snapshots a session keeps: one per assistant turn (the newest). At the 0.8B shape one is the
@@ -160,16 +159,6 @@ class ByIdentity:
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, ByIdentity) and other.obj is self.obj
-
-
-@dataclass
-class PromptImages:
-    """A prompt's images as the trunk takes them (turbo/vision: the API's images=, a session's image
-    parts, a served request's image_url parts)."""
-
-    tokens: list[int]  # the prompt's ids, each image's placeholder expanded to its rows
-    mm: MmRows  # the image rows' embeddings and multimodal positions
-    keyed: list  # `tokens` with each image row tagged by its image's identity: what a kept state is matched by
 
 
 @dataclass

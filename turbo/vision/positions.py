@@ -103,3 +103,13 @@ def expand_placeholders(tokens: list[int], counts: list[int], image_id: int) -> 
     if k != len(counts):
         raise TurboError(f"{len(counts)} images given, and the prompt places {k}")
     return out
+
+
+@dataclass
+class PromptImages:
+    """A prompt's images as the trunk takes them (turbo/vision: the API's images=, a session's image
+    parts, a served request's image_url parts)."""
+
+    tokens: list[int]  # the prompt's ids, each image's placeholder expanded to its rows
+    mm: MmRows  # the image rows' embeddings and multimodal positions
+    keyed: list  # `tokens` with each image row tagged by its image's identity: what a kept state is matched by

@@ -13,8 +13,7 @@ from ..errors import TurboError
 from ..store.install import Install
 from .config import TokenIds, VisionConfig, mrope_section, token_ids, vision_config
 from .image import ImageInput, ImageSpec, PreparedImage, prepare, spec_from_files
-from ..sequence.state_cache import PromptImages
-from .positions import MmRows, expand_placeholders, mm_rows
+from .positions import MmRows, PromptImages, expand_placeholders, mm_rows
 from .tower import TowerWeights, check_tensors, encode, install_names, tower_from_install
 
 ENCODED = 16  # images whose tower rows a runtime keeps

@@ -1,5 +1,6 @@
-"""The public API, the speculative round (draft, verify, accept, roll back) and the loop around
-it (docs/DESIGN.md 5).
+"""The public API (docs/DESIGN.md 5a): `Runtime` over one trunk and the install's drafters: open,
+generate, stream, choices, chat, session. Each generation is one Driver (turbo/sequence/driver.py)
+run with `Trunk.step`, a batch of one; the speculative round is turbo/sequence/rounds.py's.
 
     rt = turbo.open("tiny")
     result = rt.generate("def fib(n):", max_new_tokens=64, policy="fixed", block=4)

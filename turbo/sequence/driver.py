@@ -5,7 +5,7 @@ sequence's tokens: its drafter (the install's own, or a fork of it for a batch: 
 the block chooser of the adaptive policy, the stopper, the counters, the commit of each round,
 and the state it starts from and ends in. Whoever runs it supplies only the trunk passes:
 
-    d = Driver(rt, job, drafter)
+    d = Driver(trunk, decode, eos_ids, vocab, job, drafter)
     d.start(keeper, images)                # the longest kept prefix restored, the drafter on it
     while not d.done:
         w = d.work()                       # prompt rows left, or the anchor + proposals (drafted here)

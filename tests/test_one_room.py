@@ -89,3 +89,22 @@ def test_the_server_renders_it_in_openais_words_as_before(tiny_server):
     assert (e.status, e.param) == (400, "max_completion_tokens") and "(10 in the messages, 5 for" in e.message
     assert context_error(ContextTooLong(10, 5, 12), "messages", None).param == "messages"
 
+
+
+def test_the_settings_check_themselves_where_they_are_built():
+    """ServeConfig, ServeLimits and the probe's settings refuse a bad field whoever builds them
+    (serve_config and the probe read the config; the API and the tests build them directly)."""
+    from turbo.probe import ProbeSettings
+    from turbo.serve.settings import ServeConfig, ServeLimits
+
+    for build, says in ((lambda: ServeConfig(port=70000), "serve.port=70000, expected an integer >= 0 and <= 65535"),
+                        (lambda: ServeConfig(engine="kubernetes"), "serve.engine='kubernetes' is not one of"),
+                        (lambda: ServeLimits(memory_gb=0), "serve.memory_gb=0, expected a number of GB > 0"),
+                        (lambda: ServeLimits(max_running=0), "serve.max_running=0, expected an integer >= 1"),
+                        (lambda: ProbeSettings(blocks=(2, "x")), "probe.blocks: 'x' is not an integer"),
+                        (lambda: ProbeSettings(prompts_per_workload=0), "probe.prompts_per_workload=0, expected"),
+                        (lambda: ProbeSettings(past_eos="yes"), "probe.past_eos='yes', expected true or false")):
+        with pytest.raises(TurboError) as e:
+            build()
+        assert says in str(e.value), str(e.value)
+    assert ServeConfig().limits == ServeLimits() and ProbeSettings().blocks == (1, 2, 4, 7, 8)

@@ -33,7 +33,7 @@ from .sequence.grammar import Grammars
 from .store.install import Install, bundled_names, open_install
 from .load.install_check import check_install
 from .load.loader import load_drafter, load_trunk
-from .sequence.options import GenerationOptions, OpenOptions, check_n, integer
+from .sequence.options import GenerationOptions, OpenOptions, check_n, fit_context, integer
 from .sequence.policy import DraftPolicy, Plan, decide
 from .sequence.sampling import rejection_sampler
 from .chat.session import Session
@@ -262,17 +262,9 @@ class Runtime:
         return Job(ids, o, p, own, sampler, stats, grammar)
 
     def _fitted(self, ids: list[int], o: GenerationOptions, whole_kept: bool) -> list[int]:
-        """`ids` when they leave room for max_new_tokens in the context; else their tail under
-        truncate_prompt=left (a fresh prompt's only: a session's state holds its conversation)."""
-        limit = self.install.arch.max_positions
-        room = limit - o.max_new_tokens
-        if len(ids) <= room:
-            return ids
-        if o.truncate_prompt == "left" and room >= 1 and not whole_kept:
-            return ids[-room:]
-        hint = f" (truncate_prompt=left keeps its last {room})" if room >= 1 and not whole_kept else ""
-        raise TurboError(f"prompt of {len(ids)} tokens + max_new_tokens {o.max_new_tokens} exceeds the model's "
-                         f"max_position_embeddings {limit}{hint}")
+        """`ids` fitted to the context with max_new_tokens (the one check: options.fit_context; a
+        session's whole kept conversation is never cut)."""
+        return fit_context(ids, o, self.install.arch.max_positions, whole_kept)
 
     def _rounds(self, d: Driver, keeper: Keeper | None, images: PromptImages | None) -> Iterator[RoundEvent]:
         """The sequence as a batch of one: its driver's rounds, each through `Trunk.step` (the

@@ -23,6 +23,7 @@ from .config import RunConfig
 from .engine import Runtime
 from .engine import open as open_runtime
 from .errors import TurboError
+from .sequence.options import GenerationOptions
 from .sequence.policy import check_policy
 from .sequence.sampling import sampling_label
 from .sequence.stats import COUNT_FIELDS, Counts
@@ -172,67 +173,106 @@ def tables(workload: str, runs: list[dict], prompts: int, max_new: int, sampling
     return "\n".join(out)
 
 
-def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None, quiet: bool = False,
-              runtime: Runtime | None = None) -> int:
-    """runtime: rc's install already open (the CLI's); None opens it here."""
+@dataclass(frozen=True)
+class ProbeSettings:
+    """task=probe's `probe.*` keys (conf/task/probe.yaml) as the run reads them: the run's policy
+    applied (`from_config`), each field checked as it is set, as the option types check theirs."""
+
+    blocks: tuple[int, ...] = DEFAULT_BLOCKS  # the fixed blocks decoded
+    adaptive: bool = True  # also decode +policy=adaptive
+    rollbacks: tuple[str, ...] = ("checkpoint",)  # each configuration's rollbacks (the config's: the run's)
+    workloads: tuple[str, ...] = ()  # the workloads decoded (the config's null: the run's)
+    prompts_per_workload: int | None = None  # None: every prompt; n: the first n
+    past_eos: bool = False  # True: max_new_tokens per prompt past the end of text
+
+    def __post_init__(self) -> None:
+        for b in self.blocks:
+            if isinstance(b, bool) or not isinstance(b, int):
+                raise TurboError(f"probe.blocks: {b!r} is not an integer")
+        per = self.prompts_per_workload
+        if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
+            raise TurboError(f"config: probe.prompts_per_workload={per!r}, expected a positive integer or null")
+        if not isinstance(self.past_eos, bool):
+            raise TurboError(f"config: probe.past_eos={self.past_eos!r}, expected true or false")
+
+    @classmethod
+    def from_config(cls, pc: DictConfig, g: GenerationOptions, workload: str) -> "ProbeSettings":
+        """The `probe` node's keys, where the run's +policy narrows them: fixed decodes its block
+        alone, adaptive adaptive alone, off neither (only off)."""
+        blocks = _list(pc.get("blocks", list(DEFAULT_BLOCKS)), "probe.blocks") or []
+        adaptive = bool(pc.get("adaptive", True))
+        if g.policy is not None:
+            check_policy(g.policy, g.block)  # (the probe's own configurations are decided by plan_probe, by the same room)
+        if g.policy == "fixed":
+            blocks, adaptive = [g.block], False
+        elif g.policy == "adaptive":
+            blocks, adaptive = [], True
+        elif g.policy == "off":
+            blocks, adaptive = [], False
+        rollbacks = [str(r) for r in (_list(pc.get("rollbacks"), "probe.rollbacks") or [g.rollback])]
+        workloads = [str(w) for w in (_list(pc.get("workloads"), "probe.workloads") or [workload])]
+        return cls(tuple(blocks), adaptive, tuple(rollbacks), tuple(workloads), pc.get("prompts_per_workload"),
+                   pc.get("past_eos", False))
+
+
+Config = tuple[str | None, int, str | None]  # (rollback, block, policy): (None, 0, None) is off
+
+
+@dataclass
+class ProbePlan:
+    """What a probe decodes, every configuration checked against the install before any decoding."""
+
+    settings: ProbeSettings
+    rt: Runtime
+    configs: list[Config]  # off first
+    drafter: str | None  # the drafter the configurations speculate with (None: off alone)
+    sampling: str | None  # None: greedy (tokens compared with off's); else sampling_label's
+    max_new_tokens: int | None  # max_new_tokens= given (each workload's own otherwise)
+    prompt_given: bool  # prompt= given: the run's workload decodes it alone
+
+
+def plan_probe(cfg: DictConfig, rc: RunConfig, quiet: bool = False, runtime: Runtime | None = None) -> ProbePlan:
+    """The settings, the runtime (`runtime`, or rc's install opened here) and the configurations,
+    each decided by the install (a bad block fails in seconds, before anything decodes)."""
     g = rc.generation
-
-    pc = cfg.get("probe") or OmegaConf.create({})
-    blocks = _list(pc.get("blocks", list(DEFAULT_BLOCKS)), "probe.blocks") or []
-    with_adaptive = bool(pc.get("adaptive", True))
-    if g.policy is not None:
-        check_policy(g.policy, g.block)  # (the probe's own configurations are decided below, by the same room)
-    if g.policy == "fixed":
-        blocks, with_adaptive = [g.block], False
-    elif g.policy == "adaptive":
-        blocks, with_adaptive = [], True
-    elif g.policy == "off":
-        blocks, with_adaptive = [], False
-    for b in blocks:
-        if isinstance(b, bool) or not isinstance(b, int):
-            raise TurboError(f"probe.blocks: {b!r} is not an integer")
-    rollbacks = [str(r) for r in (_list(pc.get("rollbacks"), "probe.rollbacks") or [g.rollback])]
-    workloads = [str(w) for w in (_list(pc.get("workloads"), "probe.workloads") or [rc.workload])]
-    per = pc.get("prompts_per_workload")
-    if per is not None and (isinstance(per, bool) or not isinstance(per, int) or per < 1):
-        raise TurboError(f"config: probe.prompts_per_workload={per!r}, expected a positive integer or null")
-    override_max = cfg.get("max_new_tokens")
-    past_eos = pc.get("past_eos", False)
-    if not isinstance(past_eos, bool):
-        raise TurboError(f"config: probe.past_eos={past_eos!r}, expected true or false")
-    stop_at_eos = not past_eos
-
+    settings = ProbeSettings.from_config(cfg.get("probe") or OmegaConf.create({}), g, rc.workload)
     # under sampling the tokens differ from off's by design: only greedy runs are compared
     sampling = None if g.temperature == 0 else sampling_label(g)
     rt = runtime if runtime is not None else open_runtime(rc.install, rc.opening)
-    # validate every configuration before decoding anything (a bad block fails in seconds)
-    plans = {b: rt.plan("fixed", b, g.drafter, g.window) for b in blocks}
-    adaptive_plan = rt.plan("adaptive", None, g.drafter, g.window) if with_adaptive else None
+    plans = {b: rt.plan("fixed", b, g.drafter, g.window) for b in settings.blocks}
+    adaptive_plan = rt.plan("adaptive", None, g.drafter, g.window) if settings.adaptive else None
     if adaptive_plan is not None and adaptive_plan.drafter is None:
         raise TurboError(f"adaptive cannot speculate: {adaptive_plan.off_reason}")
     if rt.backend.note and rt.options.verbose and not quiet:  # after the checks: a refusal stays one line
         print(rt.backend.note, file=sys.stderr)
     drafter = next((p.drafter for p in plans.values()), adaptive_plan.drafter if adaptive_plan else None)
-
-    configs = [(None, 0, None)] + [(rb, b, "fixed") for rb in rollbacks for b in blocks]
+    configs: list[Config] = [(None, 0, None)] + [(rb, b, "fixed") for rb in settings.rollbacks for b in settings.blocks]
     if adaptive_plan is not None:
-        configs += [(rb, adaptive_plan.block, "adaptive") for rb in rollbacks]
+        configs += [(rb, adaptive_plan.block, "adaptive") for rb in settings.rollbacks]
+    return ProbePlan(settings, rt, configs, drafter, sampling, cfg.get("max_new_tokens"), cfg.get("prompt") is not None)
+
+
+def run_plan(plan: ProbePlan, rc: RunConfig, quiet: bool = False) -> list[dict]:
+    """Every workload's prompts decoded with each configuration in turn (round-robin per prompt),
+    its tables printed; the runs' rows (Agg.as_dict) of all workloads."""
+    g, rt, configs, s = rc.generation, plan.rt, plan.configs, plan.settings
+    stop_at_eos = not s.past_eos
 
     def gen(prompt, policy, block, rb, n):
         return rt.generate(prompt, g, max_new_tokens=n, policy=policy, block=block if policy == "fixed" else None,
                            rollback=rb or g.rollback, stop_at_eos=stop_at_eos)
 
-    all_runs, texts = [], []
-    for wl in workloads:
-        if cfg.get("prompt") is not None and wl == rc.workload:
+    all_runs = []
+    for wl in s.workloads:
+        if plan.prompt_given and wl == rc.workload:
             prompts, own_max = [rc.prompt], g.max_new_tokens
         elif wl == rc.workload:
             prompts, own_max = list(rc.prompts), g.max_new_tokens
         else:
             prompts, own_max = _workload_prompts(wl)
-        if per is not None:
-            prompts = prompts[:per]
-        max_new = int(override_max) if override_max is not None else own_max
+        if s.prompts_per_workload is not None:
+            prompts = prompts[:s.prompts_per_workload]
+        max_new = int(plan.max_new_tokens) if plan.max_new_tokens is not None else own_max
         aggs = {c: Agg(wl, c[2] or "off", c[1], c[0], max_new) for c in configs}
         for rb, b, pol in configs:  # warm up: build drafters, touch every code path once
             gen(prompts[0], pol or "off", b, rb, 2)
@@ -246,28 +286,34 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
                 aggs[c].add(res.stats, wall)
                 if pol is None:
                     ref = res.tokens
-                elif sampling is None and res.tokens != ref:
+                elif plan.sampling is None and res.tokens != ref:
                     aggs[c].mismatched.append(i)
         off = aggs[configs[0]]
         runs = [a.as_dict(off) for a in aggs.values()]
-        if sampling is not None:  # tokens were not compared: no claim either way
+        if plan.sampling is not None:  # tokens were not compared: no claim either way
             runs = [{k: v for k, v in r.items() if k not in ("same_text_as_off", "mismatched_prompts")} for r in runs]
         all_runs += runs
-        text = tables(wl, runs, len(prompts), max_new, sampling)
-        texts.append(text)
         if not quiet:
-            print(text + "\n", flush=True)
+            print(tables(wl, runs, len(prompts), max_new, plan.sampling) + "\n", flush=True)
+    return all_runs
 
-    lossless = None if sampling is not None else all(r["same_text_as_off"] for r in all_runs)
+
+def write_metrics(plan: ProbePlan, rc: RunConfig, runs: list[dict], out_dir: str | Path | None = None,
+                  quiet: bool = False) -> int:
+    """metrics.json (schema SCHEMA) into `out_dir` (None: Hydra's output directory); 1 when a
+    greedy configuration's tokens differed from off's, else 0."""
+    g, s = rc.generation, plan.settings
+    lossless = None if plan.sampling is not None else all(r["same_text_as_off"] for r in runs)
     metrics = {
-        "schema": SCHEMA, "install": rc.install, "backend": rt.backend.name, "drafter": drafter,
-        "ngram": asdict(g.ngram) if drafter == "ngram" else None,
-        "draft_products": rc.opening.draft_products, "window": g.window, "max_new_tokens": override_max,
-        "blocks": list(blocks), "adaptive": with_adaptive,
-        "rollbacks": rollbacks, "workloads": workloads, "prompts_per_workload": per, "stop_at_eos": stop_at_eos,
+        "schema": SCHEMA, "install": rc.install, "backend": plan.rt.backend.name, "drafter": plan.drafter,
+        "ngram": asdict(g.ngram) if plan.drafter == "ngram" else None,
+        "draft_products": rc.opening.draft_products, "window": g.window, "max_new_tokens": plan.max_new_tokens,
+        "blocks": list(s.blocks), "adaptive": s.adaptive,
+        "rollbacks": list(s.rollbacks), "workloads": list(s.workloads), "prompts_per_workload": s.prompts_per_workload,
+        "stop_at_eos": not s.past_eos,
         "overrides": _overrides(), "temperature": g.temperature, "top_k": g.top_k, "top_p": g.top_p,
         "min_p": g.min_p, "seed": g.seed,
-        "lossless": lossless, "timing_note": TIMING_NOTE, "runs": all_runs,
+        "lossless": lossless, "timing_note": TIMING_NOTE, "runs": runs,
     }
     out = Path(out_dir) if out_dir is not None else output_dir()
     out.mkdir(parents=True, exist_ok=True)
@@ -279,3 +325,10 @@ def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None,
         print(f"[probe] {TIMING_NOTE}; counts are deterministic", file=sys.stderr)  # (reports: stderr)
         print(f"[probe] wrote {path}", file=sys.stderr)
     return 1 if lossless is False else 0
+
+
+def run_probe(cfg: DictConfig, rc: RunConfig, out_dir: str | Path | None = None, quiet: bool = False,
+              runtime: Runtime | None = None) -> int:
+    """task=probe: plan, run, write. runtime: rc's install already open (the CLI's); None opens it here."""
+    plan = plan_probe(cfg, rc, quiet, runtime)
+    return write_metrics(plan, rc, run_plan(plan, rc, quiet), out_dir, quiet)

@@ -22,6 +22,7 @@ from ..drafters.ngram import NgramConfig
 from ..errors import TurboError, ascii_decimal, json_shown
 from ..store.quant import QUANT_CPU_ENV
 from .grammar import ResponseFormat
+from .logprobs import MAX_TOP
 from .penalties import BIAS_RANGE, PENALTY_RANGE, Penalties
 
 NATIVE_ENV = "TURBO_NATIVE"  # "0": the torch step instead of native.c
@@ -199,6 +200,39 @@ def check_n(n: object) -> int:
     if k is None or not 1 <= k <= MAX_N:
         raise TurboError(f"n is {n!r}, expected an integer from 1 to {MAX_N} (the choices of one request)", field="n")
     return k
+
+
+def check_logprobs(k: object) -> int | None:
+    """logprobs, the alternatives reported beside each token: None (none) or an integer 0..MAX_TOP
+    (the server's logprobs / top_logprobs, the scheduler's Request.logprobs)."""
+    n = integer(k)
+    if k is not None and (n is None or not 0 <= n <= MAX_TOP):
+        raise TurboError(f"logprobs is {k!r}, expected an integer in 0..{MAX_TOP}", field="logprobs")
+    return n
+
+
+class ContextTooLong(TurboError):
+    """A prompt and max_new_tokens that do not fit the model's context together. `fit_context` is the
+    one place this is checked; the message is turbo's, and the server says it in OpenAI's words from
+    the numbers (turbo/serve/limits.py, context_error)."""
+
+    def __init__(self, prompt_tokens: int, max_new_tokens: int, limit: int, hint: str = ""):
+        super().__init__(f"prompt of {prompt_tokens} tokens + max_new_tokens {max_new_tokens} exceeds the model's "
+                         f"max_position_embeddings {limit}{hint}", field="max_new_tokens")
+        self.prompt_tokens, self.max_new_tokens, self.limit = prompt_tokens, max_new_tokens, limit
+
+
+def fit_context(ids: list[int], o: GenerationOptions, limit: int, keeps_state: bool = False) -> list[int]:
+    """`ids` when they leave room for o.max_new_tokens in a context of `limit` positions; else their
+    tail under truncate_prompt=left (a fresh prompt's only: a session's state, `keeps_state`, holds
+    its conversation); else ContextTooLong."""
+    room = limit - o.max_new_tokens
+    if len(ids) <= room:
+        return ids
+    if o.truncate_prompt == "left" and room >= 1 and not keeps_state:
+        return ids[-room:]
+    hint = f" (truncate_prompt=left keeps its last {room})" if room >= 1 and not keeps_state else ""
+    raise ContextTooLong(len(ids), o.max_new_tokens, limit, hint)
 
 
 def integer(value: object) -> int | None:

@@ -1,6 +1,7 @@
 """What bounds a request before the model sees it: the body's size (read with a cap, whatever
 the client's Content-Length says: 413) and the prompt's length in characters against what the
-context could hold (a 400 before the tokenizer runs: tokenizing megabytes costs gigabytes)."""
+context could hold (a 400 before the tokenizer runs: tokenizing megabytes costs gigabytes); and
+the context check's refusal (turbo.sequence.options.ContextTooLong) in OpenAI's words."""
 
 from __future__ import annotations
 
@@ -10,8 +11,10 @@ from typing import TYPE_CHECKING, AsyncIterator, Iterator
 from ..errors import ascii_decimal
 from .api_error import ApiError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # (types only: this module stays torch-free for the front process)
     from tokenizers import Tokenizer
+
+    from ..sequence.options import ContextTooLong
 
 MIB = 1 << 20
 # A normalizer can make one token of several input characters: NFC composes at most 3 into one
@@ -59,6 +62,15 @@ def max_token_chars(tokenizer: Tokenizer) -> int:
     normalizer can shrink the input. A prompt longer than max_positions times this cannot fit."""
     longest = max((len(k) for k in tokenizer.get_vocab(with_added_tokens=True)), default=1)
     return max(1, longest) * (1 if tokenizer.normalizer is None else NORMALIZED_CHARS_PER_CHAR)
+
+
+def context_error(e: ContextTooLong, prompt_param: str, max_tokens_param: str | None) -> ApiError:
+    """The context check's refusal as OpenAI words it: a 400 naming max_tokens (as the client spelled
+    it) where the request gave one, else the prompt (`prompt_param`: prompt or messages)."""
+    return ApiError(f"This model's maximum context length is {e.limit} tokens. However, you requested "
+                    f"{e.prompt_tokens + e.max_new_tokens} tokens ({e.prompt_tokens} in the {prompt_param}, "
+                    f"{e.max_new_tokens} for the completion). Please reduce the length of the prompt or the "
+                    "completion.", max_tokens_param or prompt_param)
 
 
 def check_prompt_chars(text: str, max_chars: int, max_positions: int, param: str) -> None:

@@ -4,35 +4,41 @@ and logprobs objects built from the engine's deltas. Field names as OpenAI's API
 vLLM's entrypoints/openai/protocol.py spell them; what turbo adds is the `turbo` object
 (policy, block, drafter, rollback, window) and vLLM's `chat_template_kwargs`, `stop_token_ids`,
 `ignore_eos`. The HTTP side is app.py.
+
+The body's checks are JSON's shapes (a number, an integer, a string, a list, an object): the
+values' ranges are the option types' (turbo/sequence/options.py: GenerationOptions, check_n,
+check_logprobs), which the library and the CLI share, so that a bound is written once and a
+request is refused with the words the library uses, naming the field as the request spells it.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 from ..chat.turn import END_THINK, THINK, split_reasoning
 from ..sequence.stops import held_back
 from ..sequence.logprobs import TokenLogprob
 from ..errors import TurboError
-from ..sequence.options import MAX_N  # (choices: each a sequence of the running batch)
+from ..sequence.options import GENERATION_FIELDS, MAX_N, check_logprobs, check_n  # noqa: F401 (MAX_N: re-exported)
 from ..chat.tool_calls import check_tools, tool_functions
 from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
 from .body import parse_json  # noqa: F401 (re-exported: app.py calls P.parse_json; the front process too)
 
-MAX_TOP_LOGPROBS = 20  # as vLLM (OpenAI: 5 for completions, 20 for chat)
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
 TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window", "regex", "grammar")
 CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a response_format of turbo's kinds
-SAMPLING = (("temperature", 0.0, None), ("top_p", 0.0, 1.0), ("min_p", 0.0, 1.0))
+# the GenerationOptions fields a body gives as JSON numbers (their ranges: GenerationOptions)
+NUMBERS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 # request fields turbo does not implement: refused unless they hold the value that means "off"
 UNSUPPORTED = {"best_of": 1, "echo": False, "suffix": None}
-# penalties (turbo/sequence/penalties.py): OpenAI's two and vLLM's repetition_penalty, checked by GenerationOptions
-PENALTIES = ("repetition_penalty", "frequency_penalty", "presence_penalty")
+# option names a request spells otherwise: their messages name the request's field instead
+RESPELLED = ("max_new_tokens", "logprobs")
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -46,30 +52,56 @@ class Body:
     template_kwargs: dict = field(default_factory=dict)
     tools: list | None = None
     tool_choice: str = "none"  # none | auto | required | a function's name (chat with tools: auto by default)
-    max_tokens: int | None = None
+    max_tokens: int | None = None  # (its range, and the context's room: GenerationOptions, options.fit_context)
     max_tokens_param: str = "max_tokens"  # the field the client used (named in a refusal)
-    options: dict = field(default_factory=dict)  # GenerationOptions fields
+    options: dict = field(default_factory=dict)  # GenerationOptions fields (checked when the options are built)
     logprobs: int | None = None  # None: none; k: each token's logprob and the top k
     stream: bool = False
     include_usage: bool = False
     n: int = 1  # choices: sequences sharing the prompt's prefill (seeds seed, seed + 1, ... when given)
 
 
+def param_of(e: TurboError, max_tokens_param: str = "max_tokens", forced: bool = False) -> str | None:
+    """The request field a TurboError concerns (its `field`: the option's name) as the request spells it
+    (`forced`: the response_format is the grammar of the tools' call, so theirs)."""
+    if forced and e.field == "response_format":
+        return "tools"
+    if e.field in ("max_new_tokens", "max_tokens"):
+        return max_tokens_param
+    if e.field in TURBO_KEYS:
+        return f"turbo.{e.field}"
+    return e.field if e.field in GENERATION_FIELDS or e.field == "logprobs" else None
+
+
+def request_error(e: TurboError, param: str | None) -> ApiError:
+    """An option type's refusal as a 400 naming `param`; where the request spells the option
+    otherwise (max_tokens for max_new_tokens, top_logprobs for logprobs) its message does too."""
+    message = str(e)
+    if e.field in RESPELLED and param is not None and message.startswith(f"{e.field} "):
+        message = param + message[len(e.field):]
+    return ApiError(message, param)
+
+
+def _checked(check: Callable[[Any], T], value: Any, param: str) -> T:
+    """`check(value)` (an option type's check), its TurboError a 400 naming `param`."""
+    try:
+        return check(value)
+    except TurboError as e:
+        raise request_error(e, param) from None
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _is_number(v: Any) -> bool:
-    return (_is_int(v) or isinstance(v, float)) and math.isfinite(v)
+def _is_number(v: Any) -> bool:  # (finite or not: the ranges are the options' to judge)
+    return _is_int(v) or isinstance(v, float)
 
 
-def _int(body: dict, name: str, lo: int, hi: int | None = None, where: str = "") -> int | None:
+def _int(body: dict, name: str, where: str = "") -> int | None:
     v = body.get(name)
-    if v is None:
-        return None
-    if not _is_int(v) or v < lo or (hi is not None and v > hi):
-        span = f"an integer in {lo}..{hi}" if hi is not None else f"an integer >= {lo}"
-        raise ApiError(f"{where}{name} is {json.dumps(v)}, expected {span}", where + name)
+    if v is not None and not _is_int(v):
+        raise ApiError(f"{where}{name} is {json.dumps(v)[:200]}, expected an integer", where + name)
     return v
 
 
@@ -82,6 +114,10 @@ def _kind(body: dict, name: str, types: type | tuple, what: str) -> Any:
 
 def _flag(body: dict, name: str) -> bool:
     return bool(_kind(body, name, bool, "true or false"))
+
+
+def _logprobs(body: dict, name: str) -> int | None:
+    return _checked(check_logprobs, _int(body, name), name)
 
 
 def parse(body: dict, chat: bool) -> Body:
@@ -102,19 +138,19 @@ def parse(body: dict, chat: bool) -> Body:
         b.tool_choice = _tool_choice(body.get("tool_choice"), b.tools)
         for name in ("max_completion_tokens", "max_tokens"):
             if body.get(name) is not None:
-                b.max_tokens, b.max_tokens_param = _int(body, name, 1), name
+                b.max_tokens, b.max_tokens_param = _int(body, name), name
                 break
         if _flag(body, "logprobs"):
-            b.logprobs = _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS) or 0
+            b.logprobs = _logprobs(body, "top_logprobs") or 0
         elif body.get("top_logprobs") is not None:
-            _int(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+            _logprobs(body, "top_logprobs")
             raise ApiError("top_logprobs needs logprobs: true", "top_logprobs")
     else:
         b.prompt = _prompt(body.get("prompt"))
-        b.max_tokens = _int(body, "max_tokens", 1)
-        b.logprobs = _int(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+        b.max_tokens = _int(body, "max_tokens")
+        b.logprobs = _logprobs(body, "logprobs")
     b.options = _options(body)
-    b.n = _int(body, "n", 1, MAX_N) or 1
+    b.n = _checked(check_n, _int(body, "n"), "n") if body.get("n") is not None else 1
     b.stream = _flag(body, "stream")
     opts = _kind(body, "stream_options", dict, "an object")
     if opts:
@@ -206,43 +242,36 @@ def _parts(parts: list, where: str) -> str | list[dict]:
 
 
 def _options(body: dict) -> dict:
-    """The GenerationOptions fields a body sets (their own checks run when the options are built)."""
+    """The GenerationOptions fields a body sets, as JSON shapes; their ranges are checked when the
+    options are built (worker.Engine.prepare)."""
     o: dict[str, Any] = {}
-    for name, lo, hi in SAMPLING:
+    for name in NUMBERS:
         v = body.get(name)
         if v is not None:
-            if not _is_number(v) or v < lo or (hi is not None and v > hi):
-                raise ApiError(f"{name} is {json.dumps(v)}, expected a number in [{lo}, {hi if hi else 'inf'})", name)
-            o[name] = float(v)
+            if not _is_number(v):
+                raise ApiError(f"{name} is {json.dumps(v)[:200]}, expected a number", name)
+            o[name] = v
     for name in ("top_k", "seed"):
         v = body.get(name)
         if name == "top_k" and v == -1:  # vLLM's "no cut"
             v = None
         if v is not None:
-            o[name] = _int(body, name, 0, 2**64 - 1 if name == "seed" else None)
+            o[name] = _int(body, name)
     stop = body.get("stop")
     if stop is not None:
         if not (isinstance(stop, str) or isinstance(stop, list) and all(isinstance(s, str) for s in stop)):
             raise ApiError(f"stop is {json.dumps(stop)[:200]}, expected a string or a list of strings", "stop")
-        stop = [s for s in ([stop] if isinstance(stop, str) else stop) if s]
-        o["stop"] = tuple(stop) or None
-    for name in PENALTIES:
-        v = body.get(name)
-        if v is not None:
-            if not _is_number(v):
-                raise ApiError(f"{name} is {json.dumps(v)[:200]}, expected a number", name)
-            o[name] = float(v)
+        o["stop"] = stop
+    # an empty object or list is the field left out (as OpenAI's clients send them)
     fmt = _kind(body, "response_format", dict, "an object (OpenAI's response_format)")
     if fmt:
         o["response_format"] = fmt  # (its type and schema: turbo/sequence/grammar.py checks and compiles them)
-    bias = _kind(body, "logit_bias", dict, "an object of token ids (as strings) to biases in [-100, 100]")
+    bias = _kind(body, "logit_bias", dict, "an object of token ids (as strings) to biases")
     if bias:
-        o["logit_bias"] = bias  # (its keys and values: GenerationOptions checks them)
+        o["logit_bias"] = bias
     ids = _kind(body, "stop_token_ids", list, "a list of token ids")
     if ids:
-        if not all(_is_int(t) and t >= 0 for t in ids):
-            raise ApiError(f"stop_token_ids is {json.dumps(ids)[:200]}, expected a list of token ids", "stop_token_ids")
-        o["stop_token_ids"] = tuple(ids)
+        o["stop_token_ids"] = ids
     if _flag(body, "ignore_eos"):
         o["stop_at_eos"] = False
     ext = _kind(body, "turbo", dict, f"an object of {', '.join(TURBO_KEYS)}") or {}
@@ -250,7 +279,7 @@ def _options(body: dict) -> dict:
         if k not in TURBO_KEYS:
             raise ApiError(f"turbo.{k} is not one of {', '.join(TURBO_KEYS)}", f"turbo.{k}")
         if k in ("block", "window"):
-            v = _int(ext, k, 0, None, "turbo.")
+            v = _int(ext, k, "turbo.")
         elif v is not None and not isinstance(v, str):
             what = "a pattern" if k in CONSTRAINTS else "a name"
             raise ApiError(f"turbo.{k} is {json.dumps(v)[:200]}, expected {what}", f"turbo.{k}")

@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..sequence.driver import DraftKey, Driver, Job, RoundEvent, Work
 from ..errors import TurboError
-from ..sequence.logprobs import MAX_TOP
-from ..sequence.options import GenerationOptions
+from ..sequence.options import GenerationOptions, check_logprobs
 from ..sequence.state_cache import Keeper
 from ..vision.runtime import prompt_images
 from .costs import StepCosts, sequence_bytes
@@ -120,8 +119,7 @@ class Scheduler:
         if not isinstance(o.drafter, str):
             raise TurboError("drafter: a served request names a drafter (auto, dflash, mtp, ngram), not an object",
                              field="drafter")
-        if req.logprobs is not None and (not isinstance(req.logprobs, int) or not 0 <= req.logprobs <= MAX_TOP):
-            raise TurboError(f"logprobs {req.logprobs!r}: expected an integer in 0..{MAX_TOP}", field="logprobs")
+        check_logprobs(req.logprobs)
         job = self.rt.prepare(req.ids, o, images=bool(req.images))
         block = job.plan.block or 0
         need = sequence_bytes(self.trunk, len(job.ids) + o.max_new_tokens + block + 1, block)

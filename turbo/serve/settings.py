@@ -1,5 +1,6 @@
-"""task=serve's settings: the `serve.*` keys (conf/task/serve.yaml) checked into a `ServeConfig`,
-and the generation defaults a server takes from the top-level keys (policy, block, drafter...)."""
+"""task=serve's settings: the `serve.*` keys (conf/task/serve.yaml) read into a `ServeConfig`,
+which checks its fields itself (as the option types do, turbo/sequence/options.py), and the
+generation defaults a server takes from the top-level keys (policy, block, drafter...)."""
 
 from __future__ import annotations
 
@@ -16,16 +17,49 @@ ENGINES = ("local", "ray")
 FRONTS = ("process", "inline")  # engine=local: the HTTP side in a process of its own (front.py), or the engine's
 
 
+def _count(name: str, value: object, lo: int, hi: int | None = None, span: str | None = None) -> int:
+    """serve.NAME as an int in lo..hi (hi None: no upper bound), else TurboError in one line
+    saying `span` (by default: >= lo, and <= hi)."""
+    n = integer(value)
+    if n is None or n < lo or (hi is not None and n > hi):
+        span = span or f">= {lo}" + (f" and <= {hi}" if hi is not None else "")
+        raise TurboError(f"config: serve.{name}={value!r}, expected an integer {span}")
+    return n
+
+
+def _size(name: str, value: object) -> None:
+    """serve.NAME, a size in SIZES' unit: a number >= 0 that the server's byte count keeps above
+    its least (a value that rounds to too few bytes is refused, not served with a limit that
+    refuses everything)."""
+    unit, size, least, why = SIZES[name]
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value < float("inf"):
+        raise TurboError(f"config: serve.{name}={value!r}, expected a number of {unit} >= 0")
+    if int(value * size) < least and not (name == "cache_gb" and value == 0):
+        raise TurboError(f"config: serve.{name}={value!r}, expected a number of {unit} > 0 ({value!r} {unit} is "
+                         f"{int(value * size)} bytes{why})")
+
+
+def _one_of(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise TurboError(f"config: serve.{name}={value!r} is not one of {', '.join(choices)}")
+
+
 @dataclass(frozen=True)
 class ServeLimits:
     """What a server's scheduler holds to (the defaults conf/task/serve.yaml repeats for Hydra;
-    tests/test_config_keys.py holds the two equal)."""
+    tests/test_config_keys.py holds the two equal). Each field checked as it is set."""
 
     max_running: int = 16  # sequences in the running batch
     max_waiting: int = 64  # requests queued beyond it; more are refused (Overloaded)
     memory_gb: float = 4.0  # K/V caches and recurrent states of the running sequences, reserved at admission
     cache_gb: float = 1.0  # the prefix cache's snapshots (LRU)
     prefill_chunk: int = 256  # prompt rows a sequence runs per step (long prompts do not stall the batch)
+
+    def __post_init__(self) -> None:
+        for name, lo in (("max_running", 1), ("max_waiting", 0), ("prefill_chunk", 1)):
+            object.__setattr__(self, name, _count(name, getattr(self, name), lo))
+        for name in ("memory_gb", "cache_gb"):
+            _size(name, getattr(self, name))
 
 
 LIMIT_KEYS = tuple(f.name for f in fields(ServeLimits))
@@ -39,6 +73,9 @@ SIZES = {"memory_gb": ("GB", 2**30, 1, ", and every request's state needs some")
 
 @dataclass(frozen=True)
 class ServeConfig:
+    """task=serve's settings, each field checked as it is set (`serve_config` reads them from the
+    config; the API key's file and environment are read there)."""
+
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free port (the printed address says which)
     api_key: str | None = None  # a bearer token the /v1 routes require
@@ -55,43 +92,38 @@ class ServeConfig:
     max_body_mb: float = 32.0  # a request body over it is answered 413 (a data: image of ~24 MiB fits)
     http_nice: int = 0  # Linux: the HTTP side's threads this much nicer than the engine's step thread
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "port", _count("port", self.port, 0, 65535))
+        object.__setattr__(self, "replicas", _count("replicas", self.replicas, 1))
+        _size("max_body_mb", self.max_body_mb)
+        object.__setattr__(self, "max_body_mb", float(self.max_body_mb))
+        object.__setattr__(self, "http_nice", _count("http_nice", self.http_nice, 0, 19, "in 0..19"))
+        _one_of("engine", self.engine, ENGINES)
+        _one_of("front", self.front, FRONTS)
+        if not isinstance(self.host, str) or not self.host:
+            raise TurboError(f"config: serve.host={self.host!r}, expected an address to listen on")
+        if not isinstance(self.remote_images, bool):
+            raise TurboError(f"config: serve.remote_images={self.remote_images!r}, expected true or false")
+        if not isinstance(self.limits, ServeLimits):
+            raise TurboError(f"config: serve limits {self.limits!r}, expected a ServeLimits")
+        object.__setattr__(self, "image_dirs", image_dirs(self.image_dirs))
+
 
 def serve_config(cfg: DictConfig) -> ServeConfig:
+    """The `serve.*` keys as a ServeConfig (which checks them); the API key read from its file or
+    the environment where the config names none."""
     node = cfg.get("serve")
     if not isinstance(node, DictConfig):
         raise TurboError("config: serve is missing (task=serve composes conf/task/serve.yaml)")
     s = {str(k): v for k, v in node.items()}
-    for name in ("port", "replicas", "max_running", "max_waiting", "prefill_chunk"):
-        lo = 0 if name in ("port", "max_waiting") else 1
-        n = integer(s.get(name))
-        if n is None or n < lo or (name == "port" and n > 65535):
-            raise TurboError(f"config: serve.{name}={s.get(name)!r}, expected an integer >= {lo}"
-                             + (" and <= 65535" if name == "port" else ""))
-    for name, (unit, size, least, why) in SIZES.items():
-        v = s.get(name)
-        if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0 <= v < float("inf"):
-            raise TurboError(f"config: serve.{name}={v!r}, expected a number of {unit} >= 0")
-        if int(v * size) < least and not (name == "cache_gb" and v == 0):
-            raise TurboError(f"config: serve.{name}={v!r}, expected a number of {unit} > 0 ({v!r} {unit} is "
-                             f"{int(v * size)} bytes{why})")
-    nice = integer(s.get("http_nice", 0))
-    if nice is None or not 0 <= nice <= 19:
-        raise TurboError(f"config: serve.http_nice={s.get('http_nice')!r}, expected an integer in 0..19")
-    if s.get("engine") not in ENGINES:
-        raise TurboError(f"config: serve.engine={s.get('engine')!r} is not one of {', '.join(ENGINES)}")
-    if s.get("front", "process") not in FRONTS:
-        raise TurboError(f"config: serve.front={s.get('front')!r} is not one of {', '.join(FRONTS)}")
-    if not isinstance(s.get("host"), str) or not s["host"]:
-        raise TurboError(f"config: serve.host={s.get('host')!r}, expected an address to listen on")
+    limits = ServeLimits(**{k: s.get(k) for k in LIMIT_KEYS})
     text = {k: str(s[k]) if s.get(k) is not None else None
             for k in ("ray_address", "model_name", "chat_template", "api_key_file")}
     text["api_key"] = api_key(s.get("api_key"), text["api_key_file"])
-    if not isinstance(s.get("remote_images", False), bool):
-        raise TurboError(f"config: serve.remote_images={s.get('remote_images')!r}, expected true or false")
-    return ServeConfig(host=s["host"], port=int(s["port"]), engine=s["engine"], replicas=int(s["replicas"]),
-                       limits=ServeLimits(**{k: s[k] for k in LIMIT_KEYS}), image_dirs=image_dirs(s.get("image_dirs")),
-                       remote_images=s.get("remote_images", False), max_body_mb=float(s["max_body_mb"]),
-                       http_nice=nice, front=s.get("front", "process"), **text)
+    return ServeConfig(host=s.get("host"), port=s.get("port"), engine=s.get("engine"), replicas=s.get("replicas"),
+                       limits=limits, image_dirs=s.get("image_dirs"), remote_images=s.get("remote_images", False),
+                       max_body_mb=s.get("max_body_mb"), http_nice=s.get("http_nice", 0),
+                       front=s.get("front", "process"), **text)
 
 
 API_KEY_ENV = "TURBO_API_KEY"
@@ -128,9 +160,9 @@ def api_key(given, file: str | None) -> str | None:
     return key
 
 
-def image_dirs(value) -> tuple[str, ...]:
-    """serve.image_dirs: existing directories, as their real paths."""
-    dirs = [value] if isinstance(value, str) else list(value) if isinstance(value, ListConfig) else None
+def image_dirs(value: object) -> tuple[str, ...]:
+    """serve.image_dirs: existing directories, as their real paths (one directory, or a list of them)."""
+    dirs = [value] if isinstance(value, str) else list(value) if isinstance(value, (ListConfig, list, tuple)) else None
     if dirs is None or not all(isinstance(d, str) and d for d in dirs):
         raise TurboError(f"config: serve.image_dirs={value!r}, expected a list of directories ([] : none)")
     bad = next((d for d in dirs if not os.path.isdir(os.path.expanduser(d))), None)

@@ -14,12 +14,12 @@ from ..chat.template import ChatTemplate, encode, install_template
 from ..engine import open as open_runtime
 from ..errors import TurboError
 from ..chat.tool_calls import check_tools, forced_call
-from ..sequence.options import GENERATION_FIELDS, GenerationOptions, OpenOptions
+from ..sequence.options import ContextTooLong, GenerationOptions, OpenOptions
 from .body import check_text_lengths
 from .images import expand_images
-from .limits import check_prompt_chars, check_prompt_tokens, max_token_chars
+from .limits import check_prompt_chars, check_prompt_tokens, context_error, max_token_chars
 from .metrics import Metrics
-from .protocol import TURBO_KEYS, ApiError, Body
+from .protocol import ApiError, Body, param_of, request_error  # (param_of: app.py's too)
 from .scheduler import Overloaded, Request, Scheduler
 from .settings import ServeConfig
 
@@ -29,18 +29,8 @@ class Prepared:
     opened_think: bool = False  # chat: the generation prompt left a <think> open
     tools: list | None = None  # chat: the tools whose calls the answer is read for (turbo/chat/tool_calls.py)
     forced: bool = False  # tool_choice required or named: the response_format is the tools' call grammar
-
-
-def param_of(e: TurboError, max_tokens_param: str = "max_tokens", forced: bool = False) -> str | None:
-    """The request field a TurboError concerns (its `field`: the option's name) as the request spells it
-    (`forced`: the response_format is the grammar of the tools' call, so theirs)."""
-    if forced and e.field == "response_format":
-        return "tools"
-    if e.field in ("max_new_tokens", "max_tokens"):
-        return max_tokens_param
-    if e.field in TURBO_KEYS:
-        return f"turbo.{e.field}"
-    return e.field if e.field in GENERATION_FIELDS or e.field == "logprobs" else None
+    prompt_param: str = "prompt"  # prompt | messages: where the prompt is, as a context refusal names it
+    sized: bool = True  # the request gave max_tokens (else it is the room the prompt leaves)
 
 
 class Engine:
@@ -104,15 +94,9 @@ class Engine:
                 check_prompt_chars(body.prompt, self.max_prompt_chars, self.max_positions, "prompt")
                 check_prompt_tokens(self.rt.tokenizer, body.prompt, self.max_positions, "prompt")
             ids = self._ids(lambda: self.rt.encode(body.prompt), "prompt")
-        room = self.max_positions - len(ids)
-        wanted = body.max_tokens if body.max_tokens is not None else room
-        if wanted < 1 or len(ids) + wanted > self.max_positions:
-            raise ApiError(f"This model's maximum context length is {self.max_positions} tokens. However, you "
-                           f"requested {len(ids) + wanted} tokens ({len(ids)} in the "
-                           f"{'messages' if body.chat else 'prompt'}, {wanted} for the completion). Please reduce "
-                           "the length of the prompt or the completion.",
-                           body.max_tokens_param if body.max_tokens is not None else
-                           ("messages" if body.chat else "prompt"))
+        # OpenAI's default max_tokens: the room the prompt leaves (at least 1: a prompt that fills the
+        # context is the context check's to refuse, when the scheduler prepares it: options.fit_context)
+        wanted = body.max_tokens if body.max_tokens is not None else max(self.max_positions - len(ids), 1)
         fields = dict(body.options)  # (what they make of the speculation is turbo/sequence/policy.py's to decide)
         forced = forced_call(body.tools, body.tool_choice, self.template.source) if body.chat else None
         if forced is not None:  # required, or a named function: the call is constrained
@@ -124,16 +108,19 @@ class Engine:
         try:
             options = self.defaults.but(max_new_tokens=wanted, **fields)
         except TurboError as e:
-            raise ApiError(str(e), param_of(e, body.max_tokens_param, forced is not None)) from None
+            raise request_error(e, param_of(e, body.max_tokens_param, forced is not None)) from None
         # a response_format holds the whole answer: it is content, not reasoning (chat.answer_opens_think)
         return Prepared(Request(ids, options, body.logprobs, images or None),
-                        opened and options.response_format is None, tools, forced is not None)
+                        opened and options.response_format is None, tools, forced is not None,
+                        "messages" if body.chat else "prompt", body.max_tokens is not None)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str, after=None):
         try:
             return self.scheduler.submit(prepared.request, sink, after)
         except Overloaded as e:
             raise ApiError(str(e), None, 429, "requests", "rate_limit_exceeded") from None
+        except ContextTooLong as e:
+            raise context_error(e, prepared.prompt_param, max_tokens_param if prepared.sized else None) from None
         except TurboError as e:
             raise ApiError(str(e), param_of(e, max_tokens_param, prepared.forced)) from None
 

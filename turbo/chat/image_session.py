@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .turn import answer_opens_think
 from .template import encode
+from .turn import Turn
 from ..sequence.options import GenerationOptions
 from .session import FRESH, Keeper, Session, common_prefix
 from ..vision.positions import MmRows, rows_between
-from ..vision.runtime import ImageStart, check_placed, keyed_rows, message_images, vision_of
+from ..vision.runtime import ImageStart, keyed_rows, vision_of
 
 
 class VisionKeeper(Keeper):
@@ -39,22 +39,18 @@ class VisionKeeper(Keeper):
 class VisionSession(Session):
     keeper_kind = VisionKeeper
 
-    def _turn(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator:
-        images = message_images(self.history)
+    def _run(self, turn: Turn, ids: list[int], opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator:
+        images = turn.images(self.rt, ids)
         if not images:
             self.keeper.images([], None, None)
-            return super()._turn(opts, fields)
-        prompt = self.render()
-        ids = encode(self.rt.tokenizer, prompt)
-        check_placed(self.rt, ids, images)
+            return super()._run(turn, ids, opts, fields)
         vis = vision_of(self.rt)
         prepared = vis.prepare(images)
         tokens, mm = vis.prompt(ids, prepared)
         # the start of the generation prompt, counted in expanded rows
-        mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
+        mark = common_prefix(ids, encode(self.rt.tokenizer, self.mark_render(turn)))
         before = prepared[:ids[:mark].count(vis.ids.image)]
         self.keeper.mark = mark + sum(p.tokens(vis.config.merge) - 1 for p in before)
         self.keeper.images(tokens, mm, keyed_rows(tokens, prepared, vis.ids.image))
-        options = self.turn_options(opts, fields)
-        events = self.rt.stream(tokens, options, start=self.keeper)
-        return self._follow(tokens, answer_opens_think(prompt, options), events)
+        events = self.rt.stream(tokens, turn.options_of(opts, fields), start=self.keeper)
+        return self._follow(turn, tokens, events)

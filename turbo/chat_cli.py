@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TextIO
 
 from .bounded import read_small_text, strict_loads
-from .chat.turn import END_THINK, THINK, assistant_message, opens_think
+from .chat.reasoning import END_THINK, THINK
 from .chat.template import ChatTemplate, compile_template
 from .config import ChatConfig, RunConfig
 from .errors import TurboError
@@ -30,7 +30,7 @@ from .sequence.options import GenerationOptions
 from .chat.session import Session, TurnReport
 from .sequence.stats import Stats
 from .sequence.stops import held_back
-from .chat.tool_calls import CallStream, ToolCall
+from .chat.tool_calls import ToolCall
 from .vision.runtime import vision_of
 
 if TYPE_CHECKING:
@@ -76,8 +76,7 @@ def open_session(rt: Runtime, chat: ChatConfig) -> Session:
         if chat.template is None:  # the install has none: say how to give one
             raise TurboError(f"{e}; give one with chat_template=FILE.jinja") from None
         raise
-    s.template.render(s.history + [{"role": "user", "content": "Hello."}], add_generation_prompt=True,
-                      tools=s.tools, **s.template_kwargs)
+    s.new_turn().render(s.history + [{"role": "user", "content": "Hello."}], s.template_kwargs)
     return s
 
 
@@ -182,12 +181,12 @@ class Repl:
         generated stays in the history as the assistant's message."""
         s = self.session
         generated: list[int] = []
-        stats, events, display, interrupted = None, None, None, False
-        calls = CallStream(s.tools) if s.tools else None  # a call's text is held back, then shown parsed
+        stats, events, display, calls, interrupted = None, None, None, None, False
         self.results = []
         try:
             events = start()
-            display = Display(self.out, self.tty, opens_think(s.render()))  # the history ends with the user's turn
+            display = Display(self.out, self.tty, s.turn.opened)  # (s.turn: the turn `start` began)
+            calls = s.turn.call_stream()  # a call's text is held back, then shown parsed
             for event in events:
                 if not self.noted:
                     self._note(event.stats)
@@ -202,8 +201,8 @@ class Repl:
             getattr(events, "close", lambda: None)()
             if display is not None:
                 display.push("", final=True)
-            if s.history and s.history[-1]["role"] == "user":
-                s.history.append(assistant_message(self.rt.tokenizer, generated, s.stop_ids, opens_think(s.render())))
+            if events is not None and s.history and s.history[-1]["role"] == "user":
+                s.history.append(s.turn.answer_of(self.rt.tokenizer, generated)[0])
         print(file=self.out, flush=True)  # each answer a line of its own in the transcript
         last = s.history[-1] if s.history else {}
         for call in s.pending_calls:

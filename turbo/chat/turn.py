@@ -227,7 +227,11 @@ class Turn:
         return "tool_calls" if calls and reason == "stop" else reason
 
     def stream(self) -> AnswerStream:
-        return AnswerStream(self.opened, self.offered)
+        return AnswerStream(ReasoningStream(self.opened), self.call_stream())
+
+    def call_stream(self) -> CallStream | None:
+        """The answer's calls read as it streams (their text held back), or None: no tool offered."""
+        return CallStream(self.offered) if self.offered else None
 
 
 class AnswerStream:
@@ -235,9 +239,8 @@ class AnswerStream:
     reasoning and the content gained (a call's text held back) and, at the end, the calls; `why`
     says why what looked like calls was not read."""
 
-    def __init__(self, opened: bool, tools: list | None):
-        self.reasoning = ReasoningStream(opened)
-        self.calls = CallStream(tools) if tools else None
+    def __init__(self, reasoning: ReasoningStream, calls: CallStream | None):
+        self.reasoning, self.calls = reasoning, calls
         self.why: str | None = None
 
     def feed(self, piece: str, final: bool) -> tuple[str, str, list[ToolCall]]:

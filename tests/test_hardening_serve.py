@@ -27,7 +27,7 @@ from omegaconf import OmegaConf  # noqa: E402
 
 import turbo  # noqa: E402
 from turbo.testing.checks import served_address  # noqa: E402
-from turbo.chat.turn import template as chat_template  # noqa: E402
+from turbo.chat import template as chat_template  # noqa: E402
 from turbo.chat.template import ChatTemplate  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
 from turbo.serve import images  # noqa: E402

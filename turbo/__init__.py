@@ -8,7 +8,8 @@ from __future__ import annotations
 import importlib
 
 _WHERE = {"open": "engine", "Runtime": "engine", "GenerateResult": "engine", "RoundEvent": "engine",
-          "Stats": "stats", "TurboError": "errors", "OpenOptions": "options", "GenerationOptions": "options"}
+          "Stats": "sequence.stats", "TurboError": "errors", "OpenOptions": "sequence.options",
+          "GenerationOptions": "sequence.options"}
 __all__ = list(_WHERE)
 
 

@@ -22,14 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TextIO
 
 from .bounded import read_small_text, strict_loads
-from .chat.reasoning import END_THINK, THINK
 from .chat.template import ChatTemplate, compile_template
 from .config import ChatConfig, RunConfig
 from .errors import TurboError
 from .sequence.options import GenerationOptions
 from .chat.session import Session, TurnReport
 from .sequence.stats import Stats
-from .sequence.stops import held_back
 from .chat.tool_calls import ToolCall
 from .vision.runtime import vision_of
 
@@ -81,24 +79,22 @@ def open_session(rt: Runtime, chat: ChatConfig) -> Session:
 
 
 class Display:
-    """A turn's text as it streams: what follows `<think>` (the prompt's or the model's) up to
-    `</think>` is reasoning, written marked; the tags themselves are not written."""
+    """A turn's answer as it streams, as its Turn reads it (Turn.stream: the reasoning split off as
+    the session's message splits it, a call's text held back): reasoning written marked, content
+    plain; the tags themselves are not written. `thinking`: the answer opens inside a `<think>`
+    (marked from the start)."""
 
     def __init__(self, out: TextIO, tty: bool, thinking: bool):
         self.out, self.tty, self.thinking = out, tty, False
-        self.pending = ""  # may be the start of a tag
         if thinking:
             self._switch()
 
-    def push(self, text: str, final: bool = False) -> None:
-        self.pending += text
-        while (at := self.pending.find(tag := END_THINK if self.thinking else THINK)) >= 0:
-            self.out.write(self.pending[:at])
-            self.pending = self.pending[at + len(tag):]
-            self._switch()
-        keep = 0 if final else held_back(self.pending, (THINK, END_THINK))
-        self.out.write(self.pending[:len(self.pending) - keep])
-        self.pending = self.pending[len(self.pending) - keep:]
+    def push(self, think: str, content: str, final: bool = False) -> None:
+        for text, marked in ((think, True), (content, False)):
+            if text:
+                if self.thinking != marked:
+                    self._switch()
+                self.out.write(text)
         if final and self.thinking and self.tty:
             self.out.write(PLAIN)
         self.out.flush()
@@ -181,26 +177,25 @@ class Repl:
         generated stays in the history as the assistant's message."""
         s = self.session
         generated: list[int] = []
-        stats, events, display, calls, interrupted = None, None, None, None, False
+        stats, events, display, answer, interrupted = None, None, None, None, False
         self.results = []
         try:
             events = start()
-            display = Display(self.out, self.tty, s.turn.opened)  # (s.turn: the turn `start` began)
-            calls = s.turn.call_stream()  # a call's text is held back, then shown parsed
+            answer = s.turn.stream()  # (s.turn: the turn `start` began) its reasoning split off, a call held back
+            display = Display(self.out, self.tty, s.turn.opened)
             for event in events:
                 if not self.noted:
                     self._note(event.stats)
                 generated += event.tokens
                 stats = event.stats
-                text = calls.feed(event.text) if calls is not None else event.text
-                if event.done and calls is not None:
-                    text += calls.end()[0]  # (a call not read is text: shown as written)
-                display.push(text, final=event.done)
+                think, content, _ = answer.feed(event.text, event.done)  # (the calls: the session reads them)
+                display.push(think, content, final=event.done)
         except KeyboardInterrupt:
             interrupted = True
             getattr(events, "close", lambda: None)()
             if display is not None:
-                display.push("", final=True)
+                think, content, _ = answer.feed("", True)
+                display.push(think, content, final=True)
             if events is not None and s.history and s.history[-1]["role"] == "user":
                 s.history.append(s.turn.answer_of(self.rt.tokenizer, generated)[0])
         print(file=self.out, flush=True)  # each answer a line of its own in the transcript

@@ -330,7 +330,8 @@ class Session:
              fields: dict[str, Any]) -> Iterator[RoundEvent]:
         """The prepared turn's generation over `ids`, from the keeper's longest kept state."""
         self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.mark_render(turn)))
-        events = self.rt.stream(ids, turn.options_of(opts, fields), start=self.keeper)  # refuses here, before a turn starts
+        options = turn.options_of(opts, fields)
+        events = self.rt.stream(ids, options, start=self.keeper)  # refuses here, before a turn starts
         return self._follow(turn, ids, events)
 
     def mark_render(self, turn: Turn) -> str:

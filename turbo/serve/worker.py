@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..bounded import read_small_text
 from ..chat.turn import Turn, check_template_kwargs, turn_stop_ids
-from ..chat.template import ChatTemplate, encode, install_template
+from ..chat.template import ChatTemplate, install_template
 from ..engine import open as open_runtime
 from ..errors import TurboError
 from ..sequence.options import GENERATION_FIELDS, GenerationOptions, OpenOptions

@@ -121,8 +121,6 @@ def check_tool_choice(tools: list | None, tool_choice: str, chat: ChatTemplate |
                          field="tool_choice")
 
 
-
-
 @dataclass
 class Turn:
     """One assistant turn over a conversation: `prepare` renders it (the tools offered: none with
@@ -184,7 +182,8 @@ class Turn:
         o = (opts if opts is not None else defaults).but(**fields)
         o = o.but(stop_token_ids=tuple(dict.fromkeys((o.stop_token_ids or ()) + self.stop_ids)))
         if self.forced is not None:
-            if (opts is not None and opts.response_format is not None) or fields.get("response_format") is not None:
+            given = o.response_format if opts is not None else fields.get("response_format")  # (not the defaults')
+            if given is not None:
                 raise TurboError(f"tool_choice {self.tool_choice!r} and response_format: give one of them",
                                  field="tool_choice")
             o = o.but(response_format=self.forced)

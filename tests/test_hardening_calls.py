@@ -25,7 +25,7 @@ from turbo.chat.turn import template_messages
 from turbo.chat_cli import load_tools
 from turbo.chat.template import encode, install_template
 from turbo.errors import TurboError
-from turbo.serve.protocol import ReasoningStream
+from turbo.chat.reasoning import ReasoningStream
 from turbo.chat.tool_calls import CallStream, ToolCall, call_grammar, parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -217,3 +217,28 @@ def test_the_public_names_resolve():
 
     missing = [name for name in turbo.__all__ if getattr(turbo, name, None) is None]
     assert missing == []
+
+
+BELOW_CHAT = ("turbo.store", "turbo.load", "turbo.model", "turbo.backends", "turbo.drafters", "turbo.sequence",
+              "turbo.vision")
+# package -> what none of its modules may import, at any level (TYPE_CHECKING and functions too): the layers
+LAYERS = {**{p: ("turbo.chat", "turbo.engine", "turbo.serve") for p in BELOW_CHAT},
+          "turbo.chat": ("turbo.engine", "turbo.serve", "turbo.chat_cli", "tui")}
+
+
+def every_import(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules of ours any import statement of `path` names, wherever it sits."""
+    tree = ast.parse(path.read_text(), str(path))
+    return {t for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom))
+            for t in _targets(name, path.name == "__init__.py", node, known)}
+
+
+def test_the_layers_import_only_downwards():
+    """The chat package works against its own ChatRuntime protocol, never the engine (issue 53); the
+    packages below it know neither the chat, the engine nor the server."""
+    files = sources()
+    known = set(files)
+    wrong = [f"{name} imports {t}" for name, path in files.items() for layer, banned in LAYERS.items()
+             if name == layer or name.startswith(layer + ".")
+             for t in every_import(name, path, known) if any(t == b or t.startswith(b + ".") for b in banned)]
+    assert wrong == [], "; ".join(sorted(wrong))

@@ -11,7 +11,7 @@ from test_mtp import add_mtp, mtp_tensors
 
 import turbo
 from turbo.drafters import DrafterBase
-from turbo.chat.turn import split_reasoning
+from turbo.chat.reasoning import split_reasoning
 from turbo.chat.template import encode, render
 from turbo.errors import TurboError
 from turbo.repack import repack

@@ -14,6 +14,7 @@ import pytest
 
 from turbo.chat.turn import template_messages
 from turbo.errors import TurboError
+from turbo.serve.protocol import parse
 from turbo.chat.tool_calls import CallStream, call_grammar, parse_tool_calls, tool_functions
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -234,3 +235,21 @@ def test_task_chat_shows_calls_and_takes_typed_results(server, tmp_path):
     bad = subprocess.run([sys.executable, "-m", "turbo", "task=chat", "threads=1", "tools=missing.json"],
                          input="", capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "tools file" in bad.stderr
+
+
+def test_tool_choice_none_renders_one_prompt_in_a_session_rt_chat_and_the_server(server, monkeypatch):
+    """tool_choice "none" offers no tool in the prompt (README): a session (its own choice, or a
+    turn's), rt.chat and the server render the same prompt for the same messages and tools -- the
+    one rendered without tools."""
+    engine, _, _ = server
+    rt = engine.rt
+    served = engine.prepare(parse({"model": engine.model, "messages": ASK, "tools": TOOLS, "tool_choice": "none",
+                                   "max_tokens": 2}, chat=True)).request.ids
+    chatted = rt.chat(ASK, tools=TOOLS, tool_choice="none", max_new_tokens=2).prompt_tokens
+    bare = rt.chat(ASK, max_new_tokens=2).prompt_tokens
+    streamed: list[list[int]] = []
+    stream = rt.stream
+    monkeypatch.setattr(rt, "stream", lambda prompt, *a, **k: streamed.append(list(prompt)) or stream(prompt, *a, **k))
+    list(rt.session(tools=TOOLS, tool_choice="none").send(ASK[0]["content"], max_new_tokens=2))
+    list(rt.session(tools=TOOLS).send(ASK[0]["content"], max_new_tokens=2, tool_choice="none"))
+    assert streamed == [served, served] and chatted == served and served == bare

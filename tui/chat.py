@@ -22,8 +22,9 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Static
 
-from turbo.chat.turn import END_THINK, opens_think, split_reasoning
+from turbo.chat.reasoning import END_THINK
 from turbo.chat.template import ChatTemplate
+from turbo.chat.turn import Turn
 from turbo.sequence.options import GenerationOptions
 from turbo.chat.session import Session, TurnReport
 
@@ -109,10 +110,9 @@ def answer_end(t: Transcript, stop_ids: tuple[int, ...]) -> int:
     return t.starts[n] if n < len(t.tokens) else len(t.text)
 
 
-def live_message(t: Transcript, stop_ids: tuple[int, ...], opened: bool) -> dict[str, Any]:
-    """The answer so far as the session will split it (turbo.chat.turn.split_reasoning)."""
-    reasoning, content = split_reasoning(t.text[:answer_end(t, stop_ids)], opened)
-    return {"role": "assistant", "content": content} | ({"reasoning_content": reasoning} if reasoning is not None else {})
+def live_message(t: Transcript, turn: Turn) -> dict[str, Any]:
+    """The answer so far as the session will read it (turbo.chat.turn.Turn.answer)."""
+    return turn.answer(t.text[:answer_end(t, turn.stop_ids)])[0]
 
 
 def answer_texts(message: dict[str, Any], t: Transcript | None, stop_ids: tuple[int, ...]) -> tuple[Text | None, Text]:
@@ -168,11 +168,11 @@ class ChatView(VerticalScroll):
     """The transcript of turns, rebuilt from the session's history at each turn's start and end."""
 
     def show(self, conversation: list[dict[str, Any]], notes: dict[int, str], t: Transcript | None,
-             stop_ids: tuple[int, ...], editing: int | None = None, live: bool = False, opened: bool = False,
+             stop_ids: tuple[int, ...], editing: int | None = None, live: bool = False, turn: Turn | None = None,
              tail_note: str = "") -> Answer | None:
         """The conversation's turns (the system prompt is the field above); the last answer coloured from
         `t`. A conversation that ends with a user message gets an answer from `t` under it (the
-        one streaming when `live`, else a stopped one). Returns that answer."""
+        one streaming when `live`, else a stopped one; `turn` the running one). Returns that answer."""
         self.remove_children()
         widgets: list[Widget] = []
         tail: Answer | None = None
@@ -185,7 +185,7 @@ class ChatView(VerticalScroll):
                 widgets.append(a)
         if conversation and conversation[-1]["role"] == "user" and (live or t is not None):
             tail = Answer(collapsed=not live)
-            message = live_message(t, stop_ids, opened) if t is not None else {"content": ""}
+            message = live_message(t, turn) if t is not None and turn is not None else {"content": ""}
             tail.show(message, t, stop_ids, tail_note)
             widgets.append(tail)
         self.mount_all(widgets)
@@ -230,7 +230,7 @@ class ChatMode(ImageAttach):
         self.notes: dict[int, str] = {}  # conversation index of an answer -> its counters
         self.editing: int | None = None  # conversation index of the user message being edited
         self.turn_report: TurnReport | None = None
-        self._opened = False  # the running turn's generation prompt opened a <think>
+        self._turn: Turn | None = None  # the running turn (its answer read as the session reads it)
         self._live: Answer | None = None
         self.attached = []  # /image's parts for the next message (tui/images.py)
 
@@ -257,7 +257,7 @@ class ChatMode(ImageAttach):
                                                               rt.install.template_files.special_tokens)
             s = rt.session(self.query_one("#system", Input).value or None, template=template, **kw)
             # a template that is not valid Jinja (or raises for a plain turn) is refused now, not at the first turn
-            s.template.render([user_message("hi")], add_generation_prompt=True, **s.template_kwargs)
+            s.new_turn().render([user_message("hi")], s.template_kwargs)
         except Exception as e:  # noqa: BLE001 - a missing file, a bad template: a message, raw completion stays
             self._apply_mode()
             self._set_status(f"no chat: {error_text(e)} (raw completion only)", error=True)
@@ -300,13 +300,13 @@ class ChatMode(ImageAttach):
     def _show_chat(self, live: bool = False, shown: list[dict[str, Any]] | None = None, tail_note: str = "") -> None:
         self._live = self.query_one("#turns", ChatView).show(
             self.conversation() if shown is None else shown, self.notes, self.transcript, self.session.stop_ids,
-            self.editing, live, self._opened, tail_note)
+            self.editing, live, self._turn, tail_note)
 
     def render_chat(self) -> None:
         """The running turn's answer and the chat counters (the app's repaint tick)."""
         t, s = self.transcript, self.session
-        if self.busy and self._live is not None and t is not None and s is not None:
-            self._live.show(live_message(t, s.stop_ids, self._opened), t, s.stop_ids)
+        if self.busy and self._live is not None and t is not None and s is not None and self._turn is not None:
+            self._live.show(live_message(t, self._turn), t, s.stop_ids)
             self.query_one("#turns", ChatView).scroll_end(animate=False)
         for key, value in chat_counter_values(self.turn_report, self.totals).items():
             self._put(f"#{key}", value)
@@ -318,11 +318,11 @@ class ChatMode(ImageAttach):
         `shown` is the conversation as the turn will see it."""
         s = self.session
         self.notes = {i: n for i, n in self.notes.items() if i < len(shown)}
-        self.editing, self.turn_report, self.prompt_shown, self._opened, self._live = None, None, "", False, None
+        self.editing, self.turn_report, self.prompt_shown, self._turn, self._live = None, None, "", None, None
 
         def start() -> Iterator:
             events = begin(s, self.settings.generation)
-            self._opened = opens_think(s.render())  # the prompt the turn runs on
+            self._turn = s.turn  # the turn it runs
             return events
 
         self._start(start)

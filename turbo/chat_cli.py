@@ -22,15 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TextIO
 
 from .bounded import read_small_text, strict_loads
-from .chat.turn import END_THINK, THINK, assistant_message, opens_think
 from .chat.template import ChatTemplate, compile_template
 from .config import ChatConfig, RunConfig
 from .errors import TurboError
 from .sequence.options import GenerationOptions
 from .chat.session import Session, TurnReport
 from .sequence.stats import Stats
-from .sequence.stops import held_back
-from .chat.tool_calls import CallStream, ToolCall
+from .chat.tool_calls import ToolCall
 from .vision.runtime import vision_of
 
 if TYPE_CHECKING:
@@ -76,30 +74,27 @@ def open_session(rt: Runtime, chat: ChatConfig) -> Session:
         if chat.template is None:  # the install has none: say how to give one
             raise TurboError(f"{e}; give one with chat_template=FILE.jinja") from None
         raise
-    s.template.render(s.history + [{"role": "user", "content": "Hello."}], add_generation_prompt=True,
-                      tools=s.tools, **s.template_kwargs)
+    s.new_turn().render(s.history + [{"role": "user", "content": "Hello."}], s.template_kwargs)
     return s
 
 
 class Display:
-    """A turn's text as it streams: what follows `<think>` (the prompt's or the model's) up to
-    `</think>` is reasoning, written marked; the tags themselves are not written."""
+    """A turn's answer as it streams, as its Turn reads it (Turn.stream: the reasoning split off as
+    the session's message splits it, a call's text held back): reasoning written marked, content
+    plain; the tags themselves are not written. `thinking`: the answer opens inside a `<think>`
+    (marked from the start)."""
 
     def __init__(self, out: TextIO, tty: bool, thinking: bool):
         self.out, self.tty, self.thinking = out, tty, False
-        self.pending = ""  # may be the start of a tag
         if thinking:
             self._switch()
 
-    def push(self, text: str, final: bool = False) -> None:
-        self.pending += text
-        while (at := self.pending.find(tag := END_THINK if self.thinking else THINK)) >= 0:
-            self.out.write(self.pending[:at])
-            self.pending = self.pending[at + len(tag):]
-            self._switch()
-        keep = 0 if final else held_back(self.pending, (THINK, END_THINK))
-        self.out.write(self.pending[:len(self.pending) - keep])
-        self.pending = self.pending[len(self.pending) - keep:]
+    def push(self, think: str, content: str, final: bool = False) -> None:
+        for text, marked in ((think, True), (content, False)):
+            if text:
+                if self.thinking != marked:
+                    self._switch()
+                self.out.write(text)
         if final and self.thinking and self.tty:
             self.out.write(PLAIN)
         self.out.flush()
@@ -182,28 +177,27 @@ class Repl:
         generated stays in the history as the assistant's message."""
         s = self.session
         generated: list[int] = []
-        stats, events, display, interrupted = None, None, None, False
-        calls = CallStream(s.tools) if s.tools else None  # a call's text is held back, then shown parsed
+        stats, events, display, answer, interrupted = None, None, None, None, False
         self.results = []
         try:
             events = start()
-            display = Display(self.out, self.tty, opens_think(s.render()))  # the history ends with the user's turn
+            answer = s.turn.stream()  # (s.turn: the turn `start` began) its reasoning split off, a call held back
+            display = Display(self.out, self.tty, s.turn.opened)
             for event in events:
                 if not self.noted:
                     self._note(event.stats)
                 generated += event.tokens
                 stats = event.stats
-                text = calls.feed(event.text) if calls is not None else event.text
-                if event.done and calls is not None:
-                    text += calls.end()[0]  # (a call not read is text: shown as written)
-                display.push(text, final=event.done)
+                think, content, _ = answer.feed(event.text, event.done)  # (the calls: the session reads them)
+                display.push(think, content, final=event.done)
         except KeyboardInterrupt:
             interrupted = True
             getattr(events, "close", lambda: None)()
             if display is not None:
-                display.push("", final=True)
-            if s.history and s.history[-1]["role"] == "user":
-                s.history.append(assistant_message(self.rt.tokenizer, generated, s.stop_ids, opens_think(s.render())))
+                think, content, _ = answer.feed("", True)
+                display.push(think, content, final=True)
+            if events is not None and s.history and s.history[-1]["role"] == "user":
+                s.history.append(s.turn.answer_of(self.rt.tokenizer, generated)[0])
         print(file=self.out, flush=True)  # each answer a line of its own in the transcript
         last = s.history[-1] if s.history else {}
         for call in s.pending_calls:

@@ -1,3 +1,5 @@
-"""A chat turn: the checkpoint's template rendered in a sandbox (template), the turn itself for
-the library and the server (turn), tool calls read from the answer (tool_calls), sessions that
-keep their state across turns (session, image_session) and the terminal chat (cli)."""
+"""A chat turn: the checkpoint's template rendered in a sandbox (template), one turn prepared and
+its answer read for every front -- Runtime.chat, sessions, the server, the terminal chat, the TUI
+(turn) -- the answer's reasoning split off (reasoning) and its tool calls read (tool_calls),
+sessions that keep their state across turns (session, image_session), and what a chat needs of a
+runtime (runtime: the package never imports turbo.engine)."""

@@ -9,29 +9,26 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .turn import answer_opens_think
 from .template import encode
+from .turn import Turn
 from ..sequence.options import GenerationOptions
 from .session import Session, common_prefix
 from ..vision.positions import expand_placeholders
-from ..vision.runtime import check_placed, message_images, prompt_images, vision_of
+from ..vision.runtime import prompt_images, vision_of
 
 
 class VisionSession(Session):
-    def _turn(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator:
-        images = message_images(self.history)
+    def _run(self, turn: Turn, ids: list[int], opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator:
+        images = turn.images(self.rt, ids)
         if not images:
-            return super()._turn(opts, fields)
-        prompt = self.render()
-        ids = encode(self.rt.tokenizer, prompt)
-        check_placed(self.rt, ids, images)
+            return super()._run(turn, ids, opts, fields)
         vis = vision_of(self.rt)
         prepared = vis.prepare(images)
         tokens = expand_placeholders(ids, [p.tokens(vis.config.merge) for p in prepared], vis.ids.image)
         # the start of the generation prompt, counted in expanded rows
-        mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
+        mark = common_prefix(ids, encode(self.rt.tokenizer, self.mark_render(turn)))
         before = prepared[:ids[:mark].count(vis.ids.image)]
         self.keeper.mark = mark + sum(p.tokens(vis.config.merge) - 1 for p in before)
-        options = self.turn_options(opts, fields)
-        events = self.rt.stream(tokens, options, keeper=self.keeper, images=prompt_images(self.rt, tokens, prepared))
-        return self._follow(tokens, answer_opens_think(prompt, options), events)
+        events = self.rt.stream(tokens, turn.options_of(opts, fields), keeper=self.keeper,
+                                images=prompt_images(self.rt, tokens, prepared))
+        return self._follow(turn, tokens, events)

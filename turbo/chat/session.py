@@ -17,8 +17,8 @@ import numbers
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..store.arch import show
-from .turn import (answer_opens_think, assistant_message, call_options, check_template_kwargs, check_tool_choice,
-    read_calls, template_messages, turn_options, turn_stop_ids)
+from .runtime import ChatRuntime
+from .turn import Turn, check_template_kwargs, check_tool_choice, turn_stop_ids
 from .template import ChatTemplate, encode
 from ..errors import TurboError
 from ..sequence.options import GENERATION_FIELDS, GenerationOptions
@@ -27,7 +27,6 @@ from .tool_calls import ToolCall, tool_messages
 
 if TYPE_CHECKING:
     from ..sequence.driver import RoundEvent
-    from ..engine import Runtime
 
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
@@ -64,7 +63,7 @@ class Session:
     `tools`, an answer's calls are read into that message's "tool_calls" (`pending_calls` gives them
     as objects) and `send_tool_results` answers them and streams the next turn."""
 
-    def __init__(self, rt: Runtime, template: ChatTemplate, system: str | None = None, tools: list | None = None,
+    def __init__(self, rt: ChatRuntime, template: ChatTemplate, system: str | None = None, tools: list | None = None,
                  template_kwargs: dict[str, Any] | None = None, snapshots: int = DEFAULT_SNAPSHOTS,
                  tool_choice: str = "auto"):
         check_tool_choice(tools, tool_choice, template)
@@ -78,6 +77,7 @@ class Session:
         self.stop_ids = turn_stop_ids(rt.install, rt.tokenizer)
         self.history: list[dict[str, Any]] = []
         self.last_turn: TurnReport | None = None
+        self.turn: Turn | None = None  # the last turn started
         self.system = system
 
     @property
@@ -154,40 +154,48 @@ class Session:
                              f"{', '.join(GENERATION_FIELDS)}); template keywords are given to Runtime.session")
         # a shallow copy of the keeper: what a refused _turn sets (the mark, an image turn's rows) it
         # sets as new attributes, the kept states themselves are untouched until the first round
-        choice = self.tool_choice if tool_choice is None else tool_choice
-        check_tool_choice(self.tools, choice, self.template)
-        before, kept = self.history, copy.copy(self.keeper)
-        self.history, self._choice = history, choice
+        before, kept, choice = self.history, copy.copy(self.keeper), self._choice
+        self.history, self._choice = history, self.tool_choice if tool_choice is None else tool_choice
         try:
-            return self._turn(opts, fields)
+            return self._turn(opts, fields)  # (its Turn checks the tool_choice)
         except BaseException:
-            self.history, self.keeper = before, kept
+            self.history, self.keeper, self._choice = before, kept, choice
             raise
 
-    def render(self, add_generation_prompt: bool = True) -> str:
-        return self.template.render(template_messages(self.history), add_generation_prompt=add_generation_prompt,
-                                    tools=self.tools, **self.template_kwargs)
+    def new_turn(self) -> Turn:
+        """A turn over the history with the session's template and tools and the turn's tool_choice."""
+        return Turn(self.template, self.stop_ids, self.tools, self._choice)
 
-    def turn_options(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> GenerationOptions:
-        """The turn's options: the caller's, the turn's stop tokens, the call its tool_choice forces."""
-        return call_options(turn_options(opts, fields, self.stop_ids), self.tools, self._choice, self.template)
+    def render(self, add_generation_prompt: bool = True) -> str:
+        return self.new_turn().render(self.history, self.template_kwargs, add_generation_prompt=add_generation_prompt)
 
     def _turn(self, opts: GenerationOptions | None, fields: dict[str, Any]) -> Iterator[RoundEvent]:
-        prompt = self.render()
-        ids = encode(self.rt.tokenizer, prompt)
-        self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.render(False)))
-        options = self.turn_options(opts, fields)
-        events = self.rt.stream(ids, options, keeper=self.keeper)  # refuses here, before a turn starts
-        return self._follow(ids, answer_opens_think(prompt, options), events)
+        turn = self.new_turn()
+        turn.prepare(self.history, self.template_kwargs)
+        return self._run(turn, turn.ids(self.rt.tokenizer), opts, fields)
 
-    def _follow(self, ids: list[int], opened: bool, events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
+    def _run(self, turn: Turn, ids: list[int], opts: GenerationOptions | None,
+             fields: dict[str, Any]) -> Iterator[RoundEvent]:
+        """The prepared turn's generation over `ids`, from the keeper's longest kept state."""
+        self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.mark_render(turn)))
+        options = turn.options_of(opts, fields)
+        events = self.rt.stream(ids, options, keeper=self.keeper)  # refuses here, before a turn starts
+        return self._follow(turn, ids, events)
+
+    def mark_render(self, turn: Turn) -> str:
+        """The history without the generation prompt: where the assistant turn starts (the keeper's mark)."""
+        return turn.render(self.history, self.template_kwargs, add_generation_prompt=False)
+
+    def _follow(self, turn: Turn, ids: list[int], events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
+        self.turn = turn  # (the running turn: a front reads its answer as it streams)
+        return self._read(turn, ids, events)
+
+    def _read(self, turn: Turn, ids: list[int], events: Iterator[RoundEvent]) -> Iterator[RoundEvent]:
         generated: list[int] = []
         for event in events:
             generated += event.tokens
             if event.done:  # (the driver kept the answer's state: Driver.end)
-                message = assistant_message(self.rt.tokenizer, generated, self.stop_ids, opened)
-                read_calls(message, self.tools, self._choice)
-                self.history.append(message)
+                self.history.append(turn.answer_of(self.rt.tokenizer, generated)[0])
                 self.last_turn = self.keeper.report
                 self.last_turn.tokens, self.last_turn.stats = generated, event.stats
             yield event

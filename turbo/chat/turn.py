@@ -1,34 +1,36 @@
-"""Messages in, an assistant message out: `Runtime.chat` and what a chat session shares with it.
+"""One chat turn, as every front builds and reads it: `Turn`. Runtime.chat (`run_chat`), sessions
+(turbo/chat/session.py, image_session.py), the server (turbo/serve/worker.py, app.py), the terminal
+chat and the TUI all prepare a turn here -- the template's render with the tools offered, the
+options (the turn's stop tokens, the call tool_choice forces), whether the answer opens inside a
+`<think>` -- and read its answer here: the message with its reasoning split off and its calls
+read, the finish reason, or the same as it streams (`AnswerStream`).
 
 The prompt is the conversation rendered by the install's chat template (turbo/chat/template.py)
-or one given as `template=`; the answer's `<think>...</think>` reasoning is split from its content
-the way vLLM's Qwen3 reasoning parser splits it (`split_reasoning`). `turn_stop_ids` is the one
-place that says which tokens end a turn. Sessions that keep their state: turbo/chat/session.py.
+or one given as `template=`. `turn_stop_ids` is the one place that says which tokens end a turn.
 """
 
 from __future__ import annotations
 
 import difflib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tokenizers import Tokenizer
 
 from ..bounded import strict_loads
-from .template import ChatTemplate, encode, install_template, template_variables
 from ..errors import TurboError
-from ..store.install import Install
 from ..sequence.options import GENERATION_FIELDS, GenerationOptions
-from .tool_calls import ToolCall, check_tools, forced_call, parse_tool_calls, tool_functions
 from ..sequence.stats import Stats
+from ..store.install import Install
 from ..vision.runtime import check_placed, message_images
+from .reasoning import ReasoningStream, opens_think, split_reasoning
+from .runtime import ChatRuntime
+from .template import ChatTemplate, encode, install_template, template_variables
+from .tool_calls import CallStream, ToolCall, check_tools, forced_call, parse_tool_calls, tool_functions
 
-if TYPE_CHECKING:
-    from ..engine import Runtime
-
-THINK, END_THINK = "<think>", "</think>"
 END_OF_TURN = "<|im_end|>"  # the Qwen / ChatML end-of-turn token
 RENDER_ARGS = ("messages", "add_generation_prompt", "tools", "documents")  # the render's own, not template keywords
+DEFAULT_OPTIONS = GenerationOptions()
 
 
 @dataclass
@@ -109,94 +111,154 @@ def turn_stop_ids(install: Install, tokenizer: Tokenizer) -> tuple[int, ...]:
     return tuple(dict.fromkeys(install.eos_ids + ((end,) if end is not None else ())))
 
 
-def turn_options(opts: GenerationOptions | None, fields: dict[str, Any], stop_ids: tuple[int, ...]) -> GenerationOptions:
-    """The caller's options with the turn's stop tokens added to any they gave."""
-    o = (opts if opts is not None else GenerationOptions()).but(**fields)
-    return o.but(stop_token_ids=tuple(dict.fromkeys((o.stop_token_ids or ()) + stop_ids)))
-
-
-def opens_think(prompt: str) -> bool:
-    """The generation prompt left a `<think>` open (thinking templates): the answer starts inside it."""
-    return prompt.rfind(THINK) > prompt.rfind(END_THINK)
-
-
-def answer_opens_think(prompt: str, o: GenerationOptions) -> bool:
-    """The answer starts inside a `<think>` the prompt opened, unless a response_format holds it:
-    then the whole answer is the constrained content (as vLLM's structured output without a
-    reasoning parser)."""
-    return opens_think(prompt) and o.response_format is None
-
-
-def split_reasoning(text: str, opened: bool = False) -> tuple[str | None, str]:
-    """(reasoning, content) as vLLM's Qwen3 reasoning parser: a `<think>` the model wrote is
-    dropped, what comes before the first `</think>` is the reasoning, the rest the content;
-    without a `</think>` there is no reasoning -- unless the prompt opened the `<think>`
-    (`opened`): then an answer cut before its `</think>` is all reasoning."""
-    before, think, after = text.partition(THINK)
-    text = after if think else before
-    reasoning, end, content = text.partition(END_THINK)
-    if end:
-        return reasoning, content
-    return (text, "") if opened else (None, text)
-
-
-def assistant_message(tokenizer: Tokenizer, tokens: list[int], stop_ids: tuple[int, ...],
-                      opened: bool) -> dict[str, Any]:
-    """The turn's message: the tokens up to a trailing end-of-turn token, decoded and split."""
-    n = len(tokens)
-    while n and tokens[n - 1] in stop_ids:
-        n -= 1
-    reasoning, content = split_reasoning(tokenizer.decode(tokens[:n], skip_special_tokens=False), opened)
-    message = {"role": "assistant", "content": content}
-    if reasoning is not None:
-        message["reasoning_content"] = reasoning
-    return message
-
-
-TOOL_CHOICES = ("none", "auto", "required")
-
-
 def check_tool_choice(tools: list | None, tool_choice: str, chat: ChatTemplate | None = None) -> None:
-    """The tools well formed (turbo/tool_calls.check_tools: names `chat`'s call format can carry);
-    tool_choice none, auto, required (with tools) or one of the tools' names; else refused naming
-    the field."""
-    check_tools(tools, chat.source if chat is not None else None)
+    """The tools well formed (turbo/chat/tool_calls.check_tools: names `chat`'s call format can
+    carry, where they are offered: tool_choice none offers none); tool_choice none, auto, required
+    (with tools) or one of the tools' names; else refused naming the field."""
+    check_tools(tools, chat.source if chat is not None and tool_choice != "none" else None)
     if tool_choice not in ("none", "auto") and (not tools or tool_choice not in ("required", *tool_functions(tools))):
         raise TurboError(f"tool_choice {tool_choice!r}: expected none, auto, required or one of the tools' names",
                          field="tool_choice")
 
 
-def call_options(options: GenerationOptions, tools: list | None, tool_choice: str,
-                 chat: ChatTemplate) -> GenerationOptions:
-    """The options with the call constrained where tool_choice asks for one (required, or a tool's
-    name: turbo/chat/tool_calls.py's grammar in the template's format)."""
-    check_tool_choice(tools, tool_choice, chat)
-    forced = forced_call(tools, tool_choice, chat.source)
-    if forced is None:
-        return options
-    if options.response_format is not None:
-        raise TurboError(f"tool_choice {tool_choice!r} and response_format: give one of them", field="tool_choice")
-    return options.but(response_format=forced)
+@dataclass
+class Turn:
+    """One assistant turn over a conversation: `prepare` renders it (the tools offered: none with
+    tool_choice "none", as the server's), `ids` and `images` give what the generation runs on,
+    `options_of` the turn's options; `answer` / `answer_of` read the whole answer, `stream` reads it
+    as it grows, `finish_reason` says why it ended. Its tools and tool_choice are checked here."""
+
+    template: ChatTemplate
+    stop_ids: tuple[int, ...]  # what ends the turn (turn_stop_ids), besides the caller's stop_token_ids
+    tools: list | None = None  # the tools given
+    tool_choice: str = "auto"  # none | auto | required | a tool's name
+    prompt: str = ""  # the conversation rendered (prepare)
+    messages: list = field(default_factory=list)  # the conversation (prepare)
+    options: GenerationOptions | None = None  # the turn's (options_of)
+    forced: dict | None = field(init=False, default=None)  # the response_format of the call tool_choice forces
+
+    def __post_init__(self) -> None:
+        check_tool_choice(self.tools, self.tool_choice, self.template)
+        # required, or a tool's name: the call constrained (turbo/chat/tool_calls.py's grammar, the template's format)
+        self.forced = forced_call(self.tools, self.tool_choice, self.template.source)
+
+    @property
+    def offered(self) -> list | None:
+        """The tools the prompt offers and the answer's calls are read for (tool_choice none: none)."""
+        return self.tools if self.tool_choice != "none" else None
+
+    def render(self, messages: list, template_kwargs: dict[str, Any], *, add_generation_prompt: bool = True,
+               documents: list | None = None) -> str:
+        """`messages` as the template renders them with this turn's tools (a conversation that is not a
+        list goes as it is: the template's render refuses it by name)."""
+        shown = template_messages(messages) if isinstance(messages, (list, tuple)) else messages
+        return self.template.render(shown, add_generation_prompt=add_generation_prompt, tools=self.offered,
+                                    documents=documents, **template_kwargs)
+
+    def prepare(self, messages: list, template_kwargs: dict[str, Any], *, add_generation_prompt: bool = True,
+                documents: list | None = None) -> str:
+        """The turn's prompt: the conversation rendered, with the generation prompt."""
+        self.prompt = self.render(messages, template_kwargs, add_generation_prompt=add_generation_prompt,
+                                  documents=documents)
+        self.messages = messages
+        return self.prompt
+
+    def ids(self, tokenizer: Tokenizer) -> list[int]:
+        return encode(tokenizer, self.prompt)
+
+    def images(self, rt: ChatRuntime, ids: list[int]) -> list:
+        """The conversation's images (turbo/vision: content parts of type image / image_url), each
+        placed by the template in `ids` (else refused)."""
+        found = message_images(self.messages)
+        if found:
+            check_placed(rt, ids, found)
+        return found
+
+    def options_of(self, opts: GenerationOptions | None, fields: dict[str, Any],
+                   defaults: GenerationOptions = DEFAULT_OPTIONS) -> GenerationOptions:
+        """The turn's options: the caller's (`opts`, else `defaults`) with `fields` over them, the
+        turn's stop tokens added to any given, and the call tool_choice forces as the response_format
+        -- refused beside a response_format the caller gave (one of `defaults`, the server's, gives way)."""
+        o = (opts if opts is not None else defaults).but(**fields)
+        o = o.but(stop_token_ids=tuple(dict.fromkeys((o.stop_token_ids or ()) + self.stop_ids)))
+        if self.forced is not None:
+            given = o.response_format if opts is not None else fields.get("response_format")  # (not the defaults')
+            if given is not None:
+                raise TurboError(f"tool_choice {self.tool_choice!r} and response_format: give one of them",
+                                 field="tool_choice")
+            o = o.but(response_format=self.forced)
+        self.options = o
+        return o
+
+    @property
+    def opened(self) -> bool:
+        """The answer starts inside a `<think>` the prompt opened, unless a response_format holds it:
+        then the whole answer is the constrained content (as vLLM's structured output without a
+        reasoning parser)."""
+        return opens_think(self.prompt) and (self.options is None or self.options.response_format is None)
+
+    def answer(self, text: str) -> tuple[dict[str, Any], list[ToolCall]]:
+        """The message (OpenAI's: content, reasoning_content, tool_calls) and the calls of the answer
+        `text`; a call written malformed stays text, with the reason in message["tool_call_error"]."""
+        reasoning, content = split_reasoning(text, self.opened)
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        calls: list[ToolCall] = []
+        if self.offered:
+            message["content"], calls, why = parse_tool_calls(content, self.offered)
+            if calls:
+                message["tool_calls"] = [c.openai() for c in calls]
+            elif why is not None:
+                message["tool_call_error"] = why
+        return message, calls
+
+    def answer_of(self, tokenizer: Tokenizer, tokens: list[int]) -> tuple[dict[str, Any], list[ToolCall]]:
+        """`answer` of the generated tokens, up to a trailing end-of-turn token."""
+        n = len(tokens)
+        while n and tokens[n - 1] in self.stop_ids:
+            n -= 1
+        return self.answer(tokenizer.decode(tokens[:n], skip_special_tokens=False))
+
+    @staticmethod
+    def finish_reason(reason: str, calls: list) -> str:
+        """OpenAI's finish_reason: "tool_calls" where an answer that stopped made calls."""
+        return "tool_calls" if calls and reason == "stop" else reason
+
+    def stream(self) -> AnswerStream:
+        return AnswerStream(ReasoningStream(self.opened), self.call_stream())
+
+    def call_stream(self) -> CallStream | None:
+        """The answer's calls read as it streams (their text held back), or None: no tool offered."""
+        return CallStream(self.offered) if self.offered else None
 
 
-def read_calls(message: dict[str, Any], tools: list | None, tool_choice: str) -> list[ToolCall]:
-    """The answer's tool calls, moved from message["content"] into message["tool_calls"] (OpenAI's
-    shape); a call written malformed stays text, with the reason in message["tool_call_error"]."""
-    if not tools or tool_choice == "none":
-        return []
-    message["content"], calls, why = parse_tool_calls(message["content"], tools)
-    if calls:
-        message["tool_calls"] = [c.openai() for c in calls]
-    elif why is not None:
-        message["tool_call_error"] = why
-    return calls
+class AnswerStream:
+    """A turn's answer read as it streams, as `Turn.answer` reads it whole: `feed` gives what the
+    reasoning and the content gained (a call's text held back) and, at the end, the calls; `why`
+    says why what looked like calls was not read."""
+
+    def __init__(self, reasoning: ReasoningStream, calls: CallStream | None):
+        self.reasoning, self.calls = reasoning, calls
+        self.why: str | None = None
+
+    def feed(self, piece: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """(reasoning, content, the calls: only in the final feed)."""
+        think, content = self.reasoning.feed(piece, final)
+        made: list[ToolCall] = []
+        if self.calls is not None:
+            content = self.calls.feed(content)
+            if final:
+                rest, made, self.why = self.calls.end()
+                content += rest
+        return think, content, made
 
 
-def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools: list | None,
+def run_chat(rt: ChatRuntime, messages: list, opts: GenerationOptions | None, tools: list | None,
              documents: list | None, template: str | ChatTemplate | None, kw: dict[str, Any],
              tool_choice: str = "auto") -> ChatResult:
     """`Runtime.chat`: render (with the generation prompt unless add_generation_prompt=False, as
-    transformers' apply_chat_template takes it), generate, split the answer."""
+    transformers' apply_chat_template takes it), generate, read the answer."""
     chat = template_for(rt.install, template)
     kw = dict(kw)
     generation_prompt = kw.pop("add_generation_prompt", True)
@@ -204,17 +266,10 @@ def run_chat(rt: Runtime, messages: list, opts: GenerationOptions | None, tools:
         raise TurboError(f"add_generation_prompt is {generation_prompt!r}, expected True or False",
                          field="add_generation_prompt")
     fields, template_kwargs = split_keywords(kw, chat)
-    messages = template_messages(messages) if isinstance(messages, (list, tuple)) else messages
-    check_tool_choice(tools, tool_choice, chat)
-    offered = tools if tool_choice != "none" else None  # (none: the prompt offers no tool, as the server's)
-    prompt = chat.render(messages, add_generation_prompt=generation_prompt, tools=offered, documents=documents,
-                         **template_kwargs)
-    ids, stop_ids = encode(rt.tokenizer, prompt), turn_stop_ids(rt.install, rt.tokenizer)
-    images = message_images(messages)  # (turbo/vision: content parts of type image / image_url)
-    if images:
-        check_placed(rt, ids, images)
-    options = call_options(turn_options(opts, fields, stop_ids), tools, tool_choice, chat)
-    result = rt.generate(ids, options, images=images or None)
-    message = assistant_message(rt.tokenizer, result.tokens, stop_ids, answer_opens_think(prompt, options))
-    calls = read_calls(message, tools, tool_choice)
+    turn = Turn(chat, turn_stop_ids(rt.install, rt.tokenizer), tools, tool_choice)
+    turn.prepare(messages, template_kwargs, add_generation_prompt=generation_prompt, documents=documents)
+    ids = turn.ids(rt.tokenizer)
+    images = turn.images(rt, ids)
+    result = rt.generate(ids, turn.options_of(opts, fields), images=images or None)
+    message, calls = turn.answer_of(rt.tokenizer, result.tokens)
     return ChatResult(message, result.tokens, result.text, result.stats, ids, calls)

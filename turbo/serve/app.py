@@ -20,11 +20,11 @@ from fastapi import FastAPI, Request as HttpRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from ..chat.turn import split_reasoning
+from ..chat.turn import Turn
 from ..errors import TurboError
 from ..sequence.driver import choice_options
-from ..chat.tool_calls import CallStream, parse_tool_calls
 from . import protocol as P
+from . import responses as R
 from .guard import Guard, error
 from .limits import MIB, read_body
 from .metrics import CONTENT_TYPE, Timing
@@ -40,13 +40,12 @@ class Call:
 
     body: P.Body
     prompt_tokens: int
-    opened_think: bool
-    tools: list | None  # the tools whose calls the answer is read for (None: no calls)
+    turn: Turn | None  # a chat's: its answer read as turbo/chat/turn.py reads every turn's
     queue: asyncio.Queue
     timing: Timing
     rid: str = ""
     index: int = 0  # which choice (n > 1)
-    created: int = field(default_factory=P.now)
+    created: int = field(default_factory=R.now)
     ticket: object = None
     done: bool = False
     generated: int = 0  # completion tokens, once its last delta has come
@@ -119,12 +118,12 @@ async def answer(engine: Engine, request: HttpRequest, chat: bool) -> Response:
     prepared = await (asyncio.get_running_loop().run_in_executor(image_pool(), engine.prepare, body)
                       if has_images(body) else asyncio.to_thread(engine.prepare, body))
     loop = asyncio.get_running_loop()
-    rid, calls = P.new_id(chat), []
+    rid, calls = R.new_id(chat), []
     try:
         # each choice after the first shares its prefill
         for i, options in enumerate(choice_options(prepared.request.options, body.n)):
             choice = dataclasses.replace(prepared.request, options=options)
-            call = Call(body, len(prepared.request.ids), prepared.opened_think, prepared.tools, asyncio.Queue(),
+            call = Call(body, len(prepared.request.ids), prepared.turn, asyncio.Queue(),
                         engine.metrics.request(), rid, index=i)
             call.ticket = engine.submit(dataclasses.replace(prepared, request=choice), sink_of(loop, call),
                                         body.max_tokens_param, calls[0].ticket if calls else None)
@@ -202,8 +201,8 @@ async def whole(engine: Engine, calls: list[Call], request: HttpRequest) -> dict
     if any(c is None for c in choices):
         return {}  # the client has gone: nobody reads this
     first = calls[0]
-    return {**P.envelope(first.rid, first.body.chat, first.body.model, first.created, choices, chunk=False),
-            "usage": P.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached)}
+    return {**R.envelope(first.rid, first.body.chat, first.body.model, first.created, choices, chunk=False),
+            "usage": R.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached)}
 
 
 async def choice_of(engine: Engine, call: Call, request: HttpRequest) -> dict | None:
@@ -219,20 +218,10 @@ async def choice_of(engine: Engine, call: Call, request: HttpRequest) -> dict | 
     choice: dict = {"index": call.index, "finish_reason": last.finish.reason, "stop_reason": last.finish.matched}
     logprobs = None
     if body.logprobs is not None:
-        logprobs = P.chat_logprobs(lps, engine.piece) if body.chat else P.completion_logprobs(lps, engine.piece, 0)
-    if body.chat:
-        reasoning, content = split_reasoning(out, call.opened_think)
-        tool_calls, why = [], None
-        if call.tools:
-            content, tool_calls, why = parse_tool_calls(content, call.tools)
-        choice["message"] = {"role": "assistant", "content": content}
-        if reasoning is not None:
-            choice["message"]["reasoning_content"] = reasoning
-        if tool_calls:
-            choice["message"]["tool_calls"] = [c.openai() for c in tool_calls]
-            choice["finish_reason"] = "tool_calls" if last.finish.reason == "stop" else last.finish.reason
-        elif why is not None:  # returned as text, with the reason beside it
-            choice["message"]["tool_call_error"] = why
+        logprobs = R.chat_logprobs(lps, engine.piece) if body.chat else R.completion_logprobs(lps, engine.piece, 0)
+    if call.turn is not None:
+        choice["message"], made = call.turn.answer(out)
+        choice["finish_reason"] = call.turn.finish_reason(last.finish.reason, made)
     else:
         choice["text"] = out
     choice["logprobs"] = logprobs
@@ -267,9 +256,9 @@ async def stream(engine: Engine, calls: list[Call]) -> AsyncIterator[str]:
         for t in tasks:
             t.cancel()
     if body.include_usage and all(c.done for c in calls):
-        yield P.sse({**P.envelope(first.rid, body.chat, body.model, first.created, [], chunk=True),
-                     "usage": P.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached)})
-    yield P.sse("[DONE]")
+        yield R.sse({**R.envelope(first.rid, body.chat, body.model, first.created, [], chunk=True),
+                     "usage": R.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached)})
+    yield R.sse("[DONE]")
 
 
 async def choice_chunks(engine: Engine, call: Call) -> AsyncIterator[str]:
@@ -279,11 +268,10 @@ async def choice_chunks(engine: Engine, call: Call) -> AsyncIterator[str]:
     i = call.index
 
     def chunk(choice: dict) -> str:
-        return P.sse({**P.envelope(call.rid, body.chat, body.model, call.created, [choice], chunk=True),
+        return R.sse({**R.envelope(call.rid, body.chat, body.model, call.created, [choice], chunk=True),
                       **usage_field})
 
-    reasoning = P.ReasoningStream(call.opened_think)
-    calls = CallStream(call.tools) if call.tools else None
+    answer = call.turn.stream() if call.turn is not None else None
     offset = 0
     if body.chat:
         yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -294,22 +282,16 @@ async def choice_chunks(engine: Engine, call: Call) -> AsyncIterator[str]:
             finish = d.finish.reason if final else None
             logprobs = None
             if body.logprobs is not None and d.logprobs:
-                logprobs = (P.chat_logprobs(d.logprobs, engine.piece) if body.chat
-                            else P.completion_logprobs(d.logprobs, engine.piece, offset))
-            if body.chat:
-                think, content = reasoning.feed(d.text, final)
-                made: list = []
-                if calls is not None:
-                    content = calls.feed(content)
-                    if final:
-                        rest, made, why = calls.end()
-                        content += rest
+                logprobs = (R.chat_logprobs(d.logprobs, engine.piece) if body.chat
+                            else R.completion_logprobs(d.logprobs, engine.piece, offset))
+            if answer is not None:
+                think, content, made = answer.feed(d.text, final)
                 delta = {**({"reasoning_content": think} if think else {}), **({"content": content} if content else {})}
                 if made:  # the calls whole, each at its index, in the last chunk (as vLLM's parsers end)
                     if delta or logprobs:
                         yield chunk({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": None})
                     delta = {"tool_calls": [{"index": k, **c.openai()} for k, c in enumerate(made)]}
-                    logprobs, finish = None, "tool_calls" if finish == "stop" else finish
+                    logprobs, finish = None, call.turn.finish_reason(finish, made)
                 if delta or logprobs or final:
                     yield chunk({"index": i, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             else:  # a chunk per step that commits tokens, its text empty while a character is incomplete
@@ -320,4 +302,4 @@ async def choice_chunks(engine: Engine, call: Call) -> AsyncIterator[str]:
                 call.generated = d.stats.generated_tokens if d.stats is not None else call.timing.tokens
                 call.cached = d.cached_tokens
     except P.ApiError as e:
-        yield P.sse(e.body())
+        yield R.sse(e.body())

@@ -1,9 +1,8 @@
-"""OpenAI's request and response shapes: a JSON body checked field by field into a `Body` (a bad
-field is an `ApiError` naming it, as OpenAI's error object does), and the response, chunk, usage
-and logprobs objects built from the engine's deltas. Field names as OpenAI's API reference and
+"""OpenAI's requests: a JSON body checked field by field into a `Body` (a bad field is an
+`ApiError` naming it, as OpenAI's error object does). Field names as OpenAI's API reference and
 vLLM's entrypoints/openai/protocol.py spell them; what turbo adds is the `turbo` object
 (policy, block, drafter, rollback, window) and vLLM's `chat_template_kwargs`, `stop_token_ids`,
-`ignore_eos`. The HTTP side is app.py.
+`ignore_eos`. The responses are responses.py's, the HTTP side app.py's.
 
 The body's checks are JSON's shapes (a number, an integer, a string, a list, an object): the
 values' ranges are the option types' (turbo/sequence/options.py: GenerationOptions, check_n,
@@ -14,21 +13,15 @@ request is refused with the words the library uses, naming the field as the requ
 from __future__ import annotations
 
 import json
-import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-from ..chat.turn import END_THINK, THINK, split_reasoning
-from ..sequence.stops import held_back
-from ..sequence.logprobs import TokenLogprob
 from ..errors import TurboError
 from ..sequence.options import GENERATION_FIELDS, MAX_N, check_logprobs, check_n  # noqa: F401 (MAX_N: re-exported)
 from ..chat.tool_calls import check_tools, tool_functions
 from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
 from .body import parse_json  # noqa: F401 (re-exported: app.py calls P.parse_json; the front process too)
 
-LOGPROB_FLOOR = -9999.0  # JSON has no -inf: vLLM's floor
 TURBO_KEYS = ("policy", "block", "drafter", "rollback", "window", "regex", "grammar")
 CONSTRAINTS = ("regex", "grammar")  # turbo.regex / turbo.grammar (Lark): a response_format of turbo's kinds
 # the GenerationOptions fields a body gives as JSON numbers (their ranges: GenerationOptions)
@@ -66,6 +59,8 @@ def param_of(e: TurboError, max_tokens_param: str = "max_tokens", forced: bool =
     (`forced`: the response_format is the grammar of the tools' call, so theirs)."""
     if forced and e.field == "response_format":
         return "tools"
+    if e.field == "tool_choice":  # (a forced call beside a response_format)
+        return "tool_choice"
     if e.field in ("max_new_tokens", "max_tokens"):
         return max_tokens_param
     if e.field in TURBO_KEYS:
@@ -290,137 +285,3 @@ def _options(body: dict) -> dict:
             continue
         o[k] = v
     return o
-
-
-# ---- responses ------------------------------------------------------------------------------
-
-
-class _Pieces:
-    """A streamed text as its pieces: appending is O(1), a slice near the end costs its length
-    (a str grown by += is copied whole at every piece: quadratic over a long answer)."""
-
-    def __init__(self) -> None:
-        self.pieces: list[str] = []
-        self.size = 0
-
-    def append(self, piece: str) -> None:
-        self.pieces.append(piece)
-        self.size += len(piece)
-
-    def slice(self, start: int, stop: int | None = None) -> str:
-        """text[start:stop], walking back from the last piece."""
-        stop = self.size if stop is None else stop
-        if start >= stop:
-            return ""
-        parts, end = [], self.size
-        for p in reversed(self.pieces):
-            if end <= start:
-                break
-            begin = end - len(p)
-            if begin < stop:
-                parts.append(p[max(start - begin, 0):stop - begin])
-            end = begin
-        return "".join(reversed(parts))
-
-
-TAG_BACK = len(END_THINK) - 1  # a tag may straddle pieces: each search starts this far before the new piece
-
-
-class ReasoningStream:
-    """`split_reasoning` as a streamed answer grows: what reasoning and content each gained since
-    the last call. Inside a `<think>` not closed yet the text is reasoning (less what may begin
-    its `</think>`); the final call splits exactly as a whole answer is split. Linear in the
-    answer: the tags are searched for in each new piece only, and reasoning, content and what
-    was sent of each are spans of the text, compared by their bounds."""
-
-    def __init__(self, opened: bool):
-        self.opened, self.text = opened, _Pieces()
-        self.think = -1  # where the first <think> starts (-1: none yet)
-        self.any_end = -1  # where the first </think> starts
-        self.end = -1  # where the first </think> after the first <think> starts (split_reasoning's)
-        self.sent = [(0, 0), (0, 0)]  # the spans of reasoning and content sent so far
-        self.same: dict[tuple[int, int, int], bool] = {}  # text[a:a+n] == text[b:b+n], by (a, b, n)
-
-    def feed(self, piece: str, final: bool) -> tuple[str, str]:
-        text = self.text
-        back = max(0, text.size - TAG_BACK)
-        text.append(piece)
-        tail = text.slice(back)  # the new piece, and what may begin a tag before it
-        if self.think < 0 and (at := tail.find(THINK)) >= 0:
-            self.think, self.end = back + at, -1  # (split_reasoning's </think> is the first after it)
-        after = self.think + len(THINK) if self.think >= 0 else 0  # split_reasoning: what follows it
-        if self.any_end < 0 and (at := tail.find(END_THINK)) >= 0:
-            self.any_end = back + at
-        if self.end < 0 and (at := tail.find(END_THINK, max(after - back, 0))) >= 0:
-            self.end = back + at
-        size = text.size
-        if self.end >= 0:
-            spans = [(after, self.end), (self.end + len(END_THINK), size)]
-        else:
-            spans = [(after, size), (size, size)] if self.opened else [(0, 0), (after, size)]
-        if not final and self.any_end < 0 and (self.opened or self.think >= 0):
-            cut = held_back(text.slice(max(after, size - len(END_THINK)), size), (END_THINK,))
-            spans = [(after, size - cut), (size, size)]
-        out = []
-        for i, (a, b) in enumerate(spans):
-            sa, sb = self.sent[i]
-            grew = b - a >= sb - sa and self._same(a, sa, sb - sa)  # (what was sent stays sent)
-            out.append(text.slice(a + sb - sa, b) if grew else "")
-            self.sent[i] = (a, b) if grew else self.sent[i]
-        return out[0], out[1]
-
-    def _same(self, a: int, b: int, n: int) -> bool:
-        if a == b or n == 0:
-            return True
-        if (a, b, n) not in self.same:  # (the text only grows: once compared, always the same answer)
-            self.same[(a, b, n)] = self.text.slice(a, a + n) == self.text.slice(b, b + n)
-        return self.same[(a, b, n)]
-
-
-def new_id(chat: bool) -> str:
-    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
-
-
-def _lp(x: float) -> float:
-    return max(float(x), LOGPROB_FLOOR)
-
-
-def completion_logprobs(lps: list[TokenLogprob], piece: Callable[[int], str], offset: int) -> dict:
-    """The completions form: parallel lists; `offset` is where the first token's text starts."""
-    tokens = [piece(t.token) for t in lps]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    return {"tokens": tokens, "token_logprobs": [_lp(t.logprob) for t in lps],
-            "top_logprobs": [{piece(k): _lp(v) for k, v in t.top} for t in lps], "text_offset": offsets}
-
-
-def chat_logprobs(lps: list[TokenLogprob], piece: Callable[[int], str]) -> dict:
-    """The chat form: one entry per token, each with its bytes and its top alternatives."""
-    def entry(token: int, lp: float) -> dict:
-        text = piece(token)
-        return {"token": text, "logprob": _lp(lp), "bytes": list(text.encode("utf-8"))}
-
-    return {"content": [{**entry(t.token, t.logprob), "top_logprobs": [entry(k, v) for k, v in t.top]}
-                        for t in lps]}
-
-
-def envelope(rid: str, chat: bool, model: str, created: int, choices: list, chunk: bool) -> dict:
-    kind = "chat.completion" if chat else "text_completion"
-    return {"id": rid, "object": kind + (".chunk" if chat and chunk else ""), "created": created,
-            "model": model, "choices": choices}
-
-
-def now() -> int:
-    return int(time.time())
-
-
-def sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..bounded import read_small_text
-from ..chat.turn import check_template_kwargs, opens_think, template_messages, turn_stop_ids
-from ..chat.template import ChatTemplate, encode, install_template
+from ..chat.turn import Turn, check_template_kwargs, turn_stop_ids
+from ..chat.template import ChatTemplate, install_template
 from ..engine import open as open_runtime
 from ..errors import TurboError
-from ..chat.tool_calls import check_tools, forced_call
 from ..sequence.options import ContextTooLong, GenerationOptions, OpenOptions
 from .body import check_text_lengths
 from .images import expand_images
@@ -26,11 +25,14 @@ from .settings import ServeConfig
 @dataclass
 class Prepared:
     request: Request
-    opened_think: bool = False  # chat: the generation prompt left a <think> open
-    tools: list | None = None  # chat: the tools whose calls the answer is read for (turbo/chat/tool_calls.py)
-    forced: bool = False  # tool_choice required or named: the response_format is the tools' call grammar
+    turn: Turn | None = None  # chat: the turn, whose answer the app reads (turbo/chat/turn.py)
     prompt_param: str = "prompt"  # prompt | messages: where the prompt is, as a context refusal names it
     sized: bool = True  # the request gave max_tokens (else it is the room the prompt leaves)
+
+    @property
+    def forced(self) -> bool:
+        """tool_choice required or named: the response_format is the tools' call grammar."""
+        return self.turn is not None and self.turn.forced is not None
 
 
 class Engine:
@@ -76,17 +78,16 @@ class Engine:
         check_text_lengths(body.prompt, body.messages, body.chat, self.max_prompt_chars, self.max_positions)
 
     def prepare(self, body: Body) -> Prepared:
-        """The body as the scheduler's Request: the prompt's ids (a chat rendered by the template),
-        the options over the server's defaults, the length checked against the context."""
+        """The body as the scheduler's Request: the prompt's ids (a chat's turn rendered by the
+        template), the options over the server's defaults, the length checked against the context."""
         self.check_model(body.model)
-        opened, stops, images = False, (), []
-        tools = body.tools if body.tool_choice != "none" else None  # (none: the prompt offers no tool)
+        turn, images = None, []
         if body.chat:
-            prompt = self._render(body, tools)
-            opened, stops = opens_think(prompt), self.stop_ids
+            turn = self._turn(body)
+            prompt = turn.prompt
             check_prompt_chars(prompt, self.max_prompt_chars, self.max_positions, "messages")
             check_prompt_tokens(self.rt.tokenizer, prompt, self.max_positions, "messages")
-            ids = self._ids(lambda: encode(self.rt.tokenizer, prompt), "messages")
+            ids = self._ids(lambda: turn.ids(self.rt.tokenizer), "messages")
             ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
                                         self.config.remote_images)  # (turbo/serve/images.py)
         else:
@@ -97,21 +98,14 @@ class Engine:
         # OpenAI's default max_tokens: the room the prompt leaves (at least 1: a prompt that fills the
         # context is the context check's to refuse, when the scheduler prepares it: options.fit_context)
         wanted = body.max_tokens if body.max_tokens is not None else max(self.max_positions - len(ids), 1)
-        fields = dict(body.options)  # (what they make of the speculation is turbo/sequence/policy.py's to decide)
-        forced = forced_call(body.tools, body.tool_choice, self.template.source) if body.chat else None
-        if forced is not None:  # required, or a named function: the call is constrained
-            if "response_format" in fields:
-                raise ApiError(f"tool_choice {body.tool_choice!r} and response_format: give one of them", "tool_choice")
-            fields["response_format"] = forced
-        if stops:
-            fields["stop_token_ids"] = tuple(dict.fromkeys(fields.get("stop_token_ids", ()) + stops))
-        try:
-            options = self.defaults.but(max_new_tokens=wanted, **fields)
+        fields = {"max_new_tokens": wanted, **body.options}  # (the speculation's: turbo/sequence/policy.py decides)
+        try:  # a chat's: the turn's stop tokens and the call its tool_choice forces (turbo/chat/turn.py)
+            options = (turn.options_of(None, fields, self.defaults) if turn is not None
+                       else self.defaults.but(**fields))
         except TurboError as e:
-            raise request_error(e, param_of(e, body.max_tokens_param, forced is not None)) from None
-        # a response_format holds the whole answer: it is content, not reasoning (chat.answer_opens_think)
-        return Prepared(Request(ids, options, body.logprobs, images or None),
-                        opened and options.response_format is None, tools, forced is not None,
+            raise request_error(e, param_of(e, body.max_tokens_param, turn is not None and turn.forced is not None)) \
+                from None
+        return Prepared(Request(ids, options, body.logprobs, images or None), turn,
                         "messages" if body.chat else "prompt", body.max_tokens is not None)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str, after=None):
@@ -124,7 +118,8 @@ class Engine:
         except TurboError as e:
             raise ApiError(str(e), param_of(e, max_tokens_param, prepared.forced)) from None
 
-    def _render(self, body: Body, tools: list | None) -> str:
+    def _turn(self, body: Body) -> Turn:
+        """The chat's turn, its prompt rendered; a refusal as the request's 400."""
         if self.template is None:
             raise ApiError(f"this server's model {self.model} has no chat template (start it with "
                            "serve.chat_template=FILE.jinja); /v1/completions takes raw text", "messages")
@@ -133,14 +128,14 @@ class Engine:
         except TurboError as e:
             raise ApiError(f"chat_template_kwargs.{e}", e.field and f"chat_template_kwargs.{e.field}") from None
         try:
-            check_tools(tools, self.template.source)
+            turn = Turn(self.template, self.stop_ids, body.tools, body.tool_choice)
         except TurboError as e:
             raise ApiError(str(e), e.field) from None
         try:
-            return self.template.render(template_messages(body.messages), add_generation_prompt=True, tools=tools,
-                                        **body.template_kwargs)
+            turn.prepare(body.messages, body.template_kwargs)
         except TurboError as e:
             raise ApiError(str(e), e.field or ("tools" if "tools must be" in str(e) else "messages")) from None
+        return turn
 
     @staticmethod
     def _ids(make, param: str) -> list[int]:

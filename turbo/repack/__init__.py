@@ -20,6 +20,7 @@ from ..store.arch import arch_from_config, read_config_json
 from ..chat.template import check_checkpoint
 from ..store.template_files import end_of_generation_ids
 from ..drafters import mtp
+from ..store.tensor_shapes import MTP_PREFIX
 from ..errors import ArgumentParser, TurboError
 from ..store.install import DRAFTER_DIR
 from ..load.install_check import load_tokenizer
@@ -86,8 +87,8 @@ def repack(src: str | Path, out: str | Path, drafter: str | Path | None = None, 
         if not Path(mtp_head).is_dir():
             raise TurboError(f"{mtp_head}: no such MTP head directory")
         check_links(Path(mtp_head))
-        trunk_quant = {k: v for k, v in trunk_quant.items() if not k.startswith(mtp.MTP_PREFIX)}
-        trunk = [p for p in trunk if not p.name.startswith(mtp.MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt or floats,
+        trunk_quant = {k: v for k, v in trunk_quant.items() if not k.startswith(MTP_PREFIX)}
+        trunk = [p for p in trunk if not p.name.startswith(MTP_PREFIX)] + plan_mtp(Path(mtp_head), fmt or floats,
                                                                                        trunk_quant)
     check_head(trunk, arch.tie_embeddings, src / "config.json")
     declared = mtp.declared_layers(config)

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..store.arch import arch_from_config, read_config_json
-from ..drafters import mtp
+from ..store.tensor_shapes import MTP_PREFIX
 from ..drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from ..errors import TurboError
 from ..store.install import safetensors_files
@@ -118,7 +118,7 @@ def plan_mtp(head: Path, fmt: q.QFormat | None = None, quantized: dict[str, dict
     against the trunk's."""
     tensors = []
     for name, meta, path, data_start in source_tensors(head):
-        if not name.startswith(mtp.MTP_PREFIX):
+        if not name.startswith(MTP_PREFIX):
             raise TurboError(f"{path}: tensor {name} is not an MTP head's (expected mtp.* names)")
         tensors.append((name, name, meta, path, data_start))
     return plan_tensors(tensors, fmt, quantized if quantized is not None else {}, {})

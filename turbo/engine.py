@@ -169,7 +169,7 @@ class Runtime:
         if images is not None:  # (an image prompt's rows are expanded per generation: each its own prefill)
             return [self.generate(prompt, c, images=images) for c in choice_options(o, n)]
         ids, shared = self.encode(prompt), Keeper.session(1)
-        shared.mark = None  # the snapshot: the prompt's state, its last token the first anchor
+        shared.marks = {None: "prompt"}  # the snapshot: the prompt's state, its last token the first anchor
         return [self.generate(ids, c, keeper=shared) for c in choice_options(o, n)]
 
     def chat(self, messages: list, opts: GenerationOptions | None = None, *, tools: list | None = None,

@@ -28,7 +28,7 @@ class VisionSession(Session):
         # the start of the generation prompt, counted in expanded rows
         mark = common_prefix(ids, encode(self.rt.tokenizer, self.mark_render(turn)))
         before = prepared[:ids[:mark].count(vis.ids.image)]
-        self.keeper.mark = mark + sum(p.tokens(vis.config.merge) - 1 for p in before)
+        self.keeper.marks = {mark + sum(p.tokens(vis.config.merge) - 1 for p in before): "turn"}
         events = self.rt.stream(tokens, turn.options_of(opts, fields), keeper=self.keeper,
                                 images=prompt_images(self.rt, tokens, prepared))
         return self._follow(turn, tokens, events)

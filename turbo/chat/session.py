@@ -177,7 +177,7 @@ class Session:
     def _run(self, turn: Turn, ids: list[int], opts: GenerationOptions | None,
              fields: dict[str, Any]) -> Iterator[RoundEvent]:
         """The prepared turn's generation over `ids`, from the keeper's longest kept state."""
-        self.keeper.mark = common_prefix(ids, encode(self.rt.tokenizer, self.mark_render(turn)))
+        self.keeper.marks = {common_prefix(ids, encode(self.rt.tokenizer, self.mark_render(turn))): "turn"}
         options = turn.options_of(opts, fields)
         events = self.rt.stream(ids, options, keeper=self.keeper)  # refuses here, before a turn starts
         return self._follow(turn, ids, events)

@@ -31,6 +31,9 @@ from .tool_calls import CallStream, ToolCall, check_tools, forced_call, parse_to
 END_OF_TURN = "<|im_end|>"  # the Qwen / ChatML end-of-turn token
 RENDER_ARGS = ("messages", "add_generation_prompt", "tools", "documents")  # the render's own, not template keywords
 DEFAULT_OPTIONS = GenerationOptions()
+# The earlier complete turns a prompt's boundaries name (`Turn.boundaries`): the last ones only, since a
+# conversation's earlier requests named the earlier ones (and each costs a render and an encode)
+TURN_BOUNDARIES = 4
 
 
 @dataclass
@@ -165,6 +168,30 @@ class Turn:
 
     def ids(self, tokenizer: Tokenizer) -> list[int]:
         return encode(tokenizer, self.prompt)
+
+    def boundaries(self, tokenizer: Tokenizer, ids: list[int], template_kwargs: dict[str, Any]) -> dict[int, str]:
+        """Where the prepared prompt's structure ends a part shared with other conversations, as
+        positions in its `ids` -> the part's kind: the system message ("system"; "tools" where
+        the tools block renders with it) and each of the last TURN_BOUNDARIES earlier complete
+        turns ("turn": an assistant's message, with the tool results after it). Each is that
+        prefix of the conversation rendered without the generation prompt and encoded: a
+        boundary only where those ids are a prefix of `ids` (the template renders the prefix as
+        the start of the whole; a prefix it renders otherwise, or refuses, is none)."""
+        roles = [m.get("role") if isinstance(m, dict) else None for m in self.messages]
+        cuts: dict[int, str] = {}
+        if roles[:1] == ["system"]:
+            cuts[1] = "tools" if self.offered else "system"
+        turns = [k for k in range(1, len(roles)) if roles[k - 1] in ("assistant", "tool") and roles[k] != "tool"]
+        cuts.update({k: "turn" for k in turns[-TURN_BOUNDARIES:]})
+        found: dict[int, str] = {}
+        for k, kind in cuts.items():
+            try:
+                part = encode(tokenizer, self.render(self.messages[:k], template_kwargs, add_generation_prompt=False))
+            except TurboError:  # (a template that renders only whole conversations: no boundary there)
+                continue
+            if 0 < len(part) < len(ids) and ids[:len(part)] == part:
+                found[len(part)] = kind
+        return found
 
     def images(self, rt: ChatRuntime, ids: list[int]) -> list:
         """The conversation's images (turbo/vision: content parts of type image / image_url), each

@@ -71,6 +71,7 @@ class RoundEvent:
     finish: Finish | None = None  # on the last event: why it ended (turbo.sequence.stops)
     logprobs: list[TokenLogprob] | None = None  # one per token when the request asked
     cached_tokens: int = 0  # prompt tokens a kept state served (no prefill)
+    cached_from: str | None = None  # the kind of mark that kept state was kept at (state_cache.MARK_KINDS)
 
 
 @dataclass
@@ -174,8 +175,9 @@ class Driver:
             self.context_key = job.draft_key() or ByIdentity(drafter)
             self.resumes = self.resumes and keeps_context(drafter)
         self.chunked = False  # the prompt's rows left to `work` (else run at once in start)
-        self.mark: int | None = None  # the prompt row where the keeper keeps the state (None: none)
+        self.marks: dict[int, str] = {}  # the prompt rows where the keeper keeps the state -> their kinds
         self.held = 0  # prompt rows a kept state served
+        self.held_from: str | None = None  # the kind of mark the kept state was kept at (None: no kept state)
         self.context_at = 0  # the drafter's context holds ids[:context_at + 1]
         self.context_held = False  # ... once it has begun (or was restored from the kept state)
         self.done_rows = 0  # prompt rows (of ids[:-1]) through the trunk
@@ -196,7 +198,9 @@ class Driver:
         none, a plain generation) restored, the drafter's context with it, and the prompt's rest
         (with its images' rows) run through the trunk -- at once here, or left to `work` as
         chunks (`chunked`: a batch's, where a state prefilled in pieces is the one prefill
-        gives; never with images). The state is kept at the keeper's mark on the way."""
+        gives; never with images). The state is kept at each of the keeper's marks on the way
+        (at or past the restored prefix: a chunk ends at each, so the state there holds exactly
+        the prompt's prefix)."""
         trunk, ids, n = self.trunk, self.job.ids, len(self.job.ids) - 1  # ids[-1]: the first anchor
         if images is not None:
             if images.tokens != ids:
@@ -217,16 +221,21 @@ class Driver:
             if self.context_key is not None:
                 self.inner.restore(hit.drafts[self.context_key])
             self.held = self.done_rows = self.context_at = hit.pos
+            self.held_from = keeper.kind_of(hit)
             self.context_held = self.context_key is not None
         if keeper is not None and self.resumes:
-            mark = n if keeper.mark is None else min(keeper.mark, n)
-            self.mark = mark if mark >= self.held else None
+            for m, kind in keeper.marks.items():
+                m = n if m is None else min(m, n)
+                if m >= self.held:
+                    self.marks.setdefault(m, kind)  # (a boundary's kind over the prompt's end at the same row)
+            self.marks = dict(sorted(self.marks.items()))
         self.chunked = chunked and self.resumes and images is None
         if not self.chunked:
-            if self.mark is not None:
-                self._prefill(self.mark)
+            for m in self.marks:
+                if m < n:
+                    self._prefill(m)
             self._prefill(n)
-        elif self.mark == self.held or not self.prefilling:  # (settle reaches the mark and the end past it)
+        elif self.held in self.marks or not self.prefilling:  # (settle reaches the marks and the end past them)
             self._reached(self.held)
         if keeper is not None:
             how = "fresh" if hit is None else "last turn" if hit.trunk is None else "snapshot"
@@ -249,7 +258,7 @@ class Driver:
     def _reached(self, end: int) -> None:
         """The prompt's rows before `end` are through the trunk: the drafter takes them (begun
         afresh on them, or resumed from the kept state's context), the state is kept where it is
-        the keeper's mark, and at the prompt's end the rounds start."""
+        one of the marks, and at the prompt's end the rounds start."""
         ids, d = self.job.ids, self.inner
         out = None
         if self.parts:
@@ -263,9 +272,9 @@ class Driver:
             elif out is not None:
                 call(d, "resume", d.resume, out, ids[:end + 1], self.context_at)
         self.context_held, self.context_at = True, end
-        if end == self.mark:
+        if end in self.marks:
             self.keeper.keep(self.trunk, self.st, self.key[:end + 1], self.context_key,
-                             d.snapshot() if self.context_key is not None else None)
+                             d.snapshot() if self.context_key is not None else None, self.marks[end])
         if end == len(ids) - 1:
             if self.images is not None:
                 self.st.rope_delta = self.images.mm.delta  # the rows after the prompt rotate past its images
@@ -284,7 +293,8 @@ class Driver:
         if self.prefilling:
             if prefill_room is None or prefill_room <= 0:
                 return None  # the pass's prompt rows are spent: it goes on next pass
-            stop = self.mark if self.mark is not None and self.done_rows < self.mark else len(self.job.ids) - 1
+            # a chunk ends at the next mark (the state kept there holds exactly the prompt's prefix)
+            stop = next((m for m in self.marks if m > self.done_rows), len(self.job.ids) - 1)
             n = min(prefill_room, stop - self.done_rows)
             return Work(self.job.ids[self.done_rows:self.done_rows + n], None, 0)
         job = self.job
@@ -313,7 +323,7 @@ class Driver:
             if self.inner is not None:
                 self.parts.append(out)
             self.done_rows += len(w.rows)
-            if self.done_rows in (self.mark, len(self.job.ids) - 1):
+            if self.done_rows in self.marks or self.done_rows == len(self.job.ids) - 1:
                 self._reached(self.done_rows)
             return None
         job, o, stats, stops = self.job, self.job.options, self.job.stats, self.stopper
@@ -348,7 +358,7 @@ class Driver:
         self.anchor = bonus
         return RoundEvent(committed, [i < landed for i in range(len(committed))], stops.text(self.done),
                           stats.snapshot() if self.live_stats or self.done else None, self.done, stops.finish,
-                          lps[:len(committed)] if lps else lps, self.held)
+                          lps[:len(committed)] if lps else lps, self.held, self.held_from)
 
     # ---- the end -------------------------------------------------------------------------
 
@@ -363,7 +373,7 @@ class Driver:
         # (the context as every round left it: the adaptive policy's plain rounds commit theirs now)
         snap = self.context().snapshot() if self.context_key is not None and (keep or k.live) else None
         if keep:
-            k.keep(self.trunk, self.st, self.key + self.generated, self.context_key, snap, answer=True)
+            k.keep(self.trunk, self.st, self.key + self.generated, self.context_key, snap, "answer")
         k.report.snapshot_bytes += tensor_bytes(snap)
 
     def context(self) -> Drafter | None:

@@ -1,7 +1,7 @@
 """Kept states, found by the tokens they hold: token prefix -> snapshot, LRU in bytes (and in
 entries). One cache serves a chat session's turns (turbo/chat/session.py), `Runtime.choices`' shared
 prompt and the server's prefix cache across requests (turbo/serve/scheduler.py); a `Keeper` is such a
-cache with its mark, and the only thing a sequence starts from and ends in (Driver.start / end).
+cache with its marks, and the only thing a sequence starts from and ends in (Driver.start / end).
 
 A hybrid model's recurrent state cannot be cut back to an earlier position, so what is kept is a
 whole state at a known position: the GDN and conv states (a RecurrentSnapshot), the K/V rows below
@@ -173,21 +173,31 @@ class TurnReport:
     stats: Stats | None = None
 
 
+# A mark's kind: which boundary of the prompt a kept state ends at (the server reports the one a
+# request went on from): the system message, the system message with the tools block, an earlier
+# complete turn, a serve.snapshot_every chunk, the prompt's end, or an answer's end.
+MARK_KINDS = ("system", "tools", "turn", "chunk", "prompt", "answer")
+Marks = dict  # prompt row (None: the prompt's end) -> its kind (MARK_KINDS)
+
+
 class Keeper:
-    """Where sequences start from and end in (Driver.start, Driver.end): a StateCache and the mark
-    where a start keeps the state it passes. Two kinds:
+    """Where sequences start from and end in (Driver.start, Driver.end): a StateCache and the
+    marks where a start keeps the state it passes (each at or past the prefix it restored). Two kinds:
 
     - `live` (a chat session's, `Runtime.choices`'): one trunk state goes on from sequence to
       sequence; its entries hold no K/V (the state's own rows: `drop_past`), the live one as the
       last sequence left it and a snapshot at each start's mark (a session's: the start of its
       assistant turn's generation prompt, where a re-render can diverge);
     - copies (the server's prefix cache): each entry a copy that outlives its sequence, kept at
-      the prompt's end (mark None) and at the answer's end."""
+      each of the request's marks (its template's boundaries, every serve.snapshot_every rows,
+      the prompt's end) and at the answer's end."""
 
-    def __init__(self, kept: StateCache, live: bool, mark: int | None = None):
+    def __init__(self, kept: StateCache, live: bool, marks: Marks | None = None):
         self.kept, self.live = kept, live
         self.limit = kept.max_entries
-        self.mark = mark  # where a start keeps its state, in prompt rows (None: the prompt's end)
+        self.marks: Marks = marks if marks is not None else {None: "prompt"}  # where the next start keeps its state
+        self.kinds: dict[tuple, str] = {}  # a kept entry's tokens -> the kind of mark it was kept at
+        self.kept_bytes: dict[str, int] = {}  # kind -> bytes of the copies kept at such marks (evicted or not)
         self.st: TrunkState | None = None  # a live keeper's state
         self.report = TurnReport(0, 0, 0, "fresh", 0, 0)  # the last start's (and end's) account
 
@@ -196,7 +206,7 @@ class Keeper:
         """A session's: the live state and `limit` snapshots, bounded in entries, not bytes."""
         if not isinstance(limit, int) or isinstance(limit, bool) or limit < 0:
             raise TurboError(f"snapshots {limit!r}: expected a non-negative integer")
-        return cls(StateCache(math.inf, max_entries=limit), live=True, mark=0)
+        return cls(StateCache(math.inf, max_entries=limit), live=True, marks={0: "turn"})
 
     @classmethod
     def prefix_cache(cls, budget_bytes: float) -> Keeper:
@@ -207,6 +217,7 @@ class Keeper:
         """A live keeper's state starts afresh: every kept row of it is about to be overwritten."""
         if self.live:
             self.kept = StateCache(math.inf, max_entries=self.limit)
+            self.kinds = {}
 
     def fresh(self, trunk: Trunk, capacity: int) -> TrunkState:
         st = trunk.new_state(capacity)
@@ -227,15 +238,29 @@ class Keeper:
         return st
 
     def keep(self, trunk: Trunk, st: TrunkState, tokens: list, draft: DraftKey | None, snap: Any,
-             answer: bool = False) -> None:
-        """`st`, holding tokens[:-1], and drafter `draft`'s context `snap` there: a live keeper's
-        snapshot (the answer's end: the live state itself), or a copy."""
+             kind: str) -> None:
+        """`st`, holding tokens[:-1], kept at a mark of `kind` ("answer": the answer's end), with
+        drafter `draft`'s context `snap` there: a live keeper's snapshot (the answer's end: the
+        live state itself), or a copy (its bytes counted under its kind)."""
+        key = tuple(tokens)
+        new = key not in self.kept.entries
         if not self.live:
             self.kept.keep_copy(trunk, st, tokens, draft, snap)
-        elif answer:
+        elif kind == "answer":
             self.kept.keep(tokens, None, None, draft, snap)
-        elif tuple(tokens) in self.kept.entries:
-            e = self.kept.entries[tuple(tokens)]
-            self.kept.keep(tokens, e.trunk, None, draft, snap)
+        elif not new:
+            self.kept.keep(tokens, self.kept.entries[key].trunk, None, draft, snap)
         else:
             self.kept.keep(tokens, trunk.snapshot(st), None, draft, snap)
+        e = self.kept.entries.get(key)
+        if e is None:
+            return
+        self.kinds[key] = kind
+        if new and not self.live:
+            self.kept_bytes[kind] = self.kept_bytes.get(kind, 0) + e.nbytes
+        if len(self.kinds) > len(self.kept.entries):  # (the cache evicted some: their kinds go too)
+            self.kinds = {k: v for k, v in self.kinds.items() if k in self.kept.entries}
+
+    def kind_of(self, e: Entry) -> str:
+        """The kind of mark entry `e` was kept at."""
+        return self.kinds.get(e.tokens, "prompt")

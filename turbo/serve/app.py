@@ -50,6 +50,7 @@ class Call:
     done: bool = False
     generated: int = 0  # completion tokens, once its last delta has come
     cached: int = 0
+    cached_from: str | None = None  # the kind of mark the state that served `cached` was kept at
 
 
 def make_app(engine: Engine) -> FastAPI:
@@ -202,7 +203,7 @@ async def whole(engine: Engine, calls: list[Call], request: HttpRequest) -> dict
         return {}  # the client has gone: nobody reads this
     first = calls[0]
     return {**R.envelope(first.rid, first.body.chat, first.body.model, first.created, choices, chunk=False),
-            "usage": R.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached)}
+            "usage": R.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached, first.cached_from)}
 
 
 async def choice_of(engine: Engine, call: Call, request: HttpRequest) -> dict | None:
@@ -226,7 +227,7 @@ async def choice_of(engine: Engine, call: Call, request: HttpRequest) -> dict | 
         choice["text"] = out
     choice["logprobs"] = logprobs
     call.generated = last.stats.generated_tokens if last.stats is not None else call.timing.tokens
-    call.cached = last.cached_tokens
+    call.cached, call.cached_from = last.cached_tokens, last.cached_from
     return choice
 
 
@@ -257,7 +258,8 @@ async def stream(engine: Engine, calls: list[Call]) -> AsyncIterator[str]:
             t.cancel()
     if body.include_usage and all(c.done for c in calls):
         yield R.sse({**R.envelope(first.rid, body.chat, body.model, first.created, [], chunk=True),
-                     "usage": R.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached)})
+                     "usage": R.usage(first.prompt_tokens, sum(c.generated for c in calls), first.cached,
+                                      first.cached_from)})
     yield R.sse("[DONE]")
 
 
@@ -300,6 +302,6 @@ async def choice_chunks(engine: Engine, call: Call) -> AsyncIterator[str]:
             offset += len(d.text)
             if final:
                 call.generated = d.stats.generated_tokens if d.stats is not None else call.timing.tokens
-                call.cached = d.cached_tokens
+                call.cached, call.cached_from = d.cached_tokens, d.cached_from
     except P.ApiError as e:
         yield R.sse(e.body())

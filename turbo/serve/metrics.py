@@ -1,7 +1,9 @@
 """GET /metrics: Prometheus text, with vLLM's metric names (its dashboards read them as they are):
 requests running and waiting (read from the scheduler at scrape time), prompt and generation
 token counters, time to first token and per-output-token latency, finished requests, and the
-speculation counters (`vllm:spec_decode_*`) fed from each request's final turbo.sequence.stats.Stats.
+speculation counters (`vllm:spec_decode_*`) fed from each request's final turbo.sequence.stats.Stats;
+and turbo's own (`turbo:`): the prefix cache's bytes and snapshots, and the bytes of the snapshots
+kept (each its GDN + conv state, its K/V rows and its drafter's context) by the kind of mark.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from ..sequence.stats import Stats
 from ..sequence.stops import Finish
@@ -32,6 +36,9 @@ class Metrics:
 
         gauge("vllm:num_requests_running", "Requests in the running batch.", "running")
         gauge("vllm:num_requests_waiting", "Requests waiting to be admitted.", "waiting")
+        gauge("turbo:prefix_cache_bytes", "Bytes the prefix cache's snapshots hold.", "cache_bytes")
+        gauge("turbo:prefix_cache_entries", "Snapshots in the prefix cache.", "cache_entries")
+        r.register(KeptBytes(model, gauges))
         self.prompt = Counter("vllm:prompt_tokens", "Prompt tokens of finished requests.", labels, registry=r)
         self.generated = Counter("vllm:generation_tokens", "Generated tokens.", labels, registry=r)
         self.cached = Counter("vllm:prefix_cache_hits", "Prompt tokens served by the prefix cache.", labels,
@@ -72,6 +79,22 @@ class Metrics:
         self.accepted.labels(m).inc(stats.accepted)
         for i, n in enumerate(stats.landed):
             self.per_pos.labels(m, str(i)).inc(n)
+
+
+class KeptBytes(Collector):
+    """turbo:prefix_cache_kept_bytes_total{kind}: the bytes of the snapshots the prefix cache kept,
+    by the kind of mark each was kept at (read from the scheduler's keeper at scrape time)."""
+
+    def __init__(self, model: str, gauges: Callable[[], object]):
+        self.model, self.gauges = model, gauges
+
+    def collect(self):
+        family = CounterMetricFamily("turbo:prefix_cache_kept_bytes", "Bytes of the snapshots kept, by the kind "
+                                     "of mark (system, tools, turn, chunk, prompt, answer).",
+                                     labels=["model_name", "kind"])
+        for kind, n in sorted(self.gauges().kept_bytes.items()):
+            family.add_metric([self.model, kind], n)
+        yield family
 
 
 class Timing:

@@ -18,10 +18,12 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int, cached_from: str | None) -> dict:
+    """OpenAI's usage, and turbo's: `turbo.cached_from`, the kind of mark the prefix cache's state
+    that served the cached tokens was kept at (system, tools, turn, chunk, prompt, answer; None: none)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
             "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}, "turbo": {"cached_from": cached_from}}
 
 
 def _lp(x: float) -> float:

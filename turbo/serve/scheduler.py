@@ -3,7 +3,9 @@ sequence's rows (its anchor and its drafter's proposals, or a chunk of its promp
 trunk pass (`Trunk.step_many`). Each sequence is a turbo/sequence/driver.py `Driver`, the one that
 `Runtime.generate` runs alone: drafting, acceptance, rollback, stops and counters are its; the
 scheduler admits, batches and delivers; each driver starts from the prefix cache and ends in it
-(Driver.start / end, turbo/sequence/state_cache.py's Keeper).
+(Driver.start / end, turbo/sequence/state_cache.py's Keeper): a start keeps the state at each of
+its request's marks (the chat template's boundaries, every serve.snapshot_every rows, the prompt's
+end), so that requests sharing a system prompt or earlier turns share their prefill.
 
     sched = Scheduler(rt, ServeLimits())
     sched.start()
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING, Callable
 from ..sequence.driver import DraftKey, Driver, Job, RoundEvent, Work
 from ..errors import TurboError
 from ..sequence.options import GenerationOptions, check_logprobs
-from ..sequence.state_cache import Keeper
+from ..sequence.state_cache import Keeper, Marks
 from ..vision.runtime import prompt_images
 from .costs import StepCosts, sequence_bytes
 from .settings import ServeLimits
@@ -43,6 +45,7 @@ class Request:
     options: GenerationOptions = field(default_factory=GenerationOptions)
     logprobs: int | None = None  # None: none; k >= 0: each generated token's logprob and the top k
     images: list | None = None  # turbo.vision PreparedImage, one per image in ids (turbo/serve/images.py)
+    marks: Marks = field(default_factory=dict)  # prompt row -> kind: where the prefix cache keeps the state on the way
 
 
 # What one engine step committed for one request: the driver's round event (its logprobs when the
@@ -74,6 +77,8 @@ class Gauges:
     waiting: int
     reserved_bytes: int  # what the running sequences hold of ServeLimits.memory_gb
     cache_bytes: int  # the prefix cache's
+    cache_entries: int  # the prefix cache's snapshots
+    kept_bytes: dict[str, int]  # mark kind -> bytes of the snapshots kept at such marks since the start
 
 
 @dataclass(eq=False)
@@ -138,7 +143,8 @@ class Scheduler:
 
     def gauges(self) -> Gauges:
         with self.lock:
-            return Gauges(len(self.running), len(self.waiting), self.reserved, self.cache.nbytes)
+            return Gauges(len(self.running), len(self.waiting), self.reserved, self.cache.nbytes, len(self.cache),
+                          dict(self.keeper.kept_bytes))
 
     def start(self) -> None:
         self.thread = threading.Thread(target=self._loop, name="turbo-engine", daemon=True)
@@ -226,10 +232,24 @@ class Scheduler:
         s.pool_key = job.draft_key()
         own = self.rt.drafters.acquire(s.pool_key, o.ngram) if s.pool_key is not None else None
         s.driver = d = self.rt.driver(job, own, logprobs=s.req.logprobs, live_stats=False)
+        self.keeper.marks = self._marks(s.req, job.ids)  # (read by this start alone)
         d.start(self.keeper, prompt_images(self.rt, job.ids, s.req.images) if s.req.images else None,
                 chunked=self.chunked)
         if not d.prefilling:
             s.ticket.begun = True
+
+    def _marks(self, req: Request, ids: list[int]) -> Marks:
+        """Where the start of a request over prompt `ids` (as fitted to the context) keeps its
+        state: the request's own marks (its template's boundaries: where the ids are the
+        request's), every serve.snapshot_every rows (at the same rows in every prompt, so that
+        long prompts sharing a prefix share these), and the prompt's end. An image request's
+        prompt's end alone (its rows are not its ids')."""
+        n, every = len(ids) - 1, self.limits.snapshot_every
+        if req.images or not self.chunked:
+            return {None: "prompt"}
+        chunks = {m: "chunk" for m in range(every, n, every)} if every else {}
+        own = {m: kind for m, kind in req.marks.items() if 0 < m < n} if ids == req.ids else {}
+        return {**chunks, **own, None: "prompt"}
 
     def _settle(self, s: Sequence, w: Work, out, share_s: float) -> None:
         d = s.driver

@@ -54,9 +54,10 @@ class ServeLimits:
     memory_gb: float = 4.0  # K/V caches and recurrent states of the running sequences, reserved at admission
     cache_gb: float = 1.0  # the prefix cache's snapshots (LRU)
     prefill_chunk: int = 256  # prompt rows a sequence runs per step (long prompts do not stall the batch)
+    snapshot_every: int = 1024  # the prefix cache keeps a long prompt's state every this many rows (0: never)
 
     def __post_init__(self) -> None:
-        for name, lo in (("max_running", 1), ("max_waiting", 0), ("prefill_chunk", 1)):
+        for name, lo in (("max_running", 1), ("max_waiting", 0), ("prefill_chunk", 1), ("snapshot_every", 0)):
             object.__setattr__(self, name, _count(name, getattr(self, name), lo))
         for name in ("memory_gb", "cache_gb"):
             _size(name, getattr(self, name))

@@ -81,7 +81,7 @@ class Engine:
         """The body as the scheduler's Request: the prompt's ids (a chat's turn rendered by the
         template), the options over the server's defaults, the length checked against the context."""
         self.check_model(body.model)
-        turn, images = None, []
+        turn, images, marks = None, [], {}
         if body.chat:
             turn = self._turn(body)
             prompt = turn.prompt
@@ -90,6 +90,8 @@ class Engine:
             ids = self._ids(lambda: turn.ids(self.rt.tokenizer), "messages")
             ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
                                         self.config.remote_images)  # (turbo/serve/images.py)
+            if not images:  # where the prefix cache keeps the state on the way (an image's rows shift them)
+                marks = turn.boundaries(self.rt.tokenizer, ids, body.template_kwargs)
         else:
             if isinstance(body.prompt, str):
                 check_prompt_chars(body.prompt, self.max_prompt_chars, self.max_positions, "prompt")
@@ -105,7 +107,7 @@ class Engine:
         except TurboError as e:
             raise request_error(e, param_of(e, body.max_tokens_param, turn is not None and turn.forced is not None)) \
                 from None
-        return Prepared(Request(ids, options, body.logprobs, images or None), turn,
+        return Prepared(Request(ids, options, body.logprobs, images or None, marks), turn,
                         "messages" if body.chat else "prompt", body.max_tokens is not None)
 
     def submit(self, prepared: Prepared, sink, max_tokens_param: str, after=None):

@@ -12,6 +12,7 @@ or one given as `template=`. `turn_stop_ids` is the one place that says which to
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -170,25 +171,32 @@ class Turn:
         return encode(tokenizer, self.prompt)
 
     def boundaries(self, tokenizer: Tokenizer, ids: list[int], template_kwargs: dict[str, Any]) -> dict[int, str]:
-        """Where the prepared prompt's structure ends a part shared with other conversations, as
-        positions in its `ids` -> the part's kind: the system message ("system"; "tools" where
-        the tools block renders with it) and each of the last TURN_BOUNDARIES earlier complete
-        turns ("turn": an assistant's message, with the tool results after it). Each is that
-        prefix of the conversation rendered without the generation prompt and encoded: a
-        boundary only where those ids are a prefix of `ids` (the template renders the prefix as
-        the start of the whole; a prefix it renders otherwise, or refuses, is none)."""
+        """Where the prepared prompt's structure ends a part other requests share, as the part's
+        length in its `ids` -> the part's kind: the system message ("system"; "tools" where the tools block
+        renders with it) and each of the last TURN_BOUNDARIES earlier complete turns ("turn": an
+        assistant's message, with the tool results after it). A part ends where the message after
+        it starts: the text two renders (no generation prompt) of the conversation up to that
+        message share, the message's content differing between them -- so every message before it
+        renders as in the whole prompt (a template may render a last assistant message otherwise:
+        with its <think> block), and the next message's header is shared. Encoded, a boundary only
+        where those ids are a prefix of `ids`; a prefix the template renders otherwise, or
+        refuses, is none."""
         roles = [m.get("role") if isinstance(m, dict) else None for m in self.messages]
         cuts: dict[int, str] = {}
-        if roles[:1] == ["system"]:
+        if roles[:1] == ["system"] and len(roles) > 1:
             cuts[1] = "tools" if self.offered else "system"
         turns = [k for k in range(1, len(roles)) if roles[k - 1] in ("assistant", "tool") and roles[k] != "tool"]
         cuts.update({k: "turn" for k in turns[-TURN_BOUNDARIES:]})
         found: dict[int, str] = {}
         for k, kind in cuts.items():
+            head, after = self.messages[:k], self.messages[k]
             try:
-                part = encode(tokenizer, self.render(self.messages[:k], template_kwargs, add_generation_prompt=False))
-            except TurboError:  # (a template that renders only whole conversations: no boundary there)
+                a, b = (self.render([*head, {**after, "content": text}], template_kwargs, add_generation_prompt=False)
+                        for text in ("A", "B"))
+            except TurboError:  # (a template that refuses such a conversation: no boundary there)
                 continue
+            shared = len(os.path.commonprefix([a, b]))
+            part = encode(tokenizer, a[:shared])
             if 0 < len(part) < len(ids) and ids[:len(part)] == part:
                 found[len(part)] = kind
         return found

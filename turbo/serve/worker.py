@@ -90,8 +90,11 @@ class Engine:
             ids = self._ids(lambda: turn.ids(self.rt.tokenizer), "messages")
             ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
                                         self.config.remote_images)  # (turbo/serve/images.py)
-            if not images:  # where the prefix cache keeps the state on the way (an image's rows shift them)
-                marks = turn.boundaries(self.rt.tokenizer, ids, body.template_kwargs)
+            if not images:  # where the prefix cache keeps the state on the way (an image's rows shift them):
+                # before each shared part's last token (a kept state's key is the rows it holds and
+                # the anchor after them: the part's last token)
+                parts = turn.boundaries(self.rt.tokenizer, ids, body.template_kwargs)
+                marks = {n - 1: kind for n, kind in parts.items()}
         else:
             if isinstance(body.prompt, str):
                 check_prompt_chars(body.prompt, self.max_prompt_chars, self.max_positions, "prompt")

@@ -26,7 +26,7 @@ def kept(s) -> tuple:
     """What a refused turn must leave as it was: the history and the keeper's kept states."""
     k = s.keeper
     return ([dict(m) for m in s.history], id(k.st), id(k.kept), [(key, id(e)) for key, e in k.kept.entries.items()],
-            k.mark, id(s.last_turn))
+            k.marks, id(s.last_turn))
 
 
 REFUSALS = {

@@ -6,6 +6,8 @@ setting, greedy and seeded, under a grammar. On the shipped tiny install (the se
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from turbo.chat.template import encode
@@ -90,6 +92,14 @@ def test_a_system_prompt_without_tools_is_a_system_boundary(tiny_server):
     assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == boundary(tiny_server, [sys_], None)
     assert b["usage"]["turbo"]["cached_from"] == "system"
     same(b, alone(tiny_server, second, None, SAMPLING["greedy"], SPECULATION["off"]))
+    # streamed, the usage chunk says the same (the prompt's own end now: this prompt was served before)
+    r = tiny_server.http.post("/v1/chat/completions", json={
+        "model": tiny_server.engine.model, "messages": second, "max_tokens": 12, "temperature": 0, "stream": True,
+        "stream_options": {"include_usage": True}, "turbo": SPECULATION["off"]})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    usage = events[-1]["usage"]
+    assert (usage["prompt_tokens_details"]["cached_tokens"], usage["turbo"]["cached_from"]) == \
+        (usage["prompt_tokens"] - 1, "prompt")
 
 
 @pytest.mark.parametrize("sampled", SAMPLING)

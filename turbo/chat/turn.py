@@ -183,9 +183,10 @@ class Turn:
         refuses, is none."""
         roles = [m.get("role") if isinstance(m, dict) else None for m in self.messages]
         cuts: dict[int, str] = {}
-        if roles[:1] == ["system"] and len(roles) > 1:
+        if roles[:1] == ["system"] and len(roles) > 1 and roles[1] is not None:
             cuts[1] = "tools" if self.offered else "system"
-        turns = [k for k in range(1, len(roles)) if roles[k - 1] in ("assistant", "tool") and roles[k] != "tool"]
+        turns = [k for k in range(1, len(roles))
+                 if roles[k - 1] in ("assistant", "tool") and roles[k] not in ("tool", None)]
         cuts.update({k: "turn" for k in turns[-TURN_BOUNDARIES:]})
         found: dict[int, str] = {}
         for k, kind in cuts.items():
@@ -195,8 +196,10 @@ class Turn:
                         for text in ("A", "B"))
             except TurboError:  # (a template that refuses such a conversation: no boundary there)
                 continue
-            shared = len(os.path.commonprefix([a, b]))
-            part = encode(tokenizer, a[:shared])
+            text = a[:len(os.path.commonprefix([a, b]))]
+            if not self.prompt.startswith(text):  # (rendered otherwise than in the whole: not encoded)
+                continue
+            part = encode(tokenizer, text)
             if 0 < len(part) < len(ids) and ids[:len(part)] == part:
                 found[len(part)] = kind
         return found

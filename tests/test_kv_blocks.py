@@ -149,10 +149,14 @@ def test_eviction_frees_blocks_and_spares_the_survivors(tiny):
     o = G(max_new_tokens=8, policy="off")
     one = trunk.snapshot(trunk.new_state(1)).nbytes + 700 * row_bytes(trunk.new_state(1).kv)  # about an entry
     sched = Scheduler(tiny, ServeLimits(cache_gb=3.5 * one / 2**30))
-    prompts = [common + tiny.encode(f"\n# variant {i}: " + "x = y + 1\n" * (i + 3)) for i in range(6)]
+    prompts = [common + tiny.encode(f"\n# variant {i}:\n" + f"x{i} = y + {i}\n" * 25) for i in range(6)]
     answers = [run(sched, Request(list(p), o)).tokens for p in prompts]
     cache = sched.cache
-    assert len(cache.entries) < 2 * len(prompts)  # evicted ...
+    gone = tuple(prompts[0] + answers[0])
+    assert gone not in cache.entries and tuple(prompts[0]) not in cache.entries  # evicted ...
+    keys = block_keys(gone, (len(gone) - 1) // BLOCK)
+    shared = len(common) // BLOCK  # (the blocks under the common prefix alone)
+    assert all(k in cache.blocks for k in keys[:shared]) and not any(k in cache.blocks for k in keys[shared:])
     check_books(cache)  # ... and every block of an evicted entry no survivor holds is gone
     survivor = cache.entries[tuple(prompts[-1] + answers[-1])]
     cold = trunk.new_state(1024)

@@ -21,9 +21,9 @@ share a block exactly where they agree up to its end (an image row's tag is part
 keying a prefix costs one pass over it. Those rows depend on nothing else: a prefill's rows equal
 its steps' (above), so whichever sequence wrote them, they are the same bits. An entry holds its
 full blocks by reference and its partial tail (under BLOCK rows) as its own copy; a block goes when
-the last entry holding it does, and `nbytes` (the LRU budget) counts each block once. Many entries
-along one conversation (one at each message boundary, one every N tokens) so cost one copy of its
-rows plus their recurrent snapshots and tails, and a restore copies the blocks and the tail back
+the last entry holding it does, and `nbytes` (the LRU budget) counts each block once. So many
+entries along one conversation (one at each message boundary, one every N tokens) cost one copy of
+its rows plus their recurrent snapshots and tails; a restore copies the blocks and the tail back
 into the new state's buffers. `entry_kv` reads an entry's rows whole; `keep` takes them whole.
 """
 
@@ -55,7 +55,7 @@ DEFAULT_SNAPSHOTS = 4
 BLOCK = 64
 
 DraftKey = Hashable  # whose context a drafter snapshot is: (kind, window or ngram config), or the drafter
-KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [Hkv, rows, d] (the rows: per use)
+KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [Hkv, rows, d] (which rows: said where used)
 
 
 def tensor_bytes(obj: Any) -> int:

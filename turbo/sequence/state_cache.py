@@ -13,12 +13,26 @@ rows overwrite). An entry's `trunk` None is the owner's live state itself, as th
 
 A state that goes on from an entry gives the tokens a cold prefill gives only where a prefill's
 rows equal its steps bit for bit (TrunkStep.prefill_rows_are_steps): the callers check that.
+
+Copies share their K/V rows (vLLM's hashed blocks): the rows of positions [j*BLOCK, (j+1)*BLOCK)
+are a `Block`, kept once in the cache by the key of the tokens they sit under -- a sha256 chain over
+tokens[:(j+1)*BLOCK], each block's digest hashing its parent's and its own tokens, so two prefixes
+share a block exactly where they agree up to its end (an image row's tag is part of its token) and
+keying a prefix costs one pass over it. Those rows depend on nothing else: a prefill's rows equal
+its steps' (above), so whichever sequence wrote them, they are the same bits. An entry holds its
+full blocks by reference and its partial tail (under BLOCK rows) as its own copy; a block goes when
+the last entry holding it does, and `nbytes` (the LRU budget) counts each block once. So many
+entries along one conversation (one at each message boundary, one every N tokens) cost one copy of
+its rows plus their recurrent snapshots and tails; a restore copies the blocks and the tail back
+into the new state's buffers. `entry_kv` reads an entry's rows whole; `keep` takes them whole.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -33,7 +47,15 @@ from .stats import Stats
 # plus the drafter's context (turbo.drafters: snapshot).
 DEFAULT_SNAPSHOTS = 4
 
+# Rows a shared K/V block holds. An entry's own copy is its tail, under BLOCK rows: at the 0.8B
+# shape a row is 6 attention layers x K, V x 2 heads x 256 x 2 bytes = 12 KiB, so a tail is at most
+# 756 KiB beside its 19.3 MiB recurrent snapshot (smaller blocks would save little), and a
+# 2,000-token prompt is 31 blocks (few pieces to hash, count and copy back). vLLM's 16 rows suit
+# its kernels reading the blocks in place; here a restore copies them out, so they need not be small.
+BLOCK = 64
+
 DraftKey = Hashable  # whose context a drafter snapshot is: (kind, window or ngram config), or the drafter
+KV = dict[int, tuple[torch.Tensor, torch.Tensor]]  # layer -> K, V [Hkv, rows, d] (which rows: said where used)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -46,11 +68,46 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
+def row_bytes(kv: KV) -> int:
+    """The bytes of one position's K/V rows over every layer."""
+    return sum(k[:, :1].nbytes + v[:, :1].nbytes for k, v in kv.values())
+
+
+def block_keys(tokens: Sequence, blocks: int) -> list[bytes]:
+    """The keys of the first `blocks` blocks under `tokens`: block j's is sha256(block j-1's key +
+    repr(tokens[j*BLOCK:(j+1)*BLOCK])), so it stands for tokens[:(j+1)*BLOCK] (a tuple's repr ends
+    where it ends, and an image row's tag is in it)."""
+    keys, key = [], b""
+    for j in range(blocks):
+        key = hashlib.sha256(key + repr(tuple(tokens[j * BLOCK:(j + 1) * BLOCK])).encode()).digest()
+        keys.append(key)
+    return keys
+
+
+@dataclass(eq=False)
+class Block:
+    """BLOCK positions' K/V rows, shared by every entry whose tokens begin with its key's."""
+    key: bytes  # block_keys': the tokens up to its end
+    kv: KV  # layer -> K, V [Hkv, BLOCK, d]: positions [j*BLOCK, (j+1)*BLOCK) (copies, never written)
+    refs: int = 0  # the entries holding it (0: it leaves the cache)
+
+    @property
+    def nbytes(self) -> int:
+        return tensor_bytes(self.kv)
+
+
+@dataclass(eq=False)
+class KvRows:
+    """An entry's K/V rows below its position: shared blocks, then a tail of its own."""
+    blocks: list[Block]  # positions [0, len(blocks) * BLOCK), the cache's
+    tail: KV  # layer -> K, V [Hkv, pos - len(blocks) * BLOCK, d]: its own copy (under BLOCK rows)
+
+
 @dataclass(eq=False)
 class Entry:
     tokens: tuple  # the state holds tokens[:-1]; tokens[-1] is the anchor after them (image rows tagged)
     trunk: RecurrentSnapshot | None  # None: the owner's live state itself
-    kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None  # layer -> K, V [Hkv, len(tokens) - 1, d] copies; None: the owner's
+    kv: KvRows | None  # its K/V rows below pos (a copy's); None: the owner's state holds them
     drafts: dict[DraftKey, Any] = field(default_factory=dict)  # drafter key -> its snapshot after the tokens
 
     @property
@@ -59,7 +116,9 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        return (self.trunk.nbytes if self.trunk is not None else 0) + tensor_bytes(self.kv) + tensor_bytes(self.drafts)
+        """What it holds alone (its blocks the cache counts, once)."""
+        own = tensor_bytes(self.kv.tail) if self.kv is not None else 0
+        return (self.trunk.nbytes if self.trunk is not None else 0) + own + tensor_bytes(self.drafts)
 
 
 class StateCache:
@@ -67,7 +126,8 @@ class StateCache:
         # max_entries: how many snapshots (the owner's live state is not one: it goes last)
         self.budget, self.max_entries = budget_bytes, max_entries
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()  # oldest use first
-        self.nbytes = 0
+        self.blocks: dict[bytes, Block] = {}  # key -> a block some entry holds
+        self.nbytes = 0  # the entries' own bytes and each block once
 
     def __len__(self) -> int:
         """The snapshots kept (the live state not counted)."""
@@ -86,18 +146,28 @@ class StateCache:
             self.entries.move_to_end(best.tokens)
         return best
 
-    def keep(self, tokens: list, trunk: RecurrentSnapshot | None, kv: dict | None, draft: DraftKey | None = None,
+    def keep(self, tokens: list, trunk: RecurrentSnapshot | None, kv: KV | None, draft: DraftKey | None = None,
              snap: Any = None) -> Entry | None:
-        """Keep a state holding tokens[:-1] (`trunk` None: the owner's live state) and, for drafter
-        `draft`, its snapshot `snap`; the oldest entries go while over budget. None: too big."""
+        """Keep a state holding tokens[:-1] (`trunk` None: the owner's live state) with its K/V rows
+        `kv` (layer -> K, V [Hkv, >= len(tokens) - 1, d], read, not held: the blocks the cache has
+        shared, the rest copied; None: the owner's state holds them) and, for drafter `draft`, its
+        snapshot `snap`; the oldest entries go while over budget. None: too big."""
         key = tuple(tokens)
         e = self.entries.get(key)
         if e is None or (e.trunk is None) != (trunk is None):
             if e is not None:
                 self._drop(key)
-            e = Entry(key, trunk, kv)
-            if e.nbytes > self.budget:
-                return None
+            if kv is None:
+                e = Entry(key, trunk, None)
+                if e.nbytes > self.budget:
+                    return None
+            else:
+                pos, keys = len(key) - 1, block_keys(key, (len(key) - 1) // BLOCK)
+                new = sum(k not in self.blocks for k in keys) * BLOCK + pos - len(keys) * BLOCK
+                if (trunk.nbytes if trunk is not None else 0) + new * row_bytes(kv) > self.budget:
+                    return None
+                blocks = [self._hold(k, j, kv) for j, k in enumerate(keys)]
+                e = Entry(key, trunk, KvRows(blocks, _rows(kv, len(keys) * BLOCK, pos)))
             self.entries[key] = e
             self.nbytes += e.nbytes
         if draft is not None and snap is not None and draft not in e.drafts:
@@ -117,8 +187,7 @@ class StateCache:
         if tuple(tokens) in self.entries:
             self.keep(tokens, self.entries[tuple(tokens)].trunk, None, draft, snap)
             return
-        kv = {i: (k[:, :st.pos].clone(), v[:, :st.pos].clone()) for i, (k, v) in st.kv.items()}
-        self.keep(tokens, trunk.snapshot(st), kv, draft, snap)
+        self.keep(tokens, trunk.snapshot(st), st.kv, draft, snap)
 
     def drop_past(self, pos: int) -> None:
         """Forget the entries past `pos` that hold no K/V of their own: the owner's state is about
@@ -131,18 +200,56 @@ class StateCache:
         for key in [k for k, e in self.entries.items() if e.trunk is None]:
             self._drop(key)
 
+    def _hold(self, key: bytes, j: int, kv: KV) -> Block:
+        """Block `key` (the j-th), one more entry holding it: the cache's, or a copy of kv's rows."""
+        b = self.blocks.get(key)
+        if b is None:
+            b = self.blocks[key] = Block(key, _rows(kv, j * BLOCK, (j + 1) * BLOCK))
+            self.nbytes += b.nbytes
+        b.refs += 1
+        return b
+
     def _drop(self, key: tuple) -> None:
-        self.nbytes -= self.entries.pop(key).nbytes
+        e = self.entries.pop(key)
+        self.nbytes -= e.nbytes
+        for b in e.kv.blocks if e.kv is not None else ():
+            b.refs -= 1
+            if b.refs == 0:
+                del self.blocks[b.key]
+                self.nbytes -= b.nbytes
 
     @staticmethod
     def restore(trunk: Trunk, e: Entry, capacity: int) -> TrunkState:
-        """A fresh state holding an entry's tokens[:-1] (an entry with its own K/V; itself left as it is)."""
+        """A fresh state holding an entry's tokens[:-1] (an entry with its own K/V; itself left as
+        it is): its blocks' rows and its tail's copied into the state's buffers."""
         st = trunk.new_state(max(capacity, len(e.tokens)))
-        for i, (k, v) in e.kv.items():
-            st.kv[i][0][:, :k.shape[1]] = k
-            st.kv[i][1][:, :v.shape[1]] = v
+        for j, b in enumerate(e.kv.blocks):
+            _put(st.kv, b.kv, j * BLOCK)
+        _put(st.kv, e.kv.tail, len(e.kv.blocks) * BLOCK)
         trunk.restore(st, e.trunk)
         return st
+
+    @staticmethod
+    def entry_kv(e: Entry) -> KV:
+        """An entry's K/V rows whole (an entry with its own K/V): layer -> K, V [Hkv, e.pos, d],
+        new tensors (what `keep` takes back)."""
+        if e.kv is None:
+            raise ValueError("entry_kv: the entry holds no K/V of its own (a live keeper's)")
+        parts = [b.kv for b in e.kv.blocks] + [e.kv.tail]
+        return {i: (torch.cat([p[i][0] for p in parts], dim=1), torch.cat([p[i][1] for p in parts], dim=1))
+                for i in e.kv.tail}
+
+
+def _rows(kv: KV, start: int, end: int) -> KV:
+    """Copies of kv's rows [start, end): layer -> K, V [Hkv, end - start, d]."""
+    return {i: (k[:, start:end].clone(), v[:, start:end].clone()) for i, (k, v) in kv.items()}
+
+
+def _put(into: KV, rows: KV, at: int) -> None:
+    """`rows` (layer -> K, V [Hkv, n, d]) written into `into`'s buffers at rows [at, at + n)."""
+    for i, (k, v) in rows.items():
+        into[i][0][:, at:at + k.shape[1]] = k
+        into[i][1][:, at:at + v.shape[1]] = v
 
 
 class ByIdentity:

@@ -287,6 +287,12 @@ MARK_KINDS = ("system", "tools", "turn", "chunk", "prompt", "answer")
 Marks = dict  # prompt row (None: the prompt's end) -> its kind (MARK_KINDS)
 
 
+def added_bytes(e: Entry) -> int:
+    """What keeping a new entry `e` added to its cache: what it holds alone (its recurrent state,
+    its K/V tail, its drafter's context) and the K/V blocks only it holds (the ones it brought)."""
+    return e.nbytes + (sum(b.nbytes for b in e.kv.blocks if b.refs == 1) if e.kv is not None else 0)
+
+
 class Keeper:
     """Where sequences start from and end in (Driver.start, Driver.end): a StateCache and the
     marks where a start keeps the state it passes (each at or past the prefix it restored). Two kinds:
@@ -304,7 +310,7 @@ class Keeper:
         self.limit = kept.max_entries
         self.marks: Marks = marks if marks is not None else {None: "prompt"}  # where the next start keeps its state
         self.kinds: dict[tuple, str] = {}  # a kept entry's tokens -> the kind of mark it was kept at
-        self.kept_bytes: dict[str, int] = {}  # kind -> bytes of the copies kept at such marks (evicted or not)
+        self.kept_bytes: dict[str, int] = {}  # kind -> bytes the copies kept at such marks added (evicted or not)
         self.st: TrunkState | None = None  # a live keeper's state
         self.report = TurnReport(0, 0, 0, "fresh", 0, 0)  # the last start's (and end's) account
 
@@ -364,7 +370,7 @@ class Keeper:
             return
         self.kinds[key] = kind
         if new and not self.live:
-            self.kept_bytes[kind] = self.kept_bytes.get(kind, 0) + e.nbytes
+            self.kept_bytes[kind] = self.kept_bytes.get(kind, 0) + added_bytes(e)
         if len(self.kinds) > len(self.kept.entries):  # (the cache evicted some: their kinds go too)
             self.kinds = {k: v for k, v in self.kinds.items() if k in self.kept.entries}
 

@@ -2,8 +2,8 @@
 requests running and waiting (read from the scheduler at scrape time), prompt and generation
 token counters, time to first token and per-output-token latency, finished requests, and the
 speculation counters (`vllm:spec_decode_*`) fed from each request's final turbo.sequence.stats.Stats;
-and turbo's own (`turbo:`): the prefix cache's bytes and snapshots, and the bytes of the snapshots
-kept (each its GDN + conv state, its K/V rows and its drafter's context) by the kind of mark.
+and turbo's own (`turbo:`): the prefix cache's bytes and snapshots, and the bytes the snapshots kept
+added (each its GDN + conv state, its drafter's context and the K/V rows it brought) by the kind of mark.
 """
 
 from __future__ import annotations
@@ -82,15 +82,15 @@ class Metrics:
 
 
 class KeptBytes(Collector):
-    """turbo:prefix_cache_kept_bytes_total{kind}: the bytes of the snapshots the prefix cache kept,
+    """turbo:prefix_cache_kept_bytes_total{kind}: the bytes the snapshots the prefix cache kept added,
     by the kind of mark each was kept at (read from the scheduler's keeper at scrape time)."""
 
     def __init__(self, model: str, gauges: Callable[[], object]):
         self.model, self.gauges = model, gauges
 
     def collect(self):
-        family = CounterMetricFamily("turbo:prefix_cache_kept_bytes", "Bytes of the snapshots kept, by the kind "
-                                     "of mark (system, tools, turn, chunk, prompt, answer).",
+        family = CounterMetricFamily("turbo:prefix_cache_kept_bytes", "Bytes the snapshots kept added, by the "
+                                     "kind of mark (system, tools, turn, chunk, prompt, answer).",
                                      labels=["model_name", "kind"])
         for kind, n in sorted(self.gauges().kept_bytes.items()):
             family.add_metric([self.model, kind], n)

@@ -172,9 +172,9 @@ class Turn:
 
     def boundaries(self, tokenizer: Tokenizer, ids: list[int], template_kwargs: dict[str, Any]) -> dict[int, str]:
         """Where the prepared prompt's structure ends a part other requests share, as the part's
-        length in its `ids` -> the part's kind: the system message ("system"; "tools" where the tools block
-        renders with it) and each of the last TURN_BOUNDARIES earlier complete turns ("turn": an
-        assistant's message, with the tool results after it). A part ends where the message after
+        length in its `ids` -> the part's kind: the system message ("system"; "tools" where the
+        tools block renders with it) and each of the last TURN_BOUNDARIES earlier complete turns
+        ("turn": an assistant's message, with the tool results after it). A part ends where the message after
         it starts: the text two renders (no generation prompt) of the conversation up to that
         message share, the message's content differing between them -- so every message before it
         renders as in the whole prompt (a template may render a last assistant message otherwise:

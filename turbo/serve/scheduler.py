@@ -78,7 +78,7 @@ class Gauges:
     reserved_bytes: int  # what the running sequences hold of ServeLimits.memory_gb
     cache_bytes: int  # the prefix cache's
     cache_entries: int  # the prefix cache's snapshots
-    kept_bytes: dict[str, int]  # mark kind -> bytes of the snapshots kept at such marks since the start
+    kept_bytes: dict[str, int]  # mark kind -> bytes the snapshots kept at such marks added since the start
 
 
 @dataclass(eq=False)

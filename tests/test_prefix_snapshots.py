@@ -180,3 +180,19 @@ def test_snapshot_every_is_checked_and_zero_turns_it_off(tiny_server):
     drain(sched, Request(a, G(max_new_tokens=4, policy="off")))
     assert "chunk" not in sched.keeper.kept_bytes
     assert {len(k) - 1 for k in sched.cache.entries} <= {len(a) - 1, len(a) - 1 + 4}
+
+
+def test_an_agent_turn_with_tool_results_is_a_boundary(tiny_server):
+    """A turn that called a tool ends after the tool's result: the next question, asked anew, goes
+    on from there (through the tools block and the call's rendered arguments)."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    earlier = [system("agent"), {"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+               {"role": "user", "content": "Should I take an umbrella?"}]
+    ask(tiny_server, earlier, TOOLS, SAMPLING["greedy"], SPECULATION["ngram"])
+    edited = earlier[:4] + [{"role": "user", "content": "What should I wear?"}]
+    b = ask(tiny_server, edited, TOOLS, SAMPLING["greedy"], SPECULATION["ngram"])
+    assert b["usage"]["prompt_tokens_details"]["cached_tokens"] == boundary(tiny_server, earlier[:4], TOOLS)
+    assert b["usage"]["turbo"]["cached_from"] == "turn"
+    same(b, alone(tiny_server, edited, TOOLS, SAMPLING["greedy"], SPECULATION["ngram"]))

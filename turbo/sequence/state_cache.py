@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -68,6 +68,8 @@ class StateCache:
         self.budget, self.max_entries = budget_bytes, max_entries
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()  # oldest use first
         self.nbytes = 0
+        # called with each entry kept or found (the server's state files: turbo/sequence/state_files.py)
+        self.on_keep: Callable[[Entry], None] | None = None
 
     def __len__(self) -> int:
         """The snapshots kept (the live state not counted)."""
@@ -84,6 +86,8 @@ class StateCache:
                     best = e
         if best is not None:
             self.entries.move_to_end(best.tokens)
+            if self.on_keep is not None:
+                self.on_keep(best)
         return best
 
     def keep(self, tokens: list, trunk: RecurrentSnapshot | None, kv: dict | None, draft: DraftKey | None = None,
@@ -108,7 +112,10 @@ class StateCache:
             self._drop(next(iter(self.entries)))
         while self.max_entries is not None and len(self) > self.max_entries:
             self._drop(next(k for k, e in self.entries.items() if e.trunk is not None))
-        return self.entries.get(key)
+        kept = self.entries.get(key)
+        if kept is not None and self.on_keep is not None:
+            self.on_keep(kept)
+        return kept
 
     def keep_copy(self, trunk: Trunk, st: TrunkState, tokens: list, draft: DraftKey | None, snap: Any) -> None:
         """`keep` a copy of `st` (holding tokens[:-1]) that outlives it: its recurrent state and K/V rows."""

@@ -67,10 +67,10 @@ def test_an_entry_round_trips_and_goes_on_as_a_cold_run(rt, stamp, tmp_path):
     assert same(k.trunk.gdn, e.trunk.gdn) and same(f.kv, e.kv) and same(k.drafts, e.drafts)
     assert not list(tmp_path.glob(".*.tmp"))  # (written whole: the temporary file renamed)
     # a cache filled from the file serves the prompt with the tokens a cold run gives
-    keeper = Keeper.prefix_cache(2**30)
-    put(keeper.kept, k, f.kv)
     longer = list(ids) + prompt(rt, "    return fib(n - 1)")
     for opts in (o, G(max_new_tokens=16, temperature=0.8, seed=3, **DFLASH)):
+        keeper = Keeper.prefix_cache(2**30)
+        put(keeper.kept, k, f.kv)
         events = list(rt.stream(longer, opts, keeper=keeper))
         assert events[0].cached_tokens == len(ids) - 1
         assert [t for ev in events for t in ev.tokens] == rt.generate(longer, opts).tokens
@@ -126,8 +126,8 @@ def test_a_truncated_damaged_foreign_or_other_numerics_file_is_refused_by_name(r
     refused(flipped, stamp, dev, "digest mismatch")
     n = int.from_bytes(blob[:8], "little")
     header = blob[8:8 + n]
-    at = header.index(b'"turbo.state.entries":"[{') + 40  # (a byte of the tokens, still JSON)
-    assert header[at:at + 1].isdigit()
+    at = header.index(b'"turbo.state.entries"')
+    at = next(i for i in range(at, len(header)) if header[i:i + 1].isdigit())  # (a token's digit: still JSON)
     digit = b"1" if header[at:at + 1] != b"1" else b"2"
     flipped.write_bytes(blob[:8 + at] + digit + blob[8 + at + 1:])
     refused(flipped, stamp, dev, "digest mismatch")
@@ -169,24 +169,28 @@ def test_a_state_dir_loads_what_matches_and_drops_the_rest_saying_why(rt, stamp,
     assert list(keeper.kept.entries) == [e.tokens]
 
 
-def test_the_state_dir_keeps_to_its_bound(rt, stamp, tmp_path):
+def test_the_state_dir_keeps_to_its_bound_the_oldest_going_first(rt, stamp, tmp_path):
     lines: list[str] = []
     keeper = Keeper.prefix_cache(2**30)
-    one = None
-    for i, text in enumerate(["def a():", "def b():", "def c():"]):
+    for text in ["def a():", "def b():", "def c():"]:
         rt.generate(prompt(rt, text), G(max_new_tokens=4, policy="off"), keeper=keeper)
-        if one is None:
-            states = StateDir(tmp_path, 1, stamp, rt.trunk.device, lines.append)
-            for entry in keeper.kept.entries.values():
-                states.kept(entry)
-            states.close()
-            one = max(p.stat().st_size for p in tmp_path.glob("*.turbo-state"))
-    states = StateDir(tmp_path, int(2.5 * one), stamp, rt.trunk.device, lines.append)
-    for entry in keeper.kept.entries.values():
-        states.kept(entry)
-    states.close()
-    sizes = [p.stat().st_size for p in tmp_path.glob("*.turbo-state")]
-    assert 0 < sum(sizes) <= 2.5 * one and lines == []
+    entries = list(keeper.kept.entries.values())
+
+    def write_all(bound: int) -> dict[str, int]:
+        states = StateDir(tmp_path, bound, stamp, rt.trunk.device, lines.append)
+        for entry in entries:
+            states.kept(entry)
+        states.close()
+        return {p.name: p.stat().st_size for p in tmp_path.glob("*.turbo-state")}
+
+    sizes = write_all(2**30)
+    assert len(sizes) == len(entries)
+    for p in tmp_path.glob("*.turbo-state"):
+        p.unlink()
+    bound = int(2.5 * max(sizes.values()))
+    kept = write_all(bound)
+    names = [state_files.file_name(e.tokens) for e in entries]
+    assert 0 < sum(kept.values()) <= bound and names[-1] in kept and names[0] not in kept and lines == []
 
 
 pytest.importorskip("prometheus_client")
@@ -219,14 +223,16 @@ def test_a_restarted_server_serves_from_the_states_it_wrote(rt, tmp_path, capfd)
     first = engine(tmp_path / "states")
     answer, cached = serve(first, ids, o)
     assert answer == rt.generate(ids, o).tokens and cached == 0
+    kept = list(first.scheduler.cache.entries)  # (the prompt's end, and the answer's where a round ended there)
     first.stop()
-    assert len(list((tmp_path / "states").glob("*.turbo-state"))) == 2  # the prompt's end, the answer's
+    assert len(list((tmp_path / "states").glob("*.turbo-state"))) == len(kept) > 0
     again = engine(tmp_path / "states")
-    assert len(again.scheduler.cache.entries) == 2
+    assert sorted(again.scheduler.cache.entries) == sorted(kept)
     nxt = ids + answer + rt.encode("\nQ: and os.path.split?\nA:")
-    for opts in (o, G(max_new_tokens=12, temperature=0.7, seed=5, **DFLASH)):
+    loaded = max(len(k) for k in kept) - 1  # (the first request's prompt: then this one's is kept too)
+    for opts, least in ((o, loaded), (G(max_new_tokens=12, temperature=0.7, seed=5, **DFLASH), len(nxt) - 1)):
         tokens, cached = serve(again, nxt, opts)
-        assert cached == len(ids) + len(answer) - 1
+        assert cached == least
         assert tokens == rt.generate(nxt, opts).tokens
     again.stop()
     assert "warning" not in capfd.readouterr().err

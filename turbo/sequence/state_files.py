@@ -282,8 +282,11 @@ def read_states(path: Path, stamp: Stamp, device: torch.device) -> StateFile:
     if meta.get(INSTALL_KEY) != stamp.install:
         raise StateFileError(f"{path}: written by another install (weights {str(meta.get(INSTALL_KEY))[:12]}, "
                              f"this one's {stamp.install[:12]})")
-    theirs = json.loads(meta[NUMERICS_KEY])
-    other = [f"{k} {theirs.get(k)} (here {v})" for k, v in stamp.numerics.items() if theirs.get(k) != v]
+    try:
+        theirs = json.loads(meta[NUMERICS_KEY])
+        other = [f"{k} {theirs.get(k)} (here {v})" for k, v in stamp.numerics.items() if theirs.get(k) != v]
+    except (KeyError, ValueError, AttributeError):
+        raise StateFileError(f"{path}: malformed (its numerics are not a JSON object)") from None
     if other or set(theirs) != set(stamp.numerics):
         raise StateFileError(f"{path}: written under other numerics: {', '.join(other) or 'other fields'}")
     try:
@@ -344,10 +347,8 @@ class StateDir:
         """The files that still match into `cache`, newest first while they fit its budget (the
         newest the most recently used); each one refused is removed, each one line through `say`.
         Returns how many were loaded."""
-        files = sorted(self.path.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime_ns, reverse=True)
         chosen, room = [], cache.budget
-        for p in files:
-            size = p.stat().st_size
+        for _, size, p in sorted(self._files(), key=lambda f: f[0], reverse=True):
             if size > room:
                 self.say(f"{p}: not loaded (the prefix cache's serve.cache_gb is full)")
                 continue
@@ -372,7 +373,10 @@ class StateDir:
         is queued, the file written on the writer's)."""
         if entry.trunk is None or entry.kv is None:
             return  # (a live state's: not a copy this directory keeps)
-        name = file_name(entry.tokens)
+        try:
+            name = file_name(entry.tokens)
+        except _Unplain:
+            return  # (tokens no file can name: kept in memory only)
         with self.lock:
             same = self.written.get(name) == frozenset(entry.drafts)
         self.queue.put((name, None, {}) if same else (name, kept_of(entry), dense_kv(entry)))
@@ -405,13 +409,7 @@ class StateDir:
 
     def _prune(self) -> None:
         """The oldest files (by mtime) removed while the directory holds more than `bound` bytes."""
-        files = []
-        for p in self.path.glob(f"*{SUFFIX}"):
-            try:
-                st = p.stat()
-            except FileNotFoundError:
-                continue
-            files.append((st.st_mtime_ns, st.st_size, p))
+        files = self._files()
         total = sum(size for _, size, _ in files)
         for _, size, p in sorted(files):
             if total <= self.bound:
@@ -420,6 +418,17 @@ class StateDir:
             total -= size
             with self.lock:
                 self.written.pop(p.name, None)
+
+    def _files(self) -> list[tuple[int, int, Path]]:
+        """The directory's state files: (mtime in ns, size, path); one removed meanwhile is not one."""
+        files = []
+        for p in self.path.glob(f"*{SUFFIX}"):
+            try:
+                st = p.stat()
+            except FileNotFoundError:
+                continue
+            files.append((st.st_mtime_ns, st.st_size, p))
+        return files
 
     def _say_once(self, line: str) -> None:
         if line not in self.said:

@@ -8,8 +8,11 @@ from __future__ import annotations
 import dataclasses
 import json
 
+from pathlib import Path
+
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 import turbo
 from turbo.errors import TurboError
@@ -82,7 +85,7 @@ def test_a_drafter_context_that_is_not_plain_is_left_out_and_said(rt, stamp, tmp
     k.drafts[("custom", None)] = (1.5, torch.zeros(2))
     path = tmp_path / "x.turbo-state"
     (note,) = write_states(path, stamp, [k], dense_kv(e))
-    assert path.name in note and "('custom', None)" in note and "float" in note
+    assert path.name in note and "drafter ('custom', None): its context is left out (a float" in note
     assert set(read_states(path, stamp, rt.trunk.device).kept[0].drafts) == set(e.drafts)
 
 
@@ -250,7 +253,7 @@ def test_a_server_starts_over_files_it_cannot_use_saying_why(rt, stamp, written,
 
 
 def test_the_state_keys_check_themselves(tmp_path):
-    from turbo.serve.settings import ServeConfig
+    from turbo.serve.settings import ServeConfig, serve_config
 
     (tmp_path / "file").write_text("")
     with pytest.raises(TurboError, match=r"serve.state_dir=.*file', expected a directory"):
@@ -258,6 +261,9 @@ def test_the_state_keys_check_themselves(tmp_path):
     with pytest.raises(TurboError, match=r"serve.state_gb=0, expected a number of GB > 0"):
         ServeConfig(state_gb=0)
     assert ServeConfig().state_dir is None
+    conf = OmegaConf.load(Path(turbo.__file__).parent.parent / "conf" / "task" / "serve.yaml")
+    conf.serve.state_dir, conf.serve.state_gb = str(tmp_path / "states"), 0.5
+    assert (serve_config(conf).state_dir, serve_config(conf).state_gb) == (str(tmp_path / "states"), 0.5)
 
 
 def test_a_saved_session_loaded_answers_as_the_original_and_a_cold_chat(rt, stamp, tmp_path):

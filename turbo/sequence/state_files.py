@@ -38,7 +38,7 @@ from ..store import layout_file
 from ..store.install import DRAFTER_DIR, Install, safetensors_files
 from ..store.safetensors_format import MAX_HEADER_BYTES, METADATA, parse_header, read_header, write_tensors
 from .options import OpenOptions
-from .state_cache import DraftKey, Entry, StateCache
+from .state_cache import ByIdentity, DraftKey, Entry, StateCache
 
 FORMAT_VERSION = 1
 SUFFIX = ".turbo-state"  # a state directory's files (nothing else there is read or removed)
@@ -214,8 +214,9 @@ def write_states(path: Path, stamp: Stamp, kept: list[Kept], kv: dict[int, tuple
             try:
                 drafts.append([_plain(key, {}, ""), _plain(snap, own, f"draft.{n}.{len(drafts)}.")])
             except _Unplain as e:
-                notes.append(f"{path.name}: drafter {key!r}'s context holds {e}, not plain tensors and numbers: "
-                             "left out (that drafter begins afresh from this state)")
+                who = f"{key.obj!r} (a caller's own drafter)" if isinstance(key, ByIdentity) else repr(key)
+                notes.append(f"{path.name}: drafter {who}: its context is left out ({e} is not plain tensors and "
+                             "numbers); that drafter begins afresh from this state")
                 continue
             tensors |= {name: t.cpu() for name, t in own.items()}
         entries.append({"tokens": tokens, "pos": k.trunk.pos, "rope_delta": k.trunk.rope_delta, "gdn": gdn,

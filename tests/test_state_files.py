@@ -22,6 +22,7 @@ from turbo.sequence.state_cache import Keeper
 from turbo.sequence.state_files import (StateDir, StateFileError, dense_kv, install_fingerprint, kept_of,
                                         put, read_states, stamp_of, write_states)
 from turbo.store.install import open_install
+from turbo.testing.checks import served_address
 
 DFLASH = dict(policy="fixed", block=4, drafter="dflash")
 
@@ -286,3 +287,34 @@ def test_a_saved_session_loaded_answers_as_the_original_and_a_cold_chat(rt, stam
     with pytest.raises(StateFileError, match="written under other numerics: kv_dtype"):
         loaded.load(tmp_path / "other.turbo-state")
     assert loaded.history == data
+
+
+def test_a_server_process_stopped_by_ctrl_c_keeps_its_states_for_the_next(rt, tmp_path):
+    """task=serve with serve.state_dir: Ctrl-C writes what is queued; the next server's first request
+    that goes on from the answer is served from it, with the tokens the runtime gives."""
+    def start():
+        proc = subprocess.Popen([sys.executable, "-m", "turbo", "task=serve", "serve.port=0", "threads=1",
+                                 "backend=cpu", "serve.front=inline", f"serve.state_dir={tmp_path / 'states'}"],
+                                cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return proc, served_address(proc).split()[-1]
+
+    def complete(url: str, text: str) -> dict:
+        body = json.dumps({"model": "tiny", "prompt": text, "max_tokens": 8, "temperature": 0}).encode()
+        request = urllib.request.Request(url + "/v1/completions", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=60) as r:
+            return json.load(r)
+
+    def stop(proc) -> None:
+        proc.send_signal(2)
+        assert proc.wait(timeout=30) == 130
+        assert "warning" not in proc.stderr.read()
+
+    proc, url = start()
+    first = complete(url, "def fib(n):")
+    stop(proc)
+    proc, url = start()
+    text = "def fib(n):" + first["choices"][0]["text"] + "\n# and then"
+    second = complete(url, text)
+    stop(proc)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    assert second["choices"][0]["text"] == rt.generate(text, max_new_tokens=8).text

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-
+import subprocess
+import sys
+import urllib.request
 from pathlib import Path
 
 import pytest

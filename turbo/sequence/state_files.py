@@ -41,6 +41,8 @@ from .options import OpenOptions
 from .state_cache import ByIdentity, DraftKey, Entry, StateCache
 
 FORMAT_VERSION = 1
+# a server's states queued for its writer at most (each holds its K/V rows until written)
+QUEUED = 64
 SUFFIX = ".turbo-state"  # a state directory's files (nothing else there is read or removed)
 VERSION_KEY = "turbo.state"
 DIGEST_KEY = "turbo.state.digest"
@@ -114,13 +116,14 @@ class Kept:
     """One kept state as a file holds it (its K/V rows are the file's, below `trunk.pos`)."""
 
     tokens: tuple  # the state holds tokens[:-1] (image rows tagged: turbo.vision.runtime.keyed_rows)
-    trunk: RecurrentSnapshot
+    trunk: RecurrentSnapshot  # per GDN layer its state [Hv, dk, dv] and conv window [K-1, C]; pos, rope delta
     drafts: dict[DraftKey, Any]  # drafter key -> its context there
 
 
 def dense_kv(entry: Entry) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """An entry's K/V rows, layer -> K, V [Hkv, pos, d]: the one place that reads how a
-    StateCache stores them."""
+    StateCache stores them (called on the engine's thread: what it returns must not change
+    after, since the writer's thread reads it later)."""
     return entry.kv
 
 
@@ -340,7 +343,8 @@ class StateDir:
         self.written: dict[str, frozenset] = {}  # file name -> the drafter keys it holds
         self.said: set[str] = set()
         self.lock = threading.Lock()
-        self.queue: queue.Queue[tuple[str, Kept | None, dict] | None] = queue.Queue()
+        # what the writer has yet to do: (file name, the state or None to touch it, its K/V rows)
+        self.queue: queue.Queue[tuple[str, Kept | None, dict] | None] = queue.Queue(QUEUED)
         self.thread = threading.Thread(target=self._run, name="turbo-state-files", daemon=True)
         self.thread.start()
 
@@ -380,7 +384,10 @@ class StateDir:
             return  # (tokens no file can name: kept in memory only)
         with self.lock:
             same = self.written.get(name) == frozenset(entry.drafts)
-        self.queue.put((name, None, {}) if same else (name, kept_of(entry), dense_kv(entry)))
+        try:  # (never a wait on the engine's thread: past QUEUED, a state stays in memory only)
+            self.queue.put_nowait((name, None, {}) if same else (name, kept_of(entry), dense_kv(entry)))
+        except queue.Full:
+            self._say_once(f"{self.path}: the writes fall behind the prefix cache; some states are not written")
 
     def close(self) -> None:
         """What is queued written, then the writer stops."""

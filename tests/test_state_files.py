@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import subprocess
 import sys
 import urllib.request
@@ -152,6 +153,9 @@ def test_a_truncated_damaged_foreign_or_other_numerics_file_is_refused_by_name(r
     write_states(future, stamp, [kept_of(e)], dense_kv(e))
     monkeypatch.undo()
     refused(future, stamp, dev, "unknown version '2'")
+    pipe = tmp_path / "pipe.turbo-state"
+    os.mkfifo(pipe)
+    refused(pipe, stamp, dev, "not a regular file")
     junk = tmp_path / "junk.turbo-state"
     junk.write_bytes(b"\x10" + b"\x00" * 7 + b"{not json}      ")
     refused(junk, stamp, dev, "not a state file")

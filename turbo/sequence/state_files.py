@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import queue
+import stat
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -263,6 +264,8 @@ def read_states(path: Path, stamp: Stamp, device: torch.device) -> StateFile:
     (one line: the file and why) for anything else: truncated, not a state file, an unknown
     version, a digest mismatch, another install, other numerics."""
     try:
+        if not stat.S_ISREG(path.stat().st_mode):  # (a named pipe would block the reader)
+            raise StateFileError(f"{path}: not a regular file")
         with path.open("rb") as f:
             blob = bytearray(os.fstat(f.fileno()).st_size)
             got = f.readinto(blob)

@@ -286,6 +286,10 @@ def test_a_saved_session_loaded_answers_as_the_original_and_a_cold_chat(rt, stam
     assert (loaded.last_turn.resumed_from, loaded.last_turn.reused_tokens) == \
         (s.last_turn.resumed_from, s.last_turn.reused_tokens)
     assert rt.chat(s.history[:-1], max_new_tokens=12).tokens == mine
+    sampled = dict(max_new_tokens=12, temperature=0.8, seed=11, **DFLASH)  # (the drafter's context restored too)
+    again = rt.session().load(path)
+    assert [t for ev in again.send("And more?", **sampled) for t in ev.tokens] == \
+        [t for ev in s.retry(**sampled) for t in ev.tokens]
     # a file from other numerics is refused and the session is left as it was
     other = dataclasses.replace(stamp, numerics={**stamp.numerics, "kv_dtype": "float16"})
     data = json.loads(json.dumps(loaded.history))

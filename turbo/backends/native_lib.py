@@ -157,6 +157,11 @@ def set_bf16_products(mode: str | None) -> None:
                          "(one choice per process)", field="bf16_products")
 
 
+def bf16_mode() -> str | None:
+    """The bf16 products this process runs (set_bf16_products; None: no runtime opened one yet)."""
+    return _bf16
+
+
 def threaded() -> ctypes.CDLL:
     """library(), its matrix products split over torch's intra-op thread count (checked
     on every call: `threads=` or torch.set_num_threads may change it)."""

@@ -9,7 +9,8 @@ from typing import Iterator, Protocol
 from tokenizers import Tokenizer
 
 from ..sequence.driver import RoundEvent
-from ..sequence.options import GenerationOptions
+from ..model.trunk import Trunk
+from ..sequence.options import GenerationOptions, OpenOptions
 from ..sequence.state_cache import Keeper
 from ..sequence.stats import Stats
 from ..store.install import Install
@@ -29,6 +30,8 @@ class ChatRuntime(Protocol):
 
     install: Install
     tokenizer: Tokenizer
+    trunk: Trunk  # (a session's saved states are its)
+    options: OpenOptions  # how it was opened (the numerics a saved state is checked against)
 
     def generate(self, prompt: list[int], opts: GenerationOptions | None = None, *, keeper: Keeper | None = None,
                  images: list | PromptImages | None = None) -> Generated: ...

@@ -13,7 +13,9 @@ back; the GDN and conv states and the drafter's context come from the snapshot.
 from __future__ import annotations
 
 import copy
+import json
 import numbers
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from ..store.arch import show
@@ -23,6 +25,7 @@ from .template import ChatTemplate, encode
 from ..errors import TurboError
 from ..sequence.options import GENERATION_FIELDS, GenerationOptions
 from ..sequence.state_cache import DEFAULT_SNAPSHOTS, Keeper, TurnReport
+from ..sequence.state_files import Kept, StateFileError, read_states, stamp_of, write_states
 from .tool_calls import ToolCall, tool_messages
 
 if TYPE_CHECKING:
@@ -99,6 +102,55 @@ class Session:
         self.history, self.last_turn = [], None
         self.keeper = Keeper.session(self.keeper.limit)
         self.system = system
+
+    def save(self, path: str | Path) -> list[str]:
+        """The conversation (`history`) and its kept states written to one file, whole
+        (turbo/sequence/state_files.py), as llama-server's slot save: `load` goes on from it in
+        another session, another process, with the same tokens. Returns a line for each
+        drafter context left out (a caller's own drafter's: that drafter begins afresh)."""
+        try:
+            messages = json.dumps(self.history)
+        except (TypeError, ValueError) as e:
+            raise TurboError(f"session history: {e}; expected messages of JSON values to save") from None
+        trunk, st = self.rt.trunk, self.keeper.st
+        entries = list(self.keeper.kept.entries.values())
+        # the live entry is the state as the last turn left it (a snapshot of it now); every entry's
+        # K/V rows are the live state's below its position (later rows only overwrite later ones)
+        kept = [Kept(e.tokens, e.trunk if e.trunk is not None else trunk.snapshot(st), dict(e.drafts))
+                for e in entries]
+        live = next((i for i, e in enumerate(entries) if e.trunk is None), None)
+        kv = st.kv if st is not None else {}
+        return write_states(Path(path), stamp_of(self.rt.install, trunk, self.rt.options), kept, kv,
+                            {"messages": messages, "live": json.dumps(live)})
+
+    def load(self, path: str | Path) -> Session:
+        """This session goes on from a file `save` wrote (its history and kept states replace
+        this session's); a file that is damaged, or was written by another install or under
+        other numerics, is refused in one line (StateFileError) and this session is left as it
+        was. The template, tools and keywords are this session's."""
+        trunk = self.rt.trunk
+        f = read_states(Path(path), stamp_of(self.rt.install, trunk, self.rt.options), trunk.device)
+        try:
+            history, live = json.loads(f.extra["messages"]), json.loads(f.extra["live"])
+        except (KeyError, ValueError):
+            raise StateFileError(f"{path}: not a session's state file (no messages)") from None
+        if not isinstance(history, list) or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                                     for m in history):
+            raise StateFileError(f"{path}: its messages are not a list of messages with roles")
+        keeper = Keeper.session(self.keeper.limit)
+        rows = max((k.trunk.pos for k in f.kept), default=0)
+        keeper.st = st = trunk.new_state(max(rows, 1))
+        for i, (k, v) in f.kv.items():
+            st.kv[i][0][:, :rows], st.kv[i][1][:, :rows] = k[:, :rows], v[:, :rows]
+        for n, k in enumerate(f.kept):
+            if n == live:
+                trunk.restore(st, k.trunk)  # (the live state: as the last turn left it)
+            snap = None if n == live else k.trunk
+            keeper.kept.keep(list(k.tokens), snap, None)
+            for key, context in k.drafts.items():
+                keeper.kept.keep(list(k.tokens), snap, None, key, context)
+        self.history, self.keeper, self.last_turn, self.turn = history, keeper, None, None
+        return self
 
     def send(self, text: str | list, opts: GenerationOptions | None = None, *, tool_choice: str | None = None,
              **fields) -> Iterator[RoundEvent]:

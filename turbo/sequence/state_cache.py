@@ -34,7 +34,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable
 
 import torch
 
@@ -128,6 +128,8 @@ class StateCache:
         self.entries: OrderedDict[tuple, Entry] = OrderedDict()  # oldest use first
         self.blocks: dict[bytes, Block] = {}  # key -> a block some entry holds
         self.nbytes = 0  # the entries' own bytes and each block once
+        # called with each entry kept or found (the server's state files: turbo/sequence/state_files.py)
+        self.on_keep: Callable[[Entry], None] | None = None
 
     def __len__(self) -> int:
         """The snapshots kept (the live state not counted)."""
@@ -144,6 +146,8 @@ class StateCache:
                     best = e
         if best is not None:
             self.entries.move_to_end(best.tokens)
+            if self.on_keep is not None:
+                self.on_keep(best)
         return best
 
     def keep(self, tokens: list, trunk: RecurrentSnapshot | None, kv: KV | None, draft: DraftKey | None = None,
@@ -178,7 +182,10 @@ class StateCache:
             self._drop(next(iter(self.entries)))
         while self.max_entries is not None and len(self) > self.max_entries:
             self._drop(next(k for k, e in self.entries.items() if e.trunk is not None))
-        return self.entries.get(key)
+        kept = self.entries.get(key)
+        if kept is not None and self.on_keep is not None:
+            self.on_keep(kept)
+        return kept
 
     def keep_copy(self, trunk: Trunk, st: TrunkState, tokens: list, draft: DraftKey | None, snap: Any) -> None:
         """`keep` a copy of `st` (holding tokens[:-1]) that outlives it: its recurrent state and K/V rows."""

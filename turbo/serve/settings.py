@@ -69,7 +69,8 @@ LIMIT_KEYS = tuple(f.name for f in fields(ServeLimits))
 # name: (its unit, bytes in it, the fewest bytes, why); cache_gb=0 is no prefix cache
 SIZES = {"memory_gb": ("GB", 2**30, 1, ", and every request's state needs some"),
          "cache_gb": ("GB", 2**30, 1, "; 0 turns the prefix cache off"),
-         "max_body_mb": ("MB", MIB, 1024, ", under the 1 KiB a request's body needs")}
+         "max_body_mb": ("MB", MIB, 1024, ", under the 1 KiB a request's body needs"),
+         "state_gb": ("GB", 2**30, 1, ", and a state file needs some")}
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,8 @@ class ServeConfig:
     remote_images: bool = False  # fetch http(s) image URLs (else a 400 naming this option)
     max_body_mb: float = 32.0  # a request body over it is answered 413 (a data: image of ~24 MiB fits)
     http_nice: int = 0  # Linux: the HTTP side's threads this much nicer than the engine's step thread
+    state_dir: str | None = None  # the prefix cache's states also kept here, loaded at start (None: off)
+    state_gb: float = 4.0  # state_dir's bound on disk (the oldest files by mtime go first)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "port", _count("port", self.port, 0, 65535))
@@ -108,6 +111,11 @@ class ServeConfig:
         if not isinstance(self.limits, ServeLimits):
             raise TurboError(f"config: serve limits {self.limits!r}, expected a ServeLimits")
         object.__setattr__(self, "image_dirs", image_dirs(self.image_dirs))
+        _size("state_gb", self.state_gb)
+        if self.state_dir is not None and (not isinstance(self.state_dir, str) or not self.state_dir
+                                           or os.path.exists(self.state_dir) and not os.path.isdir(self.state_dir)):
+            raise TurboError(f"config: serve.state_dir={self.state_dir!r}, expected a directory (made if missing) "
+                             "or null")
 
 
 def serve_config(cfg: DictConfig) -> ServeConfig:
@@ -119,12 +127,12 @@ def serve_config(cfg: DictConfig) -> ServeConfig:
     s = {str(k): v for k, v in node.items()}
     limits = ServeLimits(**{k: s.get(k) for k in LIMIT_KEYS})
     text = {k: str(s[k]) if s.get(k) is not None else None
-            for k in ("ray_address", "model_name", "chat_template", "api_key_file")}
+            for k in ("ray_address", "model_name", "chat_template", "api_key_file", "state_dir")}
     text["api_key"] = api_key(s.get("api_key"), text["api_key_file"])
     return ServeConfig(host=s.get("host"), port=s.get("port"), engine=s.get("engine"), replicas=s.get("replicas"),
                        limits=limits, image_dirs=s.get("image_dirs"), remote_images=s.get("remote_images", False),
                        max_body_mb=s.get("max_body_mb"), http_nice=s.get("http_nice", 0),
-                       front=s.get("front", "process"), **text)
+                       front=s.get("front", "process"), state_gb=s.get("state_gb", 4.0), **text)
 
 
 API_KEY_ENV = "TURBO_API_KEY"

@@ -5,6 +5,7 @@ template, the turn's stop ids, the model's name, the metrics), and the step from
 from __future__ import annotations
 
 import gc
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from ..chat.template import ChatTemplate, install_template
 from ..engine import open as open_runtime
 from ..errors import TurboError
 from ..sequence.options import ContextTooLong, GenerationOptions, OpenOptions
+from ..sequence.state_files import StateDir, stamp_of
 from .body import check_text_lengths
 from .images import expand_images
 from .limits import check_prompt_chars, check_prompt_tokens, context_error, max_token_chars
@@ -54,6 +56,7 @@ class Engine:
             self.template = install_template(rt.install) if rt.install.template_files.source is not None else None
         self.stop_ids = turn_stop_ids(rt.install, rt.tokenizer)
         self.scheduler = Scheduler(rt, config.limits)
+        self.states = self._state_dir(config)
         self.metrics = Metrics(self.model, self.scheduler.gauges)
         gc.freeze()  # (as the CLI: what lives as long as the process leaves the collector's walks)
 
@@ -62,6 +65,22 @@ class Engine:
 
     def stop(self) -> None:
         self.scheduler.stop()
+        if self.states is not None:
+            self.states.close()  # (what is queued is written before the process ends)
+
+    def _state_dir(self, config: ServeConfig) -> StateDir | None:
+        """serve.state_dir: the prefix cache filled from its files (a file that does not match is
+        one warning line and removed: the server starts anyway), then every state the cache keeps
+        written there too (turbo/sequence/state_files.py)."""
+        if config.state_dir is None:
+            return None
+        rt, cache = self.rt, self.scheduler.cache
+        states = StateDir(Path(config.state_dir).expanduser(), int(config.state_gb * 2**30),
+                          stamp_of(rt.install, rt.trunk, rt.options), rt.trunk.device,
+                          lambda line: print(f"warning: serve.state_dir: {line}", file=sys.stderr, flush=True))
+        states.load_into(cache)
+        cache.on_keep = states.kept
+        return states
 
     def piece(self, token: int) -> str:
         return self.rt.tokenizer.decode([token], skip_special_tokens=False)

@@ -22,9 +22,9 @@ Per system and repetition (each repetition starts every server afresh, so no rep
 another's conversations cached; systems interleaved, each load under benchlib's quiet-machine
 guard): the hit rate in tokens (cached_tokens over prompt tokens; and over the shared prefix,
 sum of min(cached, shared) over shared x requests), TTFT p50 / p99 (to the first chunk carrying
-text, reasoning or a tool call), TTFT p50 of turn 1 of users 2..N (the issue's goal: >= 5x the
-old server's), prefill tokens (prompt minus cached; llama-server's `timings.prompt_n`, what it
-processed), generated tokens/s. --check N: N of the first repetition's turbo requests (those the
+text, reasoning or a tool call), TTFT p50 of turn 1 of users 2..N (the issue's goal: >= 5x
+lower than the old server's), prefill tokens (prompt minus cached; llama-server's
+`timings.prompt_n`, what it processed), generated tokens/s. --check N: N of the first repetition's turbo requests (those the
 cache served first) replayed one at a time on the same command with serve.cache_gb=0, the
 answers equal or the run stops. The table goes to stdout, every record (JSON lines) to
 docs/results/prefix-DATE.jsonl. A benchmark, not a test: time it on a quiet machine.
@@ -50,14 +50,13 @@ from pathlib import Path
 import openai
 from tokenizers import Tokenizer
 
+from scripts import benchlib
+from scripts.llamacpp_server import start_llama_server
+from scripts.load import percentile
 from turbo.chat.template import ChatTemplate, encode, install_template
 from turbo.store.install import open_install
 from turbo.testing import shapes
 from turbo.testing.checks import served_address
-
-from scripts import benchlib
-from scripts.llamacpp_server import start_llama_server
-from scripts.load import percentile
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY_TEMPLATE = ROOT / "turbo" / "installs" / "tiny" / "chat_template.jinja"
@@ -201,8 +200,6 @@ def ask(client: openai.OpenAI, model: str, work: Workload, user: int, turn: int,
                 got["arguments"] += (call.function.arguments or "") if call.function else ""
             a.finish = c.finish_reason or a.finish
     a.ttft_s = a.ttft_s or time.perf_counter() - start  # (an empty answer: its end)
-    if first is not None:
-        first.set()
     a.prefill = timings["prompt_n"] if timings and "prompt_n" in timings else a.prompt_tokens - a.cached
     return a
 
@@ -229,11 +226,15 @@ def play(url: str, work: Workload, args) -> tuple[list[Answer], float]:
             started[user - 1].wait(args.timeout)
         messages = [{"role": "system", "content": work.system}]
         answers = []
-        for turn, question in enumerate(work.questions[user]):
-            messages.append({"role": "user", "content": question})
-            a = ask(client, model, work, user, turn, messages, args.max_tokens, started[user] if turn == 0 else None)
-            answers.append(a)
-            messages += reply(a)
+        try:
+            for turn, question in enumerate(work.questions[user]):
+                messages.append({"role": "user", "content": question})
+                a = ask(client, model, work, user, turn, messages, args.max_tokens,
+                        started[user] if turn == 0 else None)
+                answers.append(a)
+                messages += reply(a)
+        finally:  # (a user whose first request failed lets the next one start: the failure ends the load)
+            started[user].set()
         return answers
 
     t0 = time.perf_counter()
@@ -446,16 +447,16 @@ def main() -> None:
             finally:
                 stop(proc)
             rec = {"system": s.name, "rep": rep, **figures(answers, wall, work.shared), "metrics": cache,
-                   "guard": dataclasses.asdict(g), "shared_tokens": work.shared, "args": vars(args) | {
-                       "vs": str(args.vs) if args.vs else None, "out": str(out)}}
+                   "guard": dataclasses.asdict(g), "shared_tokens": work.shared, "tools": len(work.tools),
+                   "args": vars(args) | {"vs": str(args.vs) if args.vs else None, "out": str(out)}}
+            if rep == 0 and s.gguf is None and args.check:
+                rec["answers_equal_alone"] = checked[s.name] = check(s, install, work, answers, args)
             records.append(rec)
             with out.open("a") as f:
                 f.write(json.dumps(rec) + "\n")
             print(f"rep {rep} {s.name}{' (disturbed)' if g.disturbed else ''}: hit {rec['hit_rate']:.0%}, turn 1 "
                   f"of users 2..: hit {rec['first_turn_hit_rate']:.0%}, TTFT p50 {rec['first_turn_ttft_p50_ms']:.0f} ms; "
                   f"{rec['tokens_per_s']:.1f} tok/s", file=sys.stderr)
-            if rep == 0 and s.gguf is None and args.check:
-                checked[s.name] = check(s, install, work, answers, args)
     print(f"records: {out}", file=sys.stderr)
     table(systems, records, checked, work, args)
 

@@ -402,6 +402,9 @@ def main() -> None:
     ap.add_argument("--vs", type=Path, metavar="DIR", help="also the server of the checkout at DIR (its turbo)")
     ap.add_argument("--llamacpp", action="store_true", help="also llama-server --parallel CONCURRENCY on the shape's GGUF")
     ap.add_argument("--gguf", default="bf16", help="--llamacpp: the shape's GGUF kind (bf16, q8_0, q4_0)")
+    # llama-server's context checkpoints (its PR 15293: a recurrent state cannot be rolled back, so a
+    # slot keeps copies at the last user message's start and before the prompt's end): its default
+    # count; its default spacing (8192 tokens) would keep no earlier turn of a 2,000-token conversation
     ap.add_argument("--ctx-checkpoints", type=int, default=32, help="llama-server's --ctx-checkpoints (per slot)")
     ap.add_argument("--checkpoint-min-step", type=int, default=256, help="llama-server's --checkpoint-min-step")
     ap.add_argument("--cache-ram", type=int, default=8192, help="llama-server's --cache-ram (MiB)")

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
+import socket
 import subprocess
 import sys
 import tempfile
-import multiprocessing
-import socket
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor

@@ -25,9 +25,8 @@ import time
 import torch
 
 import turbo
-from turbo.testing import shapes
-
 from scripts import benchlib
+from turbo.testing import shapes
 
 
 def copies(trunk, st, n: int) -> list:

@@ -25,11 +25,10 @@ from pathlib import Path
 import torch
 
 import turbo
-from turbo.backends import native_build, native_lib
-from turbo.testing import shapes
-
 from scripts import benchlib
 from scripts.benchlib import step_times
+from turbo.backends import native_build, native_lib
+from turbo.testing import shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}

@@ -23,12 +23,11 @@ from pathlib import Path
 import torch
 
 import turbo
+from scripts import benchlib
 from turbo.sequence.grammar import Grammars, ResponseFormat
 from turbo.sequence.options import GenerationOptions
 from turbo.sequence.penalties import PenaltyState
 from turbo.testing import shapes
-
-from scripts import benchlib
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array", "items": {
     "type": "string"}}, "n": {"type": "integer"}}, "required": ["name", "tags", "n"], "additionalProperties": False}

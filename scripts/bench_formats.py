@@ -35,12 +35,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+from scripts import benchlib
 from turbo.repack import repack
 from turbo.testing import shapes
 from turbo.testing.gguf_writer import write_gguf
 from turbo.testing.source_formats import write_fp8, write_int4
-
-from scripts import benchlib
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -31,8 +31,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-from scripts import benchlib
-from scripts import build_llamacpp
+from scripts import benchlib, build_llamacpp
 
 ROOT = Path(__file__).resolve().parent.parent
 LIB_PATH = "LLAMA_CPP_LIB_PATH"  # llama-cpp-python's: the directory it loads libllama.so from

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import openai
 
-from turbo.testing import shapes
-
 from scripts.bench_serve import start
+from turbo.testing import shapes
 
 
 def vm_hwm_mb(pid: int) -> float:

@@ -26,11 +26,10 @@ import time
 
 import torch
 
-from turbo.store import quant
+from scripts import benchlib
 from turbo.backends import native_exact, native_lib, native_pack
 from turbo.backends.packed import Packed
-
-from scripts import benchlib
+from turbo.store import quant
 
 BITS = {"int4": 4, "int8": 8}
 CODE = {"int4": 4, "int8": 5}  # their quantization codes (groups of 64: the native step's)

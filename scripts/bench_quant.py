@@ -37,13 +37,12 @@ import torch
 import torch.nn.functional as F
 import yaml
 
+from scripts import benchlib
 from turbo import engine
+from turbo.repack import repack
 from turbo.store import quant
 from turbo.store.install import resolve
-from turbo.repack import repack
 from turbo.testing import make_checkpoint, shapes
-
-from scripts import benchlib
 
 ROOT = Path(__file__).resolve().parent.parent
 

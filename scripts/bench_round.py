@@ -23,10 +23,9 @@ import statistics
 import torch
 
 import turbo
-from turbo.testing import ScriptedDrafter, shapes
-
 from scripts import benchlib
 from scripts.benchlib import step_times
+from turbo.testing import ScriptedDrafter, shapes
 
 QUANT = {"bf16": "none", "int8": "int8", "int4": "int4"}
 

@@ -49,9 +49,8 @@ from pathlib import Path
 import torch
 
 import turbo
-from turbo.testing import shapes
-
 from scripts import benchlib
+from turbo.testing import shapes
 
 ROOT = Path(__file__).resolve().parent.parent
 KV_TAG = " kv="  # a turbo system's name carries its kv_cache after this ("turbo kv=bfloat16")

@@ -28,11 +28,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from turbo.testing import shapes
-from turbo.testing.checks import served_address
-
 from scripts import benchlib
 from scripts.llamacpp_server import start_llama_server
+from turbo.testing import shapes
+from turbo.testing.checks import served_address
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {"plain": ("code", {"policy": "off"}),

@@ -22,12 +22,11 @@ import sys
 import torch
 
 import turbo
+from scripts import benchlib
 from turbo.chat.template import ChatTemplate, encode
 from turbo.sequence.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler
 from turbo.testing import shapes
-
-from scripts import benchlib
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

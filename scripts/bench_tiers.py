@@ -31,9 +31,8 @@ from pathlib import Path
 
 import torch
 
-from scripts import benchlib
-from scripts import build_llamacpp
 import turbo
+from scripts import benchlib, build_llamacpp
 from turbo.backends import native_lib
 from turbo.testing import shapes
 

@@ -34,9 +34,8 @@ def worker(path: str, calls: int, new: int) -> dict:
     import torch
 
     import turbo
-    from turbo.testing import ScriptedDrafter
-
     from scripts.bench_round import landed_schedule  # (the tree's own scripts/: PYTHONPATH is the tree)
+    from turbo.testing import ScriptedDrafter
 
     rt = turbo.open(path, backend="cpu")
     trunk = rt.trunk
@@ -125,10 +124,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     args = ap.parse_args()
+    from scripts import benchlib  # (the driver's: the workers import their tree)
     from turbo.store.install import BUNDLED_DIR
     from turbo.testing import shapes
-
-    from scripts import benchlib  # (the driver's: the workers import their tree)
 
     installs = {"tiny": (str(BUNDLED_DIR / "tiny"), 200, 256), args.shape: (str(shapes.build(args.shape)), 8, 48)}
     runs: dict[tuple[str, str], list[dict]] = {}

@@ -29,11 +29,10 @@ import numpy as np
 import torch
 from PIL import Image
 
+from scripts import benchlib
 from turbo.vision.config import vision_config
 from turbo.vision.image import ImageSpec, prepare
 from turbo.vision.tower import encode, tower_from_state_dict
-
-from scripts import benchlib
 
 # config.json's vision_config of Qwen/Qwen3.5-0.8B (its text hidden size is 1024)
 VISION_0_8B = dict(depth=12, hidden_size=768, hidden_act="gelu_pytorch_tanh", intermediate_size=3072, num_heads=12,
@@ -164,10 +163,10 @@ def spread(xs: list[float]) -> str:
 def first_token(sizes: list[str], reps: int, threads: int) -> None:
     """Time to an image prompt's first token, turbo against transformers (bf16, as the
     checkpoint's dtype loads by default), interleaved: medians [min, max] of `reps`."""
-    import turbo
     from transformers import Qwen3_5ForConditionalGeneration
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+    import turbo
     from turbo.repack import repack
     from turbo.testing.shapes import DEFAULT_CACHE
 

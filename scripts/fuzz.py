@@ -46,12 +46,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
+from scripts import fuzz_classes, fuzz_inputs, fuzz_requests
 from turbo.store.install import resolve
 from turbo.store.layout_file import PACKED_FILE
-
-from scripts import fuzz_classes
-from scripts import fuzz_inputs
-from scripts import fuzz_requests
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [5, 6, 7]
@@ -545,9 +542,9 @@ def case_install(base: Path, case: Case, into: Path) -> Path:
 
 def worker() -> None:
     """Reads {"install", "file"} lines; replies with what the library, turbo's reader and turbo.open made of it."""
-    import turbo
     from safetensors import safe_open
 
+    import turbo
     from turbo.errors import TurboError
     from turbo.store.safetensors_format import read_header
 

@@ -109,9 +109,9 @@ def graphed(fn):
 def bench(out: Path) -> dict:
     import torch
 
+    from turbo.backends import cuda as cb
     from turbo.backends import ops
     from turbo.store import quant
-    from turbo.backends import cuda as cb
 
     torch.manual_seed(0)
     dev = "cuda"
@@ -204,7 +204,6 @@ def engine_bench(out: Path, budget_s: float = 75.0) -> dict:
     import turbo
     from turbo.backends import ops
     from turbo.store.install import BUNDLED_DIR
-
     from turbo.testing import ScriptedDrafter, make_spec_install
 
     t_end = time.time() + budget_s
@@ -291,8 +290,8 @@ def rows_products(out: Path, dev: str = "cuda", shapes: dict = ROWS_SHAPES, copy
     """bgemv.cu on the device: batch invariance, error and bandwidth (see the docstring)."""
     import torch
 
-    from turbo.store import quant
     from turbo.backends import cuda as cb
+    from turbo.store import quant
 
     torch.manual_seed(0)
     res: dict = {"kernels": dict(cb.ROWS_KERNELS)}

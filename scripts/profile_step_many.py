@@ -23,13 +23,12 @@ import time
 from collections import defaultdict
 
 import turbo
+from scripts import benchlib
+from scripts.bench_batch import copies
 from turbo.backends import native_trunk
 from turbo.sequence.options import GenerationOptions
 from turbo.serve.scheduler import Request, Scheduler, ServeLimits
 from turbo.testing import shapes
-
-from scripts import benchlib
-from scripts.bench_batch import copies
 
 TIMED = ("embed_rows", "gdn_layer_seqs", "attn_layer_seqs", "head", "copy_rows")
 

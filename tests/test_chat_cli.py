@@ -14,11 +14,11 @@ import sys
 import pytest
 
 import turbo
-from turbo.errors import TurboError
-from turbo.chat_cli import THINKING, Repl
 from turbo.chat.template import encode
-from turbo.store.install import open_install
+from turbo.chat_cli import THINKING, Repl
+from turbo.errors import TurboError
 from turbo.sequence.options import GenerationOptions
+from turbo.store.install import open_install
 
 # ChatML whose generation prompt opens <think>, or closes it empty under enable_thinking=false
 TEMPLATE = """{% for m in messages %}<|im_start|>{{ m.role }}

@@ -5,15 +5,15 @@ generation config's eos ids, and refuses a template that does not compile."""
 import json
 
 import pytest
-from turbo.testing import make_checkpoint, tiny_tokenizer
 from tokenizers import Tokenizer
 
 import turbo
 from turbo.chat.template import ChatTemplate, encode, install_template, render
-from turbo.store.template_files import read_template
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.repack import repack
+from turbo.store.install import open_install
+from turbo.store.template_files import read_template
+from turbo.testing import make_checkpoint, tiny_tokenizer
 
 # Qwen3.5's shape, written for these tests: tools in the system turn, <think> blocks kept only for
 # the assistant turns after the last user query, tool calls and grouped tool responses,

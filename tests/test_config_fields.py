@@ -6,17 +6,17 @@ import shutil
 
 import pytest
 import torch
-from turbo.testing import assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_install
 from safetensors.torch import load_file, save_file
 
 import turbo
-from turbo.store.arch import IRRELEVANT, READ, REFUSED_UNLESS_DEFAULT, arch_from_config, read_config_json
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.load.install_check import check_tensor_names
 from turbo.load.loader import load_trunk
 from turbo.model.trunk import DynamicNtk
 from turbo.sequence.options import OpenOptions
+from turbo.store.arch import IRRELEVANT, READ, REFUSED_UNLESS_DEFAULT, arch_from_config, read_config_json
+from turbo.store.install import open_install
+from turbo.testing import assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_install
 
 WINDOW = 32  # original_max_position_embeddings: the parity prompts (40 and 24 + 64 tokens) run past it
 SCALINGS = {

@@ -27,16 +27,14 @@ import pytest
 import torch
 
 import turbo
-from turbo.backends import ops
-from turbo.store import quant
-from turbo.backends import cuda as cb
-from turbo.backends import cuda_kernels as ck
-from turbo.backends import select_backend
-from turbo.backends import dflash_math as dflash
-from turbo.errors import TurboError
-
 from scripts import build_ptx as bp
 from scripts import gpu_check
+from turbo.backends import cuda as cb
+from turbo.backends import cuda_kernels as ck
+from turbo.backends import dflash_math as dflash
+from turbo.backends import ops, select_backend
+from turbo.errors import TurboError
+from turbo.store import quant
 
 torch.set_num_threads(1)
 

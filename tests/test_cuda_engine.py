@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import turbo
-from turbo.backends import ops
 from turbo.backends import cuda as cb
 from turbo.backends import cuda_kernels as ck
+from turbo.backends import ops
 from turbo.store.install import BUNDLED_DIR, open_install
 
 torch.set_num_threads(1)
@@ -75,9 +75,8 @@ def test_gpu_spec_install_commits_the_cpu_tokens(spec_install):
 
 @gpu
 def test_gpu_int4_install_commits_the_cpu_tokens(tmp_path_factory):
-    from turbo.testing import hf_config, make_checkpoint, make_drafter
-
     from turbo.repack import repack
+    from turbo.testing import hf_config, make_checkpoint, make_drafter
 
     tmp = tmp_path_factory.mktemp("cuda_int4")
     make_checkpoint(tmp / "hf", 3)
@@ -91,10 +90,10 @@ def test_gpu_int4_install_commits_the_cpu_tokens(tmp_path_factory):
 
 @gpu
 def test_gpu_mtp_install_commits_the_cpu_tokens(tmp_path_factory):
-    from turbo.testing import make_checkpoint
     from test_mtp import add_mtp, mtp_tensors
 
     from turbo.repack import repack
+    from turbo.testing import make_checkpoint
 
     tmp = tmp_path_factory.mktemp("cuda_mtp")
     model = make_checkpoint(tmp / "hf", 5)
@@ -187,12 +186,12 @@ def test_forward_and_rollback_stay_on_the_device(spec_install, monkeypatch):
 
 
 def test_mtp_head_stays_on_the_device(tmp_path, monkeypatch):
-    from turbo.testing import make_checkpoint
     from test_mtp import add_mtp, mtp_tensors
 
     from turbo.load.loader import load_mtp, load_trunk
-    from turbo.sequence.options import OpenOptions
     from turbo.repack import repack
+    from turbo.sequence.options import OpenOptions
+    from turbo.testing import make_checkpoint
 
     model = make_checkpoint(tmp_path / "hf", 5)
     add_mtp(tmp_path / "hf", mtp_tensors(model.config, 5))

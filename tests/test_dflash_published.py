@@ -7,15 +7,14 @@ import shutil
 
 import pytest
 import torch
-from turbo.testing import assert_lossless, hf_config, make_install, make_published_dflash
 
 import turbo
-from turbo.backends import ops
-from turbo.backends import native_lib
+from turbo.backends import native_lib, ops
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.load.loader import load_dflash, load_trunk
 from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.testing import assert_lossless, hf_config, make_install, make_published_dflash
 
 PROMPTS = [list(range(5, 40)), [7, 100, 3, 250, 17, 17, 17, 42]]
 

@@ -11,13 +11,13 @@ import tempfile
 from pathlib import Path
 
 import pytest
-from turbo.testing import make_checkpoint
 
 from turbo.backends import native_build
 from turbo.errors import TurboError
-from turbo.store.install import BUNDLED_DIR, resolve
 from turbo.repack import repack
 from turbo.repack.write import MARKER
+from turbo.store.install import BUNDLED_DIR, resolve
+from turbo.testing import make_checkpoint
 
 
 @pytest.fixture(scope="module")

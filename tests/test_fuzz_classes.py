@@ -7,7 +7,6 @@ import shutil
 from pathlib import Path
 
 import turbo
-
 from scripts import fuzz
 
 classes = fuzz.fuzz_classes

@@ -16,11 +16,12 @@ import pytest
 llguidance = pytest.importorskip("llguidance")
 jsonschema = pytest.importorskip("jsonschema")
 
+from test_train_example import qwen35_install  # noqa: E402,F401  (a random trunk over the real vocabulary)
+
 import turbo  # noqa: E402
 from turbo.drafters.ngram import NgramDrafter  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
 from turbo.sequence.grammar import GrammarState  # noqa: E402
-from test_train_example import qwen35_install  # noqa: E402,F401  (a random trunk over the real vocabulary)
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "n": {"type": "integer"}, "ok": {"type": "boolean"}},

@@ -17,12 +17,12 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from test_hardening_serve import MESSAGES, error_of, post, server  # noqa: F401  (a server process: tiny, 1 MiB bodies)
 
-from turbo.sequence import grammar_bounds
 from turbo.errors import TurboError, ascii_decimal
+from turbo.sequence import grammar_bounds
 from turbo.sequence.grammar import ResponseFormat
 from turbo.sequence.options import GenerationOptions
-from test_hardening_serve import MESSAGES, error_of, post, server  # noqa: F401  (a server process: tiny, 1 MiB bodies)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "def fib(n):"

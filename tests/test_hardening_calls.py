@@ -21,12 +21,12 @@ import pytest
 
 import turbo
 from turbo.bounded import MAX_NESTING, SMALL_FILE_BYTES, text_nesting
+from turbo.chat.reasoning import ReasoningStream
+from turbo.chat.template import encode, install_template
+from turbo.chat.tool_calls import CallStream, ToolCall, call_grammar, parse_tool_calls
 from turbo.chat.turn import template_messages
 from turbo.chat_cli import load_tools
-from turbo.chat.template import encode, install_template
 from turbo.errors import TurboError
-from turbo.chat.reasoning import ReasoningStream
-from turbo.chat.tool_calls import CallStream, ToolCall, call_grammar, parse_tool_calls
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOLS = [{"type": "function", "function": {"name": "add", "parameters": {

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from turbo.testing import make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import turbo
-from turbo.repack import tensors as repack_mod
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.repack import repack
+from turbo.repack import tensors as repack_mod
+from turbo.store.install import open_install
 from turbo.store.safetensors_format import read_header
+from turbo.testing import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 T = '"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}'

@@ -10,11 +10,11 @@ import shutil
 import pytest
 
 import turbo
-from turbo.store import layout_file
-from turbo.load import open_layout
 from turbo.backends import native_lib
-from turbo.store.install import open_install
+from turbo.load import open_layout
 from turbo.repack import repack
+from turbo.store import layout_file
+from turbo.store.install import open_install
 from turbo.store.safetensors_format import read_header
 from turbo.testing import make_checkpoint
 

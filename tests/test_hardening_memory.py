@@ -12,8 +12,8 @@ import pytest
 
 import turbo
 from turbo.errors import TurboError
-from turbo.sequence.state_cache import Keeper, StateCache
 from turbo.model.trunk import KV_CHUNK
+from turbo.sequence.state_cache import Keeper, StateCache
 
 TINY = Path(turbo.__file__).parent / "installs" / "tiny"
 POSITIONS = 2 ** 20  # a cache reserved for all of them: 2 layers x 2 x 2^20 x 2 heads x 64 x 2 B = 1 GiB

@@ -26,13 +26,13 @@ pytest.importorskip("fastapi")
 from omegaconf import OmegaConf  # noqa: E402
 
 import turbo  # noqa: E402
-from turbo.testing.checks import served_address  # noqa: E402
 from turbo.chat import template as chat_template  # noqa: E402
 from turbo.chat.template import ChatTemplate  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
 from turbo.serve import images  # noqa: E402
 from turbo.serve.api_error import ApiError  # noqa: E402
 from turbo.serve.settings import API_KEY_ENV, serve_config  # noqa: E402
+from turbo.testing.checks import served_address  # noqa: E402
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")

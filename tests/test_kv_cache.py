@@ -11,10 +11,10 @@ import torch
 import turbo
 from turbo.backends import native_lib
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.load.load_plan import kv_dtype
 from turbo.load.loader import load_trunk
 from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
 
 PROMPT = [(13 * i) % 300 + 3 for i in range(40)]
 

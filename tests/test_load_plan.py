@@ -7,15 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from turbo.testing import hf_config, make_checkpoint, make_drafter, make_moe_checkpoint
 from test_mtp import add_mtp, mtp_tensors
 
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.load.load_plan import (COPY, DRAFT, DRAFT_HEAD, NATIVE_OFF, PACKED, PANELS, TENSOR, Host, layer_matrices,
     plan_dflash, plan_mtp, plan_trunk)
-from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
+from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.testing import hf_config, make_checkpoint, make_drafter, make_moe_checkpoint
 
 CPU = torch.device("cpu")
 VNNI = Host(None, ("pairs", "int8"))  # a host whose native step reads int4 / int8 packed

@@ -6,14 +6,14 @@ import json
 
 import pytest
 import torch
-from turbo.testing import (assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_moe_checkpoint,
-                     make_moe_install)
 from safetensors import safe_open
 
-from turbo.store.install import open_install
 from turbo.load.loader import load_trunk
-from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
+from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.testing import (assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_moe_checkpoint,
+    make_moe_install)
 
 ALTERNATING = ["full_attention", "linear_attention", "linear_attention", "full_attention"]
 SHAPES = {

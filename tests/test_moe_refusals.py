@@ -4,16 +4,16 @@ from the command line."""
 import json
 
 import pytest
-from turbo.testing import make_moe_checkpoint
 from safetensors.torch import load_file, save_file
 from test_cli import one_line_error, run
 
-from turbo.store.arch import arch_from_config
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.load.loader import load_trunk
-from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
+from turbo.sequence.options import OpenOptions
+from turbo.store.arch import arch_from_config
+from turbo.store.install import open_install
+from turbo.testing import make_moe_checkpoint
 
 
 @pytest.fixture(scope="module")

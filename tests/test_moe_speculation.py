@@ -6,14 +6,14 @@ import types
 
 import pytest
 import torch
-from turbo.testing import ScriptedDrafter, assert_lossless, make_drafter, make_moe_checkpoint, make_moe_install
 from test_mtp import add_mtp, mtp_tensors
 
 import turbo
-from turbo.store.arch import arch_from_config
 from turbo.load.load_plan import moe_tensor_shapes
-from turbo.sequence.policy import MOE_SPECULATION_BLOCKER_MARKER
 from turbo.repack import repack
+from turbo.sequence.policy import MOE_SPECULATION_BLOCKER_MARKER
+from turbo.store.arch import arch_from_config
+from turbo.testing import ScriptedDrafter, assert_lossless, make_drafter, make_moe_checkpoint, make_moe_install
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [7, 100, 3, 250, 17, 17, 17, 42, 7, 100, 3, 250, 17]]
 pytestmark = pytest.mark.usefixtures("step_path")

@@ -8,13 +8,13 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from turbo.testing import make_checkpoint
 from safetensors.torch import load_file, save_file
 
 import turbo
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.repack import repack
+from turbo.store.install import open_install
+from turbo.testing import make_checkpoint
 
 
 def mtp_tensors(cfg, seed: int = 0, scale: float = 0.08) -> dict[str, torch.Tensor]:

@@ -6,14 +6,14 @@ a config that declares the head while its tensors are missing says so in one lin
 import json
 
 import pytest
-from turbo.testing import assert_lossless, make_checkpoint
 from safetensors.torch import load_file, save_file
 from test_mtp import mtp_tensors
 
 import turbo
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.repack import repack
+from turbo.store.install import open_install
+from turbo.testing import assert_lossless, make_checkpoint
 
 PROMPTS = [[5, 17, 99, 3, 250, 41, 8], [300, 2, 2, 2, 64]]
 

@@ -7,13 +7,12 @@ import pytest
 import torch
 
 import turbo
-from turbo.backends import ops
-from turbo.backends import native_lib
-from turbo.drafters.dflash import DflashDrafter
+from turbo.backends import native_lib, ops
 from turbo.backends.dflash_math import select_candidates
-from turbo.store.install import open_install
+from turbo.drafters.dflash import DflashDrafter
 from turbo.load.loader import load_dflash, load_trunk
 from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
 
 pytestmark = pytest.mark.skipif(native_lib.library() is None,
                                 reason=f"native library unavailable: {native_lib.why_not()}")

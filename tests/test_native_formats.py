@@ -12,13 +12,14 @@ from test_repack_formats import _source, assert_lossless_speculation
 from test_trunk_products import ROWS, assert_rows_are_steps, threads  # noqa: F401  (the fixture)
 
 import turbo
-from turbo.store import quant
-from turbo.repack import fp8 as repack_fp8
 from turbo.backends import native_exact, native_lib, native_pack
-from turbo.store.install import open_install
 from turbo.load.loader import load_trunk
-from turbo.sequence.options import OpenOptions
+from turbo.repack import fp8 as repack_fp8
 from turbo.repack import repack
+from turbo.sequence.options import OpenOptions
+from turbo.store import quant
+from turbo.store.install import open_install
+
 
 def needs_exact() -> None:
     if native_lib.library() is None or "exact" not in native_lib.dot_layouts():

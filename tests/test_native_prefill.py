@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from turbo.backends import native_lib, native_trunk
-from turbo.store.install import open_install
 from turbo.load.loader import load_trunk
 from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
 
 
 @pytest.mark.parametrize("kv_cache", ["float32", "bfloat16"])

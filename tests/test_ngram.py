@@ -17,9 +17,9 @@ from turbo.config import run_config
 from turbo.drafters import is_drafter
 from turbo.drafters.ngram import NgramConfig, NgramDrafter
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.sequence.policy import (DEFAULT_SPECULATION_BLOCK, DFLASH_BLOCK, MOE_SPECULATION_BLOCKER_MARKER,
     VISION_SPECULATION_BLOCKER_MARKER, Plan, plan)
+from turbo.store.install import open_install
 
 ROOT = Path(__file__).parents[1]
 
@@ -241,7 +241,8 @@ def test_window_and_a_bad_ngram_option_are_refused(plain_rt):
 
 
 def compose(overrides: list[str]):
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return hydra_compose(config_name="config", overrides=overrides)

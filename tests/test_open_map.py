@@ -14,17 +14,17 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import turbo
-from turbo.store import layout_file
-from turbo.load import open_layout
 from turbo.backends import native_lib, native_pack
-from turbo.store.install import open_install
+from turbo.load import open_layout
 from turbo.load.load_plan import COPY, PACKED, PANELS, layer_matrices, plan_trunk
 from turbo.load.loader import host
 from turbo.load.reader import Reader
-from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
-from turbo.testing import make_checkpoint, make_moe_checkpoint
+from turbo.sequence.options import OpenOptions
+from turbo.store import layout_file
+from turbo.store.install import open_install
 from turbo.store.safetensors_format import write_safetensors
+from turbo.testing import make_checkpoint, make_moe_checkpoint
 
 WIDE = dict(hidden_size=128, intermediate_size=256, head_dim=32, linear_key_head_dim=16, linear_value_head_dim=32)
 MOE = dict(hidden_size=128, intermediate_size=128, head_dim=32, moe_intermediate_size=64,

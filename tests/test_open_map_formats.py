@@ -16,14 +16,14 @@ from test_open_map import PACKING, PROMPT, tokens
 from test_repack_formats import _source
 
 import turbo
-from turbo.store import layout_file, quant
-from turbo.load import loader, open_layout
 from turbo.backends import native_exact, native_lib, native_pack
-from turbo.store.install import open_install
+from turbo.load import loader, open_layout
 from turbo.load.load_plan import EXACT, PANELS, SEGMENTS, Host, layer_matrices, plan_trunk
 from turbo.load.reader import Reader
-from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
+from turbo.sequence.options import OpenOptions
+from turbo.store import layout_file, quant
+from turbo.store.install import open_install
 
 KINDS = ("fp8", "awq", "gguf-q8_0")
 # a GGUF's K-quant-free Q8_0 blocks of 32 fit every input; hidden 256 as tests/test_repack_gguf.py
@@ -182,8 +182,8 @@ def test_the_command_writes_a_converted_installs_layout(installs, tmp_path, caps
 
 
 def test_segments_read_in_place_are_the_packed_ones_and_a_damaged_table_is_refused():
-    from turbo.store import quant
     from turbo.errors import TurboError
+    from turbo.store import quant
     g = torch.Generator().manual_seed(3)
     w = [torch.randn(n, 128, generator=g) for n in (40, 24)]
     exact = native_exact.exact_panels(quant.QuantizedWeight(*quant.quantize(w[0], quant.EXACT_INT4[32]), 4, 32))

@@ -27,7 +27,8 @@ def install(tmp_path_factory):
 
 
 def compose(overrides):
-    from hydra import compose as hydra_compose, initialize_config_dir
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
 
     with initialize_config_dir(config_dir=str(ROOT / "conf"), version_base=None):
         return hydra_compose(config_name="config", overrides=overrides)

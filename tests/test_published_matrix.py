@@ -23,15 +23,15 @@ import torch
 from PIL import Image
 
 import turbo
-from turbo.store import quant
-from turbo.store.arch import arch_from_config
 from turbo.chat.template import encode, render
 from turbo.drafters.mtp import declared_layers
-from turbo.store.install import open_install
 from turbo.repack import main as repack_main
+from turbo.store import quant
+from turbo.store.arch import arch_from_config
+from turbo.store.install import open_install
 from turbo.testing import assert_lossless
 from turbo.testing.published import (IMAGE_ID, LAYOUTS, TEMPLATE, carries_mtp, has_tower, make_published,
-                                     published_config)
+    published_config)
 from turbo.vision.runtime import Vision
 
 transformers = pytest.importorskip("transformers")

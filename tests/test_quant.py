@@ -6,17 +6,17 @@ import tracemalloc
 
 import pytest
 import torch
-from turbo.testing import hf_config, make_checkpoint, make_drafter
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 from turbo import engine
-from turbo.store import quant
 from turbo.errors import TurboError
-from turbo.store.install import ResidentIndex, open_install
 from turbo.load.loader import load_trunk
-from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
+from turbo.sequence.options import OpenOptions
+from turbo.store import quant
+from turbo.store.install import ResidentIndex, open_install
+from turbo.testing import hf_config, make_checkpoint, make_drafter
 
 
 def Trunk(inst, **opts):  # noqa: N802

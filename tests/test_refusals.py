@@ -7,17 +7,17 @@ import shutil
 
 import pytest
 import torch
-from turbo.testing import tiny_tokenizer
 from safetensors import safe_open
 from safetensors.torch import save_file
 
 import turbo
-from turbo.store.arch import arch_from_config, read_config_json
 from turbo.drafters.dflash_config import derive_shape, parse_config
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.sequence.policy import (DFLASH_SERVING_BLOCK, MOE_SPECULATION_BLOCKER_MARKER,
     VISION_SPECULATION_BLOCKER_MARKER, DraftPolicy, plan, policy_from_env, speculation_blocker)
+from turbo.store.arch import arch_from_config, read_config_json
+from turbo.store.install import open_install
+from turbo.testing import tiny_tokenizer
 
 CPU = (1, 2, 3)
 

@@ -5,14 +5,14 @@ import tracemalloc
 
 import pytest
 import torch
-from turbo.testing import make_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from turbo.repack import tensors as repack_mod
 from turbo.errors import TurboError
-from turbo.store.install import ResidentIndex, install_has_vision, open_install
 from turbo.repack import repack
+from turbo.repack import tensors as repack_mod
+from turbo.store.install import ResidentIndex, install_has_vision, open_install
+from turbo.testing import make_checkpoint
 
 
 def test_round_trip_is_bit_identical_under_new_names(tmp_path):

@@ -8,18 +8,19 @@ import json
 
 import pytest
 import torch
+from test_repack_formats import WIDE, assert_lossless_speculation
 
 import turbo
-from turbo.store import quant
 from turbo.errors import TurboError
-from turbo.store.install import HEAD_COPY_KEY, open_install
 from turbo.load.load_plan import COPY, SEGMENTS, Host, layer_matrices, plan_trunk
 from turbo.load.loader import host
+from turbo.repack import main as repack_main
+from turbo.repack import repack
 from turbo.sequence.options import OpenOptions
-from turbo.repack import main as repack_main, repack
+from turbo.store import quant
+from turbo.store.install import HEAD_COPY_KEY, open_install
 from turbo.testing import make_checkpoint
 from turbo.testing.source_formats import write_fp8, write_int4
-from test_repack_formats import WIDE, assert_lossless_speculation
 
 CPU = torch.device("cpu")
 FULL = Host(None, ("pairs", "int8", "exact", "fp8"))  # a host whose native step reads every format as stored
@@ -106,6 +107,7 @@ def test_a_malformed_recorded_head_is_refused(tmp_path):
 def test_gguf_keeps_its_q8_0_codes(tmp_path):
     pytest.importorskip("gguf")
     from test_repack_gguf import SHAPE
+
     from turbo.testing.gguf_writer import write_gguf
 
     make_checkpoint(tmp_path / "hf", 3, tie_word_embeddings=True, **SHAPE)

@@ -13,9 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import turbo
+from turbo.repack import main as repack_main
+from turbo.repack import repack
 from turbo.store import quant
 from turbo.store.install import open_install
-from turbo.repack import main as repack_main, repack
 from turbo.testing import assert_64_greedy_tokens_match, make_checkpoint
 from turbo.testing.source_formats import set_config, write_fp8, write_int4
 

@@ -11,14 +11,14 @@ import torch
 gguf = pytest.importorskip("gguf")
 pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
+from test_mtp import mtp_tensors  # noqa: E402
 
 import turbo  # noqa: E402
 from turbo.errors import TurboError  # noqa: E402
-from turbo.store.install import open_install  # noqa: E402
 from turbo.repack import main, repack  # noqa: E402
+from turbo.store.install import open_install  # noqa: E402
 from turbo.testing import make_checkpoint, make_moe_checkpoint  # noqa: E402
 from turbo.testing.gguf_writer import converted, write_gguf  # noqa: E402
-from test_mtp import mtp_tensors  # noqa: E402
 
 # hidden 256: the K-quants' blocks of 256 fit every projection's input
 SHAPE = dict(hidden_size=256, intermediate_size=256, head_dim=64, linear_key_head_dim=64, linear_value_head_dim=64)
@@ -346,9 +346,9 @@ def test_q8_0_products_form_each_weight_with_one_multiply(n, k):
     from test_native_formats import fp32_bound, needs_exact
     from test_trunk_products import ROWS
 
-    from turbo.store import quant
     from turbo.backends import native_exact, native_pack
     from turbo.repack.gguf_tensors import _affine
+    from turbo.store import quant
 
     needs_exact()
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(n)) / k ** 0.5

@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 
+from turbo.load import open_layout
 from turbo.repack import repack
+from turbo.repack import tensors as repack_tensors
 from turbo.store.safetensors_format import read_header
 from turbo.testing.checkpoints import make_moe_checkpoint
 from turbo.testing.shapes import SHAPES, write_checkpoint
-from turbo.load import open_layout
-from turbo.repack import tensors as repack_tensors
 
 ROOT = Path(__file__).resolve().parent.parent
 

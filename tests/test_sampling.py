@@ -15,22 +15,21 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from test_mtp import add_mtp, mtp_tensors
+from test_penalties import reference_row
 
 import turbo
-from turbo.testing import ScriptedDrafter, hf_config, make_drafter, make_published_dflash, randomize_
-from test_mtp import add_mtp, mtp_tensors
-
 from turbo import engine
 from turbo.drafters import DrafterBase
 from turbo.drafters.ngram import NgramDrafter
-from turbo.testing.checks import play_round
-from turbo.repack import repack
-from turbo.sequence.options import GenerationOptions
 from turbo.errors import TurboError
+from turbo.repack import repack
 from turbo.sequence.grammar import GrammarState
+from turbo.sequence.options import GenerationOptions
 from turbo.sequence.penalties import PenaltyState
 from turbo.sequence.sampling import RejectionSampler, Sampler, SamplingParams, probabilities, rejection_sampler
-from test_penalties import reference_row
+from turbo.testing import ScriptedDrafter, hf_config, make_drafter, make_published_dflash, randomize_
+from turbo.testing.checks import play_round
 
 ALPHA = 1e-3
 Z_ALPHA = 3.0902  # the standard normal's 1 - ALPHA quantile

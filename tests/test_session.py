@@ -6,15 +6,15 @@ drafter, block and rollback, after edits, and with other generations run between
 from __future__ import annotations
 
 import pytest
-from turbo.testing import make_checkpoint, make_drafter
 from test_mtp import add_mtp, mtp_tensors
 
 import turbo
-from turbo.drafters import DrafterBase
 from turbo.chat.reasoning import split_reasoning
 from turbo.chat.template import encode, render
+from turbo.drafters import DrafterBase
 from turbo.errors import TurboError
 from turbo.repack import repack
+from turbo.testing import make_checkpoint, make_drafter
 
 CHATML = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")

@@ -4,14 +4,12 @@ import pytest
 import torch
 
 import turbo
-from turbo.testing import ScriptedDrafter
-
-from turbo.backends import ops
-from turbo.backends import native_lib
+from turbo.backends import native_lib, ops
 from turbo.backends.packed import Packed
-from turbo.store.install import open_install
 from turbo.load.loader import load_dflash, load_trunk
 from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.testing import ScriptedDrafter
 
 PROMPTS = [list(range(5, 40)), [7, 100, 3, 250, 17, 17, 17, 42]]
 pytestmark = pytest.mark.usefixtures("step_path")  # every test on both CPU steps

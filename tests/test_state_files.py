@@ -20,10 +20,11 @@ from omegaconf import OmegaConf
 import turbo
 from turbo.errors import TurboError
 from turbo.sequence import state_files
-from turbo.sequence.options import GenerationOptions as G, OpenOptions
+from turbo.sequence.options import GenerationOptions as G
+from turbo.sequence.options import OpenOptions
 from turbo.sequence.state_cache import Keeper
-from turbo.sequence.state_files import (StateDir, StateFileError, dense_kv, install_fingerprint, kept_of,
-                                        put, read_states, stamp_of, write_states)
+from turbo.sequence.state_files import (StateDir, StateFileError, dense_kv, install_fingerprint, kept_of, put,
+    read_states, stamp_of, write_states)
 from turbo.store.install import open_install
 from turbo.testing.checks import served_address
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from turbo.backends import native_lib
-from turbo.model.step import TrunkState
-from turbo.store.install import open_install
 from turbo.load.loader import load_trunk
+from turbo.model.step import TrunkState
 from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
 from turbo.testing import make_moe_install
 
 

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 import turbo
+from turbo.repack import repack
 from turbo.sequence.stops import Finish
 from turbo.testing.checkpoints import make_checkpoint
-from turbo.repack import repack
 
 transformers = pytest.importorskip("transformers")
 

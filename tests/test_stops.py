@@ -10,9 +10,9 @@ import pytest
 
 import turbo
 from turbo import engine
-from turbo.testing.checks import play_round
 from turbo.errors import TurboError
 from turbo.sequence.stops import Finish, Stopper
+from turbo.testing.checks import play_round
 
 CODE = "def fib(n):"  # the DFlash drafter lands here
 REPEAT = "import os\nimport sys\n" * 3  # and the n-gram drafter here (a prompt tiny does not answer with <|im_end|>)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from turbo.backends import native_lib
-from turbo.store.install import open_install
 from turbo.load.loader import load_trunk
 from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
 
 
 def run(path, threads: int, kv_cache: str) -> list[torch.Tensor]:

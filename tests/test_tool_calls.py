@@ -12,10 +12,10 @@ import sys
 
 import pytest
 
+from turbo.chat.tool_calls import CallStream, call_grammar, parse_tool_calls, tool_functions
 from turbo.chat.turn import template_messages
 from turbo.errors import TurboError
 from turbo.serve.protocol import parse
-from turbo.chat.tool_calls import CallStream, call_grammar, parse_tool_calls, tool_functions
 
 jsonschema = pytest.importorskip("jsonschema")
 

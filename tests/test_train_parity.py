@@ -8,12 +8,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from turbo.testing import make_install
 from turbo.backends import ops
-from turbo.store.install import open_install
 from turbo.load.loader import load_dflash, load_mtp, load_trunk
-from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
+from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.testing import make_install
 from turbo.train import dflash2, mtp
 
 # max |logit difference| (and |final state difference|) between the trained module and the drafter,

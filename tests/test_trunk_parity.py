@@ -2,11 +2,11 @@
 
 import pytest
 import torch
-from turbo.testing import assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_install
 
-from turbo.store.install import open_install
 from turbo.load.loader import load_trunk
 from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.testing import assert_64_greedy_tokens_match, assert_prefill_and_64_steps_match, make_install
 
 
 def Trunk(inst, dtype: str = "float32"):  # noqa: N802 (the step the environment names: step_path)
@@ -65,8 +65,7 @@ def test_bf16_weights_stay_close(pair):
 def test_a_tied_embedding_is_kept_once(tmp_path, step_path):
     """The native step reads the embedding rows out of the packed lm_head's panels; the torch
     step shares one tensor between the two."""
-    from turbo.backends import ops
-    from turbo.backends import native_pack, packed
+    from turbo.backends import native_pack, ops, packed
 
     model, path = make_install(tmp_path, 3, tie_word_embeddings=True)
     trunk = Trunk(open_install(path))

@@ -4,16 +4,15 @@ row count and thread count; speculation on quantized installs stays lossless at 
 
 import pytest
 import torch
-from turbo.testing import ScriptedDrafter, assert_lossless, make_install, make_moe_install, make_spec_install
 
 import turbo
-from turbo.backends import ops
-from turbo.store import quant
-from turbo.backends import native_lib, native_pack, packed
-from turbo.store.install import open_install
+from turbo.backends import native_lib, native_pack, ops, packed
 from turbo.load.loader import load_trunk
-from turbo.sequence.options import OpenOptions
 from turbo.repack import repack
+from turbo.sequence.options import OpenOptions
+from turbo.store import quant
+from turbo.store.install import open_install
+from turbo.testing import ScriptedDrafter, assert_lossless, make_install, make_moe_install, make_spec_install
 
 pytestmark = pytest.mark.skipif(native_lib.library() is None,
                                 reason=f"native library unavailable: {native_lib.why_not()}")

@@ -16,15 +16,16 @@ import torch
 
 torch.set_num_threads(1)
 
-import turbo  # noqa: E402
-from turbo.chat.template import encode  # noqa: E402
-from turbo.store.install import open_install  # noqa: E402
-from turbo.sequence.options import OpenOptions  # noqa: E402
+from test_tui import settle, type_prompt  # noqa: E402
 from textual.widgets import Collapsible  # noqa: E402
+
+import turbo  # noqa: E402
 from tui import Settings, TurboApp, compose_settings  # noqa: E402
 from tui.chat import STOPPED_NOTE, Answer, answer_texts, chat_counter_values  # noqa: E402
 from tui.view import Transcript  # noqa: E402
-from test_tui import settle, type_prompt  # noqa: E402
+from turbo.chat.template import encode  # noqa: E402
+from turbo.sequence.options import OpenOptions  # noqa: E402
+from turbo.store.install import open_install  # noqa: E402
 
 SIZE = (130, 40)
 # ChatML whose generation prompt opens <think>: tiny never closes it, so every answer is reasoning

@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 
 import pytest
+from test_vision_doors import TEMPLATE, png
 
 import turbo
 from turbo.__main__ import cli
@@ -16,8 +17,6 @@ from turbo.chat_cli import Repl
 from turbo.sequence.options import GenerationOptions
 from turbo.testing.checks import run_clis
 from turbo.testing.vision import make_vl_install
-
-from test_vision_doors import TEMPLATE, png
 
 PROMPT = "what is this"
 

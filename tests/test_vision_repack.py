@@ -13,11 +13,11 @@ from PIL import Image
 
 import turbo
 from turbo.errors import TurboError
-from turbo.store.install import open_install
-from turbo.sequence.policy import VISION_SPECULATION_BLOCKER_MARKER, speculation_blocker
 from turbo.repack import repack
-from turbo.vision.runtime import Vision
+from turbo.sequence.policy import VISION_SPECULATION_BLOCKER_MARKER, speculation_blocker
+from turbo.store.install import open_install
 from turbo.testing.vision import make_vl_checkpoint
+from turbo.vision.runtime import Vision
 
 
 @pytest.fixture(scope="module")

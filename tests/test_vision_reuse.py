@@ -13,10 +13,10 @@ from test_vision_doors import TEMPLATE, png
 from test_vision_speculation import own_drafters  # noqa: F401 (the fixture)
 
 import turbo
-from turbo.chat.template import encode, render
 from turbo.chat.session import common_prefix
-from turbo.vision.runtime import message_images, vision_of
+from turbo.chat.template import encode, render
 from turbo.testing.vision import make_vl_install
+from turbo.vision.runtime import message_images, vision_of
 
 
 def image(seed: int, h: int = 40, w: int = 56) -> list:

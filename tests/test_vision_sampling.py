@@ -11,8 +11,8 @@ from test_sampling import fits
 
 import turbo
 from turbo.sequence.sampling import SamplingParams, probabilities
-from turbo.vision.runtime import vision_of
 from turbo.testing.vision import make_vl_install, marker_ids
+from turbo.vision.runtime import vision_of
 
 VOCAB = 12
 START, IMAGE, END = marker_ids(VOCAB)

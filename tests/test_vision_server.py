@@ -19,11 +19,11 @@ from PIL import Image
 openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
+from test_vision_doors import TEMPLATE, png  # noqa: E402
+
 import turbo  # noqa: E402
 from turbo.testing.checks import served_address  # noqa: E402
 from turbo.testing.vision import IMAGE_ID, make_vl_install  # noqa: E402
-
-from test_vision_doors import TEMPLATE, png  # noqa: E402
 
 
 def data_url(data: bytes) -> str:
@@ -103,12 +103,12 @@ def test_bad_images_are_a_400_naming_the_field_and_it_keeps_serving(vl, url, say
 def test_the_scheduler_batches_image_requests_on_both_steps(tmp_path, step_path):
     """In process, native and torch steps: image requests (two images that give the same ids) and
     text ones in one batch, greedy and speculating, each equal to generate(images=) alone."""
+    from test_scheduler import Collect, drain
+
     from turbo.chat.template import encode, render
     from turbo.sequence.options import GenerationOptions as G
     from turbo.serve.images import expand_images
     from turbo.serve.scheduler import Request, Scheduler, ServeLimits
-
-    from test_scheduler import Collect, drain
 
     _, path = make_vl_install(tmp_path, seed=2)
     rt = turbo.open(path, backend="cpu", threads=1)

@@ -11,11 +11,11 @@ import torch
 from PIL import Image
 
 from turbo.errors import TurboError
-from turbo.store.install import open_install
 from turbo.load.loader import load_trunk
 from turbo.sequence.options import OpenOptions
-from turbo.vision.runtime import Vision
+from turbo.store.install import open_install
 from turbo.testing.vision import END_ID, IMAGE_ID, START_ID, make_vl_install
+from turbo.vision.runtime import Vision
 
 ONE = [5, 6, START_ID, IMAGE_ID, END_ID, 7, 8, 9]
 TWO = [5, 6, START_ID, IMAGE_ID, END_ID, 7, 8, 9, START_ID, IMAGE_ID, END_ID, 10, 11]

@@ -11,14 +11,14 @@ import pytest
 
 pytest.importorskip("textual")
 
-import turbo  # noqa: E402
-from turbo.sequence.options import OpenOptions  # noqa: E402
-from turbo.testing.vision import make_vl_install  # noqa: E402
-from tui import Settings, TurboApp  # noqa: E402
-
 from test_tui import settle  # noqa: E402
 from test_tui_chat import SIZE  # noqa: E402
 from test_vision_doors import TEMPLATE, png  # noqa: E402
+
+import turbo  # noqa: E402
+from tui import Settings, TurboApp  # noqa: E402
+from turbo.sequence.options import OpenOptions  # noqa: E402
+from turbo.testing.vision import make_vl_install  # noqa: E402
 
 
 @pytest.fixture(scope="module")

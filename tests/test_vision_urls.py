@@ -19,8 +19,8 @@ openai = pytest.importorskip("openai")
 pytest.importorskip("fastapi")
 
 from omegaconf import OmegaConf  # noqa: E402
-
 from test_vision_doors import TEMPLATE, png  # noqa: E402
+
 from turbo.errors import TurboError  # noqa: E402
 from turbo.sequence.options import GenerationOptions, OpenOptions  # noqa: E402
 from turbo.serve import images  # noqa: E402

@@ -28,8 +28,8 @@ from turbo.sequence.sampling import sampling_label
 
 from .chat import ChatMode, PromptInput, chat_pane, chat_rows
 from .settings import Settings, mode_label, next_mode, next_temperature
-from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, from_input, header_info, header_text,
-                   position_bars, to_input, visible)
+from .view import (ACCEPTED_STYLE, BONUS_STYLE, COUNTER_ROWS, Transcript, counter_values, from_input, header_info,
+    header_text, position_bars, to_input, visible)
 from .view import error_text as _message
 
 HANDOFF_S = 1 / 15  # the worker hands rounds to the UI at most this often (and at the end)

@@ -23,10 +23,10 @@ from textual.widget import Widget
 from textual.widgets import Collapsible, Input, Static
 
 from turbo.chat.reasoning import END_THINK
+from turbo.chat.session import Session, TurnReport
 from turbo.chat.template import ChatTemplate
 from turbo.chat.turn import Turn
 from turbo.sequence.options import GenerationOptions
-from turbo.chat.session import Session, TurnReport
 
 from .images import ImageAttach, text_of, user_turn
 from .view import Transcript, error_text, to_input, visible

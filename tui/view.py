@@ -6,8 +6,8 @@ from typing import Callable
 
 from rich.text import Text
 
-from turbo.sequence.detokenizer import Detokenizer
 from turbo.errors import TurboError
+from turbo.sequence.detokenizer import Detokenizer
 from turbo.sequence.sampling import sampling_label
 from turbo.sequence.stats import Stats
 

@@ -22,13 +22,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterable, Iterator, TextIO
 
 from .bounded import read_small_text, strict_loads
+from .chat.session import Session, TurnReport
 from .chat.template import ChatTemplate, compile_template
+from .chat.tool_calls import ToolCall
 from .config import ChatConfig, RunConfig
 from .errors import TurboError
 from .sequence.options import GenerationOptions
-from .chat.session import Session, TurnReport
 from .sequence.stats import Stats
-from .chat.tool_calls import ToolCall
 from .vision.runtime import vision_of
 
 if TYPE_CHECKING:

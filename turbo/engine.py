@@ -22,27 +22,27 @@ import torch
 from tokenizers import Tokenizer
 
 from .backends import Backend, native_lib, select_backend
-from .chat.turn import ChatResult, run_chat, template_for
+from .chat.image_session import VisionSession
+from .chat.session import Session
 from .chat.template import ChatTemplate
+from .chat.turn import ChatResult, run_chat, template_for
 from .drafters import Drafter
-from .sequence.seam import check_drafter_object
 from .drafters.ngram import NgramConfig, NgramDrafter
-from .sequence.driver import DrafterPool, Driver, Job, RoundEvent, choice_options
 from .errors import TurboError, checked_text
-from .sequence.grammar import Grammars
-from .store.install import Install, bundled_names, open_install
 from .load.install_check import check_install
 from .load.loader import load_drafter, load_trunk
+from .sequence.driver import DrafterPool, Driver, Job, RoundEvent, choice_options
+from .sequence.grammar import Grammars
 from .sequence.options import GenerationOptions, OpenOptions, check_n, fit_context, integer
 from .sequence.policy import DraftPolicy, Plan, decide
 from .sequence.sampling import rejection_sampler
-from .chat.session import Session
+from .sequence.seam import check_drafter_object
 from .sequence.state_cache import DEFAULT_SNAPSHOTS, Keeper
-from .vision.positions import PromptImages
 from .sequence.stats import Stats
 from .sequence.stops import Finish, stop_token_set
+from .store.install import Install, bundled_names, open_install
+from .vision.positions import PromptImages
 from .vision.runtime import image_prompt, refuse_unplaced
-from .chat.image_session import VisionSession
 
 DEFAULT_GENERATION = GenerationOptions()
 ABANDONED = ("this stream was abandoned: another generation has run on the runtime since; "

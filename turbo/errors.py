@@ -8,7 +8,6 @@ import sys
 from typing import NoReturn
 
 
-
 class TurboError(Exception):
     """A problem with what the user gave us (install, config, prompt, block), not a bug.
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..errors import TurboError
 from .. import extras
-from .backend import Backend
+from ..errors import TurboError
 from . import cuda_kernels
+from .backend import Backend
 from .cuda_kernels import MODULES, arch_for, f32, i32, ptr, ptx_dir, result_name
 
 # the kernels cover fp weights and the three affine formats (turbo/store/quant.py codes 4, 16, 15); FP8 (26)

@@ -10,7 +10,7 @@ import torch
 
 from ..store import quant
 from .dflash_math import select_candidates
-from .native_lib import WTYPES, DfLayer, Dflash, threaded
+from .native_lib import WTYPES, Dflash, DfLayer, threaded
 from .packed import PackedRows, ptr, table_of
 
 # native_dflash.c's dflash_select keeps at most this many candidates per row.

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from ..store import quant
 from ..errors import TurboError
+from ..store import quant
 from .native_lib import WTYPES, dot_layouts
 from .packed import HEADER, LAYOUT_WTYPES, OCTET, PANEL, SUPER, Packed, superblocks
 

@@ -8,10 +8,10 @@ import ctypes
 
 import torch
 
+from ..model.step import GdnTrace, StepOut, TrunkState
 from ..store import quant
 from .native_lib import WTYPES, Layer, Moe, library, threaded
 from .packed import ptr, table_of
-from ..model.step import GdnTrace, StepOut, TrunkState
 
 # Rows per call of the native prefill: its working set (activations [chunk, ...], attention
 # scores [chunk, heads, prompt]) is bounded by it, and every matrix is read once per chunk.

@@ -12,11 +12,11 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..model.trunk import DynamicNtk
 from ..store.arch import RopeScaling
+from ..store.quant import QuantizedWeight, rows_stand_alone
 from . import cuda, native_lib, native_pack
 from .packed import Packed
-from ..model.trunk import DynamicNtk
-from ..store.quant import QuantizedWeight, rows_stand_alone
 
 # BLAS GEMM kernels work in row blocks, and a row in a partial block (or in a 1-row
 # GEMV) is summed in a different order than a row in a full block. Padding every

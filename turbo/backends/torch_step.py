@@ -10,11 +10,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from . import ops
-from ..store.arch import Arch
-from .dflash_math import grouped_conv, select_candidates
-from ..model.trunk import AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk
 from ..model.step import GdnTrace, StepOut, TrunkState
+from ..model.trunk import AttnWeights, GdnWeights, LayerWeights, MoeWeights, Trunk
+from ..store.arch import Arch
+from . import ops
+from .dflash_math import grouped_conv, select_candidates
 
 
 def swiglu(h: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from typing import Any, Iterator
 
-from .template import encode
-from .turn import Turn
 from ..sequence.options import GenerationOptions
-from .session import Session, common_prefix
 from ..vision.positions import expand_placeholders
 from ..vision.runtime import prompt_images, vision_of
+from .session import Session, common_prefix
+from .template import encode
+from .turn import Turn
 
 
 class VisionSession(Session):

@@ -8,8 +8,8 @@ from typing import Iterator, Protocol
 
 from tokenizers import Tokenizer
 
-from ..sequence.driver import RoundEvent
 from ..model.trunk import Trunk
+from ..sequence.driver import RoundEvent
 from ..sequence.options import GenerationOptions, OpenOptions
 from ..sequence.state_cache import Keeper
 from ..sequence.stats import Stats

@@ -18,15 +18,15 @@ import numbers
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
-from ..store.arch import show
-from .runtime import ChatRuntime
-from .turn import Turn, check_template_kwargs, check_tool_choice, turn_stop_ids
-from .template import ChatTemplate, encode
 from ..errors import TurboError
 from ..sequence.options import GENERATION_FIELDS, GenerationOptions
 from ..sequence.state_cache import DEFAULT_SNAPSHOTS, Keeper, TurnReport
 from ..sequence.state_files import Kept, StateFileError, read_states, stamp_of, write_states
+from ..store.arch import show
+from .runtime import ChatRuntime
+from .template import ChatTemplate, encode
 from .tool_calls import ToolCall, tool_messages
+from .turn import Turn, check_template_kwargs, check_tool_choice, turn_stop_ids
 
 if TYPE_CHECKING:
     from ..sequence.driver import RoundEvent

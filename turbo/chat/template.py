@@ -26,10 +26,10 @@ import jinja2.ext
 import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ..store.arch import show
-from ..store.template_files import TEMPLATE_FILE, TOKENIZER_CONFIG, generation_eos_ids, read_template
 from ..bounded import MAX_NESTING, check_nesting
 from ..errors import TurboError, checked_text, one_line
+from ..store.arch import show
+from ..store.template_files import TEMPLATE_FILE, TOKENIZER_CONFIG, generation_eos_ids, read_template
 
 if TYPE_CHECKING:
     from tokenizers import Tokenizer

@@ -9,7 +9,6 @@ selector (a row proposes its logits' argmax).
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass
 from typing import Callable
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..store.arch import Arch, need_eps, need_field, need_positive, need_rope_theta, show
 from ..errors import TurboError
+from ..store.arch import Arch, need_eps, need_field, need_positive, need_rope_theta, show
 from ..store.install import ResidentIndex
 
 DFLASH_PREFIX = "dflash"

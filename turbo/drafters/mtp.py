@@ -8,7 +8,6 @@ the step the loader chose (turbo/model/step.py).
 from __future__ import annotations
 
 import copy
-
 from dataclasses import dataclass
 from typing import Callable
 
@@ -18,6 +17,7 @@ from ..backends import ops
 from ..model.step import MtpStep
 from ..model.trunk import LayerWeights, Trunk
 from . import DrafterBase, Sampler
+
 
 def declared_layers(config: dict) -> int:
     """The MTP layers a checkpoint's config declares (`mtp_num_hidden_layers`, in the text

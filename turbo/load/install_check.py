@@ -8,13 +8,13 @@ import re
 
 from tokenizers import Tokenizer
 
-from ..store.arch import Arch
 from ..drafters.dflash_config import DflashConfig, parse_drafter_config
-from ..errors import TurboError
-from ..store.install import DRAFTER_DIR, Install
 from ..drafters.mtp import declared_layers
-from ..store.tensor_shapes import MTP_PREFIX
+from ..errors import TurboError
 from ..model.trunk import PREFIX
+from ..store.arch import Arch
+from ..store.install import DRAFTER_DIR, Install
+from ..store.tensor_shapes import MTP_PREFIX
 
 _LAYER = re.compile(r"(trunk|mtp)\.layers\.(\d+)\.")
 

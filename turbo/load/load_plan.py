@@ -13,17 +13,16 @@ from typing import Mapping
 
 import torch
 
-from ..store import layout_file, quant
-from ..store.arch import Arch
 from ..backends import native_dflash, native_exact, native_lib, native_pack, native_trunk
 from ..backends.packed import LAYOUT_OF_BITS, QUANTIZED
 from ..drafters.dflash_config import dflash_layer_tensor
-from ..store.tensor_shapes import MTP_PREFIX
 from ..errors import TurboError
-from ..store.install import Entry
-from ..sequence.options import OpenOptions
-from ..store.tensor_shapes import moe_tensor_shapes, mtp_tensor_shapes  # noqa: F401  (imported from here too)
 from ..model.trunk import PREFIX
+from ..sequence.options import OpenOptions
+from ..store import layout_file, quant
+from ..store.arch import Arch
+from ..store.install import Entry
+from ..store.tensor_shapes import MTP_PREFIX, moe_tensor_shapes, mtp_tensor_shapes  # noqa: F401  (imported from here too)
 
 NATIVE_OFF = "TURBO_NATIVE=0"  # why_torch when OpenOptions.native is False
 # why_torch under dynamic NTK RoPE: native.c rotates every row with one table (model.trunk.DynamicNtk: one per length)

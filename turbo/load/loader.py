@@ -14,24 +14,23 @@ import sys
 
 import torch
 
-from ..backends import ops
-from ..store import quant
-from ..backends import native_dflash, native_lib, native_trunk
+from ..backends import native_dflash, native_lib, native_trunk, ops
 from ..backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from ..drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
 from ..drafters.dflash_config import (DflashConfig, DflashShape, derive_published_shape, derive_shape,
     dflash_layer_tensor, parse_drafter_config)
 from ..drafters.mtp import MtpDrafter, MtpWeights
-from ..store.tensor_shapes import MTP_PREFIX
 from ..errors import TurboError
+from ..model.trunk import PREFIX, Trunk, TrunkWeights
+from ..sequence.options import OpenOptions
+from ..sequence.policy import check_window
+from ..store import quant
 from ..store.install import Install, ResidentIndex
+from ..store.tensor_shapes import MTP_PREFIX
 from .load_plan import (DFLASH_BASES, DFLASH_SELECTOR, DRAFT_HEAD, NATIVE_OFF, DrafterPlan, Host, TrunkPlan,
     mtp_tensor_shapes, plan_dflash, plan_mtp, plan_trunk)
 from .open_layout import convert_on_open
-from ..sequence.options import OpenOptions
-from ..sequence.policy import check_window
 from .reader import Reader
-from ..model.trunk import PREFIX, Trunk, TrunkWeights
 
 
 def _native_refusal(opts: OpenOptions, refusal: str | None) -> str | None:

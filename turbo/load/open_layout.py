@@ -17,18 +17,18 @@ from typing import Iterator
 
 import torch
 
-from ..store import layout_file, quant
 from ..backends import native_exact, native_lib, native_pack
 from ..backends.packed import LAYOUT_WTYPES
 from ..errors import ArgumentParser, TurboError
+from ..model.trunk import PREFIX
+from ..sequence.options import OpenOptions
+from ..store import layout_file, quant
 from ..store.install import ST_TORCH, Entry, Install, open_install, safetensors_files
+from ..store.quant import QUANT_SLICE
+from ..store.safetensors_format import Planned, read_header, write_safetensors
 from .load_plan import (COPY, EXACT, PACKED, SEGMENTS, EmbedPlan, Host, Matrix, TrunkPlan, layer_matrices,
     packed_layout, packed_target, plan_trunk)
-from ..sequence.options import OpenOptions
-from ..store.quant import QUANT_SLICE
 from .reader import Reader
-from ..store.safetensors_format import Planned, read_header, write_safetensors
-from ..model.trunk import PREFIX
 
 # The host the layout is written for: products that read int4 / int8 packed (AVX512-VNNI) and the
 # converted formats as stored ("exact", "fp8": their bytes are the same on any CPU). A host without

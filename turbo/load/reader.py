@@ -9,15 +9,15 @@ from functools import partial
 
 import torch
 
-from ..store import layout_file, quant
-from ..store.arch import Arch
 from ..backends import native_exact, native_pack
 from ..backends.packed import Packed, PackedRows
 from ..errors import TurboError
+from ..model.trunk import AttnWeights, GdnWeights, LayerWeights, MoeWeights
+from ..store import layout_file, quant
+from ..store.arch import Arch
 from ..store.install import ST_TORCH, Entry, ResidentIndex
 from .load_plan import (COPY, DRAFT, EXACT, PACKED, SEGMENTS, TENSOR, EmbedPlan, LayerPlan, Matrix, MoePlan, Source,
     packed_layout)
-from ..model.trunk import AttnWeights, GdnWeights, LayerWeights, MoeWeights
 
 
 @dataclass

@@ -16,20 +16,20 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from ..store.arch import arch_from_config, read_config_json
 from ..chat.template import check_checkpoint
-from ..store.template_files import end_of_generation_ids
 from ..drafters import mtp
-from ..store.tensor_shapes import MTP_PREFIX
 from ..errors import ArgumentParser, TurboError
-from ..store.install import DRAFTER_DIR
 from ..load.install_check import load_tokenizer
 from ..load.open_layout import write_layout_of
+from ..store import quant as q
+from ..store.arch import arch_from_config, read_config_json
+from ..store.install import DRAFTER_DIR
 from ..store.safetensors_format import write_safetensors
+from ..store.template_files import end_of_generation_ids
+from ..store.tensor_shapes import MTP_PREFIX
 from .gguf import find_gguf, repack_gguf
 from .source import check_links, plan_drafter, plan_mtp, plan_trunk, source_format
 from .write import building, copy_file, head_copy
-from ..store import quant as q
 
 # Copied as they are: the chat template (chat_template.jinja, or tokenizer_config.json's) and
 # generation_config.json's eos ids travel with the install (turbo/chat/template.py reads them);

@@ -12,8 +12,8 @@ from typing import Callable
 import torch
 
 from ..errors import TurboError
-from .tensors import Planned
 from ..store import quant as q
+from .tensors import Planned
 
 # The tensor suffixes each quantized format stores per module (the module's weight replaced by them).
 SUFFIXES = {

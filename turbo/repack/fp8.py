@@ -16,9 +16,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import TurboError
-from .formats import Parts, SourceFormat, Source, modules, quantized_planned, read
-from .tensors import Planned, quantizable
 from ..store import quant as q
+from .formats import Parts, Source, SourceFormat, modules, quantized_planned, read
+from .tensors import Planned, quantizable
 
 
 def dequantize(codes: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

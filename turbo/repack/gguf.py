@@ -14,18 +14,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..store import quant as q
-from ..store.arch import arch_from_config
 from ..errors import TurboError
 from ..extras import missing
+from ..load.open_layout import write_layout_of
+from ..store import quant as q
+from ..store.arch import arch_from_config
+from ..store.install import DRAFTER_DIR
+from ..store.safetensors_format import write_safetensors
 from .gguf_check import check_planned, check_table, expected_shapes
 from .gguf_tensors import EXACT_TYPES, FLOAT_TYPES, Inverse, Requant, plan_gguf
 from .gguf_vocab import write_tokenizer
-from .tensors import Planned
-from ..store.install import DRAFTER_DIR
-from ..load.open_layout import write_layout_of
-from ..store.safetensors_format import write_safetensors
 from .source import check_links, plan_drafter
+from .tensors import Planned
 from .write import building, copy_file, head_copy
 
 ARCHES = {"qwen35": ("qwen3_5_text", "Qwen3_5ForCausalLM"), "qwen35moe": ("qwen3_5_moe_text", "Qwen3_5MoeForCausalLM")}

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..store.arch import Arch
 from ..errors import TurboError
+from ..store.arch import Arch
 from ..store.tensor_shapes import moe_tensor_shapes, mtp_tensor_shapes
 
 DEFAULT_ALIGNMENT = 32  # GGUF's, when general.alignment is absent

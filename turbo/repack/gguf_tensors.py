@@ -11,8 +11,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from ..store import quant as q
 from ..errors import TurboError
+from ..store import quant as q
 from .tensors import Planned, _tensor_bytes, quantizable
 
 FLOAT_TYPES = {"F32": (np.float32, 4), "F16": (np.float16, 2), "BF16": (np.uint16, 2)}  # carried as they are

@@ -18,9 +18,9 @@ from __future__ import annotations
 import torch
 
 from ..errors import TurboError
-from .formats import SourceFormat, Source, modules, need_shape, quantized_planned, read
-from .tensors import Planned
 from ..store import quant as q
+from .formats import Source, SourceFormat, modules, need_shape, quantized_planned, read
+from .tensors import Planned
 
 AWQ_REVERSE = [0, 4, 1, 5, 2, 6, 3, 7]  # AWQ packs outputs 0 2 4 6 1 3 5 7 into nibbles 0..7: natural j = nibble AWQ_REVERSE[j]
 SHIFTS = torch.arange(0, 32, 4, dtype=torch.int32)

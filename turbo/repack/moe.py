@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from ..store.arch import Arch
 from ..errors import TurboError
+from ..store.arch import Arch
 from .tensors import ST_BYTES
 
 FUSED_EXPERTS = re.compile(r"((?:trunk|mtp)\.layers\.\d+\.mlp\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?")

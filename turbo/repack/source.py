@@ -7,18 +7,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Iterator
 
-from ..store.arch import arch_from_config, read_config_json
-from ..store.tensor_shapes import MTP_PREFIX
 from ..drafters.dflash_config import ARCHITECTURES as DRAFTER_ARCHITECTURES
 from ..errors import TurboError
+from ..store import quant as q
+from ..store.arch import arch_from_config, read_config_json
 from ..store.install import safetensors_files
+from ..store.safetensors_format import read_header
+from ..store.tensor_shapes import MTP_PREFIX
 from .formats import Source, SourceFormat, detect
 from .fp8 import plan_fp8
 from .int4 import plan_int4
 from .moe import moe_sources
 from .tensors import Planned, plan_tensors
-from ..store.safetensors_format import read_header
-from ..store import quant as q
 
 # Checkpoint name prefix -> install prefix, most specific first. A Qwen3_5ForConditionalGeneration
 # checkpoint's MTP head sits at the top level beside model.language_model.* and keeps its names

@@ -10,9 +10,9 @@ from typing import Callable
 import torch
 
 from ..errors import TurboError
+from ..store import quant as q
 from ..store.quant import QUANT_SLICE
 from ..store.safetensors_format import Planned
-from ..store import quant as q
 
 COPY_CHUNK = 4 * 1024 * 1024
 FLOAT_ST = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import TurboError
+from ..store import quant as q
 from ..store.install import HEAD_COPY_KEY
 from ..store.safetensors_format import Planned
 from .tensors import FLOAT_ST
-from ..store import quant as q
 
 # A repack writes into the hidden sibling `.OUT.repack-PID-RANDOM` and renames it when done; the
 # MARKER file inside says it is repack's own (only such a directory is ever removed as stale).

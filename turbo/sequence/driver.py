@@ -24,23 +24,23 @@ from typing import TYPE_CHECKING, Callable, Hashable
 
 import torch
 
-from .adaptive import AdaptiveChooser, LazyContext
-from ..errors import TurboError
-from ..model.step import StepOut
 from ..drafters import Drafter, KeepsContext, keeps_context
 from ..drafters.ngram import NgramConfig, NgramDrafter
-from .seam import call
-from .logprobs import TokenLogprob, token_logprobs
+from ..errors import TurboError
+from ..model.step import StepOut
+from ..model.trunk import KV_CHUNK, Trunk, TrunkState
+from ..vision.positions import PromptImages, rows_between
+from .adaptive import AdaptiveChooser, LazyContext
 from .grammar import GrammarState
+from .logprobs import TokenLogprob, token_logprobs
 from .penalties import PenaltyState
 from .policy import Plan
 from .rounds import close_round, draft_block, judge
 from .sampling import RejectionSampler
+from .seam import call
+from .state_cache import ByIdentity, Keeper, TurnReport, tensor_bytes
 from .stats import Stats, TokenClock
 from .stops import Finish, Stopper, stop_token_set
-from .state_cache import ByIdentity, Keeper, TurnReport, tensor_bytes
-from ..model.trunk import KV_CHUNK, Trunk, TrunkState
-from ..vision.positions import PromptImages, rows_between
 
 if TYPE_CHECKING:
     from .options import GenerationOptions

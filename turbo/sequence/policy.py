@@ -13,13 +13,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from . import options
 from ..drafters import Drafter, mtp
 from ..drafters.dflash_config import DflashConfig
 from ..errors import TurboError
 from ..store.install import CODE_NAMES, Install
-from .options import OWN_DRAFTERS
 from ..vision.runtime import tower_refusal
+from . import options
+from .options import OWN_DRAFTERS
 
 # DFlash2's trained block: the bound for a drafter that names none (the MTP head, ngram, a caller's own).
 DFLASH_BLOCK = 8

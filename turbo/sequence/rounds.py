@@ -13,11 +13,11 @@ from typing import Callable
 import torch
 
 from ..backends import ops
-from ..model.step import StepOut
 from ..drafters import Drafter
-from .seam import call, propose
-from .sampling import RejectionSampler
+from ..model.step import StepOut
 from ..model.trunk import Trunk, TrunkState
+from .sampling import RejectionSampler
+from .seam import call, propose
 
 
 def accept_greedy(proposals: list[int], logits: torch.Tensor) -> tuple[int, int]:

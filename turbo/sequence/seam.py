@@ -10,8 +10,8 @@ from typing import Any, Callable
 
 import torch
 
-from .adaptive import LazyContext
 from ..errors import TurboError
+from .adaptive import LazyContext
 from .options import integer
 from .sampling import Sampler
 

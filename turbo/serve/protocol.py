@@ -16,9 +16,9 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
+from ..chat.tool_calls import check_tools, tool_functions
 from ..errors import TurboError
 from ..sequence.options import GENERATION_FIELDS, MAX_N, check_logprobs, check_n  # noqa: F401 (MAX_N: re-exported)
-from ..chat.tool_calls import check_tools, tool_functions
 from .api_error import ApiError  # (re-exported: protocol.ApiError is the name callers know)
 from .body import parse_json  # noqa: F401 (re-exported: app.py calls P.parse_json; the front process too)
 

@@ -23,8 +23,8 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
-from ..sequence.driver import DraftKey, Driver, Job, RoundEvent, Work
 from ..errors import TurboError
+from ..sequence.driver import DraftKey, Driver, Job, RoundEvent, Work
 from ..sequence.options import GenerationOptions, check_logprobs
 from ..sequence.state_cache import Keeper, Marks
 from ..vision.runtime import prompt_images

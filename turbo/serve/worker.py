@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..bounded import read_small_text
-from ..chat.turn import Turn, check_template_kwargs, turn_stop_ids
 from ..chat.template import ChatTemplate, install_template
+from ..chat.turn import Turn, check_template_kwargs, turn_stop_ids
 from ..engine import open as open_runtime
 from ..errors import TurboError
 from ..sequence.options import ContextTooLong, GenerationOptions, OpenOptions
@@ -23,6 +23,7 @@ from .metrics import Metrics
 from .protocol import ApiError, Body, param_of, request_error  # (param_of: app.py's too)
 from .scheduler import Overloaded, Request, Scheduler
 from .settings import ServeConfig
+
 
 @dataclass
 class Prepared:

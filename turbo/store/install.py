@@ -17,13 +17,12 @@ from typing import Mapping
 
 import torch
 
-from . import quant
-from .arch import Arch, arch_from_config, read_config_json
-from .template_files import TemplateFiles, end_of_generation_ids, read_template
 from ..errors import TurboError
+from . import layout_file, quant
+from .arch import Arch, arch_from_config, read_config_json
 from .quant import QuantizedWeight
-from . import layout_file
 from .safetensors_format import Header, TensorInfo, read_header
+from .template_files import TemplateFiles, end_of_generation_ids, read_template
 
 # The dtype numbering of docs/DESIGN.md 4 (the Rust engine's, section 10).
 DTYPE_CODES = {"BF16": 1, "F16": 2, "F32": 3}

@@ -24,8 +24,8 @@ import torch
 import turbo
 
 from ..__main__ import guarded
-from ..store.tensor_shapes import MTP_PREFIX
 from ..errors import ArgumentParser, TurboError
+from ..store.tensor_shapes import MTP_PREFIX
 from . import dflash2, heldout, mask, mtp, trunk
 from .data import Example, batch, build, read_groups
 from .loop import Schedule, train

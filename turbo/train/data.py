@@ -13,8 +13,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from ..errors import TurboError
 from ..backends.ops import rms_norm
+from ..errors import TurboError
 
 
 @dataclass

@@ -20,10 +20,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..store.arch import Arch
+from ..backends.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
 from ..drafters.dflash_config import DFLASH2_ARCH, DFLASH_GROUP_SIZE, DFLASH_LAYERS, DFLASH_TAPS
 from ..errors import TurboError
-from ..backends.ops import apply_rope, rms_norm, rope_cos_sin, rope_inv_freq
+from ..store.arch import Arch
 from ..store.safetensors_format import write_tensors
 
 # the published DFlash recipe's decay per block size (w_k = exp(-(k - 1) / gamma)); others: block / 2

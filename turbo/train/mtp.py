@@ -16,11 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..store.arch import Arch
-from ..store.tensor_shapes import MTP_PREFIX
-from ..store.install import Install
 from ..backends.ops import apply_rope, rope_cos_sin, rope_inv_freq
+from ..store.arch import Arch
+from ..store.install import Install
 from ..store.safetensors_format import write_tensors
+from ..store.tensor_shapes import MTP_PREFIX
 from .dflash2 import Mlp, ZeroNorm
 
 

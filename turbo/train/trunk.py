@@ -27,10 +27,10 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer
 
 from ..chat.template import render
-from ..store.template_files import GENERATION_CONFIG, TEMPLATE_FILE
 from ..errors import TurboError
-from ..store.install import open_install
 from ..repack import repack
+from ..store.install import open_install
+from ..store.template_files import GENERATION_CONFIG, TEMPLATE_FILE
 from .data import draw, read_groups
 from .loop import Schedule, train
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..store.arch import need_field, need_positive, need_rope_theta, show
 from ..errors import TurboError
+from ..store.arch import need_field, need_positive, need_rope_theta, show
 
 ACTIVATIONS = ("gelu_pytorch_tanh", "gelu")  # the tower MLP's; the merger's GELU is always exact
 

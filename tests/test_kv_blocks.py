@@ -13,27 +13,12 @@ import turbo
 from turbo.sequence.options import GenerationOptions as G
 from turbo.sequence.state_cache import BLOCK, Entry, StateCache, block_keys, row_bytes
 from turbo.serve.scheduler import Request, Scheduler, ServeLimits
+from turbo.testing.checks import Collect
 
 
 @pytest.fixture(scope="module")
 def tiny():
     return turbo.open("tiny", threads=1)
-
-
-class Collect:
-    def __init__(self):
-        self.tokens, self.deltas, self.error = [], [], None
-
-    def __call__(self, d):
-        if isinstance(d, Exception):
-            self.error = d
-        else:
-            self.tokens += d.tokens
-            self.deltas.append(d)
-
-    @property
-    def done(self) -> bool:
-        return self.error is not None or bool(self.deltas and self.deltas[-1].finish)
 
 
 def run(sched: Scheduler, req: Request) -> Collect:

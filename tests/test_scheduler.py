@@ -10,6 +10,7 @@ from turbo.errors import TurboError
 from turbo.sequence.options import GenerationOptions as G
 from turbo.serve.costs import StepCosts, sequence_bytes
 from turbo.serve.scheduler import Overloaded, Request, Scheduler, ServeLimits
+from turbo.testing.checks import Collect
 
 MIXES = [dict(policy="off"), dict(policy="fixed", block=4, drafter="dflash"),
          dict(policy="fixed", block=3, drafter="mtp", rollback="replay"), dict(policy="fixed", block=8, drafter="ngram"),
@@ -21,22 +22,6 @@ MIXES = [dict(policy="off"), dict(policy="fixed", block=4, drafter="dflash"),
 @pytest.fixture(scope="module")
 def tiny():
     return turbo.open("tiny", threads=1)
-
-
-class Collect:
-    def __init__(self):
-        self.tokens, self.deltas, self.error = [], [], None
-
-    def __call__(self, d):
-        if isinstance(d, Exception):
-            self.error = d
-        else:
-            self.tokens += d.tokens
-            self.deltas.append(d)
-
-    @property
-    def done(self) -> bool:
-        return self.error is not None or bool(self.deltas and self.deltas[-1].finish)
 
 
 def drain(sched: Scheduler, sinks: list[Collect], limit: int = 5000) -> int:

@@ -121,3 +121,21 @@ def run_clis(cwd: Path, calls: list[tuple], base: tuple[str, ...] = (),
         done.append(subprocess.CompletedProcess(cmd, p.returncode, out, err))
     return done
 
+
+class Collect:
+    """A scheduler sink (turbo/serve/scheduler.py `Sink`) gathering one request's deltas: its tokens,
+    and the error it ended with, if any."""
+
+    def __init__(self):
+        self.tokens, self.deltas, self.error = [], [], None
+
+    def __call__(self, d):
+        if isinstance(d, Exception):
+            self.error = d
+        else:
+            self.tokens += d.tokens
+            self.deltas.append(d)
+
+    @property
+    def done(self) -> bool:
+        return self.error is not None or bool(self.deltas and self.deltas[-1].finish)

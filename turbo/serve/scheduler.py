@@ -111,6 +111,9 @@ class Scheduler:
         self.stopping = False
         # prompt rows run in pieces only where a state prefilled in pieces is the one prefill gives
         self.chunked = self.trunk.stepper.prefill_rows_are_steps
+        # states kept on a prompt's way (its marks) only where a later prompt can go on from them:
+        # a prefix cache with room, on a step whose prefill rows are its steps
+        self.keeps_prefixes = self.chunked and self.cache.budget > 0
         self.costs = StepCosts()
 
     # ---- the callers' side --------------------------------------------------------------------
@@ -245,7 +248,7 @@ class Scheduler:
         long prompts sharing a prefix share these), and the prompt's end. An image request's
         prompt's end alone (its rows are not its ids')."""
         n, every = len(ids) - 1, self.limits.snapshot_every
-        if req.images or not self.chunked:
+        if req.images or not self.keeps_prefixes:
             return {None: "prompt"}
         chunks = {m: "chunk" for m in range(every, n, every)} if every else {}
         own = {m: kind for m, kind in req.marks.items() if 0 < m < n} if ids == req.ids else {}

@@ -110,7 +110,8 @@ class Engine:
             ids = self._ids(lambda: turn.ids(self.rt.tokenizer), "messages")
             ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
                                         self.config.remote_images)  # (turbo/serve/images.py)
-            if not images:  # where the prefix cache keeps the state on the way (an image's rows shift them):
+            if not images and self.scheduler.keeps_prefixes:  # where the prefix cache keeps the state on
+                # the way (an image's rows shift them; no cache: no render spent on them):
                 # before each shared part's last token (a kept state's key is the rows it holds and
                 # the anchor after them: the part's last token)
                 parts = turn.boundaries(self.rt.tokenizer, ids, body.template_kwargs)

@@ -221,7 +221,7 @@ class Driver:
             if self.context_key is not None:
                 self.inner.restore(hit.drafts[self.context_key])
             self.held = self.done_rows = self.context_at = hit.pos
-            self.held_from = keeper.kind_of(hit)
+            self.held_from = hit.kind
             self.context_held = self.context_key is not None
         if keeper is not None and self.resumes:
             for m, kind in keeper.marks.items():

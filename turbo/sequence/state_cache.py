@@ -109,6 +109,7 @@ class Entry:
     trunk: RecurrentSnapshot | None  # None: the owner's live state itself
     kv: KvRows | None  # its K/V rows below pos (a copy's); None: the owner's state holds them
     drafts: dict[DraftKey, Any] = field(default_factory=dict)  # drafter key -> its snapshot after the tokens
+    kind: str = "prompt"  # the kind of mark it was last kept at (Keeper.keep)
 
     @property
     def pos(self) -> int:
@@ -316,7 +317,6 @@ class Keeper:
         self.kept, self.live = kept, live
         self.limit = kept.max_entries
         self.marks: Marks = marks if marks is not None else {None: "prompt"}  # where the next start keeps its state
-        self.kinds: dict[tuple, str] = {}  # a kept entry's tokens -> the kind of mark it was kept at
         self.kept_bytes: dict[str, int] = {}  # kind -> bytes the copies kept at such marks added (evicted or not)
         self.st: TrunkState | None = None  # a live keeper's state
         self.report = TurnReport(0, 0, 0, "fresh", 0, 0)  # the last start's (and end's) account
@@ -337,7 +337,6 @@ class Keeper:
         """A live keeper's state starts afresh: every kept row of it is about to be overwritten."""
         if self.live:
             self.kept = StateCache(math.inf, max_entries=self.limit)
-            self.kinds = {}
 
     def fresh(self, trunk: Trunk, capacity: int) -> TrunkState:
         st = trunk.new_state(capacity)
@@ -375,12 +374,6 @@ class Keeper:
         e = self.kept.entries.get(key)
         if e is None:
             return
-        self.kinds[key] = kind
+        e.kind = kind
         if new and not self.live:
             self.kept_bytes[kind] = self.kept_bytes.get(kind, 0) + added_bytes(e)
-        if len(self.kinds) > len(self.kept.entries):  # (the cache evicted some: their kinds go too)
-            self.kinds = {k: v for k, v in self.kinds.items() if k in self.kept.entries}
-
-    def kind_of(self, e: Entry) -> str:
-        """The kind of mark entry `e` was kept at."""
-        return self.kinds.get(e.tokens, "prompt")

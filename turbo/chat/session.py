@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 from ..errors import TurboError
 from ..sequence.options import GENERATION_FIELDS, GenerationOptions
 from ..sequence.state_cache import DEFAULT_SNAPSHOTS, Keeper, TurnReport
-from ..sequence.state_files import Kept, StateFileError, read_states, stamp_of, write_states
+from ..sequence.state_files import Kept, StateFileError, put, read_states, stamp_of, write_states
 from ..store.arch import show
 from .runtime import ChatRuntime
 from .template import ChatTemplate, encode
@@ -145,10 +145,7 @@ class Session:
         for n, k in enumerate(f.kept):
             if n == live:
                 trunk.restore(st, k.trunk)  # (the live state: as the last turn left it)
-            snap = None if n == live else k.trunk
-            keeper.kept.keep(list(k.tokens), snap, None)
-            for key, context in k.drafts.items():
-                keeper.kept.keep(list(k.tokens), snap, None, key, context)
+            put(keeper.kept, k, None, live=n == live)
         self.history, self.keeper, self.last_turn, self.turn = history, keeper, None, None
         return self
 

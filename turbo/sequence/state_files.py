@@ -132,13 +132,16 @@ def kept_of(entry: Entry) -> Kept:
     return Kept(entry.tokens, entry.trunk, dict(entry.drafts))
 
 
-def put(cache: StateCache, kept: Kept, kv: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """A loaded state into a cache of copies, with each drafter context it holds: the one place
-    that hands a StateCache its K/V rows."""
-    rows = {i: (k[:, :kept.trunk.pos], v[:, :kept.trunk.pos]) for i, (k, v) in kv.items()}
-    cache.keep(list(kept.tokens), kept.trunk, rows)
-    for key, snap in kept.drafts.items():
-        cache.keep(list(kept.tokens), kept.trunk, rows, key, snap)
+def put(cache: StateCache, kept: Kept, kv: dict[int, tuple[torch.Tensor, torch.Tensor]] | None,
+        live: bool = False) -> None:
+    """A loaded state into a cache, with each drafter context it holds: the one place that hands
+    a StateCache what a file held. `kv` None: a live keeper's entry (its state holds the rows);
+    `live`: the entry is that state itself, as the last turn left it."""
+    rows = None if kv is None else {i: (k[:, :kept.trunk.pos], v[:, :kept.trunk.pos]) for i, (k, v) in kv.items()}
+    snap = None if live else kept.trunk
+    cache.keep(list(kept.tokens), snap, rows)
+    for key, context in kept.drafts.items():
+        cache.keep(list(kept.tokens), snap, rows, key, context)
 
 
 @dataclass

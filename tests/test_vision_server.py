@@ -165,3 +165,31 @@ def test_a_resent_conversation_with_images_hits_the_prefix_cache(vl):
                 assert cached <= ids.index(IMAGE_ID)
         first.append(answers)
     assert first[0] != first[1]
+
+
+def test_a_shared_first_turn_with_an_image_serves_the_next_users_question(vl):
+    """Users who share a first turn with an image in it (and its answer), then ask different
+    questions: the first request keeps the state at the turn's boundary (counted in expanded rows,
+    past the image), the next ones go on from it, and every answer is the cold engine's, plain and
+    speculating."""
+    from turbo.chat.template import encode, render
+    from turbo.serve.images import expand_images, image_rows
+    from turbo.vision.positions import expanded_row
+
+    url = data_url(solid(96))  # not sent before
+    head = ask(url, "Describe it.") + [{"role": "assistant", "content": "A flat grey square."}]
+    text = render(TEMPLATE, [*head, {"role": "user", "content": "NEXT"}], add_generation_prompt=False)
+    part = encode(vl.rt.tokenizer, text[:text.index("NEXT")])
+    _, prepared = expand_images(vl.rt, head, part)
+    counts, image_id = image_rows(vl.rt, prepared)
+    boundary = expanded_row(part, counts, image_id, len(part)) - 1  # (the part's last token: the anchor)
+    cached = []
+    for q, spec in [("And its colour?", {}), ("Is it round?", {}),
+                    ("How big is it?", {"policy": "fixed", "drafter": "ngram", "block": 3})]:
+        messages = [*head, {"role": "user", "content": q}]
+        r = chat(vl, messages, extra_body={"turbo": spec} if spec else None)
+        cold = vl.rt.chat(messages, template=TEMPLATE, max_new_tokens=10, **(spec or {"policy": "off"}))
+        assert r.choices[0].message.content == cold.message["content"], q
+        cached.append(r.usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] <= part.index(IMAGE_ID)  # the image is new: nothing past it
+    assert cached[1:] == [boundary, boundary] and boundary > part.index(IMAGE_ID) + counts[0]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Iterator
 
 from ..sequence.options import GenerationOptions
-from ..vision.positions import expand_placeholders
+from ..vision.positions import expand_placeholders, expanded_row
 from ..vision.runtime import prompt_images, vision_of
 from .session import Session, common_prefix
 from .template import encode
@@ -24,11 +24,11 @@ class VisionSession(Session):
             return super()._run(turn, ids, opts, fields)
         vis = vision_of(self.rt)
         prepared = vis.prepare(images)
-        tokens = expand_placeholders(ids, [p.tokens(vis.config.merge) for p in prepared], vis.ids.image)
+        counts = [p.tokens(vis.config.merge) for p in prepared]
+        tokens = expand_placeholders(ids, counts, vis.ids.image)
         # the start of the generation prompt, counted in expanded rows
         mark = common_prefix(ids, encode(self.rt.tokenizer, self.mark_render(turn)))
-        before = prepared[:ids[:mark].count(vis.ids.image)]
-        self.keeper.marks = {mark + sum(p.tokens(vis.config.merge) - 1 for p in before): "turn"}
+        self.keeper.marks = {expanded_row(ids, counts, vis.ids.image, mark): "turn"}
         events = self.rt.stream(tokens, turn.options_of(opts, fields), keeper=self.keeper,
                                 images=prompt_images(self.rt, tokens, prepared))
         return self._follow(turn, tokens, events)

@@ -125,6 +125,12 @@ def _read_regular(real: str, url: str, param: str) -> bytes:
     return b"".join(chunks)
 
 
+def image_rows(rt, prepared: list[PreparedImage]) -> tuple[list[int], int]:
+    """The rows each prepared image takes in the prompt, and the placeholder's id."""
+    vis = vision_of(rt)
+    return [p.tokens(vis.config.merge) for p in prepared], vis.ids.image
+
+
 def expand_images(rt, messages: list[dict], ids: list[int], dirs: tuple[str, ...] = (),
                   remote: bool = False) -> tuple[list[int], list[PreparedImage]]:
     """The rendered prompt's ids with each image's placeholder expanded, and the images read (as
@@ -145,4 +151,5 @@ def expand_images(rt, messages: list[dict], ids: list[int], dirs: tuple[str, ...
             prepared.append(vis.prepare([source])[0])
         except TurboError as e:
             raise ApiError(f"{param}: {e}", param) from None
-    return expand_placeholders(ids, [p.tokens(vis.config.merge) for p in prepared], vis.ids.image), prepared
+    counts, image_id = image_rows(rt, prepared)
+    return expand_placeholders(ids, counts, image_id), prepared

@@ -245,12 +245,13 @@ class Scheduler:
         """Where the start of a request over prompt `ids` (as fitted to the context) keeps its
         state: the request's own marks (its template's boundaries: where the ids are the
         request's), every serve.snapshot_every rows (at the same rows in every prompt, so that
-        long prompts sharing a prefix share these), and the prompt's end. An image request's
-        prompt's end alone (its rows are not its ids')."""
+        long prompts sharing a prefix share these), and the prompt's end. An image request's own
+        marks (counted in its expanded rows) and its end, no chunk marks: a chunk's end could split
+        an image's rows, which the image prefill takes whole."""
         n, every = len(ids) - 1, self.limits.snapshot_every
-        if req.images or not self.keeps_prefixes:
+        if not self.keeps_prefixes:
             return {None: "prompt"}
-        chunks = {m: "chunk" for m in range(every, n, every)} if every else {}
+        chunks = {m: "chunk" for m in range(every, n, every)} if every and not req.images else {}
         own = {m: kind for m, kind in req.marks.items() if 0 < m < n} if ids == req.ids else {}
         return {**chunks, **own, None: "prompt"}
 

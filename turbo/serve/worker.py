@@ -17,7 +17,8 @@ from ..errors import TurboError
 from ..sequence.options import ContextTooLong, GenerationOptions, OpenOptions
 from ..sequence.state_files import StateDir, stamp_of
 from .body import check_text_lengths
-from .images import expand_images
+from ..vision.positions import expanded_row
+from .images import expand_images, image_rows
 from .limits import check_prompt_chars, check_prompt_tokens, context_error, max_token_chars
 from .metrics import Metrics
 from .protocol import ApiError, Body, param_of, request_error  # (param_of: app.py's too)
@@ -108,14 +109,18 @@ class Engine:
             check_prompt_chars(prompt, self.max_prompt_chars, self.max_positions, "messages")
             check_prompt_tokens(self.rt.tokenizer, prompt, self.max_positions, "messages")
             ids = self._ids(lambda: turn.ids(self.rt.tokenizer), "messages")
+            # where the prefix cache keeps the state on the way (no cache: no render spent on them):
+            # before each shared part's last token (a kept state's key is the rows it holds and the
+            # anchor after them: the part's last token)
+            parts = turn.boundaries(self.rt.tokenizer, ids, body.template_kwargs) if self.scheduler.keeps_prefixes \
+                else {}
+            unexpanded = ids
             ids, images = expand_images(self.rt, body.messages, ids, self.config.image_dirs,
                                         self.config.remote_images)  # (turbo/serve/images.py)
-            if not images and self.scheduler.keeps_prefixes:  # where the prefix cache keeps the state on
-                # the way (an image's rows shift them; no cache: no render spent on them):
-                # before each shared part's last token (a kept state's key is the rows it holds and
-                # the anchor after them: the part's last token)
-                parts = turn.boundaries(self.rt.tokenizer, ids, body.template_kwargs)
-                marks = {n - 1: kind for n, kind in parts.items()}
+            if images:  # the parts counted in expanded rows: each image before a part adds its rows
+                counts, image_id = image_rows(self.rt, images)
+                parts = {expanded_row(unexpanded, counts, image_id, n): kind for n, kind in parts.items()}
+            marks = {n - 1: kind for n, kind in parts.items()}
         else:
             if isinstance(body.prompt, str):
                 check_prompt_chars(body.prompt, self.max_prompt_chars, self.max_positions, "prompt")

@@ -105,6 +105,13 @@ def expand_placeholders(tokens: list[int], counts: list[int], image_id: int) -> 
     return out
 
 
+def expanded_row(tokens: list[int], counts: list[int], image_id: int, n: int) -> int:
+    """Where row `n` of `tokens` (one placeholder per image) lands once expand_placeholders has
+    expanded each image's placeholder to its `counts` rows (a mark counted in the prompt's ids
+    before expansion, as the chat template's boundaries are)."""
+    return n + sum(c - 1 for c in counts[:tokens[:n].count(image_id)])
+
+
 @dataclass
 class PromptImages:
     """A prompt's images as the trunk takes them (turbo/vision: the API's images=, a session's image

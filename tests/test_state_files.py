@@ -215,11 +215,11 @@ def engine(state_dir, cache_gb: float = 1.0):
                   ServeConfig(state_dir=str(state_dir), limits=ServeLimits(cache_gb=cache_gb)))
 
 
-def serve(eng, ids: list[int], opts: G):
+def serve(eng, ids: list[int], opts: G, marks: dict | None = None):
     from turbo.serve.scheduler import Request
 
     deltas: list = []
-    eng.scheduler.submit(Request(list(ids), opts), deltas.append)
+    eng.scheduler.submit(Request(list(ids), opts, marks=marks or {}), deltas.append)
     for _ in range(1000):
         if deltas and (isinstance(deltas[-1], Exception) or deltas[-1].finish):
             break
@@ -329,3 +329,31 @@ def test_a_server_process_stopped_by_ctrl_c_keeps_its_states_for_the_next(rt, tm
     stop(proc)
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert second["choices"][0]["text"] == rt.generate(text, max_new_tokens=8).text
+
+
+def test_a_restarted_server_serves_a_new_users_question_from_the_system_prompt_on_disk(rt, tmp_path):
+    """The states a chat request kept at its template's boundaries (here the system message) go to
+    disk, and after a restart the first request that shares only that system prompt is served from
+    them: cached_tokens at the boundary, the tokens a cold runtime gives."""
+    from turbo.serve.protocol import parse
+
+    system = {"role": "system", "content": "You answer questions about Python's standard library, briefly. " * 4}
+
+    def request(eng, question: str):
+        body = parse({"model": "tiny", "max_tokens": 10, "temperature": 0,
+                      "messages": [system, {"role": "user", "content": question}]}, chat=True)
+        prepared = eng.prepare(body)
+        req = prepared.request
+        tokens, cached = serve(eng, req.ids, req.options, req.marks)
+        return prepared, tokens, cached
+
+    first = engine(tmp_path / "states")
+    prepared, _, cached = request(first, "What does os.path.join do?")
+    (mark, kind), = ((m, k) for m, k in prepared.request.marks.items())
+    assert kind == "system" and cached == 0
+    first.stop()
+    again = engine(tmp_path / "states")
+    prepared, tokens, cached = request(again, "And shutil.copy?")
+    again.stop()
+    assert cached == mark  # (the state holds the rows before the system part's last token)
+    assert tokens == rt.generate(prepared.request.ids, prepared.request.options).tokens

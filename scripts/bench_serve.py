@@ -50,10 +50,39 @@ def start(cmd: list[str]) -> tuple[subprocess.Popen, str]:
     return proc, line.split("http://", 1)[1].split()[0]
 
 
-def load(url: str, prompts: str, turbo: dict | None, concurrency: int, args, check: bool,
+class InProcess:
+    """scripts/inprocess_load.py, kept open: the same loads at one client through the Python API."""
+
+    def __init__(self, install: str, threads: int):
+        self.proc = subprocess.Popen([sys.executable, "-m", "scripts.inprocess_load", "--install", install,
+                                      "--threads", str(threads)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=ROOT)
+        if self.proc.stdout.readline().strip() != "ready":
+            sys.exit("scripts.inprocess_load did not start")
+
+    def load(self, prompts: str, turbo: dict | None, args) -> dict:
+        self.proc.stdin.write(json.dumps({"prompts": prompts, "requests": args.requests,
+                                          "max_tokens": args.max_tokens, "turbo": turbo}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            sys.exit("scripts.inprocess_load ended")
+        return json.loads(line)
+
+    def send_signal(self, sig: int) -> None:
+        self.proc.stdin.close()
+
+    def wait(self, timeout: float) -> int:
+        return self.proc.wait(timeout=timeout)
+
+
+def load(url: str | InProcess, prompts: str, turbo: dict | None, concurrency: int, args, check: bool,
          mismatch_ok: bool = False) -> dict:
     """scripts/load.py's figures for one load; a failure stops the run, and so does a mismatch
-    against the solo answers unless `mismatch_ok` (then it is printed and counted in the figures)."""
+    against the solo answers unless `mismatch_ok` (then it is printed and counted in the figures).
+    In process (one client): its figures, checked by the server's load against the same answers."""
+    if isinstance(url, InProcess):
+        return url.load(prompts, turbo, args)
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [sys.executable, "-m", "scripts.load", "--base-url", f"http://{url}/v1",
                "--concurrency", str(concurrency), "--requests", str(args.requests), "--max-tokens",
@@ -86,6 +115,9 @@ def main() -> None:
     ap.add_argument("--quant", default="none", help="turbo's install of the shape: the repack's --quant")
     ap.add_argument("--llamacpp", action="store_true", help="also llama.cpp's llama-server --parallel N per N")
     ap.add_argument("--gguf", default="bf16", help="--llamacpp: the shape's GGUF kind (bf16, q8_0, q4_0)")
+    ap.add_argument("--in-process", action="store_true",
+                    help="also the same loads at one client through the Python API in one process "
+                         "(scripts/inprocess_load.py): what the server costs a token")
     ap.add_argument("--serve", nargs="*", default=[], metavar="KEY=VALUE",
                     help="more overrides for turbo's server (e.g. serve.front=inline)")
     ap.add_argument("--out", type=Path, help="every repetition's figures and the checks (JSON; default "
@@ -104,6 +136,10 @@ def main() -> None:
     # (name, {concurrency: server}, prompts, the request's turbo field)
     runs = [(f"turbo {name}", dict.fromkeys(args.concurrency, url), *CONFIGS[name]) for name in args.configs]
     try:
+        if args.in_process and 1 in args.concurrency:
+            inproc = InProcess(install, args.threads)
+            procs.append(inproc)
+            runs += [(f"in process {name}", {1: inproc}, *CONFIGS[name]) for name in args.configs]
         if args.llamacpp:
             gguf = shapes.gguf(args.shape, args.gguf)
             if gguf is None:
@@ -118,15 +154,17 @@ def main() -> None:
         checked = {}  # (name, concurrency) -> (mismatches, answers)
         for name, urls, prompts, turbo in runs:
             own = name.startswith("turbo")
+            if isinstance(urls.get(1), InProcess):
+                continue  # (the API's own answers: what the server's are checked against)
             for c in [widest] if own else args.concurrency:
                 f = load(urls[c], prompts, turbo, c, args, check=True, mismatch_ok=not own)
                 checked[(name, c)] = (f["mismatches"], f["requests_done"])
         guard = benchlib.Guard.from_env(args.threads)
-        figures = {(name, c): [] for name, *_ in runs for c in args.concurrency}
+        figures = {(name, c): [] for name, urls, *_ in runs for c in args.concurrency if c in urls}
         for rep in range(args.reps):
             order = runs if rep % 2 == 0 else runs[::-1]
             for name, urls, prompts, turbo in order:
-                for c in args.concurrency:
+                for c in [c for c in args.concurrency if c in urls]:
                     with guard.rep(f"rep {rep} {name} x{c}") as g:
                         f = load(urls[c], prompts, turbo, c, args, check=False, mismatch_ok=True)
                     figures[(name, c)].append(f | {"guard": dataclasses.asdict(g)})
@@ -138,7 +176,9 @@ def main() -> None:
             "runs": [{"name": name, "clients": c, "reps": fs,
                       "checked": dict(zip(("mismatches", "requests"), checked[(name, at)]), at=at)}
                      for (name, c), fs in figures.items()
-                     for at in [c if (name, c) in checked else widest]]}, indent=1) + "\n")
+                     for at in [c if (name, c) in checked else widest] if (name, at) in checked]
+                    + [{"name": name, "clients": c, "reps": fs} for (name, c), fs in figures.items()
+                       if name.startswith("in process")]}, indent=1) + "\n")
         print(f"shape {args.shape}, {args.threads} threads, {args.requests} requests x {args.max_tokens} tokens "
               f"(ignore_eos), medians of the undisturbed of {args.reps} interleaved repetitions (min..max)")
         print(benchlib.guard_summary(every))
@@ -146,13 +186,14 @@ def main() -> None:
               "| per-token p50 / p99 ms | answers = alone |")
         print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
         for name, urls, *_ in runs:
-            ones = [f["tokens_per_s"] for f in benchlib.kept(figures[(name, min(args.concurrency))])]
+            ones = [f["tokens_per_s"] for f in benchlib.kept(figures[(name, min(urls))])]
             one = statistics.median(ones) if ones else float("nan")
-            for c in args.concurrency:
+            for c in [c for c in args.concurrency if c in urls]:
                 fs = benchlib.kept(figures[(name, c)])
                 at = c if (name, c) in checked else widest
-                bad, done = checked[(name, at)]
-                same = f"{done - bad} / {done}" + ("" if at == c else f" (at {widest} clients)")
+                bad, done = checked.get((name, at), (0, 0))
+                same = (f"{done - bad} / {done}" + ("" if at == c else f" (at {widest} clients)")) \
+                    if (name, at) in checked else "(the reference)"
                 if not fs:
                     print(f"| {name} | {c} | - (every repetition disturbed) | | | | {same} |")
                     continue

@@ -10,7 +10,9 @@ machine's measured read bandwidth.
 Per repetition, tier and weight kind (bf16; int4 vs Q4_0), one fresh process each, under
 benchlib's quiet-machine guard, in turn: turbo's worker (`turbo.open` timed alone, after the
 imports; prefill of --prompt ids; --new greedy decode steps), then `llama-bench -p PROMPT -n NEW
--t THREADS -r 1` of the tier's build (its defaults otherwise: weight repacking on). "native" is
+-t THREADS -r 1` of the tier's build (its defaults otherwise: weight repacking on), and with
+`--systems turbo llama.cpp ik_llama.cpp` the same llama-bench run of ik_llama.cpp built for the tier
+(scripts/build_ikllamacpp.py) on the same GGUFs. "native" is
 turbo with TURBO_ISA unset (the best tier this CPU has) and llama.cpp's default build
 (GGML_NATIVE). The GGUFs are the shape's (turbo.testing.shapes.gguf: bf16 converted by llama.cpp's
 converter, Q4_0 quantized from it by the tier build's llama-quantize). Prints the medians [min,
@@ -32,7 +34,7 @@ from pathlib import Path
 import torch
 
 import turbo
-from scripts import benchlib, build_llamacpp
+from scripts import benchlib, build_ikllamacpp, build_llamacpp
 from turbo.backends import native_lib
 from turbo.testing import shapes
 
@@ -83,8 +85,19 @@ def gguf_of(shape: str, kind: str, tier: str) -> Path:
     return out
 
 
-def llama_bench(gguf: Path, tier: str, prompt: int, new: int, threads: int) -> dict:
-    cmd = [str(build_llamacpp.tool("llama-bench", tier=tier)), "-m", str(gguf), "-p", str(prompt), "-n", str(new),
+def ik_bench(tier: str) -> Path:
+    """ik_llama.cpp's llama-bench built for `tier` (scripts/build_ikllamacpp.py), or a one-line exit."""
+    found = build_ikllamacpp.bindir(tier)
+    if found is None:
+        raise SystemExit(f"ik_llama.cpp: not built for {tier} (nice -n 19 python -m scripts.build_ikllamacpp "
+                         f"--src CHECKOUT --tier {tier})")
+    return found / "llama-bench"
+
+
+def llama_bench(gguf: Path, tier: str, prompt: int, new: int, threads: int, ik: bool = False) -> dict:
+    """llama.cpp's llama-bench (or ik_llama.cpp's, `ik`) built for `tier`, one repetition."""
+    bench = ik_bench(tier) if ik else build_llamacpp.tool("llama-bench", tier=tier)
+    cmd = [str(bench), "-m", str(gguf), "-p", str(prompt), "-n", str(new),
            "-t", str(threads), "-r", "1", "-o", "json"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if done.returncode != 0:
@@ -92,22 +105,30 @@ def llama_bench(gguf: Path, tier: str, prompt: int, new: int, threads: int) -> d
     recs = json.loads(done.stdout)
     return {"prefill_tps": next(r["avg_ts"] for r in recs if r["n_gen"] == 0),
             "decode_tps": next(r["avg_ts"] for r in recs if r["n_prompt"] == 0),
-            "build": build_llamacpp.build_info(tier=tier).get("llama_cpp_commit")}
+            "build": json.loads((bench.parent / "build-info.json").read_text()).get("ik_llama_commit") if ik
+            else build_llamacpp.build_info(tier=tier).get("llama_cpp_commit")}
 
 
 def table(records: list[dict], bandwidth: float) -> str:
     kept = benchlib.kept(records)
-    lines = ["| tier | weights | figure | turbo | llama.cpp | turbo / llama.cpp |", "| --- | --- | --- | ---: | ---: | ---: |"]
+    ik = any(r["system"] == "ik_llama.cpp" for r in kept)
+    lines = ["| tier | weights | figure | turbo | llama.cpp | turbo / llama.cpp |" + (" ik_llama.cpp | turbo / ik |" if ik else ""),
+             "| --- | --- | --- | ---: | ---: | ---: |" + (" ---: | ---: |" if ik else "")]
     for tier in dict.fromkeys(r["tier_asked"] for r in kept):
         for kind in dict.fromkeys(r["kind"] for r in kept):
             mine = [r for r in kept if r["tier_asked"] == tier and r["kind"] == kind]
             t = [r for r in mine if r["system"] == "turbo"]
             ll = [r for r in mine if r["system"] == "llama.cpp"]
+            iks = [r for r in mine if r["system"] == "ik_llama.cpp"]
             for fig in ("prefill_tps", "decode_tps"):
-                a, b = [r[fig] for r in t], [r[fig] for r in ll]
+                a, b, c = [r[fig] for r in t], [r[fig] for r in ll], [r[fig] for r in iks]
                 ratio = f"{statistics.median(a) / statistics.median(b):.2f}x" if a and b else ""
-                lines.append(f"| {tier} | {kind if kind == 'bf16' else 'int4 / Q4_0'} | {fig.split('_')[0]} | "
-                             f"{benchlib.med(a) if a else ''} | {benchlib.med(b) if b else ''} | {ratio} |")
+                line = (f"| {tier} | {kind if kind == 'bf16' else 'int4 / Q4_0'} | {fig.split('_')[0]} | "
+                        f"{benchlib.med(a) if a else ''} | {benchlib.med(b) if b else ''} | {ratio} |")
+                if ik:
+                    line += (f" {benchlib.med(c) if c else ''} | "
+                             f"{f'{statistics.median(a) / statistics.median(c):.2f}x' if a and c else ''} |")
+                lines.append(line)
             if t:
                 step = statistics.median(r["step_bytes"] for r in t)
                 dec = statistics.median(r["decode_tps"] for r in t)
@@ -124,7 +145,8 @@ def main() -> None:
     ap.add_argument("--shape", default="qwen3.5-0.8b")
     ap.add_argument("--tiers", nargs="+", default=["avx2", "native"], choices=["avx2", "avx512", "amx", "native"])
     ap.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS))
-    ap.add_argument("--systems", nargs="+", default=["turbo", "llama.cpp"], choices=["turbo", "llama.cpp"])
+    ap.add_argument("--systems", nargs="+", default=["turbo", "llama.cpp"], choices=["turbo", "llama.cpp", "ik_llama.cpp"],
+                    help="ik_llama.cpp: the fork's llama-bench (scripts/build_ikllamacpp.py) on llama.cpp's GGUFs")
     ap.add_argument("--prompt", type=int, default=512)
     ap.add_argument("--new", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
@@ -142,7 +164,7 @@ def main() -> None:
     installs = {kind: shapes.build(args.shape, quant=KINDS[kind][0]) for kind in args.kinds}
     llama_tier = {"native": "native", "avx2": "avx2", "avx512": "avx512", "amx": "native"}
     ggufs = {(tier, kind): gguf_of(args.shape, KINDS[kind][1], llama_tier[tier])
-             for tier in args.tiers for kind in args.kinds} if "llama.cpp" in args.systems else {}
+             for tier in args.tiers for kind in args.kinds} if {"llama.cpp", "ik_llama.cpp"} & set(args.systems) else {}
     bandwidth = benchlib.bandwidth(args.threads)
     guard = benchlib.Guard.from_env(args.threads)
     records = []
@@ -164,7 +186,8 @@ def main() -> None:
                                 raise SystemExit(f"turbo {tier} {kind}: {done.stderr.strip()[-2000:]}")
                             rec = json.loads(done.stdout.strip().splitlines()[-1])
                         else:
-                            rec = llama_bench(Path(path), llama_tier[tier], args.prompt, args.new, args.threads)
+                            rec = llama_bench(Path(path), llama_tier[tier], args.prompt, args.new, args.threads,
+                                              ik=system == "ik_llama.cpp")
                     rec |= {"system": system, "tier_asked": tier, "kind": kind, "rep": rep, "guard": g.__dict__,
                             "bandwidth_gbs": bandwidth, "cpu": build_llamacpp.cpu()}
                     records.append(rec)

@@ -17,6 +17,9 @@ import signal
 import sys
 
 
+SERVE_SPINCOUNT = 30_000  # libgomp's spin rounds before a waiting worker sleeps, for task=serve (below)
+
+
 def _interrupted_early(signum, frame) -> None:
     print("interrupted", file=sys.stderr)
     os._exit(130)
@@ -24,13 +27,16 @@ def _interrupted_early(signum, frame) -> None:
 
 if __name__ == "__main__":  # a Ctrl-C while the imports below run (a second or so) is one line too
     signal.signal(signal.SIGINT, _interrupted_early)
-    # A server's OpenMP workers wait for the next parallel region asleep, not spinning: between two
-    # engine steps (the scheduler's Python, milliseconds) a spinning worker holds a core that the
-    # front process and the clients need (measured: 3.0 s of 6 s spun; with the front refusing a
-    # flood the engine's p99 went 2.8x, asleep 1.2x; decode at the 0.8B shape unchanged). Read by
-    # libgomp when torch loads it, below: so here, before the imports. The environment's value wins.
-    if "task=serve" in sys.argv[1:]:
-        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    # A server's OpenMP workers spin only while a step runs: between two engine steps (the
+    # scheduler's Python, milliseconds) a worker spinning libgomp's default ~10 ms holds a core that
+    # the front process and the clients need (measured: 3.0 s of 6 s spun; the engine's p99 under a
+    # flood 2.8x), while one asleep at once (OMP_WAIT_POLICY=PASSIVE) is woken by the kernel at
+    # each of a step's ~150 parallel regions (a served token 45% slower on an EPYC Zen 4). A spin
+    # of SERVE_SPINCOUNT rounds outlasts the gaps inside a step and ends soon after it (docs/
+    # serving.md, "The OpenMP workers"). Read by libgomp when torch loads it, below: so here, before
+    # the imports. The environment's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
+    if "task=serve" in sys.argv[1:] and "OMP_WAIT_POLICY" not in os.environ:
+        os.environ.setdefault("GOMP_SPINCOUNT", str(SERVE_SPINCOUNT))
 
 import gc  # noqa: E402
 import importlib.util  # noqa: E402

@@ -1,0 +1,276 @@
+"""The simulated device (turbo/backends/cuda_sim, issue #55): the stand-in for cuda.bindings.driver
+that `TURBO_CUDA_SIM=1` puts behind cuda_kernels.
+
+- the checked-in kernels (kernels_ptx/*.cu), loaded from their PTX and launched through
+  cuda_kernels.Kernels on driver-API memory, against the CPU functions tests/test_cuda.py
+  compares them with;
+- batch invariance of bgemv's rows products (each row of a 1..16-row product bit-identical to
+  that row alone), and a negative control (a test-only kernel whose reduction order depends on
+  R) failing the same check;
+- launch parameters checked against the PTX entry; illegal addresses, divergent barriers and
+  warp ops reported, not hung or crashed;
+- stream capture: a host sync inside a capture is refused and invalidates it; a graph replays
+  the eager launch list;
+- launch records: exact unique bytes read and written per allocation.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_cuda import dequantized_linear, gdn_inputs, int8_inputs, quant_inputs, selector_inputs
+
+from turbo.backends import cuda as cb
+from turbo.backends import cuda_kernels as ck
+from turbo.backends import cuda_sim
+from turbo.backends import dflash_math as dflash
+from turbo.backends import ops
+
+pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the simulated device builds kernels with g++")
+
+FIXTURES = Path(__file__).resolve().parent / "fixtures" / "cuda_sim"
+d = cuda_sim.driver
+R = d.CUresult
+
+
+def ok(result):
+    assert int(result[0]) == 0, (result, cuda_sim.last_error())
+    return None if len(result) == 1 else result[1] if len(result) == 2 else result[1:]
+
+
+@pytest.fixture(scope="module")
+def k():
+    """cuda_kernels' loader on the simulated device (TURBO_CUDA_SIM=1 for this module)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(cuda_sim.ENV, "1")
+        mp.setattr(ck, "_kernels", {})
+        cuda_sim.add_source_dir(FIXTURES)
+        loader = ck.kernels()
+        assert loader.simulated and loader.arch == "sm_90"
+        yield loader
+
+
+class Mem:
+    """Driver-API buffers for one test, freed at its end."""
+
+    def __init__(self):
+        self.ptrs = []
+
+    def put(self, t: torch.Tensor):
+        t = t.contiguous()
+        n = t.numel() * t.element_size()
+        p = ok(d.cuMemAlloc(max(n, 4)))
+        self.ptrs.append(p)
+        if n:
+            ok(d.cuMemcpyHtoD(p, t.data_ptr(), n))
+        return p
+
+    def empty(self, shape, dtype=torch.float32):
+        n = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+        p = ok(d.cuMemAlloc(max(n, 4)))
+        self.ptrs.append(p)
+        return p
+
+    @staticmethod
+    def get(p, shape, dtype=torch.float32) -> torch.Tensor:
+        t = torch.empty(shape, dtype=dtype)
+        ok(d.cuMemcpyDtoH(t.data_ptr(), p, t.numel() * t.element_size()))
+        return t
+
+    def free(self):
+        for p in self.ptrs:
+            ok(d.cuMemFree(p))
+
+
+@pytest.fixture
+def mem(k):
+    m = Mem()
+    yield m
+    m.free()
+
+
+P, I, F = ck.ptr, ck.i32, ck.f32
+
+
+# ---- the checked-in kernels against the CPU functions ----------------------------------------------
+
+
+def test_gdn_recurrence(k, mem):
+    rows, heads, dk, dv = 3, 2, 40, 36  # two column tiles, the second partial
+    state, q, kk, v, g, beta = gdn_inputs(rows, heads, dk, dv, seed=5)
+    outs, final, states = ops.gdn_recurrence(state, q, kk, v, g, beta, keep_states=True)
+    ps = [mem.put(t) for t in (state, q, kk, v, g, beta)]
+    new_state, pstates, pout = mem.empty(state.shape), mem.empty((rows, heads, dk, dv)), mem.empty((rows, heads, dv))
+    k.launch("gdn", "gdn_recurrence_f32", (heads, -(-dv // 32)), (32, 8),
+             [P(ps[0]), P(new_state), P(pstates), P(pout), *map(P, ps[1:]), I(rows), I(heads), I(dk), I(dv)])
+    torch.testing.assert_close(mem.get(pout, outs.shape), outs)
+    torch.testing.assert_close(mem.get(new_state, final.shape), final)
+    torch.testing.assert_close(mem.get(pstates, (rows, heads, dk, dv)), torch.stack(states))
+
+
+def test_conv_window_silu(k, mem):
+    gen = torch.Generator().manual_seed(7)
+    rows, channels, taps = 2, 300, 4
+    window, x, w = (torch.randn(taps - 1, channels, generator=gen), torch.randn(rows, channels, generator=gen),
+                    torch.randn(channels, taps, generator=gen))
+    ext = torch.cat([window, x])
+    pw, px, pk = mem.put(window), mem.put(x), mem.put(w)
+    pout, pext = mem.empty((rows, channels)), mem.empty(ext.shape)
+    k.launch("conv", "conv_window_silu_f32", (-(-channels // 256),), (256,),
+             [P(pw), P(px), P(pk), P(pout), P(pext), P(pw), I(rows), I(channels), I(taps)])  # window in place
+    torch.testing.assert_close(mem.get(pout, (rows, channels)), ops.causal_conv_rows(ext, w))
+    assert torch.equal(mem.get(pext, ext.shape), ext) and torch.equal(mem.get(pw, window.shape), ext[rows:])
+
+
+def test_gated_rms_norm(k, mem):
+    gen = torch.Generator().manual_seed(8)
+    n, dim = 6, 100
+    o, z, w = torch.randn(n, dim, generator=gen), torch.randn(n, dim, generator=gen), torch.randn(dim, generator=gen)
+    pout = mem.empty((n, dim))
+    k.launch("norm", "gated_rms_norm_f32", (-(-n // 4),), (128,),
+             [P(mem.put(o)), P(mem.put(z)), P(mem.put(w)), P(pout), I(n), I(dim), F(1e-6)])
+    torch.testing.assert_close(mem.get(pout, (n, dim)), ops.gated_rms_norm(o, z, w, 1e-6))
+
+
+def test_grouped_conv(k, mem):
+    gen = torch.Generator().manual_seed(9)
+    rows, hidden, taps, group = 3, 300, 2, 15
+    h, base = torch.randn(rows, hidden, generator=gen), torch.randn(taps, hidden, generator=gen)
+    dyn = torch.randn(rows, taps, hidden // group, generator=gen)
+    pout = mem.empty((rows, hidden))
+    k.launch("dflash", "grouped_conv_f32", (-(-hidden // 256), rows), (256,),
+             [P(mem.put(h)), P(mem.put(base)), P(mem.put(dyn)), P(pout), I(rows), I(hidden), I(taps), I(group)])
+    assert torch.equal(mem.get(pout, (rows, hidden)), dflash.grouped_conv(h, base, dyn, group))
+
+
+def test_select_candidates(k, mem):
+    rows, vocab, top_k = 3, 600, 16
+    logits, final, hp, pred_cb, succ_cb = selector_inputs(rows, vocab, 16, 8, seed=10)
+    logits[1, 5::256] += 20.0  # one thread's slice holds the row's top-k
+    want = dflash.select_candidates(logits, final, 11, hp, pred_cb, succ_cb, top_k)
+    proj = final @ hp.T
+    ids, vals = mem.empty((rows, top_k), torch.int32), mem.empty((rows, top_k))
+    counter, out = mem.put(torch.zeros(1, dtype=torch.int32)), mem.empty((rows,), torch.int32)
+    args = [P(mem.put(logits)), P(mem.put(proj)), P(mem.put(pred_cb)), P(mem.put(succ_cb)), I(11), I(rows), I(vocab),
+            I(8), I(top_k), P(ids), P(vals), P(counter), P(out)]
+    for _ in range(2):  # the last block resets the ticket counter for the next launch
+        k.launch("dflash", "select_candidates_f32", (rows,), (256,), args)
+        assert mem.get(out, (rows,), torch.int32).tolist() == want
+        assert int(mem.get(counter, (1,), torch.int32)) == 0
+
+
+@pytest.mark.parametrize("bits,group", [(4, 64), (2, 128)])
+def test_affine_gemv(k, mem, bits, group):
+    out_features, cols, rows = 13, 256, 3
+    _, (packed, scales, biases) = quant_inputs(out_features, cols, bits, group, seed=bits)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(bits))
+    py = mem.empty((rows, out_features))
+    k.launch("qgemv", cb.QUANT_KERNELS[bits], (-(-out_features // 8),), (256,),
+             [P(mem.put(x)), P(mem.put(packed)), P(mem.put(scales.view(torch.int16))),
+              P(mem.put(biases.view(torch.int16))), P(py), I(rows), I(cols), I(out_features), I(group),
+              I(1 if scales.dtype == torch.bfloat16 else 0)])
+    torch.testing.assert_close(mem.get(py, (rows, out_features)), dequantized_linear(x, packed, scales, biases, bits, group),
+                               rtol=1e-4, atol=1e-4)
+
+
+# ---- batch invariance ---------------------------------------------------------------------------------
+
+
+def bf16_rows(k, mem, w: torch.Tensor):
+    """x [R, in] -> x @ w^T through a rows kernel on the device (w bf16 [out, in])."""
+    out_features, cols = w.shape
+    pw = mem.put(w.view(torch.int16))
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        py = mem.empty((rows, out_features))
+        k.launch("bgemv", cb.rows_kernel("bf16", rows), cb.rows_grid(rows, out_features), (256,),
+                 [P(mem.put(x)), P(pw), P(py), I(rows), I(cols), I(out_features)])
+        return mem.get(py, (rows, out_features))
+    return fn
+
+
+def rows_invariant(fn, x: torch.Tensor, max_rows: int = 16) -> bool:
+    """Each row of every 1..max_rows-row product is bit-identical to that row alone."""
+    alone = torch.cat([fn(x[r:r + 1]) for r in range(max_rows)])
+    return all(torch.equal(fn(x[:rows]), alone[:rows]) for rows in range(2, max_rows + 1))
+
+
+SIMTEST_PTX = """.version 8.0
+.target sm_90
+.address_size 64
+.visible .entry rdep_rows_f32(.param .u64 a, .param .u64 b, .param .u64 c, .param .u32 d, .param .u32 e, .param .u32 f)
+.maxntid 256, 1, 1
+{ ret; }
+.visible .entry touch_f32(.param .u64 a, .param .u64 b, .param .u32 c, .param .u32 d)
+.maxntid 256, 1, 1
+{ ret; }
+.visible .entry fill_f32(.param .u64 a, .param .f32 b)
+.maxntid 256, 1, 1
+{ ret; }
+.visible .entry split_barrier(.param .u64 a, .param .u32 b)
+.maxntid 256, 1, 1
+{ ret; }
+.visible .entry warp_ops(.param .u64 a, .param .u64 b)
+.maxntid 128, 1, 1
+{ ret; }
+"""
+
+
+@pytest.fixture(scope="module")
+def simtest(k):
+    """tests/fixtures/cuda_sim/simtest.cu's entries, loaded through the driver from a PTX text
+    that declares them (as nvcc would)."""
+    mod = ok(d.cuModuleLoadData(SIMTEST_PTX.encode() + b"\0"))
+    names = ("rdep_rows_f32", "touch_f32", "fill_f32", "split_barrier", "warp_ops")
+    return {n: ok(d.cuModuleGetFunction(mod, n.encode())) for n in names}
+
+
+def launch(fn, grid, block, args, shared=0, stream=0):
+    """cuLaunchKernel with the (values, types) parameters; the CUresult."""
+    g, b = (tuple(grid) + (1, 1))[:3], (tuple(block) + (1, 1))[:3]
+    return d.cuLaunchKernel(fn, *g, *b, shared, d.CUstream(stream), (tuple(args), tuple(type(a) for a in args)), 0)[0]
+
+
+def test_bf16_rows_products_are_batch_invariant(k, mem):
+    gen = torch.Generator().manual_seed(44)
+    w = torch.randn(13, 552, generator=gen).to(torch.bfloat16)  # 13 outputs: a partial block; a lone last chunk
+    x = torch.randn(16, 552, generator=gen) * torch.logspace(-3, 3, 552)  # cancellation: the order shows
+    fn = bf16_rows(k, mem, w)
+    assert rows_invariant(fn, x)
+    torch.testing.assert_close(fn(x), x @ w.float().T, rtol=1e-3, atol=1e-2)
+
+
+def test_int8_rows_products_are_batch_invariant(k, mem):
+    packed, scales, biases = int8_inputs(11, 320, 64, seed=320)
+    pq, ps, pb = mem.put(packed), mem.put(scales.view(torch.int16)), mem.put(biases.view(torch.int16))
+    x = torch.randn(16, 320, generator=torch.Generator().manual_seed(3)) * torch.logspace(-3, 3, 320)
+
+    def fn(rows_x):
+        rows = rows_x.shape[0]
+        py = mem.empty((rows, 11))
+        k.launch("bgemv", cb.rows_kernel("int8", rows), cb.rows_grid(rows, 11), (256,),
+                 [P(mem.put(rows_x)), P(pq), P(ps), P(pb), P(py), I(rows), I(320), I(11), I(64)])
+        return mem.get(py, (rows, 11))
+    assert rows_invariant(fn, x)
+    torch.testing.assert_close(fn(x[:3]), dequantized_linear(x[:3], packed, scales, biases, 8, 64), rtol=1e-4, atol=1e-3)
+
+
+def test_batch_invariance_check_fails_an_R_dependent_kernel(k, mem, simtest):
+    """Negative control: the same check on a kernel that sums in chunks of R elements fails."""
+    gen = torch.Generator().manual_seed(44)
+    w = torch.randn(13, 552, generator=gen).to(torch.bfloat16)
+    x = torch.randn(16, 552, generator=gen) * torch.logspace(-3, 3, 552)
+    pw = mem.put(w.view(torch.int16))
+
+    def fn(rows_x):
+        rows = rows_x.shape[0]
+        py = mem.empty((rows, 13))
+        assert launch(simtest["rdep_rows_f32"], (1,), (256,), [P(mem.put(rows_x)), P(pw), P(py), I(rows), I(552), I(13)]) == 0
+        return mem.get(py, (rows, 13))
+    torch.testing.assert_close(fn(x), x @ w.float().T, rtol=1e-3, atol=1e-2)  # right, up to rounding
+    assert not rows_invariant(fn, x)

@@ -274,3 +274,192 @@ def test_batch_invariance_check_fails_an_R_dependent_kernel(k, mem, simtest):
         return mem.get(py, (rows, 13))
     torch.testing.assert_close(fn(x), x @ w.float().T, rtol=1e-3, atol=1e-2)  # right, up to rounding
     assert not rows_invariant(fn, x)
+
+
+# ---- parameters, addresses, barriers ---------------------------------------------------------------
+
+
+def test_launch_parameters_are_checked_against_the_ptx(k, mem, simtest):
+    y = mem.empty((4,))
+    fn = simtest["touch_f32"]
+    assert launch(fn, (1,), (32,), [P(y), P(y), I(4)]) == R.CUDA_ERROR_INVALID_VALUE  # one short
+    assert "touch_f32 takes 4 parameters (.u64, .u64, .u32, .u32), got 3" in cuda_sim.last_error()
+    assert launch(fn, (1,), (32,), [P(y), P(y), I(4), ctypes.c_int64(1)]) == R.CUDA_ERROR_INVALID_VALUE
+    assert "parameter 3 is .u32 (4 bytes), got 8 bytes" in cuda_sim.last_error()
+    assert launch(fn, (1,), (32,), [P(y), P(y), I(4), F(1.0)]) == R.CUDA_ERROR_INVALID_VALUE
+    assert "parameter 3 is .u32, got a float value" in cuda_sim.last_error()
+    assert launch(fn, (1,), (512,), [P(y), P(y), I(4), I(1)]) == R.CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES  # over 256
+    # through the loader: the CudaError names the call, the kernel and what the simulation saw
+    with pytest.raises(ck.CudaError, match=r"cuLaunchKernel failed for kernel gated_rms_norm_f32: "
+                                           r"CUDA_ERROR_INVALID_VALUE.*takes 7 parameters.*got 6"):
+        k.launch("norm", "gated_rms_norm_f32", (1,), (128,), [P(y), P(y), P(y), P(y), I(1), I(4)])
+    # a bare void** address: read as the PTX says, recorded as unchecked
+    cuda_sim.reset_records()
+    vals = [P(y), P(y), I(0), I(1)]
+    arr = (ctypes.c_void_p * 4)(*[ctypes.addressof(v) for v in vals])
+    ok(d.cuLaunchKernel(fn, 1, 1, 1, 32, 1, 1, 0, d.CUstream(0), ctypes.addressof(arr), 0))
+    assert cuda_sim.launches()[-1].checked is False
+
+
+def test_illegal_addresses_are_errors_not_crashes(k, mem, simtest):
+    y = ok(d.cuMemAlloc(16 * 4))  # 16 floats; 32 threads write 32
+    assert launch(simtest["fill_f32"], (1,), (32,), [P(y), F(1.0)]) == R.CUDA_ERROR_ILLEGAL_ADDRESS
+    assert "write of 4 bytes" in cuda_sim.last_error() and "past its allocation's end" in cuda_sim.last_error()
+    assert "kernel fill_f32, block (0,0,0), thread (16,0,0)" in cuda_sim.last_error()
+    assert launch(simtest["fill_f32"], (1,), (16,), [P(y), F(2.0)]) == 0
+    assert mem.get(y, (16,)).tolist() == [2.0] * 16
+    ok(d.cuMemFree(y))
+    assert launch(simtest["fill_f32"], (1,), (16,), [P(y), F(3.0)]) == R.CUDA_ERROR_ILLEGAL_ADDRESS
+    assert "no live allocation" in cuda_sim.last_error()
+    assert launch(simtest["fill_f32"], (1,), (16,), [P(None), F(3.0)]) == R.CUDA_ERROR_ILLEGAL_ADDRESS
+    assert "a null pointer" in cuda_sim.last_error()
+    host = torch.zeros(16)  # host memory the device was not given
+    assert launch(simtest["fill_f32"], (1,), (16,), [ctypes.c_void_p(host.data_ptr()), F(3.0)]) \
+        == R.CUDA_ERROR_ILLEGAL_ADDRESS and "not device memory" in cuda_sim.last_error()
+    ok(d.cuMemHostRegister(host.data_ptr(), 64, 0))  # registered: device-accessible
+    assert launch(simtest["fill_f32"], (1,), (16,), [ctypes.c_void_p(host.data_ptr()), F(3.0)]) == 0
+    ok(d.cuMemHostUnregister(host.data_ptr()))
+    assert host.tolist() == [3.0] * 16
+    assert d.cuMemFree(y)[0] == R.CUDA_ERROR_INVALID_VALUE  # twice
+    z = mem.empty((4,))
+    assert d.cuMemcpyHtoD(z, host.data_ptr(), 32)[0] == R.CUDA_ERROR_INVALID_VALUE  # past its end
+
+
+@pytest.mark.parametrize("mode,why", [(0, "not reached by all threads"), (1, "divergent __syncthreads")])
+def test_a_barrier_not_all_threads_reach_is_an_error_naming_the_kernel(k, mem, simtest, mode, why):
+    y = mem.empty((64,))
+    assert launch(simtest["split_barrier"], (2,), (64,), [P(y), I(mode)]) == R.CUDA_ERROR_LAUNCH_FAILED
+    assert why in cuda_sim.last_error() and "split_barrier" in cuda_sim.last_error()
+
+
+def test_warp_ops_shared_memory_and_atomics(k, mem, simtest):
+    out, counter = mem.empty((128, 8), torch.int32), mem.put(torch.zeros(1, dtype=torch.int32))
+    assert launch(simtest["warp_ops"], (3,), (128,), [P(out), P(counter)], shared=128 * 4) == 0
+    got = mem.get(out, (128, 8), torch.int32)
+    for t in range(128):
+        lane, warp0 = t % 32, t - t % 32
+        seg = t - t % 8
+        want = [t + 1 if lane < 31 else t, warp0 + 5, t ^ 16,
+                ctypes.c_int32(sum(1 << i for i in range(32) if i % 3 == 0)).value,
+                (127 - t) * 3 + (t + 1) % 128 + 1000, t - 2 if t - 2 >= seg else t, sum(range(warp0, warp0 + 32)), 1]
+        assert got[t].tolist() == want, t
+    assert int(mem.get(counter, (1,), torch.int32)) == 3 * 128
+    assert launch(simtest["warp_ops"], (1,), (128,), [P(out), P(counter)], shared=100 * 1024) == R.CUDA_ERROR_INVALID_VALUE
+
+
+# ---- capture and graphs -------------------------------------------------------------------------------
+
+
+def test_a_host_sync_inside_a_capture_is_refused(k, mem, simtest):
+    stream = ok(d.cuStreamCreate(0))
+    x, y = mem.put(torch.arange(8.0)), mem.empty((8,))
+    host = torch.empty(8)
+    for sync in (lambda: d.cuStreamSynchronize(stream), d.cuCtxSynchronize,
+                 lambda: d.cuMemcpyDtoH(host.data_ptr(), y, 32), lambda: d.cuMemAlloc(64)):
+        ok(d.cuStreamBeginCapture(stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+        assert launch(simtest["touch_f32"], (1,), (32,), [P(x), P(y), I(8), I(1)], stream=int(stream)) == 0
+        assert sync()[0] == R.CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED
+        assert ok(d.cuStreamIsCapturing(stream)) == d.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_INVALIDATED
+        err, graph = d.cuStreamEndCapture(stream)
+        assert err == R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED and int(graph) == 0
+    # the legacy stream during a capture is an implicit sync too
+    ok(d.cuStreamBeginCapture(stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    assert launch(simtest["touch_f32"], (1,), (32,), [P(x), P(y), I(8), I(1)], stream=0) \
+        == R.CUDA_ERROR_STREAM_CAPTURE_IMPLICIT
+    assert d.cuStreamEndCapture(stream)[0] == R.CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
+    ok(d.cuStreamDestroy(stream))
+
+
+def test_a_graph_replays_the_eager_launch_list(k, mem):
+    """Three kernels and a memset, eager on a stream, then captured, instantiated and replayed:
+    the same operations with the same parameters, in the same order, and the same bits."""
+    stream = ok(d.cuStreamCreate(0))
+    gen = torch.Generator().manual_seed(1)
+    o, z, w = torch.randn(8, 64, generator=gen), torch.randn(8, 64, generator=gen), torch.randn(64, generator=gen)
+    wb = torch.randn(10, 64, generator=gen).to(torch.bfloat16)
+    po, pz, pw, pwb = mem.put(o), mem.put(z), mem.put(w), mem.put(wb.view(torch.int16))
+    pn, py, pc = mem.empty((8, 64)), mem.empty((8, 10)), mem.empty((8, 64))
+    window = mem.put(torch.zeros(3, 64))
+    kw = mem.put(torch.randn(64, 4, generator=gen))
+
+    def step():
+        ok(d.cuMemsetD32Async(py, 0, 80, stream))
+        k.launch("norm", "gated_rms_norm_f32", (2,), (128,), [P(po), P(pz), P(pw), P(pn), I(8), I(64), F(1e-6)],
+                 stream=int(stream))
+        k.launch("bgemv", cb.rows_kernel("bf16", 8), cb.rows_grid(8, 10), (256,),
+                 [P(pn), P(pwb), P(py), I(8), I(64), I(10)], stream=int(stream))
+        k.launch("conv", "conv_window_silu_f32", (1,), (256,), [P(window), P(pn), P(kw), P(pc), P(None), P(None),
+                                                                I(8), I(64), I(4)], stream=int(stream))
+
+    cuda_sim.reset_records()
+    step()
+    ok(d.cuStreamSynchronize(stream))
+    eager = cuda_sim.records()
+    want = mem.get(py, (8, 10)), mem.get(pc, (8, 64))
+    ok(d.cuMemsetD8(py, 0xFF, 320))
+    ok(d.cuMemsetD8(pc, 0xFF, 2048))
+    ok(d.cuStreamBeginCapture(stream, d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL))
+    cuda_sim.reset_records()
+    step()
+    assert cuda_sim.records() == []  # captured, not run
+    graph = ok(d.cuStreamEndCapture(stream))
+    exe = ok(d.cuGraphInstantiate(graph, 0))
+    for _ in range(2):
+        cuda_sim.reset_records()
+        ok(d.cuGraphLaunch(exe, stream))
+        ok(d.cuStreamSynchronize(stream))
+        replay = cuda_sim.records()
+        assert [r.signature() for r in replay] == [r.signature() for r in eager]
+        assert [r.touches for r in replay] == [r.touches for r in eager]
+        assert all(r.graph == int(exe) for r in replay) and all(r.graph is None for r in eager)
+        assert torch.equal(mem.get(py, (8, 10)), want[0]) and torch.equal(mem.get(pc, (8, 64)), want[1])
+    ok(d.cuGraphExecDestroy(exe))
+    ok(d.cuGraphDestroy(graph))
+    ok(d.cuStreamDestroy(stream))
+
+
+# ---- launch records -------------------------------------------------------------------------------------
+
+
+def test_records_count_the_bytes_a_launch_reads_and_writes(k, mem, simtest):
+    n, stride = 100, 3
+    x, y = mem.put(torch.arange(400.0)), mem.empty((n,))
+    cuda_sim.reset_records()
+    assert launch(simtest["touch_f32"], (1,), (128,), [P(x), P(y), I(n), I(stride)]) == 0
+    (r,) = cuda_sim.launches()
+    assert (r.name, r.grid, r.block, r.shared, r.params) == ("touch_f32", (1, 1, 1), (128, 1, 1), 0, (int(x), int(y), n, stride))
+    tx, ty = r.touches
+    assert (tx.base, tx.size, tx.read, tx.written, tx.args) == (int(x), 1600, 4 * n, 0, (0,))  # each x once
+    assert (ty.base, ty.size, ty.read, ty.written, ty.args) == (int(y), 400, 0, 4 * n, (1,))
+    assert (r.bytes_read, r.bytes_written) == (4 * n, 4 * n)
+    assert (r.raw_read, r.raw_written) == (8 * n, 4 * n)  # two loads of each x element
+    assert torch.equal(mem.get(y, (n,)), torch.arange(0.0, 3 * n, 3) * 2)
+    ok(d.cuMemcpyDtoD(y, x, 40))
+    assert cuda_sim.records()[-1].kind == "memcpy" and cuda_sim.records()[-1].bytes_read == 40
+
+
+def test_the_records_of_a_rows_product_read_the_weights_once(k, mem):
+    """What the cost plan reads: one launch of bgemv over R rows reads each weight byte once."""
+    w = torch.randn(40, 256).to(torch.bfloat16)
+    pw = mem.put(w.view(torch.int16))
+    for rows in (1, 9):
+        px, py = mem.put(torch.randn(rows, 256)), mem.empty((rows, 40))
+        cuda_sim.reset_records()
+        k.launch("bgemv", cb.rows_kernel("bf16", rows), cb.rows_grid(rows, 40), (256,),
+                 [P(px), P(pw), P(py), I(rows), I(256), I(40)])
+        (r,) = cuda_sim.launches()
+        assert [(t.args, t.read, t.written) for t in r.touches] == [((0,), rows * 1024, 0), ((1,), 40 * 512, 0),
+                                                                     ((2,), 0, rows * 160)]
+
+
+def test_cuda_backend_checks_on_the_simulated_device(k, monkeypatch):
+    """cuda_unavailable_reason gets past the driver and device checks on the simulated device;
+    torch CUDA tensors it cannot give (the driver-API step does not need them)."""
+    monkeypatch.setenv(cuda_sim.ENV, "1")
+    assert ck._driver() is cuda_sim.driver
+    if not torch.cuda.is_available():
+        assert cb.cuda_unavailable_reason().startswith("backend cuda needs a torch build with CUDA")
+    assert ok(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ok(d.cuDeviceGet(0)))) == 9
+    assert d.cuModuleGetFunction(k.module("norm"), b"nope")[0] == R.CUDA_ERROR_NOT_FOUND
+    monkeypatch.setenv(cuda_sim.ENV, "0")
+    assert not cuda_sim.enabled()

@@ -21,7 +21,18 @@ CXX = "g++"
 COMMON = ("-std=c++17", "-O2", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-fno-strict-aliasing")
 # TSan instrumentation without its runtime: every access the compiler cannot prove local calls a
 # __tsan_* hook that runtime.cpp defines (bounds checks and the byte counts of launch records)
-INSTRUMENT = ("-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0")
+INSTRUMENT = ("-fsanitize=thread", "--param", "tsan-instrument-func-entry-exit=0", "-fno-plt")
+
+
+def _cpu_has_fma() -> bool:
+    try:
+        return " fma " in Path("/proc/cpuinfo").read_text().replace("\n", " ")
+    except OSError:
+        return False
+
+
+# fmaf as one instruction instead of a call into libm (the same correctly rounded result)
+ARCH = ("-mfma",) if _cpu_has_fma() else ()
 
 
 class BuildError(RuntimeError):
@@ -120,7 +131,7 @@ def module_library(cu: Path, entries: list[str]) -> Path:
     text = cu.read_text()
     shim = SHIM.read_text()
     body = host_source(text) + _trampolines(sorted(entries))
-    key = _digest(shim.encode(), body.encode(), SHIM_VERSION.encode(), " ".join(COMMON + INSTRUMENT).encode())
+    key = _digest(shim.encode(), body.encode(), SHIM_VERSION.encode(), " ".join(COMMON + INSTRUMENT + ARCH).encode())
     dest = cache_dir() / f"{cu.stem}-{key}.so"
     if not dest.is_file():
         missing = compiler_missing()
@@ -132,7 +143,7 @@ def module_library(cu: Path, entries: list[str]) -> Path:
             src.write_text(f'#include "{SHIM}"\n#line 1 "{cu}"\n' + host_source(text) + "\n#line 100000 \"sim\"\n"
                            + _trampolines(sorted(entries)))
             obj, out = Path(tmp) / "k.o", Path(tmp) / "k.so"
-            _run([CXX, *COMMON, *INSTRUMENT, "-c", str(src), "-o", str(obj)], cu.name)
+            _run([CXX, *COMMON, *INSTRUMENT, *ARCH, "-c", str(src), "-o", str(obj)], cu.name)
             # linked without -fsanitize: the hooks resolve to the runtime, loaded RTLD_GLOBAL first
             _run([CXX, "-shared", str(obj), "-o", str(out)], cu.name)
             _publish(out, dest)

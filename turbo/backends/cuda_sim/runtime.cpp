@@ -92,7 +92,7 @@ struct Fiber {
 };
 
 struct Warp {
-    unsigned arrived = 0, mask = 0;
+    unsigned arrived = 0, mask = 0, done = 0;  // done: lanes that exited
     int op = -1;
 };
 
@@ -104,6 +104,11 @@ size_t stack_slots = 0;
 void* sched_sp = nullptr;
 int cur = -1, nthreads = 0, done_count = 0, bar_count = 0, bar_line = -1;
 Dim3 g_grid, g_block, g_bidx;
+// the runnable fibers, first in first out: a fiber that blocks switches straight to the next one
+// (one context switch, not two through the scheduler); the scheduler's own context runs only
+// when nothing is runnable (the block is finished, or deadlocked) or a launch fails
+std::vector<int> run_queue;
+size_t rq_head = 0, rq_tail = 0;
 void (*g_tramp)(void**) = nullptr;
 void** g_args = nullptr;
 const char* g_kernel = "";
@@ -160,7 +165,29 @@ sim_fiber_start:
 
 namespace {
 
-void switch_to_scheduler() { sim_ctx_switch(&fibers[cur].sp, sched_sp); }
+inline void make_runnable(int t) {
+    fibers[t].state = RUN;
+    run_queue[rq_tail] = t;
+    rq_tail = rq_tail + 1 == run_queue.size() ? 0 : rq_tail + 1;
+}
+
+inline int next_runnable() {
+    if (rq_head == rq_tail) return -1;
+    const int t = run_queue[rq_head];
+    rq_head = rq_head + 1 == run_queue.size() ? 0 : rq_head + 1;
+    return t;
+}
+
+// the current fiber has stopped (blocked or exited): run the next one, or the scheduler
+void switch_away() {
+    const int self = cur, next = next_runnable();
+    if (next < 0) {
+        sim_ctx_switch(&fibers[self].sp, sched_sp);
+    } else {
+        cur = next;
+        sim_ctx_switch(&fibers[self].sp, fibers[next].sp);
+    }
+}
 
 void fail(int code, const std::string& what) {
     if (!launch_error) {
@@ -187,7 +214,23 @@ std::string where() {
 
 inline bool in(const Range& r, uintptr_t a, size_t n) { return a >= r.lo && a + n <= r.hi; }
 
+inline void dirty_page(size_t p) {
+    if (!page_dirty[p]) {
+        page_dirty[p] = 1;
+        dirty.push_back((uint32_t)p);
+    }
+}
+
 inline void mark(uint8_t* bits, size_t off, size_t n) {
+    if (n <= 16) {  // every load and store the instrumentation reports: one 32-bit word of bits
+        uint32_t word;
+        memcpy(&word, bits + (off >> 3), 4);
+        word |= ((1u << n) - 1u) << (off & 7);
+        memcpy(bits + (off >> 3), &word, 4);
+        dirty_page(off >> 12);
+        dirty_page((off + n - 1) >> 12);
+        return;
+    }
     while (n) {
         const size_t k = n < 16 ? n : 16;  // 16 bits shifted by up to 7: one 32-bit word
         uint32_t word;
@@ -210,7 +253,7 @@ void bad_access(uintptr_t a, size_t n, bool write, const char* why) {
     abort_fiber(ERR_ILLEGAL_ADDRESS, std::string(buf) + where());
 }
 
-inline void access(const void* p, size_t n, bool write) {
+__attribute__((always_inline)) inline void access(const void* p, size_t n, bool write) {
     const uintptr_t a = (uintptr_t)p;
     const size_t off = a - (uintptr_t)arena;
     if (off < arena_size) {
@@ -275,7 +318,8 @@ void resolve_warp(int w) {
     for (int l = 0; l < 32; ++l)
         if (wp.mask >> l & 1u) {
             fibers[base + l].result = res[l];
-            fibers[base + l].state = RUN;
+            if (base + l == cur) fibers[cur].state = RUN;  // the last to arrive goes on at once
+            else make_runnable(base + l);
         }
     wp.arrived = 0;
     wp.mask = 0;
@@ -310,13 +354,14 @@ SIM_API void sim_syncthreads(int line) {
     f.state = AT_BARRIER;
     f.line = line;
     if (++bar_count == nthreads) {
-        for (Fiber& g : fibers)
-            if (g.state == AT_BARRIER) g.state = RUN;
+        for (int t = 0; t < nthreads; ++t)
+            if (t != cur && fibers[t].state == AT_BARRIER) make_runnable(t);
+        f.state = RUN;  // the last to arrive goes on at once
         bar_count = 0;
         bar_line = -1;
-        if (f.state == RUN) return;  // the last to arrive goes on at once
+        return;
     }
-    switch_to_scheduler();
+    switch_away();
 }
 
 SIM_API unsigned long long sim_warp_op(int op, unsigned mask, unsigned long long value, int arg, int width) {
@@ -335,10 +380,9 @@ SIM_API unsigned long long sim_warp_op(int op, unsigned mask, unsigned long long
     if (wp.op >= 0 && (wp.mask != mask || wp.op != op))
         abort_fiber(ERR_LAUNCH_FAILED, "divergent warp ops: lanes wait at different shuffles/votes (masks " + lanes(wp.mask) +
                                            " and " + lanes(mask) + "); " + where());
-    for (int l = 0; l < 32; ++l)
-        if ((mask >> l & 1u) && fibers[w * 32 + l].state == DONE)
-            abort_fiber(ERR_LAUNCH_FAILED, "warp op with mask " + lanes(mask) + " but lane " + std::to_string(l) +
-                                               " has exited; " + where());
+    if (mask & wp.done)
+        abort_fiber(ERR_LAUNCH_FAILED, "warp op with mask " + lanes(mask) + " but lane " +
+                                           std::to_string(__builtin_ctz(mask & wp.done)) + " has exited; " + where());
     wp.op = op;
     wp.mask = mask;
     wp.arrived |= 1u << lane;
@@ -349,9 +393,9 @@ SIM_API unsigned long long sim_warp_op(int op, unsigned mask, unsigned long long
     f.value = value;
     if (wp.arrived == mask) {
         resolve_warp(w);
-        if (f.state == RUN) return f.result;
+        return f.result;
     }
-    switch_to_scheduler();
+    switch_away();
     return fibers[cur].result;
 }
 
@@ -364,10 +408,12 @@ extern "C" SIM_HIDDEN void sim_fiber_main() {
         fail(ERR_LAUNCH_FAILED, "__syncthreads (line " + std::to_string(bar_line) +
                                     ") not reached by all threads: a thread exited while others wait; " + where());
     const int w = cur >> 5;
+    warps[w].done |= 1u << (cur & 31);
     if (warps[w].op >= 0 && (warps[w].mask >> (cur & 31) & 1u))
         fail(ERR_LAUNCH_FAILED, "warp op with mask " + lanes(warps[w].mask) + " not reached by lane " +
                                     std::to_string(cur & 31) + ", which exited; " + where());
-    sim_ctx_switch(&f.sp, sched_sp);
+    if (launch_error) sim_ctx_switch(&f.sp, sched_sp);
+    switch_away();
     __builtin_unreachable();
 }
 
@@ -573,6 +619,7 @@ SIM_API int sim_launch(void (*tramp)(void**), void** args, uintptr_t params_lo, 
     nthreads = (int)n;
     fibers.assign(n, Fiber{});
     warps.assign((n + 31) / 32, Warp{});
+    run_queue.assign(n + 1, 0);
     unsigned ctl[2];
     asm volatile("stmxcsr %0; fnstcw %1" : "=m"(ctl[0]), "=m"(ctl[1]));
     for (unsigned z = 0; z < gz && !launch_error; ++z)
@@ -594,27 +641,23 @@ SIM_API int sim_launch(void (*tramp)(void**), void** args, uintptr_t params_lo, 
                     f.sp = sp;
                 }
                 for (Warp& w : warps) w = Warp{};
-                while (done_count < (int)n && !launch_error) {
-                    bool ran = false;
-                    for (unsigned t = 0; t < n && !launch_error; ++t) {
-                        if (fibers[t].state != RUN) continue;
-                        cur = (int)t;
-                        sim_ctx_switch(&sched_sp, fibers[t].sp);
-                        ran = true;
+                rq_head = rq_tail = 0;
+                for (unsigned t = 0; t < n; ++t) make_runnable((int)t);
+                // back here when nothing is runnable: every thread exited, or the block is stuck
+                cur = next_runnable();
+                sim_ctx_switch(&sched_sp, fibers[cur].sp);
+                if (done_count < (int)n && !launch_error) {
+                    int at_bar = 0, at_warp = 0;
+                    for (const Fiber& f : fibers) {
+                        at_bar += f.state == AT_BARRIER;
+                        at_warp += f.state == AT_WARP;
                     }
-                    if (!ran && !launch_error) {
-                        int at_bar = 0, at_warp = 0;
-                        for (const Fiber& f : fibers) {
-                            at_bar += f.state == AT_BARRIER;
-                            at_warp += f.state == AT_WARP;
-                        }
-                        char buf[300];
-                        snprintf(buf, sizeof buf,
-                                 "deadlock in kernel %s, block (%u,%u,%u): %d threads wait at __syncthreads (line %d), "
-                                 "%d at warp ops, %d exited: a barrier or warp op not reached by all threads",
-                                 kernel, x, y, z, at_bar, bar_line, at_warp, done_count);
-                        fail(ERR_LAUNCH_FAILED, buf);
-                    }
+                    char buf[300];
+                    snprintf(buf, sizeof buf,
+                             "deadlock in kernel %s, block (%u,%u,%u): %d threads wait at __syncthreads (line %d), "
+                             "%d at warp ops, %d exited: a barrier or warp op not reached by all threads",
+                             kernel, x, y, z, at_bar, bar_line, at_warp, done_count);
+                    fail(ERR_LAUNCH_FAILED, buf);
                 }
             }
     cur = -1;

@@ -563,7 +563,7 @@ def cuModuleLoadData(image):  # noqa: N802
         if not entries:
             return _err(CUresult.CUDA_ERROR_INVALID_PTX, "the PTX has no .entry")
         dirs = source_dirs()
-        cu = ptx.find_source(set(entries), dirs)
+        cu = ptx.find_source(set(entries), dirs, build.cache_dir())
         if cu is None:
             return _err(CUresult.CUDA_ERROR_INVALID_PTX, f"no kernel source in {', '.join(map(str, dirs))} defines "
                                                          f"all of {', '.join(sorted(entries))}")

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import re
 import subprocess
 from dataclasses import dataclass
@@ -66,13 +67,25 @@ def source_entries(cu: Path) -> set[str]:
 _source_cache: dict[tuple[Path, float], set[str]] = {}
 
 
-def find_source(names: set[str], dirs: list[Path]) -> Path | None:
+def _entries_of(cu: Path, cache: Path | None) -> set[str]:
+    """source_entries(cu), remembered per content hash in `cache` (g++ -E costs a few hundred ms)."""
+    key = (cu.resolve(), cu.stat().st_mtime)
+    if key not in _source_cache:
+        data = cu.read_bytes()
+        stored = cache / f"entries-{hashlib.sha256(data).hexdigest()[:20]}.txt" if cache else None
+        if stored is not None and stored.is_file():
+            _source_cache[key] = set(stored.read_text().split())
+        else:
+            _source_cache[key] = source_entries(cu)
+            if stored is not None:
+                stored.write_text("\n".join(sorted(_source_cache[key])))
+    return _source_cache[key]
+
+
+def find_source(names: set[str], dirs: list[Path], cache: Path | None = None) -> Path | None:
     """The .cu (first directory first) that defines every entry in `names`."""
     for d in dirs:
         for cu in sorted(Path(d).glob("*.cu")):
-            key = (cu.resolve(), cu.stat().st_mtime)
-            if key not in _source_cache:
-                _source_cache[key] = source_entries(cu)
-            if names and names <= _source_cache[key]:
+            if names and names <= _entries_of(cu, cache):
                 return cu
     return None

@@ -325,10 +325,12 @@ def test_illegal_addresses_are_errors_not_crashes(k, mem, simtest):
     assert d.cuMemcpyHtoD(z, host.data_ptr(), 32)[0] == R.CUDA_ERROR_INVALID_VALUE  # past its end
 
 
-@pytest.mark.parametrize("mode,why", [(0, "not reached by all threads"), (1, "divergent __syncthreads")])
-def test_a_barrier_not_all_threads_reach_is_an_error_naming_the_kernel(k, mem, simtest, mode, why):
+@pytest.mark.parametrize("mode,threads,why", [(0, 64, "not reached by all threads"), (1, 64, "divergent __syncthreads"),
+                                              (2, 32, "deadlock in kernel split_barrier, block (0,0,0): 16 threads "
+                                                      "wait at __syncthreads (line 49), 16 at warp ops, 0 exited")])
+def test_a_barrier_not_all_threads_reach_is_an_error_naming_the_kernel(k, mem, simtest, mode, threads, why):
     y = mem.empty((64,))
-    assert launch(simtest["split_barrier"], (2,), (64,), [P(y), I(mode)]) == R.CUDA_ERROR_LAUNCH_FAILED
+    assert launch(simtest["split_barrier"], (2,), (threads,), [P(y), I(mode)]) == R.CUDA_ERROR_LAUNCH_FAILED
     assert why in cuda_sim.last_error() and "split_barrier" in cuda_sim.last_error()
 
 

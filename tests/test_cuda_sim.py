@@ -17,6 +17,7 @@ that `TURBO_CUDA_SIM=1` puts behind cuda_kernels.
 from __future__ import annotations
 
 import ctypes
+import inspect
 import shutil
 from pathlib import Path
 
@@ -465,3 +466,56 @@ def test_cuda_backend_checks_on_the_simulated_device(k, monkeypatch):
     assert d.cuModuleGetFunction(k.module("norm"), b"nope")[0] == R.CUDA_ERROR_NOT_FOUND
     monkeypatch.setenv(cuda_sim.ENV, "0")
     assert not cuda_sim.enabled()
+
+
+def test_driver_calls_mirror_cuda_python(k, mem):
+    """Signatures, (CUresult, value...) returns, enum values and handle behaviour of the calls
+    beside launches; the enums' numbers are cuda-python's where it is installed."""
+    dev = ok(d.cuDeviceGet(0))
+    assert ok(d.cuDeviceGetCount()) == 1 and d.cuDeviceGet(1)[0] == R.CUDA_ERROR_INVALID_DEVICE
+    assert ok(d.cuDeviceGetName(64, dev)).startswith(b"turbo simulated device")
+    assert ok(d.cuDeviceTotalMem(dev)) > 2 ** 30 and ok(d.cuDriverGetVersion()) == 13000
+    ctx = ok(d.cuCtxCreate(None, 0, dev))
+    assert int(ok(d.cuCtxGetCurrent())) == int(ctx)
+    ok(d.cuCtxSynchronize())
+    ok(d.cuCtxDestroy(ctx))
+    assert int(ok(d.cuCtxGetCurrent())) == 0 and d.cuMemAlloc(4)[0] == R.CUDA_ERROR_INVALID_CONTEXT
+    ok(d.cuCtxSetCurrent(k.context))
+    p = ok(d.cuMemAlloc(64))
+    with pytest.raises(TypeError):
+        p + 4  # noqa: B018 - a CUdeviceptr is a handle, as cuda-python's: int(p) + 4
+    ok(d.cuMemsetD32(p, 0x3F800000, 16))
+    assert mem.get(p, (16,)).tolist() == [1.0] * 16
+    q = ok(d.cuMemAlloc(64))
+    ok(d.cuMemsetD8(q, 0, 64))
+    ok(d.cuMemcpyDtoD(int(q) + 8, p, 16))
+    host = bytearray(64)
+    ok(d.cuMemcpyDtoH(host, q, 64))
+    assert torch.frombuffer(host, dtype=torch.float32).tolist() == [0, 0, 1, 1, 1, 1] + [0] * 10
+    assert d.cuMemsetD32(int(p) + 2, 0, 1)[0] == R.CUDA_ERROR_INVALID_VALUE  # unaligned
+    base, size = ok(d.cuMemGetAddressRange(int(p) + 10))
+    assert (int(base), size) == (int(p), 64)
+    h = ok(d.cuMemAllocHost(32))  # pinned host memory: device-accessible
+    ok(d.cuMemcpyHtoD(h, b"\1" * 32, 32))
+    ok(d.cuMemcpyDtoD(p, h, 32))
+    ok(d.cuMemFreeHost(h))
+    start, end = ok(d.cuEventCreate(0)), ok(d.cuEventCreate(0))
+    ok(d.cuEventRecord(start, 0))
+    ok(d.cuEventRecord(end, 0))
+    ok(d.cuEventSynchronize(end))
+    assert ok(d.cuEventElapsedTime(start, end)) >= 0.0
+    ok(d.cuMemFree(p))
+    ok(d.cuMemFree(q))
+    assert ok(d.cuGetErrorName(R.CUDA_ERROR_ILLEGAL_ADDRESS)) == b"CUDA_ERROR_ILLEGAL_ADDRESS"
+    try:
+        from cuda.bindings import driver as real
+    except ImportError:
+        return
+    for enum_name in ("CUresult", "CUdevice_attribute", "CUfunction_attribute", "CUstreamCaptureStatus",
+                      "CUstreamCaptureMode"):
+        for member in getattr(d, enum_name):
+            assert int(getattr(getattr(real, enum_name), member.name)) == int(member), (enum_name, member.name)
+    for name in [n for n in dir(d) if n.startswith("cu") and callable(getattr(d, n))]:
+        first = getattr(real, name).__doc__.strip().splitlines()[0]  # "cuMemcpyHtoD(dstDevice, srcHost, ...)"
+        want = [a.split(":")[0].split()[-1].lstrip("*").split("=")[0] for a in first[len(name) + 1:-1].split(",") if a.strip()]
+        assert list(inspect.signature(getattr(d, name)).parameters) == want, name

@@ -21,16 +21,18 @@ TURBO_CUDA_SIM_CACHE (build cache, default ~/.cache/turbo/cuda_sim).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from . import driver
 from .build import compiler_missing
-from .driver import add_source_dir, last_error, source_dirs
+from .driver import accept_host_memory, add_source_dir, last_error, source_dirs
 from .records import Record, Touch, launches, records, reset_records
 
 ENV = "TURBO_CUDA_SIM"
 
-__all__ = ["ENV", "Record", "Touch", "add_source_dir", "driver", "enabled", "last_error", "launches", "records",
-           "reset_records", "source_dirs", "unavailable_reason"]
+__all__ = ["ENV", "Record", "Touch", "accept_host_memory", "add_source_dir", "driver", "enabled", "host_memory",
+           "last_error", "launches", "records", "reset_records", "source_dirs", "unavailable_reason"]
 
 
 def enabled() -> bool:
@@ -42,3 +44,13 @@ def unavailable_reason() -> str | None:
     """None when the simulated device can run here, else one line on what it lacks."""
     missing = compiler_missing()
     return f"backend cuda on the simulated device ({ENV}=1): {missing}" if missing else None
+
+
+@contextmanager
+def host_memory() -> Iterator[None]:
+    """Within: kernels may use any host address (CPU tensors' memory) as device memory."""
+    accept_host_memory(True)
+    try:
+        yield
+    finally:
+        accept_host_memory(False)

@@ -280,6 +280,13 @@ def add_source_dir(path: Path) -> None:
             _source_dirs.insert(0, Path(path))
 
 
+def accept_host_memory(on: bool) -> None:
+    """Let kernels read and write any host address, as if all of it were registered
+    (cuMemHostRegister): for tests that launch on CPU tensors' memory. Arena bounds stay checked."""
+    with _lock:
+        _runtime().sim_accept_host(1 if on else 0)
+
+
 def last_error() -> str:
     """What the simulation said about the last failed call ('' when none failed)."""
     return _detail["text"]
@@ -317,6 +324,7 @@ def _runtime() -> ctypes.CDLL:
         lib.sim_register_host.argtypes = [ctypes.c_uint64, ctypes.c_size_t]
         lib.sim_unregister_host.argtypes = [ctypes.c_uint64]
         lib.sim_register_module.argtypes = [ctypes.c_void_p]
+        lib.sim_accept_host.argtypes = [ctypes.c_int]
         lib.sim_take_counts.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64),
                                         ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
         lib.sim_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,

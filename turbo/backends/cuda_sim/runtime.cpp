@@ -344,7 +344,10 @@ SIM_API Dim3 sim_block_dim() { return g_block; }
 SIM_API Dim3 sim_grid_dim() { return g_grid; }
 SIM_API void* sim_dyn_smem() { return g_smem; }
 
-SIM_API void sim_syncthreads(int line) {
+int bar_result = 0;  // __syncthreads_count's count, read by each waiter before the next barrier can complete
+
+// __syncthreads; with op 1/2/3 also __syncthreads_count / _and / _or of `pred` (the result)
+SIM_API int sim_syncthreads_op(int line, int op, int pred) {
     Fiber& f = fibers[cur];
     if (done_count > 0)
         abort_fiber(ERR_LAUNCH_FAILED, "__syncthreads (line " + std::to_string(line) + ") not reached by all threads: " +
@@ -355,16 +358,23 @@ SIM_API void sim_syncthreads(int line) {
     bar_line = line;
     f.state = AT_BARRIER;
     f.line = line;
+    f.value = pred != 0;
     if (++bar_count == nthreads) {
+        int count = 0;
+        for (int t = 0; t < nthreads; ++t) count += (int)fibers[t].value;
+        bar_result = op == 1 ? count : op == 2 ? count == nthreads : op == 3 ? count > 0 : 0;
         for (int t = 0; t < nthreads; ++t)
             if (t != cur && fibers[t].state == AT_BARRIER) make_runnable(t);
         f.state = RUN;  // the last to arrive goes on at once
         bar_count = 0;
         bar_line = -1;
-        return;
+        return bar_result;
     }
     switch_away();
+    return bar_result;
 }
+
+SIM_API void sim_syncthreads(int line) { sim_syncthreads_op(line, 0, 0); }
 
 SIM_API unsigned long long sim_warp_op(int op, unsigned mask, unsigned long long value, int arg, int width) {
     Fiber& f = fibers[cur];

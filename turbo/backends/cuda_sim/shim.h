@@ -32,6 +32,7 @@ dim3 sim_block_dim();
 dim3 sim_grid_dim();
 void* sim_dyn_smem();
 void sim_syncthreads(int line);
+int sim_syncthreads_op(int line, int op, int pred);
 unsigned long long sim_warp_op(int op, unsigned mask, unsigned long long value, int arg, int width);
 }
 
@@ -70,6 +71,9 @@ struct alignas(8) ushort4 { unsigned short x, y, z, w; };
 
 // ---- barriers and warp operations (runtime.cpp) -----------------------------------------------------
 #define __syncthreads() sim_syncthreads(__LINE__)
+#define __syncthreads_count(p) sim_syncthreads_op(__LINE__, 1, (p))
+#define __syncthreads_and(p) sim_syncthreads_op(__LINE__, 2, (p))
+#define __syncthreads_or(p) sim_syncthreads_op(__LINE__, 3, (p))
 static inline void __threadfence() {}
 static inline void __threadfence_block() {}
 static inline void __syncwarp(unsigned mask = 0xffffffffu) { sim_warp_op(0, mask, 0, 0, 32); }

@@ -219,6 +219,9 @@ SIMTEST_PTX = """.version 8.0
 .visible .entry warp_ops(.param .u64 a, .param .u64 b)
 .maxntid 128, 1, 1
 { ret; }
+.visible .entry spin(.param .u64 a)
+.maxntid 32, 1, 1
+{ ret; }
 """
 
 
@@ -227,7 +230,7 @@ def simtest(k):
     """tests/fixtures/cuda_sim/simtest.cu's entries, loaded through the driver from a PTX text
     that declares them (as nvcc would)."""
     mod = ok(d.cuModuleLoadData(SIMTEST_PTX.encode() + b"\0"))
-    names = ("rdep_rows_f32", "touch_f32", "fill_f32", "split_barrier", "warp_ops")
+    names = ("rdep_rows_f32", "touch_f32", "fill_f32", "split_barrier", "warp_ops", "spin")
     return {n: ok(d.cuModuleGetFunction(mod, n.encode())) for n in names}
 
 
@@ -348,6 +351,16 @@ def test_warp_ops_shared_memory_and_atomics(k, mem, simtest):
         assert got[t].tolist() == want, t
     assert mem.get(counter, (2,), torch.int32).tolist() == [3 * 128, 43 * 4 + 2 + 1]  # __syncthreads_count/and/or
     assert launch(simtest["warp_ops"], (1,), (128,), [P(out), P(counter)], shared=100 * 1024) == R.CUDA_ERROR_INVALID_VALUE
+
+
+def test_a_launch_that_never_ends_times_out(k, mem, simtest):
+    flag = mem.put(torch.zeros(1, dtype=torch.int32))
+    cuda_sim.set_timeout(0.2)
+    try:
+        assert launch(simtest["spin"], (1,), (32,), [P(flag)]) == R.CUDA_ERROR_LAUNCH_TIMEOUT
+    finally:
+        cuda_sim.set_timeout(300)
+    assert "ran past 0.2 s" in cuda_sim.last_error() and "kernel spin" in cuda_sim.last_error()
 
 
 # ---- capture and graphs -------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ runtime.cpp), and is recorded (records()).
 
 Other knobs: TURBO_CUDA_SIM_MEMORY_GB (arena size, default 80), TURBO_CUDA_SIM_SOURCES (extra
 directories of .cu sources, os.pathsep-separated; add_source_dir() does the same in-process),
-TURBO_CUDA_SIM_CACHE (build cache, default ~/.cache/turbo/cuda_sim).
+TURBO_CUDA_SIM_CACHE (build cache, default ~/.cache/turbo/cuda_sim), TURBO_CUDA_SIM_TIMEOUT
+(seconds one launch may run, default 300; set_timeout() in-process).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from contextlib import contextmanager
 
 from . import driver
 from .build import compiler_missing
-from .driver import accept_host_memory, add_source_dir, last_error, source_dirs
+from .driver import accept_host_memory, add_source_dir, last_error, set_timeout, source_dirs
 from .records import Record, Touch, launches, records, reset_records
 
 ENV = "TURBO_CUDA_SIM"

@@ -58,6 +58,7 @@ class CUresult(enum.IntEnum):
     CUDA_ERROR_NOT_READY = 600
     CUDA_ERROR_ILLEGAL_ADDRESS = 700
     CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES = 701
+    CUDA_ERROR_LAUNCH_TIMEOUT = 702
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713
     CUDA_ERROR_LAUNCH_FAILED = 719
@@ -79,7 +80,7 @@ _TEXT = {
     222: "the provided PTX was compiled with an unsupported toolchain.", 400: "invalid resource handle",
     401: "the operation cannot be performed in the present state", 500: "named symbol not found",
     600: "device not ready", 700: "an illegal memory access was encountered",
-    701: "too many resources requested for launch", 719: "unspecified launch failure",
+    701: "too many resources requested for launch", 702: "the launch timed out and was terminated", 719: "unspecified launch failure",
     801: "operation not supported", 900: "operation not permitted when stream is capturing",
     901: "operation failed due to a previous error during capture",
     906: "operation would make the legacy stream depend on a capturing blocking stream",
@@ -287,6 +288,12 @@ def accept_host_memory(on: bool) -> None:
         _runtime().sim_accept_host(1 if on else 0)
 
 
+def set_timeout(seconds: float) -> None:
+    """How long one launch may run before it ends with CUDA_ERROR_LAUNCH_TIMEOUT."""
+    with _lock:
+        _runtime().sim_set_timeout(float(seconds))
+
+
 def last_error() -> str:
     """What the simulation said about the last failed call ('' when none failed)."""
     return _detail["text"]
@@ -325,6 +332,8 @@ def _runtime() -> ctypes.CDLL:
         lib.sim_unregister_host.argtypes = [ctypes.c_uint64]
         lib.sim_register_module.argtypes = [ctypes.c_void_p]
         lib.sim_accept_host.argtypes = [ctypes.c_int]
+        lib.sim_set_timeout.argtypes = [ctypes.c_double]
+        lib.sim_set_timeout(float(os.environ.get("TURBO_CUDA_SIM_TIMEOUT", "300")))
         lib.sim_take_counts.argtypes = [ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64),
                                         ctypes.POINTER(ctypes.c_uint64), ctypes.c_int, ctypes.POINTER(ctypes.c_uint64)]
         lib.sim_launch.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64,

@@ -29,6 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <time.h>
 
 #include <algorithm>
 #include <string>
@@ -40,7 +41,8 @@
 namespace {
 
 const size_t PAGE = 4096;
-const int ERR_INVALID_VALUE = 1, ERR_OUT_OF_MEMORY = 2, ERR_ILLEGAL_ADDRESS = 700, ERR_LAUNCH_FAILED = 719;
+const int ERR_INVALID_VALUE = 1, ERR_OUT_OF_MEMORY = 2, ERR_ILLEGAL_ADDRESS = 700, ERR_LAUNCH_TIMEOUT = 702,
+          ERR_LAUNCH_FAILED = 719;
 
 // ---- the arena -------------------------------------------------------------------------------
 
@@ -69,7 +71,17 @@ Range stacks = {0, 0}, dyn_smem = {0, 0}, params_range = {0, 0};
 
 std::string error_text;
 int launch_error = 0;
-bool accept_host = false;  // sim_accept_host: any host address is device memory (tests on CPU tensors)
+bool accept_host = false;
+// a launch that runs past its time (a block spinning on a flag a later block would set: blocks
+// run one after another here) ends with CUDA_ERROR_LAUNCH_TIMEOUT; checked every 2^20 accesses
+double timeout_s = 300.0, launch_deadline = 0.0;
+uint64_t accesses = 0;
+
+double now() {
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}  // sim_accept_host: any host address is device memory (tests on CPU tensors)
 
 void* reserve(size_t n) {
     void* p = mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
@@ -254,8 +266,18 @@ void bad_access(uintptr_t a, size_t n, bool write, const char* why) {
     abort_fiber(ERR_ILLEGAL_ADDRESS, std::string(buf) + where());
 }
 
+void check_time() {
+    if (cur >= 0 && now() > launch_deadline) {
+        char buf[200];
+        snprintf(buf, sizeof buf, "ran past %.1f s (TURBO_CUDA_SIM_TIMEOUT; a spin on a flag another block sets? blocks "
+                 "run one after another on the simulated device) in ", timeout_s);
+        abort_fiber(ERR_LAUNCH_TIMEOUT, buf + where());
+    }
+}
+
 __attribute__((always_inline)) inline void access(const void* p, size_t n, bool write) {
     const uintptr_t a = (uintptr_t)p;
+    if (__builtin_expect((++accesses & ((1u << 20) - 1)) == 0, 0)) check_time();
     const size_t off = a - (uintptr_t)arena;
     if (off < arena_size) {
         const uint32_t id = owner[off >> 12];
@@ -572,6 +594,8 @@ SIM_API const char* sim_error() { return error_text.c_str(); }
 
 SIM_API void sim_accept_host(int on) { accept_host = on != 0; }
 
+SIM_API void sim_set_timeout(double seconds) { timeout_s = seconds; }
+
 // per allocation the unique bytes the last launch read and wrote; clears the bitmaps
 SIM_API int sim_take_counts(uint32_t* ids, uint64_t* rd, uint64_t* wr, int cap, uint64_t* raw) {
     std::vector<std::pair<uint32_t, std::pair<uint64_t, uint64_t>>> per;
@@ -613,6 +637,7 @@ SIM_API int sim_launch(void (*tramp)(void**), void** args, uintptr_t params_lo, 
     if (n == 0 || n > 1024) return ERR_INVALID_VALUE;
     launch_error = 0;
     error_text.clear();
+    launch_deadline = now() + timeout_s;
     if (stack_slots < n) {
         if (stack_pool) munmap(stack_pool, stack_slots * (STACK + PAGE));
         stack_pool = (uint8_t*)reserve(n * (STACK + PAGE));

@@ -452,6 +452,9 @@ def test_records_count_the_bytes_a_launch_reads_and_writes(k, mem, simtest):
     assert torch.equal(mem.get(y, (n,)), torch.arange(0.0, 3 * n, 3) * 2)
     ok(d.cuMemcpyDtoD(y, x, 40))
     assert cuda_sim.records()[-1].kind == "memcpy" and cuda_sim.records()[-1].bytes_read == 40
+    s = cuda_sim.summarize(cuda_sim.records())
+    assert (s.launches, s.by_kernel, s.bytes_read, s.bytes_written, s.copies, s.copy_bytes) == \
+        (1, {"touch_f32": 1}, 4 * n, 4 * n, 2, 4 * n + 40)  # the DtoH of y, the DtoD
 
 
 def test_the_records_of_a_rows_product_read_the_weights_once(k, mem):

@@ -70,3 +70,24 @@ def launches() -> list[Record]:
 def reset_records() -> None:
     with _lock:
         _records.clear()
+
+
+@dataclass(frozen=True)
+class Summary:
+    """What a run of operations cost the device, for a cost plan (scripts/gpu_plan.py)."""
+    launches: int
+    by_kernel: dict[str, int]  # launches per kernel, in first-launch order
+    bytes_read: int  # kernels' unique bytes per launch, summed over launches
+    bytes_written: int
+    copies: int  # memcpy / memset operations
+    copy_bytes: int
+
+
+def summarize(rs: list[Record]) -> Summary:
+    ks = [r for r in rs if r.kind == "launch"]
+    by_kernel: dict[str, int] = {}
+    for r in ks:
+        by_kernel[r.name] = by_kernel.get(r.name, 0) + 1
+    others = [r for r in rs if r.kind != "launch"]
+    return Summary(len(ks), by_kernel, sum(r.bytes_read for r in ks), sum(r.bytes_written for r in ks), len(others),
+                   sum(r.params[2] * (4 if r.name == "D32" else 1) for r in others))

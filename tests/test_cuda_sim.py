@@ -23,13 +23,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_cuda import dequantized_linear, gdn_inputs, int8_inputs, quant_inputs, selector_inputs
+from test_cuda import (
+    dequantized_linear,
+    gdn_inputs,
+    int8_inputs,
+    quant_inputs,
+    selector_inputs,
+)
 
 from turbo.backends import cuda as cb
 from turbo.backends import cuda_kernels as ck
-from turbo.backends import cuda_sim
+from turbo.backends import cuda_sim, ops
 from turbo.backends import dflash_math as dflash
-from turbo.backends import ops
 
 pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the simulated device builds kernels with g++")
 
@@ -330,8 +335,8 @@ def test_illegal_addresses_are_errors_not_crashes(k, mem, simtest):
 
 
 @pytest.mark.parametrize("mode,threads,why", [(0, 64, "not reached by all threads"), (1, 64, "divergent __syncthreads"),
-                                              (2, 32, "deadlock in kernel split_barrier, block (0,0,0): 16 threads "
-                                                      "wait at __syncthreads (line 49), 16 at warp ops, 0 exited")])
+                                              (2, 32, ("deadlock in kernel split_barrier, block (0,0,0): 16 threads "
+                                                       "wait at __syncthreads (line 49), 16 at warp ops, 0 exited"))])
 def test_a_barrier_not_all_threads_reach_is_an_error_naming_the_kernel(k, mem, simtest, mode, threads, why):
     y = mem.empty((64,))
     assert launch(simtest["split_barrier"], (2,), (threads,), [P(y), I(mode)]) == R.CUDA_ERROR_LAUNCH_FAILED
@@ -499,7 +504,7 @@ def test_driver_calls_mirror_cuda_python(k, mem):
     ok(d.cuCtxSetCurrent(k.context))
     p = ok(d.cuMemAlloc(64))
     with pytest.raises(TypeError):
-        p + 4  # noqa: B018 - a CUdeviceptr is a handle, as cuda-python's: int(p) + 4
+        p + 4
     ok(d.cuMemsetD32(p, 0x3F800000, 16))
     assert mem.get(p, (16,)).tolist() == [1.0] * 16
     q = ok(d.cuMemAlloc(64))

@@ -27,13 +27,20 @@ from contextlib import contextmanager
 
 from . import driver
 from .build import compiler_missing
-from .driver import accept_host_memory, add_source_dir, last_error, set_timeout, source_dirs
+from .driver import (
+    accept_host_memory,
+    add_source_dir,
+    last_error,
+    set_timeout,
+    source_dirs,
+)
 from .records import Record, Summary, Touch, launches, records, reset_records, summarize
 
 ENV = "TURBO_CUDA_SIM"
 
-__all__ = ["ENV", "Record", "Summary", "Touch", "accept_host_memory", "add_source_dir", "driver", "enabled", "host_memory",
-           "last_error", "launches", "records", "reset_records", "source_dirs", "unavailable_reason"]
+__all__ = ["ENV", "Record", "Summary", "Touch", "accept_host_memory", "add_source_dir", "driver", "enabled",
+           "host_memory", "last_error", "launches", "records", "reset_records", "set_timeout", "source_dirs",
+           "summarize", "unavailable_reason"]
 
 
 def enabled() -> bool:

@@ -59,7 +59,7 @@ def _digest(*parts: bytes) -> str:
 
 
 def _run(cmd: list[str], what: str) -> None:
-    res = subprocess.run(cmd, capture_output=True, text=True)
+    res = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if res.returncode != 0:
         lines = [ln for ln in res.stderr.splitlines() if "error" in ln][:5] or res.stderr.splitlines()[-5:]
         raise BuildError(f"building {what} for the simulated device failed: " + " | ".join(lines))

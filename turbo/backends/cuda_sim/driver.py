@@ -165,7 +165,7 @@ class _Handle:
     def __int__(self) -> int:
         return int(self._value.value)
 
-    def getPtr(self) -> int:  # noqa: N802 - cuda-python's name
+    def getPtr(self) -> int:
         return ctypes.addressof(self._value)
 
     def __repr__(self) -> str:
@@ -412,7 +412,7 @@ def _enqueue(stream: int, node: tuple, call: str) -> tuple | None:
 # ---- init, device, context ----------------------------------------------------------------------
 
 
-def cuInit(Flags: int):  # noqa: N802, N803 - cuda-python's names
+def cuInit(Flags: int):
     with _lock:
         missing = build.compiler_missing()
         if missing:
@@ -421,17 +421,17 @@ def cuInit(Flags: int):  # noqa: N802, N803 - cuda-python's names
         return _ok()
 
 
-def cuDriverGetVersion():  # noqa: N802
+def cuDriverGetVersion():
     return _ok(DRIVER_VERSION)
 
 
-def cuDeviceGetCount():  # noqa: N802
+def cuDeviceGetCount():
     if not _state["init"]:
         return _err(CUresult.CUDA_ERROR_NOT_INITIALIZED)
     return _ok(1)
 
 
-def cuDeviceGet(ordinal: int):  # noqa: N802
+def cuDeviceGet(ordinal: int):
     if not _state["init"]:
         return _err(CUresult.CUDA_ERROR_NOT_INITIALIZED)
     if int(ordinal) != 0:
@@ -447,7 +447,7 @@ def _dev(dev) -> tuple | None:
     return None
 
 
-def cuDeviceGetAttribute(attrib, dev):  # noqa: N802
+def cuDeviceGetAttribute(attrib, dev):
     bad = _dev(dev)
     if bad:
         return bad
@@ -456,17 +456,17 @@ def cuDeviceGetAttribute(attrib, dev):  # noqa: N802
     return _ok(_ATTRS[int(attrib)])
 
 
-def cuDeviceGetName(length: int, dev):  # noqa: N802
+def cuDeviceGetName(length: int, dev):
     bad = _dev(dev)
     return bad or _ok(DEVICE_NAME.encode()[:max(0, int(length) - 1)])
 
 
-def cuDeviceTotalMem(dev):  # noqa: N802
+def cuDeviceTotalMem(dev):
     bad = _dev(dev)
     return bad or _ok(int(_runtime().sim_arena_size()))
 
 
-def cuMemGetInfo():  # noqa: N802
+def cuMemGetInfo():
     bad = _need_context()
     if bad:
         return bad
@@ -474,7 +474,7 @@ def cuMemGetInfo():  # noqa: N802
     return _ok(total - sum(s for s, _, _ in _allocs.values()), total)
 
 
-def cuDevicePrimaryCtxRetain(dev):  # noqa: N802
+def cuDevicePrimaryCtxRetain(dev):
     with _lock:
         bad = _dev(dev)
         if bad:
@@ -485,11 +485,11 @@ def cuDevicePrimaryCtxRetain(dev):  # noqa: N802
         return _ok(CUcontext(_primary[0]))
 
 
-def cuDevicePrimaryCtxRelease(dev):  # noqa: N802
+def cuDevicePrimaryCtxRelease(dev):
     return _dev(dev) or _ok()
 
 
-def cuCtxCreate(ctxCreateParams, flags: int, dev):  # noqa: N802, N803
+def cuCtxCreate(ctxCreateParams, flags: int, dev):
     with _lock:
         bad = _dev(dev)
         if bad:
@@ -500,7 +500,7 @@ def cuCtxCreate(ctxCreateParams, flags: int, dev):  # noqa: N802, N803
         return _ok(CUcontext(ctx))
 
 
-def cuCtxSetCurrent(ctx):  # noqa: N802
+def cuCtxSetCurrent(ctx):
     if not _state["init"]:
         return _err(CUresult.CUDA_ERROR_NOT_INITIALIZED)
     c = _int(ctx)
@@ -510,13 +510,13 @@ def cuCtxSetCurrent(ctx):  # noqa: N802
     return _ok()
 
 
-def cuCtxGetCurrent():  # noqa: N802
+def cuCtxGetCurrent():
     if not _state["init"]:
         return _err(CUresult.CUDA_ERROR_NOT_INITIALIZED)
     return _ok(CUcontext(getattr(_tls, "ctx", 0)))
 
 
-def cuCtxDestroy(ctx):  # noqa: N802
+def cuCtxDestroy(ctx):
     with _lock:
         c = _int(ctx)
         if _contexts.get(c) != "created":
@@ -527,7 +527,7 @@ def cuCtxDestroy(ctx):  # noqa: N802
         return _ok()
 
 
-def cuCtxSynchronize():  # noqa: N802
+def cuCtxSynchronize():
     with _lock:
         bad = _need_context()
         if bad:
@@ -535,14 +535,14 @@ def cuCtxSynchronize():  # noqa: N802
         return _refuse_in_capture("cuCtxSynchronize", _captures()) or _ok()
 
 
-def cuGetErrorName(error):  # noqa: N802
+def cuGetErrorName(error):
     try:
         return _ok(CUresult(int(error)).name.encode())
     except ValueError:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
 
 
-def cuGetErrorString(error):  # noqa: N802
+def cuGetErrorString(error):
     code = int(error)
     text = _TEXT.get(code, "unknown error")
     if _detail["code"] == code and _detail["text"]:
@@ -561,10 +561,10 @@ def _image_text(image) -> str:
     return bytes(memoryview(image).cast("B")).split(b"\0", 1)[0].decode(errors="replace")
 
 
-_VERSION = re.compile(r"^\.version\s+(\d+)\.(\d+)", re.M)
+_VERSION = re.compile(r"^\.version\s+(\d+)\.(\d+)", re.MULTILINE)
 
 
-def cuModuleLoadData(image):  # noqa: N802
+def cuModuleLoadData(image):
     with _lock:
         bad = _need_context()
         if bad:
@@ -603,18 +603,18 @@ def cuModuleLoadData(image):  # noqa: N802
         return _ok(CUmodule(handle))
 
 
-def cuModuleLoadDataEx(image, numOptions: int, options, optionValues):  # noqa: N802, N803
+def cuModuleLoadDataEx(image, numOptions: int, options, optionValues):
     return cuModuleLoadData(image)
 
 
-def cuModuleUnload(hmod):  # noqa: N802
+def cuModuleUnload(hmod):
     with _lock:
         if _modules.pop(_int(hmod), None) is None:
             return _err(CUresult.CUDA_ERROR_INVALID_HANDLE)
         return _ok()
 
 
-def cuModuleGetFunction(hmod, name: bytes):  # noqa: N802
+def cuModuleGetFunction(hmod, name: bytes):
     if not isinstance(name, (bytes, bytearray)):
         raise TypeError(f"expected bytes, {type(name).__name__} found")
     with _lock:
@@ -630,7 +630,7 @@ def cuModuleGetFunction(hmod, name: bytes):  # noqa: N802
         return _ok(CUfunction(handle))
 
 
-def cuFuncGetAttribute(attrib, hfunc):  # noqa: N802
+def cuFuncGetAttribute(attrib, hfunc):
     fn = _functions.get(_int(hfunc))
     if fn is None:
         return _err(CUresult.CUDA_ERROR_INVALID_HANDLE)
@@ -641,7 +641,7 @@ def cuFuncGetAttribute(attrib, hfunc):  # noqa: N802
     return _ok(values[a])
 
 
-def cuFuncSetAttribute(hfunc, attrib, value: int):  # noqa: N802
+def cuFuncSetAttribute(hfunc, attrib, value: int):
     fn = _functions.get(_int(hfunc))
     if fn is None:
         return _err(CUresult.CUDA_ERROR_INVALID_HANDLE)
@@ -676,11 +676,11 @@ def _alloc(size: int, host: bool):
         return _ok(CUdeviceptr(ptr) if not host else ptr)
 
 
-def cuMemAlloc(bytesize: int):  # noqa: N802
+def cuMemAlloc(bytesize: int):
     return _alloc(bytesize, False)
 
 
-def cuMemAllocHost(bytesize: int):  # noqa: N802
+def cuMemAllocHost(bytesize: int):
     """Pinned host memory: the arena too (device-accessible, as UVA makes it); returns its
     address as an int, as cuda-python does."""
     return _alloc(bytesize, True)
@@ -704,15 +704,15 @@ def _free(ptr: int, host: bool):
         return _ok()
 
 
-def cuMemFree(dptr):  # noqa: N802
+def cuMemFree(dptr):
     return _free(_int(dptr), False)
 
 
-def cuMemFreeHost(p):  # noqa: N802
+def cuMemFreeHost(p):
     return _free(_int(p), True)
 
 
-def cuMemHostRegister(p, bytesize: int, Flags: int):  # noqa: N802, N803
+def cuMemHostRegister(p, bytesize: int, Flags: int):
     with _lock:
         ptr = _int(p)
         if ptr in _host_registered:
@@ -722,7 +722,7 @@ def cuMemHostRegister(p, bytesize: int, Flags: int):  # noqa: N802, N803
         return _ok()
 
 
-def cuMemHostUnregister(p):  # noqa: N802
+def cuMemHostUnregister(p):
     with _lock:
         ptr = _int(p)
         if _host_registered.pop(ptr, None) is None:
@@ -731,11 +731,11 @@ def cuMemHostUnregister(p):  # noqa: N802
         return _ok()
 
 
-def cuMemHostGetDevicePointer(p, Flags: int):  # noqa: N802, N803
+def cuMemHostGetDevicePointer(p, Flags: int):
     return _ok(CUdeviceptr(_int(p)))
 
 
-def cuMemGetAddressRange(dptr):  # noqa: N802
+def cuMemGetAddressRange(dptr):
     base, size = ctypes.c_uint64(), ctypes.c_size_t()
     if not _runtime().sim_find(_int(dptr), 1, ctypes.byref(base), ctypes.byref(size)):
         return _err(CUresult.CUDA_ERROR_NOT_FOUND, f"{_int(dptr):#x} is in no live allocation")
@@ -815,27 +815,27 @@ def _memcpy(kind: str, dst, src, n: int, stream, call: str, sync: bool):
         return _ok()
 
 
-def cuMemcpyHtoD(dstDevice, srcHost, ByteCount: int):  # noqa: N802, N803
+def cuMemcpyHtoD(dstDevice, srcHost, ByteCount: int):
     return _memcpy("HtoD", dstDevice, srcHost, ByteCount, None, "cuMemcpyHtoD", True)
 
 
-def cuMemcpyDtoH(dstHost, srcDevice, ByteCount: int):  # noqa: N802, N803
+def cuMemcpyDtoH(dstHost, srcDevice, ByteCount: int):
     return _memcpy("DtoH", dstHost, srcDevice, ByteCount, None, "cuMemcpyDtoH", True)
 
 
-def cuMemcpyDtoD(dstDevice, srcDevice, ByteCount: int):  # noqa: N802, N803
+def cuMemcpyDtoD(dstDevice, srcDevice, ByteCount: int):
     return _memcpy("DtoD", dstDevice, srcDevice, ByteCount, None, "cuMemcpyDtoD", True)
 
 
-def cuMemcpyHtoDAsync(dstDevice, srcHost, ByteCount: int, hStream):  # noqa: N802, N803
+def cuMemcpyHtoDAsync(dstDevice, srcHost, ByteCount: int, hStream):
     return _memcpy("HtoD", dstDevice, srcHost, ByteCount, hStream, "cuMemcpyHtoDAsync", False)
 
 
-def cuMemcpyDtoHAsync(dstHost, srcDevice, ByteCount: int, hStream):  # noqa: N802, N803
+def cuMemcpyDtoHAsync(dstHost, srcDevice, ByteCount: int, hStream):
     return _memcpy("DtoH", dstHost, srcDevice, ByteCount, hStream, "cuMemcpyDtoHAsync", False)
 
 
-def cuMemcpyDtoDAsync(dstDevice, srcDevice, ByteCount: int, hStream):  # noqa: N802, N803
+def cuMemcpyDtoDAsync(dstDevice, srcDevice, ByteCount: int, hStream):
     return _memcpy("DtoD", dstDevice, srcDevice, ByteCount, hStream, "cuMemcpyDtoDAsync", False)
 
 
@@ -866,19 +866,19 @@ def _memset(dst, value: int, width: int, n: int, stream, call: str, sync: bool):
         return _ok()
 
 
-def cuMemsetD8(dstDevice, uc: int, N: int):  # noqa: N802, N803
+def cuMemsetD8(dstDevice, uc: int, N: int):
     return _memset(dstDevice, uc, 1, N, None, "cuMemsetD8", True)
 
 
-def cuMemsetD32(dstDevice, ui: int, N: int):  # noqa: N802, N803
+def cuMemsetD32(dstDevice, ui: int, N: int):
     return _memset(dstDevice, ui, 4, N, None, "cuMemsetD32", True)
 
 
-def cuMemsetD8Async(dstDevice, uc: int, N: int, hStream):  # noqa: N802, N803
+def cuMemsetD8Async(dstDevice, uc: int, N: int, hStream):
     return _memset(dstDevice, uc, 1, N, hStream, "cuMemsetD8Async", False)
 
 
-def cuMemsetD32Async(dstDevice, ui: int, N: int, hStream):  # noqa: N802, N803
+def cuMemsetD32Async(dstDevice, ui: int, N: int, hStream):
     return _memset(dstDevice, ui, 4, N, hStream, "cuMemsetD32Async", False)
 
 
@@ -887,7 +887,7 @@ def cuMemsetD32Async(dstDevice, ui: int, N: int, hStream):  # noqa: N802, N803
 _FLOAT_TYPES = (ctypes.c_float, ctypes.c_double)
 
 
-def _pack(fn: _Function, kernelParams) -> tuple[_Launch | None, str]:  # noqa: N803
+def _pack(fn: _Function, kernelParams) -> tuple[_Launch | None, str]:
     """Copy the launch's parameters as the driver does; check them against the PTX entry."""
     params = fn.entry.params
     name = fn.entry.name
@@ -956,8 +956,8 @@ def _decode(p: ptx.Param, data: bytes):
     return bytes(data)
 
 
-def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,  # noqa: N802, N803
-                   sharedMemBytes, hStream, kernelParams, extra):  # noqa: N803
+def cuLaunchKernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ,
+                   sharedMemBytes, hStream, kernelParams, extra):
     with _lock:
         bad = _need_context()
         if bad:
@@ -1074,7 +1074,7 @@ def _touch_of(ptr: int, n: int, read: bool) -> Touch | None:
 # ---- streams, events, graphs ------------------------------------------------------------------------------
 
 
-def cuStreamCreate(Flags: int):  # noqa: N802, N803
+def cuStreamCreate(Flags: int):
     with _lock:
         bad = _need_context()
         if bad:
@@ -1084,7 +1084,7 @@ def cuStreamCreate(Flags: int):  # noqa: N802, N803
         return _ok(CUstream(s))
 
 
-def cuStreamDestroy(hStream):  # noqa: N802, N803
+def cuStreamDestroy(hStream):
     with _lock:
         s = _int(hStream)
         if s == 0 or s not in _streams:
@@ -1093,7 +1093,7 @@ def cuStreamDestroy(hStream):  # noqa: N802, N803
         return _ok()
 
 
-def cuStreamSynchronize(hStream):  # noqa: N802, N803
+def cuStreamSynchronize(hStream):
     with _lock:
         s, bad = _stream_id(hStream)
         if bad:
@@ -1102,16 +1102,16 @@ def cuStreamSynchronize(hStream):  # noqa: N802, N803
         return _refuse_in_capture("cuStreamSynchronize", caps) or _ok()
 
 
-def cuStreamQuery(hStream):  # noqa: N802, N803
+def cuStreamQuery(hStream):
     return cuStreamSynchronize(hStream)
 
 
-def cuStreamWaitEvent(hStream, hEvent, Flags: int):  # noqa: N802, N803
-    s, bad = _stream_id(hStream)
+def cuStreamWaitEvent(hStream, hEvent, Flags: int):
+    _, bad = _stream_id(hStream)
     return bad or _ok()
 
 
-def cuStreamBeginCapture(hStream, mode):  # noqa: N802, N803
+def cuStreamBeginCapture(hStream, mode):
     with _lock:
         s, bad = _stream_id(hStream)
         if bad:
@@ -1124,7 +1124,7 @@ def cuStreamBeginCapture(hStream, mode):  # noqa: N802, N803
         return _ok()
 
 
-def cuStreamEndCapture(hStream):  # noqa: N802, N803
+def cuStreamEndCapture(hStream):
     with _lock:
         s, bad = _stream_id(hStream)
         if bad:
@@ -1140,7 +1140,7 @@ def cuStreamEndCapture(hStream):  # noqa: N802, N803
         return _ok(CUgraph(g))
 
 
-def cuStreamIsCapturing(hStream):  # noqa: N802, N803
+def cuStreamIsCapturing(hStream):
     with _lock:
         s, bad = _stream_id(hStream)
         if bad:
@@ -1155,7 +1155,7 @@ def cuStreamIsCapturing(hStream):  # noqa: N802, N803
         return _ok(status)
 
 
-def cuGraphInstantiate(hGraph, flags: int = 0):  # noqa: N802, N803
+def cuGraphInstantiate(hGraph, flags: int = 0):
     with _lock:
         nodes = _graphs.get(_int(hGraph))
         if nodes is None:
@@ -1165,7 +1165,7 @@ def cuGraphInstantiate(hGraph, flags: int = 0):  # noqa: N802, N803
         return _ok(CUgraphExec(e))
 
 
-def cuGraphLaunch(hGraphExec, hStream):  # noqa: N802, N803
+def cuGraphLaunch(hGraphExec, hStream):
     with _lock:
         e = _int(hGraphExec)
         nodes = _execs.get(e)
@@ -1185,24 +1185,24 @@ def cuGraphLaunch(hGraphExec, hStream):  # noqa: N802, N803
         return _ok()
 
 
-def cuGraphGetNodes(hGraph, numNodes: int = 0):  # noqa: N802, N803
+def cuGraphGetNodes(hGraph, numNodes: int = 0):
     nodes = _graphs.get(_int(hGraph))
     if nodes is None:
         return _err(CUresult.CUDA_ERROR_INVALID_VALUE)
     return _ok(None, len(nodes))
 
 
-def cuGraphDestroy(hGraph):  # noqa: N802, N803
+def cuGraphDestroy(hGraph):
     with _lock:
         return _ok() if _graphs.pop(_int(hGraph), None) is not None else _err(CUresult.CUDA_ERROR_INVALID_VALUE)
 
 
-def cuGraphExecDestroy(hGraphExec):  # noqa: N802, N803
+def cuGraphExecDestroy(hGraphExec):
     with _lock:
         return _ok() if _execs.pop(_int(hGraphExec), None) is not None else _err(CUresult.CUDA_ERROR_INVALID_VALUE)
 
 
-def cuEventCreate(Flags: int):  # noqa: N802, N803
+def cuEventCreate(Flags: int):
     with _lock:
         bad = _need_context()
         if bad:
@@ -1212,12 +1212,12 @@ def cuEventCreate(Flags: int):  # noqa: N802, N803
         return _ok(CUevent(e))
 
 
-def cuEventDestroy(hEvent):  # noqa: N802, N803
+def cuEventDestroy(hEvent):
     with _lock:
         return _ok() if _events.pop(_int(hEvent), 0) != 0 else _err(CUresult.CUDA_ERROR_INVALID_HANDLE)
 
 
-def cuEventRecord(hEvent, hStream):  # noqa: N802, N803
+def cuEventRecord(hEvent, hStream):
     with _lock:
         e = _int(hEvent)
         if e not in _events:
@@ -1233,7 +1233,7 @@ def cuEventRecord(hEvent, hStream):  # noqa: N802, N803
         return _enqueue(s, node, "cuEventRecord") or _run(node, s, None)
 
 
-def cuEventSynchronize(hEvent):  # noqa: N802, N803
+def cuEventSynchronize(hEvent):
     with _lock:
         e = _int(hEvent)
         if e not in _events:
@@ -1243,11 +1243,11 @@ def cuEventSynchronize(hEvent):  # noqa: N802, N803
         return _refuse_in_capture("cuEventSynchronize", _blocking_captures()) or _ok()
 
 
-def cuEventQuery(hEvent):  # noqa: N802, N803
+def cuEventQuery(hEvent):
     return cuEventSynchronize(hEvent)
 
 
-def cuEventElapsedTime(hStart, hEnd):  # noqa: N802, N803
+def cuEventElapsedTime(hStart, hEnd):
     a, b = _events.get(_int(hStart)), _events.get(_int(hEnd))
     if a is None or b is None:
         return _err(CUresult.CUDA_ERROR_NOT_READY, "an event has not been recorded")

@@ -10,7 +10,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)\s*(.*?)\{", re.S)
+_ENTRY = re.compile(r"\.entry\s+(\w+)\s*\((.*?)\)\s*(.*?)\{", re.DOTALL)
 _PARAM = re.compile(r"\.param\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+\w+(?:\s*\[\s*(\d+)\s*\])?")
 _MAXNTID = re.compile(r"\.maxntid\s+(\d+)\s*(?:,\s*(\d+))?\s*(?:,\s*(\d+))?")
 _SHARED = re.compile(r"\.shared\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+[\w$]+(?:\s*\[\s*(\d+)\s*\])?")
@@ -52,14 +52,14 @@ def entries(text: str) -> dict[str, Entry]:
     return out
 
 
-_GLOBAL_FN = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\(.*?\)\s*)?(\w+)\s*\(", re.S)
+_GLOBAL_FN = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\s*\(.*?\)\s*)?(\w+)\s*\(", re.DOTALL)
 
 
 def source_entries(cu: Path) -> set[str]:
     """The __global__ functions a .cu defines, after its own macros expand (g++ -E, no shim:
     `__global__` stays a word)."""
     res = subprocess.run(["g++", "-E", "-P", "-x", "c++", "-D__CUDACC__", "-DTURBO_CUDA_SIM", str(cu)],
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, check=False)
     text = res.stdout if res.returncode == 0 else cu.read_text()
     return set(_GLOBAL_FN.findall(text))
 

@@ -425,6 +425,7 @@ def test_a_graph_replays_the_eager_launch_list(k, mem):
     assert cuda_sim.records() == []  # captured, not run
     graph = ok(d.cuStreamEndCapture(stream))
     exe = ok(d.cuGraphInstantiate(graph, 0))
+    ok(d.cuGraphUpload(exe, stream))
     for _ in range(2):
         cuda_sim.reset_records()
         ok(d.cuGraphLaunch(exe, stream))

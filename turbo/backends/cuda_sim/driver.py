@@ -1185,6 +1185,13 @@ def cuGraphLaunch(hGraphExec, hStream):
         return _ok()
 
 
+def cuGraphUpload(hGraphExec, hStream):
+    if _int(hGraphExec) not in _execs:
+        return _err(CUresult.CUDA_ERROR_INVALID_HANDLE, f"graph exec {_int(hGraphExec):#x} does not exist")
+    _, bad = _stream_id(hStream)
+    return bad or _ok()
+
+
 def cuGraphGetNodes(hGraph, numNodes: int = 0):
     nodes = _graphs.get(_int(hGraph))
     if nodes is None:

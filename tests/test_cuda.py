@@ -6,8 +6,8 @@ PTX, the loader checks every CUresult (against a fake driver), `backend=cuda` wi
 fails in one line, the kernels' semantics — written here as independent plain loops that
 follow each kernel's algorithm — agree with the CPU backend's functions they are tested
 against on a GPU, and the wrappers' launches run (a) a torch transcription of each kernel and
-(b) the kernels' own CUDA C built for the host with g++ against a small SIMT shim (threads,
-barriers, warp shuffles), both checked against the CPU references.
+(b) the kernels' own CUDA C on the simulated device (turbo/backends/cuda_sim: built for the host
+with g++, threads as fibers, barriers, warp shuffles), both checked against the CPU references.
 
 On a GPU (skipped without one): each kernel against its CPU reference, in place and under
 CUDA graph capture.
@@ -31,6 +31,7 @@ from scripts import build_ptx as bp
 from scripts import gpu_check
 from turbo.backends import cuda as cb
 from turbo.backends import cuda_kernels as ck
+from turbo.backends import cuda_sim
 from turbo.backends import dflash_math as dflash
 from turbo.backends import ops, select_backend
 from turbo.errors import TurboError
@@ -638,131 +639,39 @@ class Emulator:
         mem(a[4], R * out).copy_((x @ w.T).reshape(-1))
 
 
-# The kernels' own CUDA C, compiled for the host with g++ against a small SIMT shim: one OS
-# thread per CUDA thread, a block at a time; __syncthreads is a block barrier, warp shuffles go
-# through a per-warp exchange and barrier, __shared__ is block-static. fmul/fadd stay separately
-# rounded (-ffp-contract=off), so this runs the very index math, reductions, barriers and merge
-# logic the PTX was built from. A divergent barrier shows up as a deadlock (timeout).
-
-HOST_SHIM = r"""
-#include <math.h>
-#include <string.h>
-#include <stddef.h>
-#include <pthread.h>
-#include <algorithm>
-struct emu_dim3 { unsigned x, y, z; };
-static thread_local emu_dim3 threadIdx, blockIdx;
-static emu_dim3 blockDim, gridDim;
-static pthread_barrier_t emu_block_bar, emu_warp_bar[32];
-static bool emu_ready = false;
-static unsigned emu_xchg[32][32];
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-using std::min;
-static inline unsigned emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
-static inline void __syncthreads() { pthread_barrier_wait(&emu_block_bar); }
-static inline void __threadfence() { __sync_synchronize(); }
-static inline unsigned emu_shfl(unsigned v, int off) {
-    const unsigned t = emu_tid(), w = t / 32, l = t % 32;
-    emu_xchg[w][l] = v;
-    pthread_barrier_wait(&emu_warp_bar[w]);
-    const unsigned r = emu_xchg[w][l ^ off];
-    pthread_barrier_wait(&emu_warp_bar[w]);
-    return r;
-}
-static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
-static inline float __shfl_xor_sync(unsigned, float v, int off) {
-    unsigned u; memcpy(&u, &v, 4); return __uint_as_float(emu_shfl(u, off)); }
-static inline int __shfl_xor_sync(unsigned, int v, int off) { return (int)emu_shfl((unsigned)v, off); }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
-template <class T> static inline T __ldcg(const T* p) { return *(const volatile T*)p; }
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-extern "C" void emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
-    if (emu_ready) { pthread_barrier_destroy(&emu_block_bar); for (int w = 0; w < 32; ++w) pthread_barrier_destroy(&emu_warp_bar[w]); }
-    gridDim = {gx, gy, gz}; blockDim = {bx, by, bz};
-    pthread_barrier_init(&emu_block_bar, nullptr, bx * by * bz);
-    for (int w = 0; w < 32; ++w) pthread_barrier_init(&emu_warp_bar[w], nullptr, 32);
-    emu_ready = true;
-}
-extern "C" void emu_enter(unsigned bx, unsigned by, unsigned bz, unsigned tx, unsigned ty, unsigned tz) {
-    blockIdx = {bx, by, bz}; threadIdx = {tx, ty, tz};
-}
-"""
-
-
-HOST_RUNNER = r"""
-#include <thread>
-#include <utility>
-#include <vector>
-template <class... A, size_t... I>
-static void emu_call_i(void (*f)(A...), void** a, std::index_sequence<I...>) { f(*(A*)a[I]...); }
-template <class... A>
-static void emu_call(void (*f)(A...), void** a) { emu_call_i(f, a, std::index_sequence_for<A...>{}); }
-extern "C" void emu_run(void (*tramp)(void**), void** a, unsigned gx, unsigned gy, unsigned gz,
-                        unsigned bx, unsigned by, unsigned bz) {
-    emu_launch(gx, gy, gz, bx, by, bz);
-    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
-        std::vector<std::thread> ts;
-        for (unsigned tz = 0; tz < bz; ++tz) for (unsigned ty = 0; ty < by; ++ty) for (unsigned tx = 0; tx < bx; ++tx)
-            ts.emplace_back([=] { emu_enter(x, y, z, tx, ty, tz); tramp(a); });
-        for (auto& t : ts) t.join();
-    }
-}
-"""
+# The kernels' own CUDA C on the simulated device (turbo/backends/cuda_sim): compiled for the
+# host with g++ against its shim (-ffp-contract=off: fmul / fadd separately rounded), run over the
+# grid and block as fibers (__syncthreads, warp shuffles, __shared__), each launch checked against
+# the PTX entry's parameters. The wrappers' arguments point at CPU tensors, which the simulated
+# device is told to take as device memory (cuda_sim.host_memory). A barrier or shuffle not every
+# thread reaches is a launch error naming the kernel, not a hang.
 
 
 class HostCompiled:
-    """Launches go to the kernels' CUDA C built for the host (see HOST_SHIM)."""
+    """Launches go to the kernels' CUDA C on the simulated device."""
 
-    def __init__(self, build_dir: Path):
-        self.dir, self.libs, self.launches = build_dir, {}, []
-
-    def lib(self, module):
-        if module not in self.libs:
-            shim = self.dir / "shim.h"
-            shim.write_text(HOST_SHIM)
-            kernels = [k for m, k in LAUNCHED if m == module]
-            src = self.dir / f"{module}_host.cpp"
-            src.write_text(f'#include "{shim}"\n#include "{ck.ptx_dir() / (module + ".cu")}"\n' + HOST_RUNNER +
-                           "".join(f'extern "C" void emu_tramp_{k}(void** a) {{ emu_call({k}, a); }}\n'
-                                   for k in kernels))
-            so = self.dir / f"{module}.so"
-            res = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", str(src),
-                                  "-o", str(so), "-lpthread"], capture_output=True, text=True, timeout=120)
-            assert res.returncode == 0, res.stderr
-            self.libs[module] = ctypes.CDLL(str(so))
-        return self.libs[module]
+    def __init__(self):
+        self.launches = []
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv(cuda_sim.ENV, "1")
+            self.kernels = ck.Kernels(0)
 
     def launch(self, module, kernel, grid, block, args, shared=0, stream=None):
-        import threading
-
         assert [PTX_TYPES[type(a)] for a in args] == ptx_params(module, kernel), kernel
         self.launches.append(kernel)
-        lib = self.lib(module)
-        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         assert (bx * by * bz) % 32 == 0 and bx * by * bz <= 1024
-        params = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
-        tramp = ctypes.cast(getattr(lib, f"emu_tramp_{kernel}"), ctypes.c_void_p)
-        run = threading.Thread(target=lib.emu_run, args=(tramp, params, *(ctypes.c_uint(v) for v in
-                                                                           (gx, gy, gz, bx, by, bz))), daemon=True)
-        run.start()
-        run.join(timeout=60)
-        assert not run.is_alive(), f"{kernel} deadlocked (a __syncthreads or shuffle not reached by all threads?)"
+        with cuda_sim.host_memory():
+            self.kernels.launch(module, kernel, grid, block, args, shared, stream=0)
 
 
 @pytest.fixture(scope="module")
-def host_compiled(tmp_path_factory):
+def host_compiled():
     import shutil
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
-    return HostCompiled(tmp_path_factory.mktemp("host_cuda"))
+    return HostCompiled()
 
 
 @pytest.fixture(params=["transcribed", "host_compiled_cuda_c"])

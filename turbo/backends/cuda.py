@@ -11,7 +11,7 @@ import torch
 
 from .. import extras
 from ..errors import TurboError
-from . import cuda_kernels
+from . import cuda_kernels, cuda_sim
 from .backend import Backend
 from .cuda_kernels import MODULES, arch_for, f32, i32, ptr, ptx_dir, result_name
 
@@ -49,9 +49,15 @@ def rows_grid(rows: int, out_features: int) -> tuple[int]:
 
 def cuda_unavailable_reason() -> str | None:
     """None when the cuda backend can run here, else one line naming what is missing
-    (cuda-python, the NVIDIA driver, a device, a CUDA build of torch, a supported GPU, the PTX)."""
+    (cuda-python, the NVIDIA driver, a device, a CUDA build of torch, a supported GPU, the PTX).
+    With TURBO_CUDA_SIM=1 the driver is the simulated device's (cuda_sim), which passes the
+    driver and device checks; torch CUDA tensors it cannot give, so the torch check stays."""
+    if cuda_sim.enabled():
+        sim_missing = cuda_sim.unavailable_reason()
+        if sim_missing:
+            return sim_missing
     try:
-        from cuda.bindings import driver
+        driver = cuda_kernels._driver()
     except ImportError:
         return f"backend cuda needs cuda-python; {extras.missing('cuda', 'cuda.bindings')}"
     try:

@@ -19,6 +19,7 @@ import torch
 
 from ..errors import TurboError
 from ..shipped import PTX_DIR
+from . import cuda_sim
 
 ARCHS = ("sm_80", "sm_90")  # what scripts/build_ptx.py builds; sm_90 PTX also JITs on newer GPUs
 MODULES = ("gdn", "conv", "norm", "dflash", "qgemv", "bgemv")
@@ -66,6 +67,9 @@ def arch_for(major: int, minor: int) -> str | None:
 
 
 def _driver():
+    """cuda-python's driver module, or the simulated device's stand-in when TURBO_CUDA_SIM=1."""
+    if cuda_sim.enabled():
+        return cuda_sim.driver
     from cuda.bindings import driver  # imported lazily: the cpu backend never needs cuda-python
     return driver
 
@@ -94,8 +98,11 @@ def check(driver, result, call: str, what: str = ""):
 
 # kernel argument helpers: cuLaunchKernel copies each parameter from the address we give it
 def ptr(t) -> ctypes.c_void_p:
-    """A device pointer argument: a torch CUDA tensor (its data_ptr) or None (a null pointer)."""
-    return ctypes.c_void_p(0 if t is None else t.data_ptr())
+    """A device pointer argument: a torch CUDA tensor (its data_ptr), a driver-API pointer
+    (CUdeviceptr or int) or None (a null pointer)."""
+    if t is None:
+        return ctypes.c_void_p(0)
+    return ctypes.c_void_p(t.data_ptr() if hasattr(t, "data_ptr") else int(t))
 
 
 def i32(v: int) -> ctypes.c_int32:
@@ -114,6 +121,9 @@ class Kernels:
         self.driver = d
         check(d, d.cuInit(0), "cuInit")
         self.device_index = device
+        # the simulated device: no torch CUDA streams, and parameters passed in the (values, types)
+        # form cuda-python also takes, so the stand-in can check their count and sizes
+        self.simulated = bool(getattr(d, "SIMULATED", False))
         self.device = check(d, d.cuDeviceGet(device), "cuDeviceGet", f"device {device}")
         attr = d.CUdevice_attribute
         major = check(d, d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, self.device),
@@ -188,14 +198,18 @@ class Kernels:
         fn = self.function(module, kernel)
         self._make_current(f"kernel {kernel}")
         if stream is None:
-            stream = torch.cuda.current_stream(self.device_index).cuda_stream
+            stream = 0 if self.simulated else torch.cuda.current_stream(self.device_index).cuda_stream
         gx, gy, gz = (tuple(grid) + (1, 1))[:3]
         bx, by, bz = (tuple(block) + (1, 1))[:3]
         if min(gx, gy, gz) <= 0:
             return  # nothing to compute (zero rows)
-        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        if self.simulated:
+            packed = (tuple(args), tuple(type(a) for a in args))
+        else:
+            params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+            packed = ctypes.addressof(params)
         check(self.driver, self.driver.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared,
-                                                      self.driver.CUstream(stream), ctypes.addressof(params), 0),
+                                                      self.driver.CUstream(stream), packed, 0),
               "cuLaunchKernel", f"kernel {kernel}")
 
 
@@ -206,7 +220,7 @@ _kernels_lock = threading.Lock()
 def kernels(device: int | None = None) -> Kernels:
     """The loader for `device` (torch's current device by default), created once."""
     if device is None:
-        device = torch.cuda.current_device()
+        device = 0 if cuda_sim.enabled() else torch.cuda.current_device()
     with _kernels_lock:
         if device not in _kernels:
             _kernels[device] = Kernels(device)

@@ -35,6 +35,7 @@ from turbo.backends import dflash_math as dflash
 from turbo.backends import ops, select_backend
 from turbo.errors import TurboError
 from turbo.store import quant
+from turbo.testing.host_cuda import PTX_TYPES, HostCompiled, ptx_params
 
 torch.set_num_threads(1)
 
@@ -511,13 +512,6 @@ def test_packing_and_dequantize_are_the_documented_layout(bits, group):
 # the problem size, then runs a transcription of the kernel's indexing on the host memory
 # behind the pointers. This proves the wrappers pass what the kernels read, where they read it.
 
-PTX_TYPES = {ctypes.c_void_p: ".u64", ctypes.c_int32: ".u32", ctypes.c_float: ".f32"}
-
-
-def ptx_params(module, kernel):
-    text = (ck.ptx_dir() / f"{module}.sm_90.ptx").read_text()
-    body = re.search(rf"\.entry {kernel}\((.*?)\)", text, re.S).group(1)
-    return re.findall(r"\.param (\.\w+) ", body)
 
 
 def mem(arg, n, dtype=torch.float32):
@@ -644,116 +638,7 @@ class Emulator:
 # rounded (-ffp-contract=off), so this runs the very index math, reductions, barriers and merge
 # logic the PTX was built from. A divergent barrier shows up as a deadlock (timeout).
 
-HOST_SHIM = r"""
-#include <math.h>
-#include <string.h>
-#include <stddef.h>
-#include <pthread.h>
-#include <algorithm>
-struct emu_dim3 { unsigned x, y, z; };
-static thread_local emu_dim3 threadIdx, blockIdx;
-static emu_dim3 blockDim, gridDim;
-static pthread_barrier_t emu_block_bar, emu_warp_bar[32];
-static bool emu_ready = false;
-static unsigned emu_xchg[32][32];
-#define __global__
-#define __device__
-#define __forceinline__ inline
-#define __launch_bounds__(...)
-#define __shared__ static
-using std::min;
-static inline unsigned emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
-static inline void __syncthreads() { pthread_barrier_wait(&emu_block_bar); }
-static inline void __threadfence() { __sync_synchronize(); }
-static inline unsigned emu_shfl(unsigned v, int off) {
-    const unsigned t = emu_tid(), w = t / 32, l = t % 32;
-    emu_xchg[w][l] = v;
-    pthread_barrier_wait(&emu_warp_bar[w]);
-    const unsigned r = emu_xchg[w][l ^ off];
-    pthread_barrier_wait(&emu_warp_bar[w]);
-    return r;
-}
-static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
-static inline float __shfl_xor_sync(unsigned, float v, int off) {
-    unsigned u; memcpy(&u, &v, 4); return __uint_as_float(emu_shfl(u, off)); }
-static inline int __shfl_xor_sync(unsigned, int v, int off) { return (int)emu_shfl((unsigned)v, off); }
-static inline float __fmul_rn(float a, float b) { return a * b; }
-static inline float __fadd_rn(float a, float b) { return a + b; }
-static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
-template <class T> static inline T __ldcg(const T* p) { return *(const volatile T*)p; }
-static inline unsigned atomicAdd(unsigned* p, unsigned v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
-extern "C" void emu_launch(unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by, unsigned bz) {
-    if (emu_ready) { pthread_barrier_destroy(&emu_block_bar); for (int w = 0; w < 32; ++w) pthread_barrier_destroy(&emu_warp_bar[w]); }
-    gridDim = {gx, gy, gz}; blockDim = {bx, by, bz};
-    pthread_barrier_init(&emu_block_bar, nullptr, bx * by * bz);
-    for (int w = 0; w < 32; ++w) pthread_barrier_init(&emu_warp_bar[w], nullptr, 32);
-    emu_ready = true;
-}
-extern "C" void emu_enter(unsigned bx, unsigned by, unsigned bz, unsigned tx, unsigned ty, unsigned tz) {
-    blockIdx = {bx, by, bz}; threadIdx = {tx, ty, tz};
-}
-"""
-
-
-HOST_RUNNER = r"""
-#include <thread>
-#include <utility>
-#include <vector>
-template <class... A, size_t... I>
-static void emu_call_i(void (*f)(A...), void** a, std::index_sequence<I...>) { f(*(A*)a[I]...); }
-template <class... A>
-static void emu_call(void (*f)(A...), void** a) { emu_call_i(f, a, std::index_sequence_for<A...>{}); }
-extern "C" void emu_run(void (*tramp)(void**), void** a, unsigned gx, unsigned gy, unsigned gz,
-                        unsigned bx, unsigned by, unsigned bz) {
-    emu_launch(gx, gy, gz, bx, by, bz);
-    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
-        std::vector<std::thread> ts;
-        for (unsigned tz = 0; tz < bz; ++tz) for (unsigned ty = 0; ty < by; ++ty) for (unsigned tx = 0; tx < bx; ++tx)
-            ts.emplace_back([=] { emu_enter(x, y, z, tx, ty, tz); tramp(a); });
-        for (auto& t : ts) t.join();
-    }
-}
-"""
-
-
-class HostCompiled:
-    """Launches go to the kernels' CUDA C built for the host (see HOST_SHIM)."""
-
-    def __init__(self, build_dir: Path):
-        self.dir, self.libs, self.launches = build_dir, {}, []
-
-    def lib(self, module):
-        if module not in self.libs:
-            shim = self.dir / "shim.h"
-            shim.write_text(HOST_SHIM)
-            kernels = [k for m, k in LAUNCHED if m == module]
-            src = self.dir / f"{module}_host.cpp"
-            src.write_text(f'#include "{shim}"\n#include "{ck.ptx_dir() / (module + ".cu")}"\n' + HOST_RUNNER +
-                           "".join(f'extern "C" void emu_tramp_{k}(void** a) {{ emu_call({k}, a); }}\n'
-                                   for k in kernels))
-            so = self.dir / f"{module}.so"
-            res = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", str(src),
-                                  "-o", str(so), "-lpthread"], capture_output=True, text=True, timeout=120)
-            assert res.returncode == 0, res.stderr
-            self.libs[module] = ctypes.CDLL(str(so))
-        return self.libs[module]
-
-    def launch(self, module, kernel, grid, block, args, shared=0, stream=None):
-        import threading
-
-        assert [PTX_TYPES[type(a)] for a in args] == ptx_params(module, kernel), kernel
-        self.launches.append(kernel)
-        lib = self.lib(module)
-        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
-        bx, by, bz = (tuple(block) + (1, 1))[:3]
-        assert (bx * by * bz) % 32 == 0 and bx * by * bz <= 1024
-        params = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
-        tramp = ctypes.cast(getattr(lib, f"emu_tramp_{kernel}"), ctypes.c_void_p)
-        run = threading.Thread(target=lib.emu_run, args=(tramp, params, *(ctypes.c_uint(v) for v in
-                                                                           (gx, gy, gz, bx, by, bz))), daemon=True)
-        run.start()
-        run.join(timeout=60)
-        assert not run.is_alive(), f"{kernel} deadlocked (a __syncthreads or shuffle not reached by all threads?)"
+# (turbo/testing/host_cuda.py: HOST_SHIM, HostCompiled)
 
 
 @pytest.fixture(scope="module")

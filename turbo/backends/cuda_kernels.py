@@ -21,7 +21,7 @@ from ..errors import TurboError
 from ..shipped import PTX_DIR
 
 ARCHS = ("sm_80", "sm_90")  # what scripts/build_ptx.py builds; sm_90 PTX also JITs on newer GPUs
-MODULES = ("gdn", "conv", "norm", "dflash", "qgemv", "bgemv")
+MODULES = ("gdn", "conv", "norm", "dflash", "qgemv", "bgemv", "step")
 # The checked-in PTX says `.version 9.0` (nvcc 13.0), which needs a CUDA 13.0 driver. The kernels
 # use nothing newer than PTX ISA 7.8 (tests/test_cuda.py assembles every file at that version), so
 # when an older driver refuses the file the loader retries once with the newest ISA it reads.

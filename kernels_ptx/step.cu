@@ -36,7 +36,8 @@ __device__ __forceinline__ float st_silu(float x) { return x / (1.0f + st_exp(-x
 __device__ __forceinline__ float st_softplus(float x) { return x > 20.0f ? x : log1pf(st_exp(x)); }
 
 // ---- residual add + RMSNorm: x += y (y null: none); h = x * (1 / sqrt(mean(x^2) + eps)) * w ----
-// One block per row. The sum of squares is one fma chain in element order (native.h rms_norm),
+// One block per row. The sum of squares is one chain in element order, each product rounded
+// before its add (native.h rms_norm as the library builds it; __fmul_rn keeps nvcc from fusing),
 // summed by one thread: H serial fmas (~1 us at 1024) buys the CPU's bits; a tuning knob later.
 #define ST_NORM_THREADS 256
 
@@ -57,7 +58,7 @@ add_rms_norm_f32(float* __restrict__ x,        // [R, H] residual stream, update
     __syncthreads();
     if (threadIdx.x == 0) {
         float ss = 0.0f;
-        for (int i = 0; i < H; ++i) ss = fmaf(xr[i], xr[i], ss);
+        for (int i = 0; i < H; ++i) ss = __fadd_rn(ss, __fmul_rn(xr[i], xr[i]));  // (native: not fused)
         inv = 1.0f / sqrtf(ss / (float)H + eps);
     }
     __syncthreads();

@@ -148,3 +148,40 @@ class HostCompiled:
         run.join(timeout=120)
         if run.is_alive():
             raise AssertionError(f"{kernel} deadlocked (a __syncthreads or shuffle not reached by all threads?)")
+
+
+class HostDevice(HostCompiled):
+    """The CUDA step's device on the host: cuda_kernels.Kernels' memory calls (alloc, free,
+    htod, dtoh, dtod, memset, stream, sync) over host memory, its launches through the
+    kernels' CUDA C (HostCompiled). A pointer is a host address; every allocation is kept
+    until freed, and `allocated` counts the bytes held (the step allocates at open)."""
+
+    def __init__(self, build_dir: Path):
+        super().__init__(build_dir)
+        self._bufs: dict[int, ctypes.Array] = {}
+        self.allocated = 0
+
+    def alloc(self, nbytes: int) -> int:
+        n = max(1, int(nbytes)) + 255
+        buf = (ctypes.c_char * n)()
+        ptr = (ctypes.addressof(buf) + 255) & ~255  # cuMemAlloc's alignment (the vector loads need 16)
+        self._bufs[ptr] = buf
+        self.allocated += n
+        return ptr
+
+    def free(self, ptr: int) -> None:
+        self.allocated -= len(self._bufs.pop(int(ptr)))
+
+    def htod(self, dst: int, src: int, nbytes: int, stream=None) -> None:
+        ctypes.memmove(int(dst), int(src), int(nbytes))
+
+    dtoh = dtod = htod
+
+    def memset(self, dst: int, nbytes: int, value: int = 0, stream=None) -> None:
+        ctypes.memset(int(dst), int(value), int(nbytes))
+
+    def stream(self) -> int:
+        return 0
+
+    def sync(self, stream=None) -> None:
+        pass

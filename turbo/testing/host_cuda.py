@@ -113,6 +113,7 @@ class HostCompiled:
 
     def __init__(self, build_dir: Path):
         self.dir, self.libs, self.launches = Path(build_dir), {}, []
+        self.dir.mkdir(parents=True, exist_ok=True)
 
     def lib(self, module: str):
         if module not in self.libs:
@@ -185,3 +186,161 @@ class HostDevice(HostCompiled):
 
     def sync(self, stream=None) -> None:
         pass
+
+
+# The same SIMT model on fibers (ucontext): one OS thread runs every CUDA thread of a block as a
+# fiber, a barrier (block or warp) a switch back to a round-robin scheduler. Some hundred times
+# faster than an OS thread per CUDA thread on a busy machine (no kernel wake-ups), the same
+# semantics; a divergent barrier ends the launch with an error (no fiber can progress).
+FIBER_SHIM = r"""
+#include <math.h>
+#include <string.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <ucontext.h>
+#include <algorithm>
+struct emu_dim3 { unsigned x, y, z; };
+static emu_dim3 threadIdx, blockIdx, blockDim, gridDim;
+#define __global__
+#define __device__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+using std::min;
+struct EmuFiber { ucontext_t ctx; emu_dim3 tid; int done, waiting; };
+static EmuFiber* emu_f = nullptr;
+static char* emu_stacks = nullptr;
+static int emu_n = 0, emu_cur = 0, emu_progress = 0;
+static ucontext_t emu_sched;
+static unsigned emu_bar_count = 0, emu_bar_gen = 0, emu_w_count[32], emu_w_gen[32];
+static unsigned emu_xchg[32][32];
+static const size_t EMU_STACK = 256 * 1024;
+static inline void emu_yield() { swapcontext(&emu_f[emu_cur].ctx, &emu_sched); }
+static inline unsigned emu_tid() { return threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z); }
+static inline void __syncthreads() {
+    const unsigned gen = emu_bar_gen;
+    if (++emu_bar_count == (unsigned)emu_n) { emu_bar_count = 0; ++emu_bar_gen; emu_progress = 1; return; }
+    emu_f[emu_cur].waiting = 1;
+    while (emu_bar_gen == gen) emu_yield();
+    emu_f[emu_cur].waiting = 0;
+}
+static inline void emu_warp_bar(unsigned w) {
+    const unsigned gen = emu_w_gen[w];
+    if (++emu_w_count[w] == 32) { emu_w_count[w] = 0; ++emu_w_gen[w]; emu_progress = 1; return; }
+    emu_f[emu_cur].waiting = 1;
+    while (emu_w_gen[w] == gen) emu_yield();
+    emu_f[emu_cur].waiting = 0;
+}
+static inline void __threadfence() {}
+static inline unsigned emu_shfl(unsigned v, int off) {
+    const unsigned t = emu_tid(), w = t / 32, l = t % 32;
+    emu_xchg[w][l] = v;
+    emu_warp_bar(w);
+    const unsigned r = emu_xchg[w][l ^ off];
+    emu_warp_bar(w);
+    return r;
+}
+static inline float __uint_as_float(unsigned u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __int_as_float(int u) { float f; memcpy(&f, &u, 4); return f; }
+static inline float __shfl_xor_sync(unsigned, float v, int off) {
+    unsigned u; memcpy(&u, &v, 4); return __uint_as_float(emu_shfl(u, off)); }
+static inline int __shfl_xor_sync(unsigned, int v, int off) { return (int)emu_shfl((unsigned)v, off); }
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
+template <class T> static inline T __ldcg(const T* p) { return *(const volatile T*)p; }
+static inline unsigned atomicAdd(unsigned* p, unsigned v) { unsigned o = *p; *p = o + v; return o; }
+"""
+
+FIBER_RUNNER = r"""
+#include <utility>
+template <class... A, size_t... I>
+static void emu_call_i(void (*f)(A...), void** a, std::index_sequence<I...>) { f(*(A*)a[I]...); }
+template <class... A>
+static void emu_call(void (*f)(A...), void** a) { emu_call_i(f, a, std::index_sequence_for<A...>{}); }
+static void (*emu_tramp_now)(void**);
+static void** emu_args_now;
+static void emu_body() { emu_tramp_now(emu_args_now); emu_f[emu_cur].done = 1; emu_progress = 1; }
+// 0: ran; 1: a barrier no fiber could pass (divergent)
+extern "C" int emu_run(void (*tramp)(void**), void** a, unsigned gx, unsigned gy, unsigned gz,
+                       unsigned bx, unsigned by, unsigned bz) {
+    gridDim = {gx, gy, gz}; blockDim = {bx, by, bz};
+    const int n = (int)(bx * by * bz);
+    if (n > emu_n || emu_f == nullptr) {
+        free(emu_f); free(emu_stacks);
+        emu_f = (EmuFiber*)calloc(n, sizeof(EmuFiber));
+        emu_stacks = (char*)malloc(EMU_STACK * (size_t)n);
+    }
+    emu_n = n;
+    emu_tramp_now = tramp; emu_args_now = a;
+    for (unsigned z = 0; z < gz; ++z) for (unsigned y = 0; y < gy; ++y) for (unsigned x = 0; x < gx; ++x) {
+        blockIdx = {x, y, z};
+        emu_bar_count = 0; memset(emu_w_count, 0, sizeof emu_w_count);
+        int t = 0;
+        for (unsigned tz = 0; tz < bz; ++tz) for (unsigned ty = 0; ty < by; ++ty) for (unsigned tx = 0; tx < bx; ++tx, ++t) {
+            EmuFiber& f = emu_f[t];
+            f.tid = {tx, ty, tz}; f.done = 0; f.waiting = 0;
+            getcontext(&f.ctx);
+            f.ctx.uc_stack.ss_sp = emu_stacks + EMU_STACK * (size_t)t;
+            f.ctx.uc_stack.ss_size = EMU_STACK;
+            f.ctx.uc_link = &emu_sched;
+            makecontext(&f.ctx, emu_body, 0);
+        }
+        for (int left = n; left > 0;) {
+            emu_progress = 0;
+            left = 0;
+            for (int i = 0; i < n; ++i) {
+                if (emu_f[i].done) continue;
+                emu_cur = i; threadIdx = emu_f[i].tid;
+                swapcontext(&emu_sched, &emu_f[i].ctx);
+                left += !emu_f[i].done;
+            }
+            if (left > 0 && !emu_progress) {
+                // every live fiber waits and none arrived anew in a whole round: a divergent barrier
+                bool all_wait = true;
+                for (int i = 0; i < n; ++i) if (!emu_f[i].done && !emu_f[i].waiting) all_wait = false;
+                if (all_wait) return 1;
+            }
+        }
+    }
+    return 0;
+}
+"""
+
+
+class HostFibers(HostDevice):
+    """HostDevice whose launches run on fibers (FIBER_SHIM): the same kernels' C, the same
+    barriers and shuffles, one OS thread; what the CUDA step's tests run on."""
+
+    def lib(self, module: str):
+        if module not in self.libs:
+            shim = self.dir / "fiber_shim.h"
+            shim.write_text(FIBER_SHIM)
+            src = self.dir / f"{module}_fibers.cpp"
+            src.write_text(f'#include "{shim}"\n#include "{ck.ptx_dir() / (module + ".cu")}"\n' + FIBER_RUNNER +
+                           "".join(f'extern "C" void emu_tramp_{k}(void** a) {{ emu_call({k}, a); }}\n'
+                                   for k in ptx_entries(module)))
+            so = self.dir / f"{module}_fibers.so"
+            res = subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-fPIC", "-shared", str(src),
+                                  "-o", str(so)], capture_output=True, text=True, timeout=300)
+            if res.returncode != 0:
+                raise RuntimeError(res.stderr)
+            lib = ctypes.CDLL(str(so))
+            lib.emu_run.restype = ctypes.c_int
+            self.libs[module] = lib
+        return self.libs[module]
+
+    def launch(self, module, kernel, grid, block, args, shared=0, stream=None):
+        got = [PTX_TYPES[type(a)] for a in args]
+        want = ptx_params(module, kernel)
+        if got != want:
+            raise AssertionError(f"{kernel}: arguments {got} against the PTX entry's {want}")
+        self.launches.append(kernel)
+        lib = self.lib(module)
+        gx, gy, gz = (tuple(grid) + (1, 1))[:3]
+        bx, by, bz = (tuple(block) + (1, 1))[:3]
+        assert (bx * by * bz) % 32 == 0 and bx * by * bz <= 1024
+        params = (ctypes.c_void_p * max(1, len(args)))(*[ctypes.addressof(a) for a in args])
+        tramp = ctypes.cast(getattr(lib, f"emu_tramp_{kernel}"), ctypes.c_void_p)
+        if lib.emu_run(tramp, params, *(ctypes.c_uint(v) for v in (gx, gy, gz, bx, by, bz))):
+            raise AssertionError(f"{kernel}: a barrier not reached by every thread of its block (divergent)")

@@ -1,0 +1,81 @@
+"""The CUDA step (turbo/backends/cuda_step) end to end on the host device: its kernels' CUDA C
+built for the host and run on fibers (turbo.testing.host_cuda.HostFibers), every buffer
+allocated through the device interface cuda_kernels.Kernels has on a GPU. Against the CPU
+native step: the same greedy tokens (the products sum in another order, so logits agree to
+fp32 tolerance, not bit for bit); and on its own numerics: a verify's rows equal decode steps
+bit for bit, and a checkpoint rollback leaves the state the kept rows' steps leave.
+DEVICE-UNVERIFIED: no GPU has run this step yet."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from turbo.backends import native_lib
+from turbo.backends.cuda_step.step import CudaTrunkStep
+from turbo.load.loader import load_trunk
+from turbo.sequence.options import OpenOptions
+from turbo.store.install import open_install
+from turbo.testing.host_cuda import HostFibers
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory):
+    """A 2-layer install (one Gated DeltaNet layer, one attention layer), bf16 matrices."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
+    from turbo.testing import make_install
+
+    tmp = tmp_path_factory.mktemp("cuda_step")
+    _, path = make_install(tmp, 3, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                           linear_key_head_dim=16, linear_value_head_dim=16)
+    trunk = load_trunk(open_install(path), OpenOptions(dtype="bfloat16", kv_cache="float32"), "cpu")
+    dev = HostFibers(tmp / "host")
+    return trunk, CudaTrunkStep(trunk, dev, capacity=32), dev
+
+
+def test_step_decodes_the_cpu_steps_tokens(small):
+    trunk, cs, dev = small
+    prompt = [5, 17, 99, 3, 250]
+    a, b = trunk.new_state(32), trunk.new_state(32)
+    ra, rb = trunk.prefill(a, prompt), cs.prefill(b, prompt, (), False)
+    for _ in range(4):
+        torch.testing.assert_close(rb.logits, ra.logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(rb.hidden[-1:], ra.hidden[-1:], rtol=1e-4, atol=1e-4)
+        tok = int(ra.logits[-1].argmax())
+        assert int(rb.logits[-1].argmax()) == tok
+        ra, rb = trunk.step(a, [tok], (), None), cs.step(b, [tok], (), None)
+    assert a.pos == b.pos == len(prompt) + 4
+    launches = dev.launches[-(8 * 2 + 3):]  # one decode step: embed, 8 a layer, final norm, lm_head
+    assert launches[0] == "embed_rows_bf16_f32" and launches[-1].startswith("bf16_rows_gemv_r1")
+    assert launches[1:9] == ["add_rms_norm_f32", "bf16_rows_gemv_r1_f32", "gdn_step_f32", "bf16_rows_gemv_r1_f32",
+                             "add_rms_norm_f32", "bf16_rows_gemv_r1_f32", "silu_mul_f32", "bf16_rows_gemv_r1_f32"]
+    assert launches[11] == "attn_rows_f32"
+
+
+def test_verify_rows_equal_decode_steps_and_checkpoint_rollback(small):
+    trunk, cs, _ = small
+    prompt, block = [7, 8, 9], [40, 41, 42, 43]
+    a, b = trunk.new_state(32), trunk.new_state(32)
+    cs.prefill(a, prompt, (), False), cs.prefill(b, prompt, (), False)
+    one = [cs.step(a, [t], (), None) for t in block]
+    snap = trunk.snapshot(b)
+    ver = cs.step(b, block, (), "checkpoint")
+    assert torch.equal(ver.logits, torch.cat([o.logits for o in one]))
+    assert torch.equal(ver.hidden, torch.cat([o.hidden for o in one]))
+    # keep 2 of the 4 rows: the next step equals the one after two decode steps
+    trunk.rollback(b, ver, 4, 2, "checkpoint")
+    c = trunk.new_state(32)
+    cs.prefill(c, prompt, (), False)
+    for t in block[:2]:
+        cs.step(c, [t], (), None)
+    assert torch.equal(cs.step(b, [99], (), None).logits, cs.step(c, [99], (), None).logits)
+    # and back to the snapshot (a device copy): the verify's first row again
+    trunk.restore(b, snap)
+    assert torch.equal(cs.step(b, [block[0]], (), None).logits, one[0].logits)

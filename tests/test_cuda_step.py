@@ -79,3 +79,16 @@ def test_verify_rows_equal_decode_steps_and_checkpoint_rollback(small):
     # and back to the snapshot (a device copy): the verify's first row again
     trunk.restore(b, snap)
     assert torch.equal(cs.step(b, [block[0]], (), None).logits, one[0].logits)
+
+
+def test_a_prefill_past_a_launch_and_aux_rows(small):
+    """17 prompt rows go as launches of 16 and 1 (each row a step: test_verify_rows_equal_decode_steps...):
+    logits, hidden rows and the aux layers' rows (the layers' outputs) are the CPU step's to 1e-4."""
+    trunk, cs, _ = small
+    prompt = [(13 * i) % 300 + 3 for i in range(17)]
+    a, c = trunk.new_state(32), trunk.new_state(32)
+    pre = cs.prefill(a, prompt, (0,), True)
+    want = trunk.prefill(c, prompt, (0,), True)
+    assert a.pos == 17 and pre.logits.shape == want.logits.shape and pre.aux.shape == want.aux.shape
+    for got, ref in ((pre.logits, want.logits), (pre.hidden, want.hidden), (pre.aux, want.aux)):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)

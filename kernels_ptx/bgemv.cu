@@ -414,3 +414,19 @@ BG_INT4_ENTRY(1)
 BG_INT4_ENTRY(4)
 BG_INT4_ENTRY(8)
 BG_INT4_ENTRY(16)
+
+// ---- routed experts (the CUDA step's MoE): pair p (a row's j-th expert) multiplies row p / row_div
+// of x by expert ids[p]'s bf16 matrix, taken from the device table wtab [experts] of pointers (the
+// routing never comes back to the host). Grid (ceil(out / BG_WARPS), pairs); each pair is a one-row
+// product with the r1 entry's arithmetic, so a routed row's bits are its expert's one-row product.
+extern "C" __global__ void __launch_bounds__(32 * BG_WARPS)
+bf16_experts_gemv_f32(const float* __restrict__ x,                // [pairs / row_div, in]
+                      const int* __restrict__ ids,                // [pairs] expert of each pair
+                      const unsigned long long* __restrict__ wtab,  // [experts] -> bf16 [out, in]
+                      float* __restrict__ y,                      // [pairs, out]
+                      int pairs, int in, int out, int row_div)
+{
+    const int p = blockIdx.y;
+    const unsigned short* w = reinterpret_cast<const unsigned short*>(wtab[ids[p]]);
+    bf16_rows<1>(x + (size_t)(p / row_div) * in, w, y + (size_t)p * out, 1, in, out);
+}

@@ -338,3 +338,67 @@ attn_rows_f32(const float* __restrict__ proj,     // [R, P]
         __syncthreads();
     }
 }
+
+// ---- MoE routing (native_moe.c route): per row, softmax of the router logits (the max, e^(l - max)
+// with native.h's fast_exp, their sum as native.h sum_of takes it: sixteen lane sums over whole
+// groups of 16, the lanes in order, then the tail), the top_k most probable (ties to the lower
+// index), written in ascending expert order with their probabilities (renormalised by their sum,
+// in that pick order, when norm_topk). One thread a row: E is a few hundred at most.
+#define MOE_MAXE 512
+
+extern "C" __global__ void __launch_bounds__(32)
+moe_route_f32(float* __restrict__ probs,    // [R, E] router logits in, probabilities out
+              int* __restrict__ ids,        // [R, k] experts, ascending
+              float* __restrict__ weights,  // [R, k]
+              int R, int E, int k, int norm_topk)
+{
+    const int r = blockIdx.x * 32 + threadIdx.x;
+    if (r >= R) return;
+    float* p = probs + (size_t)r * E;
+    float m = -INFINITY;
+    for (int e = 0; e < E; ++e) m = p[e] > m ? p[e] : m;
+    for (int e = 0; e < E; ++e) p[e] = st_exp(p[e] - m);
+    float lanes[16], z = 0.0f;
+    for (int l = 0; l < 16; ++l) lanes[l] = 0.0f;
+    int t = 0;
+    for (; t + 16 <= E; t += 16)
+        for (int l = 0; l < 16; ++l) lanes[l] = lanes[l] + p[t + l];
+    for (int l = 0; l < 16; ++l) z = z + lanes[l];
+    for (; t < E; ++t) z = z + p[t];
+    for (int e = 0; e < E; ++e) p[e] = p[e] / z;
+    unsigned char taken[MOE_MAXE];
+    for (int e = 0; e < E; ++e) taken[e] = 0;
+    float total = 0.0f;
+    for (int j = 0; j < k; ++j) {
+        int best = -1;
+        for (int e = 0; e < E; ++e)
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        taken[best] = 1;
+        total = total + p[best];
+    }
+    for (int e = 0, j = 0; e < E; ++e)
+        if (taken[e]) {
+            ids[(size_t)r * k + j] = e;
+            weights[(size_t)r * k + j++] = norm_topk ? p[e] / total : p[e];
+        }
+}
+
+// ---- MoE sum: y[r, c] = sum over the row's experts (ascending) of weight * out, then (shared: not
+// null) + sigmoid(gate[r]) * shared[r, c]; each term one fma in that order (native_moe.c's sums).
+extern "C" __global__ void __launch_bounds__(256)
+moe_combine_f32(const float* __restrict__ ye,       // [R * k, H] the routed experts' outputs
+                const float* __restrict__ weights,  // [R, k]
+                const float* __restrict__ shared,   // [R, H] the shared expert's output, or null
+                const float* __restrict__ gate,     // [R] its gate logit, or null
+                float* __restrict__ y,              // [R, H]
+                int R, int k, int H)
+{
+    const int r = blockIdx.x;
+    const float g = shared != nullptr ? st_sigmoid(gate[r]) : 0.0f;
+    for (int c = threadIdx.x; c < H; c += blockDim.x) {
+        float a = 0.0f;
+        for (int j = 0; j < k; ++j) a = fmaf(ye[((size_t)r * k + j) * H + c], weights[(size_t)r * k + j], a);
+        if (shared != nullptr) a = fmaf(g, shared[(size_t)r * H + c], a);
+        y[(size_t)r * H + c] = a;
+    }
+}

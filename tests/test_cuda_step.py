@@ -92,3 +92,39 @@ def test_a_prefill_past_a_launch_and_aux_rows(small):
     assert a.pos == 17 and pre.logits.shape == want.logits.shape and pre.aux.shape == want.aux.shape
     for got, ref in ((pre.logits, want.logits), (pre.hidden, want.hidden), (pre.aux, want.aux)):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def small_moe(tmp_path_factory):
+    """The MoE shape's two layers (Gated DeltaNet, attention; both routed: 8 experts, top 2, a
+    gated shared expert), bf16."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
+    from turbo.testing import make_moe_install
+
+    tmp = tmp_path_factory.mktemp("cuda_step_moe")
+    _, path = make_moe_install(tmp, 4, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    trunk = load_trunk(open_install(path), OpenOptions(dtype="bfloat16", kv_cache="float32"), "cpu")
+    return trunk, CudaTrunkStep(trunk, HostFibers(tmp / "host"), capacity=32)
+
+
+def test_moe_step_decodes_the_cpu_steps_tokens_and_rows_equal_steps(small_moe):
+    trunk, cs = small_moe
+    assert all(layer.moe is not None for layer in trunk.layers)
+    prompt = [5, 17, 99, 3]
+    a, b = trunk.new_state(32), trunk.new_state(32)
+    ra, rb = trunk.prefill(a, prompt, (), True), cs.prefill(b, prompt, (), True)
+    torch.testing.assert_close(rb.logits, ra.logits, rtol=1e-4, atol=1e-4)
+    toks = []
+    for _ in range(2):
+        tok = int(ra.logits[-1].argmax())
+        assert int(rb.logits[-1].argmax()) == tok
+        toks.append(tok)
+        ra, rb = trunk.step(a, [tok], (), None), cs.step(b, [tok], (), None)
+        torch.testing.assert_close(rb.logits, ra.logits, rtol=1e-4, atol=1e-4)
+    # the prompt's rows in one launch equal its rows as decode steps (routing and sums per row)
+    c = trunk.new_state(32)
+    steps = [cs.step(c, [t], (), None) for t in prompt]
+    assert torch.equal(torch.cat([s.logits for s in steps]), cs.prefill(trunk.new_state(32), prompt, (), True).logits)

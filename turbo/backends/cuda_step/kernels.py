@@ -86,3 +86,23 @@ def attn_rows(k, proj: int, kc: int, vc: int, q_norm: int, k_norm: int, rope_cs:
     k.launch("step", "attn_rows_f32", (kv_heads, rows), (ATT_THREADS,),
              [_p(proj), _p(kc), _p(vc), _p(q_norm), _p(k_norm), _p(rope_cs), _p(scores), _p(att), _i(rows), _i(p0),
               _i(cap), _i(heads), _i(kv_heads), _i(head_dim), _i(rot), _f(eps)])
+
+
+def moe_route(k, probs: int, ids: int, weights: int, rows: int, experts: int, top_k: int, norm_topk: bool) -> None:
+    """Router logits [rows, E] -> each row's top_k experts (ascending) and weights (step.cu moe_route_f32)."""
+    if experts > 512:
+        raise ValueError("moe_route takes at most 512 experts")
+    k.launch("step", "moe_route_f32", (-(-rows // 32),), (32,),
+             [_p(probs), _p(ids), _p(weights), _i(rows), _i(experts), _i(top_k), _i(int(bool(norm_topk)))])
+
+
+def experts_product(k, x: int, ids: int, table: int, y: int, pairs: int, n_in: int, n_out: int, row_div: int) -> None:
+    """y [pairs, n_out]: pair p's row p // row_div of x times expert ids[p]'s bf16 matrix (its
+    pointer from the device table), one-row products (bgemv.cu bf16_experts_gemv_f32)."""
+    k.launch("bgemv", "bf16_experts_gemv_f32", (-(-n_out // 8), pairs), (256,),
+             [_p(x), _p(ids), _p(table), _p(y), _i(pairs), _i(n_in), _i(n_out), _i(row_div)])
+
+
+def moe_combine(k, ye: int, weights: int, shared: int, gate: int, y: int, rows: int, top_k: int, width: int) -> None:
+    k.launch("step", "moe_combine_f32", (rows,), (256,),
+             [_p(ye), _p(weights), _p(shared), _p(gate), _p(y), _i(rows), _i(top_k), _i(width)])

@@ -118,8 +118,6 @@ class CudaTrunkStep:
 
     def __init__(self, trunk, dev, capacity: int = DEFAULT_CAPACITY):
         a = trunk.arch
-        if any(layer.moe is not None for layer in trunk.layers):
-            raise ValueError("the CUDA step has no MoE layer yet")
         self.trunk, self.dev, self.arch, self.capacity = trunk, dev, a, capacity
         self.stream = dev.stream()
         self._held: list[int] = []
@@ -133,8 +131,11 @@ class CudaTrunkStep:
         self.layers = []
         for layer in trunk.layers:
             m = layer.mixer
-            d = dict(gdn=layer.gdn, in_norm=up(layer.in_norm), post_norm=up(layer.post_norm),
-                     gate_up=self._matrix(layer.gate_up), down=self._matrix(layer.down))
+            d = dict(gdn=layer.gdn, in_norm=up(layer.in_norm), post_norm=up(layer.post_norm), moe=None)
+            if layer.moe is None:
+                d.update(gate_up=self._matrix(layer.gate_up), down=self._matrix(layer.down))
+            else:
+                d["moe"] = self._moe(layer.moe)
             if layer.gdn:
                 d.update(proj=self._matrix(m.in_proj), out=self._matrix(m.out), conv=up(m.conv), neg_a=up(m.neg_a),
                          dt_bias=up(m.dt_bias), gnorm=up(m.norm))
@@ -159,6 +160,19 @@ class CudaTrunkStep:
         self.logits = self._alloc(4 * R * a.vocab)         # [R, vocab]
         self.scores = self._alloc(4 * R * a.num_heads * capacity)  # [R, heads, capacity] attention scratch
         self.aux = self._alloc(4 * R * H * max(1, a.num_layers))   # [layers, R, H] requested layers' outputs
+        if any(m["moe"] is not None for m in self.layers):
+            E, k, I = a.num_experts, a.experts_per_token, a.moe_intermediate
+            S = max(1, a.shared_intermediate)
+            self.probs = self._alloc(4 * R * E)           # [R, E] router logits, then probabilities
+            self.mids = self._alloc(4 * R * k)            # [R, k] int32 experts (ascending)
+            self.mw = self._alloc(4 * R * k)              # [R, k] their weights
+            self.egu = self._alloc(4 * R * k * 2 * I)     # [R k, 2 I] routed gate | up
+            self.eact = self._alloc(4 * R * k * I)        # [R k, I]
+            self.eout = self._alloc(4 * R * k * H)        # [R k, H] routed outputs
+            self.sgu = self._alloc(4 * R * 2 * S)         # [R, 2 S] shared gate | up
+            self.sact = self._alloc(4 * R * S)            # [R, S]
+            self.sout = self._alloc(4 * R * H)            # [R, H] shared output
+            self.sgate = self._alloc(4 * R)               # [R, 1] shared gate logit
 
     # ---- open ----------------------------------------------------------------------------
 
@@ -177,6 +191,20 @@ class CudaTrunkStep:
         fmt, parts, n, k = _host_matrix(m)
         ptrs = [self._upload(p if p.dtype != torch.bfloat16 else p.view(torch.int16)) for p in parts]
         return Matrix(fmt, ptrs[0], *(ptrs[1:] or [0, 0]), n=n, k=k)
+
+    def _moe(self, moe) -> dict:
+        """A MoE block resident: the router, every expert's matrices and the device tables of
+        their pointers (the routing picks them on the device), the shared expert."""
+        gate_up = [self._matrix(m) for m in moe.gate_up]
+        down = [self._matrix(m) for m in moe.down]
+        if any(m.fmt != "bf16" for m in gate_up + down):
+            raise ValueError("the CUDA step's routed experts are bf16 only yet")
+        table = lambda ms: self._upload(torch.tensor([m.w for m in ms], dtype=torch.int64))  # noqa: E731
+        d = dict(router=self._matrix(moe.router), gate_up=table(gate_up), down=table(down), shared=None)
+        if moe.shared_gate_up is not None:
+            d["shared"] = (self._matrix(moe.shared_gate_up), self._matrix(moe.shared_down),
+                           self._matrix(moe.shared_gate))
+        return d
 
     def close(self) -> None:
         for ptr in self._held:
@@ -291,9 +319,12 @@ class CudaTrunkStep:
                              st.pos, self.capacity, a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.rms_eps)
                 self._product(L["out"], self.mix, self.y, R)
             sk.add_rms_norm(k, self.x, self.y, L["post_norm"], self.h, R, H, a.rms_eps)
-            self._product(L["gate_up"], self.h, self.gu, R)
-            sk.silu_mul(k, self.gu, self.act, R, a.intermediate)
-            self._product(L["down"], self.act, self.y, R)
+            if L["moe"] is None:
+                self._product(L["gate_up"], self.h, self.gu, R)
+                sk.silu_mul(k, self.gu, self.act, R, a.intermediate)
+                self._product(L["down"], self.act, self.y, R)
+            else:
+                self._moe_block(L["moe"], R)
             y = self.y
             if i in slots:  # the layer's output: the residual add now (the next norm then adds nothing)
                 sk.add_rms_norm(k, self.x, self.y, L["post_norm"], self.h, R, H, a.rms_eps)
@@ -314,6 +345,27 @@ class CudaTrunkStep:
             ax = parts[:, :R].permute(1, 0, 2).reshape(R, len(slots) * H).contiguous()
         st.pos += R
         return hid, lg, ax
+
+    def _moe_block(self, M: dict, R: int) -> None:
+        """y = the MoE block of h (native_moe.c's order): router, routing, the routed experts
+        (two gathered products over the rows' k experts), the gated shared expert, their sum."""
+        a, k = self.arch, self.dev
+        E, top, I, H = a.num_experts, a.experts_per_token, a.moe_intermediate, a.hidden
+        self._product(M["router"], self.h, self.probs, R)
+        sk.moe_route(k, self.probs, self.mids, self.mw, R, E, top, a.norm_topk_prob)
+        sk.experts_product(k, self.h, self.mids, M["gate_up"], self.egu, R * top, H, 2 * I, top)
+        sk.silu_mul(k, self.egu, self.eact, R * top, I)
+        sk.experts_product(k, self.eact, self.mids, M["down"], self.eout, R * top, I, H, 1)
+        shared = gate = 0
+        if M["shared"] is not None:
+            sgu, sdown, sgate = M["shared"]
+            S = a.shared_intermediate
+            self._product(sgu, self.h, self.sgu, R)
+            sk.silu_mul(k, self.sgu, self.sact, R, S)
+            self._product(sdown, self.sact, self.sout, R)
+            self._product(sgate, self.h, self.sgate, R)
+            shared, gate = self.sout, self.sgate
+        sk.moe_combine(k, self.eout, self.mw, shared, gate, self.y, R, top, H)
 
     def _product(self, m: Matrix, x: int, y: int, rows: int) -> None:
         sk.rows_product(self.dev, m.fmt, x, m.w, y, rows, m.k, m.n, m.scales, m.biases, m.group)

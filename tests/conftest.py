@@ -81,3 +81,16 @@ def exact_bf16():
     lib.bf16_products(0)
     yield
     lib.bf16_products(before)
+
+
+@pytest.fixture(scope="session")
+def host_fibers(tmp_path_factory):
+    """The CUDA kernels' C built for the host, run on fibers (turbo.testing.host_cuda.HostFibers):
+    one build per session, shared by the CUDA step's tests."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    from turbo.testing.host_cuda import HostFibers
+
+    return HostFibers(tmp_path_factory.mktemp("host_fibers"))

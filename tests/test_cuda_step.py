@@ -8,8 +8,6 @@ DEVICE-UNVERIFIED: no GPU has run this step yet."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -18,16 +16,13 @@ from turbo.backends.cuda_step.step import CudaTrunkStep
 from turbo.load.loader import load_trunk
 from turbo.sequence.options import OpenOptions
 from turbo.store.install import open_install
-from turbo.testing.host_cuda import HostFibers
 
 torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")
-def small(tmp_path_factory):
+def small(tmp_path_factory, host_fibers):
     """A 2-layer install (one Gated DeltaNet layer, one attention layer), bf16 matrices."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not installed")
     if native_lib.library() is None:
         pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     from turbo.testing import make_install
@@ -36,8 +31,7 @@ def small(tmp_path_factory):
     _, path = make_install(tmp, 3, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
                            linear_key_head_dim=16, linear_value_head_dim=16)
     trunk = load_trunk(open_install(path), OpenOptions(dtype="bfloat16", kv_cache="float32"), "cpu")
-    dev = HostFibers(tmp / "host")
-    return trunk, CudaTrunkStep(trunk, dev, capacity=32), dev
+    return trunk, CudaTrunkStep(trunk, host_fibers, capacity=32), host_fibers
 
 
 def test_step_decodes_the_cpu_steps_tokens(small):
@@ -87,19 +81,17 @@ def test_a_prefill_past_a_launch_and_aux_rows(small):
     trunk, cs, _ = small
     prompt = [(13 * i) % 300 + 3 for i in range(17)]
     a, c = trunk.new_state(32), trunk.new_state(32)
-    pre = cs.prefill(a, prompt, (0,), True)
-    want = trunk.prefill(c, prompt, (0,), True)
+    pre = cs.prefill(a, prompt, (0,), False)
+    want = trunk.prefill(c, prompt, (0,), False)
     assert a.pos == 17 and pre.logits.shape == want.logits.shape and pre.aux.shape == want.aux.shape
     for got, ref in ((pre.logits, want.logits), (pre.hidden, want.hidden), (pre.aux, want.aux)):
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
 
 
 @pytest.fixture(scope="module")
-def small_moe(tmp_path_factory):
+def small_moe(tmp_path_factory, host_fibers):
     """The MoE shape's two layers (Gated DeltaNet, attention; both routed: 8 experts, top 2, a
     gated shared expert), bf16."""
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not installed")
     if native_lib.library() is None:
         pytest.skip(f"native step unavailable: {native_lib.why_not()}")
     from turbo.testing import make_moe_install
@@ -107,7 +99,7 @@ def small_moe(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cuda_step_moe")
     _, path = make_moe_install(tmp, 4, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
     trunk = load_trunk(open_install(path), OpenOptions(dtype="bfloat16", kv_cache="float32"), "cpu")
-    return trunk, CudaTrunkStep(trunk, HostFibers(tmp / "host"), capacity=32)
+    return trunk, CudaTrunkStep(trunk, host_fibers, capacity=32)
 
 
 def test_moe_step_decodes_the_cpu_steps_tokens_and_rows_equal_steps(small_moe):

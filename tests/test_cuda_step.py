@@ -120,3 +120,15 @@ def test_moe_step_decodes_the_cpu_steps_tokens_and_rows_equal_steps(small_moe):
     c = trunk.new_state(32)
     steps = [cs.step(c, [t], (), None) for t in prompt]
     assert torch.equal(torch.cat([s.logits for s in steps]), cs.prefill(trunk.new_state(32), prompt, (), True).logits)
+
+
+def test_turbo_cuda_step_selects_the_step_for_the_trunk(monkeypatch, host_fibers, tmp_path):
+    """TURBO_CUDA_STEP=1: load_trunk on the host hands the trunk to CudaTrunkStep over device 0's
+    loader (here the host device standing in for cuda_kernels.Kernels)."""
+    from turbo.backends import cuda_kernels
+    from turbo.load import loader
+
+    monkeypatch.setenv(loader.CUDA_STEP_ENV, "1")
+    monkeypatch.setattr(cuda_kernels, "Kernels", lambda device=0: host_fibers)
+    trunk = load_trunk(open_install("tiny"), OpenOptions(kv_cache="float32"), "cpu")
+    assert trunk.step_name == "cuda" and isinstance(trunk.stepper, CudaTrunkStep)

@@ -81,6 +81,19 @@ class DeviceRef:
                 pass
 
 
+class _OnStream:
+    """A device whose launches go on one stream (the kernels.py wrappers name none)."""
+
+    def __init__(self, dev, stream: int):
+        self._dev, self.stream = dev, stream
+
+    def launch(self, module, kernel, grid, block, args, shared=0, stream=None):
+        self._dev.launch(module, kernel, grid, block, args, shared, self.stream if stream is None else stream)
+
+    def __getattr__(self, name):
+        return getattr(self._dev, name)
+
+
 @dataclass
 class Matrix:
     """A matrix resident as stored: bf16 [n, k] raw, or int8 / int4 affine (words, bf16 scales, biases)."""
@@ -118,8 +131,10 @@ class CudaTrunkStep:
 
     def __init__(self, trunk, dev, capacity: int = DEFAULT_CAPACITY):
         a = trunk.arch
-        self.trunk, self.dev, self.arch, self.capacity = trunk, dev, a, capacity
-        self.stream = dev.stream()
+        # every launch and copy on the legacy default stream (0): ordered with the synchronous
+        # copies, one sync a step (the logits' download); a captured graph will take a stream of its own
+        self.trunk, self.dev, self.arch, self.capacity = trunk, _OnStream(dev, 0), a, capacity
+        dev = self.dev
         self._held: list[int] = []
         up = self._upload
         self.embed = self._matrix(trunk.embed)

@@ -38,8 +38,10 @@ __device__ __forceinline__ float st_softplus(float x) { return x > 20.0f ? x : l
 // ---- residual add + RMSNorm: x += y (y null: none); h = x * (1 / sqrt(mean(x^2) + eps)) * w ----
 // One block per row. The sum of squares is one chain in element order, each product rounded
 // before its add (native.h rms_norm as the library builds it; __fmul_rn keeps nvcc from fusing),
-// summed by one thread: H serial fmas (~1 us at 1024) buys the CPU's bits; a tuning knob later.
+// summed by one thread from the row staged in shared memory (H serial adds, a few us at 1024:
+// the price of the CPU's bits; a fixed tree would be R-independent too, a knob for the device).
 #define ST_NORM_THREADS 256
+#define ST_NORM_MAXH 8192  // rows staged in shared memory up to this width (wider: read from global)
 
 extern "C" __global__ void __launch_bounds__(ST_NORM_THREADS)
 add_rms_norm_f32(float* __restrict__ x,        // [R, H] residual stream, updated in place when y is given
@@ -49,20 +51,25 @@ add_rms_norm_f32(float* __restrict__ x,        // [R, H] residual stream, update
                  int R, int H, float eps)
 {
     __shared__ float inv;
+    __shared__ float row[ST_NORM_MAXH];
     const int r = blockIdx.x;
+    const bool staged = H <= ST_NORM_MAXH;
     float* xr = x + (size_t)r * H;
-    if (y != nullptr) {
-        const float* yr = y + (size_t)r * H;
-        for (int i = threadIdx.x; i < H; i += blockDim.x) xr[i] = xr[i] + yr[i];
+    const float* yr = y != nullptr ? y + (size_t)r * H : nullptr;
+    for (int i = threadIdx.x; i < H; i += blockDim.x) {
+        const float v = yr != nullptr ? xr[i] + yr[i] : xr[i];
+        if (yr != nullptr) xr[i] = v;
+        if (staged) row[i] = v;
     }
     __syncthreads();
     if (threadIdx.x == 0) {
+        const float* src = staged ? row : xr;
         float ss = 0.0f;
-        for (int i = 0; i < H; ++i) ss = __fadd_rn(ss, __fmul_rn(xr[i], xr[i]));  // (native: not fused)
+        for (int i = 0; i < H; ++i) ss = __fadd_rn(ss, __fmul_rn(src[i], src[i]));  // (native: not fused)
         inv = 1.0f / sqrtf(ss / (float)H + eps);
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < H; i += blockDim.x) h[(size_t)r * H + i] = xr[i] * inv * w[i];
+    for (int i = threadIdx.x; i < H; i += blockDim.x) h[(size_t)r * H + i] = (staged ? row[i] : xr[i]) * inv * w[i];
 }
 
 // ---- SwiGLU's product input: act[r, i] = silu(gu[r, i]) * gu[r, I + i] (gate rows | up rows) ----

@@ -8,6 +8,8 @@ DEVICE-UNVERIFIED: no GPU has run this step yet."""
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -132,3 +134,37 @@ def test_turbo_cuda_step_selects_the_step_for_the_trunk(monkeypatch, host_fibers
     monkeypatch.setattr(cuda_kernels, "Kernels", lambda device=0: host_fibers)
     trunk = load_trunk(open_install("tiny"), OpenOptions(kv_cache="float32"), "cpu")
     assert trunk.step_name == "cuda" and isinstance(trunk.stepper, CudaTrunkStep)
+
+
+class _RowsDependentProducts:
+    """Negative control: the host device, but every bf16 product of more than one row summed by
+    torch (another order) instead of the kernel: a product whose reduction order depends on R."""
+
+    def __init__(self, dev):
+        self.dev = dev
+
+    def launch(self, module, kernel, grid, block, args, shared=0, stream=None):
+        if kernel.startswith("bf16_rows_gemv") and args[3].value > 1:
+            R, n_in, n_out = args[3].value, args[4].value, args[5].value
+            x = torch.frombuffer((ctypes.c_float * (R * n_in)).from_address(args[0].value), dtype=torch.float32)
+            raw = (ctypes.c_int16 * (n_out * n_in)).from_address(args[1].value)
+            w = (torch.frombuffer(raw, dtype=torch.int16).int() << 16).view(torch.float32).view(n_out, n_in)
+            y = torch.frombuffer((ctypes.c_float * (R * n_out)).from_address(args[2].value), dtype=torch.float32)
+            y.copy_((x.view(R, n_in).double() @ w.double().T).float().reshape(-1))
+            return
+        self.dev.launch(module, kernel, grid, block, args, shared, stream)
+
+    def __getattr__(self, name):
+        return getattr(self.dev, name)
+
+
+def test_rows_check_catches_a_row_count_dependent_product(small):
+    """The verify == decode steps check of test_verify_rows_equal_decode_steps... fails on a step
+    whose products sum in an order that depends on the row count."""
+    trunk, _, dev = small
+    bad = CudaTrunkStep(trunk, _RowsDependentProducts(dev), capacity=32)
+    a, b = trunk.new_state(32), trunk.new_state(32)
+    bad.prefill(a, [7, 8], (), False), bad.prefill(b, [7, 8], (), False)
+    one = torch.cat([bad.step(a, [t], (), None).logits for t in (40, 41)])
+    assert not torch.equal(bad.step(b, [40, 41], (), "checkpoint").logits, one)
+    bad.close()

@@ -168,3 +168,30 @@ def test_rows_check_catches_a_row_count_dependent_product(small):
     one = torch.cat([bad.step(a, [t], (), None).logits for t in (40, 41)])
     assert not torch.equal(bad.step(b, [40, 41], (), "checkpoint").logits, one)
     bad.close()
+
+
+def test_int4_install_decodes_the_torch_steps_tokens(tmp_path, host_fibers):
+    """An int4 install (repack --quant int4), its matrices resident packed (int4 words, bf16 scales):
+    the torch step's tokens (its dequantized fp32 products: the same function; the native step's
+    int4 products round their inputs to 8 bits)."""
+    from turbo.repack import repack
+    from turbo.testing import make_checkpoint
+
+    make_checkpoint(tmp_path / "hf", 5, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                    linear_key_head_dim=16, linear_value_head_dim=16, hidden_size=64, intermediate_size=128)
+    from safetensors.torch import load_file, save_file
+
+    st = tmp_path / "hf" / "model.safetensors"  # every weight a bf16 value: the fp32 embedding is a bf16 one
+    save_file({k: v.to(torch.bfloat16).float() for k, v in load_file(st).items()}, str(st), metadata={"format": "pt"})
+    path = repack(tmp_path / "hf", tmp_path / "install", quiet=True, quant="int4")
+    trunk = load_trunk(open_install(path), OpenOptions(kv_cache="float32", native=False, quant_cpu="packed"), "cpu")
+    cs = CudaTrunkStep(trunk, host_fibers, capacity=16)
+    assert cs.layers[0]["proj"].fmt == "int4"
+    a, b = trunk.new_state(16), trunk.new_state(16)
+    ra, rb = trunk.prefill(a, [5, 17, 99]), cs.prefill(b, [5, 17, 99], (), False)
+    for _ in range(2):
+        torch.testing.assert_close(rb.logits, ra.logits, rtol=1e-4, atol=1e-4)
+        tok = int(ra.logits[-1].argmax())
+        assert int(rb.logits[-1].argmax()) == tok
+        ra, rb = trunk.step(a, [tok], (), None), cs.step(b, [tok], (), None)
+    cs.close()

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from ...model.step import GdnTrace, StepOut, TrunkState
+from ...store import quant
 from ..packed import QUANTIZED, Packed, PackedRows, quantized_unpanel
 from . import kernels as sk
 
@@ -118,6 +119,17 @@ def _host_matrix(m) -> tuple[str, list[torch.Tensor], int, int]:
         if m.dtype == torch.bfloat16 and m.layout in ("panels", "panel_pairs", "pairs"):
             return "bf16", [m.dense()], m.n, m.k
         raise ValueError(f"the CUDA step does not read a {m.layout} {m.dtype} matrix yet")
+    if isinstance(m, quant.QuantizedWeight):
+        ok = m.bits in (4, 8) and not m.float8 and m.scales.dtype == torch.bfloat16 and m.group % 32 == 0
+        if not ok:
+            raise ValueError(f"the CUDA step reads int4 / int8 affine with bf16 scales (got {m.bits} bits, "
+                             f"{m.scales.dtype} scales, group {m.group})")
+        return f"int{m.bits}", [m.packed, m.scales, m.biases], m.shape[0], m.shape[1]
+    if isinstance(m, torch.Tensor) and m.dtype == torch.float32 and m.dim() == 2:
+        as_bf16 = m.to(torch.bfloat16)
+        if not torch.equal(as_bf16.float(), m):
+            raise ValueError(f"the CUDA step reads bf16 matrices: an fp32 one {tuple(m.shape)} holds values bf16 does not")
+        m = as_bf16  # (every value a bf16 one: the same matrix, held in half the bytes)
     if isinstance(m, torch.Tensor) and m.dtype == torch.bfloat16 and m.dim() == 2:
         return "bf16", [m], m.shape[0], m.shape[1]
     raise ValueError(f"the CUDA step reads bf16 / int8 / int4 matrices (got {type(m).__name__})")
@@ -205,7 +217,8 @@ class CudaTrunkStep:
     def _matrix(self, m) -> Matrix:
         fmt, parts, n, k = _host_matrix(m)
         ptrs = [self._upload(p if p.dtype != torch.bfloat16 else p.view(torch.int16)) for p in parts]
-        return Matrix(fmt, ptrs[0], *(ptrs[1:] or [0, 0]), n=n, k=k)
+        group = k // parts[1].shape[1] if fmt != "bf16" else 64
+        return Matrix(fmt, ptrs[0], *(ptrs[1:] or [0, 0]), n=n, k=k, group=group)
 
     def _moe(self, moe) -> dict:
         """A MoE block resident: the router, every expert's matrices and the device tables of

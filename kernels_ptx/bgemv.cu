@@ -282,3 +282,151 @@ BG_INT8_ENTRY(1)
 BG_INT8_ENTRY(4)
 BG_INT8_ENTRY(8)
 BG_INT8_ENTRY(16)
+
+// ---- int4 affine (turbo/store/quant.py "int4": 8 levels per little-endian uint32 word, level k at
+// bits 4k; bf16 scales / biases per group of 64): w = scale * q + bias, each rounded
+// (quant.dequantize). A 16-byte chunk is 32 levels (4 words); the vector path needs in % 32 == 0
+// and group % 32 == 0 (a chunk in one group), else the whole row takes the scalar path. The
+// per-(output, input)-row arithmetic is that of the bf16 / int8 kernels: one fmaf per element in
+// chunk order then element order, then the fixed xor-shuffle tree, whatever R.
+
+__device__ __forceinline__ float bg_nibble(unsigned int word, int k, float s, float b)
+{
+    return __fadd_rn(__fmul_rn((float)((word >> (4 * k)) & 15u), s), b);
+}
+
+template <int MAXR, int OW>
+__device__ __forceinline__ void bg_int4_word(float (*acc)[MAXR], const unsigned int* wd, const float* s,
+                                             const float* b, int ow, const float* __restrict__ x, int in, int col,
+                                             int nr)
+{
+    float w8[OW][8];
+#pragma unroll
+    for (int j = 0; j < OW; ++j)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) w8[j][e] = bg_nibble(wd[j], e, s[j], b[j]);
+    bg_dot8<MAXR, OW>(acc, w8, ow, x, in, col, nr);
+}
+
+template <int MAXR, int OW>
+__device__ __forceinline__ void bg_int4_chunk(float (*acc)[MAXR], const uint4* q, int ow,
+                                              const unsigned short* __restrict__ scales,
+                                              const unsigned short* __restrict__ biases, int o0, int groups,
+                                              const float* __restrict__ x, int in, int c, int group, int nr)
+{
+    const int gi = (c * 32) / group;
+    float s[OW], b[OW];
+    unsigned int wd[OW];
+#pragma unroll
+    for (int j = 0; j < OW; ++j) {
+        s[j] = b[j] = 0.0f;
+        if (j < ow) {
+            s[j] = bg_bf16(scales[(size_t)(o0 + j) * groups + gi]);
+            b[j] = bg_bf16(biases[(size_t)(o0 + j) * groups + gi]);
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < OW; ++j) wd[j] = q[j].x;
+    bg_int4_word<MAXR, OW>(acc, wd, s, b, ow, x, in, c * 32, nr);
+#pragma unroll
+    for (int j = 0; j < OW; ++j) wd[j] = q[j].y;
+    bg_int4_word<MAXR, OW>(acc, wd, s, b, ow, x, in, c * 32 + 8, nr);
+#pragma unroll
+    for (int j = 0; j < OW; ++j) wd[j] = q[j].z;
+    bg_int4_word<MAXR, OW>(acc, wd, s, b, ow, x, in, c * 32 + 16, nr);
+#pragma unroll
+    for (int j = 0; j < OW; ++j) wd[j] = q[j].w;
+    bg_int4_word<MAXR, OW>(acc, wd, s, b, ow, x, in, c * 32 + 24, nr);
+}
+
+template <int MAXR>
+__device__ __forceinline__ void int4_rows(const float* __restrict__ x, const unsigned int* __restrict__ qw,
+                                          const unsigned short* __restrict__ scales,
+                                          const unsigned short* __restrict__ biases, float* __restrict__ y, int R,
+                                          int in, int out, int group)
+{
+    constexpr int OW = BG_OW(MAXR), U = BG_UNROLL(MAXR);
+    const int lane = threadIdx.x & 31;
+    const int o0 = (blockIdx.x * BG_WARPS + (threadIdx.x >> 5)) * OW;
+    if (o0 >= out) return;
+    const int ow = min(OW, out - o0);
+    const int groups = in / group;
+    const int words = in / 8;
+    const uint4* wv = reinterpret_cast<const uint4*>(qw + (size_t)o0 * words);  // aligned when in % 32 == 0
+    const int vstride = in >> 5;
+    const int nvec = ((in | group) & 31) ? 0 : in >> 5;  // a chunk must lie in one group
+    for (int r0 = 0; r0 < R; r0 += MAXR) {
+        const int nr = min(MAXR, R - r0);
+        const float* xr = x + (size_t)r0 * in;
+        float acc[OW][MAXR];
+#pragma unroll
+        for (int j = 0; j < OW; ++j)
+#pragma unroll
+            for (int r = 0; r < MAXR; ++r) acc[j][r] = 0.0f;
+        int c = lane;
+        for (; c + 32 * (U - 1) < nvec; c += 32 * U) {
+            uint4 q[U][OW];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+#pragma unroll
+                for (int j = 0; j < OW; ++j)
+                    if (j < ow) q[u][j] = wv[(size_t)j * vstride + c + 32 * u];
+#pragma unroll
+            for (int u = 0; u < U; ++u)
+                bg_int4_chunk<MAXR, OW>(acc, q[u], ow, scales, biases, o0, groups, xr, in, c + 32 * u, group, nr);
+        }
+        for (; c < nvec; c += 32) {
+            uint4 q[OW];
+#pragma unroll
+            for (int j = 0; j < OW; ++j)
+                if (j < ow) q[j] = wv[(size_t)j * vstride + c];
+            bg_int4_chunk<MAXR, OW>(acc, q, ow, scales, biases, o0, groups, xr, in, c, group, nr);
+        }
+        for (int i = nvec * 32 + lane; i < in; i += 32) {  // the scalar path (in % 32 != 0 or group % 32 != 0)
+            const int gi = i / group;
+#pragma unroll
+            for (int j = 0; j < OW; ++j) {
+                if (j < ow) {
+                    const size_t oj = (size_t)(o0 + j);
+                    const float wf = bg_nibble(qw[oj * words + (i >> 3)], i & 7, bg_bf16(scales[oj * groups + gi]),
+                                               bg_bf16(biases[oj * groups + gi]));
+#pragma unroll
+                    for (int r = 0; r < MAXR; ++r)
+                        if (r < nr) acc[j][r] = fmaf(wf, xr[(size_t)r * in + i], acc[j][r]);
+                }
+            }
+        }
+        bg_reduce_store<MAXR, OW>(acc, y, lane, r0, nr, out, o0, ow);
+    }
+}
+
+#define BG_INT4_ENTRY(MAXR)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(32 * BG_WARPS)                                              \
+    int4_rows_gemv_r##MAXR##_f32(const float* __restrict__ x, const unsigned int* __restrict__ qw,           \
+                                 const unsigned short* __restrict__ scales,                                  \
+                                 const unsigned short* __restrict__ biases, float* __restrict__ y, int R,    \
+                                 int in, int out, int group)                                                 \
+    {                                                                                                        \
+        int4_rows<MAXR>(x, qw, scales, biases, y, R, in, out, group);                                        \
+    }
+
+BG_INT4_ENTRY(1)
+BG_INT4_ENTRY(4)
+BG_INT4_ENTRY(8)
+BG_INT4_ENTRY(16)
+
+// ---- routed experts (the CUDA step's MoE): pair p (a row's j-th expert) multiplies row p / row_div
+// of x by expert ids[p]'s bf16 matrix, taken from the device table wtab [experts] of pointers (the
+// routing never comes back to the host). Grid (ceil(out / BG_WARPS), pairs); each pair is a one-row
+// product with the r1 entry's arithmetic, so a routed row's bits are its expert's one-row product.
+extern "C" __global__ void __launch_bounds__(32 * BG_WARPS)
+bf16_experts_gemv_f32(const float* __restrict__ x,                // [pairs / row_div, in]
+                      const int* __restrict__ ids,                // [pairs] expert of each pair
+                      const unsigned long long* __restrict__ wtab,  // [experts] -> bf16 [out, in]
+                      float* __restrict__ y,                      // [pairs, out]
+                      int pairs, int in, int out, int row_div)
+{
+    const int p = blockIdx.y;
+    const unsigned short* w = reinterpret_cast<const unsigned short*>(wtab[ids[p]]);
+    bf16_rows<1>(x + (size_t)(p / row_div) * in, w, y + (size_t)p * out, 1, in, out);
+}

@@ -81,3 +81,16 @@ def exact_bf16():
     lib.bf16_products(0)
     yield
     lib.bf16_products(before)
+
+
+@pytest.fixture(scope="session")
+def host_device(tmp_path_factory):
+    """The CUDA kernels' C on the simulated device (turbo.testing.host_cuda.HostDevice: one
+    device per session, shared by the CUDA step's tests)."""
+    import shutil
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not installed")
+    from turbo.testing.host_cuda import HostDevice
+
+    return HostDevice()

@@ -36,6 +36,7 @@ from turbo.backends import dflash_math as dflash
 from turbo.backends import ops, select_backend
 from turbo.errors import TurboError
 from turbo.store import quant
+from turbo.testing.host_cuda import PTX_TYPES, HostDevice, ptx_params
 
 torch.set_num_threads(1)
 
@@ -512,15 +513,6 @@ def test_packing_and_dequantize_are_the_documented_layout(bits, group):
 # the problem size, then runs a transcription of the kernel's indexing on the host memory
 # behind the pointers. This proves the wrappers pass what the kernels read, where they read it.
 
-PTX_TYPES = {ctypes.c_void_p: ".u64", ctypes.c_int32: ".u32", ctypes.c_float: ".f32"}
-
-
-def ptx_params(module, kernel):
-    text = (ck.ptx_dir() / f"{module}.sm_90.ptx").read_text()
-    body = re.search(rf"\.entry {kernel}\((.*?)\)", text, re.S).group(1)
-    return re.findall(r"\.param (\.\w+) ", body)
-
-
 def mem(arg, n, dtype=torch.float32):
     """The n elements of host memory a pointer argument points at (shared, writable)."""
     if arg.value is None:
@@ -647,31 +639,13 @@ class Emulator:
 # thread reaches is a launch error naming the kernel, not a hang.
 
 
-class HostCompiled:
-    """Launches go to the kernels' CUDA C on the simulated device."""
-
-    def __init__(self):
-        self.launches = []
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setenv(cuda_sim.ENV, "1")
-            self.kernels = ck.Kernels(0)
-
-    def launch(self, module, kernel, grid, block, args, shared=0, stream=None):
-        assert [PTX_TYPES[type(a)] for a in args] == ptx_params(module, kernel), kernel
-        self.launches.append(kernel)
-        bx, by, bz = (tuple(block) + (1, 1))[:3]
-        assert (bx * by * bz) % 32 == 0 and bx * by * bz <= 1024
-        with cuda_sim.host_memory():
-            self.kernels.launch(module, kernel, grid, block, args, shared, stream=0)
-
-
 @pytest.fixture(scope="module")
 def host_compiled():
     import shutil
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not installed")
-    return HostCompiled()
+    return HostDevice()
 
 
 @pytest.fixture(params=["transcribed", "host_compiled_cuda_c"])

@@ -22,7 +22,7 @@ from ..shipped import PTX_DIR
 from . import cuda_sim
 
 ARCHS = ("sm_80", "sm_90")  # what scripts/build_ptx.py builds; sm_90 PTX also JITs on newer GPUs
-MODULES = ("gdn", "conv", "norm", "dflash", "qgemv", "bgemv")
+MODULES = ("gdn", "conv", "norm", "dflash", "qgemv", "bgemv", "step")
 # The checked-in PTX says `.version 9.0` (nvcc 13.0), which needs a CUDA 13.0 driver. The kernels
 # use nothing newer than PTX ISA 7.8 (tests/test_cuda.py assembles every file at that version), so
 # when an older driver refuses the file the loader retries once with the newest ISA it reads.
@@ -211,6 +211,65 @@ class Kernels:
         check(self.driver, self.driver.cuLaunchKernel(fn, gx, gy, gz, bx, by, bz, shared,
                                                       self.driver.CUstream(stream), packed, 0),
               "cuLaunchKernel", f"kernel {kernel}")
+
+
+    # ---- memory and streams (the CUDA step's; turbo/backends/cuda_step): raw device pointers ----
+
+    def alloc(self, nbytes: int) -> int:
+        """cuMemAlloc: a device pointer (int) to `nbytes` bytes (at least 1), 256-byte aligned."""
+        self._make_current()
+        d = self.driver
+        return int(check(d, d.cuMemAlloc(max(1, int(nbytes))), "cuMemAlloc", f"{nbytes} bytes"))
+
+    def free(self, ptr: int) -> None:
+        self._make_current()
+        check(self.driver, self.driver.cuMemFree(self.driver.CUdeviceptr(int(ptr))), "cuMemFree")
+
+    def htod(self, dst: int, src: int, nbytes: int, stream: int | None = None) -> None:
+        """Host address `src` -> device pointer `dst` (async on `stream` when given)."""
+        d = self.driver
+        if stream is None:
+            check(d, d.cuMemcpyHtoD(d.CUdeviceptr(int(dst)), int(src), int(nbytes)), "cuMemcpyHtoD")
+        else:
+            check(d, d.cuMemcpyHtoDAsync(d.CUdeviceptr(int(dst)), int(src), int(nbytes), d.CUstream(stream)),
+                  "cuMemcpyHtoDAsync")
+
+    def dtoh(self, dst: int, src: int, nbytes: int, stream: int | None = None) -> None:
+        d = self.driver
+        if stream is None:
+            check(d, d.cuMemcpyDtoH(int(dst), d.CUdeviceptr(int(src)), int(nbytes)), "cuMemcpyDtoH")
+        else:
+            check(d, d.cuMemcpyDtoHAsync(int(dst), d.CUdeviceptr(int(src)), int(nbytes), d.CUstream(stream)),
+                  "cuMemcpyDtoHAsync")
+
+    def dtod(self, dst: int, src: int, nbytes: int, stream: int | None = None) -> None:
+        d = self.driver
+        if stream is None:
+            check(d, d.cuMemcpyDtoD(d.CUdeviceptr(int(dst)), d.CUdeviceptr(int(src)), int(nbytes)), "cuMemcpyDtoD")
+        else:
+            check(d, d.cuMemcpyDtoDAsync(d.CUdeviceptr(int(dst)), d.CUdeviceptr(int(src)), int(nbytes),
+                                         d.CUstream(stream)), "cuMemcpyDtoDAsync")
+
+    def memset(self, dst: int, nbytes: int, value: int = 0, stream: int | None = None) -> None:
+        d = self.driver
+        if stream is None:
+            check(d, d.cuMemsetD8(d.CUdeviceptr(int(dst)), int(value), int(nbytes)), "cuMemsetD8")
+        else:
+            check(d, d.cuMemsetD8Async(d.CUdeviceptr(int(dst)), int(value), int(nbytes), d.CUstream(stream)),
+                  "cuMemsetD8Async")
+
+    def stream(self) -> int:
+        """cuStreamCreate: a new non-blocking stream (its raw handle, for `launch(stream=...)`)."""
+        self._make_current()
+        d = self.driver
+        return int(check(d, d.cuStreamCreate(1), "cuStreamCreate"))  # 1: CU_STREAM_NON_BLOCKING
+
+    def sync(self, stream: int | None = None) -> None:
+        d = self.driver
+        if stream is None:
+            check(d, d.cuCtxSynchronize(), "cuCtxSynchronize")
+        else:
+            check(d, d.cuStreamSynchronize(d.CUstream(stream)), "cuStreamSynchronize")
 
 
 _kernels: dict[int, Kernels] = {}

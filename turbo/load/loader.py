@@ -10,11 +10,13 @@ options arrive resolved: nothing here reads the environment.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
-from ..backends import native_dflash, native_lib, native_trunk, ops
+from ..backends import cuda_kernels, native_dflash, native_lib, native_trunk, ops
+from ..backends.cuda_step.step import CudaTrunkStep
 from ..backends.torch_step import TorchDflashStep, TorchMtpStep, TorchTrunkStep
 from ..drafters.dflash import DFLASH_RESIDUAL_SCALE, DflashDrafter, DflashLayer, DflashWeights
 from ..drafters.dflash_config import (DflashConfig, DflashShape, derive_published_shape, derive_shape,
@@ -101,7 +103,19 @@ def read_trunk(install: Install, plan: TrunkPlan, device: torch.device) -> Trunk
         layers = [ops.to_device(layer, device) for layer in layers]
     weights = TrunkWeights(embed, lm_head, final_norm, layers, inv_freq)
     step = TorchTrunkStep if plan.why_torch else native_trunk.NativeTrunkStep
+    if os.environ.get(CUDA_STEP_ENV) == "1" and device.type == "cpu":  # issue #55: opt-in, device-unverified
+        step = cuda_trunk_step
     return Trunk(a, weights, plan.dtype, device, plan.kv, step, plan.why_torch)
+
+
+# TURBO_CUDA_STEP=1: the trunk's step runs on CUDA device 0 through the driver API (turbo/backends/
+# cuda_step: matrices resident as stored, buffers at open), everything else where the backend runs it
+# (the CPU); with TURBO_CUDA_SIM=1 on the simulated device. Opt-in until a GPU has run it.
+CUDA_STEP_ENV = "TURBO_CUDA_STEP"
+
+
+def cuda_trunk_step(trunk: Trunk):
+    return CudaTrunkStep(trunk, cuda_kernels.Kernels(0))
 
 
 # ---- the drafters ---------------------------------------------------------------------------

@@ -143,7 +143,11 @@ class StageWorker:
     def __init__(self, group: Group, stage: Stage, trunk: Trunk, last: bool):
         self.group, self.stage, self.trunk, self.last = group, stage, trunk, last
         self.states: dict[int, TrunkState] = {}  # rank 0's state id -> this stage's part of it
-        self.snaps: dict[int, RecurrentSnapshot] = {}  # rank 0's snapshot id -> this stage's part
+        # rank 0's snapshot id -> this stage's part: the recurrent snapshot and its K/V rows below its
+        # position, layer -> K, V [Hkv, pos, d]. Rank 0's prefix cache copies its own layers' K/V into
+        # and out of a state around a snapshot (state_cache.keep_copy / restore); a stage keeps its
+        # layers' with the snapshot, and a restore puts them back (where they are already, the same rows)
+        self.snaps: dict[int, tuple[RecurrentSnapshot, dict[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
         self.traces: dict[int, dict[int, GdnTrace]] = {}  # state id -> its last step's traces (a rollback's)
 
     def state(self, sid: int) -> TrunkState:
@@ -178,10 +182,16 @@ class StageWorker:
                     self.traces[sid] = tr
             send_rows(self.group, rows, self.stage, self.last)
         elif cmd.kind == "snapshot":
-            self.snaps[cmd.snap] = t.snapshot(self.state(cmd.sids[0]))
+            st = self.state(cmd.sids[0])
+            kv = {i: (k[:, :st.pos].clone(), v[:, :st.pos].clone()) for i, (k, v) in st.kv.items()}
+            self.snaps[cmd.snap] = (t.snapshot(st), kv)
         elif cmd.kind == "restore":
             st = self.state(cmd.sids[0])
-            t.restore(st, self.snaps[cmd.snap])
+            snap, kv = self.snaps[cmd.snap]
+            t.reserve(st, snap.pos)
+            for i, (k, v) in kv.items():
+                st.kv[i][0][:, :k.shape[1]], st.kv[i][1][:, :v.shape[1]] = k, v
+            t.restore(st, snap)
         elif cmd.kind == "rollback":
             st = self.state(cmd.sids[0])
             t.rollback(st, StepOut(None, None, None, self.traces.get(cmd.sids[0], {})), cmd.rows, cmd.kept, cmd.mode)

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -201,3 +202,33 @@ def test_a_rank_that_dies_ends_every_process_in_one_line(tmp_path):
     time.sleep(0.5)
     assert not _children(p.pid) and not Path(f"/proc/{rank1}").exists() or \
         Path(f"/proc/{rank1}/stat").read_text().split(") ")[1].startswith("Z")
+
+
+# ---- the server over a pipeline -----------------------------------------------------------
+
+
+def test_the_server_over_a_pipeline_answers_concurrent_clients_as_each_alone(pair, tmp_path):
+    openai = pytest.importorskip("openai")
+    pytest.importorskip("fastapi")
+    from turbo.testing.checks import served_address
+
+    one, _ = pair
+    cmd = [sys.executable, "-m", "turbo", "task=serve", "serve.port=0", "threads=2", "backend=cpu",
+           "parallel.pipeline=2", "serve.max_running=4", "drafter=dflash", "+policy=fixed", "block=4"]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = served_address(proc)
+        assert line.startswith("serving on http://127.0.0.1:"), line
+        client = openai.OpenAI(base_url=line.split()[-1] + "/v1", api_key="none", max_retries=0)
+        prompts = [PROMPT, "class Stack:", "import numpy as np\n", "The capital of France"]
+        with ThreadPoolExecutor(4) as pool:  # four requests in one running batch (step_many over the stages)
+            got = list(pool.map(lambda p: client.completions.create(model="tiny", prompt=p, max_tokens=24,
+                                                                     temperature=0).choices[0].text, prompts))
+        want = [one.generate(p, max_new_tokens=24, drafter="dflash", policy="fixed", block=4).text for p in prompts]
+        assert got == want
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()

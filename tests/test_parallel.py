@@ -7,7 +7,9 @@ extend, a batch's step_many; and a rank that dies ends every process in one line
 from __future__ import annotations
 
 import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -232,3 +234,26 @@ def test_the_server_over_a_pipeline_answers_concurrent_clients_as_each_alone(pai
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+# ---- torchrun: two "machines" on this one ----------------------------------------------------
+
+
+def test_two_torchrun_nodes_on_localhost_give_the_single_process_tokens(tmp_path):
+    torchrun = shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not on PATH")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = ["-m", "turbo", f"prompt='{PROMPT}'", "max_new_tokens=24", "stop_at_eos=false", "backend=cpu",
+            "threads=1", "drafter=ngram", "+policy=fixed", "block=4"]
+    nodes = [subprocess.Popen([torchrun, "--nnodes", "2", "--node-rank", str(n), "--nproc-per-node", "1",
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), *args,
+                               "parallel.pipeline=2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=tmp_path) for n in (1, 0)]
+    alone = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    outs = [p.communicate(timeout=120) for p in nodes]
+    assert [p.returncode for p in nodes] == [0, 0], [o[1][-3000:] for o in outs]
+    assert alone.returncode == 0 and alone.stdout.strip()
+    assert outs[1][0] == alone.stdout and outs[0][0] == ""  # rank 0 prints; rank 1 serves its stage

@@ -44,10 +44,16 @@ def abort(line: str, code: int = 1) -> None:
 class Group:
     """This rank's view of the world: its rank, the world size and the gloo group."""
 
-    def __init__(self, rank: int, world: int, host: str, port: int, timeout: timedelta = CALL_TIMEOUT):
+    def __init__(self, rank: int, world: int, host: str, port: int, timeout: timedelta = CALL_TIMEOUT,
+                 hosted: bool | None = None):
+        """hosted: this rank serves the TCP store (None: rank 0 does). Under torchrun the agent
+        already serves one on MASTER_PORT (TORCHELASTIC_USE_AGENT_STORE): every rank is its client."""
         self.rank, self.world = rank, world
-        # rank 0 serves the store; the others connect to it (wait_for_workers: rank 0 returns once all joined)
-        self.store = dist.TCPStore(host, port, world, rank == 0, timeout=timeout, wait_for_workers=True)
+        serve = rank == 0 if hosted is None else hosted
+        # (wait_for_workers on every rank: a client that does not wait is not counted, and the one
+        # serving the store would wait for it for ever)
+        store = dist.TCPStore(host, port, world, serve, timeout=timeout, wait_for_workers=True)
+        self.store = dist.PrefixStore("turbo.parallel/", store)  # (beside torchrun's own keys)
         self.pg = dist.ProcessGroupGloo(self.store, rank, world, timeout)
         self.from0 = dist.BroadcastOptions()
         self.from0.rootRank, self.from0.rootTensor = 0, 0

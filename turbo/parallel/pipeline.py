@@ -11,11 +11,13 @@ from __future__ import annotations
 
 import atexit
 import itertools
+import os
 import sys
 import threading
 import time
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
@@ -27,7 +29,7 @@ from ..sequence.options import OpenOptions
 from ..store.install import Install
 from .group import Group, abort, free_port, share_threads
 from .plan import Stage, check_plan, layer_bytes, stages
-from .stage import Command, load_stage, local_aux, plan_for, run_rows, send_rows, worker_main
+from .stage import Command, load_stage, local_aux, plan_for, run_rows, send_rows, serve_rank, worker_main
 
 SID = "parallel.sid"  # a TrunkState's scratch key: its id on every rank
 READY_TIMEOUT_S = 600.0  # every stage loaded (a large install maps in seconds; the spawn imports torch)
@@ -56,13 +58,15 @@ class Ranks:
                     self.lost(r, f"exit code {p.exitcode}")
             time.sleep(0.2)
 
-    def lost(self, rank: int, why: str) -> None:
-        """A rank is gone: every other rank ended, one line here, this process ends."""
+    def lost(self, rank: int | None, why: str) -> None:
+        """A rank is gone: every other rank ended, one line here, this process ends (the ranks
+        torchrun started end as their sockets to this one close)."""
         self.stopping = True
         for p in self.procs:
             if p.exitcode is None:
                 p.kill()
-        abort(f"rank {rank} ended ({why}); every rank stopped")
+        who = f"rank {rank}" if rank is not None else "a rank"
+        abort(f"{who} ended ({why}); every rank stopped")
 
     def first_lost(self) -> int | None:
         return next((r for r, p in enumerate(self.procs, start=1) if p.exitcode is not None), None)
@@ -75,6 +79,9 @@ class Ranks:
         try:
             if self.first_lost() is None:
                 self.group.tell(Command("stop", []))
+                # every rank has left its loop before this one goes on to exit: no rank is still
+                # inside a gloo call on a socket this process's exit closes
+                self.group.store.wait([f"stopped{r}" for r in range(1, self.group.world)], timedelta(seconds=10))
         except Exception:
             pass
         for p in self.procs:
@@ -110,8 +117,7 @@ class PipelineTrunk(Trunk):
             return fn()
         except Exception as e:
             time.sleep(0.5)  # (the watchdog names the rank whose process ended, where one did)
-            lost = self.ranks.first_lost()
-            self.ranks.lost(lost if lost is not None else -1, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            self.ranks.lost(self.ranks.first_lost(), str(e).splitlines()[0] if str(e) else type(e).__name__)
 
     def _sid(self, st: TrunkState) -> int:
         sid = st.scratch.get(SID)
@@ -228,24 +234,45 @@ class PipelineTrunk(Trunk):
         self.ranks.stop()
 
 
+def launched(environ=None) -> dict[str, str] | None:
+    """torchrun's variables where it started this process (env:// rendezvous), else None."""
+    env = os.environ if environ is None else environ
+    keys = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: env[k] for k in keys + ("LOCAL_WORLD_SIZE", "TORCHELASTIC_USE_AGENT_STORE") if k in env} \
+        if all(env.get(k) for k in keys) else None
+
+
 def open_pipeline(install: Install, opts: OpenOptions) -> PipelineTrunk:
-    """The plan checked (one line, before any rank starts), the ranks spawned (torch.multiprocessing,
-    spawn: a fork would copy this process's threads and locks), each loading its stage, rank 0
-    loading stage 0; the threads shared among the ranks (threads // world each)."""
+    """The plan checked (one line, before any rank starts), the ranks started, each loading its
+    stage, rank 0 loading stage 0; the threads shared among a machine's ranks (threads // ranks).
+
+    Started here (torch.multiprocessing, spawn: a fork would copy this process's threads and
+    locks), or by torchrun (env:// rendezvous: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), where
+    every process runs the same command: rank 0 goes on as the runtime, every other rank serves
+    its stage and its process ends with the pipeline (it never returns here)."""
     par = opts.parallel
     check_plan(install.arch, par)
     plan = plan_for(install, opts)  # (refuses the torch step; builds the native library once, here)
     world = par.world
     cut = stages(layer_bytes(install.index.entries, install.arch.num_layers), par.pipeline)
     threads = opts.threads or torch.get_num_threads()
-    torch.set_num_threads(share_threads(threads, world))
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=worker_main, args=(r, world, port, str(install.path), opts, threads, cut),
-                         daemon=True, name=f"turbo-rank{r}") for r in range(1, world)]
-    for p in procs:
-        p.start()
-    group = Group(0, world, "127.0.0.1", port)
+    env = launched()
+    if env is not None:  # (check_plan held WORLD_SIZE to the plan's world)
+        torch.set_num_threads(share_threads(threads, int(env.get("LOCAL_WORLD_SIZE", "1"))))
+        group = Group(int(env["RANK"]), world, env["MASTER_ADDR"], int(env["MASTER_PORT"]),
+                      hosted=False if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else None)
+        if group.rank:
+            serve_rank(group, install, opts, cut)  # (ends the process)
+        procs = []
+    else:
+        torch.set_num_threads(share_threads(threads, world))
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=worker_main, args=(r, world, port, str(install.path), opts, threads, cut),
+                             daemon=True, name=f"turbo-rank{r}") for r in range(1, world)]
+        for p in procs:
+            p.start()
+        group = Group(0, world, "127.0.0.1", port)
     ranks = Ranks(procs, group)
     atexit.register(ranks.stop)
     local = load_stage(install, plan, cut[0], first=True)

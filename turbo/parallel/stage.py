@@ -166,6 +166,7 @@ class StageWorker:
                 if what == "state":
                     self.traces.pop(i, None)
             if cmd.kind == "stop":
+                self.group.store.set(f"stopped{self.group.rank}", "1")  # (rank 0 leaves after every rank)
                 return
             self.run(cmd)
 
@@ -223,14 +224,21 @@ def worker_main(rank: int, world: int, port: int, install_path: str, opts: OpenO
         group = Group(rank, world, "127.0.0.1", port)
     except Exception as e:  # (rank 0 gone before the rendezvous)
         abort(f"rank {rank}: could not join the group ({str(e).splitlines()[0] if str(e) else type(e).__name__})")
+    serve_rank(group, open_install(install_path), opts, stages)
+
+
+def serve_rank(group: Group, install: Install, opts: OpenOptions, stages: list[Stage]) -> None:
+    """A rank other than 0, joined: its stage loaded, then rank 0's commands until "stop"; this
+    process ends there (it exists for this). Any failure is one line naming the rank."""
+    rank = group.rank
     try:
-        install = open_install(install_path)
         stage = stages[rank]
         trunk = load_stage(install, plan_for(install, opts), stage, first=False)
         group.store.set(f"ready{rank}", "1")  # rank 0 waits for every stage before its first step
-        StageWorker(group, stage, trunk, last=rank == world - 1).serve()
+        StageWorker(group, stage, trunk, last=rank == group.world - 1).serve()
     except Exception as e:
         what = str(e).splitlines()[0] if str(e) else type(e).__name__
         abort(f"rank {rank}: {what} (a peer rank ended, or this stage failed)")
     sys.stdout.flush()
+    sys.stderr.flush()
     os._exit(0)

@@ -28,7 +28,7 @@ from ..model.trunk import RecurrentSnapshot, Trunk
 from ..sequence.options import OpenOptions
 from ..store.install import Install
 from .group import Group, abort, free_port, share_threads
-from .plan import Stage, check_plan, layer_bytes, stages
+from .plan import Stage, check_plan, layer_bytes, rank0_bytes, stages
 from .stage import Command, load_stage, local_aux, plan_for, run_rows, send_rows, serve_rank, worker_main
 
 SID = "parallel.sid"  # a TrunkState's scratch key: its id on every rank
@@ -230,6 +230,22 @@ class PipelineTrunk(Trunk):
         logits = self._head(asked).split(logit_rows)
         return [StepOut(lg, xi, ax, tr) for lg, xi, ax, tr in zip(logits, xs, aux, traces)]
 
+    def ping(self, rows: int) -> float:
+        """Seconds for `rows` hidden rows [rows, H] to go round every stage untouched (the hops' cost
+        alone: scripts/bench_parallel.py)."""
+        g = self.group
+        with self.lock:
+            x = torch.zeros(rows, self.arch.hidden)
+            t = time.perf_counter()
+            self._tell(Command("ping", [], rows=rows))
+            self._comm(lambda: g.send(x, 1))
+            self._comm(lambda: g.recv((rows, self.arch.hidden), g.world - 1))
+            return time.perf_counter() - t
+
+    def pids(self) -> list[int]:
+        """The spawned ranks' process ids (rank 1 on; none under torchrun)."""
+        return [p.pid for p in self.ranks.procs]
+
     def close(self) -> None:
         self.ranks.stop()
 
@@ -254,7 +270,8 @@ def open_pipeline(install: Install, opts: OpenOptions) -> PipelineTrunk:
     check_plan(install.arch, par)
     plan = plan_for(install, opts)  # (refuses the torch step; builds the native library once, here)
     world = par.world
-    cut = stages(layer_bytes(install.index.entries, install.arch.num_layers), par.pipeline)
+    entries = install.index.entries
+    cut = stages(layer_bytes(entries, install.arch.num_layers), par.pipeline, rank0_bytes(entries))
     threads = opts.threads or torch.get_num_threads()
     env = launched()
     if env is not None:  # (check_plan held WORLD_SIZE to the plan's world)

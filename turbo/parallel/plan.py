@@ -80,10 +80,18 @@ def layer_bytes(entries: Mapping[str, Entry], layers: int) -> list[int]:
     return sizes
 
 
-def stages(sizes: list[int], count: int) -> list[Stage]:
+def rank0_bytes(entries: Mapping[str, Entry]) -> int:
+    """What rank 0 holds beside its layers: the embedding and the head (trunk tensors not in a layer)."""
+    head = PREFIX + "layers."
+    return sum(e.size_bytes + e.scale_size + e.bias_size for name, e in entries.items()
+               if name.startswith(PREFIX) and not name.startswith(head))
+
+
+def stages(sizes: list[int], count: int, first_extra: int = 0) -> list[Stage]:
     """`count` contiguous ranges of the layers whose `sizes` are given, each at least one layer,
-    the largest stage's bytes as small as can be (a stage's time is about its bytes read: the
-    slowest stage sets the pipeline's pace). Exact by dynamic programming: n x count is small."""
+    the largest stage's bytes as small as can be (a stage's memory and time are about its bytes:
+    the slowest stage sets the pipeline's pace); the first stage also holds `first_extra` bytes
+    (rank 0's embedding and head). Exact by dynamic programming: n x count is small."""
     n = len(sizes)
     if not 1 <= count <= n:
         raise ValueError(f"{count} stages over {n} layers")
@@ -98,7 +106,7 @@ def stages(sizes: list[int], count: int) -> list[Stage]:
     for k in range(1, count + 1):
         for j in range(k, n + 1):
             for i in range(k - 1, j):
-                worst = max(best[k - 1][i], prefix[j] - prefix[i])
+                worst = max(best[k - 1][i], prefix[j] - prefix[i] + (first_extra if k == 1 else 0))
                 if worst < best[k][j]:  # (strict: ties keep the earlier cut, so the plan is stable)
                     best[k][j], cut[k][j] = worst, i
     bounds, j = [], n

@@ -111,7 +111,8 @@ def run_rows(trunk: Trunk, stage: Stage, kind: str, states: list[TrunkState], to
 class Command:
     """What rank 0 tells every other rank, one per trunk call.
 
-    kind: "step" | "prefill" | "extend" (rows through every stage), "snapshot" | "restore" |
+    kind: "step" | "prefill" | "extend" (rows through every stage), "ping" (`rows` rows passed
+    stage to stage untouched: a hop's cost), "snapshot" | "restore" |
     "rollback" (a state's recurrent part, on each stage for its layers), "stop".
     sids: the states (rank 0's ids); freed: ids of states and snapshots rank 0 no longer holds."""
 
@@ -182,6 +183,9 @@ class StageWorker:
                 for sid, (_, _, tr) in zip(cmd.sids, rows.per):
                     self.traces[sid] = tr
             send_rows(self.group, rows, self.stage, self.last)
+        elif cmd.kind == "ping":  # (scripts/bench_parallel.py: a hop's cost, rows passed on untouched)
+            x = self.group.recv((cmd.rows, t.arch.hidden), self.group.rank - 1)
+            self.group.send(x, 0 if self.last else self.group.rank + 1)
         elif cmd.kind == "snapshot":
             st = self.state(cmd.sids[0])
             kv = {i: (k[:, :st.pos].clone(), v[:, :st.pos].clone()) for i, (k, v) in st.kv.items()}

@@ -61,11 +61,11 @@ def test_plans_the_model_cannot_take_are_refused_in_one_line(tmp_path):
 def test_the_cli_refuses_a_plan_in_one_line_without_starting_ranks(tmp_path):
     started = time.monotonic()
     p = subprocess.run([sys.executable, "-m", "turbo", "prompt=hi", "max_new_tokens=2", "parallel.pipeline=99",
-                        "backend=cpu"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                        "backend=cpu"], capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False)
     assert p.returncode == 2, p.stderr
     assert p.stderr.strip() == "error: parallel.pipeline=99: the model has only 8 layers (one stage holds at least one)"
     bad = subprocess.run([sys.executable, "-m", "turbo", "prompt=hi", "parallel.pipes=2"],
-                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "parallel.pipeline" in bad.stderr
     assert time.monotonic() - started < 60
 
@@ -93,12 +93,12 @@ def pair():
     two.trunk.close()
 
 
-CASES = [dict(policy="off"),
-         dict(policy="fixed", block=1, drafter="dflash"),
-         dict(policy="fixed", block=4, drafter="dflash"),
-         dict(policy="fixed", block=8, drafter="dflash", rollback="replay"),
-         dict(policy="fixed", block=4, drafter="ngram"),
-         dict(policy="fixed", block=8, drafter="ngram", rollback="replay")]
+CASES = [{"policy": "off"},
+         {"policy": "fixed", "block": 1, "drafter": "dflash"},
+         {"policy": "fixed", "block": 4, "drafter": "dflash"},
+         {"policy": "fixed", "block": 8, "drafter": "dflash", "rollback": "replay"},
+         {"policy": "fixed", "block": 4, "drafter": "ngram"},
+         {"policy": "fixed", "block": 8, "drafter": "ngram", "rollback": "replay"}]
 
 
 def test_pipeline_greedy_tokens_equal_the_single_process(pair):
@@ -253,7 +253,7 @@ def test_two_torchrun_nodes_on_localhost_give_the_single_process_tokens(tmp_path
                                "--master-addr", "127.0.0.1", "--master-port", str(port), *args,
                                "parallel.pipeline=2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               cwd=tmp_path) for n in (1, 0)]
-    alone = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    alone = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=tmp_path, timeout=120, check=False)
     outs = [p.communicate(timeout=120) for p in nodes]
     assert [p.returncode for p in nodes] == [0, 0], [o[1][-3000:] for o in outs]
     assert alone.returncode == 0 and alone.stdout.strip()

@@ -29,7 +29,16 @@ from ..sequence.options import OpenOptions
 from ..store.install import Install
 from .group import Group, abort, free_port, share_threads
 from .plan import Stage, check_plan, layer_bytes, rank0_bytes, stages
-from .stage import Command, load_stage, local_aux, plan_for, run_rows, send_rows, serve_rank, worker_main
+from .stage import (
+    Command,
+    load_stage,
+    local_aux,
+    plan_for,
+    run_rows,
+    send_rows,
+    serve_rank,
+    worker_main,
+)
 
 SID = "parallel.sid"  # a TrunkState's scratch key: its id on every rank
 READY_TIMEOUT_S = 600.0  # every stage loaded (a large install maps in seconds; the spawn imports torch)
@@ -181,7 +190,8 @@ class PipelineTrunk(Trunk):
                 for stage in self.stages[1:]:
                     n = len(local_aux(al, stage))
                     if n:
-                        cols.append(self._comm(lambda: g.recv((len(tk), n * h), stage.rank)))
+                        shape = (len(tk), n * h)
+                        cols.append(self._comm(lambda shape=shape, src=stage.rank: g.recv(shape, src)))
                 aux.append(torch.cat(cols, dim=1) if cols else None)
         offs = list(itertools.accumulate([len(tk) for tk in tokens], initial=0))
         return x, [x[offs[s]:offs[s + 1]] for s in range(len(tokens))], aux, [p[2] for p in mine.per]
@@ -224,7 +234,7 @@ class PipelineTrunk(Trunk):
             if not tk or not 0 <= k <= len(tk) or rb not in (None, "checkpoint", "replay"):
                 raise ValueError(f"step_many: {len(tk)} tokens, {k} logit rows, rollback {rb!r}")
             self.reserve(st, st.pos + len(tk))
-        x, xs, aux, traces = self._run("step", states, [list(t) for t in tokens], [tuple(a) for a in aux_layers],
+        _, xs, aux, traces = self._run("step", states, [list(t) for t in tokens], [tuple(a) for a in aux_layers],
                                        list(rollback))
         asked = torch.cat([xi[xi.shape[0] - k:] for xi, k in zip(xs, logit_rows)])
         logits = self._head(asked).split(logit_rows)

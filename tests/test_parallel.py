@@ -116,6 +116,15 @@ def test_pipeline_greedy_tokens_equal_the_single_process(pair):
     assert rollbacks > 0 and replayed > 0  # both rollbacks ran (their states on both stages)
 
 
+def test_pipeline_keeps_adaptive_mtp_sampling_and_grammars_unchanged(pair):
+    one, two = pair
+    for kw in ({"policy": "adaptive", "drafter": "dflash"}, {"policy": "fixed", "block": 2, "drafter": "mtp"},
+               {"temperature": 0.8, "seed": 3, "policy": "fixed", "block": 4, "drafter": "dflash"},
+               {"response_format": {"type": "json_object"}, "policy": "fixed", "block": 4, "drafter": "ngram"}):
+        assert one.generate(PROMPT, max_new_tokens=24, **kw).tokens == two.generate(PROMPT, max_new_tokens=24,
+                                                                                    **kw).tokens, kw
+
+
 def test_pipeline_long_prompt_is_chunked_and_a_session_extends(pair):
     one, two = pair
     ids = [(13 * i + 5) % one.install.arch.vocab for i in range(300)]  # past PREFILL_CHUNK (256): two chunks

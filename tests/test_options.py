@@ -9,7 +9,7 @@ from omegaconf import OmegaConf
 
 from turbo.config import GENERATION_KEYS, OPEN_KEYS, run_config
 from turbo.drafters.ngram import NgramConfig
-from turbo.sequence.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions
+from turbo.sequence.options import GENERATION_FIELDS, OPEN_FIELDS, GenerationOptions, OpenOptions, Parallel
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,4 +42,6 @@ def test_every_option_is_a_config_key():
     assert set(GENERATION_FIELDS) <= keys
     assert set(GENERATION_KEYS) == set(GENERATION_FIELDS) - {"max_new_tokens", "policy", "ngram"}
     from_env = {"native", "quant_cpu", "bf16_products", "cache_dir", "compiler", "ptx_dir", "draft_defaults"}
-    assert set(OPEN_KEYS) == set(OPEN_FIELDS) - from_env and set(OPEN_KEYS) <= keys
+    # parallel: the `parallel:` node's keys (as ngram's), each a field of Parallel with its default
+    assert set(OPEN_KEYS) == set(OPEN_FIELDS) - from_env - {"parallel"} and set(OPEN_KEYS) <= keys
+    assert dict(OmegaConf.load(ROOT / "conf" / "config.yaml").parallel) == asdict(Parallel())

@@ -16,7 +16,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from .drafters.ngram import NgramConfig
 from .errors import TurboError
-from .sequence.options import GenerationOptions, OpenOptions, check_n
+from .sequence.options import PARALLEL_AXES, GenerationOptions, OpenOptions, Parallel, check_n
 
 
 @dataclass(frozen=True)
@@ -59,6 +59,19 @@ def _ngram(cfg: DictConfig) -> NgramConfig:
     if unknown:
         raise TurboError(f"config: ngram.{unknown[0]} is not one of {', '.join(NGRAM_KEYS)}")
     return NgramConfig(**{str(k): v for k, v in node.items()})
+
+
+def _parallel(cfg: DictConfig) -> Parallel:
+    """The `parallel:` block (conf/config.yaml); Parallel checks the values."""
+    node = cfg.get("parallel")
+    if node is None:
+        return Parallel()
+    if not isinstance(node, DictConfig):
+        raise TurboError(f"config: parallel={node!r}, expected a mapping of {', '.join(PARALLEL_AXES)}")
+    unknown = [k for k in node if k not in PARALLEL_AXES]
+    if unknown:
+        raise TurboError(f"config: parallel.{unknown[0]} is not one of {', '.join(PARALLEL_AXES)}")
+    return Parallel(**{str(k): v for k, v in node.items() if v is not None})
 
 
 # the keys that set an option of the same name; null (or absent) leaves the option's default
@@ -166,7 +179,7 @@ def run_config(cfg: DictConfig, stdin: BinaryIO | None = None) -> RunConfig:
     policy = cfg.get("policy")
     name = policy.get("name") if isinstance(policy, DictConfig) else policy
     max_new = cfg.get("max_new_tokens")
-    opening = OpenOptions.from_env(**_given(cfg, OPEN_KEYS))
+    opening = OpenOptions.from_env(**_given(cfg, OPEN_KEYS), parallel=_parallel(cfg))
     generation = GenerationOptions(
         max_new_tokens=max_new if max_new is not None else workload.max_new_tokens, policy=str(name),
         ngram=_ngram(cfg), **_given(cfg, GENERATION_KEYS))

@@ -31,6 +31,7 @@ from .drafters.ngram import NgramConfig, NgramDrafter
 from .errors import TurboError, checked_text
 from .load.install_check import check_install
 from .load.loader import load_drafter, load_trunk
+from .parallel import open_pipeline
 from .sequence.driver import DrafterPool, Driver, Job, RoundEvent, choice_options
 from .sequence.grammar import Grammars
 from .sequence.options import GenerationOptions, OpenOptions, check_n, fit_context, integer
@@ -85,7 +86,8 @@ class Runtime:
         self.drafter_config = check_install(install, self.tokenizer)  # the DFlash drafter's, parsed (or None)
         # the policy a generation that names none takes, per drafter (the environment's, read at open)
         self.draft_defaults = {kind: DraftPolicy(name, block) for kind, name, block in opts.draft_defaults}
-        self.trunk = load_trunk(install, opts, self.device)
+        # one model over several processes (turbo/parallel): the plan refused in one line before any rank loads
+        self.trunk = open_pipeline(install, opts) if opts.parallel.world > 1 else load_trunk(install, opts, self.device)
         self.grammars = Grammars(tok.read_text(encoding="utf-8"), install.arch.vocab)  # response_format's
         # the install's drafters (built on first use) and their forks for the server's batches
         self.drafters = DrafterPool(lambda kind, window, ngram: NgramDrafter(ngram) if kind == "ngram"

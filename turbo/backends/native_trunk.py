@@ -153,11 +153,13 @@ class NativeTrunkStep:
         return logits
 
     def _rows(self, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
-              rollback: list[str | None], mm: list | None = None
+              rollback: list[str | None], mm: list | None = None, x0: torch.Tensor | None = None
               ) -> list[tuple[torch.Tensor, torch.Tensor | None, dict[int, GdnTrace]]]:
         """Each sequence's rows through every layer, all sequences in one call per layer:
         per sequence (its residual stream x [R, H], a view of the call's, aux, traces). mm: per
-        sequence None or (image rows, their embeddings, the rows' rotation [R, rot/2] int32)."""
+        sequence None or (image rows, their embeddings, the rows' rotation [R, rot/2] int32).
+        x0 [sum R, H] fp32: the rows' residual stream as a previous pipeline stage left it
+        (turbo/parallel), in place of the embedding (None: embed the tokens)."""
         t = self.trunk
         a, lib = t.arch, threaded()
         n, rows = len(states), [len(tk) for tk in tokens]
@@ -170,7 +172,9 @@ class NativeTrunkStep:
         total, offs = sum(rows), [sum(rows[:s]) for s in range(n)]
         x = torch.empty(total, a.hidden)  # [sum R, H]: the residual stream, updated in place layer by layer
         xp = x.data_ptr()
-        if isinstance(t.embed, quant.QuantizedRows):  # (rows dequantized here, not the whole table)
+        if x0 is not None:
+            x.copy_(x0)
+        elif isinstance(t.embed, quant.QuantizedRows):  # (rows dequantized here, not the whole table)
             x.copy_(t.embed[flat])
         else:
             lib.embed_rows(*table_of(t.embed), (ctypes.c_int * total)(*flat), total, a.hidden, xp)

@@ -14,7 +14,7 @@ import math
 import operator
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from ..drafters import is_drafter
@@ -37,6 +37,50 @@ ROLLBACKS = ("checkpoint", "replay")  # GenerationOptions.rollback
 TRUNCATIONS = ("none", "left")  # GenerationOptions.truncate_prompt
 OWN_DRAFTERS = ("auto", "dflash", "mtp")  # served by the install's own weights (turbo.sequence.policy.DRAFTERS adds ngram)
 POLICY_ENVS = {"dflash": "TURBO_DFLASH_DRAFT", "mtp": "TURBO_MTP_DRAFT"}
+
+
+PARALLEL_AXES = ("pipeline", "tensor", "experts")  # Parallel's fields, the config's parallel.* keys
+
+
+@dataclass(frozen=True)
+class Parallel:
+    """How one model is split over processes (turbo/parallel): `pipeline` stages of contiguous
+    layers, `tensor` ranks per stage splitting each product by its outputs, `experts` ranks
+    sharing an MoE layer's routed experts. The world is their product (each axis its own ranks);
+    1 x 1 x 1 is the single process. What the model can take is checked at open
+    (turbo/parallel/plan.py), before any rank loads a weight."""
+
+    pipeline: int = 1
+    tensor: int = 1
+    experts: int = 1
+
+    def __post_init__(self) -> None:
+        for name in PARALLEL_AXES:
+            value = getattr(self, name)
+            n = integer(value)
+            if n is None or n < 1 or n > 4096:
+                raise TurboError(f"parallel.{name} is {value!r}, expected an integer in 1..4096",
+                                 field=f"parallel.{name}")
+            object.__setattr__(self, name, n)
+
+    @property
+    def world(self) -> int:
+        """The processes the model runs on."""
+        return self.pipeline * self.tensor * self.experts
+
+    @classmethod
+    def of(cls, value: object) -> "Parallel":
+        """A Parallel, or a mapping of its fields (the config's `parallel:` node, a keyword's dict)."""
+        if isinstance(value, Parallel):
+            return value
+        if isinstance(value, Mapping):
+            unknown = [k for k in value if k not in PARALLEL_AXES]
+            if unknown:
+                raise TurboError(f"parallel.{unknown[0]} is not one of {', '.join(PARALLEL_AXES)}",
+                                 field="parallel")
+            return cls(**{str(k): v for k, v in value.items() if v is not None})
+        raise TurboError(f"parallel of type {type(value).__name__}: expected a turbo Parallel or a mapping of "
+                         f"{', '.join(PARALLEL_AXES)}", field="parallel")
 
 
 @dataclass(frozen=True)
@@ -62,8 +106,11 @@ class OpenOptions:
     # (drafter, policy, block): what a generation that names no policy takes (TURBO_DFLASH_DRAFT,
     # TURBO_MTP_DRAFT: policy_from_env); none given: auto
     draft_defaults: tuple[tuple[str, str, int | None], ...] = ()
+    # one model over several processes (turbo/parallel): the config's parallel.pipeline / tensor / experts
+    parallel: Parallel = field(default_factory=lambda: Parallel())  # (integer() is defined below)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "parallel", Parallel.of(self.parallel))  # (a dict from a keyword or the config)
         check_threads(self.threads)
         check_flag("verbose", self.verbose)
         if self.dtype not in DTYPES:

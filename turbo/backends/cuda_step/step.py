@@ -153,6 +153,7 @@ class CudaTrunkStep:
         self.gstream = dev.stream(0) if graphs else 0
         dev = self.dev
         self._held: list[int] = []
+        self.sizes: dict[int, int] = {}  # bytes of each allocation (plan.py's accounting)
         up = self._upload
         self.embed = self._matrix(trunk.embed)
         if self.embed.fmt != "bf16":
@@ -221,6 +222,7 @@ class CudaTrunkStep:
     def _alloc(self, nbytes: int) -> int:
         ptr = self.dev.alloc(nbytes)
         self._held.append(ptr)
+        self.sizes[ptr] = nbytes
         return ptr
 
     def _upload(self, t: torch.Tensor) -> int:

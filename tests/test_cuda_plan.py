@@ -177,3 +177,15 @@ def test_the_graph_replays_the_eager_launch_list_with_its_bits(small):
     assert a.pos == b.pos
     cs.graphs = True
     cs.close()
+
+
+def test_gpu_check_cuda_step_section_runs(host_device, tmp_path):
+    """scripts/gpu_check.py's cuda_step section on the simulated device standing for both sides:
+    it runs, compares every output and finds eager == graphed == simulated bit for bit."""
+    if native_lib.library() is None:
+        pytest.skip(f"native step unavailable: {native_lib.why_not()}")
+    from scripts import gpu_check
+
+    res = gpu_check.cuda_step_check(tmp_path, device=host_device, sim=host_device, time_iters=2)
+    assert res["eager_vs_graphed"]["bit_equal"] and res["device_vs_simulated"]["bit_equal"], res
+    assert (tmp_path / "cuda_step.json").is_file()

@@ -12,6 +12,16 @@ then add_rms_norm (final norm) and the lm_head product; the logits and the hidde
 back in one download each. The residual stream x [R, H] lives on the device; each sublayer's
 output y is added by the next norm's launch.
 
+Graphs. Everything a launch reads that changes between two steps of one shape lives in device
+memory the host writes before the launches: the token ids [R] and the seq block (per GDN layer its
+windows, ext, state in / out and checkpoints as addresses; per attention layer its K, V addresses
+and the position p0: gdn_step_ind_f32 / attn_rows_ind_f32 read them), one HtoD each. So the
+launches' arguments are a function of (R, logit rows, aux layers) alone, and with graphs=True the
+device program of each such shape is captured once (cuStreamBeginCapture in global mode on a
+blocking stream of its own, cuStreamEndCapture, cuGraphInstantiate) and replayed with one
+cuGraphLaunch a step: ids and seq block up, the replay, logits and hidden rows down, one sync.
+graphs=False issues the same launches one by one (tests/test_cuda_plan.py: same signatures, same bits).
+
 State. Per sequence (TrunkState.scratch["cuda"], allocated at its first step): each GDN layer's
 state in two buffers [2, Hv, dk, dv] (a step that keeps a rollback writes the one it does not
 read: the other stays the trace's snapshot), its R-1 checkpoints [15, Hv, dk, dv], two conv

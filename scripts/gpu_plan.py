@@ -138,8 +138,8 @@ def _weights_by_kind(cs: CudaTrunkStep, rows: int) -> dict[str, float]:
 
 
 def table(results: list[dict]) -> str:
-    lines = ["| shape | quant | rows | launches / layer (GDN, attn) | launches / step | read / step | written / step "
-             "| floor (weights + state + K/V) | read / floor | H100 3.35 TB/s | H200 4.8 TB/s |",
+    lines = [("| shape | quant | rows | launches / layer (GDN, attn) | launches / step | read / step | written / step "
+              "| floor (weights + state + K/V) | read / floor | H100 3.35 TB/s | H200 4.8 TB/s |"),
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         per = r["per"]

@@ -161,6 +161,9 @@ class CudaTrunkStep:
         self._graphs: dict[tuple, object] = {}  # (rows, logit rows, aux slots) -> graph exec
         # blocking (flags 0): ordered with the legacy stream's copies (a snapshot's clone, _bring)
         self.gstream = dev.stream(0) if graphs else 0
+        if graphs:  # load the modules now: a module load is no call to make inside a capture
+            for module in ("step", "bgemv"):
+                dev.module(module)
         dev = self.dev
         self._held: list[int] = []
         self.sizes: dict[int, int] = {}  # bytes of each allocation (plan.py's accounting)

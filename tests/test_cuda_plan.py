@@ -189,3 +189,19 @@ def test_gpu_check_cuda_step_section_runs(host_device, tmp_path):
     res = gpu_check.cuda_step_check(tmp_path, device=host_device, sim=host_device, time_iters=2)
     assert res["eager_vs_graphed"]["bit_equal"] and res["device_vs_simulated"]["bit_equal"], res
     assert (tmp_path / "cuda_step.json").is_file()
+
+
+def test_graphed_prefill_past_a_launch_with_aux_rows_is_the_eager_ones(small):
+    """17 rows (graphs of 16 and 1 rows) with a layer's output kept (its DtoD copy inside the
+    graph): logits, hidden and aux rows bit-equal to the eager step's."""
+    trunk, dev = small
+    cs = CudaTrunkStep(trunk, dev, capacity=32, graphs=True)
+    prompt = [(13 * i) % 300 + 3 for i in range(17)]
+    outs = []
+    for graphs in (False, True):
+        cs.graphs = graphs
+        outs.append(cs.prefill(trunk.new_state(32), prompt, (0,), True))
+    for x, y in ((outs[0].logits, outs[1].logits), (outs[0].hidden, outs[1].hidden), (outs[0].aux, outs[1].aux)):
+        assert torch.equal(x, y)
+    assert set(cs._graphs) == {(16, 16, (0,)), (1, 1, (0,))}
+    cs.close()

@@ -116,8 +116,9 @@ embed_rows_bf16_f32(const unsigned short* __restrict__ table,  // [vocab, H] bf1
 #define GDN_MAXR 16
 #define GDN_MAXK 8
 
-extern "C" __global__ void __launch_bounds__(GDN_THREADS)
-gdn_step_f32(const float* __restrict__ proj,       // [R, P]
+// the body of gdn_step_f32 and gdn_step_ind_f32 (one code, two ways to name the state)
+static __device__ __forceinline__ void
+gdn_step_body(const float* __restrict__ proj,       // [R, P]
              const float* __restrict__ window_in,  // [K-1, C] conv inputs before the rows
              float* __restrict__ window_out,       // [K-1, C] after the rows
              float* __restrict__ ext,              // [K-1+R, C] or null: window then the rows' conv inputs
@@ -228,6 +229,30 @@ gdn_step_f32(const float* __restrict__ proj,       // [R, P]
     }
 }
 
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+gdn_step_f32(const float* __restrict__ proj, const float* __restrict__ window_in, float* __restrict__ window_out,
+             float* __restrict__ ext, const float* __restrict__ conv, const float* __restrict__ neg_a,
+             const float* __restrict__ dt_bias, const float* __restrict__ gnorm, const float* state_in,
+             float* state_out, float* __restrict__ states, float* __restrict__ out,
+             int R, int Hk, int dk, int Hv, int dv, int K, float eps)
+{
+    gdn_step_body(proj, window_in, window_out, ext, conv, neg_a, dt_bias, gnorm, state_in, state_out, states, out,
+                  R, Hk, dk, Hv, dv, K, eps);
+}
+
+// The same with the per-sequence, per-step addresses read from device memory (a CUDA graph bakes
+// its launch arguments at capture; the step writes this block before each replay):
+// seq [6] = window_in, window_out, ext, state_in, state_out, states (0: none) as 64-bit addresses.
+extern "C" __global__ void __launch_bounds__(GDN_THREADS)
+gdn_step_ind_f32(const float* __restrict__ proj, const unsigned long long* __restrict__ seq,
+                 const float* __restrict__ conv, const float* __restrict__ neg_a, const float* __restrict__ dt_bias,
+                 const float* __restrict__ gnorm, float* __restrict__ out,
+                 int R, int Hk, int dk, int Hv, int dv, int K, float eps)
+{
+    gdn_step_body(proj, (const float*)seq[0], (float*)seq[1], (float*)seq[2], conv, neg_a, dt_bias, gnorm,
+                  (const float*)seq[3], (float*)seq[4], (float*)seq[5], out, R, Hk, dk, Hv, dv, K, eps);
+}
+
 // ---- gated attention for R query rows of one sequence (docs/DESIGN.md 2.1) ----
 // proj [R, P] (P = 2 nh hd + 2 nkv hd: per q head [query hd | gate hd], then K nkv hd, then V
 // nkv hd). Rows sit at positions p0..p0+R-1 and attend causally to 0..p0+r. One block per
@@ -280,8 +305,9 @@ __device__ __forceinline__ void att_norm_rope(const float* src, float* dst, cons
     __syncthreads();
 }
 
-extern "C" __global__ void __launch_bounds__(ATT_THREADS)
-attn_rows_f32(const float* __restrict__ proj,     // [R, P]
+// the body of attn_rows_f32 and attn_rows_ind_f32
+static __device__ __forceinline__ void
+attn_rows_body(const float* __restrict__ proj,     // [R, P]
               float* __restrict__ kc,             // [nkv, cap, hd] fp32 K cache
               float* __restrict__ vc,             // [nkv, cap, hd] fp32 V cache
               const float* __restrict__ q_norm,   // [hd] (1 + w)
@@ -344,6 +370,27 @@ attn_rows_f32(const float* __restrict__ proj,     // [R, P]
         }
         __syncthreads();
     }
+}
+
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+attn_rows_f32(const float* __restrict__ proj, float* __restrict__ kc, float* __restrict__ vc,
+              const float* __restrict__ q_norm, const float* __restrict__ k_norm, const float* __restrict__ rope_cs,
+              float* __restrict__ scores, float* __restrict__ att,
+              int R, int p0, int cap, int nh, int nkv, int hd, int rot, float eps)
+{
+    attn_rows_body(proj, kc, vc, q_norm, k_norm, rope_cs, scores, att, R, p0, cap, nh, nkv, hd, rot, eps);
+}
+
+// The same with the sequence's K/V and its position read from device memory (see gdn_step_ind_f32):
+// seq [3] = kc, vc (64-bit addresses), p0.
+extern "C" __global__ void __launch_bounds__(ATT_THREADS)
+attn_rows_ind_f32(const float* __restrict__ proj, const unsigned long long* __restrict__ seq,
+                  const float* __restrict__ q_norm, const float* __restrict__ k_norm,
+                  const float* __restrict__ rope_cs, float* __restrict__ scores, float* __restrict__ att,
+                  int R, int cap, int nh, int nkv, int hd, int rot, float eps)
+{
+    attn_rows_body(proj, (float*)seq[0], (float*)seq[1], q_norm, k_norm, rope_cs, scores, att, R, (int)seq[2], cap,
+                   nh, nkv, hd, rot, eps);
 }
 
 // ---- MoE routing (native_moe.c route): per row, softmax of the router logits (the max, e^(l - max)

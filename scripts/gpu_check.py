@@ -30,6 +30,10 @@ Writes to $OUT:
                     torch's own, GB/s of weights read for 1 and 9 rows and that as a fraction of the
                     measured device-to-device copy bandwidth (`d2d_copy_GBps`, read + write bytes)
                     (runs last: a kernel fault there cannot spoil the other results)
+    cuda_step.json  the CUDA step (turbo/backends/cuda_step) on a random 2-layer install, eager and
+                    graphed on the device and on the simulated device (TURBO_CUDA_SIM's CUDA C on the
+                    host) with the same tokens: bit-equality eager vs graphed and device vs simulated
+                    (else the max differences), ms per decode step eager and graphed
     summary.json    pass/fail counts and the headline numbers
 Exit status: pytest's.
 """
@@ -343,6 +347,72 @@ def rows_products(out: Path, dev: str = "cuda", shapes: dict = ROWS_SHAPES, copy
     return res
 
 
+def _step_outputs(trunk, dev, graphs: bool, prompt: list[int], steps: list[int], block: list[int]) -> list:
+    """The CUDA step's outputs on `dev` (prefill, decode steps, a verify of `block` with checkpoints):
+    [(name, tensor)] in order, and the step's own launches a decode step."""
+    from turbo.backends.cuda_step.step import CudaTrunkStep
+
+    cs = CudaTrunkStep(trunk, dev, capacity=64, graphs=graphs)
+    st = trunk.new_state(64)
+    outs = [("prefill.logits", cs.prefill(st, prompt, (), True).logits)]
+    for i, t in enumerate(steps):
+        o = cs.step(st, [t], (), None)
+        outs += [(f"step{i}.logits", o.logits), (f"step{i}.hidden", o.hidden)]
+    v = cs.step(st, block, (), "checkpoint")
+    outs += [("verify.logits", v.logits), ("verify.hidden", v.hidden)]
+    cs.close()
+    return outs
+
+
+def cuda_step_check(out: Path, device=None, sim=None, time_iters: int = 50) -> dict:
+    """The CUDA step (turbo/backends/cuda_step) on the device, eager and graphed, against the simulated
+    device (turbo/backends/cuda_sim: the same kernels' CUDA C on the host) on the same random 2-layer
+    install and tokens: every output bit-equal eager vs graphed on the device, and device vs simulated
+    (else the max difference); then ms per decode step eager and graphed (the device's, `time_iters`
+    steps). `device`/`sim`: the launchers (default: cuda_kernels.kernels(0) and a HostDevice)."""
+    import tempfile
+
+    import torch
+
+    from turbo.backends import cuda_kernels
+    from turbo.backends.cuda_step.step import CudaTrunkStep
+    from turbo.load.loader import load_trunk
+    from turbo.sequence.options import OpenOptions
+    from turbo.store.install import open_install
+    from turbo.testing import make_install
+    from turbo.testing.host_cuda import HostDevice
+
+    device = device if device is not None else cuda_kernels.kernels(0)
+    sim = sim if sim is not None else HostDevice()
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_check_step_"))
+    _, path = make_install(tmp, 3, num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                           linear_key_head_dim=64, linear_value_head_dim=64)
+    trunk = load_trunk(open_install(path), OpenOptions(dtype="bfloat16", kv_cache="float32"), "cpu")
+    prompt, steps, block = [5, 17, 99, 3, 250], [7, 8, 9], [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    runs = {"device_eager": _step_outputs(trunk, device, False, prompt, steps, block),
+            "device_graphed": _step_outputs(trunk, device, True, prompt, steps, block),
+            "simulated": _step_outputs(trunk, sim, False, prompt, steps, block)}
+
+    def compare(a: str, b: str) -> dict:
+        diffs = {n: float((x - y).abs().max()) for (n, x), (_, y) in zip(runs[a], runs[b]) if not torch.equal(x, y)}
+        return {"bit_equal": not diffs, "max_abs_diff": diffs}
+
+    res = {"eager_vs_graphed": compare("device_eager", "device_graphed"),
+           "device_vs_simulated": compare("device_eager", "simulated")}
+    for graphs in (False, True):  # ms per decode step on the device (each step syncs once: the download)
+        cs = CudaTrunkStep(trunk, device, capacity=time_iters + 16, graphs=graphs)
+        st = trunk.new_state(time_iters + 16)
+        cs.prefill(st, prompt, (), False)
+        cs.step(st, [7], (), None)  # the graph's capture (graphed), off the clock
+        t = time.perf_counter()
+        for i in range(time_iters):
+            cs.step(st, [(i * 13) % 300 + 3], (), None)
+        res[f"decode_ms_{'graphed' if graphs else 'eager'}"] = (time.perf_counter() - t) / time_iters * 1e3
+        cs.close()
+    (out / "cuda_step.json").write_text(json.dumps(res, indent=2) + "\n")
+    return res
+
+
 def main() -> int:
     out = Path(os.environ.get("OUT") or ROOT / "build" / "gpu_check")
     out.mkdir(parents=True, exist_ok=True)
@@ -369,6 +439,10 @@ def main() -> int:
             summary["engine"] = engine_bench(out)
         except Exception as e:  # noqa: BLE001
             summary["engine_error"] = f"{type(e).__name__}: {e}"
+        try:  # the CUDA step eager / graphed / simulated (device-unverified before this runs)
+            summary["cuda_step"] = cuda_step_check(out)
+        except Exception as e:  # noqa: BLE001
+            summary["cuda_step_error"] = f"{type(e).__name__}: {e}"
         try:  # last: a fault in the device-unverified kernels must not spoil the results above
             summary["rows_products"] = rows_products(out)
         except Exception as e:  # noqa: BLE001

@@ -50,9 +50,9 @@ def test_step_decodes_the_cpu_steps_tokens(small):
     assert a.pos == b.pos == len(prompt) + 4
     launches = dev.launches[-(8 * 2 + 3):]  # one decode step: embed, 8 a layer, final norm, lm_head
     assert launches[0] == "embed_rows_bf16_f32" and launches[-1].startswith("bf16_rows_gemv_r1")
-    assert launches[1:9] == ["add_rms_norm_f32", "bf16_rows_gemv_r1_f32", "gdn_step_f32", "bf16_rows_gemv_r1_f32",
+    assert launches[1:9] == ["add_rms_norm_f32", "bf16_rows_gemv_r1_f32", "gdn_step_ind_f32", "bf16_rows_gemv_r1_f32",
                              "add_rms_norm_f32", "bf16_rows_gemv_r1_f32", "silu_mul_f32", "bf16_rows_gemv_r1_f32"]
-    assert launches[11] == "attn_rows_f32"
+    assert launches[11] == "attn_rows_ind_f32"
 
 
 def test_verify_rows_equal_decode_steps_and_checkpoint_rollback(small):

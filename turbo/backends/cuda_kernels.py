@@ -258,11 +258,12 @@ class Kernels:
             check(d, d.cuMemsetD8Async(d.CUdeviceptr(int(dst)), int(value), int(nbytes), d.CUstream(stream)),
                   "cuMemsetD8Async")
 
-    def stream(self) -> int:
-        """cuStreamCreate: a new non-blocking stream (its raw handle, for `launch(stream=...)`)."""
+    def stream(self, flags: int = 1) -> int:
+        """cuStreamCreate: a new stream (its raw handle, for `launch(stream=...)`); flags 1
+        (CU_STREAM_NON_BLOCKING, the default) or 0 (ordered with the legacy stream's work)."""
         self._make_current()
         d = self.driver
-        return int(check(d, d.cuStreamCreate(1), "cuStreamCreate"))  # 1: CU_STREAM_NON_BLOCKING
+        return int(check(d, d.cuStreamCreate(int(flags)), "cuStreamCreate"))
 
     def sync(self, stream: int | None = None) -> None:
         d = self.driver
@@ -270,6 +271,38 @@ class Kernels:
             check(d, d.cuCtxSynchronize(), "cuCtxSynchronize")
         else:
             check(d, d.cuStreamSynchronize(d.CUstream(stream)), "cuStreamSynchronize")
+
+
+    # ---- CUDA graphs (the CUDA step's one launch a step): opaque driver handles ----
+
+    def begin_capture(self, stream: int) -> None:
+        """cuStreamBeginCapture in global mode: until end_capture, `stream`'s work is recorded, not
+        run, and a host sync anywhere in the process fails the capture (none may sit in a step)."""
+        self._make_current()
+        d = self.driver
+        check(d, d.cuStreamBeginCapture(d.CUstream(stream), d.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_GLOBAL),
+              "cuStreamBeginCapture")
+
+    def end_capture(self, stream: int):
+        """cuStreamEndCapture: the captured graph (raises CudaError if the capture was invalidated)."""
+        d = self.driver
+        return check(d, d.cuStreamEndCapture(d.CUstream(stream)), "cuStreamEndCapture")
+
+    def instantiate(self, graph):
+        """cuGraphInstantiate: an executable graph (the graph itself may be destroyed after)."""
+        d = self.driver
+        return check(d, d.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+
+    def graph_launch(self, graph_exec, stream: int) -> None:
+        d = self.driver
+        check(d, d.cuGraphLaunch(graph_exec, d.CUstream(stream)), "cuGraphLaunch")
+
+    def graph_destroy(self, graph=None, graph_exec=None) -> None:
+        d = self.driver
+        if graph_exec is not None:
+            check(d, d.cuGraphExecDestroy(graph_exec), "cuGraphExecDestroy")
+        if graph is not None:
+            check(d, d.cuGraphDestroy(graph), "cuGraphDestroy")
 
 
 _kernels: dict[int, Kernels] = {}

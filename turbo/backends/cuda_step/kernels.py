@@ -106,3 +106,30 @@ def experts_product(k, x: int, ids: int, table: int, y: int, pairs: int, n_in: i
 def moe_combine(k, ye: int, weights: int, shared: int, gate: int, y: int, rows: int, top_k: int, width: int) -> None:
     k.launch("step", "moe_combine_f32", (rows,), (256,),
              [_p(ye), _p(weights), _p(shared), _p(gate), _p(y), _i(rows), _i(top_k), _i(width)])
+
+
+GDN_SEQ_SLOTS = 6  # gdn_step_ind_f32's seq block: window_in, window_out, ext, state_in, state_out, states
+ATT_SEQ_SLOTS = 3  # attn_rows_ind_f32's: kc, vc, p0
+
+
+def gdn_step_ind(k, proj: int, seq: int, conv: int, neg_a: int, dt_bias: int, gnorm: int, out: int, rows: int,
+                 kheads: int, kdim: int, vheads: int, vdim: int, taps: int, eps: float) -> None:
+    """gdn_step with the sequence's windows, ext, states and checkpoints read from `seq` [6] int64
+    on the device (step.cu gdn_step_ind_f32): its arguments stay the same step after step, so a
+    captured graph replays it for any sequence."""
+    if not (kdim <= GDN_MAXD and vdim <= GDN_MAXD and rows <= MAX_ROWS and taps <= GDN_MAXK):
+        raise ValueError(f"gdn_step takes dk, dv <= {GDN_MAXD}, rows <= {MAX_ROWS}, taps <= {GDN_MAXK}")
+    k.launch("step", "gdn_step_ind_f32", (vheads,), (GDN_THREADS,),
+             [_p(proj), _p(seq), _p(conv), _p(neg_a), _p(dt_bias), _p(gnorm), _p(out), _i(rows), _i(kheads),
+              _i(kdim), _i(vheads), _i(vdim), _i(taps), _f(eps)])
+
+
+def attn_rows_ind(k, proj: int, seq: int, q_norm: int, k_norm: int, rope_cs: int, scores: int, att: int,
+                  rows: int, cap: int, heads: int, kv_heads: int, head_dim: int, rot: int, eps: float) -> None:
+    """attn_rows with the K/V caches and the position p0 read from `seq` [3] int64 on the device
+    (step.cu attn_rows_ind_f32; the caller checks p0 + rows <= cap before it writes the block)."""
+    if head_dim > ATT_MAXD:
+        raise ValueError(f"attn_rows takes head_dim <= {ATT_MAXD}")
+    k.launch("step", "attn_rows_ind_f32", (kv_heads, rows), (ATT_THREADS,),
+             [_p(proj), _p(seq), _p(q_norm), _p(k_norm), _p(rope_cs), _p(scores), _p(att), _i(rows), _i(cap),
+              _i(heads), _i(kv_heads), _i(head_dim), _i(rot), _f(eps)])

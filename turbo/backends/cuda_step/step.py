@@ -12,6 +12,16 @@ then add_rms_norm (final norm) and the lm_head product; the logits and the hidde
 back in one download each. The residual stream x [R, H] lives on the device; each sublayer's
 output y is added by the next norm's launch.
 
+Graphs. Everything a launch reads that changes between two steps of one shape lives in device
+memory the host writes before the launches: the token ids [R] and the seq block (per GDN layer its
+windows, ext, state in / out and checkpoints as addresses; per attention layer its K, V addresses
+and the position p0: gdn_step_ind_f32 / attn_rows_ind_f32 read them), one HtoD each. So the
+launches' arguments are a function of (R, logit rows, aux layers) alone, and with graphs=True the
+device program of each such shape is captured once (cuStreamBeginCapture in global mode on a
+blocking stream of its own, cuStreamEndCapture, cuGraphInstantiate) and replayed with one
+cuGraphLaunch a step: ids and seq block up, the replay, logits and hidden rows down, one sync.
+graphs=False issues the same launches one by one (tests/test_cuda_plan.py: same signatures, same bits).
+
 State. Per sequence (TrunkState.scratch["cuda"], allocated at its first step): each GDN layer's
 state in two buffers [2, Hv, dk, dv] (a step that keeps a rollback writes the one it does not
 read: the other stays the trace's snapshot), its R-1 checkpoints [15, Hv, dk, dv], two conv
@@ -141,13 +151,22 @@ class CudaTrunkStep:
     name = "cuda"
     prefill_rows_are_steps = True  # prefill chunks are steps of CHUNK rows
 
-    def __init__(self, trunk, dev, capacity: int = DEFAULT_CAPACITY):
+    def __init__(self, trunk, dev, capacity: int = DEFAULT_CAPACITY, graphs: bool = False):
         a = trunk.arch
-        # every launch and copy on the legacy default stream (0): ordered with the synchronous
-        # copies, one sync a step (the logits' download); a captured graph will take a stream of its own
+        # eager: every launch and copy on the legacy default stream (0), ordered with the synchronous
+        # copies, one sync a step (the logits' download). graphs: each step shape captured once on
+        # a stream of its own and replayed there (step_graph below)
         self.trunk, self.dev, self.arch, self.capacity = trunk, _OnStream(dev, 0), a, capacity
+        self.graphs = graphs
+        self._graphs: dict[tuple, object] = {}  # (rows, logit rows, aux slots) -> graph exec
+        # blocking (flags 0): ordered with the legacy stream's copies (a snapshot's clone, _bring)
+        self.gstream = dev.stream(0) if graphs else 0
+        if graphs:  # load the modules now: a module load is no call to make inside a capture
+            for module in ("step", "bgemv"):
+                dev.module(module)
         dev = self.dev
         self._held: list[int] = []
+        self.sizes: dict[int, int] = {}  # bytes of each allocation (plan.py's accounting)
         up = self._upload
         self.embed = self._matrix(trunk.embed)
         if self.embed.fmt != "bf16":
@@ -187,6 +206,16 @@ class CudaTrunkStep:
         self.logits = self._alloc(4 * R * a.vocab)         # [R, vocab]
         self.scores = self._alloc(4 * R * a.num_heads * capacity)  # [R, heads, capacity] attention scratch
         self.aux = self._alloc(4 * R * H * max(1, a.num_layers))   # [layers, R, H] requested layers' outputs
+        # the per-sequence, per-step values the mixers read (the only ones that change between two
+        # steps of one shape): written by one HtoD before the step's launches, so the launches'
+        # arguments (and a captured graph's) never change. Per GDN layer sk.GDN_SEQ_SLOTS, per
+        # attention layer sk.ATT_SEQ_SLOTS int64 (addresses, p0)
+        self.seq_at, n = [], 0
+        for L in self.layers:
+            self.seq_at.append(n)
+            n += sk.GDN_SEQ_SLOTS if L["gdn"] else sk.ATT_SEQ_SLOTS
+        self.seq_host = torch.zeros(max(1, n), dtype=torch.int64)  # its host copy, rewritten each step
+        self.seqp = self._alloc(8 * max(1, n))                      # [slots] int64 on the device
         if any(m["moe"] is not None for m in self.layers):
             E, k, I = a.num_experts, a.experts_per_token, a.moe_intermediate
             S = max(1, a.shared_intermediate)
@@ -206,6 +235,7 @@ class CudaTrunkStep:
     def _alloc(self, nbytes: int) -> int:
         ptr = self.dev.alloc(nbytes)
         self._held.append(ptr)
+        self.sizes[ptr] = nbytes
         return ptr
 
     def _upload(self, t: torch.Tensor) -> int:
@@ -235,6 +265,9 @@ class CudaTrunkStep:
         return d
 
     def close(self) -> None:
+        for g in self._graphs.values():
+            self.dev.graph_destroy(graph_exec=g)
+        self._graphs = {}
         for ptr in self._held:
             self.dev.free(ptr)
         self._held = []
@@ -276,7 +309,7 @@ class CudaTrunkStep:
         """The index of the buffer of `bufs` holding `ref` (copied into bufs[0] or [1] if elsewhere)."""
         if ref.ptr in bufs:
             return bufs.index(ref.ptr)
-        self.dev.dtod(bufs[0], ref.ptr, ref.nbytes)
+        self.dev.dtod(bufs[0], ref.ptr, ref.nbytes, stream=self.gstream or None)
         return 0
 
     # ---- the step ---------------------------------------------------------------------------
@@ -328,24 +361,74 @@ class CudaTrunkStep:
         return StepOut(logits_t, torch.cat(hidden), aux_t, traces)
 
     def _chunk(self, st, seq, tokens, aux_layers, rollback, want, traces):
-        a, dev, k = self.arch, self.dev, self.dev
+        """One launch of R rows: the host writes ids and the seq block, then the device program
+        (eager, or its graph replayed), then the downloads."""
+        a, dev = self.arch, self.dev
         R, H = len(tokens), a.hidden
+        slots = tuple(sorted(aux_layers))
+        s = self.gstream or None  # copies on the graph's stream when graphed (one sync a step)
         ids = torch.tensor(tokens, dtype=torch.int32)
-        dev.htod(self.ids, ids.data_ptr(), 4 * R)
+        self._seq_block(st, seq, R, rollback, traces)
+        dev.htod(self.ids, ids.data_ptr(), 4 * R, stream=s)
+        dev.htod(self.seqp, self.seq_host.data_ptr(), self.seq_host.numel() * 8, stream=s)
+        if self.graphs:
+            dev.graph_launch(self.step_graph(R, want, slots), self.gstream)
+        else:
+            self._program(R, want, slots)
+        lg = None
+        if want:
+            lg = torch.empty(want, a.vocab)
+            dev.dtoh(lg.data_ptr(), self.logits, lg.numel() * 4, stream=s)
+        hid = torch.empty(R, H)
+        dev.dtoh(hid.data_ptr(), self.x, hid.numel() * 4, stream=s)
+        ax = None
+        if slots:
+            parts = torch.empty(len(slots), CHUNK, H)
+            dev.dtoh(parts.data_ptr(), self.aux, parts.numel() * 4, stream=s)
+        if s is not None:
+            dev.sync(s)  # the step's one sync
+        if slots:
+            ax = parts[:, :R].permute(1, 0, 2).reshape(R, len(slots) * H).contiguous()
+        st.pos += R
+        return hid, lg, ax
+
+    def step_graph(self, R: int, want: int, slots: tuple[int, ...]):
+        """The executable graph of the device program for (R rows, `want` logit rows, aux slots),
+        captured on the first step of that shape: every value that changes between two such
+        steps is in the ids and seq buffers, which the host writes before each replay."""
+        key = (R, want, slots)
+        g = self._graphs.get(key)
+        if g is None:
+            dev = self.dev
+            dev.stream = self.gstream  # _OnStream: the program's launches go to the capturing stream
+            dev.begin_capture(self.gstream)
+            try:
+                self._program(R, want, slots)
+            finally:
+                graph = dev.end_capture(self.gstream)  # ends the capture even when a launch failed
+                dev.stream = 0
+            g = self._graphs[key] = dev.instantiate(graph)
+            dev.graph_destroy(graph=graph)
+        return g
+
+    def _program(self, R: int, want: int, slots: tuple[int, ...]) -> None:
+        """The step's launches for R rows, their arguments fixed by (R, want, slots): no host
+        value, no sync, no allocation (the same list eager and captured)."""
+        a, k = self.arch, self.dev
+        H = a.hidden
         sk.embed_rows(k, self.embed.w, self.ids, self.x, R, H)
-        slots = sorted(aux_layers)
         y = 0  # the sublayer output the next norm adds (0: none yet)
         for i, L in enumerate(self.layers):
             sk.add_rms_norm(k, self.x, y, L["in_norm"], self.h, R, H, a.rms_eps)
             self._product(L["proj"], self.h, self.proj, R)
+            seqp = self.seqp + 8 * self.seq_at[i]
             if L["gdn"]:
-                self._gdn(st, seq["gdn"][i], i, L, R, rollback, traces)
-                self._product(L["out"], self.mix, self.y, R)
+                sk.gdn_step_ind(k, self.proj, seqp, L["conv"], L["neg_a"], L["dt_bias"], L["gnorm"], self.mix, R,
+                                a.lin_k_heads, a.lin_k_dim, a.lin_v_heads, a.lin_v_dim, a.conv_kernel, a.rms_eps)
             else:
-                kc, vc = seq["kv"][i]
-                sk.attn_rows(k, self.proj, kc, vc, L["q_norm"], L["k_norm"], self.rope, self.scores, self.mix, R,
-                             st.pos, self.capacity, a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.rms_eps)
-                self._product(L["out"], self.mix, self.y, R)
+                sk.attn_rows_ind(k, self.proj, seqp, L["q_norm"], L["k_norm"], self.rope, self.scores, self.mix, R,
+                                 self.capacity, a.num_heads, a.num_kv_heads, a.head_dim, a.rotary_dim, a.rms_eps)
+            self._product(L["out"], self.mix, self.y, R)
             sk.add_rms_norm(k, self.x, self.y, L["post_norm"], self.h, R, H, a.rms_eps)
             if L["moe"] is None:
                 self._product(L["gate_up"], self.h, self.gu, R)
@@ -356,23 +439,11 @@ class CudaTrunkStep:
             y = self.y
             if i in slots:  # the layer's output: the residual add now (the next norm then adds nothing)
                 sk.add_rms_norm(k, self.x, self.y, L["post_norm"], self.h, R, H, a.rms_eps)
-                dev.dtod(self.aux + 4 * slots.index(i) * CHUNK * H, self.x, 4 * R * H)
+                k.dtod(self.aux + 4 * slots.index(i) * CHUNK * H, self.x, 4 * R * H, stream=k.stream)
                 y = 0
         sk.add_rms_norm(k, self.x, y, self.final_norm, self.h, R, H, a.rms_eps)
-        lg = None
         if want:
             self._product(self.lm_head, self.h + 4 * (R - want) * H, self.logits, want)
-            lg = torch.empty(want, a.vocab)
-            dev.dtoh(lg.data_ptr(), self.logits, lg.numel() * 4)
-        hid = torch.empty(R, H)
-        dev.dtoh(hid.data_ptr(), self.x, hid.numel() * 4)
-        ax = None
-        if slots:
-            parts = torch.empty(len(slots), CHUNK, H)
-            dev.dtoh(parts.data_ptr(), self.aux, parts.numel() * 4)
-            ax = parts[:, :R].permute(1, 0, 2).reshape(R, len(slots) * H).contiguous()
-        st.pos += R
-        return hid, lg, ax
 
     def _moe_block(self, M: dict, R: int) -> None:
         """y = the MoE block of h (native_moe.c's order): router, routing, the routed experts
@@ -398,20 +469,29 @@ class CudaTrunkStep:
     def _product(self, m: Matrix, x: int, y: int, rows: int) -> None:
         sk.rows_product(self.dev, m.fmt, x, m.w, y, rows, m.k, m.n, m.scales, m.biases, m.group)
 
-    def _gdn(self, st, g, i, L, R, rollback, traces) -> None:
-        a, dev = self.arch, self.dev
-        sref, wref = st.gdn[i]
-        si = self._bring(sref, g["states"])
-        wi = self._bring(wref, g["windows"])
-        so = si if rollback is None else 1 - si  # keep the state read as the trace's snapshot
+    def _seq_block(self, st, seq, R, rollback, traces) -> None:
+        """Fill seq_host for this step: each GDN layer's buffers (bringing a state or window that
+        lies elsewhere into them first) and the states it will leave, each attention layer's K/V
+        and position; and st.gdn / the traces as the step will leave them."""
+        a, dev, b = self.arch, self.dev, self.seq_host
         shape = (a.lin_v_heads, a.lin_k_dim, a.lin_v_dim)
         C, K = a.lin_conv_dim, a.conv_kernel
-        sk.gdn_step(dev, self.proj, g["windows"][wi], g["windows"][1 - wi], g["ext"], L["conv"], L["neg_a"],
-                    L["dt_bias"], L["gnorm"], g["states"][si], g["states"][so], g["ckpt"] if R > 1 else 0, self.mix,
-                    R, a.lin_k_heads, a.lin_k_dim, a.lin_v_heads, a.lin_v_dim, K, a.rms_eps)
-        new = DeviceRef(dev, g["states"][so], shape)
-        st.gdn[i] = (new, DeviceRef(dev, g["windows"][1 - wi], (K - 1, C)))
-        if rollback is not None:
-            per = DeviceRef(dev, g["ckpt"], (CHUNK - 1, *shape))
-            traces[i] = GdnTrace(DeviceRef(dev, g["states"][si], shape), DeviceRef(dev, g["ext"], (K - 1 + R, C)),
-                                 None, [per[r] for r in range(R - 1)] + [new])
+        for i, L in enumerate(self.layers):
+            o = self.seq_at[i]
+            if not L["gdn"]:
+                kc, vc = seq["kv"][i]
+                b[o:o + 3] = torch.tensor([kc, vc, st.pos], dtype=torch.int64)
+                continue
+            g = seq["gdn"][i]
+            sref, wref = st.gdn[i]
+            si = self._bring(sref, g["states"])
+            wi = self._bring(wref, g["windows"])
+            so = si if rollback is None else 1 - si  # keep the state read as the trace's snapshot
+            b[o:o + 6] = torch.tensor([g["windows"][wi], g["windows"][1 - wi], g["ext"], g["states"][si],
+                                       g["states"][so], g["ckpt"] if R > 1 else 0], dtype=torch.int64)
+            new = DeviceRef(dev, g["states"][so], shape)
+            st.gdn[i] = (new, DeviceRef(dev, g["windows"][1 - wi], (K - 1, C)))
+            if rollback is not None:
+                per = DeviceRef(dev, g["ckpt"], (CHUNK - 1, *shape))
+                traces[i] = GdnTrace(DeviceRef(dev, g["states"][si], shape), DeviceRef(dev, g["ext"], (K - 1 + R, C)),
+                                     None, [per[r] for r in range(R - 1)] + [new])

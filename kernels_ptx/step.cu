@@ -116,8 +116,10 @@ embed_rows_bf16_f32(const unsigned short* __restrict__ table,  // [vocab, H] bf1
 #define GDN_MAXR 16
 #define GDN_MAXK 8
 
-// the body of gdn_step_f32 and gdn_step_ind_f32 (one code, two ways to name the state)
-static __device__ __forceinline__ void
+// the body of gdn_step_f32 and gdn_step_ind_f32 (one code, two ways to name the state). Not
+// static: nvcc names a static function's __shared__ arrays after the source's absolute path
+// (_INTERNAL_<hash>), so the PTX would differ with the checkout's directory.
+__device__ __forceinline__ void
 gdn_step_body(const float* __restrict__ proj,       // [R, P]
              const float* __restrict__ window_in,  // [K-1, C] conv inputs before the rows
              float* __restrict__ window_out,       // [K-1, C] after the rows
@@ -306,7 +308,7 @@ __device__ __forceinline__ void att_norm_rope(const float* src, float* dst, cons
 }
 
 // the body of attn_rows_f32 and attn_rows_ind_f32
-static __device__ __forceinline__ void
+__device__ __forceinline__ void
 attn_rows_body(const float* __restrict__ proj,     // [R, P]
               float* __restrict__ kc,             // [nkv, cap, hd] fp32 K cache
               float* __restrict__ vc,             // [nkv, cap, hd] fp32 V cache

@@ -16,16 +16,21 @@ test_sixty_four_tokens_fit_ci)."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 
 import turbo
 from turbo.backends import cuda_sim
 from turbo.backends.cuda import cuda_unavailable_reason
 from turbo.backends.cuda_step.step import CudaTrunkStep
+from turbo.config import run_config
+from turbo.probe import run_probe
 from turbo.sequence.options import GenerationOptions as G
 from turbo.serve.scheduler import Request, Scheduler, ServeLimits
 from turbo.testing.checks import Collect
@@ -36,6 +41,8 @@ pytestmark = pytest.mark.skipif(shutil.which("g++") is None, reason="the simulat
 
 PROMPTS = ["def fibonacci(n):\n    ", "The history of the city begins"]
 NEW = 12
+SPEC_NEW = 8
+ROLLBACKS = ("checkpoint", "replay")
 NEAR_TIE = 1e-3  # |logit difference| of the two tokens a flip swaps, at most (fp32 sums in another order)
 
 
@@ -98,12 +105,15 @@ def test_plain_greedy_decode_equals_the_cpu_backends_tokens(cuda, cpu):
 
 
 @pytest.mark.parametrize("drafter", ["dflash", "mtp", "ngram"])
-@pytest.mark.parametrize("rollback", ["checkpoint", "replay"])
-def test_speculation_equals_its_own_plain_decode(cuda, drafter, rollback):
+def test_speculation_equals_its_own_plain_decode(cuda, drafter):
+    """Blocks 1..8 for each drafter, the two rollbacks taking turns (each block meets both over the
+    three drafters): 8 tokens a run keep it CI-sized (every launch runs as host fibers)."""
     prompt = PROMPTS[0]
-    want = plain(cuda, prompt)
+    want = plain(cuda, prompt, SPEC_NEW)
+    first = ["dflash", "mtp", "ngram"].index(drafter)
     for block in range(1, 9):
-        out = cuda.generate(prompt, max_new_tokens=NEW, policy="fixed", block=block, drafter=drafter,
+        rollback = ROLLBACKS[(block + first) % 2]
+        out = cuda.generate(prompt, max_new_tokens=SPEC_NEW, policy="fixed", block=block, drafter=drafter,
                             rollback=rollback, stop_at_eos=False)
         assert out.stats.block == block
         assert out.tokens == want, (drafter, rollback, block)
@@ -169,3 +179,15 @@ def test_sixty_four_tokens_fit_ci(cuda, cpu):
     want = plain(cpu, PROMPTS[0], 64)
     if got != want:
         _flip_is_near_tie(cuda, cpu, PROMPTS[0], got, want)
+
+
+def test_the_probe_runs_on_the_sim(sim, tmp_path):
+    """task=probe with backend=cuda: one prompt, block 2, lossless against its own `off` run."""
+    conf = Path(__file__).resolve().parents[1] / "conf"
+    with initialize_config_dir(config_dir=str(conf), version_base=None):
+        cfg = compose(config_name="config", overrides=[
+            "task=probe", "backend=cuda", "workload=code", "max_new_tokens=6", "probe.prompts_per_workload=1",
+            "probe.blocks=[2]", "probe.adaptive=false", "probe.rollbacks=[checkpoint]"])
+    assert run_probe(cfg, run_config(cfg), out_dir=tmp_path, quiet=True) == 0
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    assert metrics["backend"] == "cuda" and metrics["lossless"]

@@ -1,8 +1,14 @@
-"""The cuda backend: torch CUDA tensors for storage, the hot kernels as CUDA C compiled ahead of
-time to PTX (kernels_ptx/, scripts/build_ptx.py) and launched through cuda-python
-(cuda_kernels.py). Each wrapper here has the signature of the CPU function it replaces
-(`gdn_recurrence`, `causal_conv_rows`, `gated_rms_norm`, `grouped_conv`, `select_candidates`,
-`affine_linear`, ...); the table and the wiring: docs/DESIGN.md 7.
+"""The cuda backend's checks (`cuda_unavailable_reason`, `CUDA`) and the kernel wrappers over torch
+CUDA tensors.
+
+backend=cuda runs the trunk through the CUDA step of its own (turbo/backends/cuda_step: raw driver
+memory, matrices resident as stored, on cuda_kernels.kernels(0): a GPU, or the simulated device
+under TURBO_CUDA_SIM=1), with the drafters and sampling on the host (turbo/load/loader.py). The
+wrappers below -- each with the signature of the CPU function it replaces (`gdn_recurrence`,
+`causal_conv_rows`, `gated_rms_norm`, `grouped_conv`, `select_candidates`, `affine_linear`, ...),
+the hot ops the torch step swapped on CUDA tensors (turbo/backends/ops.py) -- are no longer on
+backend cuda's path; they stay as the tested launch code of the DFlash2 kernels (grouped conv,
+selector) for the drafters' device passes, and as gpu_check's per-kernel references.
 """
 
 from __future__ import annotations

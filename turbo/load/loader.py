@@ -4,8 +4,10 @@
 (turbo/load/load_plan.py: which format every matrix takes, from the index's headers, the arch and
 the options), then read as planned (turbo/load/reader.py: `Reader`). Each part gets one step object, chosen
 once in the plan (turbo/model/step.py): the native CPU step where `OpenOptions.native`
-allows it and it can run, else the torch step; the part keeps the reason (`why_torch`). The
-options arrive resolved: nothing here reads the environment.
+allows it and it can run, else the torch step; the part keeps the reason (`why_torch`). On
+backend cuda (load_trunk's `on_cuda`) the trunk, read on the host as for the CPU, is stepped by
+the CUDA step of its own (turbo/backends/cuda_step); the drafters stay on the host. The options
+arrive resolved: nothing here reads the environment but TURBO_CUDA_STEP (a test and script switch).
 """
 
 from __future__ import annotations

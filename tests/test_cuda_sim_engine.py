@@ -124,10 +124,10 @@ def test_seeded_sampling_equals_its_own_plain_seeded_run(cuda, cpu):
     the draws: each config against itself); the plain seeded run draws the CPU backend's tokens."""
     prompt = PROMPTS[1]
     sampled = dict(temperature=0.9, top_p=0.95, seed=5)
-    want = plain(cuda, prompt, **sampled)
-    assert want == plain(cuda, prompt, **sampled) == plain(cpu, prompt, **sampled)
+    want = plain(cuda, prompt, SPEC_NEW, **sampled)
+    assert want == plain(cuda, prompt, SPEC_NEW, **sampled) == plain(cpu, prompt, SPEC_NEW, **sampled)
     for drafter, block in (("dflash", 4), ("mtp", 2), ("ngram", 3)):
-        runs = [cuda.generate(prompt, max_new_tokens=NEW, policy="fixed", block=block, drafter=drafter,
+        runs = [cuda.generate(prompt, max_new_tokens=SPEC_NEW, policy="fixed", block=block, drafter=drafter,
                               stop_at_eos=False, **sampled) for _ in range(2)]
         assert runs[0].tokens == runs[1].tokens and runs[0].stats.seed == 5, (drafter, block)
 

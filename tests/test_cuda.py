@@ -211,10 +211,18 @@ def test_reason_names_missing_device(monkeypatch):
     assert "needs a CUDA device" in cb.cuda_unavailable_reason()
 
 
-def test_reason_names_torch_without_cuda(monkeypatch):
+def test_reason_needs_no_torch_cuda(monkeypatch):
+    """backend cuda's step allocates through the driver API: a torch without CUDA is no reason; the
+    capability comes from the driver."""
     _fake_bindings(monkeypatch, _fake_driver())
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert cb.cuda_unavailable_reason().startswith("backend cuda needs a torch build with CUDA")
+    assert cb.cuda_unavailable_reason() is None
+
+
+def test_reason_names_an_old_device(monkeypatch):
+    attrs = {75: 7, 76: 5}
+    _fake_bindings(monkeypatch, _fake_driver(cuDeviceGetAttribute=lambda a, dev: (_Result(0), attrs[int(a)])))
+    assert cb.cuda_unavailable_reason() == "backend cuda needs compute capability 8.0 or newer; this device is 7.5"
 
 
 # ---- the loader, against a fake driver -----------------------------------------------------

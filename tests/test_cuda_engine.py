@@ -1,15 +1,18 @@
-"""The whole engine on backend=cuda (docs/DESIGN.md 7).
+"""The whole engine on backend=cuda (docs/DESIGN.md 7): the trunk through the CUDA step of its own
+(turbo/backends/cuda_step), the drafters and sampling on the host. On the simulated device the
+same engine runs in tests/test_cuda_sim_engine.py.
 
 On a GPU (skipped without one): `turbo.open(path, backend="cuda").generate(prompt,
 policy="fixed", block=b, rollback=r)` commits the CPU backend's tokens for b in 1..8 and both
-rollbacks, on a random trunk + DFlash2 drafter install, an int4 install (the quantized GEMV
-kernel), an MTP install and the embedded install `turbo/installs/tiny` when it is shipped; and
+rollbacks, on a random trunk + DFlash2 drafter install, an int4 install (the int4 rows
+product), an MTP install and the embedded install `turbo/installs/tiny` when it is shipped; and
 speculation on cuda commits exactly what plain decoding on cuda commits (lossless on the GPU).
 
 Everywhere (CI has no GPU):
-- the wiring: the engine with turbo.backends.ops' CUDA dispatch forced on CPU tensors, its launches going
-  to test_cuda's transcription of each kernel, commits the CPU backend's tokens -- the trunk and
-  the drafters hand the kernel wrappers what they read, in the layout they read it;
+- the wiring of turbo/backends/cuda.py's kernel wrappers (the torch step's ops on CUDA tensors: no
+  longer backend cuda's trunk, kept for the drafters' kernels): the engine with turbo.backends.ops'
+  CUDA dispatch forced on CPU tensors, its launches going to test_cuda's transcription of each
+  kernel, commits the CPU backend's tokens;
 - the device audit: trunk, DFlash2 drafter and MTP head built on the `meta` device run their
   forward and rollback paths; a tensor made on the host and mixed into the math raises there.
 """
@@ -58,14 +61,17 @@ def same_tokens(cpu, gpu_rt, prompts, blocks=range(1, 9), drafter="auto", new=NE
 
 
 @gpu
-def test_gpu_runtime_lives_on_the_device(spec_install):
+def test_gpu_runtime_steps_the_trunk_on_the_device(spec_install):
+    """backend cuda: the trunk's step is the CUDA step of its own on the device (its matrices
+    uploaded as stored at open); the host keeps the weights as read, the drafters and sampling."""
+    from turbo.backends.cuda_step.step import CudaTrunkStep
+
     rt = turbo.open(spec_install[1], backend="cuda")
-    assert rt.device.type == "cuda" and rt.trunk.device.type == "cuda"
-    assert all(m.is_cuda for m in rt.trunk.matrices())
+    assert rt.device.type == "cpu" and isinstance(rt.trunk.stepper, CudaTrunkStep)
+    assert rt.trunk.stepper.dev._dev is ck.kernels(0) and rt.trunk.kv_dtype == torch.float32
     st = rt.trunk.new_state(64)
-    assert all(t.is_cuda for kv in st.kv.values() for t in kv) and all(t.is_cuda for s in st.gdn.values() for t in s)
-    d = rt.drafter("dflash", None)
-    assert d.fc.is_cuda and d.ring_k[0].is_cuda and d.pred_codebook.is_cuda
+    rt.trunk.prefill(st, list(range(5, 30)))
+    assert st.scratch["cuda"]["kv"] and st.pos == 25  # K/V on the device (mirrored to st.kv on the host)
 
 
 @gpu
@@ -84,7 +90,7 @@ def test_gpu_int4_install_commits_the_cpu_tokens(tmp_path_factory):
     d = make_drafter(tmp / "drafter", cfg.hidden_size, cfg.vocab_size, [0, cfg.num_hidden_layers - 2], seed=3)
     path = repack(tmp / "hf", tmp / "install", drafter=d, quiet=True, quant="int4")
     rt = turbo.open(path, backend="cuda")
-    assert any(hasattr(m, "packed") and m.packed.is_cuda for m in rt.trunk.matrices())  # kept packed: qgemv.cu
+    assert rt.trunk.stepper.layers[0]["proj"].fmt == "int4"  # resident packed: bgemv.cu's int4 rows product
     same_tokens(turbo.open(path, backend="cpu"), rt, PROMPTS[:1], blocks=(1, 3, 8))
 
 

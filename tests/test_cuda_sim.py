@@ -478,12 +478,11 @@ def test_the_records_of_a_rows_product_read_the_weights_once(k, mem):
 
 
 def test_cuda_backend_checks_on_the_simulated_device(k, monkeypatch):
-    """cuda_unavailable_reason gets past the driver and device checks on the simulated device;
-    torch CUDA tensors it cannot give (the driver-API step does not need them)."""
+    """cuda_unavailable_reason accepts the simulated device (g++ and the PTX at hand): backend cuda's
+    step allocates through the driver API, so torch CUDA is not needed."""
     monkeypatch.setenv(cuda_sim.ENV, "1")
     assert ck._driver() is cuda_sim.driver
-    if not torch.cuda.is_available():
-        assert cb.cuda_unavailable_reason().startswith("backend cuda needs a torch build with CUDA")
+    assert cb.cuda_unavailable_reason() is None
     assert ok(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, ok(d.cuDeviceGet(0)))) == 9
     assert d.cuModuleGetFunction(k.module("norm"), b"nope")[0] == R.CUDA_ERROR_NOT_FOUND
     monkeypatch.setenv(cuda_sim.ENV, "0")

@@ -131,7 +131,7 @@ def test_turbo_cuda_step_selects_the_step_for_the_trunk(monkeypatch, host_device
     from turbo.load import loader
 
     monkeypatch.setenv(loader.CUDA_STEP_ENV, "1")
-    monkeypatch.setattr(cuda_kernels, "Kernels", lambda device=0: host_device)
+    monkeypatch.setattr(cuda_kernels, "kernels", lambda device=None: host_device)
     trunk = load_trunk(open_install("tiny"), OpenOptions(kv_cache="float32"), "cpu")
     assert trunk.step_name == "cuda" and isinstance(trunk.stepper, CudaTrunkStep)
 

@@ -73,8 +73,9 @@ class Runtime:
         self.options = opts
         self.backend: Backend = select_backend(opts.backend, opts.ptx_dir)
         self.install = install
-        # backend cuda: weights, caches and the forward on the GPU (the hot ops as PTX kernels)
-        self.device = torch.device("cuda" if self.backend.name == "cuda" else "cpu")
+        # the host's tensors: the weights as read, drafters, sampling. backend cuda runs the trunk's step
+        # on the device (turbo/backends/cuda_step: its matrices uploaded at open, logits back once a step)
+        self.device = torch.device("cpu")
         tok = install.path / "tokenizer.json"
         if not tok.is_file():
             raise TurboError(f"{tok}: missing (expected the install's tokenizer)")
@@ -87,7 +88,8 @@ class Runtime:
         # the policy a generation that names none takes, per drafter (the environment's, read at open)
         self.draft_defaults = {kind: DraftPolicy(name, block) for kind, name, block in opts.draft_defaults}
         # one model over several processes (turbo/parallel): the plan refused in one line before any rank loads
-        self.trunk = open_pipeline(install, opts) if opts.parallel.world > 1 else load_trunk(install, opts, self.device)
+        self.trunk = open_pipeline(install, opts) if opts.parallel.world > 1 else \
+            load_trunk(install, opts, self.device, on_cuda=self.backend.name == "cuda")
         self.grammars = Grammars(tok.read_text(encoding="utf-8"), install.arch.vocab)  # response_format's
         # the install's drafters (built on first use) and their forks for the server's batches
         self.drafters = DrafterPool(lambda kind, window, ngram: NgramDrafter(ngram) if kind == "ngram"

@@ -1,4 +1,5 @@
-"""Backend choice: `cpu` (torch) or `cuda` (torch storage + precompiled PTX kernels)."""
+"""Backend choice: `cpu` (torch and the native step) or `cuda` (the trunk's CUDA step of its own over
+precompiled PTX, turbo/backends/cuda_step; TURBO_CUDA_SIM=1: on the simulated device)."""
 
 from __future__ import annotations
 

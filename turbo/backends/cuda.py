@@ -1,8 +1,14 @@
-"""The cuda backend: torch CUDA tensors for storage, the hot kernels as CUDA C compiled ahead of
-time to PTX (kernels_ptx/, scripts/build_ptx.py) and launched through cuda-python
-(cuda_kernels.py). Each wrapper here has the signature of the CPU function it replaces
-(`gdn_recurrence`, `causal_conv_rows`, `gated_rms_norm`, `grouped_conv`, `select_candidates`,
-`affine_linear`, ...); the table and the wiring: docs/DESIGN.md 7.
+"""The cuda backend's checks (`cuda_unavailable_reason`, `CUDA`) and the kernel wrappers over torch
+CUDA tensors.
+
+backend=cuda runs the trunk through the CUDA step of its own (turbo/backends/cuda_step: raw driver
+memory, matrices resident as stored, on cuda_kernels.kernels(0): a GPU, or the simulated device
+under TURBO_CUDA_SIM=1), with the drafters and sampling on the host (turbo/load/loader.py). The
+wrappers below -- each with the signature of the CPU function it replaces (`gdn_recurrence`,
+`causal_conv_rows`, `gated_rms_norm`, `grouped_conv`, `select_candidates`, `affine_linear`, ...),
+the hot ops the torch step swapped on CUDA tensors (turbo/backends/ops.py) -- are no longer on
+backend cuda's path; they stay as the tested launch code of the DFlash2 kernels (grouped conv,
+selector) for the drafters' device passes, and as gpu_check's per-kernel references.
 """
 
 from __future__ import annotations
@@ -50,12 +56,14 @@ def rows_grid(rows: int, out_features: int) -> tuple[int]:
 def cuda_unavailable_reason() -> str | None:
     """None when the cuda backend can run here, else one line naming what is missing
     (cuda-python, the NVIDIA driver, a device, a CUDA build of torch, a supported GPU, the PTX).
-    With TURBO_CUDA_SIM=1 the driver is the simulated device's (cuda_sim), which passes the
-    driver and device checks; torch CUDA tensors it cannot give, so the torch check stays."""
+    With TURBO_CUDA_SIM=1 the driver is the simulated device's (cuda_sim): it needs a host C++
+    compiler and the PTX (each launch is checked against its entry), not torch CUDA -- backend
+    cuda's step is the CUDA step of its own (turbo/backends/cuda_step), raw driver memory."""
     if cuda_sim.enabled():
         sim_missing = cuda_sim.unavailable_reason()
         if sim_missing:
             return sim_missing
+        return _ptx_missing("sm_90")  # (the simulated device reports compute capability 9.0)
     try:
         driver = cuda_kernels._driver()
     except ImportError:
@@ -72,13 +80,20 @@ def cuda_unavailable_reason() -> str | None:
     err, count = driver.cuDeviceGetCount()
     if int(err) != 0 or count == 0:
         return "backend cuda needs a CUDA device: the NVIDIA driver is loaded and reports none"
-    if not torch.cuda.is_available():
-        return (f"backend cuda needs a torch build with CUDA (this torch is {torch.__version__}, "
-                f"torch.cuda.is_available() is False)")
-    major, minor = torch.cuda.get_device_capability()
-    arch = arch_for(major, minor)
+    # the device's capability from the driver (torch CUDA is not needed: the step is raw driver memory)
+    err, dev = driver.cuDeviceGet(0)
+    attr = driver.CUdevice_attribute
+    err1, major = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, dev)
+    err2, minor = driver.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, dev)
+    if int(err) or int(err1) or int(err2):
+        return "backend cuda: the driver could not report device 0's compute capability"
+    arch = arch_for(int(major), int(minor))
     if arch is None:
         return f"backend cuda needs compute capability 8.0 or newer; this device is {major}.{minor}"
+    return _ptx_missing(arch)
+
+
+def _ptx_missing(arch: str) -> str | None:
     missing = [m for m in MODULES if not (ptx_dir() / f"{m}.{arch}.ptx").is_file()]
     if missing:
         return f"backend cuda needs the PTX kernels: {', '.join(f'{m}.{arch}.ptx' for m in missing)} missing in {ptx_dir()}"

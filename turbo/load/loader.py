@@ -4,8 +4,10 @@
 (turbo/load/load_plan.py: which format every matrix takes, from the index's headers, the arch and
 the options), then read as planned (turbo/load/reader.py: `Reader`). Each part gets one step object, chosen
 once in the plan (turbo/model/step.py): the native CPU step where `OpenOptions.native`
-allows it and it can run, else the torch step; the part keeps the reason (`why_torch`). The
-options arrive resolved: nothing here reads the environment.
+allows it and it can run, else the torch step; the part keeps the reason (`why_torch`). On
+backend cuda (load_trunk's `on_cuda`) the trunk, read on the host as for the CPU, is stepped by
+the CUDA step of its own (turbo/backends/cuda_step); the drafters stay on the host. The options
+arrive resolved: nothing here reads the environment but TURBO_CUDA_STEP (a test and script switch).
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ def _norm(index, name: str, device: torch.device) -> torch.Tensor:
 # ---- the trunk ------------------------------------------------------------------------------
 
 
-def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) -> Trunk:
+def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str, on_cuda: bool = False) -> Trunk:
     """The trunk's weights in `opts.dtype` on `device` (prepared on the host exactly as for
     the CPU, then moved there once), on the native step where it can run. Planned first
     (load_plan.plan_trunk: the step, and every matrix's format), then read: the native step's
@@ -82,14 +84,15 @@ def load_trunk(install: Install, opts: OpenOptions, device: torch.device | str) 
     if here.library is None:  # an older install (none, or a stale open layout) converts itself once
         convert_on_open(install, here)
     trunk = read_trunk(install, plan_trunk(install.index.entries, install.arch, opts, device, here, install.index.packed),
-                       device)
+                       device, on_cuda or os.environ.get(CUDA_STEP_ENV) == "1")
     if install.layout_note is not None and here.library is None:  # (once it opened: a refusal stays one line)
         print(install.layout_note, file=sys.stderr)
     return trunk
 
 
-def read_trunk(install: Install, plan: TrunkPlan, device: torch.device) -> Trunk:
-    """The trunk as `plan` has it, read on the host and moved to `device` once."""
+def read_trunk(install: Install, plan: TrunkPlan, device: torch.device, on_cuda: bool = False) -> Trunk:
+    """The trunk as `plan` has it, read on the host and moved to `device` once; `on_cuda`: stepped
+    by the CUDA step (its matrices uploaded from the host's as stored)."""
     a = install.arch
     r = Reader(install.index, plan.dtype)
     embed, lm_head = r.embedding(plan.embed)
@@ -103,19 +106,22 @@ def read_trunk(install: Install, plan: TrunkPlan, device: torch.device) -> Trunk
         layers = [ops.to_device(layer, device) for layer in layers]
     weights = TrunkWeights(embed, lm_head, final_norm, layers, inv_freq)
     step = TorchTrunkStep if plan.why_torch else native_trunk.NativeTrunkStep
-    if os.environ.get(CUDA_STEP_ENV) == "1" and device.type == "cpu":  # issue #55: opt-in, device-unverified
-        step = cuda_trunk_step
-    return Trunk(a, weights, plan.dtype, device, plan.kv, step, plan.why_torch)
+    kv = plan.kv
+    if on_cuda and device.type == "cpu":
+        # the CUDA step keeps fp32 K/V on the device and mirrors its rows into the state's host
+        # caches (what the prefix cache and sessions copy), so those are fp32 too: a copy is exact
+        step, kv = cuda_trunk_step, torch.float32
+    return Trunk(a, weights, plan.dtype, device, kv, step, plan.why_torch)
 
 
-# TURBO_CUDA_STEP=1: the trunk's step runs on CUDA device 0 through the driver API (turbo/backends/
-# cuda_step: matrices resident as stored, buffers at open), everything else where the backend runs it
-# (the CPU); with TURBO_CUDA_SIM=1 on the simulated device. Opt-in until a GPU has run it.
+# TURBO_CUDA_STEP=1: the CUDA step for a trunk loaded on the host outside backend cuda (tests, scripts);
+# backend cuda passes on_cuda. The step runs on CUDA device 0 through the driver API (turbo/backends/
+# cuda_step: matrices resident as stored, buffers at open), with TURBO_CUDA_SIM=1 on the simulated device.
 CUDA_STEP_ENV = "TURBO_CUDA_STEP"
 
 
-def cuda_trunk_step(trunk: Trunk):
-    return CudaTrunkStep(trunk, cuda_kernels.Kernels(0))
+def cuda_trunk_step(trunk: Trunk) -> CudaTrunkStep:
+    return CudaTrunkStep(trunk, cuda_kernels.kernels(0))
 
 
 # ---- the drafters ---------------------------------------------------------------------------
@@ -220,7 +226,7 @@ def load_mtp(install: Install, trunk: Trunk, products: str = "auto") -> MtpDraft
             raise TurboError(f"{name} has shape {list(dims)}, expected {list(shape)} (from the trunk's config)")
     dtype, device = trunk.dtype, trunk.device  # the trunk's: weights moved once at load, the cache there too
     # the head runs on the trunk's step: the library is built where that is the native one
-    why = None if trunk.step_name == "native" else trunk.why_torch or "the trunk runs its torch step"
+    why = None if trunk.step_name == "native" else trunk.why_torch or f"the trunk runs its {trunk.step_name} step"
     here = Host(None, native_lib.dot_layouts()) if why is None else Host()
     plan = plan_mtp(index.entries, arch, dtype, why, products, here)
     r = Reader(index, dtype)

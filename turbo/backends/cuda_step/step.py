@@ -34,6 +34,7 @@ a state or window that lies elsewhere (a checkpoint, a clone) into its buffers b
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,15 @@ class DeviceRef:
                 self.dev.free(self.ptr)
             except Exception:  # noqa: BLE001 - a context torn down first: nothing to free
                 pass
+
+
+def _free_all(dev, ptrs: list[int]) -> None:
+    """A sequence's device buffers, freed when its state is collected."""
+    for ptr in ptrs:
+        try:
+            dev.free(ptr)
+        except Exception:  # noqa: BLE001 - a context torn down first: nothing to free
+            pass
 
 
 class _OnStream:
@@ -282,14 +292,23 @@ class CudaTrunkStep:
         per = a.lin_v_heads * a.lin_k_dim * a.lin_v_dim
         C, K = a.lin_conv_dim, a.conv_kernel
         seq = {"gdn": {}, "kv": {}}
+        owned: list[int] = []  # the sequence's buffers, freed with its state (a server opens many)
+
+        def alloc(nbytes: int) -> int:
+            owned.append(dev.alloc(nbytes))
+            return owned[-1]
+
         for i, layer in enumerate(self.layers):
             if layer["gdn"]:
-                g = dict(states=[self._alloc(4 * per) for _ in range(2)],      # 2 x [Hv, dk, dv]
-                         ckpt=self._alloc(4 * per * (CHUNK - 1)),             # [15, Hv, dk, dv]
-                         windows=[self._alloc(4 * (K - 1) * C) for _ in range(2)],  # 2 x [K-1, C]
-                         ext=self._alloc(4 * (K - 1 + CHUNK) * C))           # [K-1+16, C]
+                g = dict(states=[alloc(4 * per) for _ in range(2)],      # 2 x [Hv, dk, dv]
+                         ckpt=alloc(4 * per * (CHUNK - 1)),             # [15, Hv, dk, dv]
+                         windows=[alloc(4 * (K - 1) * C) for _ in range(2)],  # 2 x [K-1, C]
+                         ext=alloc(4 * (K - 1 + CHUNK) * C))           # [K-1+16, C]
                 s, w = st.gdn[i]
                 for ptr, src in ((g["states"][0], s), (g["windows"][0], w)):
+                    if isinstance(src, DeviceRef):  # a restored snapshot's (a prefix cache hit, a session)
+                        dev.dtod(ptr, src.ptr, src.nbytes)
+                        continue
                     host = src.contiguous().float()  # a fresh state's zeros, or a CPU state handed over
                     dev.htod(ptr, host.data_ptr(), host.numel() * 4)
                 st.gdn[i] = (DeviceRef(dev, g["states"][0], (a.lin_v_heads, a.lin_k_dim, a.lin_v_dim)),
@@ -297,13 +316,31 @@ class CudaTrunkStep:
                 seq["gdn"][i] = g
             else:
                 n = 4 * a.num_kv_heads * self.capacity * a.head_dim
-                kc, vc = self._alloc(n), self._alloc(n)  # [kv_heads, capacity, hd] fp32 each
+                kc, vc = alloc(n), alloc(n)  # [kv_heads, capacity, hd] fp32 each
                 dev.memset(kc, n), dev.memset(vc, n)
-                if st.pos:
-                    raise ValueError("the CUDA step takes a sequence from its start (its K/V live on the device)")
+                if st.pos:  # a state that holds rows (a copy the prefix cache restored): its K/V mirror's
+                    for dst, host in zip((kc, vc), st.kv[i]):
+                        rows = host[:, :st.pos].float().contiguous()
+                        for h in range(a.num_kv_heads):
+                            dev.htod(dst + 4 * h * self.capacity * a.head_dim, rows[h].data_ptr(), rows[h].nbytes)
                 seq["kv"][i] = (kc, vc)
         st.scratch["cuda"] = seq
+        weakref.finalize(st, _free_all, dev, owned)
         return seq
+
+    def _mirror_kv(self, st: TrunkState, seq: dict, p0: int, rows: int) -> None:
+        """The rows p0..p0+rows just written to each layer's device K/V, copied into the state's
+        host caches (fp32: the trunk's kv_dtype on this step), where the prefix cache, sessions and
+        state files read a sequence's K/V. One small copy a head (the logits' sync covers it)."""
+        a = self.arch
+        for i, (kc, vc) in seq["kv"].items():
+            for src, host in zip((kc, vc), st.kv[i]):
+                if host.dtype != torch.float32 or not host.is_contiguous() or host.shape[1] < p0 + rows:
+                    raise ValueError(f"the CUDA step mirrors its K/V into fp32 host caches (kv_dtype float32) "
+                                     f"holding {p0 + rows} positions (Trunk.reserve)")
+                for h in range(a.num_kv_heads):
+                    dst = host[h, p0:p0 + rows]
+                    self.dev.dtoh(dst.data_ptr(), src + 4 * (h * self.capacity + p0) * a.head_dim, dst.nbytes)
 
     def _bring(self, ref: DeviceRef, bufs: list[int]) -> int:
         """The index of the buffer of `bufs` holding `ref` (copied into bufs[0] or [1] if elsewhere)."""
@@ -389,6 +426,8 @@ class CudaTrunkStep:
             dev.sync(s)  # the step's one sync
         if slots:
             ax = parts[:, :R].permute(1, 0, 2).reshape(R, len(slots) * H).contiguous()
+        if seq["kv"] and st.kv:
+            self._mirror_kv(st, seq, st.pos, R)
         st.pos += R
         return hid, lg, ax
 

@@ -17,7 +17,7 @@ import signal
 import sys
 
 
-SERVE_SPINCOUNT = 30_000  # libgomp's spin rounds before a waiting worker sleeps, for task=serve (below)
+SERVE_SPINCOUNT = 10_000  # libgomp's spin rounds before a waiting worker sleeps, for task=serve (below)
 
 
 def _interrupted_early(signum, frame) -> None:

@@ -16,8 +16,8 @@ from ..engine import open as open_runtime
 from ..errors import TurboError
 from ..sequence.options import ContextTooLong, GenerationOptions, OpenOptions
 from ..sequence.state_files import StateDir, stamp_of
-from .body import check_text_lengths
 from ..vision.positions import expanded_row
+from .body import check_text_lengths
 from .images import expand_images, image_rows
 from .limits import check_prompt_chars, check_prompt_tokens, context_error, max_token_chars
 from .metrics import Metrics

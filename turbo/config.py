@@ -48,30 +48,28 @@ class RunConfig:
 NGRAM_KEYS = tuple(f.name for f in fields(NgramConfig))
 
 
-def _ngram(cfg: DictConfig) -> NgramConfig:
-    """The `ngram:` block (conf/config.yaml); NgramConfig checks the values."""
-    node = cfg.get("ngram")
+def _block(cfg: DictConfig, name: str, keys: tuple[str, ...]) -> dict:
+    """A config block of named keys (conf/config.yaml's `ngram:`, `parallel:`) as a dict of its set
+    values ({} where absent); a block that is not a mapping, or a key not among `keys`, is one line."""
+    node = cfg.get(name)
     if node is None:
-        return NgramConfig()
+        return {}
     if not isinstance(node, DictConfig):
-        raise TurboError(f"config: ngram={node!r}, expected a mapping of {', '.join(NGRAM_KEYS)}")
-    unknown = [k for k in node if k not in NGRAM_KEYS]
+        raise TurboError(f"config: {name}={node!r}, expected a mapping of {', '.join(keys)}")
+    unknown = [k for k in node if k not in keys]
     if unknown:
-        raise TurboError(f"config: ngram.{unknown[0]} is not one of {', '.join(NGRAM_KEYS)}")
-    return NgramConfig(**{str(k): v for k, v in node.items()})
+        raise TurboError(f"config: {name}.{unknown[0]} is not one of {', '.join(keys)}")
+    return {str(k): v for k, v in node.items()}
+
+
+def _ngram(cfg: DictConfig) -> NgramConfig:
+    """The `ngram:` block; NgramConfig checks the values."""
+    return NgramConfig(**_block(cfg, "ngram", NGRAM_KEYS))
 
 
 def _parallel(cfg: DictConfig) -> Parallel:
-    """The `parallel:` block (conf/config.yaml); Parallel checks the values."""
-    node = cfg.get("parallel")
-    if node is None:
-        return Parallel()
-    if not isinstance(node, DictConfig):
-        raise TurboError(f"config: parallel={node!r}, expected a mapping of {', '.join(PARALLEL_AXES)}")
-    unknown = [k for k in node if k not in PARALLEL_AXES]
-    if unknown:
-        raise TurboError(f"config: parallel.{unknown[0]} is not one of {', '.join(PARALLEL_AXES)}")
-    return Parallel(**{str(k): v for k, v in node.items() if v is not None})
+    """The `parallel:` block; Parallel checks the values (a null one: its default)."""
+    return Parallel(**{k: v for k, v in _block(cfg, "parallel", PARALLEL_AXES).items() if v is not None})
 
 
 # the keys that set an option of the same name; null (or absent) leaves the option's default

@@ -238,14 +238,7 @@ class Trunk:
         logit_rows[i] rows (0 for a prefill chunk that does not end the prompt, 1 for the one
         that does, R for a decode step or a verify). Each StepOut equals, bit for bit, what
         `step` gives the sequence alone (its logits those rows'); empty lists: []."""
-        if not len(states) == len(tokens) == len(aux_layers) == len(rollback) == len(logit_rows):
-            raise ValueError("step_many takes one tokens, aux_layers, rollback and logit_rows entry per state")
-        if len({id(st) for st in states}) != len(states):
-            raise ValueError("step_many got one state twice")
-        for st, tk, k, rb in zip(states, tokens, logit_rows, rollback):
-            if not tk or not 0 <= k <= len(tk) or rb not in (None, "checkpoint", "replay"):
-                raise ValueError(f"step_many: {len(tk)} tokens, {k} logit rows, rollback {rb!r}")
-            self.reserve(st, st.pos + len(tk))
+        check_step_many(self, states, tokens, aux_layers, rollback, logit_rows)
         return self.stepper.step_many(states, tokens, aux_layers, rollback, logit_rows)
 
     def rollback(self, st: TrunkState, out: StepOut, rows: int, kept: int, rollback: str) -> int:
@@ -264,3 +257,18 @@ class Trunk:
                 replayed = kept
             st.gdn[i] = (state, window)
         return replayed
+
+
+def check_step_many(trunk, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
+                    rollback: list[str | None], logit_rows: list[int]) -> None:
+    """step_many's arguments checked (one entry of each per state, no state twice, each sequence's
+    rows, logit rows and rollback in range) and each state's K/V reserved for its rows (`trunk`:
+    a Trunk, or a trunk over several processes: turbo/parallel)."""
+    if not len(states) == len(tokens) == len(aux_layers) == len(rollback) == len(logit_rows):
+        raise ValueError("step_many takes one tokens, aux_layers, rollback and logit_rows entry per state")
+    if len({id(st) for st in states}) != len(states):
+        raise ValueError("step_many got one state twice")
+    for st, tk, k, rb in zip(states, tokens, logit_rows, rollback):
+        if not tk or not 0 <= k <= len(tk) or rb not in (None, "checkpoint", "replay"):
+            raise ValueError(f"step_many: {len(tk)} tokens, {k} logit rows, rollback {rb!r}")
+        trunk.reserve(st, st.pos + len(tk))

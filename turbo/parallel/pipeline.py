@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from ..errors import TurboError
 from ..model.step import StepOut, TrunkState
-from ..model.trunk import RecurrentSnapshot, Trunk
+from ..model.trunk import RecurrentSnapshot, Trunk, check_step_many
 from ..sequence.options import OpenOptions
 from ..store.install import Install
 from .group import Group, abort, free_port, share_threads
@@ -224,16 +224,9 @@ class PipelineTrunk(Trunk):
     def step_many(self, states: list[TrunkState], tokens: list[list[int]], aux_layers: list[tuple[int, ...]],
                   rollback: list[str | None], logit_rows: list[int]) -> list[StepOut]:
         """Trunk.step_many's contract: each sequence's StepOut its `step` alone gives, bit for bit."""
-        if not len(states) == len(tokens) == len(aux_layers) == len(rollback) == len(logit_rows):
-            raise ValueError("step_many takes one tokens, aux_layers, rollback and logit_rows entry per state")
+        check_step_many(self, states, tokens, aux_layers, rollback, logit_rows)
         if not states:
             return []
-        if len({id(st) for st in states}) != len(states):
-            raise ValueError("step_many got one state twice")
-        for st, tk, k, rb in zip(states, tokens, logit_rows, rollback):
-            if not tk or not 0 <= k <= len(tk) or rb not in (None, "checkpoint", "replay"):
-                raise ValueError(f"step_many: {len(tk)} tokens, {k} logit rows, rollback {rb!r}")
-            self.reserve(st, st.pos + len(tk))
         _, xs, aux, traces = self._run("step", states, [list(t) for t in tokens], [tuple(a) for a in aux_layers],
                                        list(rollback))
         asked = torch.cat([xi[xi.shape[0] - k:] for xi, k in zip(xs, logit_rows)])

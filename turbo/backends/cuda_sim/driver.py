@@ -799,20 +799,27 @@ def _memcpy(kind: str, dst, src, n: int, stream, call: str, sync: bool):
             return _err(CUresult.CUDA_ERROR_INVALID_VALUE, f"{call}: {e}")
         if bad:
             return bad
-        if sync:
-            refused = _refuse_in_capture(call, _blocking_captures())
-            if refused:
-                return refused
-            _run(node, 0, None)
-            return _ok()
-        s, bad = _stream_id(stream)
-        if bad:
-            return bad
-        queued = _enqueue(s, node, call)
-        if queued:
-            return queued
-        _run(node, s, None)
+        return _submit(node, stream, call, sync)
+
+
+def _submit(node: tuple, stream, call: str, sync: bool) -> tuple:
+    """A copy's or memset's node: a synchronous one run now (refused while a capture it would
+    break runs), an async one captured where its stream captures, else run now (the caller holds
+    the lock)."""
+    if sync:
+        refused = _refuse_in_capture(call, _blocking_captures())
+        if refused:
+            return refused
+        _run(node, 0, None)
         return _ok()
+    s, bad = _stream_id(stream)
+    if bad:
+        return bad
+    queued = _enqueue(s, node, call)
+    if queued:
+        return queued
+    _run(node, s, None)
+    return _ok()
 
 
 def cuMemcpyHtoD(dstDevice, srcHost, ByteCount: int):
@@ -850,20 +857,7 @@ def _memset(dst, value: int, width: int, n: int, stream, call: str, sync: bool):
         if n and _find(d, n * width) == 0:
             return _err(CUresult.CUDA_ERROR_INVALID_VALUE, f"{call}: {d:#x} + {n * width} bytes is not inside a live allocation")
         node = ("memset", f"D{8 * width}", d, int(value), width, n)
-        if sync:
-            refused = _refuse_in_capture(call, _blocking_captures())
-            if refused:
-                return refused
-            _run(node, 0, None)
-            return _ok()
-        s, bad = _stream_id(stream)
-        if bad:
-            return bad
-        queued = _enqueue(s, node, call)
-        if queued:
-            return queued
-        _run(node, s, None)
-        return _ok()
+        return _submit(node, stream, call, sync)
 
 
 def cuMemsetD8(dstDevice, uc: int, N: int):

@@ -194,21 +194,37 @@ static uint8_t *group_quads(const float *x, int R, int k) {
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) {
             const float *xg = x + (size_t)r * k + (size_t)QGROUP * g;
-#if !VNNI512 /* (the AVX2 tier) the same values one at a time: a maximum and an integer sum are
-              * exact in any order, nearbyintf rounds to nearest even as vcvtps2dq does */
-            float mx = 0.0f;
-            for (int i = 0; i < QGROUP; i++) mx = fabsf(xg[i]) > mx ? fabsf(xg[i]) : mx;
-            float s = mx > 0.0f ? mx / 127.0f : 1.0f, inv = 1.0f / s;
-            int32_t t = 0;
-            int8_t q[QGROUP];
-            for (int i = 0; i < QGROUP; i++) {
-                int32_t qi = (int32_t)nearbyintf(xg[i] * inv);
-                t += qi;
-                q[i] = (int8_t)(qi > 127 ? 127 : qi < -128 ? -128 : qi);
+#if !VNNI512 /* (the AVX2 tier) the same values eight at a time: a maximum and an integer sum are
+              * exact in any order; vcvtps2dq rounds to nearest even, and |x / s| <= 127 (saturated
+              * at the ends as the AVX-512 tier's vpmovsdb does). Scalar, this was a fifth of the
+              * serial work between a decode step's products, with the other thread waiting. */
+            const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+            __m256 v[8], m = _mm256_setzero_ps();
+            for (int c = 0; c < 8; c++) { /* max(|x|, m): a NaN input leaves m, as the scalar max did */
+                v[c] = _mm256_loadu_ps(xg + 8 * c);
+                m = _mm256_max_ps(_mm256_and_ps(v[c], absmask), m);
             }
+            __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+            m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+            float mx = _mm_cvtss_f32(m4), s = mx > 0.0f ? mx / 127.0f : 1.0f;
+            __m256 inv = _mm256_set1_ps(1.0f / s);
+            __m256i t = _mm256_setzero_si256();
+            int8_t q[QGROUP];
+            for (int c = 0; c < 8; c += 2) {
+                __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[c], inv)), b = _mm256_cvtps_epi32(_mm256_mul_ps(v[c + 1], inv));
+                t = _mm256_add_epi32(t, _mm256_add_epi32(a, b));
+                __m256i w = _mm256_packs_epi32(a, b); /* int16, lanes interleaved: a0-3 b0-3 a4-7 b4-7 */
+                __m128i p = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+                /* p: a0-3 b0-3 a4-7 b4-7 as int8 -> a0-7 b0-7 */
+                _mm_storeu_si128((__m128i *)(q + 8 * c), _mm_shuffle_epi32(p, _MM_SHUFFLE(3, 1, 2, 0)));
+            }
+            __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(1, 0, 3, 2)));
+            t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, _MM_SHUFFLE(2, 3, 0, 1)));
             for (int j = 0; j < QGROUP / 4; j++) memcpy(words + ((size_t)g * 16 + j) * R + r, q + 4 * j, 4);
             scale[(size_t)r * G + g] = s;
-            sum[(size_t)r * G + g] = s * (float)t;
+            sum[(size_t)r * G + g] = s * (float)_mm_cvtsi128_si32(t4);
 #else
             __m512 v[4], m = _mm512_setzero_ps();
             for (int c = 0; c < 4; c++) {

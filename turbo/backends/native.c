@@ -93,6 +93,31 @@ int argmax_row(const float *x, int n) {
         float mv = _mm512_reduce_max_ps(m);
         best = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(m, _mm512_set1_ps(mv), _CMP_EQ_OQ), idx);
     }
+#elif AVX2_TIER
+    if (n >= 8) { /* the same, eight lanes: lane l keeps the first maximum of indices l, l + 8, ... */
+        __m256 m = _mm256_loadu_ps(x);
+        __m256i at = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), idx = at;
+        int nan = _mm256_movemask_ps(_mm256_cmp_ps(m, m, _CMP_UNORD_Q)) ? 0 : -1;
+        for (i = 8; nan < 0 && i + 8 <= n; i += 8) {
+            __m256 v = _mm256_loadu_ps(x + i);
+            at = _mm256_add_epi32(at, _mm256_set1_epi32(8));
+            if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) nan = i;
+            __m256 up = _mm256_cmp_ps(v, m, _CMP_GT_OQ);
+            m = _mm256_blendv_ps(m, v, up);
+            idx = _mm256_blendv_epi8(idx, at, _mm256_castps_si256(up));
+        }
+        if (nan >= 0) {
+            for (i = nan; x[i] == x[i]; i++) {}
+            return i;
+        }
+        float lanes[8];
+        int32_t where[8];
+        _mm256_storeu_ps(lanes, m);
+        _mm256_storeu_si256((__m256i *)where, idx);
+        best = where[0];
+        for (int l = 1; l < 8; l++) /* the largest, then the first index among equals */
+            if (lanes[l] > x[best] || (lanes[l] == x[best] && where[l] < best)) best = where[l];
+    }
 #endif
     for (; i < n; i++) {
         if (x[i] != x[i]) return i;

@@ -33,7 +33,7 @@ typedef struct {
     const void *gate_up, *down;
     /* Gated DeltaNet */
     const void *in_proj, *out;
-    const float *conv, *neg_a, *dt_bias, *gnorm;
+    const float *conv, *neg_a, *dt_bias, *gnorm; /* conv [taps, C]: the checkpoint's [C, taps] transposed */
     int kheads, kdim, vheads, vdim, taps;
     /* gated attention */
     const void *qkv, *o;

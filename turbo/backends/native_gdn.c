@@ -203,9 +203,7 @@ void gdn_layer_seqs(const Layer *L, float *x, int nseq, const int *rows, const f
         }
     }
     float qscale = 1.0f / sqrtf((float)dk);
-    float *taps = malloc(sizeof(float) * (size_t)K * C); /* conv [C, K] as [K, C]: the loops below vectorise */
-    for (int c = 0; c < C; c++)
-        for (int j = 0; j < K; j++) taps[(size_t)j * C + c] = L->conv[(size_t)c * K + j];
+    const float *taps = L->conv; /* [K, C]: the loops below vectorise */
     int parts = row_parts(R, C);
 #pragma omp parallel for if (parts > 1) num_threads(parts) schedule(static)
     for (int row = 0; row < R; row++) {
@@ -248,7 +246,7 @@ void gdn_layer_seqs(const Layer *L, float *x, int nseq, const int *rows, const f
         }
     linear_packed(o, R, vd, L->out, L->wtype, H, y);
     for (size_t i = 0; i < (size_t)R * H; i++) x[i] += y[i];
-    free(seq); free(seqs); free(h); free(proj); free(mix); free(o); free(y); free(taps);
+    free(seq); free(seqs); free(h); free(proj); free(mix); free(o); free(y);
     mlp_block(L, x, R);
 }
 

@@ -51,7 +51,9 @@ def layer_struct(a, layer, inv_freq: torch.Tensor, kv_dtype: torch.dtype) -> Lay
     if layer.moe is not None:
         s.moe = ctypes.pointer(moe_struct(a, layer.moe))
     if layer.gdn:
-        s.in_proj, s.out, s.conv = ptr(m.in_proj), ptr(m.out), ptr(m.conv)
+        # the conv's taps [C, taps] as [taps, C] (native_gdn.c's loops run over channels), once here
+        s.conv_taps = m.conv.reshape(a.lin_conv_dim, a.conv_kernel).t().contiguous()
+        s.in_proj, s.out, s.conv = ptr(m.in_proj), ptr(m.out), ptr(s.conv_taps)
         s.neg_a, s.dt_bias, s.gnorm = ptr(m.neg_a), ptr(m.dt_bias), ptr(m.norm)
         s.kheads, s.kdim, s.vheads, s.vdim, s.taps = a.lin_k_heads, a.lin_k_dim, a.lin_v_heads, a.lin_v_dim, a.conv_kernel
     else:

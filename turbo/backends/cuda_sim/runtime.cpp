@@ -288,9 +288,10 @@ __attribute__((always_inline)) inline void access(const void* p, size_t n, bool 
         return;
     }
     if (cur < 0) return;  // not inside a launch (a module's constructor)
+    // a fiber's locals and the shared memory first: nearly every access outside the arena
+    if (in(stacks, a, n) || in(dyn_smem, a, n) || in(params_range, a, n)) return;
     for (const Range& r : module_ranges)
         if (in(r, a, n)) return;
-    if (in(stacks, a, n) || in(dyn_smem, a, n) || in(params_range, a, n)) return;
     for (const Range& r : host_ranges)
         if (in(r, a, n)) return;
     if (accept_host && a >= 65536) return;
@@ -575,8 +576,13 @@ int add_segments(struct dl_phdr_info* info, size_t, void* data) {
     if (info->dlpi_addr != (uintptr_t)data) return 0;
     for (int i = 0; i < info->dlpi_phnum; ++i) {
         const ElfW(Phdr)& ph = info->dlpi_phdr[i];
-        if (ph.p_type == PT_LOAD)
-            module_ranges.push_back({info->dlpi_addr + ph.p_vaddr, info->dlpi_addr + ph.p_vaddr + ph.p_memsz});
+        if (ph.p_type != PT_LOAD) continue;
+        const Range seg{info->dlpi_addr + ph.p_vaddr, info->dlpi_addr + ph.p_vaddr + ph.p_memsz};
+        // once: a module loaded again (every cuModuleLoad of a library already mapped) adds nothing,
+        // or the list -- walked on every access outside the arena -- grows with every load
+        if (std::none_of(module_ranges.begin(), module_ranges.end(),
+                         [&](const Range& r) { return r.lo == seg.lo && r.hi == seg.hi; }))
+            module_ranges.push_back(seg);
     }
     return 1;
 }

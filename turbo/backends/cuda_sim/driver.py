@@ -1068,14 +1068,19 @@ def _touch_of(ptr: int, n: int, read: bool) -> Touch | None:
 # ---- streams, events, graphs ------------------------------------------------------------------------------
 
 
-def cuStreamCreate(Flags: int):
+def _new_handle(table: dict, handle):
+    """A fresh id entered in `table` (streams, events) as `handle`, inside a current context."""
     with _lock:
         bad = _need_context()
         if bad:
             return bad
-        s = next(_ids)
-        _streams[s] = None
-        return _ok(CUstream(s))
+        h = next(_ids)
+        table[h] = None
+        return _ok(handle(h))
+
+
+def cuStreamCreate(Flags: int):
+    return _new_handle(_streams, CUstream)
 
 
 def cuStreamDestroy(hStream):
@@ -1204,13 +1209,7 @@ def cuGraphExecDestroy(hGraphExec):
 
 
 def cuEventCreate(Flags: int):
-    with _lock:
-        bad = _need_context()
-        if bad:
-            return bad
-        e = next(_ids)
-        _events[e] = None
-        return _ok(CUevent(e))
+    return _new_handle(_events, CUevent)
 
 
 def cuEventDestroy(hEvent):
